@@ -1,0 +1,91 @@
+"""The collective layer.  Compressors and communicators never call torch.distributed.
+
+A backend moves tuples of tensors between ranks and counts every byte it is handed, so
+the benchmark's bytes-per-iteration come from what actually went to the network library,
+not from an estimate.  Async operations return a :class:`Work` whose ``wait()`` gives
+the result.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+Tensors = Tuple[torch.Tensor, ...]
+
+
+class Work:
+    """An operation in flight: ``wait()`` blocks until done and returns its result."""
+
+    def __init__(self, handles: Sequence[Any] = (), finalize: Optional[Callable[[], Any]] = None):
+        self._handles = list(handles)
+        self._finalize = finalize
+        self._done = False
+        self._result = None
+
+    def wait(self):
+        if not self._done:
+            for handle in self._handles:
+                handle.wait()
+            self._result = self._finalize() if self._finalize is not None else None
+            self._done = True
+        return self._result
+
+
+class Completed(Work):
+    """A Work whose result is already known."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+        self._done = True
+
+
+class Backend:
+    """Base class of collective backends (torch.distributed, Horovod)."""
+
+    name = "backend"
+
+    def __init__(self):
+        self.bytes_sent = 0
+        self.collectives = 0
+
+    # -- identity ---------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def size(self) -> int:
+        raise NotImplementedError
+
+    # -- accounting -------------------------------------------------------------------
+    def _count(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.collectives += 1
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- collectives ------------------------------------------------------------------
+    def allreduce_async(self, tensors: Sequence[torch.Tensor]) -> Work:
+        """Sum each tensor over all ranks, in place; ``wait()`` returns the tuple."""
+        raise NotImplementedError
+
+    def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool) -> Work:
+        """Gather a tuple of tensors from every rank; ``wait()`` returns one tuple per rank.
+
+        With ``same_shapes`` every rank sends tensors of the local shapes; otherwise shapes
+        may differ per rank (including empty tensors) and are exchanged first.
+        """
+        raise NotImplementedError
+
+    def alltoall(self, chunks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Send 1-D uint8 ``chunks[r]`` to rank r; return the chunk received from each rank."""
+        raise NotImplementedError
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        raise NotImplementedError
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError

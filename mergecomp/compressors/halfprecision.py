@@ -1,0 +1,43 @@
+"""16-bit floating point: the honest baseline every lossy compressor must beat.
+
+Micikevicius et al., "Mixed Precision Training", ICLR 2018 (FP16);
+Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", 2019 (BF16).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import register
+from .base import Compressor, Context
+
+
+class _CastCompressor(Compressor):
+    """Casts to a 16-bit type for the wire and back to the input's dtype on arrival.
+
+    Wire: 2n bytes.  Deterministic rounding to nearest (biased by at most half an ulp);
+    summable, because the sum of 16-bit payloads decodes like the sum of decoded ones.
+    """
+
+    summable = True
+    fixed_size = True
+    wire_dtype: torch.dtype
+
+    def compress(self, tensor, name):
+        return (tensor.reshape(-1).to(self.wire_dtype),), Context(tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        return payload[0].to(ctx.dtype).view(ctx.shape)
+
+
+@register("fp16")
+class FP16Compressor(_CastCompressor):
+    """IEEE half precision: 5-bit exponent, so magnitudes above 65504 become inf."""
+
+    wire_dtype = torch.float16
+
+
+@register("bf16")
+class BF16Compressor(_CastCompressor):
+    """bfloat16: fp32's exponent range with 8 bits of mantissa; never overflows where fp32 does not."""
+
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,58 @@
+"""Top-k sparsification.
+
+Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017;
+Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import register
+from .base import Compressor, Context, check_ratio
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 indices whenever they fit: half the index bytes of int64."""
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def num_selected(numel: int, ratio: float) -> int:
+    """k for a ratio: at least one element, as in the reference implementations."""
+    return max(1, int(numel * ratio))
+
+
+def scatter_values(values: torch.Tensor, indices: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Dense tensor of ``ctx``'s shape with ``values`` at ``indices``, zero elsewhere."""
+    dense = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+    dense[indices.long()] = values.to(ctx.dtype)
+    return dense.view(ctx.shape)
+
+
+@register("topk")
+class TopKCompressor(Compressor):
+    """Keep the k = ratio·n entries of largest magnitude; biased, so pair it with residual memory.
+
+    Wire for n elements: k × (value bytes + 4) — the values in the input dtype and int32
+    indices (int64 beyond 2^31 elements).  Payloads of different ranks index different
+    coordinates, so they are not summable: use the allgather or PS communicator.
+    """
+
+    summable = False
+    fixed_size = True
+
+    def __init__(self, compress_ratio: float = 0.01):
+        self.compress_ratio = check_ratio(compress_ratio)
+
+    def compress(self, tensor, name):
+        flat = tensor.reshape(-1)
+        k = num_selected(flat.numel(), self.compress_ratio)
+        _, indices = torch.topk(flat.abs(), k, sorted=False)
+        values = flat[indices]
+        return (values, indices.to(index_dtype(flat.numel()))), Context(tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        values, indices = payload
+        return scatter_values(values, indices, ctx)
+
+    def __repr__(self):
+        return f"TopKCompressor(compress_ratio={self.compress_ratio})"

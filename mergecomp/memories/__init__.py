@@ -1,0 +1,13 @@
+"""Error-feedback memories: the registry and the built-ins (``none``, ``residual``)."""
+from ..registry import Registry
+from .base import Memory
+
+registry = Registry("memory", Memory, "mergecomp.memories")
+register = registry.register
+create = registry.create
+available = registry.available
+get = registry.get
+
+from . import none, residual  # noqa: E402,F401
+
+__all__ = ["Memory", "register", "create", "available", "get", "registry"]

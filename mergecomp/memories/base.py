@@ -1,0 +1,36 @@
+"""The Memory contract: error feedback around a compressor.
+
+Before compression ``compensate`` folds what earlier steps failed to send into the
+gradient; after compression ``update`` records what this step fails to send.  State is
+kept per group name and is part of the optimizer's state dict, so a resumed run
+continues exactly.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+
+class Memory:
+    """Base class of error-feedback memories; the default does nothing."""
+
+    name = "memory"
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Return the tensor to compress for group ``name`` (may be ``tensor`` itself)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compensate()")
+
+    def update(self, tensor: torch.Tensor, name: str, compressor, payload, ctx) -> None:
+        """Record what compressing ``tensor`` into ``payload`` lost."""
+        raise NotImplementedError(f"{type(self).__name__} must implement update()")
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state but was given keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
