@@ -1,0 +1,1 @@
+"""Benchmark tools: network profiles, the emulated cluster, sweeps and plots."""
