@@ -1,0 +1,29 @@
+"""Allreduce: every rank ends with the elementwise sum of all payloads.
+
+The cheapest exchange (a ring moves 2·(N−1)/N of the payload per rank), but only for
+compressors whose payloads add up: FP32/FP16/BF16, shared-index rand-k, PowerSGD.
+"""
+from __future__ import annotations
+
+from . import register
+from .base import Communicator
+
+
+@register("allreduce")
+class AllreduceCommunicator(Communicator):
+    """Sums payloads over ranks, then decodes the sum once."""
+
+    def __init__(self, compressor, memory, backend):
+        super().__init__(compressor, memory, backend)
+        if not (compressor.summable or compressor.multi_round):
+            raise ValueError(
+                f"the allreduce communicator cannot carry compressor {compressor.name!r}: its "
+                "payloads from different ranks cannot be added elementwise (e.g. different "
+                "indices or scales per rank). Use communicator='allgather' or 'ps' with it, or a "
+                "summable compressor (none, fp16, bf16, randk, powersgd) with allreduce.")
+
+    def _launch(self, payload, ctx, name):
+        return self.backend.allreduce_async(payload)
+
+    def _combine(self, result, handle):
+        return self.compressor.decompress(result, handle.ctx).reshape(-1)

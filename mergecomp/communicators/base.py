@@ -1,0 +1,105 @@
+"""The Communicator contract: move one group's gradient between ranks, compressed.
+
+``start(tensor, name)`` runs error feedback and compression and launches the collective
+asynchronously; ``finish(handle)`` waits, decodes, aggregates and averages.  Between the
+two, backward goes on.  Compressors that need several collectives (PowerSGD) declare
+``multi_round`` and yield their requests from :meth:`Compressor.rounds`; the
+communicator runs them, so every collective still goes through the backend in a fixed
+order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Generator, Optional
+
+import torch
+
+from ..backends.base import Backend, Work
+from ..compressors.base import AllReduce, Compressor, Context
+from ..memories.base import Memory
+
+
+@dataclass
+class Handle:
+    """One group in flight: what ``finish`` needs to complete it."""
+
+    name: str
+    shape: torch.Size
+    work: Work
+    ctx: Optional[Context] = None
+    rounds: Optional[Generator] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+class Communicator:
+    """Base class: error feedback + compression + one async collective per group."""
+
+    name = "communicator"
+
+    def __init__(self, compressor: Compressor, memory: Memory, backend: Backend):
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a mergecomp Compressor, got {compressor!r}")
+        if not isinstance(memory, Memory):
+            raise TypeError(f"memory must be a mergecomp Memory, got {memory!r}")
+        self.compressor = compressor
+        self.memory = memory
+        self.backend = backend
+
+    # -- the pipeline ----------------------------------------------------------------
+    def start(self, tensor: torch.Tensor, name: str) -> Handle:
+        """Compensate, compress, record the loss, and launch the collective (async)."""
+        compensated = self.memory.compensate(tensor, name)
+        if self.compressor.multi_round:
+            rounds = self.compressor.rounds(compensated, name)
+            request = next(rounds)
+            return Handle(name, tensor.shape, self._launch_request(request), rounds=rounds)
+        payload, ctx = self.compressor.compress(compensated, name)
+        self.memory.update(compensated, name, self.compressor, payload, ctx)
+        return Handle(name, tensor.shape, self._launch(payload, ctx, name), ctx=ctx)
+
+    def finish(self, handle: Handle) -> torch.Tensor:
+        """Wait for the group and return the average of all ranks' gradients."""
+        if handle.rounds is not None:
+            total = self._run_rounds(handle)
+        else:
+            total = self._combine(handle.work.wait(), handle)
+        if self.compressor.average:
+            total = total.div_(self.backend.size)
+        return total.view(handle.shape)
+
+    def _launch_request(self, request) -> Work:
+        if not isinstance(request, AllReduce):
+            raise TypeError(f"{type(self.compressor).__name__}.rounds() yielded {request!r}; "
+                            "expected mergecomp.compressors.AllReduce")
+        return self.backend.allreduce_async(request.tensors)
+
+    def _run_rounds(self, handle: Handle) -> torch.Tensor:
+        work = handle.work
+        while True:
+            try:
+                request = handle.rounds.send(work.wait())
+            except StopIteration as stop:
+                if stop.value is None:
+                    raise TypeError(f"{type(self.compressor).__name__}.rounds() must return the "
+                                    "summed gradient") from None
+                return stop.value
+            work = self._launch_request(request)
+
+    # -- what each communicator defines -----------------------------------------------
+    def _launch(self, payload, ctx: Context, name: str) -> Work:
+        raise NotImplementedError
+
+    def _combine(self, result, handle: Handle) -> torch.Tensor:
+        """Turn the collective's result into the *sum* over ranks of decoded gradients."""
+        raise NotImplementedError
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        self.memory.load_state_dict(state.get("memory", {}))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.compressor!r}, {self.memory!r})"

@@ -1,0 +1,402 @@
+"""DistributedOptimizer: compressed, fused, overlapped gradient exchange around any optimizer.
+
+Read top to bottom, this module is the whole integration:
+
+1. Construction registers a post-accumulate-grad hook on every trainable parameter and
+   checks that all ranks hold the same model.
+2. First iteration (recording): the hooks only note the order in which gradients become
+   ready.  At ``step()`` rank 0 turns that order into a :class:`~mergecomp.plan.Plan`
+   with the scheduler and broadcasts it; the groups are then sent synchronously.
+3. Later iterations: when the last gradient of a group is ready (after
+   ``backward_passes_per_step`` passes), its gradients are copied into the group's flat
+   buffer and the communicator starts compress + collective asynchronously, while
+   backward continues.  Groups launch strictly in plan order — a group that completes
+   early waits for the ones before it — so every rank issues the same collectives in
+   the same order even when a parameter gets no gradient on some rank.
+4. ``step()`` launches whatever is left (missing gradients count as zero), finishes the
+   groups in launch order, writes the averages into ``p.grad`` and calls the wrapped
+   optimizer's own ``step()``.
+
+The user's optimizer is wrapped, never replaced: this object shares its ``param_groups``
+and ``state``, so LR schedulers and checkpoints see one optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import communicators, compressors, memories, schedulers
+from .backends import Backend, default_backend
+from .communicators.base import Communicator, Handle
+from .compressors.base import Compressor
+from .memories.base import Memory
+from .plan import Group, ParamInfo, Plan
+from .schedulers.base import Scheduler
+from .schedulers.fixed import FixedScheduler
+
+
+class _GroupState:
+    """Runtime state of one planned group: its parameters, buffer and progress."""
+
+    def __init__(self, index: int, group: Group, params: List[Tuple[str, torch.nn.Parameter]]):
+        self.index = index
+        self.name = f"group{index}"
+        self.send = group.send
+        self.params = params
+        self.offsets = []
+        offset = 0
+        for _, p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset
+        self.buffer: Optional[torch.Tensor] = None
+        self.remaining = 0
+        self.handle: Optional[Handle] = None
+
+    def gather(self) -> torch.Tensor:
+        """Copy the parameters' gradients into the flat buffer (zeros where there is none)."""
+        first = self.params[0][1]
+        if self.buffer is None:
+            self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        for (name, p), offset in zip(self.params, self.offsets):
+            part = self.buffer.narrow(0, offset, p.numel())
+            if p.grad is None:
+                part.zero_()
+            elif p.grad.is_sparse:
+                raise ValueError(f"parameter {name!r} has a sparse gradient, which mergecomp does "
+                                 "not compress; build the layer with sparse=False")
+            else:
+                part.copy_(p.grad.reshape(-1))
+        return self.buffer
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that ``step()`` first averages compressed gradients over all ranks.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; its ``step()`` is called unchanged.
+        named_parameters: ``model.named_parameters()``; names key the plan and the state
+            dict.  Defaults to ``param.<i>`` in the optimizer's order.
+        compressor, memory: a registered name or an instance (``none``, ``residual``, ...).
+        communicator: ``"allreduce"``, ``"allgather"``, ``"ps"`` or a registered plugin name.
+        fusion_num: MergeComp's groups: 0 layer-wise, 1 one group, y ≥ 2 y groups.
+        scheduler: a :class:`Scheduler` (or name) that overrides ``fusion_num``.
+        plan: a fixed :class:`Plan` to execute (skips the scheduler).
+        compress: False sends every group raw in FP32 (the uncompressed baseline).
+        backward_passes_per_step: gradient accumulation: backward passes per ``step()``.
+        find_unused_parameters: exchange a used-map each step so a parameter that got no
+            gradient on any rank keeps ``grad = None`` (one more small collective per step).
+            Off, such a parameter receives a zero gradient.
+        backend: a collective backend; the torch.distributed default group if omitted.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
+                 compressor: Union[str, Compressor] = "none",
+                 memory: Union[str, Memory] = "none",
+                 communicator: Union[str, Communicator] = "allreduce",
+                 fusion_num: int = 1,
+                 scheduler: Union[None, str, Scheduler] = None,
+                 plan: Optional[Plan] = None,
+                 compress: bool = True,
+                 backward_passes_per_step: int = 1,
+                 find_unused_parameters: bool = False,
+                 backend: Optional[Backend] = None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer ≥ 1, got {backward_passes_per_step!r}")
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        # Share, do not copy: LR schedulers and checkpoints act on the wrapped optimizer.
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+
+        self.backend = backend if backend is not None else default_backend()
+        self.backward_passes_per_step = backward_passes_per_step
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self._params = self._trainable_params(optimizer, named_parameters)
+        self._check_same_model()
+
+        self.compressor = compressors.create(compressor) if isinstance(compressor, str) else compressor
+        self.memory = memories.create(memory) if isinstance(memory, str) else memory
+        self.communicator = self._build_communicator(communicator)
+        self._check_optimizer_compatible()
+        self._raw_communicators: Dict[str, Communicator] = {}
+        if scheduler is None:
+            scheduler = FixedScheduler(fusion_num, send="compress" if compress else "fp32")
+        elif isinstance(scheduler, str):
+            scheduler = schedulers.create(scheduler)
+        self.scheduler = scheduler
+
+        self.plan: Optional[Plan] = None
+        self._groups: List[_GroupState] = []
+        self._group_of: Dict[str, _GroupState] = {}
+        self._ready_order: List[str] = []
+        self._passes: Dict[str, int] = {name: 0 for name, _ in self._params}
+        self._next_launch = 0
+        self._synchronized = False
+        self._should_synchronize = True
+        self.steps = 0
+        #: Seconds spent in step() waiting for groups (exposed for benchmarks).
+        self.last_sync_time = 0.0
+        if plan is not None:
+            self._install_plan(plan, check_ranks=True)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
+                       for name, p in self._params]
+
+    # ------------------------------------------------------------------ construction --
+    @staticmethod
+    def _trainable_params(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
+        in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
+        else:
+            named = list(named_parameters)
+            if named and not (isinstance(named[0], tuple) and len(named[0]) == 2):
+                raise ValueError("named_parameters must yield (name, parameter) pairs, e.g. "
+                                 "model.named_parameters()")
+            names = [n for n, _ in named]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"named_parameters has duplicate names {duplicates[:5]}")
+            known = {id(p) for _, p in named}
+            unnamed = sum(1 for p in in_optimizer if id(p) not in known)
+            if unnamed:
+                raise ValueError(f"{unnamed} parameters of the optimizer are missing from "
+                                 "named_parameters; pass model.named_parameters() of the model "
+                                 "whose parameters the optimizer holds")
+            wanted = {id(p) for p in in_optimizer}
+            named = [(n, p) for n, p in named if id(p) in wanted]
+        return [(n, p) for n, p in named if p.requires_grad]
+
+    def _check_same_model(self) -> None:
+        """Every rank must hold the same trainable parameters, or collectives would hang."""
+        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in self._params]
+        everyone = self.backend.allgather_object(signature)
+        for rank, theirs in enumerate(everyone):
+            if theirs != signature:
+                mine = dict((n, (s, d)) for n, s, d in signature)
+                other = dict((n, (s, d)) for n, s, d in theirs)
+                diff = next((f"{n}: {mine.get(n)} here vs {other.get(n)} on rank {rank}"
+                             for n in list(mine) + list(other) if mine.get(n) != other.get(n)),
+                            "same parameters in a different order")
+                raise ValueError(
+                    f"rank {self.backend.rank} and rank {rank} hold different models "
+                    f"({len(signature)} vs {len(theirs)} trainable parameters; first difference: "
+                    f"{diff}). Build the same model on every rank before wrapping the optimizer.")
+
+    def _build_communicator(self, communicator) -> Communicator:
+        if isinstance(communicator, Communicator):
+            return communicator
+        return communicators.create(communicator, compressor=self.compressor,
+                                    memory=self.memory, backend=self.backend)
+
+    def _check_optimizer_compatible(self) -> None:
+        check = getattr(self.memory, "check_optimizer", None)
+        if callable(check):
+            check(self.optimizer)
+
+    def _raw_communicator(self, send: str) -> Communicator:
+        if send not in self._raw_communicators:
+            wire = "none" if send == "fp32" else send
+            self._raw_communicators[send] = communicators.create(
+                "allreduce", compressor=compressors.create(wire),
+                memory=memories.create("none"), backend=self.backend)
+        return self._raw_communicators[send]
+
+    # ------------------------------------------------------------------------ planning --
+    def _param_infos(self, order: Sequence[str]) -> List[ParamInfo]:
+        by_name = dict(self._params)
+        return [ParamInfo(n, by_name[n].numel(), str(by_name[n].dtype), str(by_name[n].device),
+                          by_name[n].element_size()) for n in order]
+
+    def _make_plan(self) -> Plan:
+        """Rank 0 plans from its recorded backward order; every rank receives that plan."""
+        plan = None
+        if self.backend.rank == 0:
+            seen = set(self._ready_order)
+            # Parameters that got no gradient here go last, in reverse definition order
+            # (the order backward usually produces).
+            order = self._ready_order + [n for n, _ in reversed(self._params) if n not in seen]
+            plan = self.scheduler.plan(self._param_infos(order))
+        return self.backend.broadcast_object(plan, src=0)
+
+    def _install_plan(self, plan: Plan, check_ranks: bool) -> None:
+        plan.validate(n for n, _ in self._params)
+        if check_ranks:
+            digests = self.backend.allgather_object(plan.digest())
+            if len(set(digests)) != 1:
+                raise ValueError(f"ranks were given different plans (digests {digests}); load "
+                                 "the same plan on every rank or let rank 0 plan")
+        by_name = dict(self._params)
+        self.plan = plan
+        self._groups = [_GroupState(i, g, [(n, by_name[n]) for n in g.names])
+                        for i, g in enumerate(plan.groups)]
+        for group in self._groups:
+            kinds = {(str(p.dtype), str(p.device)) for _, p in group.params}
+            if len(kinds) > 1:
+                raise ValueError(f"plan group {group.index} mixes dtypes/devices {sorted(kinds)}; "
+                                 "a fused buffer needs one of each")
+        self._group_of = {n: g for g in self._groups for n, _ in g.params}
+        self._reset_iteration()
+
+    def _reset_iteration(self) -> None:
+        for group in self._groups:
+            group.remaining = len(group.params) * self.backward_passes_per_step
+            group.handle = None
+        for name in self._passes:
+            self._passes[name] = 0
+        self._next_launch = 0
+        self._synchronized = False
+
+    # --------------------------------------------------------------------------- hooks --
+    def _make_hook(self, name: str):
+        def hook(param: torch.nn.Parameter) -> None:
+            self._on_gradient_ready(name)
+        return hook
+
+    def _on_gradient_ready(self, name: str) -> None:
+        passes = self._passes[name] + 1
+        if passes > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"parameter {name!r} received gradient {passes} times since the last step(), "
+                f"but backward_passes_per_step={self.backward_passes_per_step}. Call step() after "
+                f"each {self.backward_passes_per_step} backward pass(es), or raise "
+                "backward_passes_per_step to the number of passes you accumulate.")
+        self._passes[name] = passes
+        if self.plan is None:
+            if passes == 1:
+                self._ready_order.append(name)
+            return
+        group = self._group_of[name]
+        group.remaining -= 1
+        if group.remaining == 0:
+            self._launch_ready_groups()
+
+    def _launch_ready_groups(self) -> None:
+        """Launch complete groups in plan order; stop at the first incomplete one."""
+        while self._next_launch < len(self._groups) and self._groups[self._next_launch].remaining == 0:
+            self._launch(self._groups[self._next_launch])
+
+    def _launch(self, group: _GroupState) -> None:
+        buffer = group.gather()
+        communicator = self.communicator if group.send == "compress" else self._raw_communicator(group.send)
+        group.handle = communicator.start(buffer, group.name)
+        group.remaining = -1  # launched
+        self._next_launch += 1
+
+    # -------------------------------------------------------------------------- step --
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Finish every group and write the averaged gradients into ``p.grad``.
+
+        Call it yourself before gradient clipping, then ``step()`` inside
+        ``with optimizer.skip_synchronize():``.
+        """
+        if self._synchronized:
+            return
+        started = time.perf_counter()
+        if self.plan is None:
+            self._install_plan(self._make_plan(), check_ranks=False)
+        while self._next_launch < len(self._groups):
+            self._launch(self._groups[self._next_launch])
+        used = self._launch_used_map() if self.find_unused_parameters else None
+        globally_used = used.wait()[0] if used is not None else None
+        for group in self._groups:
+            communicator = self.communicator if group.send == "compress" else self._raw_communicator(group.send)
+            averaged = communicator.finish(group.handle)
+            self._write_back(group, averaged, globally_used)
+        self._synchronized = True
+        self.last_sync_time = time.perf_counter() - started
+
+    def _launch_used_map(self):
+        """A used-map (1 where this rank has a gradient) summed over ranks.
+
+        Launched after the last group, so it is the last collective of the step on every
+        rank whatever the hooks launched during backward.
+        """
+        flags = torch.tensor([0.0 if p.grad is None else 1.0 for _, p in self._params])
+        return self.backend.allreduce_async([flags])
+
+    def _write_back(self, group: _GroupState, averaged: torch.Tensor, globally_used) -> None:
+        flat = averaged.reshape(-1)
+        positions = {n: i for i, (n, _) in enumerate(self._params)} if globally_used is not None else None
+        for (name, p), offset in zip(group.params, group.offsets):
+            if globally_used is not None and globally_used[positions[name]] == 0:
+                continue
+            value = flat.narrow(0, offset, p.numel()).view_as(p)
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize (you already called it)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Average gradients over ranks (unless already done), then the wrapped step()."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize:
+            self.synchronize()
+        elif not self._synchronized:
+            raise RuntimeError("step() inside skip_synchronize() requires calling synchronize() first")
+        self.optimizer.step()
+        self.steps += 1
+        self._reset_iteration()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -------------------------------------------------------------------------- state --
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state plus this rank's plan, residuals and compressor state.
+
+        Memories hold per-rank residuals: save one file per rank.
+        """
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "mergecomp": {
+                "plan": self.plan.to_dict() if self.plan is not None else None,
+                "communicator": self.communicator.state_dict(),
+                "raw_communicators": {k: c.state_dict() for k, c in self._raw_communicators.items()},
+                "steps": self.steps,
+            },
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if "mergecomp" not in state_dict:  # a plain optimizer checkpoint
+            self.optimizer.load_state_dict(state_dict)
+            return
+        ours = state_dict["mergecomp"]
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if ours.get("plan") is not None:
+            self._install_plan(Plan.from_dict(ours["plan"]), check_ranks=True)
+        self.communicator.load_state_dict(ours.get("communicator", {}))
+        for send, state in ours.get("raw_communicators", {}).items():
+            self._raw_communicator(send).load_state_dict(state)
+        self.steps = int(ours.get("steps", 0))
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (e.g. before wrapping them again)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, {self.communicator!r}, "
+                f"scheduler={self.scheduler!r}, ranks={self.backend.size})")

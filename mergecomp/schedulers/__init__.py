@@ -1,0 +1,13 @@
+"""Schedulers: the registry and the built-in ``fixed`` (MergeComp's fusion-num)."""
+from ..registry import Registry
+from .base import Scheduler, split_by_type
+
+registry = Registry("scheduler", Scheduler, "mergecomp.schedulers")
+register = registry.register
+create = registry.create
+available = registry.available
+get = registry.get
+
+from . import fixed  # noqa: E402,F401
+
+__all__ = ["Scheduler", "register", "create", "available", "get", "registry", "split_by_type"]

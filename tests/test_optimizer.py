@@ -1,0 +1,326 @@
+"""DistributedOptimizer on real gloo ranks: equivalence, error feedback, edge cases, state."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mergecomp
+from mergecomp.compressors.base import payload_nbytes
+from tests.distributed import run_ranks
+
+BATCH = 4
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def make_optimizer(kind, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def reference_params(kind, world_size, steps):
+    """One process, the concatenated batches of all ranks: what data parallelism must equal."""
+    model = make_model()
+    opt = make_optimizer(kind, model)
+    for step in range(steps):
+        xs, ys = zip(*(batch(step, r) for r in range(world_size)))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(rank, kind, steps, **wrapper_kwargs):
+    model = make_model()
+    opt = mergecomp.DistributedOptimizer(make_optimizer(kind, model), model.named_parameters(),
+                                         **wrapper_kwargs)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt
+
+
+def equivalence_worker(rank, world_size):
+    results = {}
+    for kind in ("sgd", "adam"):
+        for fusion in (0, 1, 2):
+            params, opt = train(rank, kind, 4, fusion_num=fusion)
+            results[(kind, fusion)] = (params, len(opt.plan))
+    return results
+
+
+def test_uncompressed_training_equals_single_process_on_concatenated_batches():
+    world_size = 2
+    results = run_ranks(equivalence_worker, world_size)
+    for kind in ("sgd", "adam"):
+        expected = reference_params(kind, world_size, 4)
+        group_counts = set()
+        for fusion in (0, 1, 2):
+            for rank_result in results:
+                params, groups = rank_result[(kind, fusion)]
+                group_counts.add((fusion, groups))
+                for got, want in zip(params, expected):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert {g for f, g in group_counts if f == 0} == {6}  # layer-wise: one per tensor
+        assert {g for f, g in group_counts if f == 1} == {1}
+        assert {g for f, g in group_counts if f == 2} == {2}
+
+
+def error_feedback_worker(rank, world_size):
+    """Σ transmitted + residual == Σ gradients, for topk + residual (checked on the buffer)."""
+    compressor = mergecomp.compressors.create("topk", compress_ratio=0.1)
+    memory = mergecomp.memories.create("residual")
+    torch.manual_seed(rank)
+    total_grad = torch.zeros(50)
+    total_sent = torch.zeros(50)
+    for _ in range(6):
+        grad = torch.randn(50)
+        total_grad += grad
+        compensated = memory.compensate(grad, "g")
+        payload, ctx = compressor.compress(compensated, "g")
+        memory.update(compensated, "g", compressor, payload, ctx)
+        total_sent += compressor.decompress(payload, ctx)
+        assert payload_nbytes(payload) == 5 * (4 + 4)
+    torch.testing.assert_close(total_sent + memory.residuals["g"], total_grad, rtol=1e-5, atol=1e-5)
+    # And through the optimizer over the network: training proceeds and residuals exist.
+    params, opt = train(rank, "sgd", 3, compressor=compressor, memory=memory, communicator="allgather",
+                        fusion_num=2)
+    return [p.sum().item() for p in params], sorted(memory.residuals)
+
+
+def test_topk_residual_error_feedback_invariant():
+    a, b = run_ranks(error_feedback_worker, 2)
+    assert a == b  # every rank applied the same averaged update
+    assert "group0" in a[1] and "group1" in a[1]
+
+
+def randk_worker(rank, world_size):
+    compressor = mergecomp.compressors.create("randk", compress_ratio=0.2, seed=3)
+    _, ctx = compressor.compress(torch.randn(100), "layer")
+    reduced = []
+    for comm in ("allreduce", "allgather"):
+        c = mergecomp.compressors.create("randk", compress_ratio=0.2, seed=3)
+        communicator = mergecomp.communicators.create(
+            comm, compressor=c, memory=mergecomp.memories.create("none"),
+            backend=mergecomp.backends.default_backend())
+        torch.manual_seed(rank)
+        reduced.append(communicator.finish(communicator.start(torch.randn(100), "layer")))
+    return ctx.indices.tolist(), reduced
+
+
+def test_randk_indices_shared_and_allreduce_equals_allgather():
+    results = run_ranks(randk_worker, 3)
+    assert results[0][0] == results[1][0] == results[2][0]
+    for indices, (via_allreduce, via_allgather) in results:
+        torch.testing.assert_close(via_allreduce, via_allgather)
+        assert int((via_allreduce != 0).sum()) <= 20
+    torch.testing.assert_close(results[0][1][0], results[2][1][0])
+
+
+def allgather_sizes_worker(rank, world_size):
+    backend = mergecomp.backends.default_backend()
+    # Rank r sends r values (rank 0 sends nothing) and a scalar of another dtype.
+    mine = (torch.arange(rank, dtype=torch.float32), torch.tensor(rank, dtype=torch.int64))
+    gathered = backend.allgather_async(mine, same_shapes=False).wait()
+    empty = backend.allgather_async((torch.empty(0),), same_shapes=False).wait()
+    return [[t.tolist() for t in parts] for parts in gathered], [p[0].numel() for p in empty]
+
+
+def test_allgather_variable_and_empty_payloads_complete():
+    results = run_ranks(allgather_sizes_worker, 3)
+    for gathered, empty in results:
+        assert gathered == [[[], 0], [[0.0], 1], [[0.0, 1.0], 2]]
+        assert empty == [0, 0, 0]
+
+
+class Branchy(nn.Module):
+    """A model whose second head is used only when asked: an unused parameter on one rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+        self.extra = nn.Linear(8, 3)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, use_extra):
+        h = torch.tanh(self.frozen(torch.tanh(self.body(x))))
+        out = self.head(h)
+        return out + self.extra(h) if use_extra else out
+
+
+def edge_case_worker(rank, world_size):
+    results = {}
+    # Unused parameter on rank 1 only, frozen parameter everywhere; several steps so the
+    # hooks path (not just the recording iteration) runs.
+    model = Branchy()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = mergecomp.DistributedOptimizer(base, model.named_parameters(), fusion_num=0)
+    frozen_before = model.frozen.weight.clone()
+    for step in range(3):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x, use_extra=(rank == 0)), y).backward()
+        opt.step()
+    results["unused"] = [p.detach().clone() for p in model.parameters()]
+    results["frozen_same"] = torch.equal(frozen_before, model.frozen.weight)
+    results["plan_names"] = [n for g in opt.plan.groups for n in g.names]
+
+    # Gradient accumulation: 2 backward passes per step over half batches.
+    model = make_model()
+    opt = mergecomp.DistributedOptimizer(make_optimizer("sgd", model), model.named_parameters(),
+                                         fusion_num=2, backward_passes_per_step=2)
+    for step in range(3):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        for half in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
+            (nn.functional.mse_loss(model(x[half]), y[half]) / 2).backward()
+        opt.step()
+    results["accumulated"] = [p.detach().clone() for p in model.parameters()]
+
+    # One backward too many is refused with a clear error.
+    try:
+        for _ in range(3):
+            nn.functional.mse_loss(model(x), y).backward()
+        results["too_many"] = None
+    except RuntimeError as error:
+        results["too_many"] = str(error)
+    return results
+
+
+def test_unused_frozen_and_accumulation():
+    results = run_ranks(edge_case_worker, 2)
+    # Reference for the unused parameter: one process on both ranks' data, where rank 0's
+    # samples use the extra head and rank 1's do not; the mean over ranks of per-rank means.
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        losses = [nn.functional.mse_loss(model(batch(step, r)[0], use_extra=(r == 0)), batch(step, r)[1])
+                  for r in range(2)]
+        (sum(losses) / 2).backward()
+        opt.step()
+    for rank_result in results:
+        for got, want in zip(rank_result["unused"], model.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        assert rank_result["frozen_same"]
+        assert not any(n.startswith("frozen") for n in rank_result["plan_names"])
+        for got, want in zip(rank_result["accumulated"], reference_params("sgd", 2, 3)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert "backward_passes_per_step=2" in rank_result["too_many"]
+
+
+def find_unused_worker(rank, world_size):
+    model = Branchy()
+    opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         model.named_parameters(), fusion_num=2,
+                                         find_unused_parameters=True)
+    for step in range(2):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x, use_extra=False), y).backward()
+        opt.step()
+    return model.extra.weight.grad is None, model.head.weight.grad is not None
+
+
+def test_find_unused_parameters_keeps_globally_unused_grad_none():
+    assert run_ranks(find_unused_worker, 2) == [(True, True), (True, True)]
+
+
+def state_worker(rank, world_size, mode, blob):
+    """mode 'full': 6 steps; 'first': 3 steps then save; 'resume': load then 3 steps."""
+    model = make_model()
+    opt = mergecomp.DistributedOptimizer(
+        make_optimizer("sgd", model), model.named_parameters(),
+        compressor=mergecomp.compressors.create("randk", compress_ratio=0.3),
+        memory="residual", communicator="allreduce", fusion_num=2)
+    steps = range(6) if mode == "full" else range(3) if mode == "first" else range(3, 6)
+    if mode == "resume":
+        saved = torch.load(io.BytesIO(blob[rank]), weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    for step in steps:
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    if mode == "first":
+        buffer = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+        return buffer.getvalue()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_state_dict_round_trip_continues_exactly():
+    full = run_ranks(state_worker, 2, "full", None)
+    saved = run_ranks(state_worker, 2, "first", None)
+    resumed = run_ranks(state_worker, 2, "resume", saved)
+    for a, b in zip(full, resumed):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def mismatch_worker(rank, world_size):
+    model = nn.Linear(4, 3 + rank)
+    try:
+        mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters())
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_mismatched_models_fail_on_every_rank():
+    messages = run_ranks(mismatch_worker, 2)
+    assert all(m is not None and "different models" in m for m in messages)
+
+
+def bad_input_worker(rank, world_size):
+    model = make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = {}
+    try:
+        mergecomp.DistributedOptimizer(base, model.named_parameters(), compressor="topk",
+                                       communicator="allreduce")
+    except ValueError as error:
+        errors["allreduce_topk"] = str(error)
+    try:
+        mergecomp.DistributedOptimizer(base, model.named_parameters(), fusion_num=-1)
+    except ValueError as error:
+        errors["fusion"] = str(error)
+    return errors
+
+
+def test_bad_configurations_raise_clear_errors():
+    errors = run_ranks(bad_input_worker, 2)[0]
+    assert "allgather" in errors["allreduce_topk"] and "'topk'" in errors["allreduce_topk"]
+    assert "-1" in errors["fusion"]
+
+
+def test_unknown_names_and_bad_ratios():
+    with pytest.raises(ValueError, match="did you mean 'topk'"):
+        mergecomp.compressors.create("topkk")
+    with pytest.raises(ValueError, match="available memorys|available memories|residual"):
+        mergecomp.memories.create("residul")
+    with pytest.raises(ValueError, match="allgather"):
+        mergecomp.communicators.get("allgathr")
+    for ratio in (0, 1.5, -0.1, "abc"):
+        with pytest.raises(ValueError, match=str(ratio)):
+            mergecomp.compressors.create("topk", compress_ratio=ratio)
+    with pytest.raises(ValueError, match="2"):
+        mergecomp.compressors.create("randk", compress_ratio=2)
