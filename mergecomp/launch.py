@@ -1,0 +1,391 @@
+"""Who am I in the job? Rank and rendezvous discovery for every way mergecomp is launched.
+
+Each launcher tells its processes their place through different environment variables:
+
+============  ===================================================================
+launcher      variables read
+============  ===================================================================
+torchrun      RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+              MASTER_PORT (recognised by TORCHELASTIC_RUN_ID)
+horovodrun    HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE
+              (its Gloo mode).  In its MPI mode horovodrun runs ``mpirun`` and
+              the processes see exactly what ``mpirun`` gives them, so they are
+              reported as "mpirun"; the backend decides whether to use Horovod.
+mpirun        Open MPI: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE,
+              OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE;
+              MPICH / Intel MPI (Hydra): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID,
+              MPI_LOCALNRANKS
+spawn         :func:`spawn` below: RANK, WORLD_SIZE, LOCAL_RANK, ... and
+              MERGECOMP_LAUNCHER=spawn
+env           RANK and WORLD_SIZE set by any other tool (the ``env://`` convention)
+single        nothing: one process, rank 0 of 1
+============  ===================================================================
+
+torch.distributed then meets over TCP at MASTER_ADDR:MASTER_PORT.  MPI and Horovod do not set
+them, so when every rank is on one machine (local size == world size) MASTER_ADDR defaults to
+127.0.0.1; across machines pass them explicitly, e.g. ``mpirun -x MASTER_ADDR=<host of rank 0>
+-x MASTER_PORT=<port>``.  Without MASTER_PORT the port is derived from the launcher's job id
+(the same number on every rank of one job, different for concurrent jobs), or 29500.
+
+Open MPI refuses to start as root unless told to: ``mpirun --allow-run-as-root`` or
+``OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` (containers often run as root).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any, Callable, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LAUNCHERS = ("torchrun", "horovodrun", "mpirun", "spawn", "env", "single")
+LAUNCHER_VARIABLE = "MERGECOMP_LAUNCHER"
+LOOPBACK = "127.0.0.1"
+DEFAULT_PORT = 29500
+_DERIVED_PORT_BASE, _DERIVED_PORT_SPAN = 20000, 10000  # below Linux's ephemeral range
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """This process's place in the job and where torch.distributed meets.
+
+    ``master_addr``/``master_port`` are None only for a single process with nothing set;
+    :func:`init_distributed` then picks 127.0.0.1 and a free port.
+    """
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect(environ: Optional[Mapping[str, str]] = None) -> LaunchInfo:
+    """Read the launcher's variables from ``environ`` (default ``os.environ``).
+
+    Raises ValueError naming the variable and its value when they are not integers or do not
+    fit together (rank >= world size, world size < 1, ...), and when a multi-machine MPI or
+    Horovod job has no MASTER_ADDR.
+    """
+    env = dict(os.environ if environ is None else environ)
+    if env.get(LAUNCHER_VARIABLE) == "spawn":
+        return _from_torch_variables("spawn", env)
+    if "TORCHELASTIC_RUN_ID" in env:
+        return _from_torch_variables("torchrun", env)
+    if "HOROVOD_RANK" in env:
+        job_id = f"{env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}:{env.get('HOROVOD_GLOO_RENDEZVOUS_PORT')}"
+        return _from_mpi_style("horovodrun", env, "HOROVOD_RANK", "HOROVOD_SIZE",
+                               "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", job_id,
+                               how_to_pass="set MASTER_ADDR=<host of rank 0> and "
+                                           "MASTER_PORT=<port> in the environment of horovodrun")
+    if "OMPI_COMM_WORLD_RANK" in env:
+        job_id = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
+        return _from_mpi_style("mpirun", env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                               "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", job_id,
+                               how_to_pass="pass -x MASTER_ADDR=<host of rank 0> "
+                                           "-x MASTER_PORT=<port> to mpirun")
+    if "PMI_RANK" in env:
+        return _from_mpi_style("mpirun", env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
+                               "MPI_LOCALNRANKS", env.get("PMI_KVSNAME"),
+                               how_to_pass="pass -genv MASTER_ADDR <host of rank 0> "
+                                           "-genv MASTER_PORT <port> to mpiexec")
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _from_torch_variables("env", env)
+    return LaunchInfo("single", 0, 1, 0, 1, env.get("MASTER_ADDR") or None,
+                      _port(env, "MASTER_PORT") if env.get("MASTER_PORT") else None)
+
+
+def _from_torch_variables(launcher: str, env: dict) -> LaunchInfo:
+    rank = _integer(env, "RANK")
+    world_size = _integer(env, "WORLD_SIZE")
+    _check_rank("RANK", rank, "WORLD_SIZE", world_size)
+    local_rank = _integer(env, "LOCAL_RANK", default=rank if world_size == 1 else None)
+    local_world_size = _integer(env, "LOCAL_WORLD_SIZE",
+                                default=world_size if local_rank == rank else None)
+    _check_rank("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
+    addr = env.get("MASTER_ADDR") or None
+    port = _port(env, "MASTER_PORT") if env.get("MASTER_PORT") else None
+    if world_size > 1 and (addr is None or port is None):
+        raise ValueError(f"{launcher} launch with WORLD_SIZE={world_size} needs MASTER_ADDR and "
+                         f"MASTER_PORT, got MASTER_ADDR={addr!r} MASTER_PORT={port!r}; set both "
+                         f"to the host and a free port of rank 0")
+    return LaunchInfo(launcher, rank, world_size, local_rank, local_world_size, addr, port)
+
+
+def _from_mpi_style(launcher: str, env: dict, rank_var: str, size_var: str, local_rank_var: str,
+                    local_size_var: str, job_id: Optional[str], how_to_pass: str) -> LaunchInfo:
+    rank, world_size = _integer(env, rank_var), _integer(env, size_var)
+    _check_rank(rank_var, rank, size_var, world_size)
+    local_rank, local_size = _integer(env, local_rank_var), _integer(env, local_size_var)
+    _check_rank(local_rank_var, local_rank, local_size_var, local_size)
+    if local_size > world_size:
+        raise ValueError(f"{local_size_var}={local_size} is larger than {size_var}={world_size}")
+    addr = env.get("MASTER_ADDR") or None
+    if addr is None:
+        if local_size != world_size:
+            raise ValueError(
+                f"{launcher} started {world_size} ranks on several machines ({local_size} on "
+                f"this one) and MASTER_ADDR is not set, so the ranks cannot find each other: "
+                f"{how_to_pass}")
+        addr = LOOPBACK
+    if env.get("MASTER_PORT"):
+        port = _port(env, "MASTER_PORT")
+    elif job_id:
+        port = _DERIVED_PORT_BASE + zlib.crc32(job_id.encode()) % _DERIVED_PORT_SPAN
+    else:
+        port = DEFAULT_PORT
+    return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port)
+
+
+def _integer(env: dict, name: str, default: Optional[int] = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is not None:
+            return default
+        raise ValueError(f"environment variable {name} is not set; the launcher must set it "
+                         f"(or set it yourself)")
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def _check_rank(rank_name: str, rank: int, size_name: str, size: int) -> None:
+    if size < 1:
+        raise ValueError(f"{size_name} must be at least 1, got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"{rank_name}={rank} must be in [0, {size_name}={size})")
+
+
+def _port(env: dict, name: str) -> int:
+    port = _integer(env, name)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{name} must be a TCP port in [1, 65535], got {port}")
+    return port
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- init
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300,
+                     device: Optional[str] = None) -> LaunchInfo:
+    """Detect the launch and initialise the default torch.distributed process group.
+
+    ``backend`` None means "gloo", unless ``device`` is a CUDA device and CUDA is available,
+    then "nccl" (with each process pinned to GPU ``local_rank`` of its machine).  A single
+    process still gets a 1-rank group on 127.0.0.1 and a free port, so that code paths are the
+    same for one and many ranks.  MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
+    LOCAL_WORLD_SIZE are exported for code that reads them.  Calling it again once the group
+    exists only returns the launch info.
+    """
+    info = detect()
+    if dist.is_initialized():
+        if dist.get_rank() != info.rank or dist.get_world_size() != info.world_size:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the {info.launcher} launch says rank "
+                f"{info.rank} of {info.world_size}")
+        return info
+    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    backend = _choose_backend(backend, device, info)
+    if info.master_addr is None or info.master_port is None:
+        info = LaunchInfo(info.launcher, info.rank, info.world_size, info.local_rank,
+                          info.local_world_size, info.master_addr or LOOPBACK,
+                          info.master_port or free_port())
+    os.environ.update(MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port),
+                      RANK=str(info.rank), WORLD_SIZE=str(info.world_size),
+                      LOCAL_RANK=str(info.local_rank),
+                      LOCAL_WORLD_SIZE=str(info.local_world_size))
+    dist.init_process_group(backend, init_method="env://", rank=info.rank,
+                            world_size=info.world_size, timeout=timedelta(seconds=timeout_s))
+    return info
+
+
+def _choose_backend(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:
+    wants_cuda = device is not None and torch.device(device).type == "cuda"
+    if wants_cuda and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but torch.cuda.is_available() is "
+                         f"False; use device='cpu' or run on a machine with a GPU")
+    if backend is None:
+        backend = "nccl" if wants_cuda else "gloo"
+    if backend not in ("gloo", "nccl", "mpi"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or 'mpi', got {backend!r}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, but torch.cuda.is_available() is "
+                             "False; use backend='gloo'")
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    return backend
+
+
+# ----------------------------------------------------------------------------- spawn
+
+class SpawnedProcessError(RuntimeError):
+    """A process started by :func:`spawn` failed.
+
+    ``rank`` is the rank that failed first, ``exitcode`` its exit code (negative: killed by
+    that signal), ``child_traceback`` its traceback if it raised, ``also_failed`` the ranks
+    that failed after it (usually as a consequence).
+    """
+
+    def __init__(self, rank: int, exitcode: Optional[int], child_traceback: Optional[str],
+                 also_failed: Sequence[int] = ()):
+        self.rank, self.exitcode, self.child_traceback = rank, exitcode, child_traceback
+        self.also_failed = list(also_failed)
+        if child_traceback:
+            what = "raised"
+        elif exitcode is not None and exitcode < 0:
+            what = f"was killed by signal {-exitcode}"
+        else:
+            what = f"exited with code {exitcode} without a result"
+        after = f" (then ranks {self.also_failed} failed too)" if self.also_failed else ""
+        details = f":\n{child_traceback}" if child_traceback else ""
+        super().__init__(f"spawned rank {rank} {what}{after}{details}")
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
+          master_port: Optional[int] = None, timeout_s: Optional[float] = None) -> List[Any]:
+    """Run ``fn(*args)`` in ``nprocs`` local processes, as ranks of one job; return their results.
+
+    Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+    MASTER_PORT and MERGECOMP_LAUNCHER=spawn, so ``fn`` can call :func:`init_distributed`.
+    ``fn`` and ``args`` must be picklable (module-level function), as with any "spawn" start.
+
+    When a process raises or dies, the others are terminated (they may be blocked in a
+    collective waiting for it) and :class:`SpawnedProcessError` is raised with its rank and
+    traceback or exit code.  ``timeout_s`` bounds the whole run (TimeoutError).
+    """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
+                         f"{timeout_s!r}")
+    port = free_port() if master_port is None else master_port
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"master_port must be a TCP port in [1, 65535], got {master_port!r}")
+    ctx = mp.get_context("spawn")
+    env = {LAUNCHER_VARIABLE: "spawn", "WORLD_SIZE": str(nprocs),
+           "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port)}
+    processes, pipes = [], []
+    for rank in range(nprocs):
+        receiver, sender = ctx.Pipe(duplex=False)
+        child_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        process = ctx.Process(target=_run_child, args=(fn, tuple(args), child_env, sender),
+                              name=f"mergecomp-rank-{rank}")
+        process.start()
+        sender.close()
+        processes.append(process)
+        pipes.append(receiver)
+    try:
+        return _collect(processes, pipes, timeout_s)
+    finally:
+        _stop(processes)
+        for pipe in pipes:
+            pipe.close()
+
+
+def _run_child(fn, args, env, sender) -> None:
+    os.environ.update(env)
+    try:
+        message = ("ok", fn(*args))
+    except BaseException:  # report everything, SystemExit and KeyboardInterrupt included
+        message = ("error", traceback.format_exc(), time.time())
+    try:
+        sender.send(message)
+    except Exception:  # the result could not be pickled: report that instead
+        message = ("error", traceback.format_exc(), time.time())
+        sender.send(message)
+    sender.close()
+    if message[0] == "error":
+        os._exit(1)  # skip interpreter teardown, which can block on a broken collective
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class _Failure:
+    rank: int
+    when: float  # wall clock: the earliest failure is the cause, the others its consequences
+    child_traceback: Optional[str] = None
+    exitcode: Optional[int] = None
+
+
+def _collect(processes, pipes, timeout_s, settle_s: float = 1.0) -> List[Any]:
+    """Results of every rank, or SpawnedProcessError for the rank that failed first.
+
+    When a rank fails, its peers usually fail a moment later (their collective lost a member);
+    waiting ``settle_s`` for their reports lets the error name the rank that failed first.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    results: dict = {}
+    failures: dict = {}
+    waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
+    running = {process.sentinel: rank for rank, process in enumerate(processes)}
+    settle_until = None
+    while running or waiting:
+        now = time.monotonic()
+        if settle_until is not None and now >= settle_until:
+            break
+        if settle_until is None and deadline is not None and now >= deadline:
+            raise TimeoutError(f"spawned ranks {sorted(running.values())} did not finish within "
+                               f"{timeout_s}s; they were terminated")
+        limits = [t - now for t in (deadline, settle_until) if t is not None]
+        for ready in wait(list(waiting) + list(running), min(limits) if limits else None):
+            if ready in waiting:
+                rank = waiting.pop(ready)
+                try:
+                    message = ready.recv()
+                except EOFError:  # closed without a message: the exit code tells what happened
+                    continue
+                if message[0] == "ok":
+                    results[rank] = message[1]
+                else:
+                    failures.setdefault(rank, _Failure(rank, message[2], message[1]))
+            else:
+                rank = running.pop(ready)
+                processes[rank].join()
+        for rank, process in enumerate(processes):
+            if process.sentinel in running or pipes[rank] in waiting:
+                continue  # still running, or its report is not read yet
+            if process.exitcode != 0 or rank not in results:
+                failures.setdefault(rank, _Failure(rank, time.time())).exitcode = process.exitcode
+        if failures and settle_until is None:
+            settle_until = time.monotonic() + settle_s
+    if failures:
+        first = min(failures.values(), key=lambda failure: failure.when)
+        others = sorted(rank for rank in failures if rank != first.rank)
+        raise SpawnedProcessError(first.rank, first.exitcode, first.child_traceback, others)
+    return [results[rank] for rank in range(len(processes))]
+
+
+def _stop(processes, grace_s: float = 3.0) -> None:
+    """Terminate processes still running, then kill those that ignore SIGTERM."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(grace_s)
+        if process.is_alive():
+            process.kill()
+            process.join()
