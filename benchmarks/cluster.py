@@ -142,13 +142,13 @@ def _pick_subnet() -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (killed, not yet reaped) counts as gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            state = handle.read().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return state not in ("Z", "X")
 
 
 def _kill_namespace_processes(ns: str) -> None:
@@ -356,7 +356,7 @@ class Cluster:
     def _install_signal_handlers(self) -> None:
         """Turn SIGTERM/SIGHUP into SystemExit (SIGINT already raises KeyboardInterrupt) so the
         ``finally`` of the with-block runs and removes the namespaces."""
-        if threading.current_thread() is not threading.main_thread():
+        if self._saved_handlers or threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._saved_handlers[sig] = signal.getsignal(sig)
