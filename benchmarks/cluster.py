@@ -412,9 +412,13 @@ class Cluster:
                     else []
                 outs.append(tempfile.TemporaryFile())
                 errs.append(tempfile.TemporaryFile())
-                self._procs.append(subprocess.Popen(
-                    prefix + command, env=full_env, cwd=cwd, stdout=outs[-1], stderr=errs[-1],
-                    stdin=subprocess.DEVNULL, start_new_session=True))
+                try:
+                    self._procs.append(subprocess.Popen(
+                        prefix + command, env=full_env, cwd=cwd, stdout=outs[-1],
+                        stderr=errs[-1], stdin=subprocess.DEVNULL, start_new_session=True))
+                except OSError as err:
+                    raise ValueError(f"cannot start worker {rank} with {command!r} "
+                                     f"(cwd={cwd!r}): {err}") from err
             failure = self._wait(timeout_s, notes)
         finally:
             self._stop_workers(self._procs)
@@ -609,8 +613,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         with Cluster(args.workers, args.profile, table) as cluster:
             where = ", ".join(cluster.addresses) if cluster.profile.shaped else "127.0.0.1"
-            print(f"cluster: {args.workers} workers, {cluster.profile.describe().strip()}; "
-                  f"{where}", file=sys.stderr)
+            profile = cluster.profile
+            rate = format_rate(profile.rate_bps) if profile.shaped else "unshaped"
+            delay = format_delay(profile.delay_s)
+            if profile.shaped and profile.delay_s > 0 and not cluster.delay_emulated:
+                delay += " NOT emulated: no sch_netem"
+            print(f"cluster: {args.workers} workers, profile {profile.name} (rate {rate}, "
+                  f"delay {delay}) at {where}", file=sys.stderr, flush=True)
             if args.check:
                 return _check(cluster, args)
             results = cluster.run(command, timeout_s=args.timeout)

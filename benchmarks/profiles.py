@@ -107,8 +107,8 @@ def parse_delay(text: str) -> float:
 def format_rate(bps: float) -> str:
     for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bps >= scale:
-            return f"{bps / scale:g}{unit}"
-    return f"{bps:g}bit"
+            return f"{bps / scale:.4g}{unit}"
+    return f"{bps:.4g}bit"
 
 
 def format_delay(seconds: float) -> str:
