@@ -87,7 +87,8 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> LaunchInfo:
     if "TORCHELASTIC_RUN_ID" in env:
         return _from_torch_variables("torchrun", env)
     if "HOROVOD_RANK" in env:
-        job_id = f"{env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}:{env.get('HOROVOD_GLOO_RENDEZVOUS_PORT')}"
+        rendezvous = [env.get(f"HOROVOD_GLOO_RENDEZVOUS_{part}") for part in ("ADDR", "PORT")]
+        job_id = ":".join(rendezvous) if all(rendezvous) else None
         return _from_mpi_style("horovodrun", env, "HOROVOD_RANK", "HOROVOD_SIZE",
                                "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", job_id,
                                how_to_pass="set MASTER_ADDR=<host of rank 0> and "
@@ -198,8 +199,11 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300,
     LOCAL_WORLD_SIZE are exported for code that reads them.  Calling it again once the group
     exists only returns the launch info.
     """
+    global _initialised_info
+    if dist.is_initialized() and _initialised_info is not None:
+        return _initialised_info
     info = detect()
-    if dist.is_initialized():
+    if dist.is_initialized():  # by someone else: check it agrees with the launch
         if dist.get_rank() != info.rank or dist.get_world_size() != info.world_size:
             raise RuntimeError(
                 f"torch.distributed is already initialised as rank {dist.get_rank()} of "
@@ -209,17 +213,20 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300,
     if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     backend = _choose_backend(backend, device, info)
-    if info.master_addr is None or info.master_port is None:
+    if info.master_addr is None or info.master_port is None:  # only a single process
         info = LaunchInfo(info.launcher, info.rank, info.world_size, info.local_rank,
-                          info.local_world_size, info.master_addr or LOOPBACK,
-                          info.master_port or free_port())
+                          info.local_world_size, LOOPBACK, free_port())
     os.environ.update(MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port),
                       RANK=str(info.rank), WORLD_SIZE=str(info.world_size),
                       LOCAL_RANK=str(info.local_rank),
                       LOCAL_WORLD_SIZE=str(info.local_world_size))
     dist.init_process_group(backend, init_method="env://", rank=info.rank,
                             world_size=info.world_size, timeout=timedelta(seconds=timeout_s))
+    _initialised_info = info
     return info
+
+
+_initialised_info: Optional[LaunchInfo] = None  # what init_distributed set up, for repeat calls
 
 
 def _choose_backend(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:

@@ -56,6 +56,12 @@ def test_horovodrun_on_one_machine_meets_on_loopback_at_a_shared_port():
     assert first.master_port == second.master_port and 20000 <= first.master_port < 30000
 
 
+def test_horovodrun_without_its_rendezvous_variables_uses_the_default_port():
+    env = _horovod(0, 1, 0, 1)
+    del env["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+    assert launch.detect(env).master_port == 29500
+
+
 def test_horovodrun_on_several_machines_needs_master_addr():
     with pytest.raises(ValueError, match="MASTER_ADDR is not set.*environment of horovodrun"):
         launch.detect(_horovod(3, 4, 1, 2))
@@ -165,6 +171,7 @@ def _init_without_any_launcher():
                  "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
     info = launch.init_distributed()
+    assert launch.init_distributed() == info
     return info.launcher, dist.get_world_size(), dist.get_backend(), info.master_addr
 
 

@@ -22,7 +22,7 @@ DEFAULT_SEQ_LEN = 64
 
 
 class TransformerLanguageModel(nn.Module):
-    """Causal transformer LM; input ``(B, T)`` ids with ``T <= max_seq_len``, output ``(B, T, V)``."""
+    """Causal transformer LM: ``(B, T)`` ids, ``T <= max_seq_len``, to ``(B, T, V)`` logits."""
 
     def __init__(self, vocab_size: int = DEFAULT_VOCAB_SIZE, d_model: int = 256,
                  num_heads: int = 4, num_layers: int = 4, ff_size: Optional[int] = None,
