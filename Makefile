@@ -1,0 +1,43 @@
+# make demo   set up (if needed) and run a 2-worker compressed training benchmark on CPU
+# make test   set up (if needed) and run the test suite
+# make bench  the default benchmark sweep (see benchmarks/)
+#
+# Set-up: an active virtual environment is used as it is; otherwise .venv is created
+# (with access to system packages, so a torch already installed there is respected).
+# torch is installed only when none is importable: TORCH_SPEC (default torch==2.13.0,
+# the CPU build on machines that provide it) is installed before the package so pip
+# never pulls a CUDA build by accident.  Override, e.g. make setup TORCH_SPEC="torch==2.4.1".
+
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+ifdef VIRTUAL_ENV
+PY := $(VIRTUAL_ENV)/bin/python
+else
+PY := $(CURDIR)/.venv/bin/python
+endif
+STAMP := $(dir $(PY)).mergecomp-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(CURDIR)/.venv
+	@$(PY) -c "import torch" 2>/dev/null && echo "using installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
+	  || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install --no-build-isolation -e ".[test]"
+	@touch $@
+
+demo: setup
+	$(PY) compress_benchmark.py --nproc 2 --compress --compressor topk --compress-ratio 0.01 \
+	  --comm allgather --memory residual --fusion-num 2 --model resnet20 --batch-size 16 \
+	  --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 5
+
+test: setup
+	$(PY) -m pytest tests -q
+
+bench: setup
+	$(PY) benchmarks/sweep.py benchmarks/sweeps/default.yaml
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache
