@@ -19,6 +19,8 @@ class _CastCompressor(Compressor):
     """
 
     summable = True
+    recommended_memory = "none"
+    recommended_communicator = "allreduce"
     fixed_size = True
     wire_dtype: torch.dtype
 
@@ -31,13 +33,16 @@ class _CastCompressor(Compressor):
 
 @register("fp16")
 class FP16Compressor(_CastCompressor):
-    """IEEE half precision: 5-bit exponent, so magnitudes above 65504 become inf."""
+    """IEEE half precision: 5-bit exponent, so magnitudes above 65504 become inf.  Wire: 2n bytes."""
 
     wire_dtype = torch.float16
 
 
 @register("bf16")
 class BF16Compressor(_CastCompressor):
-    """bfloat16: fp32's exponent range with 8 bits of mantissa; never overflows where fp32 does not."""
+    """bfloat16: fp32's exponent range with 8 bits of mantissa; never overflows where fp32 does not.
+
+    Wire: 2n bytes.
+    """
 
     wire_dtype = torch.bfloat16

@@ -13,6 +13,8 @@ class NoneCompressor(Compressor):
     """
 
     summable = True
+    recommended_memory = "none"
+    recommended_communicator = "allreduce"
     fixed_size = True
 
     def compress(self, tensor, name):

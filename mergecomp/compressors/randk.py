@@ -52,6 +52,8 @@ class RandKCompressor(Compressor):
     """
 
     summable = True
+    recommended_memory = "residual"
+    recommended_communicator = "allreduce"
     fixed_size = True
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0, unbiased: bool = False):

@@ -38,6 +38,8 @@ class TopKCompressor(Compressor):
     """
 
     summable = False
+    recommended_memory = "residual"
+    recommended_communicator = "allgather"
     fixed_size = True
 
     def __init__(self, compress_ratio: float = 0.01):

@@ -1,4 +1,4 @@
-"""Error-feedback memories: the registry and the built-ins (``none``, ``residual``)."""
+"""Error-feedback memories: the registry and the built-ins (``none``, ``residual``, ``dgc``)."""
 from ..registry import Registry
 from .base import Memory
 
@@ -8,6 +8,6 @@ create = registry.create
 available = registry.available
 get = registry.get
 
-from . import none, residual  # noqa: E402,F401
+from . import none, residual, dgc  # noqa: E402,F401
 
 __all__ = ["Memory", "register", "create", "available", "get", "registry"]

@@ -1,0 +1,154 @@
+"""Deep Gradient Compression: sampled-threshold sparsification with a warm-up schedule.
+
+Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
+Distributed Training", ICLR 2018.  Momentum correction, momentum factor masking and
+local gradient clipping are the ``dgc`` memory's job (mergecomp.memories.dgc); this file
+is the selection and the wire format.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from . import register
+from .base import Compressor, Context, check_ratio
+from .packing import Scratch
+from .topk import index_dtype, num_selected, scatter_values
+
+#: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
+PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
+
+
+def sampled_threshold(importance: torch.Tensor, k: int, sample_ratio: float, min_samples: int) -> torch.Tensor:
+    """Estimate the k-th largest of ``importance`` from a strided sample of it.
+
+    A sample of m = max(min_samples, sample_ratio·n) elements, taken every ⌊n/m⌋-th
+    element, keeps its top ⌈k·m/n⌉; their minimum is the threshold.  Costs a top-k over
+    m elements instead of n.
+    """
+    n = importance.numel()
+    stride = max(1, n // max(1, min(n, max(min_samples, int(n * sample_ratio)))))
+    sample = importance[::stride]
+    top = max(1, min(sample.numel(), math.ceil(k * sample.numel() / n)))
+    return torch.topk(sample, top, sorted=False).values.min()
+
+
+def select_at_least(importance: torch.Tensor, threshold: torch.Tensor, k: int, mask: torch.Tensor,
+                    lower: float, attempts: int) -> torch.Tensor:
+    """Indices with importance ≥ threshold, the threshold lowered while fewer than lower·k pass."""
+    for attempt in range(attempts + 1):
+        torch.ge(importance, threshold, out=mask)
+        count = int(torch.count_nonzero(mask))
+        if count >= lower * k or attempt == attempts:
+            return mask.nonzero().view(-1)
+        threshold = threshold * 0.5
+
+
+@register("dgc")
+class DGCCompressor(Compressor):
+    """Send the elements whose magnitude passes a threshold estimated from a 1% sample.
+
+    The threshold is the k-th largest magnitude of a strided sample (k = density·n scaled
+    to the sample).  When too few elements pass (< 0.8k) it is halved and the selection
+    redone (at most ``max_adjust`` times); when more than k pass, exactly k are
+    re-selected among the candidates by top-k, so at most k values are ever sent.  The
+    count varies from step to step: ``fixed_size = False``.  Biased: use the ``dgc``
+    memory (momentum correction, masking, clipping), or ``residual``.
+
+    Density: ``compress_ratio`` after warm-up.  ``warmup`` is either a number of epochs W
+    (the density decays exponentially from 25% to ``compress_ratio`` over W epochs, the
+    paper's 25% → 6.25% → 1.5625% → 0.4% → 0.1% for W = 4 and 0.1%) or an explicit list
+    of densities for epochs 0, 1, ...  Call :meth:`set_epoch` at the start of every epoch
+    (the optimizer wrapper forwards its own ``set_epoch``); before any call the epoch is 0.
+
+    Wire for n elements, c ≤ k values sent: c × (value bytes + index bytes) — values in
+    the input dtype (2 bytes with ``fp16_values=True``), int32 indices (``index_bits=64``
+    for int64).
+    """
+
+    summable = False
+    fixed_size = False
+    recommended_memory = "dgc"
+    recommended_communicator = "allgather"
+
+    def __init__(self, compress_ratio: float = 0.001, warmup=0, sample_ratio: float = 0.01,
+                 min_samples: int = 1024, max_adjust: int = 3, fp16_values: bool = False,
+                 index_bits: int = 32):
+        self.compress_ratio = check_ratio(compress_ratio)
+        self.warmup = self._check_warmup(warmup)
+        self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
+        if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
+            raise ValueError(f"min_samples must be a positive integer, got {min_samples!r}")
+        if isinstance(max_adjust, bool) or not isinstance(max_adjust, int) or max_adjust < 0:
+            raise ValueError(f"max_adjust must be a non-negative integer, got {max_adjust!r}")
+        if index_bits not in (32, 64):
+            raise ValueError(f"index_bits must be 32 or 64, got {index_bits!r}")
+        self.min_samples = min_samples
+        self.max_adjust = max_adjust
+        self.fp16_values = bool(fp16_values)
+        self.index_bits = index_bits
+        self.epoch = 0
+        self._scratch = Scratch()
+
+    def _check_warmup(self, warmup):
+        if isinstance(warmup, bool):
+            raise ValueError(f"warmup must be a number of epochs or a list of densities, got {warmup!r}")
+        if isinstance(warmup, int):
+            if warmup < 0:
+                raise ValueError(f"warmup epochs must be >= 0, got {warmup!r}")
+            return warmup
+        if isinstance(warmup, Sequence) and not isinstance(warmup, str):
+            return tuple(check_ratio(r, f"warmup density for epoch {e}") for e, r in enumerate(warmup))
+        raise ValueError(f"warmup must be a number of epochs or a list of densities "
+                         f"(e.g. {list(PAPER_WARMUP)}), got {warmup!r}")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the compressor the current epoch (0-based), which picks the warm-up density."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self.epoch = epoch
+
+    def density(self, epoch: Optional[int] = None) -> float:
+        """Fraction of elements sent in ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        if isinstance(self.warmup, tuple):
+            return self.warmup[epoch] if epoch < len(self.warmup) else self.compress_ratio
+        if epoch >= self.warmup:
+            return self.compress_ratio
+        return 0.25 * (self.compress_ratio / 0.25) ** (epoch / self.warmup)
+
+    def compress(self, tensor, name):
+        flat = tensor.reshape(-1)
+        n = flat.numel()
+        k = num_selected(n, self.density())
+        importance = torch.abs(flat, out=self._scratch.get("abs", n, flat.dtype, flat.device))
+        if k >= n:
+            indices = torch.arange(n, device=flat.device)
+        else:
+            threshold = sampled_threshold(importance, k, self.sample_ratio, self.min_samples)
+            mask = self._scratch.get("mask", n, torch.bool, flat.device)
+            indices = select_at_least(importance, threshold, k, mask, 0.8, self.max_adjust)
+            if indices.numel() > k:
+                indices = indices[torch.topk(importance[indices], k, sorted=False).indices]
+        values = flat[indices]
+        if self.fp16_values and values.dtype == torch.float32:
+            values = values.to(torch.float16)
+        if self.index_bits == 32 and index_dtype(n) != torch.int32:
+            raise ValueError(f"group {name!r} has {n} elements, too many for int32 indices; "
+                             f"use index_bits=64")
+        wire_index = torch.int32 if self.index_bits == 32 else torch.int64
+        return (values, indices.to(wire_index)), Context(tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        values, indices = payload
+        return scatter_values(values, indices, ctx)
+
+    def transmitted_indices(self, payload, ctx) -> torch.Tensor:
+        """Flat indices of the coordinates this payload sent (for momentum factor masking)."""
+        return payload[1].long()
+
+    def __repr__(self):
+        return (f"DGCCompressor(compress_ratio={self.compress_ratio}, warmup={self.warmup}, "
+                f"fp16_values={self.fp16_values}, index_bits={self.index_bits})")

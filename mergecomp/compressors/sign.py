@@ -1,0 +1,128 @@
+"""Sign compressors: signSGD, EF-SignSGD and SIGNUM, one bit per element on the wire.
+
+Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", ICML 2018;
+Bernstein et al., "signSGD with Majority Vote is Communication Efficient and Fault
+Tolerant", ICLR 2019; Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
+Compression Schemes", ICML 2019.
+
+Signs travel as a packed bit mask (bit set = negative), so n elements cost ⌈n/8⌉ bytes.
+A zero has no sign bit of its own and is sent as +1, as in the reference implementations.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from . import register
+from .base import Compressor, Context
+from .packing import pack_bits, unpack_bits
+
+
+def pack_signs(tensor: torch.Tensor) -> torch.Tensor:
+    """⌈n/8⌉ bytes: bit i is set where element i is negative."""
+    return pack_bits(tensor.reshape(-1) < 0, 1)
+
+
+def unpack_signs(packed: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """±1 tensor of ``ctx``'s shape and dtype from :func:`pack_signs`' bytes."""
+    negative = unpack_bits(packed, 1, ctx.numel)
+    signs = negative.to(ctx.dtype).mul_(-2).add_(1)
+    return signs.view(ctx.shape)
+
+
+class _MajorityVote(Compressor):
+    """Aggregation by majority vote: the update is the sign of the sum of the ranks' signs."""
+
+    summable = False
+    fixed_size = True
+    average = False
+    recommended_memory = "none"
+    recommended_communicator = "allgather"
+
+    def aggregate(self, tensors):
+        return super().aggregate(tensors).sign_()
+
+
+@register("signsgd")
+class SignSGDCompressor(_MajorityVote):
+    """Send sign(g); the ranks' signs are combined by majority vote (sign of their sum).
+
+    Biased (the magnitude is lost), which the majority vote analysis of Bernstein et al.
+    (ICLR 2019) accepts: use a small learning rate, as for Adam-like updates.  Ties of an
+    even number of ranks give 0 (no step on that coordinate).
+
+    Wire for n elements: ⌈n/8⌉ bytes.  ``average = False``: the vote is the update.
+    """
+
+    def compress(self, tensor, name):
+        return (pack_signs(tensor),), Context(tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        return unpack_signs(payload[0], ctx)
+
+
+@register("signum")
+class SignumCompressor(_MajorityVote):
+    """SIGNUM: send the sign of the momentum m ← β·m + (1 − β)·g, combined by majority vote.
+
+    Bernstein et al. (ICML 2018, ICLR 2019).  The momentum lives here, per group, so the
+    wrapped optimizer must be plain SGD without momentum.  Biased like signSGD.
+
+    Wire for n elements: ⌈n/8⌉ bytes.  ``average = False``.
+    """
+
+    def __init__(self, beta: float = 0.9):
+        beta = float(beta)
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"signum momentum beta must be in [0, 1), got {beta!r}; 0.9 is usual")
+        self.beta = beta
+        self.momenta: Dict[str, torch.Tensor] = {}
+
+    def compress(self, tensor, name):
+        momentum = self.momenta.get(name)
+        if momentum is None:
+            momentum = self.momenta[name] = torch.zeros_like(tensor)
+        elif momentum.shape != tensor.shape:
+            raise ValueError(
+                f"signum momentum of group {name!r} has shape {tuple(momentum.shape)} but the "
+                f"gradient has shape {tuple(tensor.shape)}: the plan changed; create a new compressor")
+        momentum.mul_(self.beta).add_(tensor, alpha=1.0 - self.beta)
+        return (pack_signs(momentum),), Context(tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        return unpack_signs(payload[0], ctx)
+
+    def state_dict(self):
+        return {"momenta": {k: v.detach().clone() for k, v in self.momenta.items()}}
+
+    def load_state_dict(self, state):
+        self.momenta = {k: v.clone() for k, v in state.get("momenta", {}).items()}
+
+    def __repr__(self):
+        return f"SignumCompressor(beta={self.beta})"
+
+
+@register("efsignsgd")
+class EFSignSGDCompressor(Compressor):
+    """EF-SignSGD: send (‖g‖₁/n)·sign(g), the scaled sign, and keep the error as residual.
+
+    Karimireddy et al. (ICML 2019): the scale makes the compressor a δ-approximate one, so
+    error feedback (the ``residual`` memory) restores SGD's convergence.  Biased.
+
+    Wire for n elements: ⌈n/8⌉ bytes of signs + 4 bytes for the fp32 scale.
+    """
+
+    summable = False
+    fixed_size = True
+    recommended_memory = "residual"
+    recommended_communicator = "allgather"
+
+    def compress(self, tensor, name):
+        flat = tensor.reshape(-1)
+        scale = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32) / max(1, flat.numel())
+        return (pack_signs(flat), scale.reshape(1)), Context(tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        packed, scale = payload
+        return unpack_signs(packed, ctx).mul_(scale.to(ctx.dtype))
