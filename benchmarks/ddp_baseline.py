@@ -1,0 +1,258 @@
+#!/usr/bin/env python
+"""PyTorch DDP baselines, timed exactly like ``compress_benchmark.py``.
+
+Compressed training is only worth its complexity if it beats what PyTorch already ships, so
+this script measures DistributedDataParallel with the same models, synthetic batches, batch
+sizes, timing loop (warm-up, then ``--num-iters`` iterations of ``--num-batches-per-iter``
+steps) and ``--json`` schema as ``compress_benchmark.py``; a sweep can put both side by side.
+
+Hooks (``--hook``):
+
+- ``fp32``: ``default_hooks.allreduce_hook``, plain FP32 allreduce (DDP's default behaviour,
+  routed through a Python hook so that its bytes can be counted).
+- ``fp16``: ``default_hooks.fp16_compress_hook``, 16-bit allreduce.  The ``bf16`` hook refuses
+  every backend but NCCL, so on gloo/CPU the 16-bit baseline is fp16.
+- ``powersgd``: ``powerSGD_hook.powerSGD_hook`` at ``--powersgd-rank`` (1, 4, ...), with error
+  feedback and warm start.  PyTorch needs ``start_powerSGD_iter`` ≥ 2 for those, and the
+  first ``start_powerSGD_iter`` steps are plain allreduce, so the warm-up must cover them:
+  every timed step then runs PowerSGD.
+
+DDP uses its default bucket size, 25 MB (``--bucket-cap-mb``).  ``bytes_per_step`` is counted,
+not estimated: every tensor a hook hands to ``torch.distributed.all_reduce`` is added up
+(for PowerSGD that is the rank-1 tensors allreduced uncompressed, then P, then Q).
+
+Launch as ``compress_benchmark.py`` is launched: torchrun, ``--nproc N``, or the env://
+variables RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (what ``benchmarks/cluster.py`` sets).
+
+    python benchmarks/ddp_baseline.py --nproc 2 --model vgg16 --hook powersgd --powersgd-rank 4
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mergecomp import launch, models  # noqa: E402
+
+HOOKS = ("fp32", "fp16", "powersgd")
+DEFAULT_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet20", help=f"one of {', '.join(models.available())}")
+    p.add_argument("--batch-size", type=int, default=None, help="per worker (default: the model's)")
+    p.add_argument("--hook", default="fp32", choices=HOOKS, help="DDP communication hook")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="PowerSGD matrix approximation rank")
+    p.add_argument("--powersgd-start-iter", type=int, default=2,
+                   help="steps of plain allreduce before PowerSGD starts (≥ 2; warm-up must cover them)")
+    p.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
+                   help=f"DDP bucket size in MB (default {DEFAULT_BUCKET_CAP_MB}, DDP's own)")
+    p.add_argument("--num-warmup-batches", type=int, default=10)
+    p.add_argument("--num-batches-per-iter", type=int, default=10)
+    p.add_argument("--num-iters", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if CUDA is available")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="spawn this many local workers (when not started by a launcher)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: CPU cores / local workers)")
+    p.add_argument("--json", default=None, help="write the result as JSON to this path (rank 0)")
+    p.add_argument("--seed", type=int, default=42)
+    args = p.parse_args(argv)
+    if args.num_warmup_batches < 0:
+        p.error(f"--num-warmup-batches must be ≥ 0, got {args.num_warmup_batches}")
+    for name in ("num_batches_per_iter", "num_iters", "batch_size", "nproc", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
+    if args.bucket_cap_mb <= 0:
+        p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+    if args.hook == "powersgd":
+        if args.powersgd_rank < 1:
+            p.error(f"--powersgd-rank must be ≥ 1, got {args.powersgd_rank}")
+        if args.powersgd_start_iter < 2:
+            p.error(f"--powersgd-start-iter must be ≥ 2 (PyTorch requires it with error feedback "
+                    f"and warm start), got {args.powersgd_start_iter}")
+        if args.num_warmup_batches < args.powersgd_start_iter:
+            p.error(f"--num-warmup-batches {args.num_warmup_batches} is less than "
+                    f"--powersgd-start-iter {args.powersgd_start_iter}: the first timed steps "
+                    f"would be plain allreduce; raise the warm-up to ≥ {args.powersgd_start_iter}")
+    return args
+
+
+class AllreduceCounter:
+    """Counts the bytes of every tensor handed to ``torch.distributed.all_reduce``.
+
+    The DDP hooks call ``dist.all_reduce`` through the module attribute, also from the
+    callbacks of their futures (PowerSGD's Q step), so replacing the attribute sees them all.
+    """
+
+    def __init__(self):
+        self.bytes_sent = 0
+        self._original = dist.all_reduce
+
+    def __enter__(self):
+        def counting_all_reduce(tensor, *args, **kwargs):
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+            return self._original(tensor, *args, **kwargs)
+        dist.all_reduce = counting_all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._original
+
+
+class BucketCounter:
+    """Wraps a hook to count its calls: one call per DDP bucket, so calls per step = groups.
+
+    ``hook`` is the function to register (a plain function: DDP inspects its name).
+    """
+
+    def __init__(self, inner):
+        self.calls = 0
+
+        @functools.wraps(inner)
+        def hook(state, bucket):
+            self.calls += 1
+            return inner(state, bucket)
+        self.hook = hook
+
+
+def register_hook(model: DistributedDataParallel, args):
+    """Register the chosen hook; returns (a one-line description for the log, BucketCounter)."""
+    if args.hook == "fp32":
+        state, hook = None, BucketCounter(default_hooks.allreduce_hook)
+        text = "DDP FP32 allreduce (allreduce_hook)"
+    elif args.hook == "fp16":
+        state, hook = None, BucketCounter(default_hooks.fp16_compress_hook)
+        text = "DDP 16-bit allreduce (fp16_compress_hook; bf16_compress_hook needs NCCL)"
+    else:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=args.powersgd_start_iter, random_seed=args.seed)
+        hook = BucketCounter(powerSGD_hook.powerSGD_hook)
+        text = (f"DDP PowerSGD rank {args.powersgd_rank} (powerSGD_hook, error feedback, warm "
+                f"start, from step {args.powersgd_start_iter})")
+    model.register_comm_hook(state, hook.hook)
+    return text, hook
+
+
+def worker(args):
+    device_name = "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
+    info = launch.init_distributed(device=device_name)
+    device = torch.device("cuda", info.local_rank) if device_name == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(args.threads or max(1, cores // max(1, info.local_world_size)))
+    rank, size = info.rank, info.world_size
+    torch.manual_seed(args.seed)
+
+    spec = models.get(args.model)
+    batch_size = args.batch_size or spec.default_batch_size
+    net = spec.build().to(device)
+    generator = torch.Generator(device=device).manual_seed(args.seed + rank)
+    inputs, targets = spec.batch(batch_size, device=device, generator=generator)
+    num_params = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None,
+                                    bucket_cap_mb=args.bucket_cap_mb)
+    exchange, buckets = register_hook(model, args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+
+    def benchmark_step():
+        optimizer.zero_grad()
+        spec.loss(model(inputs), targets).backward()
+        optimizer.step()
+
+    def timed(batches):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(batches):
+            benchmark_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"Model: {args.model} ({num_params / 1e6:.2f}M parameters), batch size {batch_size} per worker")
+    log(f"Workers: {size} ({info.launcher}), device: {device}, backend: {dist.get_backend()}")
+    log(f"Exchange: {exchange}, bucket size {args.bucket_cap_mb:g} MB")
+
+    rates, bytes_per_step, step_times = [], [], []
+    with AllreduceCounter() as counter:
+        timed(max(1, args.num_warmup_batches))
+        for i in range(args.num_iters):
+            sent_before, calls_before = counter.bytes_sent, buckets.calls
+            seconds = timed(args.num_batches_per_iter)
+            bytes_per_step.append((counter.bytes_sent - sent_before) / args.num_batches_per_iter)
+            step_times.append(seconds / args.num_batches_per_iter)
+            rates.append(batch_size * args.num_batches_per_iter / seconds)
+            groups = (buckets.calls - calls_before) // args.num_batches_per_iter
+            log(f"Iter #{i}: {rates[-1]:.1f} {spec.unit}/sec per worker")
+
+    everyone = [None] * size
+    dist.all_gather_object(everyone, (rates, bytes_per_step))
+    mean_rates = [statistics.mean(r) for r, _ in everyone]
+    mean = statistics.mean(rates)
+    conf = 1.96 * (statistics.stdev(rates) if len(rates) > 1 else 0.0)
+    total = sum(mean_rates)
+    sent = statistics.mean(statistics.mean(b) for _, b in everyone)
+    fp32_bytes = 4 * num_params
+    label = f"ddp-{args.hook}" + (f"-r{args.powersgd_rank}" if args.hook == "powersgd" else "")
+    result = {
+        "model": args.model, "unit": spec.unit, "compress": args.hook != "fp32",
+        "compressor": label, "compress_ratio": None, "memory": "ddp", "comm": "ddp-allreduce",
+        "fusion_num": None, "scheduler": "ddp-buckets", "groups": groups, "plan": None,
+        "workers": size, "launcher": info.launcher, "device": str(device), "batch_size": batch_size,
+        "num_params": num_params, "rate_per_worker": mean, "rate_per_worker_ci": conf,
+        "rate_total": total, "iteration_time_s": statistics.mean(step_times),
+        "bytes_per_step": sent, "fp32_bytes_per_step": fp32_bytes,
+        "compression_ratio": fp32_bytes / sent if sent else math.inf, "rates": rates,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "hook": args.hook, "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None,
+        "bucket_cap_mb": args.bucket_cap_mb,
+    }
+    log(f"{spec.unit.capitalize()}/sec per worker: {mean:.1f} +-{conf:.1f}")
+    log(f"Total {spec.unit}/sec on {size} worker(s): {total:.1f} +-{conf * size:.1f}")
+    log(f"Bytes sent per worker per iteration: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
+        f"{fp32_bytes:,} bytes; compression ratio {result['compression_ratio']:.1f}x")
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    models.get(args.model)  # fail fast on an unknown name, before any process starts
+    if args.nproc is not None and launch.detect().launcher not in ("single", "spawn"):
+        raise SystemExit(f"--nproc {args.nproc} was given but this process was started by "
+                         f"{launch.detect().launcher}; use one or the other")
+    if args.nproc is not None and launch.detect().launcher == "single":
+        launch.spawn(worker, args.nproc, args=(args,))
+    else:
+        worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
