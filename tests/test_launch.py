@@ -1,5 +1,6 @@
 """Launch discovery from fake environments, and real runs through spawn and mpirun."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -193,9 +194,9 @@ def test_cuda_device_without_cuda_is_refused():
         launch._choose_backend(None, "cuda", launch.detect({}))
 
 
-# ----------------------------------------------------------------------------- mpirun
+# ----------------------------------------------------------------------------- mpirun, torchrun
 
-MPI_PROGRAM = """
+ALLREDUCE_PROGRAM = """
 import torch, torch.distributed as dist
 from mergecomp import launch
 info = launch.init_distributed(timeout_s=60)
@@ -204,6 +205,11 @@ dist.all_reduce(value)
 print(f"RESULT {info.launcher} {info.rank} {info.world_size} {value.item()}", flush=True)
 dist.destroy_process_group()
 """
+
+
+def _results(stdout):
+    """The RESULT records, sorted; the launcher may interleave the ranks' lines."""
+    return sorted(re.findall(r"RESULT (\w+ \d+ \d+ [\d.]+)", stdout))
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None,
@@ -216,12 +222,11 @@ def test_real_mpirun_allreduce():
         env.pop(name, None)
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without these
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = ["mpirun", "-np", "2", "--oversubscribe", sys.executable, "-c", MPI_PROGRAM]
+    command = ["mpirun", "-np", "2", "--oversubscribe", sys.executable, "-c", ALLREDUCE_PROGRAM]
     done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
-    assert lines == ["RESULT mpirun 0 2 3.0", "RESULT mpirun 1 2 3.0"], done.stdout + done.stderr
+    assert _results(done.stdout) == ["mpirun 0 2 3.0", "mpirun 1 2 3.0"], done.stdout
 
 
 def _killed_by_a_signal():
@@ -232,3 +237,18 @@ def _killed_by_a_signal():
 def test_a_child_killed_by_a_signal_is_reported():
     with pytest.raises(SpawnedProcessError, match="rank 0 was killed by signal 9"):
         launch.spawn(_killed_by_a_signal, 1)
+
+
+def test_real_torchrun_allreduce(tmp_path):
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE_PROGRAM)
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "MERGECOMP_LAUNCHER"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(launch.free_port()), str(script)]
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _results(done.stdout) == ["torchrun 0 2 3.0", "torchrun 1 2 3.0"], done.stdout
