@@ -61,7 +61,8 @@ class DGCCompressor(Compressor):
     (the density decays exponentially from 25% to ``compress_ratio`` over W epochs, the
     paper's 25% → 6.25% → 1.5625% → 0.4% → 0.1% for W = 4 and 0.1%) or an explicit list
     of densities for epochs 0, 1, ...  Call :meth:`set_epoch` at the start of every epoch
-    (the optimizer wrapper forwards its own ``set_epoch``); before any call the epoch is 0.
+    (``optimizer.compressor.set_epoch(epoch)`` on the DistributedOptimizer); before any
+    call the epoch is 0.
 
     Wire for n elements, c ≤ k values sent: c × (value bytes + index bytes) — values in
     the input dtype (2 bytes with ``fp16_values=True``), int32 indices (``index_bits=64``

@@ -14,6 +14,7 @@ allocate (and page-fault) a fresh n-element tensor on every step.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from typing import Dict, Tuple
 
@@ -42,6 +43,32 @@ def _check(codes: torch.Tensor, bits: int) -> None:
 
 def _shifts(bits: int, per_byte: int, device) -> torch.Tensor:
     return torch.arange(bits * (per_byte - 1), -1, -bits, dtype=torch.uint8, device=device)
+
+
+# 1-bit fast path: eight 0/1 bytes read as one little-endian int64 word w hold bit j at
+# position 8j.  w · 0x8040201008040201 (= Σ 2^(63−9j)) moves bit j to 63 − j, the top byte,
+# in MSB-first order, with no carries (the copies are 9 bits apart); unpacking multiplies
+# a byte by Σ 2^(9j), masks one bit per byte and shifts it into place.  Two integer ops per
+# 8 elements instead of 16 shifts and ors.
+_GATHER = 0x8040201008040201 - (1 << 64)  # as a signed int64
+_SPREAD = 0x8040201008040201 - (1 << 64)
+_ONE_PER_BYTE = 0x0101010101010101
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _pack_ones(flat: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = the 8 flags flat[8i:8i+8] (0/1 bytes), most significant first."""
+    if flat.storage_offset() % 8:
+        flat = flat.clone()  # an int64 view needs 8-byte alignment
+    words = flat.view(torch.int64)
+    gathered = (words * _GATHER).view(torch.uint8).view(-1, 8)
+    out.copy_(gathered[:, 7])
+
+
+def _unpack_ones(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_pack_ones`: 8 bytes of 0/1 per packed byte."""
+    spread = packed.to(torch.int64).mul_(_SPREAD).bitwise_right_shift_(7).bitwise_and_(_ONE_PER_BYTE)
+    return spread.view(torch.uint8)
 
 
 def _pack_rows(rows: torch.Tensor, bits: int, out: torch.Tensor) -> None:
@@ -76,7 +103,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     full, rest = divmod(n, per_byte)
     out = torch.empty(full + (1 if rest else 0), dtype=torch.uint8, device=flat.device)
-    if full:
+    if full and bits == 1 and _LITTLE_ENDIAN:
+        _pack_ones(flat[: full * per_byte], out[:full])
+    elif full:
         _pack_rows(flat[: full * per_byte].view(full, per_byte), bits, out[:full])
     if rest:
         tail = torch.zeros(per_byte, dtype=torch.uint8, device=flat.device)
@@ -107,6 +136,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         for j in range(1, bits):
             codes.bitwise_left_shift_(1).bitwise_or_(planes[:, j])
         return codes
+    if bits == 1 and _LITTLE_ENDIAN:
+        return _unpack_ones(packed[: need])[:numel]
     per_byte = 8 // bits
     shifts = _shifts(bits, per_byte, packed.device)
     codes = torch.bitwise_and(packed.unsqueeze(1) >> shifts, (1 << bits) - 1)

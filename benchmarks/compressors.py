@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Speed of every compressor: compress + decode of one fp32 tensor, against a clone() of it.
+
+For each compressor and size (default 1M and 25M elements) on the CPU (and CUDA when
+available) the table gives the median time of compress + decompress (PowerSGD: its two
+rounds with the identity in place of the allreduces), the input bandwidth in GB/s, the
+bytes on the wire, and the ratio to ``tensor.clone()`` timed in the same run: a clone
+reads and writes every byte once, the floor any compressor that touches its input pays.
+DGC rows also give ``torch.topk`` on the same tensor, the exact selection it replaces.
+
+Timings run on one thread by default (``--threads``) so that numbers from shared
+machines stay comparable.  ATOMO above ``--atomo-max`` elements is skipped: its SVD is
+cubic and it is meant for layers, not fused buffers.
+
+    python benchmarks/compressors.py                      # everything, 1M and 25M
+    python benchmarks/compressors.py --sizes 1M --compressors dgc,qsgd,signsgd
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mergecomp import compressors  # noqa: E402
+from mergecomp.compressors.loopback import run_locally  # noqa: E402
+
+
+def parse_size(text: str) -> int:
+    """'25M' → 25_000_000, '512K' → 512_000, '1000' → 1000."""
+    text = text.strip().upper()
+    scale = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a number like 1M, 25M or 4096") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 element, got {text!r}")
+    return value
+
+
+def median_ms(fn, device: torch.device, reps: int) -> float:
+    """Median wall time of ``fn()`` in ms over ``reps`` runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def benchmark_compressor(name: str, tensor: torch.Tensor, clone_ms: float, reps: int):
+    compressor = compressors.create(name)
+    state = {}
+
+    def step():
+        state["decoded"], state["nbytes"] = run_locally(compressor, tensor, "bench")
+
+    ms = median_ms(step, tensor.device, reps)
+    row = {"compressor": name, "ms": ms, "gbps": tensor.numel() * tensor.element_size() / ms / 1e6,
+           "wire": state["nbytes"], "vs_clone": ms / clone_ms, "note": ""}
+    if name == "dgc":
+        k = max(1, int(tensor.numel() * compressor.density()))
+        topk_ms = median_ms(lambda: torch.topk(tensor.abs(), k, sorted=False), tensor.device, reps)
+        row["note"] = f"torch.topk {topk_ms:.1f} ms: dgc is {topk_ms / ms:.1f}x faster"
+    return row
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1M,25M", help="comma-separated element counts (default 1M,25M)")
+    parser.add_argument("--compressors", default=None,
+                        help="comma-separated names (default: every registered compressor)")
+    parser.add_argument("--devices", default=None, help="comma-separated devices (default: cpu, and cuda if present)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per cell; the median is reported")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--atomo-max", type=parse_size, default=parse_size("4M"),
+                        help="largest size ATOMO is run at (its SVD is cubic; default 4M)")
+    args = parser.parse_args(argv)
+
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    names = args.compressors.split(",") if args.compressors else compressors.available()
+    for name in names:
+        compressors.get(name)  # unknown names fail now, with the list of valid ones
+    if args.reps < 1:
+        parser.error(f"--reps must be at least 1, got {args.reps}")
+    devices = (args.devices.split(",") if args.devices
+               else ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+    torch.set_num_threads(args.threads)
+
+    print(f"torch {torch.__version__}, {args.threads} CPU thread(s), median of {args.reps}\n")
+    print("| device | elements | compressor | ms | GB/s in | wire | × clone | note |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    for device in map(torch.device, devices):
+        for size in sizes:
+            tensor = torch.randn(size, generator=torch.Generator().manual_seed(0)).to(device)
+            clone_ms = median_ms(tensor.clone, device, args.reps)
+            print(f"| {device} | {size:,} | clone() | {clone_ms:.2f} | "
+                  f"{size * 4 / clone_ms / 1e6:.2f} | | 1.00 | |", flush=True)
+            for name in names:
+                if name == "atomo" and size > args.atomo_max:
+                    print(f"| {device} | {size:,} | atomo | | | | | skipped: SVD above --atomo-max |")
+                    continue
+                row = benchmark_compressor(name, tensor, clone_ms, args.reps)
+                print(f"| {device} | {size:,} | {name} | {row['ms']:.2f} | {row['gbps']:.2f} | "
+                      f"{human_bytes(row['wire'])} | {row['vs_clone']:.2f} | {row['note']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
