@@ -1,4 +1,4 @@
-"""Communicators: the registry and the built-ins (``allreduce``, ``allgather``).
+"""Communicators: the registry and the built-ins (``allreduce``, ``allgather``, ``ps``).
 
 ``create(name, compressor=..., memory=..., backend=...)`` builds one; a communicator
 refuses, at construction, a compressor it cannot carry.
@@ -12,6 +12,6 @@ create = registry.create
 available = registry.available
 get = registry.get
 
-from . import allreduce, allgather  # noqa: E402,F401
+from . import allreduce, allgather, ps  # noqa: E402,F401
 
 __all__ = ["Communicator", "Handle", "register", "create", "available", "get", "registry"]

@@ -1,0 +1,266 @@
+"""PS: a colocated, sharded parameter server built from collectives.
+
+As in BytePS (Jiang et al., OSDI 2020) and MergeComp's PS mode, every rank is a worker and
+also the server of one shard.  For a group of n elements on N ranks:
+
+1. the buffer is cut into N contiguous shards (the first n mod N shards hold one element
+   more, so sizes differ by at most one; shards are empty when n < N);
+2. each worker runs error feedback and compression per shard, under the names
+   ``f"{name}/shard{r}"`` (memory and compressor state are kept per shard);
+3. an all-to-all sends shard r's payload to rank r (nothing is sent to oneself);
+4. server r combines its N payloads:
+
+   * summable compressors (``none``, fp16, bf16, rand-k with shared indices): the payloads
+     are added elementwise.  ``decode(Σ payloads) == Σ decode(payload)`` is what summable
+     means, so the sum *is* the aggregate, exact and already compressed: the server has
+     nothing to recompress and keeps no residual.  With ``none`` this is a reduce-scatter
+     (gloo has none, so it is an all-to-all plus a local sum), and step 5 is the allgather
+     that completes the allreduce: 2·(N−1)/N·4n bytes per rank, like a ring allreduce;
+   * any other compressor: each payload is decoded, combined with ``compressor.aggregate``
+     (majority vote for signSGD), divided by N when ``compressor.average``, the server's
+     residual is added, the result is compressed again and what that loses becomes the new
+     server residual (error feedback on the server, Zheng et al., NeurIPS 2019);
+
+5. every server's payload is all-gathered back and each worker decodes and concatenates the
+   shards into the averaged group.
+
+Majority-vote compressors (``average = False``: signSGD, SIGNUM) send the vote back as
+packed signs with ``signsgd``, as in Bernstein et al. (ICLR 2019): the vote is already a
+sign vector, and SIGNUM's momentum belongs to the workers, not to the vote.
+
+Non-summable compressors must have contexts that carry only shape and dtype (true for every
+built-in): workers decode the server's recompressed shard with their own shard context.
+
+Wire per rank for n elements, p(m) the payload bytes of m elements, s = ⌈n/N⌉:
+all-to-all (N−1)·p(s) plus N·8 bytes of sizes (plus a shape header per shard for
+variable-size payloads); allgather p(s) padded to the largest server payload, plus a small
+header.  Compare allgather's p(n) sent and N·p(n) received per rank.
+
+Async contract: ``start`` blocks for compression, the all-to-all and the server's work (it
+runs inside the backward hook), then launches the allgather asynchronously; ``finish``
+waits for the allgather and decodes.  Multi-round compressors (PowerSGD) go through the
+base class's allreduce rounds instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import register
+from .base import Communicator, Handle
+from ..backends.serialize import MAX_DIMS, pack, unpack
+from ..compressors.base import Compressor, Context
+from ..memories.none import NoneMemory
+
+#: dtypes a self-describing blob can carry, by code.
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
+           torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+_HEADER_ROW = 2 + MAX_DIMS  # dtype code, ndim, dims
+
+
+def shard_sizes(numel: int, world_size: int) -> List[int]:
+    """N contiguous shard lengths summing to ``numel``; the first ``numel % N`` get one more."""
+    base, extra = divmod(numel, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def encode(payload: Sequence[torch.Tensor], device) -> torch.Tensor:
+    """One uint8 blob holding a payload and its own shapes and dtypes.
+
+    Layout: int64 header ``[parts, (dtype code, ndim, dims padded with -1) per part]``, then
+    the parts, each 8-byte aligned.  Costs 8 + 48 bytes per part over the bare payload.
+    """
+    rows = [len(payload)]
+    for part in payload:
+        if part.dtype not in _DTYPES:
+            raise ValueError(f"PS cannot carry payload dtype {part.dtype}; supported: "
+                             f"{[str(d) for d in _DTYPES]}")
+        if part.dim() > MAX_DIMS:
+            raise ValueError(f"PS payload parts may have at most {MAX_DIMS} dims, got shape "
+                             f"{tuple(part.shape)}")
+        rows += [_DTYPES.index(part.dtype), part.dim()] + list(part.shape) + [-1] * (MAX_DIMS - part.dim())
+    header = torch.tensor(rows, dtype=torch.int64, device=device)
+    return pack((header, *payload), device)
+
+
+def decode(blob: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Inverse of :func:`encode`; an empty blob is an empty payload (an empty shard)."""
+    if blob.numel() == 0:
+        return ()
+    blob = _aligned(blob)
+    parts = int(blob[:8].view(torch.int64)[0])
+    header_len = 1 + parts * _HEADER_ROW
+    rows = blob[:8 * header_len].view(torch.int64)[1:].view(parts, _HEADER_ROW).tolist()
+    shapes = [torch.Size(row[2:2 + row[1]]) for row in rows]
+    dtypes = [_DTYPES[row[0]] for row in rows]
+    return unpack(blob, [torch.Size([header_len])] + shapes, [torch.int64] + dtypes)[1:]
+
+
+def _aligned(blob: torch.Tensor) -> torch.Tensor:
+    """A uint8 view whose start is 8-byte aligned, so parts can be viewed as any dtype."""
+    return blob if blob.storage_offset() % 8 == 0 else blob.clone()
+
+
+@register("ps")
+class PSCommunicator(Communicator):
+    """Colocated sharded parameter server: all-to-all up, server recompression, allgather down.
+
+    Args:
+        compressor, memory, backend: as for every communicator; ``memory`` is the workers'
+            error feedback, applied per shard.
+        server_residual: keep the servers' recompression error and add it to the next
+            step's aggregate (error feedback on the server).  None (the default) does what
+            the workers do: on when the server recompresses (non-summable compressors) and
+            ``memory`` feeds errors back; off with the ``none`` memory, the choice for
+            unbiased compressors (QSGD, TernGrad, ATOMO), whose large unbiased errors error
+            feedback would accumulate instead of averaging out, and for majority vote.
+            Summable compressors are aggregated exactly and never keep a server residual.
+    """
+
+    def __init__(self, compressor, memory, backend, server_residual: Optional[bool] = None):
+        super().__init__(compressor, memory, backend)
+        if server_residual is not None and not isinstance(server_residual, bool):
+            raise ValueError(f"server_residual must be True, False or None (automatic), got "
+                             f"{server_residual!r}")
+        self.recompresses = not compressor.summable
+        if server_residual is None:
+            server_residual = not isinstance(memory, NoneMemory)
+        self.server_residual = self.recompresses and server_residual
+        self.server_residuals: Dict[str, torch.Tensor] = {}
+        self._vote_compressor: Optional[Compressor] = None
+
+    @property
+    def server_compressor(self) -> Compressor:
+        """What the servers send back with: the compressor itself, or ``signsgd`` for a vote."""
+        if self.compressor.average:
+            return self.compressor
+        if self._vote_compressor is None:
+            from .. import compressors
+            self._vote_compressor = compressors.create("signsgd")
+        return self._vote_compressor
+
+    # -- start: workers compress, all-to-all, servers aggregate, allgather launched -----
+    def start(self, tensor: torch.Tensor, name: str) -> Handle:
+        if self.compressor.multi_round:
+            return super().start(tensor, name)
+        rank, size = self.backend.rank, self.backend.size
+        flat = tensor.reshape(-1)
+        shards = torch.split(flat, shard_sizes(flat.numel(), size))
+        payloads: List[Tuple[torch.Tensor, ...]] = []
+        contexts: List[Optional[Context]] = []
+        for r, shard in enumerate(shards):
+            payload, ctx = self._compress_shard(shard, f"{name}/shard{r}")
+            payloads.append(payload)
+            contexts.append(ctx)
+        chunks = [self._uplink_chunk(payloads[r], flat.device) if r != rank
+                  else torch.empty(0, dtype=torch.uint8, device=flat.device) for r in range(size)]
+        received = self.backend.alltoall(chunks)
+        mine = [payloads[rank] if r == rank else self._uplink_payload(received[r], payloads[rank])
+                for r in range(size)]
+        reply = self._serve(mine, contexts[rank], f"{name}/shard{rank}")
+        work = self.backend.allgather_async((encode(reply, flat.device),), same_shapes=False)
+        return Handle(name, tensor.shape, work, extra={"contexts": contexts, "dtype": flat.dtype,
+                                                       "device": flat.device})
+
+    def _compress_shard(self, shard: torch.Tensor, shard_name: str):
+        if shard.numel() == 0:  # fewer elements than ranks: nothing to send for this shard
+            return (), None
+        compensated = self.memory.compensate(shard, shard_name)
+        payload, ctx = self.compressor.compress(compensated, shard_name)
+        self.memory.update(compensated, shard_name, self.compressor, payload, ctx)
+        if self.recompresses:
+            _check_plain_context(ctx, self.compressor)
+        return tuple(payload), ctx
+
+    def _uplink_chunk(self, payload, device) -> torch.Tensor:
+        """Fixed-size payloads travel bare (the server knows their shapes); others with a header."""
+        if not payload:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        return pack(payload, device) if self.compressor.fixed_size else encode(payload, device)
+
+    def _uplink_payload(self, chunk: torch.Tensor, own: Tuple[torch.Tensor, ...]):
+        if not own:
+            return ()
+        if self.compressor.fixed_size:
+            return unpack(_aligned(chunk), [p.shape for p in own], [p.dtype for p in own])
+        return decode(chunk)
+
+    def _serve(self, payloads, ctx: Optional[Context], shard_name: str) -> Tuple[torch.Tensor, ...]:
+        """The server's work for its shard: the aggregate, compressed, to send back."""
+        if ctx is None:  # an empty shard
+            return ()
+        if not self.recompresses:
+            total = tuple(part.clone() for part in payloads[0])
+            for payload in payloads[1:]:
+                for acc, part in zip(total, payload):
+                    acc.add_(part)
+            return total
+        decoded = [self.compressor.decompress(p, ctx).reshape(-1) for p in payloads]
+        aggregate = self.compressor.aggregate(decoded)
+        if self.compressor.average:
+            aggregate = aggregate.div_(self.backend.size)
+        if self.server_residual:
+            residual = self.server_residuals.get(shard_name)
+            if residual is not None:
+                if residual.shape != aggregate.shape:
+                    raise ValueError(
+                        f"server residual of {shard_name!r} has {residual.numel()} elements but "
+                        f"the shard has {aggregate.numel()}: the plan or world size changed; "
+                        "build a new communicator (or load a matching state)")
+                aggregate = aggregate.add_(residual)
+        server = self.server_compressor
+        payload, server_ctx = server.compress(aggregate, shard_name + "/server")
+        if self.server_residual:
+            sent = server.decompress(payload, server_ctx).reshape(-1)
+            self.server_residuals[shard_name] = aggregate - sent
+        return tuple(payload)
+
+    # -- finish: wait for the servers' shards and reassemble ------------------------------
+    def finish(self, handle: Handle) -> torch.Tensor:
+        """Wait for the allgather (the only collective left in flight) and decode the shards."""
+        if handle.rounds is not None:
+            return super().finish(handle)
+        contexts = handle.extra["contexts"]
+        decoder = self.compressor if not self.recompresses else self.server_compressor
+        pieces = []
+        for (blob,), ctx in zip(handle.work.wait(), contexts):
+            if ctx is None:
+                continue
+            pieces.append(decoder.decompress(decode(blob), ctx).reshape(-1))
+        if not pieces:
+            return torch.empty(handle.shape, dtype=handle.extra["dtype"], device=handle.extra["device"])
+        total = torch.cat(pieces)
+        if not self.recompresses and self.compressor.average:
+            total = total.div_(self.backend.size)
+        return total.view(handle.shape)
+
+    # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
+        state["server_residuals"] = {k: v.detach().clone() for k, v in self.server_residuals.items()}
+        if self._vote_compressor is not None:
+            state["server_compressor"] = self._vote_compressor.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.server_residuals = {k: v.clone() for k, v in state.get("server_residuals", {}).items()}
+        if state.get("server_compressor"):
+            self.server_compressor.load_state_dict(state["server_compressor"])
+
+    def __repr__(self) -> str:
+        return (f"PSCommunicator({self.compressor!r}, {self.memory!r}, "
+                f"server_residual={self.server_residual})")
+
+
+def _check_plain_context(ctx: Context, compressor: Compressor) -> None:
+    """Workers decode the server's recompressed shard with their own context: it must say
+    nothing but shape and dtype, or the server's context (made on one rank) would differ."""
+    extra = [f.name for f in dataclasses.fields(ctx) if f.name not in ("shape", "dtype")]
+    if extra:
+        raise ValueError(
+            f"the PS communicator cannot recompress with {compressor.name!r}: its context carries "
+            f"{extra}, which a server cannot share with the workers. Use communicator='allgather' "
+            "with it, or make the compressor summable so the server adds payloads as they are.")
