@@ -145,7 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         #: Seconds spent in step() waiting for groups (exposed for benchmarks).
         self.last_sync_time = 0.0
         if plan is not None:
-            self._install_plan(plan, check_ranks=True)
+            self._install_plan(plan)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
                        for name, p in self._params]
 
@@ -226,13 +226,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             plan = self.scheduler.plan(self._param_infos(order))
         return self.backend.broadcast_object(plan, src=0)
 
-    def _install_plan(self, plan: Plan, check_ranks: bool) -> None:
+    def _install_plan(self, plan: Plan) -> None:
+        """Check the plan against the model and across ranks (by digest), then build groups."""
         plan.validate(n for n, _ in self._params)
-        if check_ranks:
-            digests = self.backend.allgather_object(plan.digest())
-            if len(set(digests)) != 1:
-                raise ValueError(f"ranks were given different plans (digests {digests}); load "
-                                 "the same plan on every rank or let rank 0 plan")
+        digests = self.backend.allgather_object(plan.digest())
+        if len(set(digests)) != 1:
+            raise ValueError(f"ranks were given different plans (digests {digests}); load "
+                             "the same plan on every rank or let rank 0 plan")
         by_name = dict(self._params)
         self.plan = plan
         self._groups = [_GroupState(i, g, [(n, by_name[n]) for n in g.names])
@@ -302,7 +302,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         started = time.perf_counter()
         if self.plan is None:
-            self._install_plan(self._make_plan(), check_ranks=False)
+            self._install_plan(self._make_plan())
         while self._next_launch < len(self._groups):
             self._launch(self._groups[self._next_launch])
         used = self._launch_used_map() if self.find_unused_parameters else None
@@ -385,7 +385,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict["mergecomp"]
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if ours.get("plan") is not None:
-            self._install_plan(Plan.from_dict(ours["plan"]), check_ranks=True)
+            self._install_plan(Plan.from_dict(ours["plan"]))
         self.communicator.load_state_dict(ours.get("communicator", {}))
         for send, state in ours.get("raw_communicators", {}).items():
             self._raw_communicator(send).load_state_dict(state)
