@@ -57,3 +57,10 @@ def test_scratch_reuses_and_survives_copies():
     clone = pickle.loads(pickle.dumps(scratch))
     assert clone.get("x", 3, torch.float32, "cpu").numel() == 3
     copy.deepcopy(scratch).clear()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_word_unpacking_inverts_word_packing(bits):
+    from mergecomp.compressors.packing import _unpack_words
+    codes = torch.randint(0, 2 ** bits, (8 * 64,), dtype=torch.uint8)
+    assert torch.equal(_unpack_words(pack_bits(codes, bits), bits), codes)

@@ -45,30 +45,52 @@ def _shifts(bits: int, per_byte: int, device) -> torch.Tensor:
     return torch.arange(bits * (per_byte - 1), -1, -bits, dtype=torch.uint8, device=device)
 
 
-# 1-bit fast path: eight 0/1 bytes read as one little-endian int64 word w hold bit j at
-# position 8j.  w · 0x8040201008040201 (= Σ 2^(63−9j)) moves bit j to 63 − j, the top byte,
-# in MSB-first order, with no carries (the copies are 9 bits apart); unpacking multiplies
-# a byte by Σ 2^(9j), masks one bit per byte and shifts it into place.  Two integer ops per
-# 8 elements instead of 16 shifts and ors.
-_GATHER = 0x8040201008040201 - (1 << 64)  # as a signed int64
-_SPREAD = 0x8040201008040201 - (1 << 64)
-_ONE_PER_BYTE = 0x0101010101010101
+# Fast path for 1, 2 and 4 bits (little-endian machines, CPUs and GPUs alike): the 8 codes
+# of one int64 word w sit at bit positions 8j.  Multiplying by M = Σ_j 2^(56 + (p−1−j)·b − 8j)
+# (p = 8/b codes per byte) moves code j of the word's first p bytes to bits 56 + (p−1−j)·b,
+# the top byte in most-significant-first order; the other products land at distinct
+# multiples of b (no two overlap, so nothing carries into the top byte) or beyond bit 63
+# (dropped).  Output byte m of the word uses w >> 8pm.  Unpacking multiplies a byte by
+# Σ_j 2^((8+b)·j) (copies 8 + b bits apart), shifts by 8 − b and masks b bits per byte.
+# A few integer ops per 8 elements, instead of one shift-and-or pass per code position.
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def _pack_ones(flat: torch.Tensor, out: torch.Tensor) -> None:
-    """out[i] = the 8 flags flat[8i:8i+8] (0/1 bytes), most significant first."""
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _gather_multiplier(bits: int) -> int:
+    per_byte = 8 // bits
+    return _signed(sum(1 << (56 + (per_byte - 1 - j) * bits - 8 * j) for j in range(per_byte)))
+
+
+def _spread_multiplier(bits: int) -> int:
+    return _signed(sum(1 << ((8 + bits) * j) for j in range(8 // bits)) % (1 << 64))
+
+
+def _byte_mask(bits: int) -> int:
+    return _signed(sum(((1 << bits) - 1) << (8 * j) for j in range(8 // bits)))
+
+
+def _pack_words(flat: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Pack ``flat`` (a multiple of 8 codes) into ``out`` (bits bytes per 8 codes)."""
     if flat.storage_offset() % 8:
         flat = flat.clone()  # an int64 view needs 8-byte alignment
     words = flat.view(torch.int64)
-    gathered = (words * _GATHER).view(torch.uint8).view(-1, 8)
-    out.copy_(gathered[:, 7])
+    multiplier = _gather_multiplier(bits)
+    per_word = out.view(-1, bits)
+    for m in range(bits):
+        source = words if m == 0 else words >> (64 // bits * m)
+        per_word[:, m].copy_((source * multiplier).view(torch.uint8).view(-1, 8)[:, 7])
 
 
-def _unpack_ones(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_pack_ones`: 8 bytes of 0/1 per packed byte."""
-    spread = packed.to(torch.int64).mul_(_SPREAD).bitwise_right_shift_(7).bitwise_and_(_ONE_PER_BYTE)
-    return spread.view(torch.uint8)
+def _unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_words`: 8/bits codes per packed byte."""
+    spread = packed.to(torch.int64).mul_(_spread_multiplier(bits))
+    spread.bitwise_right_shift_(8 - bits).bitwise_and_(_byte_mask(bits))
+    codes = spread.view(torch.uint8).view(-1, 8)
+    return codes.reshape(-1) if bits == 1 else codes[:, : 8 // bits].reshape(-1)
 
 
 def _pack_rows(rows: torch.Tensor, bits: int, out: torch.Tensor) -> None:
@@ -103,10 +125,12 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     full, rest = divmod(n, per_byte)
     out = torch.empty(full + (1 if rest else 0), dtype=torch.uint8, device=flat.device)
-    if full and bits == 1 and _LITTLE_ENDIAN:
-        _pack_ones(flat[: full * per_byte], out[:full])
-    elif full:
-        _pack_rows(flat[: full * per_byte].view(full, per_byte), bits, out[:full])
+    words = full // bits if _LITTLE_ENDIAN else 0  # whole int64 words of 8 codes
+    if words:
+        _pack_words(flat[: words * 8], bits, out[: words * bits])
+    if full > words * bits:
+        done = words * bits
+        _pack_rows(flat[done * per_byte: full * per_byte].view(full - done, per_byte), bits, out[done:full])
     if rest:
         tail = torch.zeros(per_byte, dtype=torch.uint8, device=flat.device)
         tail[:rest] = flat[full * per_byte:]
@@ -136,8 +160,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         for j in range(1, bits):
             codes.bitwise_left_shift_(1).bitwise_or_(planes[:, j])
         return codes
-    if bits == 1 and _LITTLE_ENDIAN:
-        return _unpack_ones(packed[: need])[:numel]
+    if _LITTLE_ENDIAN and bits == 1:  # wider codes: 8 int64 bytes per packed byte cost more than shifts
+        return _unpack_words(packed[:need], bits)[:numel]
     per_byte = 8 // bits
     shifts = _shifts(bits, per_byte, packed.device)
     codes = torch.bitwise_and(packed.unsqueeze(1) >> shifts, (1 << bits) - 1)
