@@ -1,0 +1,163 @@
+"""Horovod backend: the same collectives through Horovod, for jobs started by ``horovodrun``.
+
+Written against Horovod's documented ``horovod.torch`` API (0.28.1 and its main branch):
+``allreduce_async_(tensor, name=, op=hvd.Sum)``, ``allgather_async(tensor, name=)`` (first
+dimensions may differ per rank), ``alltoall_async(tensor, splits=, name=)`` whose
+``synchronize`` gives ``(output, received_splits)``, ``broadcast_object``,
+``allgather_object`` and ``barrier``.  Horovod matches collectives across ranks by name, so
+every call gets a name from a per-backend counter: the same on every rank, because every
+rank issues the same collectives in the same order.
+
+Variable-size allgather sends, in one collective, one byte blob per rank that starts with
+its own int64 header ``[blob bytes, part shapes padded with -1]``; the receiver walks the
+concatenation blob by blob.  Fixed-size payloads travel bare.  Bytes are counted as in the
+torch backend: everything this rank hands to Horovod, headers and split tables included.
+
+Installing Horovod: ``HOROVOD_WITH_PYTORCH=1 pip install --no-cache-dir horovod``.  Its last
+release, 0.28.1, does not build against PyTorch >= 2.1; with a newer PyTorch build Horovod
+from its source repository (``pip install git+https://github.com/horovod/horovod``).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, List, Sequence
+
+import torch
+
+from .base import Backend, Completed, Work
+from .serialize import blob_size, pack, shape_header, shapes_from_header, unpack
+
+INSTALL_ADVICE = (
+    "Install Horovod with PyTorch support: 'HOROVOD_WITH_PYTORCH=1 pip install --no-cache-dir "
+    "horovod'. Horovod's last release, 0.28.1, does not build against PyTorch >= 2.1 (this is "
+    f"PyTorch {torch.__version__}); with a newer PyTorch build Horovod from its source "
+    "repository ('pip install git+https://github.com/horovod/horovod'). Or keep "
+    "torch.distributed under horovodrun with MERGECOMP_BACKEND=torch, or launch with torchrun.")
+
+
+def import_horovod(why: str):
+    """``horovod.torch``, or a RuntimeError saying why it was wanted and how to install it."""
+    try:
+        return importlib.import_module("horovod.torch")
+    except Exception as error:  # ImportError, or a built extension that does not load
+        raise RuntimeError(f"{why}, so mergecomp uses Horovod's collectives, but 'import "
+                           f"horovod.torch' failed ({type(error).__name__}: {error}). "
+                           f"{INSTALL_ADVICE}") from error
+
+
+class _Pending:
+    """One Horovod handle; ``wait()`` synchronizes it and keeps its output."""
+
+    def __init__(self, hvd, handle):
+        self._hvd, self._handle, self.output = hvd, handle, None
+
+    def wait(self):
+        self.output = self._hvd.synchronize(self._handle)
+        return self.output
+
+
+class HorovodBackend(Backend):
+    """Collectives through ``horovod.torch``; calls ``hvd.init()`` if nobody has yet."""
+
+    name = "horovod"
+
+    def __init__(self, why: str = "the Horovod backend was asked for", device=None):
+        super().__init__()
+        self.hvd = import_horovod(why)
+        if not self.hvd.is_initialized():
+            self.hvd.init()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._calls = 0
+
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self.hvd.size()
+
+    def _name(self, op: str) -> str:
+        """A collective name that is the same on every rank and unique among those in flight."""
+        self._calls += 1
+        return f"mergecomp.{op}.{self._calls}"
+
+    def allreduce_async(self, tensors: Sequence[torch.Tensor]) -> Work:
+        tensors = tuple(tensors)
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError(f"Horovod allreduces contiguous tensors only, got one of shape "
+                                 f"{tuple(t.shape)} with strides {t.stride()}; pass t.contiguous()")
+        self._count(tensors)
+        pending = [_Pending(self.hvd, self.hvd.allreduce_async_(t, name=self._name("allreduce"),
+                                                                op=self.hvd.Sum))
+                   for t in tensors if t.numel()]
+        return Work(pending, lambda: tensors)
+
+    def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool) -> Work:
+        tensors = tuple(tensors)
+        device = tensors[0].device if tensors else self.device
+        dtypes = [t.dtype for t in tensors]
+        if same_shapes:
+            shapes = [t.shape for t in tensors]
+            size = blob_size(shapes, dtypes)
+            if size == 0:
+                return Completed([unpack(torch.empty(0, dtype=torch.uint8, device=device), shapes, dtypes)
+                                  for _ in range(self.size)])
+            blob = pack(tensors, device)
+
+            def parse(gathered):
+                return [unpack(gathered[r * size:(r + 1) * size], shapes, dtypes)
+                        for r in range(self.size)]
+        else:
+            header = shape_header(tensors, device)
+            header_bytes = 8 * (1 + header.numel())
+            total = header_bytes + blob_size([t.shape for t in tensors], dtypes)
+            length = torch.tensor([total], dtype=torch.int64, device=device)
+            blob = pack((torch.cat([length, header]), *tensors), device)
+
+            def parse(gathered):
+                return _walk_blobs(gathered, self.size, header_bytes, dtypes)
+        self._count([blob])
+        pending = _Pending(self.hvd, self.hvd.allgather_async(blob, name=self._name("allgather")))
+        return Work([pending], lambda: parse(pending.output))
+
+    def alltoall(self, chunks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        if len(chunks) != self.size:
+            raise ValueError(f"alltoall needs one chunk per rank ({self.size}), got {len(chunks)}")
+        device = chunks[0].device
+        send = torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks])
+        splits = torch.tensor([c.numel() * c.element_size() for c in chunks], dtype=torch.int32)
+        self._count([send, splits])
+        handle = self.hvd.alltoall_async(send, splits=splits, name=self._name("alltoall"))
+        received, received_splits = self.hvd.synchronize(handle)
+        return list(torch.split(received.to(device), received_splits.tolist()))
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=src, name=self._name("broadcast_object"))
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        return self.hvd.allgather_object(obj, name=self._name("allgather_object"))
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+
+def _walk_blobs(gathered: torch.Tensor, world_size: int, header_bytes: int, dtypes) -> List[tuple]:
+    """Split Horovod's concatenation of variable-size blobs; each starts with its length."""
+    results, offset = [], 0
+    for _ in range(world_size):
+        head = gathered[offset:offset + header_bytes]
+        if head.storage_offset() % 8:
+            head = head.clone()
+        words = head.view(torch.int64)
+        total = int(words[0])
+        shapes = shapes_from_header(words[1:])
+        blob = gathered[offset:offset + total]
+        if blob.storage_offset() % 8:
+            blob = blob.clone()
+        header_shape = torch.Size([header_bytes // 8])
+        results.append(unpack(blob, [header_shape] + shapes, [torch.int64] + list(dtypes))[1:])
+        offset += total
+    return results
+
