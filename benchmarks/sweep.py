@@ -10,7 +10,7 @@ The YAML file names the grid (see ``benchmarks/sweeps/default.yaml`` for every k
     fusion_num:  [0, 1, 2, 4]
     profiles:    [1gbit]                                      # benchmarks/profiles.py names
     workers:     [2]                                          # every count ≥ 2
-    baselines:   [{hook: fp32}, {hook: fp16}, {hook: powersgd, rank: 1}]
+    baselines:   [{hook: fp32}, {hook: fp16}, {hook: powersgd, rank: 1, bucket_cap_mb: 1000}]
     iterations:  {num_warmup_batches: 2, num_batches_per_iter: 2, num_iters: 3}
     threads_per_worker: 1
     timeout_s: 300
@@ -43,6 +43,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,8 +63,8 @@ CONFIG_KEYS = {"models", "compressors", "fusion_num", "profiles", "workers", "ba
 ITERATION_KEYS = ("num_warmup_batches", "num_batches_per_iter", "num_iters")
 HOOKS = ("fp32", "fp16", "powersgd")
 SUMMARY_FIELDS = ["model", "kind", "label", "compressor", "compress_ratio", "memory", "comm",
-                  "fusion_num", "hook", "powersgd_rank", "profile", "workers", "batch_size",
-                  "status", "rate_per_worker", "rate_per_worker_ci", "rate_total",
+                  "fusion_num", "hook", "powersgd_rank", "bucket_cap_mb", "profile", "workers",
+                  "batch_size", "status", "rate_per_worker", "rate_per_worker_ci", "rate_total",
                   "iteration_time_s", "bytes_per_step", "compression_ratio", "scaling_factor",
                   "error"]
 
@@ -130,15 +131,20 @@ def validate(raw, source: str = "<config>") -> dict:
 
     for entry in raw.get("baselines") or []:
         entry = {"hook": entry} if isinstance(entry, str) else entry
-        if not isinstance(entry, dict) or entry.get("hook") not in HOOKS or set(entry) - {"hook", "rank"}:
+        if not isinstance(entry, dict) or entry.get("hook") not in HOOKS or \
+                set(entry) - {"hook", "rank", "bucket_cap_mb"}:
             raise ConfigError(f"{where}: a baseline is {{hook: one of {list(HOOKS)}, rank: R "
-                              f"(powersgd only)}}, got {entry!r}")
+                              f"(powersgd only), bucket_cap_mb: MB (optional)}}, got {entry!r}")
+        cap = entry.get("bucket_cap_mb")
+        if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
+            raise ConfigError(f"{where}: baseline bucket_cap_mb must be a positive number of MB, "
+                              f"got {cap!r}")
         rank = entry.get("rank")
         if entry["hook"] == "powersgd":
             _positive_int(rank, f"{where}: powersgd baseline 'rank'")
         elif rank is not None:
             raise ConfigError(f"{where}: 'rank' only applies to the powersgd hook, got {entry!r}")
-        config["baselines"].append({"hook": entry["hook"], "rank": rank})
+        config["baselines"].append({"hook": entry["hook"], "rank": rank, "bucket_cap_mb": cap})
 
     iterations = raw.get("iterations") or {}
     if not isinstance(iterations, dict) or set(iterations) - set(ITERATION_KEYS):
@@ -211,7 +217,8 @@ def expand(config: dict) -> List[dict]:
             for workers in config["workers"]:
                 place = {"profile": profile, "workers": workers, **base}
                 for b in config["baselines"]:
-                    cells.append({"kind": "ddp", "hook": b["hook"], "powersgd_rank": b["rank"], **place})
+                    cap = {"bucket_cap_mb": b["bucket_cap_mb"]} if b["bucket_cap_mb"] else {}
+                    cells.append({"kind": "ddp", "hook": b["hook"], "powersgd_rank": b["rank"], **cap, **place})
                 for c in config["compressors"]:
                     for comm in c["comms"]:
                         for fusion in config["fusion_num"]:
@@ -233,7 +240,8 @@ def cell_key(cell: dict) -> str:
 def label(cell: dict) -> str:
     """Short name for progress bars and plots: 'topk', 'ddp-fp32', 'ddp-powersgd-r4', 'single'."""
     if cell["kind"] == "ddp":
-        return f"ddp-{cell['hook']}" + (f"-r{cell['powersgd_rank']}" if cell["hook"] == "powersgd" else "")
+        return f"ddp-{cell['hook']}" + (f"-r{cell['powersgd_rank']}" if cell["hook"] == "powersgd" else "") \
+            + (f"-b{cell['bucket_cap_mb']:g}" if cell.get("bucket_cap_mb") else "")
     if cell["kind"] == "single":
         return "single"
     return cell["compressor"]
@@ -248,6 +256,8 @@ def command(cell: dict, json_path: str) -> List[str]:
         extra = ["--hook", cell["hook"]]
         if cell["hook"] == "powersgd":
             extra += ["--powersgd-rank", str(cell["powersgd_rank"])]
+        if cell.get("bucket_cap_mb"):
+            extra += ["--bucket-cap-mb", f"{cell['bucket_cap_mb']:g}"]
         return [sys.executable, os.path.join(ROOT, "benchmarks", "ddp_baseline.py"), *common, *extra]
     script = [sys.executable, os.path.join(ROOT, "compress_benchmark.py"), *common]
     if cell["kind"] == "single":
@@ -306,10 +316,14 @@ def _run_local(argv: List[str], timeout_s: float):
     return (None if proc.returncode == 0 else f"exited with code {proc.returncode}"), stderr
 
 
+_C10D_WARNING = re.compile(r"^\[W\d{4} .*\] \[c10d\]")  # e.g. "hostname cannot be retrieved"
+
+
 def error_tail(stderr: str, lines: int = 6, chars: int = 1200) -> str:
     """The informative end of a failed run's stderr: its last lines, progress bars dropped."""
     kept = [line.strip() for line in stderr.replace("\r", "\n").splitlines()
-            if line.strip() and "it/s]" not in line and "s/it]" not in line]
+            if line.strip() and "it/s]" not in line and "s/it]" not in line
+            and not _C10D_WARNING.match(line.strip())]
     return " | ".join(kept[-lines:])[-chars:] or "(no error output)"
 
 

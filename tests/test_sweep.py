@@ -157,3 +157,26 @@ def test_dry_run_lists_cells(tmp_path, capsys):
                        "--out", str(tmp_path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "5 cells" in out and "[todo]" in out and not (tmp_path / "results.jsonl").exists()
+
+
+def test_error_tail_keeps_the_cause_and_drops_noise():
+    stderr = ("[W1122 06:20:47.481844728 socket.cpp:207] [c10d] The hostname of the client socket "
+              "cannot be retrieved. err=-3\n"
+              "iterations:  50%|#####     | 1/2 [00:01<00:01,  1.00s/it]\r"
+              "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+              "  what():  Received data size doesn't match expected size.\n")
+    tail = sweep.error_tail(stderr)
+    assert tail.startswith("terminate called") and "doesn't match" in tail and "hostname" not in tail
+    assert sweep.error_tail("") == "(no error output)"
+
+
+def test_baseline_bucket_size_is_part_of_the_cell():
+    cells = sweep.expand(config(baselines=[{"hook": "powersgd", "rank": 4},
+                                           {"hook": "powersgd", "rank": 4, "bucket_cap_mb": 1000}]))
+    ddp = [c for c in cells if c["kind"] == "ddp"]
+    assert [sweep.label(c) for c in ddp] == ["ddp-powersgd-r4", "ddp-powersgd-r4-b1000"]
+    assert "bucket_cap_mb" not in ddp[0]  # default-bucket cells keep their keys
+    argv = sweep.command(ddp[1], "out.json")
+    assert argv[argv.index("--bucket-cap-mb") + 1] == "1000"
+    with pytest.raises(sweep.ConfigError, match="bucket_cap_mb"):
+        config(baselines=[{"hook": "fp32", "bucket_cap_mb": 0}])
