@@ -36,8 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--compressor", default="none", help="compressor name (see --list)")
     p.add_argument("--compress-ratio", type=float, default=None,
                    help="fraction kept by sparsifiers (topk, randk, dgc, graddrop, ...)")
-    p.add_argument("--memory", default="none", help="error-feedback memory: none, residual, dgc, ...")
-    p.add_argument("--comm", default="allreduce", help="communicator: allreduce, allgather, ps")
+    p.add_argument("--memory", default=None,
+                   help="error-feedback memory: none, residual, dgc (default: the compressor's recommended)")
+    p.add_argument("--comm", default=None,
+                   help="communicator: allreduce, allgather, ps (default: the compressor's recommended)")
     p.add_argument("--fusion-num", type=int, default=1,
                    help="0: one group per tensor, 1: one group, y: y groups balanced by bytes")
     p.add_argument("--scheduler", default=None, help="scheduler name; overrides --fusion-num")
@@ -104,6 +106,8 @@ def worker(args):
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     compressor = build_compressor(args)
+    args.memory = args.memory or compressor.recommended_memory
+    args.comm = args.comm or compressor.recommended_communicator
     plan = mergecomp.Plan.load(args.plan_in) if args.plan_in else None
     base = torch.optim.SGD(model.parameters(), lr=args.lr)
     optimizer = mergecomp.DistributedOptimizer(
@@ -138,25 +142,28 @@ def worker(args):
     if args.plan_out and rank == 0:
         optimizer.plan.save(args.plan_out)
 
-    rates, bytes_per_step, step_times = [], [], []
+    rates, bytes_per_step, wire_per_step, step_times = [], [], [], []
     from tqdm import tqdm
     progress = tqdm(range(args.num_iters), desc="iterations", disable=rank != 0, file=sys.stderr, leave=False)
     for i in progress:
-        sent_before = backend.bytes_sent
+        sent_before, wire_before = backend.bytes_sent, backend.wire_bytes
         seconds = timed(args.num_batches_per_iter)
         bytes_per_step.append((backend.bytes_sent - sent_before) / args.num_batches_per_iter)
+        wire_per_step.append((backend.wire_bytes - wire_before) / args.num_batches_per_iter)
         step_times.append(seconds / args.num_batches_per_iter)
         rates.append(batch_size * args.num_batches_per_iter / seconds)
         progress.write(f"Iter #{i}: {rates[-1]:.1f} {spec.unit}/sec per worker") if rank == 0 else None
 
     # Every rank's throughput, so the reported mean is over workers, not rank 0's alone.
-    everyone = backend.allgather_object((rates, bytes_per_step))
-    mean_rates = [statistics.mean(r) for r, _ in everyone]
+    everyone = backend.allgather_object((rates, bytes_per_step, wire_per_step))
+    mean_rates = [statistics.mean(r) for r, _, _ in everyone]
     mean = statistics.mean(rates)
     conf = 1.96 * (statistics.stdev(rates) if len(rates) > 1 else 0.0)
     total = sum(mean_rates)
-    sent = statistics.mean(statistics.mean(b) for _, b in everyone)
+    sent = statistics.mean(statistics.mean(b) for _, b, _ in everyone)
+    wire = statistics.mean(statistics.mean(w) for _, _, w in everyone)
     fp32_bytes = 4 * num_params
+    fp32_wire = fp32_bytes * 2 * (size - 1) // size  # a ring allreduce of the FP32 gradient
     result = {
         "model": args.model, "unit": spec.unit, "compress": args.compress,
         "compressor": args.compressor if args.compress else "none",
@@ -167,13 +174,17 @@ def worker(args):
         "num_params": num_params, "rate_per_worker": mean, "rate_per_worker_ci": conf,
         "rate_total": total, "iteration_time_s": statistics.mean(step_times),
         "bytes_per_step": sent, "fp32_bytes_per_step": fp32_bytes,
-        "compression_ratio": fp32_bytes / sent if sent else math.inf, "rates": rates,
+        "compression_ratio": fp32_bytes / sent if sent else math.inf,
+        "wire_bytes_per_step": wire, "fp32_wire_bytes_per_step": fp32_wire, "rates": rates,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     log(f"{spec.unit.capitalize()}/sec per worker: {mean:.1f} +-{conf:.1f}")
     log(f"Total {spec.unit}/sec on {size} worker(s): {total:.1f} +-{conf * size:.1f}")
     log(f"Bytes sent per worker per iteration: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
         f"{fp32_bytes:,} bytes; compression ratio {result['compression_ratio']:.1f}x")
+    if size > 1:
+        log(f"On the wire per worker per iteration (ring/direct algorithms): {wire:,.0f} bytes; "
+            f"FP32 ring allreduce: {fp32_wire:,} bytes ({fp32_wire / wire if wire else math.inf:.1f}x)")
     if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -193,8 +204,10 @@ def main(argv=None):
     models.get(args.model)
     if args.compress:
         build_compressor(args)
-        mergecomp.memories.get(args.memory)
-        mergecomp.communicators.get(args.comm)
+        if args.memory:
+            mergecomp.memories.get(args.memory)
+        if args.comm:
+            mergecomp.communicators.get(args.comm)
     if args.nproc is not None and launch.detect().launcher not in ("single", "spawn"):
         raise SystemExit(f"--nproc {args.nproc} was given but this process was started by "
                          f"{launch.detect().launcher}; use one or the other")

@@ -81,7 +81,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named_parameters: ``model.named_parameters()``; names key the plan and the state
             dict.  Defaults to ``param.<i>`` in the optimizer's order.
         compressor, memory: a registered name or an instance (``none``, ``residual``, ...).
-        communicator: ``"allreduce"``, ``"allgather"``, ``"ps"`` or a registered plugin name.
+            ``memory=None`` takes the compressor's ``recommended_memory``.
+        communicator: ``"allreduce"``, ``"allgather"``, ``"ps"`` or a registered plugin name;
+            None takes the compressor's ``recommended_communicator``.
         fusion_num: MergeComp's groups: 0 layer-wise, 1 one group, y ≥ 2 y groups.
         scheduler: a :class:`Scheduler` (or name) that overrides ``fusion_num``.
         plan: a fixed :class:`Plan` to execute (skips the scheduler).
@@ -96,8 +98,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
                  compressor: Union[str, Compressor] = "none",
-                 memory: Union[str, Memory] = "none",
-                 communicator: Union[str, Communicator] = "allreduce",
+                 memory: Union[None, str, Memory] = None,
+                 communicator: Union[None, str, Communicator] = None,
                  fusion_num: int = 1,
                  scheduler: Union[None, str, Scheduler] = None,
                  plan: Optional[Plan] = None,
@@ -123,7 +125,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_same_model()
 
         self.compressor = compressors.create(compressor) if isinstance(compressor, str) else compressor
+        if memory is None:
+            memory = self.compressor.recommended_memory
         self.memory = memories.create(memory) if isinstance(memory, str) else memory
+        if communicator is None:
+            communicator = self.compressor.recommended_communicator
         self.communicator = self._build_communicator(communicator)
         self._check_optimizer_compatible()
         self._raw_communicators: Dict[str, Communicator] = {}
@@ -358,6 +364,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps += 1
         self._reset_iteration()
         return loss
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell epoch-scheduled components (DGC's density warm-up) the current epoch."""
+        for component in (self.compressor, self.memory):
+            if hasattr(component, "set_epoch"):
+                component.set_epoch(epoch)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

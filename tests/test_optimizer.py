@@ -324,3 +324,27 @@ def test_unknown_names_and_bad_ratios():
             mergecomp.compressors.create("topk", compress_ratio=ratio)
     with pytest.raises(ValueError, match="2"):
         mergecomp.compressors.create("randk", compress_ratio=2)
+
+
+def byte_counting_worker(rank, world_size):
+    backend = mergecomp.backends.default_backend()
+    counts = {}
+    for name, op in (
+            ("allreduce", lambda: backend.allreduce_async([torch.ones(300)]).wait()),
+            ("allgather", lambda: backend.allgather_async([torch.ones(300)], same_shapes=True).wait()),
+            ("alltoall", lambda: backend.alltoall([torch.zeros(8 * (r + 1), dtype=torch.uint8)
+                                                   for r in range(world_size)]))):
+        sent, wire = backend.bytes_sent, backend.wire_bytes
+        op()
+        counts[name] = (backend.bytes_sent - sent, backend.wire_bytes - wire)
+    return counts
+
+
+def test_backend_counts_handed_and_wire_bytes():
+    counts = run_ranks(byte_counting_worker, 3)
+    for rank, c in enumerate(counts):
+        assert c["allreduce"] == (1200, 1200 * 2 * 2 // 3)   # ring: 2(N-1)/N of the buffer
+        assert c["allgather"] == (1200, 1200 * 2)             # ring: N-1 blocks forwarded
+        sizes_header = 3 * 8                                  # one int64 size per rank, to all
+        chunks = 8 + 16 + 24
+        assert c["alltoall"] == (sizes_header + chunks, sizes_header * 2 + chunks - 8 * (rank + 1))

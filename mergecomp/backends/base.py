@@ -2,7 +2,17 @@
 
 A backend moves tuples of tensors between ranks and counts every byte it is handed, so
 the benchmark's bytes-per-iteration come from what actually went to the network library,
-not from an estimate.  Async operations return a :class:`Work` whose ``wait()`` gives
+not from an estimate.  Two counters:
+
+``bytes_sent``
+    the bytes of the tensors this rank handed to collectives (payloads, size headers,
+    padding): what the compressors produced.
+``wire_bytes``
+    what this rank transmits for them under the standard algorithms: a ring allreduce
+    sends 2(N−1)/N of its buffer, a ring allgather forwards N−1 blocks, an all-to-all
+    sends every chunk but its own.  Derived from the handed bytes, so it is exact for
+    those algorithms and a model for others (tree allreduce, NCCL's protocol choices).
+    It is what makes allgather's cost growth with N visible next to allreduce.  Async operations return a :class:`Work` whose ``wait()`` gives
 the result.
 """
 from __future__ import annotations
@@ -48,6 +58,7 @@ class Backend:
 
     def __init__(self):
         self.bytes_sent = 0
+        self.wire_bytes = 0
         self.collectives = 0
 
     # -- identity ---------------------------------------------------------------------
@@ -60,9 +71,29 @@ class Backend:
         raise NotImplementedError
 
     # -- accounting -------------------------------------------------------------------
-    def _count(self, tensors: Sequence[torch.Tensor]) -> None:
+    @staticmethod
+    def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _count_allreduce(self, tensors: Sequence[torch.Tensor]) -> None:
+        handed = self._nbytes(tensors)
         self.collectives += 1
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes_sent += handed
+        self.wire_bytes += handed * 2 * (self.size - 1) // self.size
+
+    def _count_allgather(self, tensors: Sequence[torch.Tensor]) -> None:
+        handed = self._nbytes(tensors)
+        self.collectives += 1
+        self.bytes_sent += handed
+        self.wire_bytes += handed * (self.size - 1)
+
+    def _count_alltoall(self, chunks: Sequence[torch.Tensor], extra: Sequence[torch.Tensor] = ()) -> None:
+        """``chunks[r]`` goes to rank r (the own chunk stays local); ``extra`` goes to all."""
+        handed = self._nbytes(chunks) + self._nbytes(extra)
+        self.collectives += 1
+        self.bytes_sent += handed
+        self.wire_bytes += (self._nbytes(chunks) - self._nbytes([chunks[self.rank]])
+                            + self._nbytes(extra) * (self.size - 1))
 
     # -- collectives ------------------------------------------------------------------
     def allreduce_async(self, tensors: Sequence[torch.Tensor]) -> Work:

@@ -88,7 +88,7 @@ class HorovodBackend(Backend):
             if not t.is_contiguous():
                 raise ValueError(f"Horovod allreduces contiguous tensors only, got one of shape "
                                  f"{tuple(t.shape)} with strides {t.stride()}; pass t.contiguous()")
-        self._count(tensors)
+        self._count_allreduce(tensors)
         pending = [_Pending(self.hvd, self.hvd.allreduce_async_(t, name=self._name("allreduce"),
                                                                 op=self.hvd.Sum))
                    for t in tensors if t.numel()]
@@ -118,7 +118,7 @@ class HorovodBackend(Backend):
 
             def parse(gathered):
                 return _walk_blobs(gathered, self.size, header_bytes, dtypes)
-        self._count([blob])
+        self._count_allgather([blob])
         pending = _Pending(self.hvd, self.hvd.allgather_async(blob, name=self._name("allgather")))
         return Work([pending], lambda: parse(pending.output))
 
@@ -128,7 +128,7 @@ class HorovodBackend(Backend):
         device = chunks[0].device
         send = torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks])
         splits = torch.tensor([c.numel() * c.element_size() for c in chunks], dtype=torch.int32)
-        self._count([send, splits])
+        self._count_alltoall(chunks, extra=[splits])
         handle = self.hvd.alltoall_async(send, splits=splits, name=self._name("alltoall"))
         received, received_splits = self.hvd.synchronize(handle)
         return list(torch.split(received.to(device), received_splits.tolist()))

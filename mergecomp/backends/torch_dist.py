@@ -47,7 +47,7 @@ class TorchDistributedBackend(Backend):
 
     def allreduce_async(self, tensors: Sequence[torch.Tensor]) -> Work:
         tensors = tuple(tensors)
-        self._count(tensors)
+        self._count_allreduce(tensors)
         handles = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors if t.numel()]
         return Work(handles, lambda: tensors)
 
@@ -60,7 +60,7 @@ class TorchDistributedBackend(Backend):
         else:
             header = shape_header(tensors, device)
             gathered = [torch.empty_like(header) for _ in range(self._size)]
-            self._count([header])
+            self._count_allgather([header])
             dist.all_gather(gathered, header, group=self.group)
             shapes_per_rank = [shapes_from_header(h) for h in gathered]
         sizes = [blob_size(shapes, dtypes) for shapes in shapes_per_rank]
@@ -70,7 +70,7 @@ class TorchDistributedBackend(Backend):
                               for s in shapes_per_rank])
         blob = pack(tensors, device, size=longest)
         received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self._size)]
-        self._count([blob])
+        self._count_allgather([blob])
         handle = dist.all_gather(received, blob, group=self.group, async_op=True)
 
         def finalize():
@@ -84,13 +84,13 @@ class TorchDistributedBackend(Backend):
         device = chunks[0].device
         send_sizes = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
         all_sizes = [torch.empty_like(send_sizes) for _ in range(self._size)]
-        self._count([send_sizes])
+        self._count_allgather([send_sizes])
         dist.all_gather(all_sizes, send_sizes, group=self.group)
         recv_sizes = [int(s[self._rank]) for s in all_sizes]
         send = torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks]) if chunks else \
             torch.empty(0, dtype=torch.uint8, device=device)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-        self._count([send])
+        self._count_alltoall(chunks)
         dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
                                input_split_sizes=send_sizes.tolist(), group=self.group)
         return list(torch.split(recv, recv_sizes))

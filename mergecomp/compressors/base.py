@@ -66,6 +66,9 @@ class Compressor:
     fixed_size = True
     average = True
     multi_round = False
+    #: What to pair it with when the user does not say (allgather carries anything).
+    recommended_memory = "none"
+    recommended_communicator = "allgather"
 
     def compress(self, tensor: torch.Tensor, name: str) -> Tuple[Payload, Context]:
         """Encode ``tensor`` (the gradients of group ``name``); return (payload, context)."""
