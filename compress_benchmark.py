@@ -144,7 +144,9 @@ def worker(args):
 
     rates, bytes_per_step, wire_per_step, step_times = [], [], [], []
     from tqdm import tqdm
-    progress = tqdm(range(args.num_iters), desc="iterations", disable=rank != 0, file=sys.stderr, leave=False)
+    # A progress bar on a terminal only: in logs its carriage returns garble the lines.
+    progress = tqdm(range(args.num_iters), desc="iterations", file=sys.stderr, leave=False,
+                    disable=rank != 0 or not sys.stderr.isatty())
     for i in progress:
         sent_before, wire_before = backend.bytes_sent, backend.wire_bytes
         seconds = timed(args.num_batches_per_iter)
