@@ -34,6 +34,7 @@ from .communicators.base import Communicator, Handle
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import Group, ParamInfo, Plan
+from .regroup import CannotRegroup, Layout, regroup_state
 from .schedulers.base import Scheduler
 from .schedulers.fixed import FixedScheduler
 
@@ -250,6 +251,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  "a fused buffer needs one of each")
         self._group_of = {n: g for g in self._groups for n, _ in g.params}
         self._reset_iteration()
+
+    def _layout(self, plan: Plan) -> Layout:
+        by_name = dict(self._params)
+        return {f"group{i}": [(n, by_name[n].numel()) for n in g.names] for i, g in enumerate(plan.groups)}
+
+    def set_plan(self, plan: Plan) -> None:
+        """Switch to ``plan`` between steps; call it on every rank with the same plan.
+
+        Per-group error-feedback state follows its parameters into the new groups (see
+        :mod:`mergecomp.regroup`), so the switch is exact.  Raises
+        :class:`~mergecomp.regroup.CannotRegroup`, changing nothing, when some state cannot
+        move (PowerSGD's matrices, PS shard residuals): keep the current plan then.
+        """
+        if any(self._passes.values()) or self._next_launch:
+            raise RuntimeError("set_plan() must be called between step() and the next backward, "
+                               "not in the middle of an iteration")
+        plan.validate(n for n, _ in self._params)
+        if self.plan is None:
+            self._install_plan(plan)
+            return
+        old, new = self._layout(self.plan), self._layout(plan)
+        state = {"communicator": self.communicator.state_dict(),
+                 "raw": {k: c.state_dict() for k, c in self._raw_communicators.items()}}
+        moved = regroup_state(state, old, new)  # raises before anything changes
+        self._install_plan(plan)
+        self.communicator.load_state_dict(moved["communicator"])
+        for send, sub in moved["raw"].items():
+            self._raw_communicators[send].load_state_dict(sub)
 
     def _reset_iteration(self) -> None:
         for group in self._groups:

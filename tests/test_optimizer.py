@@ -348,3 +348,57 @@ def test_backend_counts_handed_and_wire_bytes():
         sizes_header = 3 * 8                                  # one int64 size per rank, to all
         chunks = 8 + 16 + 24
         assert c["alltoall"] == (sizes_header + chunks, sizes_header * 2 + chunks - 8 * (rank + 1))
+
+
+def set_plan_worker(rank, world_size):
+    from mergecomp.regroup import CannotRegroup
+    model = make_model()
+    opt = mergecomp.DistributedOptimizer(
+        make_optimizer("sgd", model), model.named_parameters(),
+        compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), fusion_num=2)
+    for step in range(2):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    def per_param(optimizer):
+        residuals = optimizer.memory.residuals
+        out = {}
+        for index, group in enumerate(optimizer.plan.groups):
+            flat, offset = residuals[f"group{index}"], 0
+            for name in group.names:
+                n = dict(model.named_parameters())[name].numel()
+                out[name] = flat[offset:offset + n].clone()
+                offset += n
+        return out
+
+    before = per_param(opt)
+    layer_wise = mergecomp.schedulers.create("fixed", fusion_num=0).plan(
+        opt._param_infos([n for g in opt.plan.groups for n in g.names]))
+    opt.set_plan(layer_wise)
+    after = per_param(opt)
+    x, y = batch(5, rank)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()  # the hooks run the new plan
+    same = all(torch.equal(before[n], after[n]) for n in before)
+
+    power_model = make_model()
+    power = mergecomp.DistributedOptimizer(torch.optim.SGD(power_model.parameters(), lr=0.1),
+                                           power_model.named_parameters(), compressor="powersgd")
+    nn.functional.mse_loss(power_model(x), y).backward()
+    power.step()
+    try:
+        power.set_plan(mergecomp.schedulers.create("fixed", fusion_num=0).plan(
+            power._param_infos([n for g in power.plan.groups for n in g.names])))
+        refused = None
+    except CannotRegroup as error:
+        refused = str(error)
+    return same, len(opt.plan), refused, len(power.plan)
+
+
+def test_set_plan_moves_error_feedback_state_or_refuses():
+    for same, groups, refused, power_groups in run_ranks(set_plan_worker, 2):
+        assert same and groups == 6
+        assert refused and power_groups == 1
