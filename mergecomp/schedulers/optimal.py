@@ -1,0 +1,348 @@
+"""The ``optimal`` scheduler: the exact best partition and send choice under the cost model.
+
+Given a :class:`~mergecomp.profile.Profile`, it chooses how to cut the backward-ordered
+gradients into contiguous groups *and* how each group travels — compressed, or raw in
+FP32 (FP16/BF16 with ``allow_half``) — so that :func:`mergecomp.costmodel.predict` is
+minimal.  This joins MergeComp's merging (Wang et al., 2021) with selective compression
+as in HiPress's SeCoPa (Bai et al., SOSP 2021) and Espresso (Wang et al., EuroSys 2023):
+small groups, whose compression overhead outweighs the bytes it saves, and groups whose
+communication hides under the rest of backward stay uncompressed — and if nothing is
+worth compressing, the plan compresses nothing.
+
+**The dynamic program.**  Let prefix j be the first j tensors in backward order.  A plan
+for the prefix is a sequence of groups; launching them leaves the state
+``(A, F, Q, G)`` of :func:`mergecomp.costmodel.advance` (encode delay or worker-free
+time, channel-free time, finish-loop time, time added after backward).  The next group
+``[j, k)`` with send mode m maps the state through ``advance`` with costs that depend only
+on (j, k, m), and the iteration time is ``forward + max(T_b + G, Q)`` of the final state.
+
+*Why the DP is exact.*  ``advance`` is built from +, max and constants, so every component
+of the new state is non-decreasing in every component of the old state, and so is the
+final objective.  Hence if two plans for the same prefix reach states s ≤ s'
+(componentwise), any continuation of the s' plan is matched or beaten by the same
+continuation of the s plan: s' can be dropped.  Keeping, for every prefix, the set of
+non-dominated states (a Pareto set) therefore keeps an optimal plan.  One scalar per
+prefix is *not* enough: a plan that frees the channel earlier may have delayed backward
+more with compression (larger A), which costs later — e.g. a cheap-to-send raw group vs. a
+compressed one.  The Pareto sets stay small in practice, because the states trade off
+overhead (A, G grow with more and compressed groups) against earliness (F, Q).  A further
+exact cut: ``max(T_b + G, Q)`` of a prefix state never decreases along a plan, so a state
+whose bound already reaches the best complete plan known is dropped.
+
+Groups never mix dtypes or devices (they are cut at :func:`split_by_type` boundaries).
+Tensors are not split into chunks: a :class:`~mergecomp.plan.Plan` names whole
+parameters, so chunking a large tensor would need a Plan format change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import register
+from .base import Scheduler, split_by_type
+from ..costmodel import SendCost, START, advance, finish_time, group_cost, send_costs
+from ..plan import Group, ParamInfo, Plan, SEND_MODES
+from ..profile import Profile
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The optimal plan and its predicted iteration time (seconds)."""
+
+    plan: Plan
+    iteration_time: float
+    #: True when no prefix had more than ``max_states`` non-dominated states, so the plan
+    #: is proven optimal for the cost model; False when some sets were cut to their best.
+    exact: bool = True
+
+
+@register("optimal")
+class OptimalScheduler(Scheduler):
+    """Exact DP over contiguous groups and per-group send modes (see the module docstring).
+
+    Args:
+        profile: a :class:`Profile` or the path of a saved one.
+        allow_half: also consider raw FP16 / BF16 sends (lossy casts; needs their codecs
+            in the profile).
+        allow_compress: consider the configured compressor (False: plan raw sends only).
+        compression_on_compute: where encoding runs; see :mod:`mergecomp.costmodel`.
+        costs: send costs to use instead of :func:`~mergecomp.costmodel.send_costs`
+            of the profile (the simulator passes network-model costs here).
+        sends: the send modes to choose from, overriding ``allow_half``/``allow_compress``
+            (e.g. ``("fp16",)`` for the best all-FP16 plan).
+        max_states: the most non-dominated states kept per prefix.  The DP is exact while
+            no set exceeds it (``Solution.exact``); a larger set is cut to the states with
+            the smallest lower bounds, which bounds planning time on models with hundreds
+            of tensors.  None: never cut.
+    """
+
+    def __init__(self, profile: Union[Profile, str], allow_half: bool = False,
+                 allow_compress: bool = True, compression_on_compute: bool = True,
+                 costs: Optional[Mapping[str, SendCost]] = None, max_states: Optional[int] = 64,
+                 sends: Optional[Sequence[str]] = None):
+        if isinstance(profile, str):
+            profile = Profile.load(profile)
+        if not isinstance(profile, Profile):
+            raise TypeError(f"OptimalScheduler needs a Profile or a profile path, got {type(profile).__name__}")
+        self.profile = profile
+        self.costs: Dict[str, SendCost] = dict(send_costs(profile) if costs is None else costs)
+        self.compression_on_compute = bool(compression_on_compute)
+        wanted = ["fp32"] + (["compress"] if allow_compress else []) + \
+                 (["fp16", "bf16"] if allow_half else [])
+        if sends is not None:
+            wanted = list(dict.fromkeys(sends))
+            unknown = [s for s in wanted if s not in SEND_MODES]
+            if unknown or not wanted:
+                raise ValueError(f"sends must be a non-empty list of {SEND_MODES}, got {sends!r}")
+        missing = [s for s in wanted if s not in self.costs]
+        if missing:
+            raise ValueError(f"the profile cannot price send modes {missing} (it prices "
+                             f"{sorted(self.costs)}); measure the codec "
+                             f"{profile.compressor!r} / fp16 / bf16 into the profile, or pass "
+                             "allow_compress=False / allow_half=False")
+        if max_states is not None and (isinstance(max_states, bool) or not isinstance(max_states, int)
+                                       or max_states < 1):
+            raise ValueError(f"max_states must be a positive integer or None, got {max_states!r}")
+        self.max_states = max_states
+        self.sends = tuple(wanted)
+        self.allow_half, self.allow_compress = bool(allow_half), bool(allow_compress)
+
+    # ---------------------------------------------------------------------------- API --
+    def plan(self, params: Sequence[ParamInfo]) -> Plan:
+        """The optimal plan; ``params`` must be the profiled tensors (any order)."""
+        profiled = [t.name for t in self.profile.timeline]
+        given = [p.name for p in params]
+        if sorted(given) != sorted(profiled):
+            extra = sorted(set(given) - set(profiled))[:5]
+            absent = sorted(set(profiled) - set(given))[:5]
+            raise ValueError(f"the model does not match the profile: parameters not profiled "
+                             f"{extra}, profiled tensors not in the model {absent}; profile "
+                             "this model (same parameter names) first")
+        return self.solve().plan
+
+    #: States per prefix kept by the preliminary beam pass.
+    beam = 4
+    #: Candidates per prefix beyond which only those with the smallest bounds are compared.
+    max_candidates = 1024
+
+    def solve(self) -> Solution:
+        """Run the dynamic program over the profile's timeline.
+
+        A narrow beam pass (at most :attr:`beam` states per prefix) first finds a good
+        complete plan; the main pass then drops every state whose lower bound
+        (:meth:`_lower_bound`) cannot beat it.  Both passes use the same transitions; the
+        main pass alone decides optimality, the beam only makes it faster.
+        """
+        timeline = self.profile.timeline
+        n = len(timeline)
+        run_start = []
+        for run in split_by_type(self.profile.params()):
+            first = len(run_start)
+            run_start.extend([first] * len(run))
+        numel_prefix, bytes_prefix = [0], [0]
+        for t in timeline:
+            numel_prefix.append(numel_prefix[-1] + t.numel)
+            bytes_prefix.append(bytes_prefix[-1] + t.nbytes)
+
+        def cost(i: int, j: int, send: str):
+            return group_cost(self.costs[send], self.profile.copy,
+                              numel_prefix[j] - numel_prefix[i], bytes_prefix[j] - bytes_prefix[i])
+
+        rest = self._rest_bounds(n, cost)
+        incumbent = self._incumbent(n, run_start, cost)
+        beamed, _ = self._search(run_start, cost, rest, incumbent, self.beam)
+        (value, groups), exact = self._search(run_start, cost, rest, beamed, self.max_states)
+        plan = Plan([Group(tuple(t.name for t in timeline[i:j]), send) for i, j, send in groups])
+        return Solution(plan, self.profile.forward_time + value, exact)
+
+    def _search(self, run_start, cost, rest, incumbent, max_states):
+        """The DP over prefixes: ((best value, its groups), whether no state set was cut).
+
+        ``fronts[j]`` holds the states of prefix j as arrays: the (A, F, Q, G) rows, and
+        for each row the start of its last group, that group's send mode and the row of
+        ``fronts[start]`` it extends.  The transition is :func:`advance`, vectorized with
+        the same floating-point operations in the same order.
+        """
+        timeline = self.profile.timeline
+        n = len(timeline)
+        on_compute, backward = self.compression_on_compute, self.profile.backward_time
+        best_value, best_groups = incumbent
+        exact = True
+        fronts = [None] * (n + 1)
+        fronts[0] = (np.zeros((1, 4)), np.zeros(1, int), np.zeros(1, int), np.zeros(1, int))
+        tables = self._cost_tables(run_start, cost)
+        for j in range(1, n + 1):
+            ready = timeline[j - 1].ready
+            sources = [i for i in range(run_start[j - 1], j) if len(fronts[i][0])]
+            if not sources:
+                fronts[j] = (np.zeros((0, 4)), np.zeros(0, int), np.zeros(0, int), np.zeros(0, int))
+                continue
+            previous = np.concatenate([fronts[i][0] for i in sources])
+            origin = np.concatenate([np.full(len(fronts[i][0]), i) for i in sources])
+            rows = np.concatenate([np.arange(len(fronts[i][0])) for i in sources])
+            pieces = []
+            for mode, (encode, communicate, finish) in enumerate(tables):
+                new = _advance_all(previous, ready, encode[origin, j], communicate[origin, j],
+                                   finish[origin, j], on_compute)
+                bounds = self._lower_bound(new, rest[j])
+                keep = np.flatnonzero(bounds < best_value)
+                pieces.append((new[keep], bounds[keep], origin[keep], np.full(len(keep), mode), rows[keep]))
+            states, bounds, starts, modes, parents = (np.concatenate(x) for x in zip(*pieces))
+            if not len(states):
+                fronts[j] = (states, starts, modes, parents)
+                continue
+            chosen = np.arange(len(states))
+            if len(chosen) > self.max_candidates:
+                exact = False
+                chosen = np.sort(np.argpartition(bounds, self.max_candidates)[:self.max_candidates])
+            chosen = chosen[_pareto(states[chosen], backward)]
+            if max_states is not None and len(chosen) > max_states:
+                exact = False
+                chosen = chosen[np.argsort(bounds[chosen], kind="stable")[:max_states]]
+            fronts[j] = (states[chosen], starts[chosen], modes[chosen], parents[chosen])
+        final_states = fronts[n][0]
+        if len(final_states):
+            values = np.maximum(backward + final_states[:, 3], final_states[:, 2])
+            row = int(np.argmin(values))
+            if values[row] < best_value:
+                best_value, best_groups = float(values[row]), self._backtrack(fronts, row)
+        return (best_value, best_groups), exact
+
+    def _cost_tables(self, run_start: List[int], cost):
+        """Per send mode, (encode, communicate, finish) seconds of group [i, j) at [i, j]."""
+        n = len(run_start)
+        tables = []
+        for send in self.sends:
+            table = np.zeros((3, n + 1, n + 1))
+            for j in range(1, n + 1):
+                for i in range(run_start[j - 1], j):
+                    c = cost(i, j, send)
+                    table[:, i, j] = (c.encode, c.communicate, c.finish)
+            tables.append(tuple(table))
+        return tables
+
+    def _backtrack(self, fronts, row: int) -> List[Tuple[int, int, str]]:
+        groups, end = [], len(fronts) - 1
+        while end > 0:
+            _, starts, modes, parents = fronts[end]
+            start = int(starts[row])
+            groups.append((start, end, self.sends[int(modes[row])]))
+            end, row = start, int(parents[row])
+        return list(reversed(groups))
+
+    def _rest_bounds(self, n: int, cost) -> List[Optional[Tuple[float, ...]]]:
+        """For each prefix end j < n, the least any completion can add (see _lower_bound):
+
+        (least encode delay + finish of tensors j.., least channel time of j..,
+        latest "ready + least encode + least channel time of the tensors from there on",
+        least encode + channel time counted from tensor j, least finish of j.., least
+        finish of the last tensor).
+        """
+        on = self.compression_on_compute
+
+        def least(i, j, what):
+            return min(what(cost(i, j, s)) for s in self.sends)
+
+        bounds: List[Optional[Tuple[float, ...]]] = [None] * (n + 1)
+        late = float("-inf")
+        last_finish = least(n - 1, n, lambda c: c.finish)
+        for j in range(n - 1, -1, -1):
+            from_here = least(j, j + 1, lambda c: c.encode) + least(j, n, lambda c: c.communicate)
+            late = max(late, self.profile.timeline[j].ready + from_here)
+            bounds[j] = (least(j, n, lambda c: (c.encode if on else 0.0) + c.finish),
+                         least(j, n, lambda c: c.communicate), late, from_here,
+                         least(j, n, lambda c: c.finish), last_finish)
+        return bounds
+
+    def _lower_bound(self, states: np.ndarray, rest) -> np.ndarray:
+        """Lower bounds on the final time of any completion of prefixes in ``states``.
+
+        Group costs are affine in (elements, bytes) with non-negative coefficients, so
+        their minimum over send modes is concave and zero at zero, hence subadditive: the
+        groups still to come cost at least what the whole rest would cost as one group of
+        the cheapest mode.  The group holding tensor k launches no earlier than k's ready
+        time (plus the encode delay so far, on compute), encodes at least tensor k, and is
+        followed on the channel by everything after k.  ``Q`` grows by at least the rest's
+        finish time, and the last group finishes after the channel is done.  A complete
+        prefix gets its exact time.
+        """
+        first, channel, finish_loop, added = states.T
+        backward = self.profile.backward_time
+        if rest is None:
+            return np.maximum(backward + added, finish_loop)
+        added_rest, channel_rest, late, from_here, finish_rest, last_finish = rest
+        if self.compression_on_compute:
+            channel_end = np.maximum(channel + channel_rest, first + late)
+        else:
+            channel_end = np.maximum(np.maximum(channel + channel_rest, late), first + from_here)
+        return np.maximum(np.maximum(backward + added + added_rest, finish_loop + finish_rest),
+                          channel_end + last_finish)
+
+    def _incumbent(self, n: int, run_start: List[int], cost):
+        """The best of the simple plans: one group per dtype run, or per tensor, in each mode."""
+        best = None
+        for send in self.sends:
+            for per_tensor in (False, True):
+                state, groups = START, []
+                for j in range(1, n + 1):
+                    if per_tensor or j == n or run_start[j] != run_start[j - 1]:
+                        i = j - 1 if per_tensor else run_start[j - 1]
+                        state = advance(state, self.profile.timeline[j - 1].ready, cost(i, j, send),
+                                        self.compression_on_compute)[0]
+                        groups.append((i, j, send))
+                value = finish_time(state, self.profile.backward_time)
+                if best is None or value < best[0]:
+                    best = (value, groups)
+        return best
+
+    def __repr__(self):
+        return (f"OptimalScheduler({len(self.profile.timeline)} profiled tensors, sends={self.sends}, "
+                f"compression_on_compute={self.compression_on_compute})")
+
+
+def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communicate: np.ndarray,
+                 finish: np.ndarray, on_compute: bool) -> np.ndarray:
+    """:func:`mergecomp.costmodel.advance` on every row of ``states`` at once (row-wise costs)."""
+    first, channel, finish_loop, added = states.T
+    if on_compute:
+        encoded = (ready + first) + encode
+        new_first = first + encode
+        added = (added + encode) + finish
+    else:
+        encoded = np.maximum(first, ready) + encode
+        new_first = encoded
+        added = added + finish
+    end = np.maximum(encoded, channel) + communicate
+    finish_loop = np.maximum(finish_loop, end) + finish
+    return np.stack([new_first, end, finish_loop, added], axis=1)
+
+
+def _pareto(states: np.ndarray, backward: float, block: int = 512) -> np.ndarray:
+    """Indices of the rows whose states no other row dominates, in lexicographic order.
+
+    Dominance compares (A, F, max(Q, T_b + G), G): the final time is
+    ``max(T_b + G + α, Q + β, F + γ, A + δ)`` for constants of the continuation with
+    α ≥ β (the rest's finish time is part of both), so Q below T_b + G can never decide
+    it.  Rows are visited in lexicographic order of their keys, so a dominating key comes
+    before every key it dominates; dominance being transitive, comparing each row with the
+    kept earlier ones suffices.  Among equal keys the first row is kept.
+    """
+    keys = np.column_stack([states[:, 0], states[:, 1],
+                            np.maximum(states[:, 2], backward + states[:, 3]), states[:, 3]])
+    order = np.lexsort(keys.T[::-1])
+    keys = keys[order]
+    kept_rows, kept_keys = [], np.zeros((0, 4))
+    earlier = np.tri(block, block, -1, dtype=bool)
+    for begin in range(0, len(keys), block):
+        rows = keys[begin:begin + block]
+        size = len(rows)
+        dominated = (rows[None, :, :] <= rows[:, None, :]).all(axis=2)
+        dominated &= earlier[:size, :size]
+        dominated = dominated.any(axis=1)
+        if len(kept_keys):
+            dominated |= (kept_keys[None, :, :] <= rows[:, None, :]).all(axis=2).any(axis=1)
+        kept_rows.append(order[begin:begin + size][~dominated])
+        kept_keys = np.concatenate([kept_keys, rows[~dominated]])
+    return np.concatenate(kept_rows)
