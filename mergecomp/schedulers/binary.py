@@ -13,9 +13,10 @@ told how long each took::
         ... forward, backward, optimizer.step() ...
         seconds = max(backend.allgather_object(time.perf_counter() - started))
         if not scheduler.done:
-            scheduler.report(scheduler.propose(), seconds)
-            install scheduler.propose() in the optimizer when it differs from the current plan
-    # once done, scheduler.best is the plan to keep
+            scheduler.report(optimizer.plan, seconds)
+            if scheduler.propose().digest() != optimizer.plan.digest():
+                optimizer.set_plan(scheduler.propose())   # between steps, on every rank
+    # once done, scheduler.best is installed and stays
 
 Every rank may drive its own copy: the search is deterministic, so ranks that report the
 same times (the maximum over ranks, as above) propose the same plans in the same order.

@@ -1,0 +1,200 @@
+"""Predict iteration time and scaling of FP32, FP16 and the optimal plan on an assumed network.
+
+    python -m mergecomp.simulate --model vgg16 --compute-time 0.1 --compressor topk \\
+        --compressor-arg compress_ratio=0.01 --topology allgather --bandwidth 10 --latency 50
+    python -m mergecomp.simulate --profile job.json --topology ring --json
+
+The computation side comes from a saved :class:`~mergecomp.profile.Profile` (its backward
+timeline, codec and copy costs), or from a model of :mod:`mergecomp.models` with an
+assumed compute time: forward takes ``--forward-fraction`` of it (1/3 by default, since
+backward costs about twice forward) and the gradients become ready evenly spaced over
+backward, in reverse definition order — an assumption; profile the model for a real
+timeline.  Codec and copy costs missing from the profile are measured here, on this
+machine's CPU, by the same functions the profiler uses.
+
+The network side is the α-β model (Thakur et al., 2005) for N workers, link bandwidth bw
+and latency lat, with B the bytes one worker contributes:
+
+* ring allreduce: 2(N−1)/N · B/bw + 2(N−1) · lat
+* allgather (ring): (N−1) · B/bw + (N−1) · lat
+* PS (colocated, sharded), two phases: alltoall of B in N shards,
+  (N−1)/N · B/bw + (N−1) · lat, then allgather of the recompressed B/N shard,
+  (N−1)/N · B/bw + (N−1) · lat.
+
+The scaling factor is the compute time (forward + backward, no communication) over the
+predicted iteration time: 1.0 is linear scaling.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from .costmodel import send_costs
+from .profile import CodecCost, LinearCost, Profile, TensorTiming, measure_compression_cost, measure_copy_cost
+
+TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps"}
+DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def network_collectives(world: int, bandwidth: float, latency: float) -> Dict[str, LinearCost]:
+    """α-β costs (seconds vs bytes per worker) of each collective kind; bandwidth in bytes/s."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(f"a simulated job needs at least 2 workers, got {world!r}")
+    if not bandwidth > 0 or not latency >= 0:
+        raise ValueError(f"bandwidth must be > 0 bytes/s and latency ≥ 0 s, got {bandwidth!r}, {latency!r}")
+    steps = world - 1
+    return {
+        "allreduce": LinearCost(2 * steps * latency, 2 * steps / (world * bandwidth)),
+        "allgather": LinearCost(steps * latency, steps / bandwidth),
+        "alltoall": LinearCost(steps * latency, steps / (world * bandwidth)),
+    }
+
+
+def model_profile(model_name: str, compute_time: float, forward_fraction: float = 1 / 3) -> Profile:
+    """A profile skeleton (timeline only) for a model of :mod:`mergecomp.models`."""
+    from . import models
+    if not compute_time > 0:
+        raise ValueError(f"--compute-time must be > 0 seconds (forward + backward of one "
+                         f"iteration), got {compute_time!r}")
+    if not 0 <= forward_fraction < 1:
+        raise ValueError(f"--forward-fraction must be in [0, 1), got {forward_fraction!r}")
+    model = models.get(model_name).build()
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+    backward = compute_time * (1 - forward_fraction)
+    timeline = [TensorTiming(n, p.numel(), p.numel() * p.element_size(), str(p.dtype), str(p.device),
+                             backward * (k + 1) / len(params)) for k, (n, p) in enumerate(params)]
+    return Profile(world_size=1, timeline=timeline, forward_time=compute_time * forward_fraction,
+                   backward_time=backward)
+
+
+def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
+    """``profile`` with the compressor's, FP16's and the copy costs, measured where missing."""
+    from . import compressors
+    codecs = dict(profile.codecs)
+    for name, make in ((compressor_name, lambda: compressor), ("fp16", lambda: compressors.create("fp16"))):
+        if name not in codecs and name not in ("none", "fp32"):
+            codecs[name] = measure_compression_cost(make(), sizes=(2 ** 12, 2 ** 16, 2 ** 19), repeats=3)
+    copy = profile.copy if profile.copy != LinearCost() else measure_copy_cost()
+    return dataclasses.replace(profile, codecs=codecs, copy=copy, compressor=compressor_name)
+
+
+def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: float,
+             topology: str, summable: bool = True) -> List[dict]:
+    """One row per worker count: predicted times, scaling factors and the optimal plan's shape.
+
+    ``base`` carries the timeline, codecs (the configured compressor and fp16) and copy
+    cost; ``bandwidth`` is in bytes/s, ``latency`` in seconds.
+    """
+    from .schedulers.optimal import OptimalScheduler
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}; choose one of {sorted(TOPOLOGIES)}")
+    if topology == "ring" and not summable:
+        raise ValueError(f"compressor {base.compressor!r} is not summable, so a ring allreduce "
+                         "cannot carry it; use --topology allgather or ps")
+    compute = base.forward_time + base.backward_time
+    rows = []
+    for world in workers:
+        profile = dataclasses.replace(base, world_size=world, communicator=TOPOLOGIES[topology],
+                                      collectives=network_collectives(world, bandwidth, latency))
+        costs = send_costs(profile)
+        row = {"workers": world}
+        for label, sends in (("fp32", ("fp32",)), ("fp16", ("fp16",)),
+                             ("optimal", ("fp32", "fp16", "compress"))):
+            solution = OptimalScheduler(profile, costs=costs, sends=sends).solve()
+            row[label] = {"iteration_time": solution.iteration_time,
+                          "scaling": compute / solution.iteration_time,
+                          "groups": len(solution.plan),
+                          "sends": {s: sum(g.send == s for g in solution.plan.groups)
+                                    for s in sends},
+                          "exact": solution.exact}
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: List[dict]) -> str:
+    lines = [f"{'N':>5} | {'fp32 ms':>9} {'scale':>6} | {'fp16 ms':>9} {'scale':>6} | "
+             f"{'optimal ms':>10} {'scale':>6}  plan"]
+    for row in rows:
+        cells = []
+        for label in ("fp32", "fp16", "optimal"):
+            cell = row[label]
+            width = 10 if label == "optimal" else 9
+            cells.append(f"{cell['iteration_time'] * 1e3:>{width}.2f} {cell['scaling']:>6.3f}")
+        best = row["optimal"]
+        shape = ", ".join(f"{k} {v}" for k, v in best["sends"].items() if v)
+        mark = "" if best["exact"] else " (state sets cut: best found, not proven optimal)"
+        lines.append(f"{row['workers']:>5} | " + " | ".join(cells) + f"  {best['groups']} groups: {shape}{mark}")
+    return "\n".join(lines)
+
+
+def _parse_args(argv: Optional[Sequence[str]]):
+    parser = argparse.ArgumentParser(prog="python -m mergecomp.simulate", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--profile", help="a profile saved by the benchmark (--profile-out)")
+    source.add_argument("--model", help="a model of mergecomp.models (with --compute-time)")
+    parser.add_argument("--compute-time", type=float, help="seconds of forward + backward per iteration (with --model)")
+    parser.add_argument("--forward-fraction", type=float, default=1 / 3)
+    parser.add_argument("--compressor", default=None, help="compressor name (default: the profile's, or topk)")
+    parser.add_argument("--compressor-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="constructor argument of the compressor, e.g. compress_ratio=0.01")
+    parser.add_argument("--topology", choices=sorted(TOPOLOGIES), default="allgather",
+                        help="how compressed payloads travel (raw groups always use ring allreduce)")
+    parser.add_argument("--bandwidth", type=float, default=10.0, help="link bandwidth in Gbit/s")
+    parser.add_argument("--latency", type=float, default=50.0, help="per-step latency in microseconds")
+    parser.add_argument("--workers", default=",".join(map(str, DEFAULT_WORKERS)),
+                        help="comma-separated worker counts")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser.parse_args(argv)
+
+
+def _compressor_kwargs(pairs: Sequence[str]) -> dict:
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--compressor-arg must be KEY=VALUE, got {pair!r}")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return kwargs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from . import compressors
+    args = _parse_args(argv)
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        print(f"error: --workers must be comma-separated integers, got {args.workers!r}", file=sys.stderr)
+        return 2
+    try:
+        if args.profile:
+            base = Profile.load(args.profile)
+        else:
+            if args.compute_time is None:
+                raise ValueError("--model needs --compute-time (seconds of forward + backward per iteration)")
+            base = model_profile(args.model, args.compute_time, args.forward_fraction)
+        name = args.compressor or (base.compressor if args.profile and base.compressor != "none" else "topk")
+        compressor = compressors.create(name, **_compressor_kwargs(args.compressor_arg))
+        base = with_codecs(base, name, compressor)
+        rows = simulate(base, workers, args.bandwidth * 1e9 / 8, args.latency * 1e-6, args.topology,
+                        summable=bool(compressor.summable))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"compressor": name, "topology": args.topology, "bandwidth_gbps": args.bandwidth,
+                          "latency_us": args.latency, "rows": rows}, indent=2))
+    else:
+        print(f"compressor {name}, topology {args.topology}, {args.bandwidth:g} Gbit/s, "
+              f"{args.latency:g} us latency, compute {(base.forward_time + base.backward_time) * 1e3:.2f} ms")
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The simulator's α-β formulas and its command line, on hand-computed cases."""
+import json
+
+import pytest
+
+from mergecomp import simulate
+from mergecomp.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
+
+
+def test_alpha_beta_formulas():
+    costs = simulate.network_collectives(4, bandwidth=1e9, latency=1e-5)
+    megabyte = 1e6
+    # ring allreduce 2(N−1)/N·B/bw + 2(N−1)·lat
+    assert costs["allreduce"](megabyte) == pytest.approx(2 * 3 / 4 * 1e-3 + 6e-5)
+    # allgather (N−1)·B/bw + (N−1)·lat
+    assert costs["allgather"](megabyte) == pytest.approx(3e-3 + 3e-5)
+    # alltoall (N−1)/N·B/bw + (N−1)·lat; PS = alltoall(B) + allgather(B/N) = the ring's cost
+    assert costs["alltoall"](megabyte) + costs["allgather"](megabyte / 4) == \
+        pytest.approx(costs["allreduce"](megabyte))
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        simulate.network_collectives(1, 1e9, 0)
+
+
+def one_tensor_profile():
+    timeline = [TensorTiming("w", 10 ** 6, 4 * 10 ** 6, "torch.float32", "cpu", 0.05)]
+    toy = CodecCost(LinearCost(1e-4, 1e-9), LinearCost(1e-4, 1e-9), WireSize(0.08, 0))
+    half = CodecCost(LinearCost(0, 1e-9), LinearCost(0, 1e-9), WireSize(2.0, 0))
+    return Profile(1, timeline, forward_time=0.025, backward_time=0.05, compressor="topk",
+                   codecs={"topk": toy, "fp16": half}, copy=LinearCost(0, 1e-12))
+
+
+def test_hand_computed_fp32_row():
+    rows = simulate.simulate(one_tensor_profile(), [4], bandwidth=1e9, latency=1e-5, topology="allgather")
+    copy = 4e6 * 1e-12
+    ring = 2 * 3 / 4 * 4e6 / 1e9 + 6e-5
+    expected = 0.025 + 0.05 + copy + ring + 2 * copy  # gather, allreduce, average + write-back
+    assert rows[0]["fp32"]["iteration_time"] == pytest.approx(expected)
+    assert rows[0]["fp32"]["scaling"] == pytest.approx(0.075 / expected)
+    # fp16 halves the bytes and pays the casts.
+    fp16 = 0.025 + 0.05 + copy + 1e-3 + 2 * 3 / 4 * 2e6 / 1e9 + 6e-5 + 1e-3 + 2 * copy
+    assert rows[0]["fp16"]["iteration_time"] == pytest.approx(fp16)
+    best = rows[0]["optimal"]
+    assert best["exact"] and best["iteration_time"] <= min(expected, fp16)
+
+
+def test_command_line_json_and_errors(tmp_path, capsys):
+    path = str(tmp_path / "profile.json")
+    one_tensor_profile().save(path)
+    assert simulate.main(["--profile", path, "--workers", "2,256", "--json",
+                          "--compressor-arg", "compress_ratio=0.02"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [row["workers"] for row in report["rows"]] == [2, 256]
+    slow, fast = report["rows"][1], report["rows"][0]
+    assert slow["fp32"]["iteration_time"] > fast["fp32"]["iteration_time"]
+    assert simulate.main(["--profile", path, "--workers", "8"]) == 0
+    assert "optimal ms" in capsys.readouterr().out
+    assert simulate.main(["--profile", path, "--topology", "ring"]) == 2
+    assert "not summable" in capsys.readouterr().err
+    assert simulate.main(["--model", "vgg16"]) == 2
+    assert "--compute-time" in capsys.readouterr().err
