@@ -153,7 +153,7 @@ def _itertime_panel(ax, rows: List[dict], title: str) -> None:
     ax.set_ylabel("iteration time (s)")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, ncol=3, loc="lower left")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside: lines cross
 
 
 def main(argv=None) -> int:
