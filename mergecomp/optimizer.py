@@ -209,11 +209,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check(self.optimizer)
 
     def _raw_communicator(self, send: str) -> Communicator:
+        """Allreduce with a cast for raw groups, sharing the memory of compressed groups.
+
+        Sharing keeps error feedback whole when a plan turns a compressed group raw (the
+        residual goes out with the next raw send) and keeps memory-side momentum (DGC)
+        for raw groups.
+        """
         if send not in self._raw_communicators:
             wire = "none" if send == "fp32" else send
             self._raw_communicators[send] = communicators.create(
                 "allreduce", compressor=compressors.create(wire),
-                memory=memories.create("none"), backend=self.backend)
+                memory=self.memory, backend=self.backend)
         return self._raw_communicators[send]
 
     # ------------------------------------------------------------------------ planning --
@@ -272,13 +278,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._install_plan(plan)
             return
         old, new = self._layout(self.plan), self._layout(plan)
-        state = {"communicator": self.communicator.state_dict(),
-                 "raw": {k: c.state_dict() for k, c in self._raw_communicators.items()}}
-        moved = regroup_state(state, old, new)  # raises before anything changes
+        # Raw groups share this memory and their casts are stateless: this is all the state.
+        moved = regroup_state(self.communicator.state_dict(), old, new)  # raises, changing nothing
         self._install_plan(plan)
-        self.communicator.load_state_dict(moved["communicator"])
-        for send, sub in moved["raw"].items():
-            self._raw_communicators[send].load_state_dict(sub)
+        self.communicator.load_state_dict(moved)
 
     def _reset_iteration(self) -> None:
         for group in self._groups:
@@ -413,8 +416,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
             "mergecomp": {
                 "plan": self.plan.to_dict() if self.plan is not None else None,
-                "communicator": self.communicator.state_dict(),
-                "raw_communicators": {k: c.state_dict() for k, c in self._raw_communicators.items()},
+                "communicator": self.communicator.state_dict(),  # raw groups share its memory
                 "steps": self.steps,
             },
         }
@@ -428,8 +430,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if ours.get("plan") is not None:
             self._install_plan(Plan.from_dict(ours["plan"]))
         self.communicator.load_state_dict(ours.get("communicator", {}))
-        for send, state in ours.get("raw_communicators", {}).items():
-            self._raw_communicator(send).load_state_dict(state)
         self.steps = int(ours.get("steps", 0))
 
     def remove_hooks(self) -> None:

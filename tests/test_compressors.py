@@ -296,7 +296,9 @@ def test_dgc_memory_nesterov_clipping_and_dense_payloads():
     payload, ctx = dense.compress(v, "g")  # a view of the velocity
     memory.update(v, "g", dense, payload, ctx)
     assert torch.allclose(payload[0], torch.tensor([0.9, 1.2]))  # not erased before sending
-    assert not memory.velocities["g"].any() and not memory.momenta["g"].any()
+    # Dense (uncompressed) sends keep plain momentum, as DGC treats uncompressed layers:
+    # the velocity went out whole, the momentum is not masked.
+    assert not memory.velocities["g"].any() and torch.allclose(memory.momenta["g"], torch.tensor([0.3, 0.4]))
     dgc = compressors.create("dgc", compress_ratio=0.5)
     v = memory.compensate(torch.tensor([0.1, -0.5]), "g")
     payload, ctx = dgc.compress(v, "g")

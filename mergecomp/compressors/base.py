@@ -20,6 +20,9 @@ Capabilities are class attributes the communicators rely on:
 ``multi_round``
     the compressor needs several collectives per step (PowerSGD); it then implements
     :meth:`rounds` and the communicator drives the exchange.
+``dense`` / ``lossless``
+    every coordinate is sent (the casts) / and exactly (FP32).  Memories use them: a
+    dense send leaves no coordinate behind, a lossless one leaves no residual at all.
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ class Compressor:
     fixed_size = True
     average = True
     multi_round = False
+    dense = False
+    lossless = False
     #: What to pair it with when the user does not say (allgather carries anything).
     recommended_memory = "none"
     recommended_communicator = "allgather"

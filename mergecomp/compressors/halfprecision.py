@@ -22,6 +22,7 @@ class _CastCompressor(Compressor):
     recommended_memory = "none"
     recommended_communicator = "allreduce"
     fixed_size = True
+    dense = True
     wire_dtype: torch.dtype
 
     def compress(self, tensor, name):

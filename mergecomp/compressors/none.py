@@ -16,6 +16,8 @@ class NoneCompressor(Compressor):
     recommended_memory = "none"
     recommended_communicator = "allreduce"
     fixed_size = True
+    dense = True
+    lossless = True
 
     def compress(self, tensor, name):
         return (tensor.reshape(-1),), Context(tensor.shape, tensor.dtype)

@@ -106,6 +106,15 @@ class DGCMemory(Memory):
             # would erase it before it is sent, so the velocity gets fresh storage.
             velocity = self.velocities[name] = velocity.clone()
         flat_v, flat_u = velocity.view(-1), momentum.view(-1)
+        if compressor.dense:
+            # Every coordinate went out (a raw FP32/16-bit group): the velocity keeps only
+            # the cast's rounding error and the momentum is not masked, so a group sent
+            # uncompressed trains with plain momentum SGD, as DGC treats uncompressed layers.
+            if compressor.lossless:
+                flat_v.zero_()
+            else:
+                flat_v.sub_(compressor.decompress(payload, ctx).reshape(-1).to(flat_v.dtype))
+            return
         sent = getattr(compressor, "transmitted_indices", None)
         if sent is not None:
             indices = sent(payload, ctx)

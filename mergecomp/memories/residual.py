@@ -38,6 +38,9 @@ class ResidualMemory(Memory):
         return scaled + (residual if self.beta == 1.0 else residual * self.beta)
 
     def update(self, tensor, name, compressor, payload, ctx):
+        if compressor.lossless:  # everything was sent exactly: nothing to carry
+            self.residuals.pop(name, None)
+            return
         sent = compressor.decompress(payload, ctx)
         self.residuals[name] = tensor - sent.view_as(tensor)
 
