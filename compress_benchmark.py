@@ -42,7 +42,12 @@ def parse_args(argv=None):
                    help="communicator: allreduce, allgather, ps (default: the compressor's recommended)")
     p.add_argument("--fusion-num", type=int, default=1,
                    help="0: one group per tensor, 1: one group, y: y groups balanced by bytes")
-    p.add_argument("--scheduler", default=None, help="scheduler name; overrides --fusion-num")
+    p.add_argument("--scheduler", default="fixed",
+                   help="fixed (--fusion-num), binary (MergeComp's search for a 2-group split), "
+                        "optimal (DP over a saved --profile-in), auto (profile this run, DP, "
+                        "measured check)")
+    p.add_argument("--profile-in", default=None, help="a saved profile for --scheduler optimal")
+    p.add_argument("--profile-out", default=None, help="save the profile --scheduler auto measures (JSON)")
     p.add_argument("--plan-in", default=None, help="execute this saved plan (JSON)")
     p.add_argument("--plan-out", default=None, help="save the plan used (JSON)")
     p.add_argument("--num-warmup-batches", type=int, default=10)
@@ -88,6 +93,25 @@ def build_compressor(args):
     return mergecomp.compressors.create(args.compressor, **kwargs)
 
 
+def build_scheduler(args):
+    """The scheduler from the flags (rank-independent: every rank builds the same one)."""
+    name = args.scheduler
+    send = "compress" if args.compress else "fp32"
+    if name == "fixed":
+        return mergecomp.schedulers.create("fixed", fusion_num=args.fusion_num, send=send)
+    if name == "optimal":
+        if not args.profile_in:
+            raise ValueError("--scheduler optimal plans from a saved profile: pass --profile-in "
+                             "PATH (written by --scheduler auto --profile-out PATH), or use "
+                             "--scheduler auto to profile this run")
+        return mergecomp.schedulers.create("optimal", profile=args.profile_in, allow_compress=args.compress)
+    if name == "auto":
+        return mergecomp.schedulers.create("auto", profile_out=args.profile_out)
+    if name == "binary":
+        return mergecomp.schedulers.create("binary", send=send)
+    return mergecomp.schedulers.create(name)
+
+
 def worker(args):
     device_name = "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
     info = launch.init_distributed(device=device_name)
@@ -114,7 +138,7 @@ def worker(args):
         base, model.named_parameters(), compressor=compressor,
         memory=args.memory if args.compress else "none",
         communicator=args.comm if args.compress else "allreduce",
-        fusion_num=args.fusion_num, scheduler=args.scheduler, plan=plan, compress=args.compress)
+        scheduler=build_scheduler(args), plan=plan, compress=args.compress)
     backend = optimizer.backend
 
     def benchmark_step():
@@ -138,6 +162,15 @@ def worker(args):
     log(f"Exchange: {optimizer.communicator!r}" if args.compress else "Exchange: FP32 allreduce (no compression)")
 
     timed(max(1, args.num_warmup_batches))  # at least one step: it records the plan
+    search_steps = 0
+    scheduler = optimizer.scheduler
+    while getattr(scheduler, "adaptive", False) and not scheduler.settled:
+        if search_steps >= 1000:
+            raise RuntimeError(f"the {args.scheduler} scheduler did not settle within 1000 steps")
+        timed(1)
+        search_steps += 1
+    if search_steps:
+        log(f"Scheduler {args.scheduler} settled after {search_steps} steps beyond the warm-up")
     log(optimizer.plan.describe(optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])))
     if args.plan_out and rank == 0:
         optimizer.plan.save(args.plan_out)
@@ -171,7 +204,8 @@ def worker(args):
         "compressor": args.compressor if args.compress else "none",
         "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
         "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
-        "scheduler": args.scheduler or "fixed", "groups": len(optimizer.plan), "plan": optimizer.plan.digest(),
+        "scheduler": args.scheduler, "search_steps": search_steps,
+        "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups), "groups": len(optimizer.plan), "plan": optimizer.plan.digest(),
         "workers": size, "launcher": info.launcher, "device": str(device), "batch_size": batch_size,
         "num_params": num_params, "rate_per_worker": mean, "rate_per_worker_ci": conf,
         "rate_total": total, "iteration_time_s": statistics.mean(step_times),
@@ -204,6 +238,9 @@ def main(argv=None):
         return 0
     # Fail fast, before any process starts, on names that do not exist.
     models.get(args.model)
+    mergecomp.schedulers.get(args.scheduler)
+    if args.scheduler == "optimal" and not args.profile_in:
+        build_scheduler(args)  # raises the explanation
     if args.compress:
         build_compressor(args)
         if args.memory:

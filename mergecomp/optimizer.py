@@ -151,6 +151,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps = 0
         #: Seconds spent in step() waiting for groups (exposed for benchmarks).
         self.last_sync_time = 0.0
+        #: Called with a parameter name whenever its gradient is ready (profilers use it).
+        self.ready_listener = None
+        self._last_step_end: Optional[float] = None
         if plan is not None:
             self._install_plan(plan)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
@@ -299,6 +302,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _on_gradient_ready(self, name: str) -> None:
+        if self.ready_listener is not None:
+            self.ready_listener(name)
         passes = self._passes[name] + 1
         if passes > self.backward_passes_per_step:
             raise RuntimeError(
@@ -395,7 +400,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         self.steps += 1
         self._reset_iteration()
+        self._after_step()
         return loss
+
+    def _after_step(self) -> None:
+        """Let an adaptive scheduler (auto, binary) measure this step and switch plans."""
+        if not getattr(self.scheduler, "adaptive", False):
+            return
+        now = time.perf_counter()
+        seconds = None if self._last_step_end is None else now - self._last_step_end
+        self.scheduler.after_step(self, seconds)
+        self._last_step_end = time.perf_counter()
 
     def set_epoch(self, epoch: int) -> None:
         """Tell epoch-scheduled components (DGC's density warm-up) the current epoch."""

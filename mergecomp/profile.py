@@ -561,9 +561,22 @@ def assemble_profile(timer: BackwardTimer, compressor_name: str, compressor, bac
     casts (for raw half-precision sends), allreduce always (raw sends use it), and the
     collectives of ``communicator`` (allgather; PS = alltoall + allgather).
     """
-    from . import compressors
     timeline, forward, backward = timer.result()
-    device = timer.device
+    return profile_from_timeline(timeline, forward, backward, timer.device, compressor_name,
+                                 compressor, backend, communicator, compression_sizes,
+                                 collective_sizes)
+
+
+def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward: float, device,
+                          compressor_name: str, compressor, backend, communicator: str = "allreduce",
+                          compression_sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
+                          collective_sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22)) -> Profile:
+    """A full profile from a measured backward timeline (however recorded) plus the probes.
+
+    Collective: call on every rank (see :func:`assemble_profile`).
+    """
+    from . import compressors
+    device = torch.device(device)
     codecs = {compressor_name: measure_compression_cost(compressor, compression_sizes, device)}
     for half in ("fp16", "bf16"):
         if half not in codecs:

@@ -42,6 +42,8 @@ from ..plan import Group, ParamInfo, Plan, SEND_MODES
 class BinarySearchScheduler(Scheduler):
     """Two groups, split point by binary search on measured times (see the module docstring)."""
 
+    adaptive = True
+
     def __init__(self, steps: int = 10, warmup: int = 1, send: str = "compress"):
         for what, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -53,6 +55,29 @@ class BinarySearchScheduler(Scheduler):
         self._lo = self._hi = 1
         self._samples: Dict[int, List[float]] = {}
         self.measured: Dict[int, float] = {}
+
+    @property
+    def settled(self) -> bool:
+        """True once the search ended and ``best`` is installed (same on every rank)."""
+        return bool(self._params) and self.done
+
+    # --------------------------------------------------------------- optimizer driving --
+    def after_step(self, optimizer, seconds) -> None:
+        """Driven by DistributedOptimizer after each step, on every rank (see the module docstring).
+
+        Only rank 0 ran :meth:`plan`; the other ranks start their (deterministic) copy of
+        the search from the broadcast plan, whose groups list the tensors in backward order.
+        """
+        if seconds is None:
+            return
+        if not self._params:
+            self.plan(optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names]))
+        if self.done:
+            return
+        self.report(optimizer.plan, max(optimizer.backend.allgather_object(seconds)))
+        following = self.best if self.done else self.propose()
+        if following.digest() != optimizer.plan.digest():
+            optimizer.set_plan(following)
 
     # ------------------------------------------------------------------------- search --
     def plan(self, params: Sequence[ParamInfo]) -> Plan:

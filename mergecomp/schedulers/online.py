@@ -1,0 +1,227 @@
+"""The ``auto`` scheduler: profile the real run, plan by DP, keep what measures fastest.
+
+It drives the optimizer between steps (``after_step``), in three phases that every rank
+runs in lockstep — the same step counts, collectives at the same steps, rank 0 deciding
+and broadcasting:
+
+1. **profile** (``profile_steps`` steps): the whole model goes raw in one FP32 group while
+   the optimizer's hooks timestamp every gradient.  Backward is taken to start when the
+   first gradient arrives (the user owns the forward pass, so it cannot be timed apart);
+   everything before it counts as forward.  Codec, copy and collective probes then
+   complete a :class:`~mergecomp.profile.Profile` (saved with ``profile_out``).
+2. **check** (``check_steps`` + 1 steps per candidate): three plans from the DP — the
+   optimum, the best plan without compression, the best plan compressing every group —
+   each run for real (the first step after a switch not counted).  The fastest measured
+   wins, so a mispredicting cost model cannot make training slower than the best
+   uncompressed plan it measured.  A candidate whose switch would lose state
+   (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
+3. **watch**: every ``watch_every`` steps the mean step time (max over ranks) is compared
+   with the winner's; after two windows in a row more than ``drift`` slower, it profiles
+   and checks again.
+
+Iteration times are wall-clock between the ends of consecutive ``step()`` calls, the
+maximum over ranks.  The search cost is ``profile_steps + 3·(check_steps + 1)`` steps plus
+the probes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from . import register
+from .base import Scheduler
+from .fixed import FixedScheduler
+from ..plan import ParamInfo, Plan
+
+
+@register("auto")
+class OnlineOptimalScheduler(Scheduler):
+    """Profile → DP → measured check → watch (see the module docstring)."""
+
+    adaptive = True
+
+    def __init__(self, profile_steps: int = 5, check_steps: int = 5, watch_every: int = 50,
+                 drift: float = 0.25, allow_half: bool = False, profile_out: Optional[str] = None,
+                 log: Optional[Callable[[str], None]] = print):
+        for what, value, least in (("profile_steps", profile_steps, 2), ("check_steps", check_steps, 1),
+                                   ("watch_every", watch_every, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"auto scheduler {what} must be an integer ≥ {least}, got {value!r}")
+        if not drift > 0:
+            raise ValueError(f"auto scheduler drift must be a fraction > 0 (0.25 = 25% slower), got {drift!r}")
+        self.profile_steps, self.check_steps, self.watch_every = profile_steps, check_steps, watch_every
+        self.drift, self.allow_half, self.profile_out = float(drift), bool(allow_half), profile_out
+        self._log = log
+        self.phase = "start"
+        self.profile = None
+        self.steps = 0
+        #: (label, plan, predicted seconds, measured seconds or a reason it was skipped)
+        self.report: List[Tuple[str, Plan, float, object]] = []
+        self.best: Optional[Tuple[str, Plan, float]] = None
+        self._ready: Dict[str, List[float]] = {}
+        self._step_start: Optional[float] = None
+        self._samples: List[float] = []
+        self._candidates: List[Tuple[str, Plan, float]] = []
+        self._strikes = 0
+
+    @property
+    def settled(self) -> bool:
+        """True once a plan was chosen by measurement (watching for drift from then on)."""
+        return self.phase == "watch"
+
+    # -- Scheduler --------------------------------------------------------------------
+    def plan(self, params) -> Plan:
+        """The profiling plan: the whole model, raw FP32, one group."""
+        return self._raw_plan(params)
+
+    @staticmethod
+    def _raw_plan(params) -> Plan:
+        return FixedScheduler(1, send="fp32").plan(params)
+
+    # -- driving ------------------------------------------------------------------------
+    def after_step(self, optimizer, seconds: Optional[float]) -> None:
+        """Called by the optimizer after every ``step()`` on every rank."""
+        self.steps += 1
+        self._rank = optimizer.backend.rank
+        getattr(self, f"_{self.phase}")(optimizer, seconds)
+
+    def _start(self, optimizer, seconds):
+        self.phase = "profile"
+        self._ready = {}
+        self._samples = []
+        if any(g.send != "fp32" for g in optimizer.plan.groups) or len(optimizer.plan) != 1:
+            optimizer.set_plan(self._raw_plan(self._params(optimizer)))
+        optimizer.ready_listener = self._on_ready
+        self._step_start = time.perf_counter()
+
+    def _on_ready(self, name: str) -> None:
+        self._ready.setdefault(name, []).append(time.perf_counter() - self._step_start)
+
+    def _profile(self, optimizer, seconds):
+        self._step_start = time.perf_counter()
+        self._samples.append(seconds)
+        if len(self._samples) < self.profile_steps:
+            return
+        optimizer.ready_listener = None
+        self.profile = self._measure(optimizer)
+        if optimizer.backend.rank == 0 and self.profile_out:
+            self.profile.save(self.profile_out)
+        candidates = self._plan_candidates(optimizer) if optimizer.backend.rank == 0 else None
+        self._candidates = optimizer.backend.broadcast_object(candidates, src=0)
+        self.report = []
+        self.phase = "check"
+        self._next_candidate(optimizer)
+
+    def _measure(self, optimizer):
+        """Median ready times (first pass dropped as warm-up) → timeline → full profile."""
+        from ..profile import TensorTiming, profile_from_timeline
+        by_name = dict(optimizer._params)
+        medians = {n: statistics.median(times[1:] or times) for n, times in self._ready.items()}
+        order = sorted(medians, key=medians.get)
+        first = medians[order[0]] if order else 0.0
+        timeline = [TensorTiming(n, by_name[n].numel(), by_name[n].numel() * by_name[n].element_size(),
+                                 str(by_name[n].dtype), str(by_name[n].device), medians[n] - first)
+                    for n in order]
+        # Parameters without a gradient on this rank cannot be timed: they go last, at the end.
+        end = timeline[-1].ready if timeline else 0.0
+        timeline += [TensorTiming(n, p.numel(), p.numel() * p.element_size(), str(p.dtype),
+                                  str(p.device), end) for n, p in optimizer._params if n not in medians]
+        comm_name = optimizer.communicator.name
+        return profile_from_timeline(timeline, first, end, by_name[timeline[0].name].device,
+                                     optimizer.compressor.name, optimizer.compressor,
+                                     optimizer.backend, comm_name if comm_name in ("allreduce", "allgather", "ps") else "allgather")
+
+    def _plan_candidates(self, optimizer) -> List[Tuple[str, Plan, float]]:
+        from ..costmodel import predict
+        from .optimal import OptimalScheduler
+        params = self.profile.params()
+        found = []
+        for label, kwargs in (("optimal", {"allow_half": self.allow_half}),
+                              ("no compression", {"allow_compress": False, "allow_half": self.allow_half}),
+                              ("all compressed", {"sends": ("compress",)})):
+            try:
+                plan = OptimalScheduler(self.profile, **kwargs).plan(params)
+            except ValueError as error:  # e.g. a send mode the profile cannot price
+                self._say(f"auto scheduler: no '{label}' candidate: {error}")
+                continue
+            if all(plan.digest() != p.digest() for _, p, _ in found):
+                found.append((label, plan, predict(plan, self.profile).iteration_time))
+        return found
+
+    def _next_candidate(self, optimizer):
+        from ..regroup import CannotRegroup
+        while self._candidates:
+            label, plan, predicted = self._candidates[0]
+            try:
+                optimizer.set_plan(plan)
+            except CannotRegroup as reason:
+                self.report.append((label, plan, predicted, f"skipped: {reason}"))
+                self._candidates.pop(0)
+                continue
+            self._samples = []
+            return
+        self._choose(optimizer)
+
+    def _check(self, optimizer, seconds):
+        self._samples.append(seconds)
+        if len(self._samples) < self.check_steps + 1:
+            return
+        mine = statistics.mean(self._samples[1:])
+        measured = max(optimizer.backend.allgather_object(mine))
+        label, plan, predicted = self._candidates.pop(0)
+        self.report.append((label, plan, predicted, measured))
+        self._next_candidate(optimizer)
+
+    def _choose(self, optimizer):
+        measured = [(m, label, plan, p) for label, plan, p, m in self.report if isinstance(m, float)]
+        if measured:
+            seconds, label, plan, _ = min(measured, key=lambda row: row[0])
+            optimizer.set_plan(plan)
+            self.best = (label, plan, seconds)
+        self._say(self.describe(optimizer))
+        self.phase = "watch"
+        self._samples = []
+        self._strikes = 0
+
+    def _watch(self, optimizer, seconds):
+        self._samples.append(seconds)
+        if len(self._samples) < self.watch_every or self.best is None:
+            return
+        mean = max(optimizer.backend.allgather_object(statistics.mean(self._samples)))
+        self._samples = []
+        self._strikes = self._strikes + 1 if mean > (1 + self.drift) * self.best[2] else 0
+        if self._strikes >= 2:
+            from ..regroup import CannotRegroup
+            try:
+                self._start(optimizer, None)
+            except CannotRegroup as reason:
+                self._say(f"auto scheduler: steps drifted but the plan cannot change ({reason})")
+                self._strikes = 0
+                return
+            self._say(f"auto scheduler: steps take {mean * 1e3:.1f} ms against {self.best[2] * 1e3:.1f} ms "
+                      "measured for the chosen plan; profiling again")
+
+    # -- reporting ------------------------------------------------------------------------
+    def _params(self, optimizer) -> List[ParamInfo]:
+        return optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])
+
+    def describe(self, optimizer=None) -> str:
+        lines = ["auto scheduler: candidates (predicted vs measured step time)"]
+        for label, plan, predicted, measured in self.report:
+            compressed = sum(g.send == "compress" for g in plan.groups)
+            shown = f"{measured * 1e3:9.1f} ms" if isinstance(measured, float) else measured
+            lines.append(f"  {label:<15} {len(plan):>3} groups ({compressed} compressed)  "
+                         f"predicted {predicted * 1e3:9.1f} ms  measured {shown}")
+        if self.best is not None:
+            lines.append(f"  chosen: {self.best[0]} (plan {self.best[1].digest()}); search took "
+                         f"{self.steps} steps")
+        return "\n".join(lines)
+
+    def _say(self, text: str) -> None:
+        if self._log is not None and getattr(self, "_rank", 0) == 0:
+            self._log(text)
+
+    def __repr__(self):
+        return (f"OnlineOptimalScheduler(profile_steps={self.profile_steps}, check_steps={self.check_steps}, "
+                f"watch_every={self.watch_every}, drift={self.drift})")
