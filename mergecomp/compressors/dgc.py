@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 import torch
 
 from . import register
-from .base import Compressor, Context, check_ratio
+from .base import Context, check_ratio
 from .packing import Scratch
-from .topk import index_dtype, num_selected, scatter_values
+from .topk import SparseCompressor, index_dtype, num_selected
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
@@ -47,7 +47,7 @@ def select_at_least(importance: torch.Tensor, threshold: torch.Tensor, k: int, m
 
 
 @register("dgc")
-class DGCCompressor(Compressor):
+class DGCCompressor(SparseCompressor):
     """Send the elements whose magnitude passes a threshold estimated from a 1% sample.
 
     The threshold is the k-th largest magnitude of a strided sample (k = density·n scaled
@@ -141,14 +141,6 @@ class DGCCompressor(Compressor):
                              f"use index_bits=64")
         wire_index = torch.int32 if self.index_bits == 32 else torch.int64
         return (values, indices.to(wire_index)), Context(tensor.shape, tensor.dtype)
-
-    def decompress(self, payload, ctx):
-        values, indices = payload
-        return scatter_values(values, indices, ctx)
-
-    def transmitted_indices(self, payload, ctx) -> torch.Tensor:
-        """Flat indices of the coordinates this payload sent (for momentum factor masking)."""
-        return payload[1].long()
 
     def __repr__(self):
         return (f"DGCCompressor(compress_ratio={self.compress_ratio}, warmup={self.warmup}, "

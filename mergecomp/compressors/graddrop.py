@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 from . import register
-from .base import Compressor, Context, check_ratio
+from .base import Context, check_ratio
 from .dgc import sampled_threshold
 from .packing import Scratch
-from .topk import index_dtype, num_selected, scatter_values
+from .topk import SparseCompressor, index_dtype, num_selected
 
 
 @register("graddrop")
-class GradDropCompressor(Compressor):
+class GradDropCompressor(SparseCompressor):
     """Drop every element below a magnitude threshold chosen so that a fraction R survives.
 
     As in Aji & Heafield, the threshold is the (1 − R) quantile of a sample of |g|
@@ -49,14 +49,6 @@ class GradDropCompressor(Compressor):
         mask = torch.ge(importance, threshold, out=self._scratch.get("mask", n, torch.bool, flat.device))
         indices = mask.nonzero().view(-1)
         return (flat[indices], indices.to(index_dtype(n))), Context(tensor.shape, tensor.dtype)
-
-    def decompress(self, payload, ctx):
-        values, indices = payload
-        return scatter_values(values, indices, ctx)
-
-    def transmitted_indices(self, payload, ctx) -> torch.Tensor:
-        """Flat indices of the coordinates this payload sent."""
-        return payload[1].long()
 
     def __repr__(self):
         return f"GradDropCompressor(compress_ratio={self.compress_ratio}, sample_ratio={self.sample_ratio})"

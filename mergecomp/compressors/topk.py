@@ -28,8 +28,26 @@ def scatter_values(values: torch.Tensor, indices: torch.Tensor, ctx: Context) ->
     return dense.view(ctx.shape)
 
 
+class SparseCompressor(Compressor):
+    """Base of sparsifiers whose payload is ``(values, indices)``: top-k, DGC, GradDrop.
+
+    Decoding scatters the values into zeros; :meth:`transmitted_indices` tells the DGC
+    memory exactly which coordinates went out (for momentum factor masking).
+    """
+
+    summable = False
+
+    def decompress(self, payload, ctx):
+        values, indices = payload
+        return scatter_values(values, indices, ctx)
+
+    def transmitted_indices(self, payload, ctx) -> torch.Tensor:
+        """Flat indices of the coordinates this payload sent."""
+        return payload[1].long()
+
+
 @register("topk")
-class TopKCompressor(Compressor):
+class TopKCompressor(SparseCompressor):
     """Keep the k = ratio·n entries of largest magnitude; biased, so pair it with residual memory.
 
     Wire for n elements: k × (value bytes + 4) — the values in the input dtype and int32
@@ -51,10 +69,6 @@ class TopKCompressor(Compressor):
         _, indices = torch.topk(flat.abs(), k, sorted=False)
         values = flat[indices]
         return (values, indices.to(index_dtype(flat.numel()))), Context(tensor.shape, tensor.dtype)
-
-    def decompress(self, payload, ctx):
-        values, indices = payload
-        return scatter_values(values, indices, ctx)
 
     def __repr__(self):
         return f"TopKCompressor(compress_ratio={self.compress_ratio})"
