@@ -2,6 +2,7 @@
 """Benchmark sweeps: a grid of compress_benchmark.py / ddp_baseline.py runs on the emulated cluster.
 
     python benchmarks/sweep.py benchmarks/sweeps/default.yaml [--out DIR] [--dry-run] [--retry-failed]
+                               [--rerun LABEL ...]
 
 The YAML file names the grid (see ``benchmarks/sweeps/default.yaml`` for every key)::
 
@@ -26,7 +27,8 @@ Multi-worker cells run inside ``Cluster(num_workers=N, profile=...)`` with a fre
 cell.  A cell is keyed by all of its parameters (iteration counts and threads included); its
 result goes as one JSON line to ``DIR/results.jsonl`` as soon as it ends, so an interrupted
 sweep resumes where it stopped.  A failed cell (non-zero exit, or killed at ``timeout_s``) is
-recorded with its error message and retried only with ``--retry-failed``.
+recorded with its error message and retried only with ``--retry-failed``; ``--rerun LABEL``
+measures the cells of that label again (the newest record of a cell is the one that counts).
 
 Scaling factor (written to ``DIR/summary.csv``)::
 
@@ -347,17 +349,21 @@ def latest(records: Iterable[dict]) -> Dict[str, dict]:
 
 
 def run_sweep(cells: List[dict], out: str, timeout_s: float, retry_failed: bool = False,
-              runner: Callable[[dict, float], dict] = run_cell, progress: bool = True) -> List[dict]:
+              runner: Callable[[dict, float], dict] = run_cell, progress: bool = True,
+              rerun: Iterable[str] = ()) -> List[dict]:
     """Run the cells not finished yet; append each result to ``out/results.jsonl``.
 
-    Returns the latest record of every cell of ``cells`` (skipped ones included).
+    ``rerun``: labels (see :func:`label`) of cells to measure again even if finished, e.g. the
+    single-worker references after the machine's load changed; the new record supersedes the
+    old one, which stays in the file.  Returns the latest record of every cell of ``cells``.
     """
+    rerun = set(rerun)
     from tqdm import tqdm
 
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "results.jsonl")
     done = latest(read_records(path))
-    todo = [c for c in cells if cell_key(c) not in done
+    todo = [c for c in cells if cell_key(c) not in done or label(c) in rerun
             or (retry_failed and done[cell_key(c)]["status"] != "ok")]
     bar = tqdm(todo, desc="sweep", unit="cell", disable=not progress, file=sys.stderr)
     if progress and len(todo) < len(cells):
@@ -430,6 +436,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="results folder (default benchmarks/results/<config name>)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and their commands, run nothing")
     p.add_argument("--retry-failed", action="store_true", help="run failed cells again")
+    p.add_argument("--rerun", action="append", default=[], metavar="LABEL",
+                   help="measure cells with this label again (single, ddp-fp32, topk, ...); repeatable")
     p.add_argument("--no-plot", action="store_true", help="do not render PNGs after the sweep")
     args = p.parse_args(argv)
     try:
@@ -449,7 +457,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"[{state}] {cell['profile']} x{cell['workers']}: python {' '.join(argv)}")
         print(f"{len(cells)} cells, results in {out}")
         return 0
-    records = run_sweep(cells, out, config["timeout_s"], retry_failed=args.retry_failed)
+    records = run_sweep(cells, out, config["timeout_s"], retry_failed=args.retry_failed,
+                        rerun=args.rerun)
     rows = summarize(records)
     write_summary(rows, os.path.join(out, "summary.csv"))
     failed = sum(r["status"] != "ok" for r in records)

@@ -180,3 +180,11 @@ def test_baseline_bucket_size_is_part_of_the_cell():
     assert argv[argv.index("--bucket-cap-mb") + 1] == "1000"
     with pytest.raises(sweep.ConfigError, match="bucket_cap_mb"):
         config(baselines=[{"hook": "fp32", "bucket_cap_mb": 0}])
+
+
+def test_rerun_measures_labelled_cells_again(tmp_path):
+    cells = sweep.expand(config())
+    sweep.run_sweep(cells, str(tmp_path), 60, runner=FakeRunner(), progress=False)
+    again = FakeRunner()
+    sweep.run_sweep(cells, str(tmp_path), 60, runner=again, progress=False, rerun=["single"])
+    assert [sweep.label(c) for c in again.calls] == ["single"]
