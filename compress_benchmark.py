@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import statistics
 import sys
-import time
 
 import torch
 
 import mergecomp
-from mergecomp import launch, models
+from mergecomp import benchmarking, launch, models
 
 
 def parse_args(argv=None):
@@ -113,29 +109,14 @@ def build_scheduler(args):
 
 
 def worker(args):
-    device_name = "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
-    info = launch.init_distributed(device=device_name)
-    device = torch.device("cuda", info.local_rank) if device_name == "cuda" else torch.device("cpu")
-    if device.type == "cpu":
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(args.threads or max(1, cores // max(1, info.local_world_size)))
-    rank, size = info.rank, info.world_size
-    torch.manual_seed(args.seed)
-
-    spec = models.get(args.model)
-    batch_size = args.batch_size or spec.default_batch_size
-    model = spec.build().to(device)
-    generator = torch.Generator(device=device).manual_seed(args.seed + rank)
-    inputs, targets = spec.batch(batch_size, device=device, generator=generator)
-    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-
+    work = benchmarking.prepare(args)
     compressor = build_compressor(args)
     args.memory = args.memory or compressor.recommended_memory
     args.comm = args.comm or compressor.recommended_communicator
     plan = mergecomp.Plan.load(args.plan_in) if args.plan_in else None
-    base = torch.optim.SGD(model.parameters(), lr=args.lr)
+    base = torch.optim.SGD(work.model.parameters(), lr=args.lr)
     optimizer = mergecomp.DistributedOptimizer(
-        base, model.named_parameters(), compressor=compressor,
+        base, work.model.named_parameters(), compressor=compressor,
         memory=args.memory if args.compress else "none",
         communicator=args.comm if args.compress else "allreduce",
         scheduler=build_scheduler(args), plan=plan, compress=args.compress)
@@ -143,23 +124,16 @@ def worker(args):
 
     def benchmark_step():
         optimizer.zero_grad()
-        spec.loss(model(inputs), targets).backward()
+        work.spec.loss(work.model(work.inputs), work.targets).backward()
         optimizer.step()
 
-    def timed(batches):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(batches):
-            benchmark_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"Model: {args.model} ({num_params / 1e6:.2f}M parameters), batch size {batch_size} per worker")
-    log(f"Workers: {size} ({info.launcher}), device: {device}, backend: {type(backend).__name__}")
-    log(f"Exchange: {optimizer.communicator!r}" if args.compress else "Exchange: FP32 allreduce (no compression)")
+    timed = benchmarking.make_timer(benchmark_step, work.device)
+    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
+             f"{work.batch_size} per worker")
+    work.log(f"Workers: {work.size} ({work.info.launcher}), device: {work.device}, backend: "
+             f"{type(backend).__name__}")
+    work.log(f"Exchange: {optimizer.communicator!r}" if args.compress
+             else "Exchange: FP32 allreduce (no compression)")
 
     timed(max(1, args.num_warmup_batches))  # at least one step: it records the plan
     search_steps = 0
@@ -170,61 +144,24 @@ def worker(args):
         timed(1)
         search_steps += 1
     if search_steps:
-        log(f"Scheduler {args.scheduler} settled after {search_steps} steps beyond the warm-up")
-    log(optimizer.plan.describe(optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])))
-    if args.plan_out and rank == 0:
+        work.log(f"Scheduler {args.scheduler} settled after {search_steps} steps beyond the warm-up")
+    work.log(optimizer.plan.describe(optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])))
+    if args.plan_out and work.rank == 0:
         optimizer.plan.save(args.plan_out)
 
-    rates, bytes_per_step, wire_per_step, step_times = [], [], [], []
-    from tqdm import tqdm
-    # A progress bar on a terminal only: in logs its carriage returns garble the lines.
-    progress = tqdm(range(args.num_iters), desc="iterations", file=sys.stderr, leave=False,
-                    disable=rank != 0 or not sys.stderr.isatty())
-    for i in progress:
-        sent_before, wire_before = backend.bytes_sent, backend.wire_bytes
-        seconds = timed(args.num_batches_per_iter)
-        bytes_per_step.append((backend.bytes_sent - sent_before) / args.num_batches_per_iter)
-        wire_per_step.append((backend.wire_bytes - wire_before) / args.num_batches_per_iter)
-        step_times.append(seconds / args.num_batches_per_iter)
-        rates.append(batch_size * args.num_batches_per_iter / seconds)
-        progress.write(f"Iter #{i}: {rates[-1]:.1f} {spec.unit}/sec per worker") if rank == 0 else None
-
-    # Every rank's throughput, so the reported mean is over workers, not rank 0's alone.
-    everyone = backend.allgather_object((rates, bytes_per_step, wire_per_step))
-    mean_rates = [statistics.mean(r) for r, _, _ in everyone]
-    mean = statistics.mean(rates)
-    conf = 1.96 * (statistics.stdev(rates) if len(rates) > 1 else 0.0)
-    total = sum(mean_rates)
-    sent = statistics.mean(statistics.mean(b) for _, b, _ in everyone)
-    wire = statistics.mean(statistics.mean(w) for _, _, w in everyone)
-    fp32_bytes = 4 * num_params
-    fp32_wire = fp32_bytes * 2 * (size - 1) // size  # a ring allreduce of the FP32 gradient
-    result = {
-        "model": args.model, "unit": spec.unit, "compress": args.compress,
-        "compressor": args.compressor if args.compress else "none",
+    series = benchmarking.run_iterations(
+        timed, work, args, lambda: {"bytes_sent": backend.bytes_sent, "wire_bytes": backend.wire_bytes})
+    result = benchmarking.report(work, series, backend.allgather_object, {
+        "compress": args.compress, "compressor": args.compressor if args.compress else "none",
         "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
         "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
-        "scheduler": args.scheduler, "search_steps": search_steps,
-        "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups), "groups": len(optimizer.plan), "plan": optimizer.plan.digest(),
-        "workers": size, "launcher": info.launcher, "device": str(device), "batch_size": batch_size,
-        "num_params": num_params, "rate_per_worker": mean, "rate_per_worker_ci": conf,
-        "rate_total": total, "iteration_time_s": statistics.mean(step_times),
-        "bytes_per_step": sent, "fp32_bytes_per_step": fp32_bytes,
-        "compression_ratio": fp32_bytes / sent if sent else math.inf,
-        "wire_bytes_per_step": wire, "fp32_wire_bytes_per_step": fp32_wire, "rates": rates,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    log(f"{spec.unit.capitalize()}/sec per worker: {mean:.1f} +-{conf:.1f}")
-    log(f"Total {spec.unit}/sec on {size} worker(s): {total:.1f} +-{conf * size:.1f}")
-    log(f"Bytes sent per worker per iteration: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
-        f"{fp32_bytes:,} bytes; compression ratio {result['compression_ratio']:.1f}x")
-    if size > 1:
-        log(f"On the wire per worker per iteration (ring/direct algorithms): {wire:,.0f} bytes; "
-            f"FP32 ring allreduce: {fp32_wire:,} bytes ({fp32_wire / wire if wire else math.inf:.1f}x)")
-    if args.json and rank == 0:
+        "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
+        "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
+        "plan": optimizer.plan.digest()})
+    if args.json and work.rank == 0:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return result if rank == 0 else None
+    return result if work.rank == 0 else None
 
 
 def main(argv=None):

@@ -31,11 +31,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -45,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mergecomp import launch, models  # noqa: E402
+from mergecomp import benchmarking, launch, models  # noqa: E402
 
 HOOKS = ("fp32", "fp16", "powersgd")
 DEFAULT_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
@@ -152,89 +149,50 @@ def register_hook(model: DistributedDataParallel, args):
 
 
 def worker(args):
-    device_name = "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
-    info = launch.init_distributed(device=device_name)
-    device = torch.device("cuda", info.local_rank) if device_name == "cuda" else torch.device("cpu")
-    if device.type == "cpu":
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(args.threads or max(1, cores // max(1, info.local_world_size)))
-    rank, size = info.rank, info.world_size
-    torch.manual_seed(args.seed)
-
-    spec = models.get(args.model)
-    batch_size = args.batch_size or spec.default_batch_size
-    net = spec.build().to(device)
-    generator = torch.Generator(device=device).manual_seed(args.seed + rank)
-    inputs, targets = spec.batch(batch_size, device=device, generator=generator)
-    num_params = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None,
+    work = benchmarking.prepare(args)
+    device = work.device
+    model = DistributedDataParallel(work.model, device_ids=[device.index] if device.type == "cuda" else None,
                                     bucket_cap_mb=args.bucket_cap_mb)
     exchange, buckets = register_hook(model, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     def benchmark_step():
         optimizer.zero_grad()
-        spec.loss(model(inputs), targets).backward()
+        work.spec.loss(model(work.inputs), work.targets).backward()
         optimizer.step()
 
-    def timed(batches):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(batches):
-            benchmark_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+    timed = benchmarking.make_timer(benchmark_step, device)
+    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
+             f"{work.batch_size} per worker")
+    work.log(f"Workers: {work.size} ({work.info.launcher}), device: {device}, backend: {dist.get_backend()}")
+    work.log(f"Exchange: {exchange}, bucket size {args.bucket_cap_mb:g} MB")
 
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"Model: {args.model} ({num_params / 1e6:.2f}M parameters), batch size {batch_size} per worker")
-    log(f"Workers: {size} ({info.launcher}), device: {device}, backend: {dist.get_backend()}")
-    log(f"Exchange: {exchange}, bucket size {args.bucket_cap_mb:g} MB")
-
-    rates, bytes_per_step, step_times = [], [], []
+    ring = 2 * (work.size - 1) / work.size  # every DDP collective is an allreduce
     with AllreduceCounter() as counter:
         timed(max(1, args.num_warmup_batches))
-        for i in range(args.num_iters):
-            sent_before, calls_before = counter.bytes_sent, buckets.calls
-            seconds = timed(args.num_batches_per_iter)
-            bytes_per_step.append((counter.bytes_sent - sent_before) / args.num_batches_per_iter)
-            step_times.append(seconds / args.num_batches_per_iter)
-            rates.append(batch_size * args.num_batches_per_iter / seconds)
-            groups = (buckets.calls - calls_before) // args.num_batches_per_iter
-            log(f"Iter #{i}: {rates[-1]:.1f} {spec.unit}/sec per worker")
+        calls_before = buckets.calls
+        series = benchmarking.run_iterations(
+            timed, work, args,
+            lambda: {"bytes_sent": counter.bytes_sent, "wire_bytes": counter.bytes_sent * ring})
+        groups = (buckets.calls - calls_before) // (args.num_iters * args.num_batches_per_iter)
 
-    everyone = [None] * size
-    dist.all_gather_object(everyone, (rates, bytes_per_step))
-    mean_rates = [statistics.mean(r) for r, _ in everyone]
-    mean = statistics.mean(rates)
-    conf = 1.96 * (statistics.stdev(rates) if len(rates) > 1 else 0.0)
-    total = sum(mean_rates)
-    sent = statistics.mean(statistics.mean(b) for _, b in everyone)
-    fp32_bytes = 4 * num_params
+    def gather(obj):
+        everyone = [None] * work.size
+        dist.all_gather_object(everyone, obj)
+        return everyone
+
     label = f"ddp-{args.hook}" + (f"-r{args.powersgd_rank}" if args.hook == "powersgd" else "")
-    result = {
-        "model": args.model, "unit": spec.unit, "compress": args.hook != "fp32",
-        "compressor": label, "compress_ratio": None, "memory": "ddp", "comm": "ddp-allreduce",
-        "fusion_num": None, "scheduler": "ddp-buckets", "groups": groups, "plan": None,
-        "workers": size, "launcher": info.launcher, "device": str(device), "batch_size": batch_size,
-        "num_params": num_params, "rate_per_worker": mean, "rate_per_worker_ci": conf,
-        "rate_total": total, "iteration_time_s": statistics.mean(step_times),
-        "bytes_per_step": sent, "fp32_bytes_per_step": fp32_bytes,
-        "compression_ratio": fp32_bytes / sent if sent else math.inf, "rates": rates,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "hook": args.hook, "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None,
-        "bucket_cap_mb": args.bucket_cap_mb,
-    }
-    log(f"{spec.unit.capitalize()}/sec per worker: {mean:.1f} +-{conf:.1f}")
-    log(f"Total {spec.unit}/sec on {size} worker(s): {total:.1f} +-{conf * size:.1f}")
-    log(f"Bytes sent per worker per iteration: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
-        f"{fp32_bytes:,} bytes; compression ratio {result['compression_ratio']:.1f}x")
-    if args.json and rank == 0:
+    result = benchmarking.report(work, series, gather, {
+        "compress": args.hook != "fp32", "compressor": label, "compress_ratio": None,
+        "memory": "ddp", "comm": "ddp-allreduce", "fusion_num": None, "scheduler": "ddp-buckets",
+        "groups": groups, "plan": None, "hook": args.hook,
+        "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None,
+        "bucket_cap_mb": args.bucket_cap_mb})
+    if args.json and work.rank == 0:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     dist.destroy_process_group()
-    return result if rank == 0 else None
+    return result if work.rank == 0 else None
 
 
 def main(argv=None):

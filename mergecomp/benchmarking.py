@@ -1,0 +1,144 @@
+"""What ``compress_benchmark.py`` and ``benchmarks/ddp_baseline.py`` share.
+
+Worker set-up, the timing loop and the report live here once, so mergecomp runs and the
+DDP baselines are measured the same way: same models and synthetic batches, same thread
+count, same iterations, same statistics, same JSON keys.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from . import launch, models
+
+
+@dataclass
+class Workload:
+    """One worker's model, batch and device, ready to time."""
+
+    info: launch.LaunchInfo
+    device: torch.device
+    spec: models.ModelSpec
+    batch_size: int
+    model: torch.nn.Module
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    num_params: int
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def size(self) -> int:
+        return self.info.world_size
+
+    def log(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+
+def prepare(args) -> Workload:
+    """Initialise the process group and build the model and its synthetic batch.
+
+    ``args`` needs ``no_cuda``, ``threads``, ``seed``, ``model`` and ``batch_size``.
+    On the CPU each worker gets cores / local workers threads unless ``threads`` says.
+    """
+    device_name = "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
+    info = launch.init_distributed(device=device_name)
+    device = torch.device("cuda", info.local_rank) if device_name == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(args.threads or max(1, cores // max(1, info.local_world_size)))
+    torch.manual_seed(args.seed)
+    spec = models.get(args.model)
+    batch_size = args.batch_size or spec.default_batch_size
+    model = spec.build().to(device)
+    generator = torch.Generator(device=device).manual_seed(args.seed + info.rank)
+    inputs, targets = spec.batch(batch_size, device=device, generator=generator)
+    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return Workload(info, device, spec, batch_size, model, inputs, targets, num_params)
+
+
+def make_timer(step: Callable[[], None], device: torch.device) -> Callable[[int], float]:
+    """``timed(n)``: seconds for n calls of ``step``, the device synchronised at both ends."""
+    def timed(batches: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(batches):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+    return timed
+
+
+def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str, float]]) -> Dict[str, List[float]]:
+    """``num_iters`` timed iterations of ``num_batches_per_iter`` steps each.
+
+    Returns per-iteration lists: ``rates`` (samples/s), ``step_times`` (s), and for each
+    key of ``counters()`` its increase per step (bytes sent, ...).
+    """
+    from tqdm import tqdm
+    series: Dict[str, List[float]] = {"rates": [], "step_times": []}
+    # A progress bar on rank 0's terminal only: in logs its carriage returns garble lines.
+    progress = tqdm(range(args.num_iters), desc="iterations", file=sys.stderr, leave=False,
+                    disable=work.rank != 0 or not sys.stderr.isatty())
+    for i in progress:
+        before = counters()
+        seconds = timed(args.num_batches_per_iter)
+        after = counters()
+        for key in before:
+            series.setdefault(key, []).append((after[key] - before[key]) / args.num_batches_per_iter)
+        series["step_times"].append(seconds / args.num_batches_per_iter)
+        series["rates"].append(work.batch_size * args.num_batches_per_iter / seconds)
+        if work.rank == 0:
+            progress.write(f"Iter #{i}: {series['rates'][-1]:.1f} {work.spec.unit}/sec per worker")
+    return series
+
+
+def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any], List[Any]],
+           fields: Dict[str, Any]) -> Dict[str, Any]:
+    """Combine every worker's series into the result (printed on rank 0 and returned).
+
+    ``series`` needs ``bytes_sent`` and ``wire_bytes`` per step; ``gather`` is an
+    allgather of Python objects.  ``fields`` describe the exchange (compressor, comm, ...).
+    """
+    everyone = gather(series)
+    rates = series["rates"]
+    mean = statistics.mean(rates)
+    conf = 1.96 * (statistics.stdev(rates) if len(rates) > 1 else 0.0)
+    total = sum(statistics.mean(s["rates"]) for s in everyone)
+    sent = statistics.mean(statistics.mean(s["bytes_sent"]) for s in everyone)
+    wire = statistics.mean(statistics.mean(s["wire_bytes"]) for s in everyone)
+    size = work.size
+    fp32_bytes = 4 * work.num_params
+    fp32_wire = fp32_bytes * 2 * (size - 1) // size  # a ring allreduce of the FP32 gradient
+    result = {
+        "model": work.spec.name, "unit": work.spec.unit, **fields,
+        "workers": size, "launcher": work.info.launcher, "device": str(work.device),
+        "batch_size": work.batch_size, "num_params": work.num_params,
+        "rate_per_worker": mean, "rate_per_worker_ci": conf, "rate_total": total,
+        "iteration_time_s": statistics.mean(series["step_times"]),
+        "bytes_per_step": sent, "fp32_bytes_per_step": fp32_bytes,
+        "compression_ratio": fp32_bytes / sent if sent else math.inf,
+        "wire_bytes_per_step": wire, "fp32_wire_bytes_per_step": fp32_wire,
+        "rates": rates, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    unit = work.spec.unit
+    work.log(f"{unit.capitalize()}/sec per worker: {mean:.1f} +-{conf:.1f}")
+    work.log(f"Total {unit}/sec on {size} worker(s): {total:.1f} +-{conf * size:.1f}")
+    work.log(f"Bytes sent per worker per iteration: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
+             f"{fp32_bytes:,} bytes; compression ratio {result['compression_ratio']:.1f}x")
+    if size > 1:
+        work.log(f"On the wire per worker per iteration (ring/direct algorithms): {wire:,.0f} bytes; "
+                 f"FP32 ring allreduce: {fp32_wire:,} bytes ({fp32_wire / wire if wire else math.inf:.1f}x)")
+    return result
