@@ -92,7 +92,7 @@ def render(summary: str, out: str) -> List[str]:
 
 
 def _scaling_panel(ax, rows: List[dict], title: str) -> None:
-    comp = [r for r in rows if r["kind"] == "mergecomp"]
+    comp = [r for r in rows if r["kind"] == "mergecomp" and r.get("scheduler") in (None, "", "fixed")]
     names = _ordered(r["label"] for r in comp)
     powersgd = _ordered(r["label"] for r in rows if r["label"].startswith("ddp-powersgd"))
     x = list(range(len(names) + len(powersgd)))
@@ -137,7 +137,7 @@ def _bar(ax, x: float, width: float, row: Optional[dict], color: str, legend: Op
 
 
 def _itertime_panel(ax, rows: List[dict], title: str) -> None:
-    comp = [r for r in rows if r["kind"] == "mergecomp" and r["status"] == "ok"]
+    comp = [r for r in rows if r["kind"] == "mergecomp" and r.get("scheduler") in (None, "", "fixed") and r["status"] == "ok"]
     fusions = sorted({r["fusion_num"] for r in comp})
     position = {f: i for i, f in enumerate(fusions)}
     for name in _ordered(r["label"] for r in comp):

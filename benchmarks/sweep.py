@@ -60,12 +60,14 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks``/``mergecom
 import yaml  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_KEYS = {"models", "compressors", "fusion_num", "profiles", "workers", "baselines",
+CONFIG_KEYS = {"models", "compressors", "fusion_num", "schedulers", "profiles", "workers", "baselines",
                "iterations", "threads_per_worker", "timeout_s"}
+#: ``fixed`` crosses ``fusion_num``; the adaptive schedulers choose their own plan (one cell).
+SCHEDULERS = ("fixed", "binary", "auto")
 ITERATION_KEYS = ("num_warmup_batches", "num_batches_per_iter", "num_iters")
 HOOKS = ("fp32", "fp16", "powersgd")
 SUMMARY_FIELDS = ["model", "kind", "label", "compressor", "compress_ratio", "memory", "comm",
-                  "fusion_num", "hook", "powersgd_rank", "bucket_cap_mb", "profile", "workers",
+                  "fusion_num", "scheduler", "groups", "compressed_groups", "search_steps", "hook", "powersgd_rank", "bucket_cap_mb", "profile", "workers",
                   "batch_size", "status", "rate_per_worker", "rate_per_worker_ci", "rate_total",
                   "iteration_time_s", "bytes_per_step", "compression_ratio", "scaling_factor",
                   "error"]
@@ -121,6 +123,11 @@ def validate(raw, source: str = "<config>") -> dict:
             isinstance(f, int) and not isinstance(f, bool) and f >= 0 for f in fusion):
         raise ConfigError(f"{where}: 'fusion_num' must be a list of integers ≥ 0, got {fusion!r}")
     config["fusion_num"] = fusion
+    chosen = raw.get("schedulers", ["fixed"])
+    if not isinstance(chosen, list) or not chosen or any(s not in SCHEDULERS for s in chosen):
+        raise ConfigError(f"{where}: 'schedulers' must be a non-empty list of {list(SCHEDULERS)}, "
+                          f"got {chosen!r}")
+    config["schedulers"] = chosen
 
     for name in raw["profiles"]:
         _check(lambda: parse_profile(name), where)
@@ -223,10 +230,15 @@ def expand(config: dict) -> List[dict]:
                     cells.append({"kind": "ddp", "hook": b["hook"], "powersgd_rank": b["rank"], **cap, **place})
                 for c in config["compressors"]:
                     for comm in c["comms"]:
-                        for fusion in config["fusion_num"]:
-                            cells.append({"kind": "mergecomp", "compressor": c["name"],
-                                          "compress_ratio": c["compress_ratio"], "memory": c["memory"],
-                                          "comm": comm, "fusion_num": fusion, **place})
+                        exchange = {"kind": "mergecomp", "compressor": c["name"],
+                                    "compress_ratio": c["compress_ratio"], "memory": c["memory"],
+                                    "comm": comm, **place}
+                        if "fixed" in config.get("schedulers", ["fixed"]):
+                            cells.extend({**exchange, "fusion_num": fusion} for fusion in config["fusion_num"])
+                        # "scheduler" is in a cell only when not fixed, so fixed cells keep the keys
+                        # of results recorded before the schedulers axis existed.
+                        cells.extend({**exchange, "fusion_num": None, "scheduler": s}
+                                     for s in config.get("schedulers", ["fixed"]) if s != "fixed")
     # Run order: references and baselines first, then the first two fusion settings of every
     # model before the rest, so that a sweep cut short still compares every model.
     kinds = {"single": 0, "ddp": 1, "mergecomp": 2}
@@ -265,7 +277,11 @@ def command(cell: dict, json_path: str) -> List[str]:
     if cell["kind"] == "single":
         return script + ["--nproc", "1"]
     extra = ["--compress", "--compressor", cell["compressor"], "--memory", cell["memory"],
-             "--comm", cell["comm"], "--fusion-num", str(cell["fusion_num"])]
+             "--comm", cell["comm"]]
+    if cell.get("scheduler", "fixed") == "fixed":
+        extra += ["--fusion-num", str(cell["fusion_num"])]
+    else:
+        extra += ["--scheduler", cell["scheduler"]]
     if cell["compress_ratio"] is not None:
         extra += ["--compress-ratio", str(cell["compress_ratio"])]
     return script + extra
@@ -400,8 +416,9 @@ def summarize(records: List[dict]) -> List[dict]:
         cell, result = r["cell"], r.get("result") or {}
         row = {key: cell.get(key) for key in SUMMARY_FIELDS}
         row.update(kind=cell["kind"], label=label(cell), status=r["status"], error=r.get("error", ""))
+        row["scheduler"] = cell.get("scheduler", "fixed" if cell["kind"] == "mergecomp" else None)
         for key in ("rate_per_worker", "rate_per_worker_ci", "rate_total", "iteration_time_s",
-                    "bytes_per_step", "compression_ratio"):
+                    "bytes_per_step", "compression_ratio", "groups", "compressed_groups", "search_steps"):
             row[key] = result.get(key)
         single = references.get(reference_key(cell))
         if r["status"] == "ok" and single:

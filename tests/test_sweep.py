@@ -188,3 +188,16 @@ def test_rerun_measures_labelled_cells_again(tmp_path):
     again = FakeRunner()
     sweep.run_sweep(cells, str(tmp_path), 60, runner=again, progress=False, rerun=["single"])
     assert [sweep.label(c) for c in again.calls] == ["single"]
+
+
+def test_schedulers_axis_adds_one_cell_per_adaptive_scheduler():
+    cells = [c for c in sweep.expand(config(schedulers=["fixed", "binary", "auto"], fusion_num=[0, 2]))
+             if c["kind"] == "mergecomp" and c["compressor"] == "topk"]
+    fixed = [c for c in cells if "scheduler" not in c]
+    adaptive = {c["scheduler"]: c for c in cells if "scheduler" in c}
+    assert sorted(c["fusion_num"] for c in fixed) == [0, 2]
+    assert set(adaptive) == {"binary", "auto"}
+    argv = sweep.command(adaptive["auto"], "out.json")
+    assert argv[argv.index("--scheduler") + 1] == "auto" and "--fusion-num" not in argv
+    with pytest.raises(sweep.ConfigError, match="schedulers"):
+        config(schedulers=["optimal"])
