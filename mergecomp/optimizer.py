@@ -22,6 +22,7 @@ and ``state``, so LR schedulers and checkpoints see one optimizer.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -123,6 +124,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.find_unused_parameters = bool(find_unused_parameters)
         self._params = self._trainable_params(optimizer, named_parameters)
+        self._position = {name: i for i, (name, _) in enumerate(self._params)}
         self._check_same_model()
 
         self.compressor = compressors.create(compressor) if isinstance(compressor, str) else compressor
@@ -170,8 +172,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if named and not (isinstance(named[0], tuple) and len(named[0]) == 2):
                 raise ValueError("named_parameters must yield (name, parameter) pairs, e.g. "
                                  "model.named_parameters()")
-            names = [n for n, _ in named]
-            duplicates = sorted({n for n in names if names.count(n) > 1})
+            counts = collections.Counter(n for n, _ in named)
+            duplicates = sorted(n for n, c in counts.items() if c > 1)
             if duplicates:
                 raise ValueError(f"named_parameters has duplicate names {duplicates[:5]}")
             known = {id(p) for _, p in named}
@@ -207,9 +209,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                     memory=self.memory, backend=self.backend)
 
     def _check_optimizer_compatible(self) -> None:
-        check = getattr(self.memory, "check_optimizer", None)
-        if callable(check):
-            check(self.optimizer)
+        """Components that own part of the update (DGC's or SIGNUM's momentum) vet the optimizer."""
+        for component in (self.compressor, self.memory):
+            check = getattr(component, "check_optimizer", None)
+            if callable(check):
+                check(self.optimizer)
 
     def _raw_communicator(self, send: str) -> Communicator:
         """Allreduce with a cast for raw groups, sharing the memory of compressed groups.
@@ -368,9 +372,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _write_back(self, group: _GroupState, averaged: torch.Tensor, globally_used) -> None:
         flat = averaged.reshape(-1)
-        positions = {n: i for i, (n, _) in enumerate(self._params)} if globally_used is not None else None
         for (name, p), offset in zip(group.params, group.offsets):
-            if globally_used is not None and globally_used[positions[name]] == 0:
+            if globally_used is not None and globally_used[self._position[name]] == 0:
                 continue
             value = flat.narrow(0, offset, p.numel()).view_as(p)
             if p.grad is None:

@@ -14,6 +14,7 @@ from typing import Dict
 
 import torch
 
+from ..momentum import refuse_optimizer_momentum
 from . import register
 from .base import Compressor, Context
 from .packing import pack_bits, unpack_bits
@@ -71,6 +72,12 @@ class SignumCompressor(_MajorityVote):
 
     Wire for n elements: ⌈n/8⌉ bytes.  ``average = False``.
     """
+
+    def check_optimizer(self, optimizer) -> None:
+        """Refuse an optimizer with its own momentum: SIGNUM's momentum lives here."""
+        refuse_optimizer_momentum(
+            optimizer, "the signum compressor (sign of momentum)",
+            f"Use plain SGD (momentum=0) and set the compressor's beta (now {self.beta}).")
 
     def __init__(self, beta: float = 0.9):
         beta = float(beta)

@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..momentum import refuse_optimizer_momentum
 from . import register
 from .base import Memory
 
@@ -29,14 +30,10 @@ def check_optimizer(optimizer) -> None:
     the optimizer would compound it.  Weight decay, dampening-free SGD, learning-rate
     schedules are all fine.
     """
-    for index, group in enumerate(getattr(optimizer, "param_groups", [])):
-        momentum = group.get("momentum", 0) or 0
-        if momentum > 0:
-            raise ValueError(
-                f"the dgc memory applies momentum itself (momentum correction), but parameter "
-                f"group {index} of {type(optimizer).__name__} has momentum={momentum}: create the "
-                f"optimizer with momentum=0 and give the momentum to the memory instead, e.g. "
-                f"memories.create('dgc', momentum={momentum})")
+    refuse_optimizer_momentum(
+        optimizer, "the dgc memory (momentum correction)",
+        "Use plain SGD (momentum=0; weight decay is fine) and give the momentum to the memory, "
+        "e.g. memories.create('dgc', momentum=0.9).")
 
 
 @register("dgc")

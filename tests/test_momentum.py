@@ -1,0 +1,18 @@
+"""Components that own the momentum refuse an optimizer that has one too."""
+import pytest
+import torch
+
+from mergecomp import compressors, memories
+
+
+def params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize("component", [lambda: memories.create("dgc"), lambda: compressors.create("signum")])
+def test_second_momentum_is_refused(component):
+    with pytest.raises(ValueError, match=r"group 0 of SGD has momentum=0.9"):
+        component().check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"group 0 of Adam has betas\[0\]=0.9"):
+        component().check_optimizer(torch.optim.Adam(params(), lr=0.1))
+    component().check_optimizer(torch.optim.SGD(params(), lr=0.1, weight_decay=1e-4))  # fine
