@@ -191,7 +191,7 @@ def worker(args):
     if args.json and work.rank == 0:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    dist.destroy_process_group()
+    launch.shutdown()
     return result if work.rank == 0 else None
 
 

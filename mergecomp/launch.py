@@ -229,6 +229,20 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300,
 _initialised_info: Optional[LaunchInfo] = None  # what init_distributed set up, for repeat calls
 
 
+def shutdown() -> None:
+    """Tear the process group down in order: wait for every rank, then destroy it.
+
+    Leaving the interpreter with a live gloo group can abort the process ("terminate called
+    without an active exception") when its threads are destroyed mid-flight; call this at
+    the end of a training script.  Does nothing when no group is initialised.
+    """
+    global _initialised_info
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _initialised_info = None
+
+
 def _choose_backend(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:
     wants_cuda = device is not None and torch.device(device).type == "cuda"
     if wants_cuda and not torch.cuda.is_available():

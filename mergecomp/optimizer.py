@@ -117,8 +117,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         # Share, do not copy: LR schedulers and checkpoints act on the wrapped optimizer.
         self.optimizer = optimizer
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
+        self._share_inner()
 
         self.backend = backend if backend is not None else default_backend()
         self.backward_passes_per_step = backward_passes_per_step
@@ -415,6 +414,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.scheduler.after_step(self, seconds)
         self._last_step_end = time.perf_counter()
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if not hasattr(self, "optimizer"):  # torch.optim.Optimizer.__init__ building the groups
+            return super().add_param_group(param_group)
+        raise RuntimeError("parameters added after wrapping would get no gradient exchange: add the "
+                           "param group to the optimizer before wrapping it in DistributedOptimizer")
+
     def set_epoch(self, epoch: int) -> None:
         """Tell epoch-scheduled components (DGC's density warm-up) the current epoch."""
         for component in (self.compressor, self.memory):
@@ -439,12 +444,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             },
         }
 
+    def _share_inner(self) -> None:
+        """Point at the wrapped optimizer's param_groups and state (its load_state_dict
+        replaces both objects, which would leave LR schedulers editing stale dicts)."""
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if "mergecomp" not in state_dict:  # a plain optimizer checkpoint
             self.optimizer.load_state_dict(state_dict)
+            self._share_inner()
             return
         ours = state_dict["mergecomp"]
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._share_inner()
         if ours.get("plan") is not None:
             self._install_plan(Plan.from_dict(ours["plan"]))
         self.communicator.load_state_dict(ours.get("communicator", {}))

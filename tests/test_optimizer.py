@@ -411,3 +411,37 @@ def test_set_plan_moves_error_feedback_state_or_refuses():
     for same, groups, refused, power_groups in run_ranks(set_plan_worker, 2):
         assert same and groups == 1
         assert refused and power_groups == 1
+
+
+def lr_schedule_worker(rank, world_size):
+    """An LR scheduler on the wrapper keeps driving the wrapped optimizer after a resume."""
+    def build():
+        model = make_model()
+        opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             model.named_parameters())
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    model, opt, schedule = build()
+    for step in range(2):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        schedule.step()
+    saved = {"opt": opt.state_dict(), "schedule": schedule.state_dict()}
+    _, resumed, resumed_schedule = build()
+    resumed.load_state_dict(saved["opt"])
+    resumed_schedule.load_state_dict(saved["schedule"])
+    resumed_schedule.step()
+    try:
+        resumed.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+        refused = False
+    except RuntimeError:
+        refused = True
+    return resumed.optimizer.param_groups[0]["lr"], resumed.param_groups[0]["lr"], refused
+
+
+def test_lr_scheduler_drives_the_wrapped_optimizer_after_load_state_dict():
+    for inner_lr, wrapper_lr, refused in run_ranks(lr_schedule_worker, 2):
+        assert inner_lr == wrapper_lr == pytest.approx(0.1 * 0.5 ** 3)
+        assert refused
