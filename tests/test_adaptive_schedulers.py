@@ -40,7 +40,7 @@ def test_auto_scheduler_profiles_checks_and_settles_identically():
     assert settled and other[0] and digest == other[1] and params == other[4]
     assert [label for label, _ in report][0] == "optimal"
     assert all(isinstance(m, float) and m > 0 for _, m in report)  # every candidate measured
-    assert steps <= 1 + 2 + 3 * 2 + 1
+    assert steps <= 1 + 2 + 6 * 2 + 1
 
 
 def test_binary_scheduler_searches_and_settles_identically():

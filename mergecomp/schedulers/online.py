@@ -11,17 +11,19 @@ and broadcasting:
    complete a :class:`~mergecomp.profile.Profile` (saved with ``profile_out``).
 2. **check** (``check_steps`` + 1 steps per candidate): three plans from the DP — the
    optimum, the best plan without compression, the best plan compressing every group —
-   each run for real (the first step after a switch not counted).  The fastest measured
-   wins, so a mispredicting cost model cannot make training slower than the best
-   uncompressed plan it measured.  A candidate whose switch would lose state
+   and MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a cost
+   model is most likely to misjudge), each run for real (the first step after a switch not
+   counted, the median of the rest).  The fastest measured wins, so a mispredicting cost
+   model cannot make training slower than the best uncompressed plan or the best fixed
+   fusion it measured.  A candidate whose switch would lose state
    (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
 3. **watch**: every ``watch_every`` steps the mean step time (max over ranks) is compared
    with the winner's; after two windows in a row more than ``drift`` slower, it profiles
    and checks again.
 
 Iteration times are wall-clock between the ends of consecutive ``step()`` calls, the
-maximum over ranks.  The search cost is ``profile_steps + 3·(check_steps + 1)`` steps plus
-the probes.
+maximum over ranks.  The search cost is ``profile_steps + c·(check_steps + 1)`` steps for c ≤ 6
+distinct candidates, plus the probes.
 """
 from __future__ import annotations
 
@@ -147,6 +149,10 @@ class OnlineOptimalScheduler(Scheduler):
                 continue
             if all(plan.digest() != p.digest() for _, p, _ in found):
                 found.append((label, plan, predict(plan, self.profile).iteration_time))
+        for groups in (1, 2, 4):
+            plan = FixedScheduler(groups, send="compress").plan(params)
+            if all(plan.digest() != p.digest() for _, p, _ in found):
+                found.append((f"fusion-num {groups}", plan, predict(plan, self.profile).iteration_time))
         return found
 
     def _next_candidate(self, optimizer):
@@ -167,7 +173,7 @@ class OnlineOptimalScheduler(Scheduler):
         self._samples.append(seconds)
         if len(self._samples) < self.check_steps + 1:
             return
-        mine = statistics.mean(self._samples[1:])
+        mine = statistics.median(self._samples[1:])
         measured = max(optimizer.backend.allgather_object(mine))
         label, plan, predicted = self._candidates.pop(0)
         self.report.append((label, plan, predicted, measured))
