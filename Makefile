@@ -25,7 +25,7 @@ $(STAMP): setup.py pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(CURDIR)/.venv
 	@$(PY) -c "import torch" 2>/dev/null && echo "using installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
 	  || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install --no-build-isolation -e ".[test]"
+	$(PY) -m pip install --no-build-isolation -e ".[test,plots]"
 	@touch $@
 
 demo: setup
