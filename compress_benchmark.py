@@ -15,7 +15,6 @@ workers, and the bytes each worker handed to the collective backend per training
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -158,9 +157,7 @@ def worker(args):
         "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
         "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
         "plan": optimizer.plan.digest()})
-    if args.json and work.rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    benchmarking.save_result(result, args.json, work)
     launch.shutdown()
     return result if work.rank == 0 else None
 
@@ -185,13 +182,7 @@ def main(argv=None):
             mergecomp.memories.get(args.memory)
         if args.comm:
             mergecomp.communicators.get(args.comm)
-    if args.nproc is not None and launch.detect().launcher not in ("single", "spawn"):
-        raise SystemExit(f"--nproc {args.nproc} was given but this process was started by "
-                         f"{launch.detect().launcher}; use one or the other")
-    if args.nproc is not None and launch.detect().launcher == "single":
-        launch.spawn(worker, args.nproc, args=(args,))
-    else:
-        worker(args)
+    benchmarking.run_workers(worker, args)
     return 0
 
 

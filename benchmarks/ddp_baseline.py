@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -188,9 +187,7 @@ def worker(args):
         "groups": groups, "plan": None, "hook": args.hook,
         "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None,
         "bucket_cap_mb": args.bucket_cap_mb})
-    if args.json and work.rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    benchmarking.save_result(result, args.json, work)
     launch.shutdown()
     return result if work.rank == 0 else None
 
@@ -198,13 +195,7 @@ def worker(args):
 def main(argv=None):
     args = parse_args(argv)
     models.get(args.model)  # fail fast on an unknown name, before any process starts
-    if args.nproc is not None and launch.detect().launcher not in ("single", "spawn"):
-        raise SystemExit(f"--nproc {args.nproc} was given but this process was started by "
-                         f"{launch.detect().launcher}; use one or the other")
-    if args.nproc is not None and launch.detect().launcher == "single":
-        launch.spawn(worker, args.nproc, args=(args,))
-    else:
-        worker(args)
+    benchmarking.run_workers(worker, args)
     return 0
 
 

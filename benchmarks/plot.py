@@ -22,7 +22,7 @@ import argparse
 import csv
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")

@@ -142,3 +142,23 @@ def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any
         work.log(f"On the wire per worker per iteration (ring/direct algorithms): {wire:,.0f} bytes; "
                  f"FP32 ring allreduce: {fp32_wire:,} bytes ({fp32_wire / wire if wire else math.inf:.1f}x)")
     return result
+
+
+def save_result(result: Dict[str, Any], path: Optional[str], work: Workload) -> None:
+    """Write the result as JSON on rank 0 (sweeps read it)."""
+    if path and work.rank == 0:
+        import json
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def run_workers(worker: Callable[[Any], Any], args) -> None:
+    """Run ``worker(args)`` here when a launcher started us, or spawn ``args.nproc`` local ranks."""
+    launcher = launch.detect().launcher
+    if args.nproc is not None and launcher not in ("single", "spawn"):
+        raise SystemExit(f"--nproc {args.nproc} was given but this process was started by "
+                         f"{launcher}; use one or the other")
+    if args.nproc is not None and launcher == "single":
+        launch.spawn(worker, args.nproc, args=(args,))
+    else:
+        worker(args)

@@ -35,7 +35,7 @@ dynamic program, so the scheduler optimizes exactly what this module predicts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 from .plan import Plan
 from .profile import LinearCost, Profile, WireSize

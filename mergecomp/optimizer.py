@@ -35,7 +35,7 @@ from .communicators.base import Communicator, Handle
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import Group, ParamInfo, Plan
-from .regroup import CannotRegroup, Layout, regroup_state
+from .regroup import Layout, regroup_state
 from .schedulers.base import Scheduler
 from .schedulers.fixed import FixedScheduler
 

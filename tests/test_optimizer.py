@@ -1,5 +1,4 @@
 """DistributedOptimizer on real gloo ranks: equivalence, error feedback, edge cases, state."""
-import copy
 import io
 
 import pytest

@@ -1,6 +1,5 @@
 """Sweep configuration, resume, failure records and the scaling factor, with a fake runner:
 no cluster and no benchmark processes, so the file runs in about a second."""
-import json
 import os
 import sys
 

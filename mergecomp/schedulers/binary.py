@@ -31,7 +31,7 @@ are dropped and the rest averaged.  ``best`` is the fastest candidate measured.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 from . import register
 from .base import Scheduler, split_by_type
