@@ -1,0 +1,35 @@
+"""compress_benchmark.py as a user runs it: two spawned workers, a JSON result, clear errors."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*flags, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "compress_benchmark.py"), *flags],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_two_workers_report_bytes_counted_at_the_backend(tmp_path):
+    out = tmp_path / "result.json"
+    done = run("--nproc", "2", "--compress", "--compressor", "topk", "--compress-ratio", "0.01",
+               "--comm", "allgather", "--memory", "residual", "--fusion-num", "2", "--model", "resnet20",
+               "--batch-size", "4", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
+               "--num-iters", "2", "--threads", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Iter #1:" in done.stdout and "Total img/sec on 2 worker(s)" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["workers"] == 2 and result["groups"] == 2
+    # top-k at 1%: fp32 values + int32 indices, 8 bytes per kept element (k rounded down per
+    # group), plus at most 8 bytes per group of alignment padding in the allgather blob
+    expected = 8 * 0.01 * result["num_params"]
+    assert 0.98 * expected <= result["bytes_per_step"] <= expected + 8 * result["groups"]
+
+
+def test_bad_flags_exit_with_a_clear_message():
+    unknown = run("--compress", "--compressor", "topkk")
+    assert unknown.returncode == 2 and "did you mean 'topk'" in unknown.stderr
+    optimal = run("--scheduler", "optimal")
+    assert optimal.returncode == 2 and "--profile-in" in optimal.stderr
