@@ -25,8 +25,7 @@ from mergecomp import benchmarking, launch, models
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="resnet20", help=f"one of {', '.join(models.available())}")
-    p.add_argument("--batch-size", type=int, default=None, help="per worker (default: the model's)")
+    benchmarking.add_workload_arguments(p)
     p.add_argument("--compress", action="store_true", help="compress gradients (else FP32 allreduce)")
     p.add_argument("--compressor", default="none", help="compressor name (see --list)")
     p.add_argument("--compress-ratio", type=float, default=None,
@@ -45,29 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--profile-out", default=None, help="save the profile --scheduler auto measures (JSON)")
     p.add_argument("--plan-in", default=None, help="execute this saved plan (JSON)")
     p.add_argument("--plan-out", default=None, help="save the plan used (JSON)")
-    p.add_argument("--num-warmup-batches", type=int, default=10)
-    p.add_argument("--num-batches-per-iter", type=int, default=10)
-    p.add_argument("--num-iters", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if CUDA is available")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="spawn this many local workers (when not started by torchrun/mpirun/horovodrun)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per worker (default: CPU cores / local workers)")
-    p.add_argument("--json", default=None, help="write the result as JSON to this path (rank 0)")
-    p.add_argument("--seed", type=int, default=42)
     p.add_argument("--list", action="store_true", help="list models and components, then exit")
     args = p.parse_args(argv)
-    for name in ("num_warmup_batches",):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
-    for name in ("num_batches_per_iter", "num_iters"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
-    if args.nproc is not None and args.nproc < 1:
-        p.error(f"--nproc must be ≥ 1, got {args.nproc}")
-    if args.batch_size is not None and args.batch_size < 1:
-        p.error(f"--batch-size must be ≥ 1, got {args.batch_size}")
+    benchmarking.check_workload_arguments(p, args)
     if args.fusion_num < 0:
         p.error(f"--fusion-num must be ≥ 0, got {args.fusion_num}")
     return args

@@ -49,32 +49,15 @@ DEFAULT_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="resnet20", help=f"one of {', '.join(models.available())}")
-    p.add_argument("--batch-size", type=int, default=None, help="per worker (default: the model's)")
+    benchmarking.add_workload_arguments(p)
     p.add_argument("--hook", default="fp32", choices=HOOKS, help="DDP communication hook")
     p.add_argument("--powersgd-rank", type=int, default=1, help="PowerSGD matrix approximation rank")
     p.add_argument("--powersgd-start-iter", type=int, default=2,
                    help="steps of plain allreduce before PowerSGD starts (≥ 2; warm-up must cover them)")
     p.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
                    help=f"DDP bucket size in MB (default {DEFAULT_BUCKET_CAP_MB}, DDP's own)")
-    p.add_argument("--num-warmup-batches", type=int, default=10)
-    p.add_argument("--num-batches-per-iter", type=int, default=10)
-    p.add_argument("--num-iters", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if CUDA is available")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="spawn this many local workers (when not started by a launcher)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per worker (default: CPU cores / local workers)")
-    p.add_argument("--json", default=None, help="write the result as JSON to this path (rank 0)")
-    p.add_argument("--seed", type=int, default=42)
     args = p.parse_args(argv)
-    if args.num_warmup_batches < 0:
-        p.error(f"--num-warmup-batches must be ≥ 0, got {args.num_warmup_batches}")
-    for name in ("num_batches_per_iter", "num_iters", "batch_size", "nproc", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
+    benchmarking.check_workload_arguments(p, args)
     if args.bucket_cap_mb <= 0:
         p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
     if args.hook == "powersgd":

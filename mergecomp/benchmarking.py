@@ -19,6 +19,33 @@ import torch
 from . import launch, models
 
 
+def add_workload_arguments(p) -> None:
+    """The flags :func:`prepare`, :func:`run_iterations` and :func:`run_workers` read."""
+    p.add_argument("--model", default="resnet20", help=f"one of {', '.join(models.available())}")
+    p.add_argument("--batch-size", type=int, default=None, help="per worker (default: the model's)")
+    p.add_argument("--num-warmup-batches", type=int, default=10)
+    p.add_argument("--num-batches-per-iter", type=int, default=10)
+    p.add_argument("--num-iters", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if CUDA is available")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="spawn this many local workers (when not started by torchrun/mpirun/horovodrun)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: CPU cores / local workers)")
+    p.add_argument("--json", default=None, help="write the result as JSON to this path (rank 0)")
+    p.add_argument("--seed", type=int, default=42)
+
+
+def check_workload_arguments(p, args) -> None:
+    """``p.error`` (exit 2, with the value) on a workload flag out of range."""
+    if args.num_warmup_batches < 0:
+        p.error(f"--num-warmup-batches must be ≥ 0, got {args.num_warmup_batches}")
+    for name in ("num_batches_per_iter", "num_iters", "batch_size", "nproc", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
+
+
 @dataclass
 class Workload:
     """One worker's model, batch and device, ready to time."""
