@@ -5,7 +5,9 @@ step, with the linear costs of :mod:`mergecomp.profile`:
 
 1. **Launch.**  A group launches from the hook of the gradient that completes it, in plan
    order (a complete group waits for the groups before it).  Launching copies the group's
-   gradients into its fused buffer and compresses it: ``encode = copy(bytes) + codec(n)``.
+   gradients into its fused buffer, runs the error-feedback memory (compensate, update) and
+   compresses it: ``encode = copy(bytes) + memory(n) + codec(n)``; raw groups share the
+   memory, so they pay ``memory(n)`` too.
 2. **Where encoding runs** is an explicit choice, ``compression_on_compute``:
 
    * ``True`` (the default, and what the optimizer does): encoding runs inside the hook,
@@ -28,6 +30,23 @@ Iteration time = forward + the time the last group is finished, which is
 — the max-plus form of the sequential finish loop.  A profile of a job whose collectives
 all hide under backward therefore still pays for decoding and write-back after backward,
 which a "last group only" formula would miss.
+
+**Interference** (``profile.interference`` = k ≥ 1, measured on the live run by the ``auto``
+scheduler, 1.0 in older profiles).  A collective is not free for the processor: the
+communication library's threads and the kernel's network stack take CPU time and memory
+bandwidth from the thread that runs backward (on the emulated 1 Gbit/s cluster, 2 CPU
+cores, backward of vgg16 took 1.3–1.8× longer while a large allreduce ran).  So compute
+on the backward thread — backward itself and the encoding in the hooks — runs k times
+slower while the channel is busy.  Between two launches the channel is busy from the
+moment backward resumes (W) until its last collective ends (F), one contiguous interval,
+since every collective starts at its group's encode end or at the previous one's end; c
+seconds of compute therefore take ``c + stretch(c, F − W)`` with
+``stretch(c, b) = min((k − 1)·c, (1 − 1/k)·max(b, 0))``: all of it at 1/k speed while the
+channel is busy, the rest at full speed.  The same holds for the end of backward after
+the last launch.  Decoding and write-back after backward are not stretched, and the
+collectives are not slowed by the compute (they are timed by the profile's probes alone).
+The term is modelled with compression on compute only (off compute the backward delay
+would need a fifth state component); :func:`predict` refuses k ≠ 1 off compute.
 
 The same state update (:func:`advance`) drives :func:`predict` and the optimal scheduler's
 dynamic program, so the scheduler optimizes exactly what this module predicts.
@@ -76,11 +95,13 @@ class GroupCost:
     wire_bytes: float
 
 
-def group_cost(send: SendCost, copy: LinearCost, numel: int, nbytes: int) -> GroupCost:
-    """The phases of a group of ``numel`` elements (``nbytes`` bytes in its own dtype)."""
+def group_cost(send: SendCost, copy: LinearCost, numel: int, nbytes: int,
+               memory: LinearCost = LinearCost()) -> GroupCost:
+    """The phases of a group of ``numel`` elements (``nbytes`` bytes in its own dtype);
+    ``memory``: the error-feedback memory's cost per group (the profile's)."""
     element_size = nbytes // numel
     wire = send.wire(numel, element_size)
-    return GroupCost(encode=copy(nbytes) + send.encode(numel),
+    return GroupCost(encode=copy(nbytes) + memory(numel) + send.encode(numel),
                      communicate=send.collective(wire) + send.relay(numel),
                      finish=send.decode(numel) + (send.aggregate_passes + WRITE_BACK_PASSES) * copy(nbytes),
                      wire_bytes=wire)
@@ -137,43 +158,81 @@ def _collective(profile: Profile, kind: str, why: str) -> LinearCost:
 
 
 # ------------------------------------------------------------------------- the timeline step
-#: The state after some groups have launched: (A, F, Q, G).
-#: A: on compute, the total encode delay added to backward so far; off compute, the time
-#:    the compression worker becomes free.
+#: The state after some groups have launched: (A, F, Q, H).
+#: A: on compute, the total delay added to backward so far (encoding, and the stretch of
+#:    compute by interference); off compute, the time the compression worker becomes free.
 #: F: the time the channel becomes free (the last collective's end).
 #: Q: the time the finish loop would be done with these groups if backward ended at 0.
-#: G: seconds added after the uncompressed backward end: encode delay (on compute) + Σ finish.
+#: H: Σ finish of these groups.  Seconds added after the uncompressed backward end are
+#:    A + H (+ the stretch of backward's tail) on compute, H off compute.
 State = Tuple[float, float, float, float]
 START: State = (0.0, 0.0, 0.0, 0.0)
 
 
-def advance(state: State, ready: float, cost: GroupCost, on_compute: bool):
+def stretch(work: float, busy: float, interference: float) -> float:
+    """Seconds added to ``work`` seconds of compute when the channel stays busy for the next
+    ``busy`` seconds and compute runs ``interference`` (k ≥ 1) times slower meanwhile:
+    ``min((k − 1)·work, (1 − 1/k)·max(busy, 0))``.  Non-decreasing in ``work`` and ``busy``;
+    raising the start of the work by x lowers it by at most (1 − 1/k)·x < x."""
+    if interference == 1.0:
+        return 0.0
+    return min((interference - 1.0) * work, (1.0 - 1.0 / interference) * max(busy, 0.0))
+
+
+def advance(state: State, ready: float, cost: GroupCost, on_compute: bool,
+            interference: float = 1.0, since: float = 0.0):
     """Launch one group whose completing gradient was ready at ``ready`` (uncompressed time).
+
+    ``since``: the uncompressed ready time of the previous launch (0 for the first group):
+    the compute between the two launches, ``ready − since`` of backward plus this group's
+    encoding, is what interference stretches (see the module docstring).
 
     Returns (new state, launch, encode end, collective start, collective end).  Every
     component of the new state is a non-decreasing function of every component of the old
-    one — the property that makes the optimal scheduler's dynamic program exact.
+    one — the property that makes the optimal scheduler's dynamic program exact (A enters
+    as ``A + stretch(…, F − since − A)``, which grows with A at rate ≥ 1/k > 0).
     """
-    delay_or_worker, channel, finish_loop, added = state
+    delay_or_worker, channel, finish_loop, finished = state
     if on_compute:
-        launch = ready + delay_or_worker
-        encoded = launch + cost.encode
-        new_first = delay_or_worker + cost.encode
-        added = added + cost.encode + cost.finish
+        busy = channel - (since + delay_or_worker)
+        compute = ready - since
+        launch = (ready + delay_or_worker) + stretch(compute, busy, interference)
+        new_first = (delay_or_worker + stretch(compute + cost.encode, busy, interference)) + cost.encode
+        encoded = ready + new_first
     else:
+        if interference != 1.0:
+            raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(interference))
         launch = ready
         encoded = max(delay_or_worker, ready) + cost.encode
         new_first = encoded
-        added = added + cost.finish
     start = max(encoded, channel)
     end = start + cost.communicate
     finish_loop = max(finish_loop, end) + cost.finish
-    return (new_first, end, finish_loop, added), launch, encoded, start, end
+    return (new_first, end, finish_loop, finished + cost.finish), launch, encoded, start, end
 
 
-def finish_time(state: State, backward_time: float) -> float:
+_OFF_COMPUTE_INTERFERENCE = (
+    "the profile's interference factor {!r} is modelled with compression on compute only; "
+    "predict with compression_on_compute=True, or use dataclasses.replace(profile, "
+    "interference=1.0) to ignore it")
+
+
+def backward_end(state: State, backward_time: float, on_compute: bool = True,
+                 interference: float = 1.0, last_ready: float = 0.0) -> float:
+    """When backward ends: its uncompressed end plus the delay A and the stretch of the
+    compute after the last launch (at uncompressed ``last_ready``) while the channel is busy."""
+    if not on_compute:
+        return backward_time
+    delay, channel = state[0], state[1]
+    tail = stretch(backward_time - last_ready, channel - (last_ready + delay), interference)
+    return (backward_time + delay) + tail
+
+
+def finish_time(state: State, backward_time: float, on_compute: bool = True,
+                interference: float = 1.0, last_ready: float = 0.0) -> float:
     """When ``step()`` is done with every group: ``max(backward end + Σ finish, Q)``."""
-    return max(backward_time + state[3], state[2])
+    return max(backward_end(state, backward_time, on_compute, interference, last_ready) + state[3],
+               state[2])
 
 
 # ------------------------------------------------------------------------------- prediction
@@ -225,31 +284,35 @@ def predict(plan: Plan, profile: Profile, costs: Optional[Mapping[str, SendCost]
     """
     costs = send_costs(profile) if costs is None else costs
     timeline = profile.timeline
+    interference = profile.interference
+    if not compression_on_compute and interference != 1.0:
+        raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(interference))
     plan.validate(t.name for t in timeline)
     index = {t.name: i for i, t in enumerate(timeline)}
     group_of = {name: g for g, group in enumerate(plan.groups) for name in group.names}
     remaining = [len(group.names) for group in plan.groups]
-    phases = [_phases(group, timeline, index, costs, profile.copy) for group in plan.groups]
-    state, launched, records = START, 0, []
+    phases = [_phases(group, timeline, index, costs, profile.copy, profile.memory) for group in plan.groups]
+    state, launched, records, since = START, 0, [], 0.0
     for tensor in timeline:
         remaining[group_of[tensor.name]] -= 1
         while launched < len(plan.groups) and remaining[launched] == 0:
             state, launch, encoded, start, end = advance(state, tensor.ready, phases[launched][0],
-                                                         compression_on_compute)
+                                                         compression_on_compute, interference, since)
             records.append((launch, encoded, start, end))
+            since = tensor.ready
             launched += 1
-    backward_end = profile.backward_time + (state[0] if compression_on_compute else 0.0)
-    clock, groups = backward_end, []
+    ended = backward_end(state, profile.backward_time, compression_on_compute, interference, since)
+    clock, groups = ended, []
     for g, (group, (cost, numel, nbytes)) in enumerate(zip(plan.groups, phases)):
         launch, encoded, start, end = records[g]
         finish_start = max(clock, end)
         clock = finish_start + cost.finish
         groups.append(GroupTiming(g, group.send, numel, nbytes, cost.wire_bytes, launch, encoded,
                                   start, end, finish_start, clock))
-    return Prediction(profile.forward_time + clock, profile.forward_time, backward_end, tuple(groups))
+    return Prediction(profile.forward_time + clock, profile.forward_time, ended, tuple(groups))
 
 
-def _phases(group, timeline, index, costs, copy) -> Tuple[GroupCost, int, int]:
+def _phases(group, timeline, index, costs, copy, memory) -> Tuple[GroupCost, int, int]:
     if group.send not in costs:
         raise ValueError(f"plan group [{group.names[0]} ..] is sent {group.send!r}, which this "
                          f"profile cannot price (it prices {sorted(costs)}); measure that codec "
@@ -257,4 +320,4 @@ def _phases(group, timeline, index, costs, copy) -> Tuple[GroupCost, int, int]:
     members = [timeline[index[n]] for n in group.names]
     numel = sum(t.numel for t in members)
     nbytes = sum(t.nbytes for t in members)
-    return group_cost(costs[group.send], copy, numel, nbytes), numel, nbytes
+    return group_cost(costs[group.send], copy, numel, nbytes, memory), numel, nbytes

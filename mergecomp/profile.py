@@ -14,7 +14,18 @@ and planned from on another:
   (allreduce, allgather, alltoall), timed through the backend on all ranks —
   :func:`measure_collective_cost`;
 * the **copy cost** per byte (gathering gradients into a fused buffer, writing them back) —
-  :func:`measure_copy_cost`.
+  :func:`measure_copy_cost`;
+* the **memory cost** per element: the error-feedback memory's ``compensate`` and
+  ``update``, which every group (raw groups share the compressed groups' memory) runs in
+  its hook before the collective — :func:`measure_memory_cost`.  DGC's momentum
+  correction makes several passes over the group, as much work as the compression itself
+  on a 2-core CPU; zero (the default, and old profiles) for no memory;
+* the **interference** factor k ≥ 1: how many times longer backward takes while a
+  collective is in flight (the communication library's threads and the kernel's network
+  stack compete with it for CPU time and memory bandwidth) — :func:`interference_factor`
+  of backward passes timed with and without a concurrent collective, measured on the live
+  run by the ``auto`` scheduler.  1.0 (no interference) is the default, so profiles saved
+  before the field existed load unchanged.
 
 Linear costs follow MergeComp (Wang et al., 2021), whose scheduler models compression and
 communication of a group as affine in its size; α-β collective models are the standard
@@ -205,6 +216,11 @@ class Profile:
     collectives: Dict[str, LinearCost] = field(default_factory=dict)
     copy: LinearCost = field(default_factory=LinearCost)
     device: str = "cpu"
+    #: Backward runs this many times slower while a collective is in flight (≥ 1; 1.0: no
+    #: interference).  See :func:`interference_factor` and :mod:`mergecomp.costmodel`.
+    interference: float = 1.0
+    #: Seconds of the error-feedback memory's compensate + update for n elements, per group.
+    memory: LinearCost = field(default_factory=LinearCost)
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -222,6 +238,10 @@ class Profile:
         if self.backward_time < last:
             raise ValueError(f"profile backward_time {self.backward_time} s is earlier than the last "
                              f"gradient's ready time {last} s; backward ends after its last gradient")
+        k = self.interference
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not 1.0 <= k < float("inf"):
+            raise ValueError(f"profile interference must be a finite factor ≥ 1.0 (1.0: collectives "
+                             f"do not slow backward), got {k!r}")
         unknown = sorted(set(self.collectives) - set(COLLECTIVE_KINDS))
         if unknown:
             raise ValueError(f"profile has collective kinds {unknown}; known kinds are {COLLECTIVE_KINDS}")
@@ -240,7 +260,8 @@ class Profile:
                           "device": t.device, "ready": t.ready} for t in self.timeline],
             "codecs": {k: v.to_dict() for k, v in self.codecs.items()},
             "collectives": {k: v.to_dict() for k, v in self.collectives.items()},
-            "copy": self.copy.to_dict(),
+            "copy": self.copy.to_dict(), "interference": self.interference,
+            "memory": self.memory.to_dict(),
         }
 
     @classmethod
@@ -260,7 +281,9 @@ class Profile:
                 collectives={k: LinearCost.from_dict(v, f"collectives.{k}")
                              for k, v in data.get("collectives", {}).items()},
                 copy=LinearCost.from_dict(data.get("copy", {"intercept": 0, "slope": 0}), "copy"),
-                device=str(data.get("device", "cpu")))
+                device=str(data.get("device", "cpu")),
+                interference=float(data.get("interference", 1.0)),
+                memory=LinearCost.from_dict(data.get("memory", {"intercept": 0, "slope": 0}), "memory"))
         except (KeyError, TypeError) as error:
             raise ValueError(f"mergecomp profile is missing or has a malformed field: {error!r}") from None
 
@@ -499,6 +522,36 @@ def measure_copy_cost(sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22), device
     return fit_linear(sizes, times)
 
 
+def measure_memory_cost(memory, compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
+                        device="cpu", repeats: int = 3, dtype=torch.float32) -> LinearCost:
+    """Seconds of ``memory.compensate`` + ``memory.update`` for n elements; fit a + b·n.
+
+    Runs on a deep copy of ``memory`` under a probe name, so the job's residuals are
+    neither read nor changed.  ``update`` gets a payload of ``compressor`` (as in the
+    communicator); for a multi-round compressor only ``compensate`` runs, as there.
+    """
+    import copy as copying
+    sizes = _check_sizes(sizes, "measure_memory_cost sizes")
+    device = torch.device(device)
+    probe = copying.deepcopy(memory)
+    generator = torch.Generator(device=device).manual_seed(0)
+    times = []
+    for n in sizes:
+        name = f"profile-memory-{n}"
+        tensor = torch.randn(n, generator=generator, device=device, dtype=dtype)
+        compensated = probe.compensate(tensor, name)
+        if compressor.multi_round:
+            times.append(_best_time(lambda: probe.compensate(tensor, name), device, repeats))
+            continue
+        payload, ctx = compressor.compress(compensated, name)
+        probe.update(compensated, name, compressor, payload, ctx)
+
+        def once():
+            probe.update(probe.compensate(tensor, name), name, compressor, payload, ctx)
+        times.append(_best_time(once, device, repeats))
+    return fit_linear(sizes, times)
+
+
 def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22),
                             repeats: int = 3, device=None) -> LinearCost:
     """Time one collective through ``backend`` at each payload size (bytes per rank); fit α + β·B.
@@ -551,6 +604,24 @@ def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12,
     return fit_linear(actual, slowest)
 
 
+def interference_factor(alone: Sequence[float], overlapped: Sequence[float]) -> float:
+    """How many times longer backward takes while a collective is in flight.
+
+    ``alone``: backward durations with no collective running; ``overlapped``: durations of
+    passes during which a collective was in flight from start to end.  The factor is the
+    ratio of the medians (medians: a pass hit by an unrelated stall must not decide it),
+    at least 1.0 — noise can make the overlapped passes faster, but a collective does not
+    speed compute up, and the cost model needs k ≥ 1 (see :mod:`mergecomp.costmodel`).
+    """
+    alone, overlapped = [float(x) for x in alone], [float(x) for x in overlapped]
+    if not alone or not overlapped:
+        raise ValueError(f"interference_factor needs durations with and without a concurrent "
+                         f"collective, got {len(alone)} alone and {len(overlapped)} overlapped")
+    if any(not x > 0 or x == float("inf") for x in alone + overlapped):
+        raise ValueError(f"interference_factor needs finite durations > 0 s, got {alone} and {overlapped}")
+    return max(1.0, statistics.median(overlapped) / statistics.median(alone))
+
+
 def assemble_profile(timer: BackwardTimer, compressor_name: str, compressor, backend,
                      communicator: str = "allreduce",
                      compression_sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
@@ -570,10 +641,14 @@ def assemble_profile(timer: BackwardTimer, compressor_name: str, compressor, bac
 def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward: float, device,
                           compressor_name: str, compressor, backend, communicator: str = "allreduce",
                           compression_sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
-                          collective_sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22)) -> Profile:
+                          collective_sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22),
+                          memory=None, copy_sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22)) -> Profile:
     """A full profile from a measured backward timeline (however recorded) plus the probes.
 
-    Collective: call on every rank (see :func:`assemble_profile`).
+    Collective: call on every rank (see :func:`assemble_profile`).  ``memory``: the
+    job's error-feedback memory, whose cost is measured on a copy (None: not measured,
+    zero).  Sizes should reach the largest group a plan may form: costs measured on
+    cache-sized buffers extrapolate badly to tens of megabytes.
     """
     from . import compressors
     device = torch.device(device)
@@ -586,5 +661,7 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
     collectives = {kind: measure_collective_cost(backend, kind, collective_sizes) for kind in kinds}
     return Profile(world_size=backend.size, timeline=timeline, forward_time=forward,
                    backward_time=backward, compressor=compressor_name, communicator=communicator,
-                   codecs=codecs, collectives=collectives, copy=measure_copy_cost(device=device),
-                   device=str(device))
+                   codecs=codecs, collectives=collectives,
+                   copy=measure_copy_cost(copy_sizes, device=device), device=str(device),
+                   memory=LinearCost() if memory is None else
+                   measure_memory_cost(memory, compressor, compression_sizes, device))

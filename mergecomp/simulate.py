@@ -21,6 +21,17 @@ and latency lat, with B the bytes one worker contributes:
   (N−1)/N · B/bw + (N−1) · lat, then allgather of the recompressed B/N shard,
   (N−1)/N · B/bw + (N−1) · lat.
 
+**Link efficiency.**  TCP through a real (or emulated) link, and the library's copies and
+reductions on a busy CPU, reach less than the line rate: ``--link-efficiency e`` runs
+the model at ``e × bandwidth`` (1.0, the default: line rate).  ``--link-efficiency
+profile`` takes e from the profile's own measured allreduce
+(:func:`measured_link_efficiency`: the line-rate per-byte cost at the profile's world size
+over the measured one), so a profile taken on the target network carries it; on the
+emulated 1 Gbit/s cluster of a 2-core host it measured about 0.9 at 2 workers and 0.5 at
+4, where the kernel's network stack competes with the workers for the cores.  The
+profile's ``interference`` factor (how much a collective in flight slows backward) is used
+as measured; it belongs to the host, and a different network or worker count changes it.
+
 The scaling factor is the compute time (forward + backward, no communication) over the
 predicted iteration time: 1.0 is linear scaling.
 """
@@ -39,18 +50,40 @@ TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps"}
 DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def network_collectives(world: int, bandwidth: float, latency: float) -> Dict[str, LinearCost]:
-    """α-β costs (seconds vs bytes per worker) of each collective kind; bandwidth in bytes/s."""
+def network_collectives(world: int, bandwidth: float, latency: float,
+                        efficiency: float = 1.0) -> Dict[str, LinearCost]:
+    """α-β costs (seconds vs bytes per worker) of each collective kind; bandwidth in bytes/s,
+    of which the collectives reach the fraction ``efficiency`` (0 < e ≤ 1)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"a simulated job needs at least 2 workers, got {world!r}")
     if not bandwidth > 0 or not latency >= 0:
         raise ValueError(f"bandwidth must be > 0 bytes/s and latency ≥ 0 s, got {bandwidth!r}, {latency!r}")
+    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+        raise ValueError(f"link efficiency must be a fraction of the line rate in (0, 1], got {efficiency!r}")
+    bandwidth = bandwidth * efficiency
     steps = world - 1
     return {
         "allreduce": LinearCost(2 * steps * latency, 2 * steps / (world * bandwidth)),
         "allgather": LinearCost(steps * latency, steps / bandwidth),
         "alltoall": LinearCost(steps * latency, steps / (world * bandwidth)),
     }
+
+
+def measured_link_efficiency(profile: Profile, bandwidth: float) -> float:
+    """The fraction of ``bandwidth`` (bytes/s) the profile's measured allreduce reached:
+    the ring allreduce's line-rate seconds per byte, 2(N−1)/(N·bandwidth) at the profile's
+    world size N, over the measured slope; at most 1.0 (a probe cannot beat the line)."""
+    if profile.world_size < 2:
+        raise ValueError(f"the profile was taken on {profile.world_size} worker; a link efficiency "
+                         "needs a profile of at least 2 workers on the network in question")
+    measured = profile.collectives.get("allreduce")
+    if measured is None or not measured.slope > 0:
+        raise ValueError(f"the profile has no measured allreduce cost per byte ({measured!r}); "
+                         "re-profile with the auto scheduler, or give --link-efficiency a number")
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+    world = profile.world_size
+    return min(1.0, 2 * (world - 1) / (world * bandwidth) / measured.slope)
 
 
 def model_profile(model_name: str, compute_time: float, forward_fraction: float = 1 / 3) -> Profile:
@@ -82,11 +115,12 @@ def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
 
 
 def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: float,
-             topology: str, summable: bool = True) -> List[dict]:
+             topology: str, summable: bool = True, efficiency: float = 1.0) -> List[dict]:
     """One row per worker count: predicted times, scaling factors and the optimal plan's shape.
 
     ``base`` carries the timeline, codecs (the configured compressor and fp16) and copy
-    cost; ``bandwidth`` is in bytes/s, ``latency`` in seconds.
+    cost; ``bandwidth`` is in bytes/s, ``latency`` in seconds, ``efficiency`` the fraction
+    of the bandwidth the collectives reach.
     """
     from .schedulers.optimal import OptimalScheduler
     if topology not in TOPOLOGIES:
@@ -98,7 +132,7 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
     rows = []
     for world in workers:
         profile = dataclasses.replace(base, world_size=world, communicator=TOPOLOGIES[topology],
-                                      collectives=network_collectives(world, bandwidth, latency))
+                                      collectives=network_collectives(world, bandwidth, latency, efficiency))
         costs = send_costs(profile)
         row = {"workers": world}
         for label, sends in (("fp32", ("fp32",)), ("fp16", ("fp16",)),
@@ -144,6 +178,9 @@ def _parse_args(argv: Optional[Sequence[str]]):
                         help="how compressed payloads travel (raw groups always use ring allreduce)")
     parser.add_argument("--bandwidth", type=float, default=10.0, help="link bandwidth in Gbit/s")
     parser.add_argument("--latency", type=float, default=50.0, help="per-step latency in microseconds")
+    parser.add_argument("--link-efficiency", default="1.0",
+                        help="fraction of the bandwidth the collectives reach (default 1.0, line rate), "
+                             "or 'profile': measured by the profile's allreduce (needs --profile)")
     parser.add_argument("--workers", default=",".join(map(str, DEFAULT_WORKERS)),
                         help="comma-separated worker counts")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -180,17 +217,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             base = model_profile(args.model, args.compute_time, args.forward_fraction)
         name = args.compressor or (base.compressor if args.profile and base.compressor != "none" else "topk")
         compressor = compressors.create(name, **_compressor_kwargs(args.compressor_arg))
+        bandwidth = args.bandwidth * 1e9 / 8
+        if args.link_efficiency == "profile":
+            if not args.profile:
+                raise ValueError("--link-efficiency profile needs --profile (a measured allreduce)")
+            efficiency = measured_link_efficiency(base, bandwidth)
+        else:
+            try:
+                efficiency = float(args.link_efficiency)
+            except ValueError:
+                raise ValueError(f"--link-efficiency must be a fraction in (0, 1] or 'profile', "
+                                 f"got {args.link_efficiency!r}") from None
         base = with_codecs(base, name, compressor)
-        rows = simulate(base, workers, args.bandwidth * 1e9 / 8, args.latency * 1e-6, args.topology,
-                        summable=bool(compressor.summable))
+        rows = simulate(base, workers, bandwidth, args.latency * 1e-6, args.topology,
+                        summable=bool(compressor.summable), efficiency=efficiency)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"compressor": name, "topology": args.topology, "bandwidth_gbps": args.bandwidth,
-                          "latency_us": args.latency, "rows": rows}, indent=2))
+                          "latency_us": args.latency, "link_efficiency": efficiency, "rows": rows}, indent=2))
     else:
-        print(f"compressor {name}, topology {args.topology}, {args.bandwidth:g} Gbit/s, "
+        print(f"compressor {name}, topology {args.topology}, {args.bandwidth:g} Gbit/s at "
+              f"{efficiency:.2f} efficiency, "
               f"{args.latency:g} us latency, compute {(base.forward_time + base.backward_time) * 1e3:.2f} ms")
         print(format_table(rows))
     return 0

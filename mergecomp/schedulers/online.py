@@ -9,6 +9,14 @@ and broadcasting:
    first gradient arrives (the user owns the forward pass, so it cannot be timed apart);
    everything before it counts as forward.  Codec, copy and collective probes then
    complete a :class:`~mergecomp.profile.Profile` (saved with ``profile_out``).
+   Then ``interference_steps`` more steps each launch a dummy allreduce at their first
+   gradient, sized from the measured allreduce cost to outlast backward; the backward
+   span (first to last gradient) of those steps against the profiled steps' gives the
+   profile's ``interference`` factor (:func:`~mergecomp.profile.interference_factor`):
+   how much a collective in flight slows backward on this machine, which the cost model
+   cannot know from probes taken one at a time.  A thread waits on the dummy and notes
+   when it completes; a step counts only if that was after its last gradient (the step's
+   own group, queued behind the dummy, cannot tell).  The factor is the mean over ranks.
 2. **check** (``check_steps`` + 1 steps per candidate): three plans from the DP — the
    optimum, the best plan without compression, the best plan compressing every group —
    and MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a cost
@@ -22,14 +30,18 @@ and broadcasting:
    and checks again.
 
 Iteration times are wall-clock between the ends of consecutive ``step()`` calls, the
-maximum over ranks.  The search cost is ``profile_steps + c·(check_steps + 1)`` steps for c ≤ 6
-distinct candidates, plus the probes.
+maximum over ranks.  The search cost is ``profile_steps + interference_steps + c·(check_steps + 1)`` steps for
+c ≤ 6 distinct candidates, plus the probes.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
 
 from . import register
 from .base import Scheduler
@@ -43,16 +55,23 @@ class OnlineOptimalScheduler(Scheduler):
 
     adaptive = True
 
+    #: The dummy allreduce of an interference step lasts this many backward passes (by the
+    #: measured allreduce cost), so that it is still in flight when backward ends.
+    interference_span = 2.5
+    #: ... but it never holds more than this many bytes.
+    interference_max_bytes = 2 ** 28
+
     def __init__(self, profile_steps: int = 5, check_steps: int = 5, watch_every: int = 50,
                  drift: float = 0.25, allow_half: bool = False, profile_out: Optional[str] = None,
-                 log: Optional[Callable[[str], None]] = print):
+                 log: Optional[Callable[[str], None]] = print, interference_steps: int = 3):
         for what, value, least in (("profile_steps", profile_steps, 2), ("check_steps", check_steps, 1),
-                                   ("watch_every", watch_every, 1)):
+                                   ("watch_every", watch_every, 1), ("interference_steps", interference_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"auto scheduler {what} must be an integer ≥ {least}, got {value!r}")
         if not drift > 0:
             raise ValueError(f"auto scheduler drift must be a fraction > 0 (0.25 = 25% slower), got {drift!r}")
         self.profile_steps, self.check_steps, self.watch_every = profile_steps, check_steps, watch_every
+        self.interference_steps = interference_steps
         self.drift, self.allow_half, self.profile_out = float(drift), bool(allow_half), profile_out
         self._log = log
         self.phase = "start"
@@ -66,6 +85,10 @@ class OnlineOptimalScheduler(Scheduler):
         self._samples: List[float] = []
         self._candidates: List[Tuple[str, Plan, float]] = []
         self._strikes = 0
+        self._alone: List[float] = []
+        self._overlapped: List[float] = []
+        self._dummy = None
+        self._span: List[float] = []
 
     @property
     def settled(self) -> bool:
@@ -106,7 +129,76 @@ class OnlineOptimalScheduler(Scheduler):
         if len(self._samples) < self.profile_steps:
             return
         optimizer.ready_listener = None
+        self._alone = self._spans()
         self.profile = self._measure(optimizer)
+        if self.interference_steps:
+            self._start_interference(optimizer)
+        else:
+            self._planned(optimizer)
+
+    def _spans(self) -> List[float]:
+        """First-to-last gradient seconds of each profiled step (the first one dropped)."""
+        steps = min(len(times) for times in self._ready.values())
+        spans = [max(t[i] for t in self._ready.values()) - min(t[i] for t in self._ready.values())
+                 for i in range(steps)]
+        return spans[1:] or spans
+
+    def _start_interference(self, optimizer):
+        backend = optimizer.backend
+        cost = self.profile.collectives["allreduce"]
+        target = self.interference_span * statistics.median(self._alone)
+        nbytes = None
+        if backend.rank == 0:
+            nbytes = int(min(self.interference_max_bytes,
+                             max(2 ** 20, (target - cost.intercept) / max(cost.slope, 1e-12))))
+        nbytes = backend.broadcast_object(nbytes, src=0)
+        device = optimizer._params[0][1].device
+        self._dummy_tensor = torch.zeros(max(1, nbytes // 4), device=device)
+        self._overlapped, self._samples = [], []
+        self._counters = (backend.bytes_sent, backend.collectives)
+        self.phase = "interfere"
+        self._begin_interference_step(optimizer)
+
+    def _begin_interference_step(self, optimizer):
+        self._span, self._dummy, self._dummy_done = [], None, []
+
+        def waiter(work) -> None:
+            work.wait()
+            self._dummy_done.append(time.perf_counter())
+
+        def listener(name: str) -> None:
+            now = time.perf_counter()
+            if self._dummy is None:
+                work = optimizer.backend.allreduce_async([self._dummy_tensor])
+                self._dummy = threading.Thread(target=waiter, args=(work,), daemon=True)
+                self._dummy.start()
+            self._span.append(now)
+        optimizer.ready_listener = listener
+
+    def _interfere(self, optimizer, seconds):
+        self._samples.append(seconds)
+        if self._dummy is not None:
+            self._dummy.join()
+            if len(self._span) > 1 and self._dummy_done and self._dummy_done[0] > self._span[-1]:
+                self._overlapped.append(self._span[-1] - self._span[0])
+        if len(self._samples) < self.interference_steps:
+            self._begin_interference_step(optimizer)
+            return
+        optimizer.ready_listener = None
+        backend = optimizer.backend
+        backend.bytes_sent, backend.collectives = self._counters
+        self._dummy = self._dummy_tensor = None
+        from ..profile import interference_factor
+        mine = interference_factor(self._alone, self._overlapped) if self._overlapped else None
+        factors = [f for f in backend.allgather_object(mine) if f is not None]
+        if factors:
+            self.profile = dataclasses.replace(self.profile, interference=statistics.mean(factors))
+        else:
+            self._say("auto scheduler: no interference step had its collective in flight to the "
+                      "end of backward; the profile keeps interference 1.0")
+        self._planned(optimizer)
+
+    def _planned(self, optimizer):
         if optimizer.backend.rank == 0 and self.profile_out:
             self.profile.save(self.profile_out)
         candidates = self._plan_candidates(optimizer) if optimizer.backend.rank == 0 else None
@@ -130,9 +222,16 @@ class OnlineOptimalScheduler(Scheduler):
         timeline += [TensorTiming(n, p.numel(), p.numel() * p.element_size(), str(p.dtype),
                                   str(p.device), end) for n, p in optimizer._params if n not in medians]
         comm_name = optimizer.communicator.name
+        # Probe up to the whole model (a plan's largest group), at most 2**24 elements:
+        # costs of cache-sized buffers extrapolate badly to groups of tens of megabytes.
+        total = sum(t.numel for t in timeline)
+        largest = min(2 ** 24, max(2 ** 21, total))
+        sizes = (2 ** 12, 2 ** 16, 2 ** 20, largest)
         return profile_from_timeline(timeline, first, end, by_name[timeline[0].name].device,
                                      optimizer.compressor.name, optimizer.compressor,
-                                     optimizer.backend, comm_name if comm_name in ("allreduce", "allgather", "ps") else "allgather")
+                                     optimizer.backend, comm_name if comm_name in ("allreduce", "allgather", "ps") else "allgather",
+                                     compression_sizes=sizes, memory=optimizer.communicator.memory,
+                                     copy_sizes=(2 ** 14, 2 ** 18, 2 ** 22, 4 * largest))
 
     def _plan_candidates(self, optimizer) -> List[Tuple[str, Plan, float]]:
         from ..costmodel import predict

@@ -11,14 +11,20 @@ worth compressing, the plan compresses nothing.
 
 **The dynamic program.**  Let prefix j be the first j tensors in backward order.  A plan
 for the prefix is a sequence of groups; launching them leaves the state
-``(A, F, Q, G)`` of :func:`mergecomp.costmodel.advance` (encode delay or worker-free
-time, channel-free time, finish-loop time, time added after backward).  The next group
-``[j, k)`` with send mode m maps the state through ``advance`` with costs that depend only
-on (j, k, m), and the iteration time is ``forward + max(T_b + G, Q)`` of the final state.
+``(A, F, Q, H)`` of :func:`mergecomp.costmodel.advance` (backward delay or worker-free
+time, channel-free time, finish-loop time, Σ finish).  The next group ``[j, k)`` with send
+mode m maps the state through ``advance`` with costs that depend only on (j, k, m) and
+with ``since`` = the ready time of tensor j − 1 (its previous launch), and the iteration
+time is ``forward + max(backward end + H, Q)`` of the final state
+(:func:`mergecomp.costmodel.finish_time`; backward end = T_b + A + the interference
+stretch of backward's tail on compute, T_b off compute).
 
-*Why the DP is exact.*  ``advance`` is built from +, max and constants, so every component
-of the new state is non-decreasing in every component of the old state, and so is the
-final objective.  Hence if two plans for the same prefix reach states s ≤ s'
+*Why the DP is exact.*  ``advance`` is built from +, max, constants and the interference
+stretch, in which A enters as ``A + min(c, (1 − 1/k)·(F − s − A))`` (slope 1 or 1/k), so
+every component of the new state is non-decreasing in every component of the old state,
+and so is the final objective.  (That is why the state carries H = Σ finish rather than
+the time added after backward, A + H: with interference a larger A can shrink the stretch
+of the tail, so the objective is monotone in (A, H) but not in (A, A + H).)  Hence if two plans for the same prefix reach states s ≤ s'
 (componentwise), any continuation of the s' plan is matched or beaten by the same
 continuation of the s plan: s' can be dropped.  Keeping, for every prefix, the set of
 non-dominated states (a Pareto set) therefore keeps an optimal plan.  One scalar per
@@ -26,7 +32,8 @@ prefix is *not* enough: a plan that frees the channel earlier may have delayed b
 more with compression (larger A), which costs later — e.g. a cheap-to-send raw group vs. a
 compressed one.  Two exact cuts keep the sets smaller: a state whose lower bound on
 the final time (see ``_lower_bound``) cannot beat the best complete plan known is
-dropped, and dominance compares ``max(Q, T_b + G)`` instead of Q.
+dropped, and dominance compares ``max(Q, T_b + A + H)`` (off compute ``max(Q, T_b + H)``)
+instead of Q.
 
 *Cost.*  The sets can still grow to thousands of states on models with large, varied
 tensors.  ``max_states`` (default 64) and :attr:`max_candidates` cap them, keeping the
@@ -48,7 +55,8 @@ import numpy as np
 
 from . import register
 from .base import Scheduler, split_by_type
-from ..costmodel import SendCost, START, advance, finish_time, group_cost, send_costs
+from ..costmodel import (_OFF_COMPUTE_INTERFERENCE, SendCost, START, advance, finish_time,
+                         group_cost, send_costs)
 from ..plan import Group, ParamInfo, Plan, SEND_MODES
 from ..profile import Profile
 
@@ -95,6 +103,8 @@ class OptimalScheduler(Scheduler):
         self.profile = profile
         self.costs: Dict[str, SendCost] = dict(send_costs(profile) if costs is None else costs)
         self.compression_on_compute = bool(compression_on_compute)
+        if not self.compression_on_compute and profile.interference != 1.0:
+            raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(profile.interference))
         wanted = ["fp32"] + (["compress"] if allow_compress else []) + \
                  (["fp16", "bf16"] if allow_half else [])
         if sends is not None:
@@ -154,7 +164,8 @@ class OptimalScheduler(Scheduler):
 
         def cost(i: int, j: int, send: str):
             return group_cost(self.costs[send], self.profile.copy,
-                              numel_prefix[j] - numel_prefix[i], bytes_prefix[j] - bytes_prefix[i])
+                              numel_prefix[j] - numel_prefix[i], bytes_prefix[j] - bytes_prefix[i],
+                              self.profile.memory)
 
         rest = self._rest_bounds(n, cost)
         incumbent = self._incumbent(n, run_start, cost)
@@ -166,7 +177,7 @@ class OptimalScheduler(Scheduler):
     def _search(self, run_start, cost, rest, incumbent, max_states):
         """The DP over prefixes: ((best value, its groups), whether no state set was cut).
 
-        ``fronts[j]`` holds the states of prefix j as arrays: the (A, F, Q, G) rows, and
+        ``fronts[j]`` holds the states of prefix j as arrays: the (A, F, Q, H) rows, and
         for each row the start of its last group, that group's send mode and the row of
         ``fronts[start]`` it extends.  The transition is :func:`advance`, vectorized with
         the same floating-point operations in the same order.
@@ -174,6 +185,8 @@ class OptimalScheduler(Scheduler):
         timeline = self.profile.timeline
         n = len(timeline)
         on_compute, backward = self.compression_on_compute, self.profile.backward_time
+        interference = self.profile.interference
+        since_of = np.array([0.0] + [t.ready for t in timeline[:-1]])
         best_value, best_groups = incumbent
         exact = True
         fronts = [None] * (n + 1)
@@ -191,7 +204,7 @@ class OptimalScheduler(Scheduler):
             pieces = []
             for mode, (encode, communicate, finish) in enumerate(tables):
                 new = _advance_all(previous, ready, encode[origin, j], communicate[origin, j],
-                                   finish[origin, j], on_compute)
+                                   finish[origin, j], on_compute, interference, since_of[origin])
                 bounds = self._lower_bound(new, rest[j])
                 keep = np.flatnonzero(bounds < best_value)
                 pieces.append((new[keep], bounds[keep], origin[keep], np.full(len(keep), mode), rows[keep]))
@@ -203,18 +216,28 @@ class OptimalScheduler(Scheduler):
             if len(chosen) > self.max_candidates:
                 exact = False
                 chosen = np.sort(np.argpartition(bounds, self.max_candidates)[:self.max_candidates])
-            chosen = chosen[_pareto(states[chosen], backward)]
+            chosen = chosen[_pareto(states[chosen], backward, on_compute)]
             if max_states is not None and len(chosen) > max_states:
                 exact = False
                 chosen = chosen[np.argsort(bounds[chosen], kind="stable")[:max_states]]
             fronts[j] = (states[chosen], starts[chosen], modes[chosen], parents[chosen])
         final_states = fronts[n][0]
         if len(final_states):
-            values = np.maximum(backward + final_states[:, 3], final_states[:, 2])
+            values = self._final_times(final_states)
             row = int(np.argmin(values))
             if values[row] < best_value:
                 best_value, best_groups = float(values[row]), self._backtrack(fronts, row)
         return (best_value, best_groups), exact
+
+    def _final_times(self, states: np.ndarray) -> np.ndarray:
+        """:func:`mergecomp.costmodel.finish_time` of every row of complete-plan ``states``."""
+        first, channel, finish_loop, finished = states.T
+        backward = self.profile.backward_time
+        if not self.compression_on_compute:
+            return np.maximum(backward + finished, finish_loop)
+        last = self.profile.timeline[-1].ready
+        tail = _stretch_all(backward - last, channel - (last + first), self.profile.interference)
+        return np.maximum(((backward + first) + tail) + finished, finish_loop)
 
     def _cost_tables(self, run_start: List[int], cost):
         """Per send mode, (encode, communicate, finish) seconds of group [i, j) at [i, j]."""
@@ -274,10 +297,12 @@ class OptimalScheduler(Scheduler):
         finish time, and the last group finishes after the channel is done.  A complete
         prefix gets its exact time.
         """
-        first, channel, finish_loop, added = states.T
+        first, channel, finish_loop, finished = states.T
         backward = self.profile.backward_time
         if rest is None:
-            return np.maximum(backward + added, finish_loop)
+            return self._final_times(states)
+        # Time added after backward so far; the interference stretch only adds to it.
+        added = first + finished if self.compression_on_compute else finished
         added_rest, channel_rest, late, from_here, finish_rest, last_finish = rest
         if self.compression_on_compute:
             channel_end = np.maximum(channel + channel_rest, first + late)
@@ -289,16 +314,19 @@ class OptimalScheduler(Scheduler):
     def _incumbent(self, n: int, run_start: List[int], cost):
         """The best of the simple plans: one group per dtype run, or per tensor, in each mode."""
         best = None
+        timeline, interference = self.profile.timeline, self.profile.interference
         for send in self.sends:
             for per_tensor in (False, True):
                 state, groups = START, []
                 for j in range(1, n + 1):
                     if per_tensor or j == n or run_start[j] != run_start[j - 1]:
                         i = j - 1 if per_tensor else run_start[j - 1]
-                        state = advance(state, self.profile.timeline[j - 1].ready, cost(i, j, send),
-                                        self.compression_on_compute)[0]
+                        state = advance(state, timeline[j - 1].ready, cost(i, j, send),
+                                        self.compression_on_compute, interference,
+                                        timeline[i - 1].ready if i else 0.0)[0]
                         groups.append((i, j, send))
-                value = finish_time(state, self.profile.backward_time)
+                value = finish_time(state, self.profile.backward_time, self.compression_on_compute,
+                                    interference, timeline[-1].ready)
                 if best is None or value < best[0]:
                     best = (value, groups)
         return best
@@ -308,35 +336,46 @@ class OptimalScheduler(Scheduler):
                 f"compression_on_compute={self.compression_on_compute})")
 
 
+def _stretch_all(work, busy, interference: float):
+    """:func:`mergecomp.costmodel.stretch` elementwise (same operations, same order)."""
+    if interference == 1.0:
+        return np.zeros(np.broadcast(work, busy).shape)
+    return np.minimum((interference - 1.0) * work, (1.0 - 1.0 / interference) * np.maximum(busy, 0.0))
+
+
 def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communicate: np.ndarray,
-                 finish: np.ndarray, on_compute: bool) -> np.ndarray:
-    """:func:`mergecomp.costmodel.advance` on every row of ``states`` at once (row-wise costs)."""
-    first, channel, finish_loop, added = states.T
+                 finish: np.ndarray, on_compute: bool, interference: float = 1.0,
+                 since=0.0) -> np.ndarray:
+    """:func:`mergecomp.costmodel.advance` on every row of ``states`` at once (row-wise costs
+    and row-wise ``since``, the ready time of each row's previous launch)."""
+    first, channel, finish_loop, finished = states.T
     if on_compute:
-        encoded = (ready + first) + encode
-        new_first = first + encode
-        added = (added + encode) + finish
+        busy = channel - (since + first)
+        new_first = (first + _stretch_all((ready - since) + encode, busy, interference)) + encode
+        encoded = ready + new_first
     else:
         encoded = np.maximum(first, ready) + encode
         new_first = encoded
-        added = added + finish
     end = np.maximum(encoded, channel) + communicate
     finish_loop = np.maximum(finish_loop, end) + finish
-    return np.stack([new_first, end, finish_loop, added], axis=1)
+    return np.stack([new_first, end, finish_loop, finished + finish], axis=1)
 
 
-def _pareto(states: np.ndarray, backward: float, block: int = 512) -> np.ndarray:
+def _pareto(states: np.ndarray, backward: float, on_compute: bool = True,
+            block: int = 512) -> np.ndarray:
     """Indices of the rows whose states no other row dominates, in lexicographic order.
 
-    Dominance compares (A, F, max(Q, T_b + G), G): the final time is
-    ``max(T_b + G + α, Q + β, F + γ, A + δ)`` for constants of the continuation with
-    α ≥ β (the rest's finish time is part of both), so Q below T_b + G can never decide
-    it.  Rows are visited in lexicographic order of their keys, so a dominating key comes
+    Dominance compares (A, F, K, H) with K = max(Q, T_b + A + H) on compute
+    (max(Q, T_b + H) off compute).  The final time is ``max(Q + R, X)``, where R is the
+    rest's Σ finish and X, the other terms, is at least T_b + A + H + R (backward ends no
+    earlier than T_b + A) and does not depend on Q; so replacing Q by K changes nothing,
+    and the final time is non-decreasing in (A, F, K, H).  Rows are visited in lexicographic order of their keys, so a dominating key comes
     before every key it dominates; dominance being transitive, comparing each row with the
     kept earlier ones suffices.  Among equal keys the first row is kept.
     """
+    added = states[:, 0] + states[:, 3] if on_compute else states[:, 3]
     keys = np.column_stack([states[:, 0], states[:, 1],
-                            np.maximum(states[:, 2], backward + states[:, 3]), states[:, 3]])
+                            np.maximum(states[:, 2], backward + added), states[:, 3]])
     order = np.lexsort(keys.T[::-1])
     keys = keys[order]
     kept_rows, kept_keys = [], np.zeros((0, 4))
