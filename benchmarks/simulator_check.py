@@ -10,7 +10,13 @@ timeline and codec costs, with the collectives replaced by the α-β network mod
 link's rate (:func:`mergecomp.simulate.network_collectives`) — then predicts that same
 plan, and the table compares the two.  What it validates is the network and overlap model;
 the compute side comes from the run itself (on a 2-core machine, 3 or 4 workers share the
-cores, which a profile taken at N = 2 could not know).
+cores, which a profile taken at N = 2 could not know), and so do the interference factor
+and, with ``--link-efficiency profile`` (the default), the fraction of the line rate the
+profile's allreduce probe reached.
+
+Windows: ``--num-iters`` × ``--batches-per-iter`` timed steps after the search (default
+8 × 3 = 24 steps); at 1 Gbit/s single steps vary by ±20%, so 6 steps are not enough to
+resolve a 15% error.  ``--out DIR`` keeps each run's profile, plan, result and log.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import dataclasses
 import json
 import os
 import sys
+import shutil
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +34,7 @@ from benchmarks.cluster import Cluster, parse_profile  # noqa: E402
 from mergecomp.costmodel import predict  # noqa: E402
 from mergecomp.plan import Plan  # noqa: E402
 from mergecomp.profile import Profile  # noqa: E402
-from mergecomp.simulate import network_collectives  # noqa: E402
+from mergecomp.simulate import measured_link_efficiency, network_collectives  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,11 +45,14 @@ def measure(workers: int, profile: str, args, folder: str) -> dict:
                "--batch-size", str(args.batch_size), "--compress", "--compressor", args.compressor,
                "--scheduler", "auto", "--profile-out", paths["profile"], "--plan-out", paths["plan"],
                "--json", paths["result"], "--threads", "1", "--no-cuda",
-               "--num-warmup-batches", "2", "--num-batches-per-iter", "2", "--num-iters", "3"]
+               "--num-warmup-batches", "2", "--num-batches-per-iter", str(args.batches_per_iter),
+               "--num-iters", str(args.num_iters)]
     if args.compress_ratio is not None:
         command += ["--compress-ratio", str(args.compress_ratio)]
     with Cluster(num_workers=workers, profile=profile) as cluster:
         results = cluster.run(command, timeout_s=args.timeout_s, cwd=ROOT)
+    with open(os.path.join(folder, f"log_{workers}.txt"), "w") as f:
+        f.write(results[0].stdout + results[0].stderr if results else "")
     if not results.ok:
         raise RuntimeError(f"N={workers}: {results.failure}")
     with open(paths["result"]) as f:
@@ -61,8 +71,23 @@ def main(argv=None) -> int:
     p.add_argument("--compress-ratio", type=float, default=0.01)
     p.add_argument("--latency-us", type=float, default=50.0,
                    help="per-message latency the simulator assumes (the links add none: no netem here)")
-    p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--link-efficiency", default="profile",
+                   help="fraction of the line rate the simulated collectives reach, or 'profile' "
+                        "(default): the fraction the run's own allreduce probe reached")
+    p.add_argument("--num-iters", type=int, default=8, help="timed iterations per run")
+    p.add_argument("--batches-per-iter", type=int, default=3, help="steps per timed iteration")
+    p.add_argument("--out", default=None, help="folder to keep profiles, plans, results and logs in")
+    p.add_argument("--timeout-s", type=float, default=1200)
     args = p.parse_args(argv)
+    if args.num_iters < 1 or args.batches_per_iter < 1:
+        p.error(f"--num-iters and --batches-per-iter must be ≥ 1, got {args.num_iters}, {args.batches_per_iter}")
+    if args.link_efficiency != "profile":
+        try:
+            fixed = float(args.link_efficiency)
+        except ValueError:
+            p.error(f"--link-efficiency must be a fraction in (0, 1] or 'profile', got {args.link_efficiency!r}")
+        if not 0 < fixed <= 1:
+            p.error(f"--link-efficiency must be a fraction in (0, 1] or 'profile', got {fixed}")
     link = parse_profile(args.profile)
     if not link.shaped:
         p.error(f"profile {args.profile!r} is not rate-limited; the simulator needs a link rate")
@@ -71,19 +96,29 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for workers in (int(w) for w in args.workers.split(",")):
             run = measure(workers, args.profile, args, folder)
-            modelled = dataclasses.replace(run["profile"], collectives=network_collectives(
-                workers, rate, args.latency_us * 1e-6))
-            predicted = predict(run["plan"], modelled).iteration_time
-            rows.append((workers, run["plan"], predicted, run["measured"]))
-            print(f"N={workers}: predicted {predicted * 1e3:.1f} ms, measured {run['measured'] * 1e3:.1f} ms",
-                  flush=True)
+            profile = run["profile"]
+            efficiency = measured_link_efficiency(profile, rate) if args.link_efficiency == "profile" \
+                else float(args.link_efficiency)
+            modelled = dataclasses.replace(profile, collectives=network_collectives(
+                workers, rate, args.latency_us * 1e-6, efficiency))
+            prediction = predict(run["plan"], modelled)
+            predicted = prediction.iteration_time
+            rows.append((workers, run["plan"], predicted, run["measured"], profile.interference, efficiency))
+            print(f"N={workers}: predicted {predicted * 1e3:.1f} ms, measured {run['measured'] * 1e3:.1f} ms; "
+                  f"interference {profile.interference:.2f}, link efficiency {efficiency:.2f}, memory "
+                  f"{profile.memory.intercept * 1e3:.2f} ms + {profile.memory.slope * 1e9:.2f} ns/element\n"
+                  f"{prediction.describe()}", flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            for name in os.listdir(folder):
+                shutil.copy(os.path.join(folder, name), args.out)
     print(f"\n{args.model}, {args.compressor}, {args.profile} links, plan chosen by --scheduler auto\n")
-    print("| workers | plan (groups, compressed) | predicted ms | measured ms | error |")
-    print("|---|---|---|---|---|")
-    for workers, plan, predicted, measured in rows:
+    print("| workers | plan (groups, compressed) | interference | link efficiency | predicted ms | measured ms | error |")
+    print("|---|---|---|---|---|---|---|")
+    for workers, plan, predicted, measured, interference, efficiency in rows:
         compressed = sum(g.send == "compress" for g in plan.groups)
-        print(f"| {workers} | {len(plan)}, {compressed} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | "
-              f"{(predicted - measured) / measured * 100:+.1f}% |")
+        print(f"| {workers} | {len(plan)}, {compressed} | {interference:.2f} | {efficiency:.2f} | "
+              f"{predicted * 1e3:.1f} | {measured * 1e3:.1f} | {(predicted - measured) / measured * 100:+.1f}% |")
     return 0
 
 
