@@ -60,7 +60,7 @@ def test_scratch_reuses_and_survives_copies():
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
-def test_word_unpacking_inverts_word_packing(bits):
-    from mergecomp.compressors.packing import _unpack_words
+def test_lane_unpacking_inverts_lane_packing(bits):
+    from mergecomp.compressors.packing import _unpack_lanes
     codes = torch.randint(0, 2 ** bits, (8 * 64,), dtype=torch.uint8)
-    assert torch.equal(_unpack_words(pack_bits(codes, bits), bits), codes)
+    assert torch.equal(_unpack_lanes(pack_bits(codes, bits), bits), codes)

@@ -7,6 +7,8 @@ zeros, which change neither a norm nor a maximum.
 """
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from .packing import Scratch
@@ -39,12 +41,52 @@ def padded_fp32_buckets(tensor: torch.Tensor, bucket_size: int, scratch: Scratch
     return work.view(rows, bucket_size)
 
 
-def scale_buckets_(values: torch.Tensor, scales: torch.Tensor, bucket_size: int) -> torch.Tensor:
-    """Multiply flat ``values`` in place by their bucket's entry of ``scales``; return them."""
-    n = values.numel()
-    full = n // bucket_size
-    if full:
-        values[: full * bucket_size].view(full, bucket_size).mul_(scales[:full, None])
-    if n > full * bucket_size:
-        values[full * bucket_size:].mul_(scales[full])
-    return values
+def bucket_parts(tensor: torch.Tensor, bucket_size: int, scratch: Scratch) -> List[torch.Tensor]:
+    """``tensor`` as (rows × bucket_size) pieces, in order, without copying the whole buckets.
+
+    The whole buckets are a view of the input (read them, never write them); a partial last
+    bucket is a zero-padded copy in ``scratch``.  Per-bucket statistics are then one
+    reduction per piece, concatenated — no n-element workspace copy is needed for them.
+    """
+    flat = tensor.reshape(-1)
+    n = flat.numel()
+    rows, rest = divmod(n, bucket_size)
+    parts = [flat[: rows * bucket_size].view(rows, bucket_size)] if rows else []
+    if rest:
+        tail = scratch.get("tail", bucket_size, flat.dtype, flat.device)
+        tail[:rest].copy_(flat[rows * bucket_size:])
+        tail[rest:].zero_()
+        parts.append(tail.view(1, bucket_size))
+    return parts
+
+
+def per_bucket(parts: List[torch.Tensor], statistic) -> torch.Tensor:
+    """``statistic`` (a (rows × size) → (rows,) reduction) over every piece, as one tensor."""
+    values = [statistic(part) for part in parts]
+    return values[0] if len(values) == 1 else torch.cat(values)
+
+
+def bucket_peaks(parts: List[torch.Tensor]) -> torch.Tensor:
+    """max |v| of each bucket, in fp32 (two plain reductions: no |v| temporary)."""
+    return per_bucket(parts, lambda p: torch.maximum(p.amax(dim=1), p.amin(dim=1).neg()).float())
+
+
+def bucket_norms(parts: List[torch.Tensor]) -> torch.Tensor:
+    """‖v‖₂ of each bucket in fp32, without overflow for |v| ~ 1e30 or underflow for 1e-30.
+
+    The plain fp32 norm squares the values, so it overflows above ~1e19 and loses buckets
+    below ~1e-19; those (rare) buckets are recomputed as peak · ‖v / peak‖.
+    """
+    norms = per_bucket(parts, lambda p: torch.linalg.vector_norm(p, dim=1, dtype=torch.float32))
+    suspect = ~(torch.isfinite(norms) & (norms >= 1e-15))
+    if bool(suspect.any()):  # only the suspect rows are gathered and redone
+        start = 0
+        for part in parts:
+            redo = suspect[start: start + part.shape[0]].nonzero().view(-1)
+            if redo.numel():
+                picked = part[redo].float()
+                peaks = picked.abs().amax(dim=1)
+                safe = torch.where(peaks > 0, peaks, torch.ones_like(peaks))
+                norms[start + redo] = peaks * torch.linalg.vector_norm(picked / safe[:, None], dim=1)
+            start += part.shape[0]
+    return norms

@@ -7,7 +7,6 @@ is the selection and the wire format.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
@@ -15,44 +14,24 @@ import torch
 from . import register
 from .base import Context, check_ratio
 from .packing import Scratch
+from .selection import BlockPeaks, sampled_threshold
 from .topk import SparseCompressor, index_dtype, num_selected
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 
 
-def sampled_threshold(importance: torch.Tensor, k: int, sample_ratio: float, min_samples: int) -> torch.Tensor:
-    """Estimate the k-th largest of ``importance`` from a strided sample of it.
-
-    A sample of m = max(min_samples, sample_ratio·n) elements, taken every ⌊n/m⌋-th
-    element, keeps its top ⌈k·m/n⌉; their minimum is the threshold.  Costs a top-k over
-    m elements instead of n.
-    """
-    n = importance.numel()
-    stride = max(1, n // max(1, min(n, max(min_samples, int(n * sample_ratio)))))
-    sample = importance[::stride]
-    top = max(1, min(sample.numel(), math.ceil(k * sample.numel() / n)))
-    return torch.topk(sample, top, sorted=False).values.min()
-
-
-def select_at_least(importance: torch.Tensor, threshold: torch.Tensor, k: int, mask: torch.Tensor,
-                    lower: float, attempts: int) -> torch.Tensor:
-    """Indices with importance ≥ threshold, the threshold lowered while fewer than lower·k pass."""
-    for attempt in range(attempts + 1):
-        torch.ge(importance, threshold, out=mask)
-        count = int(torch.count_nonzero(mask))
-        if count >= lower * k or attempt == attempts:
-            return mask.nonzero().view(-1)
-        threshold = threshold * 0.5
-
-
 @register("dgc")
 class DGCCompressor(SparseCompressor):
     """Send the elements whose magnitude passes a threshold estimated from a 1% sample.
 
+    Only blocks whose peak passes are examined element by element (``selection``), so
+    at the paper's 0.1% density selection reads the tensor about once.
+
     The threshold is the k-th largest magnitude of a strided sample (k = density·n scaled
-    to the sample).  When too few elements pass (< 0.8k) it is halved and the selection
-    redone (at most ``max_adjust`` times); when more than k pass, exactly k are
+    to the sample).  When too few elements pass (< 0.8k) it is lowered by the factor 0.8 and
+    the selection redone (at most ``max_adjust`` times, as the reference implementation's
+    adaptation loop; a halving would overshoot to ~100× k in a Gaussian tail); when more than k pass, exactly k are
     re-selected among the candidates by top-k, so at most k values are ever sent.  The
     count varies from step to step: ``fixed_size = False``.  Biased: use the ``dgc``
     memory (momentum correction, masking, clipping), or ``residual``.
@@ -75,7 +54,7 @@ class DGCCompressor(SparseCompressor):
     recommended_communicator = "allgather"
 
     def __init__(self, compress_ratio: float = 0.001, warmup=0, sample_ratio: float = 0.01,
-                 min_samples: int = 1024, max_adjust: int = 3, fp16_values: bool = False,
+                 min_samples: int = 1024, max_adjust: int = 10, fp16_values: bool = False,
                  index_bits: int = 32):
         self.compress_ratio = check_ratio(compress_ratio)
         self.warmup = self._check_warmup(warmup)
@@ -124,15 +103,18 @@ class DGCCompressor(SparseCompressor):
         flat = tensor.reshape(-1)
         n = flat.numel()
         k = num_selected(n, self.density())
-        importance = torch.abs(flat, out=self._scratch.get("abs", n, flat.dtype, flat.device))
         if k >= n:
             indices = torch.arange(n, device=flat.device)
         else:
-            threshold = sampled_threshold(importance, k, self.sample_ratio, self.min_samples)
-            mask = self._scratch.get("mask", n, torch.bool, flat.device)
-            indices = select_at_least(importance, threshold, k, mask, 0.8, self.max_adjust)
-            if indices.numel() > k:
-                indices = indices[torch.topk(importance[indices], k, sorted=False).indices]
+            threshold = sampled_threshold(flat, k, self.sample_ratio, self.min_samples)
+            blocks = BlockPeaks(flat, self._scratch)
+            for attempt in range(self.max_adjust + 1):  # lower the threshold while too few pass
+                indices = blocks.indices_at_least(threshold)
+                if indices.numel() >= 0.8 * k:
+                    break
+                threshold = threshold * 0.8
+            if indices.numel() > k:  # too many: exactly k among the candidates
+                indices = indices[torch.topk(flat[indices].abs(), k, sorted=False).indices]
         values = flat[indices]
         if self.fp16_values and values.dtype == torch.float32:
             values = values.to(torch.float16)

@@ -4,12 +4,10 @@ Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2
 """
 from __future__ import annotations
 
-import torch
-
 from . import register
 from .base import Context, check_ratio
-from .dgc import sampled_threshold
 from .packing import Scratch
+from .selection import BlockPeaks, sampled_threshold
 from .topk import SparseCompressor, index_dtype, num_selected
 
 
@@ -43,11 +41,9 @@ class GradDropCompressor(SparseCompressor):
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
         n = flat.numel()
-        importance = torch.abs(flat, out=self._scratch.get("abs", n, flat.dtype, flat.device))
-        threshold = sampled_threshold(importance, num_selected(n, self.compress_ratio),
+        threshold = sampled_threshold(flat, num_selected(n, self.compress_ratio),
                                       self.sample_ratio, self.min_samples)
-        mask = torch.ge(importance, threshold, out=self._scratch.get("mask", n, torch.bool, flat.device))
-        indices = mask.nonzero().view(-1)
+        indices = BlockPeaks(flat, self._scratch).indices_at_least(threshold)
         return (flat[indices], indices.to(index_dtype(n))), Context(tensor.shape, tensor.dtype)
 
     def __repr__(self):

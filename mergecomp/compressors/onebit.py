@@ -9,15 +9,17 @@ import torch
 
 from . import register
 from .base import Compressor, Context
-from .packing import pack_bits, unpack_bits
+from .packing import Scratch, pack_bits, unpack_bits
+from .quantize import select_by_code, sign_bits
 
 
 @register("onebit")
 class OneBitCompressor(Compressor):
     """Quantise each element to one bit (its sign) and decode with the mean of its side.
 
-    The receiver rebuilds a negative bit as the mean of the negative elements and a clear
-    bit as the mean of the non-negative ones, the reconstruction values of Seide et al.
+    The receiver rebuilds a set bit as the mean of the negative elements and a clear bit
+    as the mean of the non-negative ones (the bit is the IEEE sign bit, so −0.0 counts as
+    negative and decodes to the negative mean), the reconstruction values of Seide et al.
     (who keep them per column; here per fused group).  Biased: pair it with the
     ``residual`` memory, the error feedback the paper introduced.
 
@@ -29,14 +31,18 @@ class OneBitCompressor(Compressor):
     recommended_memory = "residual"
     recommended_communicator = "allgather"
 
+    def __init__(self):
+        self._scratch = Scratch()
+
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
-        negative = flat < 0
-        # Both side sums from two reductions and no n-element temporary:
-        # sum(g⁺) = (Σg + Σ|g|)/2 and sum(g⁻) = (Σg − Σ|g|)/2.
+        negative = sign_bits(flat, self._scratch)  # 1 where the sign bit is set
+        # Both side sums from two reductions: sum(g⁺) = (Σg + Σ|g|)/2, sum(g⁻) = (Σg − Σ|g|)/2.
         total = flat.sum(dtype=torch.float32)
-        absolute = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32)
-        num_negative = torch.count_nonzero(negative)
+        magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))
+        absolute = magnitudes.sum(dtype=torch.float32)
+        num_negative = (negative.sum(dtype=torch.int32) if flat.numel() < 2 ** 31  # faster than
+                        else torch.count_nonzero(negative))                     # count_nonzero
         num_positive = flat.numel() - num_negative
         means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
                              (total - absolute) / 2 / num_negative.clamp(min=1)])
@@ -44,6 +50,5 @@ class OneBitCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, means = payload
-        negative = unpack_bits(packed, 1, ctx.numel).view(torch.bool)
-        means = means.to(ctx.dtype)
-        return torch.where(negative, means[1], means[0]).view(ctx.shape)
+        negative = unpack_bits(packed, 1, ctx.numel)
+        return select_by_code(negative, means, ctx.dtype).view(ctx.shape)

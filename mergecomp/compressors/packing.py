@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -45,52 +45,62 @@ def _shifts(bits: int, per_byte: int, device) -> torch.Tensor:
     return torch.arange(bits * (per_byte - 1), -1, -bits, dtype=torch.uint8, device=device)
 
 
-# Fast path for 1, 2 and 4 bits (little-endian machines, CPUs and GPUs alike): the 8 codes
-# of one int64 word w sit at bit positions 8j.  Multiplying by M = Σ_j 2^(56 + (p−1−j)·b − 8j)
-# (p = 8/b codes per byte) moves code j of the word's first p bytes to bits 56 + (p−1−j)·b,
-# the top byte in most-significant-first order; the other products land at distinct
-# multiples of b (no two overlap, so nothing carries into the top byte) or beyond bit 63
-# (dropped).  Output byte m of the word uses w >> 8pm.  Unpacking multiplies a byte by
-# Σ_j 2^((8+b)·j) (copies 8 + b bits apart), shifts by 8 − b and masks b bits per byte.
-# A few integer ops per 8 elements, instead of one shift-and-or pass per code position.
+# Fast path for 1, 2 and 4 bits on little-endian machines (CPUs and GPUs alike): the p = 8/b
+# codes of one packed byte sit in one integer word of p bytes (a "lane": int64 for 1 bit,
+# int32 for 2, int16 for 4), code j at bit 8j.  Multiplying the word by
+# M = Σ_j 2^(8(p−1) + (p−1−j)·b − 8j) moves code j to bit 8(p−1) + (p−1−j)·b, inside the
+# top byte in most-significant-first order; every other partial product lands at a
+# distinct multiple of b outside the top byte or beyond the word (dropped), so nothing
+# carries into it.  Unpacking multiplies a byte by Σ_j 2^((8+b)·j) (copies 8 + b bits
+# apart), shifts by 8 − b and masks b bits per byte.  A few integer ops per packed byte
+# instead of one shift-and-or pass per code position.
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
+#: The integer word that holds the 8/b code bytes of one packed byte.
+_LANE = {1: torch.int64, 2: torch.int32, 4: torch.int16}
 
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
+
+def _wrap(value: int, width: int) -> int:
+    """``value`` modulo 2**width, as the signed integer torch stores in a word of that width."""
+    value %= 1 << width
+    return value - (1 << width) if value >= 1 << (width - 1) else value
 
 
 def _gather_multiplier(bits: int) -> int:
     per_byte = 8 // bits
-    return _signed(sum(1 << (56 + (per_byte - 1 - j) * bits - 8 * j) for j in range(per_byte)))
+    top = 8 * (per_byte - 1)
+    return _wrap(sum(1 << (top + (per_byte - 1 - j) * bits - 8 * j) for j in range(per_byte)), 8 * per_byte)
 
 
-def _spread_multiplier(bits: int) -> int:
-    return _signed(sum(1 << ((8 + bits) * j) for j in range(8 // bits)) % (1 << 64))
+def _pack_lanes(flat: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Pack ``flat`` (a multiple of 8/bits codes) into ``out``, one byte per lane."""
+    per_byte = 8 // bits
+    if flat.storage_offset() % per_byte:
+        flat = flat.clone()  # a lane view needs its natural alignment
+    product = flat.view(_LANE[bits]) * _gather_multiplier(bits)
+    if bits == 1:  # the top byte, read in place (faster than shifting int64 words)
+        out.copy_(product.view(torch.uint8).view(-1, 8)[:, 7])
+    else:  # shifted down, the cast to uint8 keeps the low byte
+        out.copy_(product.bitwise_right_shift_(8 * (per_byte - 1)))
 
 
-def _byte_mask(bits: int) -> int:
-    return _signed(sum(((1 << bits) - 1) << (8 * j) for j in range(8 // bits)))
+def _unpack_lanes(packed: torch.Tensor, bits: int, scratch: Optional["Scratch"] = None) -> torch.Tensor:
+    """Inverse of :func:`_pack_lanes`: 8/bits codes per packed byte, as flat uint8."""
+    per_byte = 8 // bits
+    wide = torch.int64 if bits <= 2 else torch.int32  # holds the copies up to bit (8+b)(p−1)+8
+    spread = _wrap(sum(1 << ((8 + bits) * j) for j in range(per_byte)), 64 if wide == torch.int64 else 32)
+    mask = sum(((1 << bits) - 1) << (8 * j) for j in range(per_byte))
+    lanes = _buffer(scratch, "unpack_wide", packed.numel(), wide, packed.device).copy_(packed)
+    lanes.mul_(spread).bitwise_right_shift_(8 - bits).bitwise_and_(_wrap(mask, 64))
+    if _LANE[bits] != wide:  # the cast keeps the low bytes (the codes)
+        lanes = _buffer(scratch, "unpack_lanes", packed.numel(), _LANE[bits], packed.device).copy_(lanes)
+    return lanes.view(torch.uint8)
 
 
-def _pack_words(flat: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """Pack ``flat`` (a multiple of 8 codes) into ``out`` (bits bytes per 8 codes)."""
-    if flat.storage_offset() % 8:
-        flat = flat.clone()  # an int64 view needs 8-byte alignment
-    words = flat.view(torch.int64)
-    multiplier = _gather_multiplier(bits)
-    per_word = out.view(-1, bits)
-    for m in range(bits):
-        source = words if m == 0 else words >> (64 // bits * m)
-        per_word[:, m].copy_((source * multiplier).view(torch.uint8).view(-1, 8)[:, 7])
-
-
-def _unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`_pack_words`: 8/bits codes per packed byte."""
-    spread = packed.to(torch.int64).mul_(_spread_multiplier(bits))
-    spread.bitwise_right_shift_(8 - bits).bitwise_and_(_byte_mask(bits))
-    codes = spread.view(torch.uint8).view(-1, 8)
-    return codes.reshape(-1) if bits == 1 else codes[:, : 8 // bits].reshape(-1)
+def _buffer(scratch: Optional["Scratch"], tag: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    if scratch is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return scratch.get(tag, numel, dtype, device)
 
 
 def _pack_rows(rows: torch.Tensor, bits: int, out: torch.Tensor) -> None:
@@ -125,11 +135,10 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     full, rest = divmod(n, per_byte)
     out = torch.empty(full + (1 if rest else 0), dtype=torch.uint8, device=flat.device)
-    words = full // bits if _LITTLE_ENDIAN else 0  # whole int64 words of 8 codes
-    if words:
-        _pack_words(flat[: words * 8], bits, out[: words * bits])
-    if full > words * bits:
-        done = words * bits
+    done = full if _LITTLE_ENDIAN else 0  # bytes packed through the lanes
+    if done:
+        _pack_lanes(flat[: done * per_byte], bits, out[:done])
+    if full > done:
         _pack_rows(flat[done * per_byte: full * per_byte].view(full - done, per_byte), bits, out[done:full])
     if rest:
         tail = torch.zeros(per_byte, dtype=torch.uint8, device=flat.device)
@@ -144,8 +153,12 @@ def _bit_planes(flat: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.bitwise_and(flat.unsqueeze(1) >> shifts, 1).view(-1)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` codes, as a flat uint8 tensor."""
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int, scratch: Optional["Scratch"] = None) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` codes, as a flat uint8 tensor.
+
+    With a ``scratch``, the codes (and the work buffers) live in it, so the hot path does
+    not allocate: consume them before the next call with the same scratch.
+    """
     _check(packed, bits)
     need = packed_nbytes(numel, bits)
     if packed.numel() < need:
@@ -160,8 +173,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         for j in range(1, bits):
             codes.bitwise_left_shift_(1).bitwise_or_(planes[:, j])
         return codes
-    if _LITTLE_ENDIAN and bits == 1:  # wider codes: 8 int64 bytes per packed byte cost more than shifts
-        return _unpack_words(packed[:need], bits)[:numel]
+    if _LITTLE_ENDIAN:
+        return _unpack_lanes(packed[:need], bits, scratch)[:numel]
     per_byte = 8 // bits
     shifts = _shifts(bits, per_byte, packed.device)
     codes = torch.bitwise_and(packed.unsqueeze(1) >> shifts, (1 << bits) - 1)

@@ -9,8 +9,9 @@ import torch
 
 from . import register
 from .base import Compressor, Context
-from .buckets import check_bucket_size, padded_fp32_buckets, scale_buckets_
+from .buckets import bucket_norms, bucket_parts, check_bucket_size
 from .packing import Scratch, bits_for, pack_bits, unpack_bits
+from .quantize import dequantize, stochastic_codes
 
 
 @register("qsgd")
@@ -19,7 +20,8 @@ class QSGDCompressor(Compressor):
     so that E[ℓ] = s·|v|/‖v‖ (stochastic rounding between the two nearest levels).
 
     Unbiased: E[decode(encode(v))] = v, with variance at most min(d/s², √d/s)·‖v‖² per
-    bucket of d elements (Lemma 3.1).  The signed level ℓ·sign(v) ∈ [−s, s] travels as the
+    bucket of d elements (Lemma 3.1); the rounding draws 16 random bits per element, so
+    the mean is exact up to 2^-16 of a level (see ``quantize.stochastic_codes``).  The signed level ℓ·sign(v) ∈ [−s, s] travels as the
     code ℓ·sign(v) + s in the fewest bits that hold 2s + 1 values, b = ⌈log₂(2s+1)⌉
     (4 bits for the default s = 7, 8 bits for s = 127); the paper's Elias coding of the
     levels is not used, to keep payloads fixed-size.
@@ -42,32 +44,18 @@ class QSGDCompressor(Compressor):
         self._scratch = Scratch()
 
     def compress(self, tensor, name):
-        n = tensor.numel()
+        buckets = bucket_parts(tensor, self.bucket_size, self._scratch)
+        norms = bucket_norms(buckets)
         s = self.levels
-        work = padded_fp32_buckets(tensor, self.bucket_size, self._scratch)
-        negative = work < 0
-        # Norms of buckets scaled by their peak: no overflow of v² for |v| ~ 1e30 and no
-        # underflow for |v| ~ 1e-30, at the cost of one amax.
-        peaks = work.abs_().amax(dim=1)
-        work.div_(torch.where(peaks > 0, peaks, torch.ones_like(peaks))[:, None])
-        unit_norms = torch.linalg.vector_norm(work, dim=1)  # ≥ 1 where the bucket is not zero
-        norms = peaks * unit_norms
-        work.mul_(torch.where(unit_norms > 0, s / unit_norms, torch.zeros_like(unit_norms))[:, None])
-        noise = self._scratch.get("noise", work.numel(), torch.float32, work.device)
-        work.add_(noise.uniform_().view_as(work)).floor_().clamp_(max=s)
-        codes = self._scratch.get("codes", work.numel(), torch.uint8, work.device)
-        codes.copy_(work.view(-1))
-        # code = s ± ℓ in uint8: negate where negative by two's complement (ℓ ^ 0xFF) + 1.
-        flip = negative.view(-1).view(torch.uint8)
-        codes.bitwise_xor_(flip.neg()).add_(flip).add_(s)
-        return (pack_bits(codes[:n], self.bits), norms), Context(tensor.shape, tensor.dtype)
+        # Signed level s·v/‖v‖ ∈ [−s, s], rounded stochastically and offset by s: the code.
+        factors = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
+        codes = stochastic_codes(buckets, factors, s, tensor.numel(), self._scratch)
+        return (pack_bits(codes, self.bits), norms), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         packed, norms = payload
-        codes = unpack_bits(packed, self.bits, ctx.numel)
-        values = codes.to(torch.float32).sub_(self.levels)
-        scale_buckets_(values, norms / self.levels, self.bucket_size)
-        return values.to(ctx.dtype).view(ctx.shape)
+        codes = unpack_bits(packed, self.bits, ctx.numel, self._scratch)
+        return dequantize(codes, self.levels, norms / self.levels, self.bucket_size, ctx.dtype).view(ctx.shape)
 
     def __repr__(self):
         return f"QSGDCompressor(levels={self.levels}, bucket_size={self.bucket_size})"

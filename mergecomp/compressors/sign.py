@@ -6,7 +6,8 @@ Tolerant", ICLR 2019; Karimireddy et al., "Error Feedback Fixes SignSGD and othe
 Compression Schemes", ICML 2019.
 
 Signs travel as a packed bit mask (bit set = negative), so n elements cost ⌈n/8⌉ bytes.
-A zero has no sign bit of its own and is sent as +1, as in the reference implementations.
+What travels is the IEEE sign bit: +0.0 is sent as +1, as in the reference implementations,
+and −0.0 as −1 (reading the bit is one integer pass; ``x < 0`` costs several times more).
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ import torch
 from ..momentum import refuse_optimizer_momentum
 from . import register
 from .base import Compressor, Context
-from .packing import pack_bits, unpack_bits
+from .packing import Scratch, pack_bits, unpack_bits
+from .quantize import sign_bits
 
 
-def pack_signs(tensor: torch.Tensor) -> torch.Tensor:
-    """⌈n/8⌉ bytes: bit i is set where element i is negative."""
-    return pack_bits(tensor.reshape(-1) < 0, 1)
+def pack_signs(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """⌈n/8⌉ bytes: bit i is set where element i has its sign bit set (is negative, or −0.0)."""
+    return pack_bits(sign_bits(tensor, scratch), 1)
 
 
 def unpack_signs(packed: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -56,8 +58,11 @@ class SignSGDCompressor(_MajorityVote):
     Wire for n elements: ⌈n/8⌉ bytes.  ``average = False``: the vote is the update.
     """
 
+    def __init__(self):
+        self._scratch = Scratch()
+
     def compress(self, tensor, name):
-        return (pack_signs(tensor),), Context(tensor.shape, tensor.dtype)
+        return (pack_signs(tensor, self._scratch),), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         return unpack_signs(payload[0], ctx)
@@ -84,6 +89,7 @@ class SignumCompressor(_MajorityVote):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"signum momentum beta must be in [0, 1), got {beta!r}; 0.9 is usual")
         self.beta = beta
+        self._scratch = Scratch()
         self.momenta: Dict[str, torch.Tensor] = {}
 
     def compress(self, tensor, name):
@@ -95,7 +101,7 @@ class SignumCompressor(_MajorityVote):
                 f"signum momentum of group {name!r} has shape {tuple(momentum.shape)} but the "
                 f"gradient has shape {tuple(tensor.shape)}: the plan changed; create a new compressor")
         momentum.mul_(self.beta).add_(tensor, alpha=1.0 - self.beta)
-        return (pack_signs(momentum),), Context(tensor.shape, tensor.dtype)
+        return (pack_signs(momentum, self._scratch),), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         return unpack_signs(payload[0], ctx)
@@ -125,10 +131,14 @@ class EFSignSGDCompressor(Compressor):
     recommended_memory = "residual"
     recommended_communicator = "allgather"
 
+    def __init__(self):
+        self._scratch = Scratch()
+
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
-        scale = torch.linalg.vector_norm(flat, ord=1, dtype=torch.float32) / max(1, flat.numel())
-        return (pack_signs(flat), scale.reshape(1)), Context(tensor.shape, tensor.dtype)
+        magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))
+        scale = magnitudes.sum(dtype=torch.float32) / max(1, flat.numel())
+        return (pack_signs(flat, self._scratch), scale.reshape(1)), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         packed, scale = payload

@@ -10,7 +10,6 @@ import torch
 from . import register
 from .base import Compressor, Context
 from .packing import pack_bits, unpack_bits
-from .terngrad import ternary_values
 
 
 @register("tbq")
@@ -51,3 +50,9 @@ class TBQCompressor(Compressor):
 
     def __repr__(self):
         return f"TBQCompressor(threshold={self.threshold})"
+
+
+def ternary_values(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit codes (0, 1, 2) → fp32 values (0, +1, −1): c − 3·(c >> 1), in int8, cast once."""
+    signed = torch.bitwise_right_shift(codes, 1).mul_(3).view(torch.int8)
+    return torch.sub(codes.view(torch.int8), signed, out=signed).to(torch.float32)

@@ -9,18 +9,20 @@ import torch
 
 from . import register
 from .base import Compressor, Context
-from .buckets import check_bucket_size, padded_fp32_buckets, scale_buckets_
+from .buckets import bucket_parts, bucket_peaks, check_bucket_size, padded_fp32_buckets
 from .packing import Scratch, pack_bits, unpack_bits
+from .quantize import dequantize, stochastic_codes
 
 
 @register("terngrad")
 class TernGradCompressor(Compressor):
     """Each element v of a bucket with scale S = max|v| becomes S·sign(v)·b, b ~ Bernoulli(|v|/S).
 
-    Unbiased without clipping: E[S·sign(v)·b] = v.  With ``clip=c`` (the paper uses 2.5)
+    Unbiased without clipping: E[S·sign(v)·b] = v (up to 2^-16 of S: the Bernoulli draw uses
+    16 random bits, see ``quantize.stochastic_codes``).  With ``clip=c`` (the paper uses 2.5)
     each bucket is first clipped to ±c·σ, σ its standard deviation, which lowers the
     variance at the price of a bias on the clipped outliers.  The ternary value travels as
-    a 2-bit code (0 → 0, 1 → +S, 2 → −S); the scale is one fp32 per bucket (the paper uses
+    a 2-bit code (0 → −S, 1 → 0, 2 → +S); the scale is one fp32 per bucket (the paper uses
     one per layer; a fused group spans several layers, hence the buckets).
 
     Wire for n elements: ⌈n/4⌉ bytes of codes + 4·⌈n/bucket_size⌉ bytes of fp32 scales.
@@ -42,20 +44,20 @@ class TernGradCompressor(Compressor):
         self._scratch = Scratch()
 
     def compress(self, tensor, name):
-        n = tensor.numel()
-        work = padded_fp32_buckets(tensor, self.bucket_size, self._scratch)
+        source = tensor
         if self.clip is not None:
-            bound = self._bucket_std(work, n).mul_(self.clip)[:, None]
+            work = padded_fp32_buckets(tensor, self.bucket_size, self._scratch)
+            bound = self._bucket_std(work, tensor.numel()).mul_(self.clip)[:, None]
             torch.maximum(work, -bound, out=work)
             torch.minimum(work, bound, out=work)
-        negative = work < 0
-        scales = work.abs_().amax(dim=1)
-        noise = self._scratch.get("noise", work.numel(), torch.float32, work.device)
-        threshold = noise.uniform_().view_as(work).mul_(scales[:, None])
-        keep = work > threshold  # P(keep) = |v|/S
-        # code = keep << negative: 0 dropped, 1 kept positive, 2 kept negative.
-        codes = keep.view(-1).view(torch.uint8).bitwise_left_shift_(negative.view(-1).view(torch.uint8))
-        return (pack_bits(codes[:n], 2), scales), Context(tensor.shape, tensor.dtype)
+            source = work.view(-1)[: tensor.numel()]
+        buckets = bucket_parts(source, self.bucket_size, self._scratch)
+        scales = bucket_peaks(buckets)
+        # v/S ∈ [−1, 1] rounded stochastically and offset by 1: code 0 → −S, 1 → 0, 2 → +S,
+        # +S with probability v/S for v > 0 and −S with probability |v|/S for v < 0.
+        factors = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+        codes = stochastic_codes(buckets, factors, 1, tensor.numel(), self._scratch)
+        return (pack_bits(codes, 2), scales), Context(tensor.shape, tensor.dtype)
 
     def _bucket_std(self, work, n):
         """Standard deviation of each bucket, the zero padding of the last one excluded.
@@ -73,13 +75,9 @@ class TernGradCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, scales = payload
-        values = ternary_values(unpack_bits(packed, 2, ctx.numel))
-        return scale_buckets_(values, scales, self.bucket_size).to(ctx.dtype).view(ctx.shape)
+        codes = unpack_bits(packed, 2, ctx.numel, self._scratch)
+        return dequantize(codes, 1, scales, self.bucket_size, ctx.dtype).view(ctx.shape)
 
     def __repr__(self):
         return f"TernGradCompressor(bucket_size={self.bucket_size}, clip={self.clip})"
 
-
-def ternary_values(codes: torch.Tensor) -> torch.Tensor:
-    """2-bit codes (0, 1, 2) → fp32 values (0, +1, −1): c − 3·(c >> 1)."""
-    return codes.view(torch.int8).to(torch.float32).sub_(torch.bitwise_right_shift(codes, 1).to(torch.float32).mul_(3))

@@ -9,6 +9,8 @@ import torch
 
 from . import register
 from .base import Compressor, Context, check_ratio
+from .packing import Scratch
+from .selection import exact_top_k
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -50,6 +52,9 @@ class SparseCompressor(Compressor):
 class TopKCompressor(SparseCompressor):
     """Keep the k = ratio·n entries of largest magnitude; biased, so pair it with residual memory.
 
+    Exact (the same selection as ``torch.topk``, up to ties), found through block peaks
+    (``selection.exact_top_k``) instead of a top-k over all n elements.
+
     Wire for n elements: k × (value bytes + 4) — the values in the input dtype and int32
     indices (int64 beyond 2^31 elements).  Payloads of different ranks index different
     coordinates, so they are not summable: use the allgather or PS communicator.
@@ -62,11 +67,12 @@ class TopKCompressor(SparseCompressor):
 
     def __init__(self, compress_ratio: float = 0.01):
         self.compress_ratio = check_ratio(compress_ratio)
+        self._scratch = Scratch()
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.compress_ratio)
-        _, indices = torch.topk(flat.abs(), k, sorted=False)
+        indices = exact_top_k(flat, k, self._scratch)
         values = flat[indices]
         return (values, indices.to(index_dtype(flat.numel()))), Context(tensor.shape, tensor.dtype)
 

@@ -1,0 +1,127 @@
+"""The compressors' fast elementwise paths agree with the obvious torch expressions they replace."""
+import pytest
+import torch
+
+from mergecomp.compressors.buckets import bucket_norms, bucket_parts, bucket_peaks
+from mergecomp.compressors.packing import Scratch, pack_bits, unpack_bits
+from mergecomp.compressors.quantize import (dequantize, random_int16, select_by_code, sign_bits,
+                                            stochastic_codes)
+from mergecomp.compressors.selection import BLOCK, BlockPeaks, exact_top_k
+
+
+def _sorted(indices):
+    return torch.sort(indices.long()).values
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 64 * 50 + 7])
+@pytest.mark.parametrize("quantile", [0.5, 0.99, 0.9999])
+def test_block_selection_matches_a_full_comparison(n, quantile):
+    g = torch.Generator().manual_seed(n)
+    flat = torch.randn(n, generator=g)
+    flat[n // 3: n // 3 + 40] *= 50  # a cluster of large values, as real layers have
+    threshold = torch.quantile(flat.abs(), quantile)
+    expected = (flat.abs() >= threshold).nonzero().view(-1)
+    assert torch.equal(BlockPeaks(flat, Scratch()).indices_at_least(threshold), expected)
+
+
+@pytest.mark.parametrize("n,k", [(10, 3), (64, 1), (1000, 1), (1000, 10), (5000, 50), (5000, 4000),
+                                 (64 * 100 + 5, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_exact_top_k_selects_what_torch_topk_selects(n, k, dtype):
+    flat = torch.randn(n, generator=torch.Generator().manual_seed(k)).to(dtype)
+    flat[: n // 4] *= 10
+    got = exact_top_k(flat, k, Scratch())
+    want = torch.topk(flat.abs().float(), k, sorted=False).indices
+    assert got.numel() == k
+    # Same magnitudes (ties may pick different positions of equal values).
+    assert torch.equal(torch.sort(flat[got].abs().float()).values, torch.sort(flat[want].abs().float()).values)
+
+
+def test_block_selection_of_a_non_contiguous_tensor():
+    base = torch.randn(2 * BLOCK * 10)
+    strided = base[::2]
+    threshold = torch.tensor(1.5)
+    assert torch.equal(BlockPeaks(strided, Scratch()).indices_at_least(threshold),
+                       (strided.abs() >= threshold).nonzero().view(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_sign_bits_are_the_negative_mask(dtype):
+    x = torch.randn(1001).to(dtype)
+    x[5] = 0.0
+    assert torch.equal(sign_bits(x, Scratch()), (x < 0).to(torch.uint8))
+    assert sign_bits(torch.tensor([-0.0], dtype=dtype), Scratch()).item() == 1  # the IEEE sign bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_select_by_code_copies_the_chosen_value_bit_for_bit(dtype):
+    codes = torch.randint(0, 2, (999,), dtype=torch.uint8)
+    values = torch.tensor([0.1234567, -98.7654321], dtype=dtype)
+    got = select_by_code(codes, values, dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, torch.where(codes.bool(), values[1], values[0]))
+
+
+def test_random_int16_is_uniform_over_all_bits():
+    torch.manual_seed(0)
+    lanes = random_int16(400_000, "cpu", Scratch()).clone()
+    bits = (lanes.to(torch.int32).unsqueeze(1) >> torch.arange(16)) & 1
+    # Each of the 16 bits (the sign bit of each lane included) is set half the time: σ = 0.0008.
+    assert torch.allclose(bits.float().mean(0), torch.full((16,), 0.5), atol=0.005)
+    torch.manual_seed(0)
+    assert torch.equal(random_int16(400_000, "cpu", Scratch()), lanes)  # reproducible under manual_seed
+
+
+@pytest.mark.parametrize("offset", [1, 7])
+def test_stochastic_codes_are_unbiased_and_in_range(offset):
+    torch.manual_seed(1)
+    n, size = 1000, 64
+    x = torch.empty(n).uniform_(-1, 1)
+    x[::97] = 1.0  # the extremes round to themselves
+    x[1::97] = -1.0
+    scratch = Scratch()
+    parts = bucket_parts(x, size, scratch)
+    factors = torch.full((len(range(0, n, size)),), float(offset))
+    total = torch.zeros(n)
+    trials = 400
+    for _ in range(trials):
+        codes = stochastic_codes(parts, factors, offset, n, scratch)
+        assert int(codes.max()) <= 2 * offset
+        total += codes.float() - offset
+    mean = total / trials
+    # Each code is the level ±1 at most, so the mean's σ ≤ 0.5/√trials = 0.025.
+    assert torch.allclose(mean, x * offset, atol=0.13)
+    assert torch.equal(mean[::97], torch.full_like(mean[::97], float(offset)))
+
+
+def test_dequantize_inverts_the_level_scale():
+    codes = torch.tensor([0, 1, 2, 2, 1], dtype=torch.uint8)
+    scales = torch.tensor([2.0, 10.0])
+    assert torch.equal(dequantize(codes, 1, scales, 3, torch.float32), torch.tensor([-2.0, 0.0, 2.0, 10.0, 0.0]))
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-20, 1.0, 1e20, 1e30])
+def test_bucket_norms_and_peaks_survive_extreme_magnitudes(magnitude):
+    x = torch.randn(1000, dtype=torch.float64) * magnitude
+    x[512:600] = 0.0
+    parts = bucket_parts(x.float(), 100, Scratch())
+    expected = x.view(10, 100).norm(dim=1).float()
+    assert torch.allclose(bucket_norms(parts), expected, rtol=1e-5, atol=0)
+    assert torch.equal(bucket_peaks(parts), x.float().view(10, 100).abs().amax(dim=1))
+
+
+def test_bucket_parts_pad_only_the_tail():
+    x = torch.arange(10.0)
+    parts = bucket_parts(x, 4, Scratch())
+    assert [tuple(p.shape) for p in parts] == [(2, 4), (1, 4)]
+    assert parts[0].data_ptr() == x.data_ptr()  # whole buckets are a view, not a copy
+    assert parts[1].tolist() == [[8.0, 9.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_unpacking_into_scratch_matches_fresh_buffers(bits):
+    codes = torch.randint(0, 2 ** bits, (1003,), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    scratch = Scratch()
+    assert torch.equal(unpack_bits(packed, bits, 1003, scratch), codes)
+    assert torch.equal(unpack_bits(packed, bits, 1003, scratch), unpack_bits(packed, bits, 1003))
