@@ -23,9 +23,16 @@ step, with the linear costs of :mod:`mergecomp.profile`:
    Raw groups (``fp32``/``fp16``/``bf16``) send ``n × width`` bytes through allreduce.
 4. **Finish** (in ``step()``, after backward): groups are finished in plan order; each waits
    for its collective, decodes, aggregates, averages and writes the result back into
-   ``p.grad``: ``finish = decode(n) + (aggregate_passes + 2) × copy(bytes)``.
+   ``p.grad``.  ``finish(n)`` is the profile's measured cost of that whole phase for the
+   group's send mode (``profile.finish``, probed through the job's communicator at sizes
+   up to the largest group: on a CPU the phase allocates and touches a group-sized buffer
+   per decoded payload, which dominates and does not extrapolate from small probes);
+   profiles without it price it as ``decode(n) + (aggregate_passes + 2) × copy(bytes)``.
+5. **Optimizer step**: the wrapped optimizer's ``step()``, ``profile.optimizer_step``
+   seconds measured on the live run, after the last group is finished.
 
-Iteration time = forward + the time the last group is finished, which is
+Iteration time = forward + the time the last group is finished + the optimizer step, where
+the finish time is
 ``max(backward end + Σ finish, max over groups g of (comm end of g + Σ finish of g and later))``
 — the max-plus form of the sequential finish loop.  A profile of a job whose collectives
 all hide under backward therefore still pays for decoding and write-back after backward,
@@ -53,7 +60,7 @@ dynamic program, so the scheduler optimizes exactly what this module predicts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple
 
 from .plan import Plan
@@ -74,7 +81,10 @@ class SendCost:
     ``wire``: bytes one rank hands to the collective.  ``collective``: seconds for those
     bytes.  ``relay``: seconds of work between the collective's phases (PS servers),
     occupying the channel.  ``decode``: all the decoding one rank does for the group.
-    ``aggregate_passes``: elementwise additions after decoding (allgather: N − 1).
+    ``aggregate_passes``: elementwise passes of the aggregation after decoding (allgather:
+    the copy of the first decoded payload and N − 1 additions, N in all).
+    ``finish``: the measured seconds of the whole finish phase (decode, aggregate, average,
+    write-back) for n elements; when set it replaces ``decode`` and the copy passes.
     """
 
     encode: LinearCost
@@ -83,6 +93,7 @@ class SendCost:
     decode: LinearCost = field(default_factory=LinearCost)
     relay: LinearCost = field(default_factory=LinearCost)
     aggregate_passes: int = 0
+    finish: Optional[LinearCost] = None
 
 
 @dataclass(frozen=True)
@@ -101,22 +112,34 @@ def group_cost(send: SendCost, copy: LinearCost, numel: int, nbytes: int,
     ``memory``: the error-feedback memory's cost per group (the profile's)."""
     element_size = nbytes // numel
     wire = send.wire(numel, element_size)
+    if send.finish is not None:
+        finish = send.finish(numel)
+    else:
+        finish = send.decode(numel) + (send.aggregate_passes + WRITE_BACK_PASSES) * copy(nbytes)
     return GroupCost(encode=copy(nbytes) + memory(numel) + send.encode(numel),
                      communicate=send.collective(wire) + send.relay(numel),
-                     finish=send.decode(numel) + (send.aggregate_passes + WRITE_BACK_PASSES) * copy(nbytes),
-                     wire_bytes=wire)
+                     finish=finish, wire_bytes=wire)
 
 
 def send_costs(profile: Profile) -> Dict[str, SendCost]:
     """The send modes this profile can price: ``fp32`` always, ``fp16``/``bf16`` when their
     codecs were measured, ``compress`` when the configured compressor's codec was.
 
+    A send mode with a measured finish cost in ``profile.finish`` uses it for the whole
+    finish phase; otherwise the phase is priced from the decode cost and copy passes.
     Compressed payloads travel by the profile's communicator: allreduce (one decode),
-    allgather (N payloads decoded, N − 1 additions), or ``ps`` (alltoall of the payload
+    allgather (N payloads decoded, then ``aggregate``: a copy of the first and N − 1
+    additions, N passes), or ``ps`` (alltoall of the payload
     in N shards, then allgather of the recompressed 1/N shard; the servers' decode of N
     shards and re-encode of one are relay work on the channel, their summation is not
     modelled).
     """
+    costs = _formula_costs(profile)
+    return {send: replace(cost, finish=profile.finish[send]) if send in profile.finish else cost
+            for send, cost in costs.items()}
+
+
+def _formula_costs(profile: Profile) -> Dict[str, SendCost]:
     allreduce = _collective(profile, "allreduce", "raw groups travel by allreduce")
     costs = {"fp32": SendCost(LinearCost(), WireSize(None), allreduce)}
     for half in ("fp16", "bf16"):
@@ -135,7 +158,7 @@ def send_costs(profile: Profile) -> Dict[str, SendCost]:
     elif profile.communicator == "allgather":
         costs["compress"] = SendCost(codec.encode, codec.wire,
                                      _collective(profile, "allgather", "the allgather communicator"),
-                                     codec.decode.scaled(world, world), aggregate_passes=world - 1)
+                                     codec.decode.scaled(world, world), aggregate_passes=world)
     elif profile.communicator == "ps":
         alltoall = _collective(profile, "alltoall", "the PS communicator's first phase")
         allgather = _collective(profile, "allgather", "the PS communicator's second phase")
@@ -255,17 +278,20 @@ class GroupTiming:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted iteration: forward + backward (with overlap) + the finish loop."""
+    """Predicted iteration: forward + backward (with overlap) + the finish loop + the
+    optimizer's step."""
 
     iteration_time: float
     forward_time: float
     backward_end: float
     groups: Tuple[GroupTiming, ...]
+    optimizer_step: float = 0.0
 
     def describe(self) -> str:
+        middle = self.iteration_time - self.forward_time - self.optimizer_step
         lines = [f"iteration {self.iteration_time * 1e3:.3f} ms = forward {self.forward_time * 1e3:.3f} ms"
-                 f" + backward/finish {(self.iteration_time - self.forward_time) * 1e3:.3f} ms "
-                 f"(backward ends at {self.backward_end * 1e3:.3f} ms)",
+                 f" + backward/finish {middle * 1e3:.3f} ms + optimizer step "
+                 f"{self.optimizer_step * 1e3:.3f} ms (backward ends at {self.backward_end * 1e3:.3f} ms)",
                  f"{'group':>5} {'send':>8} {'MB':>9} {'wire MB':>9} {'launch':>9} {'comm':>19} {'done':>9}"]
         for g in self.groups:
             lines.append(f"{g.index:>5} {g.send:>8} {g.nbytes / 1e6:>9.3f} {g.wire_bytes / 1e6:>9.3f} "
@@ -309,7 +335,8 @@ def predict(plan: Plan, profile: Profile, costs: Optional[Mapping[str, SendCost]
         clock = finish_start + cost.finish
         groups.append(GroupTiming(g, group.send, numel, nbytes, cost.wire_bytes, launch, encoded,
                                   start, end, finish_start, clock))
-    return Prediction(profile.forward_time + clock, profile.forward_time, ended, tuple(groups))
+    return Prediction(profile.forward_time + clock + profile.optimizer_step, profile.forward_time,
+                      ended, tuple(groups), profile.optimizer_step)
 
 
 def _phases(group, timeline, index, costs, copy, memory) -> Tuple[GroupCost, int, int]:

@@ -25,7 +25,16 @@ and planned from on another:
   stack compete with it for CPU time and memory bandwidth) — :func:`interference_factor`
   of backward passes timed with and without a concurrent collective, measured on the live
   run by the ``auto`` scheduler.  1.0 (no interference) is the default, so profiles saved
-  before the field existed load unchanged.
+  before the field existed load unchanged;
+* the **finish cost** per send mode: seconds of a group's finish phase after its
+  collective — decode, aggregate, average and the write-back into ``p.grad`` — run through
+  the job's own communicator on payloads of the world size (allgather: N payloads decoded,
+  summed) at sizes up to the model's largest group — :func:`measure_finish_cost`.  On a
+  CPU this phase allocates and touches fresh buffers of the group's size for every
+  payload, which probes of a few megabytes do not see; profiles without it (the default,
+  empty) fall back to the codec's decode cost plus copy passes;
+* the **optimizer step**: seconds of the wrapped optimizer's own ``step()`` per iteration,
+  timed on the live run (0.0 in profiles saved before the field existed).
 
 Linear costs follow MergeComp (Wang et al., 2021), whose scheduler models compression and
 communication of a group as affine in its size; α-β collective models are the standard
@@ -47,6 +56,8 @@ from .plan import ParamInfo
 
 FORMAT = "mergecomp-profile/1"
 COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
+#: Send modes whose finish phase a profile can hold a measured cost for.
+FINISH_SENDS = ("compress", "fp32", "fp16", "bf16")
 
 
 # ------------------------------------------------------------------------------ linear costs
@@ -86,8 +97,13 @@ class LinearCost:
                              f"got {data!r} ({error})") from None
 
 
-def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> LinearCost:
+def fit_linear(xs: Sequence[float], ys: Sequence[float], relative: bool = True) -> LinearCost:
     """Least-squares ``a + b·x`` through measured points, in relative error, with a, b ≥ 0.
+
+    ``relative=False`` minimizes the absolute error instead, so the largest sizes decide
+    the slope: right for costs that grow faster than linearly past the caches (the finish
+    phase, whose group-sized allocations page-fault), where what a plan's time depends on
+    is the cost of its large groups.
 
     Sizes span orders of magnitude, so the fit minimizes Σ((a + b·x − y)/y)²: a plain
     least-squares fit would let the largest size's noise decide the intercept, which then
@@ -105,7 +121,7 @@ def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> LinearCost:
                          "two or more sizes, e.g. 2**12 and 2**20")
     if any(not y >= 0 or y == float("inf") for y in ys):
         raise ValueError(f"fit_linear got negative, infinite or NaN values {ys}")
-    weights = [1.0 / max(y, 1e-9) ** 2 for y in ys]
+    weights = [1.0 / max(y, 1e-9) ** 2 if relative else 1.0 for y in ys]
     total = sum(weights)
     mean_x = sum(w * x for w, x in zip(weights, xs)) / total
     mean_y = sum(w * y for w, y in zip(weights, ys)) / total
@@ -221,6 +237,12 @@ class Profile:
     interference: float = 1.0
     #: Seconds of the error-feedback memory's compensate + update for n elements, per group.
     memory: LinearCost = field(default_factory=LinearCost)
+    #: Measured seconds of the finish phase (decode, aggregate, average, write-back) of a
+    #: group of n elements, per send mode (``compress``, ``fp32``, ``fp16``, ``bf16``); a
+    #: mode missing here is priced from its decode cost and copy passes.
+    finish: Dict[str, LinearCost] = field(default_factory=dict)
+    #: Seconds of the wrapped optimizer's ``step()`` per iteration (after the finish loop).
+    optimizer_step: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -245,6 +267,16 @@ class Profile:
         unknown = sorted(set(self.collectives) - set(COLLECTIVE_KINDS))
         if unknown:
             raise ValueError(f"profile has collective kinds {unknown}; known kinds are {COLLECTIVE_KINDS}")
+        unknown = sorted(set(self.finish) - set(FINISH_SENDS))
+        if unknown:
+            raise ValueError(f"profile has finish costs for send modes {unknown}; known modes are "
+                             f"{FINISH_SENDS}")
+        for send, cost in self.finish.items():
+            if not isinstance(cost, LinearCost):
+                raise ValueError(f"profile finish cost of {send!r} must be a LinearCost, got {cost!r}")
+        step = self.optimizer_step
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0.0 <= step < float("inf"):
+            raise ValueError(f"profile optimizer_step must be a finite number of seconds ≥ 0, got {step!r}")
 
     def params(self) -> List[ParamInfo]:
         """The timeline as ParamInfo, in backward order: what a scheduler's ``plan`` receives."""
@@ -262,6 +294,8 @@ class Profile:
             "collectives": {k: v.to_dict() for k, v in self.collectives.items()},
             "copy": self.copy.to_dict(), "interference": self.interference,
             "memory": self.memory.to_dict(),
+            "finish": {k: v.to_dict() for k, v in self.finish.items()},
+            "optimizer_step": self.optimizer_step,
         }
 
     @classmethod
@@ -283,8 +317,10 @@ class Profile:
                 copy=LinearCost.from_dict(data.get("copy", {"intercept": 0, "slope": 0}), "copy"),
                 device=str(data.get("device", "cpu")),
                 interference=float(data.get("interference", 1.0)),
-                memory=LinearCost.from_dict(data.get("memory", {"intercept": 0, "slope": 0}), "memory"))
-        except (KeyError, TypeError) as error:
+                memory=LinearCost.from_dict(data.get("memory", {"intercept": 0, "slope": 0}), "memory"),
+                finish={k: LinearCost.from_dict(v, f"finish.{k}") for k, v in data.get("finish", {}).items()},
+                optimizer_step=float(data.get("optimizer_step", 0.0)))
+        except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"mergecomp profile is missing or has a malformed field: {error!r}") from None
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -552,6 +588,63 @@ def measure_memory_cost(memory, compressor, sizes: Sequence[int] = (2 ** 12, 2 *
     return fit_linear(sizes, times)
 
 
+def measure_finish_cost(communicator, sizes: Sequence[int], device="cpu", repeats: int = 3,
+                        dtype=torch.float32) -> LinearCost:
+    """Seconds of one group's finish phase for n elements, through ``communicator``; fit a + b·n.
+
+    What ``DistributedOptimizer.synchronize`` does for a group once its collective is
+    done: ``communicator.finish`` (decode, aggregate, average) on a completed handle, then
+    the write-back of the average into the parameters' gradients (one copy into existing
+    tensors).  The handle's result is what the collective would return at this world size:
+    for ``allgather`` one payload per rank (copies of a real payload of this compressor,
+    each in its own memory, as received), for ``allreduce`` the summed payload.  So the
+    probe runs the code the optimizer runs, allocations and page faults of group-sized
+    buffers included; sizes should reach the largest group a plan may form.  Each size
+    is timed ``repeats`` times after one warm-up; its time is the median (not the
+    fastest: the allocations' cost recurs every step).  The fit minimizes the absolute
+    error (see :func:`fit_linear`): the cost per element grows past the caches, and the
+    large groups are the ones whose finish decides a plan's time.
+
+    Local work only (no collective).  Communicators whose finish phase runs collectives
+    (``ps``'s second phase, multi-round compressors) cannot be probed this way.
+    """
+    from .backends.base import Completed
+    from .communicators.base import Handle
+    sizes = _check_sizes(sizes, "measure_finish_cost sizes")
+    kind = getattr(communicator, "name", None)
+    if kind not in ("allreduce", "allgather"):
+        raise ValueError(f"measure_finish_cost probes the allreduce and allgather communicators; "
+                         f"{kind!r} runs collectives in its finish phase")
+    if communicator.compressor.multi_round:
+        raise ValueError(f"compressor {communicator.compressor.name!r} is multi-round: its finish "
+                         "phase runs collectives and cannot be probed locally")
+    device = torch.device(device)
+    world = communicator.backend.size
+    generator = torch.Generator(device=device).manual_seed(0)
+    times = []
+    for n in sizes:
+        tensor = torch.randn(n, generator=generator, device=device, dtype=dtype)
+        payload, ctx = communicator.compressor.compress(tensor, f"profile-finish-{n}")
+        target = torch.zeros(n, device=device, dtype=dtype)
+
+        def once():
+            if kind == "allgather":
+                result = [tuple(part.clone() for part in payload) for _ in range(world)]
+            else:
+                result = tuple(part.clone() for part in payload)
+            _synchronize(device)
+            start = time.perf_counter()
+            averaged = communicator.finish(Handle("profile-finish", tensor.shape,
+                                                  Completed(result), ctx=ctx))
+            target.copy_(averaged.reshape(-1))
+            _synchronize(device)
+            return time.perf_counter() - start
+        once()
+        times.append(statistics.median(once() for _ in range(repeats)))
+        del tensor, payload, target
+    return fit_linear(sizes, times, relative=False)
+
+
 def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22),
                             repeats: int = 3, device=None) -> LinearCost:
     """Time one collective through ``backend`` at each payload size (bytes per rank); fit α + β·B.
@@ -642,13 +735,21 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
                           compressor_name: str, compressor, backend, communicator: str = "allreduce",
                           compression_sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
                           collective_sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22),
-                          memory=None, copy_sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22)) -> Profile:
+                          memory=None, copy_sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22),
+                          communicator_object=None, finish_sizes: Optional[Sequence[int]] = None,
+                          optimizer_step: float = 0.0) -> Profile:
     """A full profile from a measured backward timeline (however recorded) plus the probes.
 
     Collective: call on every rank (see :func:`assemble_profile`).  ``memory``: the
     job's error-feedback memory, whose cost is measured on a copy (None: not measured,
     zero).  Sizes should reach the largest group a plan may form: costs measured on
     cache-sized buffers extrapolate badly to tens of megabytes.
+
+    ``communicator_object``: the job's communicator; when given, the finish phase of
+    compressed groups is measured through it and that of raw FP32/FP16/BF16 groups through
+    allreduce communicators with the casts (:func:`measure_finish_cost`, at
+    ``finish_sizes``, by default ``compression_sizes``).  ``optimizer_step``: the wrapped
+    optimizer's measured step seconds, stored as they are.
     """
     from . import compressors
     device = torch.device(device)
@@ -659,9 +760,33 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
     kinds = ["allreduce"] + {"allreduce": [], "allgather": ["allgather"],
                              "ps": ["alltoall", "allgather"]}.get(communicator, [])
     collectives = {kind: measure_collective_cost(backend, kind, collective_sizes) for kind in kinds}
+    finish = {}
+    if communicator_object is not None:
+        finish = measure_finish_costs(communicator_object, compressor_name,
+                                      compression_sizes if finish_sizes is None else finish_sizes, device)
     return Profile(world_size=backend.size, timeline=timeline, forward_time=forward,
                    backward_time=backward, compressor=compressor_name, communicator=communicator,
                    codecs=codecs, collectives=collectives,
                    copy=measure_copy_cost(copy_sizes, device=device), device=str(device),
                    memory=LinearCost() if memory is None else
-                   measure_memory_cost(memory, compressor, compression_sizes, device))
+                   measure_memory_cost(memory, compressor, compression_sizes, device),
+                   finish=finish, optimizer_step=optimizer_step)
+
+
+def measure_finish_costs(communicator, compressor_name: str, sizes: Sequence[int],
+                         device="cpu") -> Dict[str, LinearCost]:
+    """:func:`measure_finish_cost` of every send mode the cost model prices: raw FP32,
+    FP16 and BF16 groups (an allreduce communicator with the cast, as the optimizer builds
+    for raw groups) and, when ``communicator`` can be probed locally, compressed groups."""
+    from . import communicators, compressors, memories
+    costs = {}
+    for send in ("fp32", "fp16", "bf16"):
+        raw = communicators.create("allreduce", compressor=compressors.create("none" if send == "fp32" else send),
+                                   memory=memories.create("none"), backend=communicator.backend)
+        costs[send] = measure_finish_cost(raw, sizes, device)
+    if compressor_name in ("none", "fp32"):
+        costs["compress"] = costs["fp32"]
+    elif getattr(communicator, "name", None) in ("allreduce", "allgather") \
+            and not communicator.compressor.multi_round:
+        costs["compress"] = measure_finish_cost(communicator, sizes, device)
+    return costs

@@ -131,8 +131,13 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
     compute = base.forward_time + base.backward_time
     rows = []
     for world in workers:
+        # A compressed group's measured finish phase holds for the profile's own world size
+        # and communicator (allgather decodes one payload per rank); elsewhere it is priced
+        # by the formula.  Raw groups' finish (allreduce) does not depend on the world size.
+        same = world == base.world_size and TOPOLOGIES[topology] == base.communicator
         profile = dataclasses.replace(base, world_size=world, communicator=TOPOLOGIES[topology],
-                                      collectives=network_collectives(world, bandwidth, latency, efficiency))
+                                      collectives=network_collectives(world, bandwidth, latency, efficiency),
+                                      finish={k: v for k, v in base.finish.items() if same or k != "compress"})
         costs = send_costs(profile)
         row = {"workers": world}
         for label, sends in (("fp32", ("fp32",)), ("fp16", ("fp16",)),

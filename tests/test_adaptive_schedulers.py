@@ -31,16 +31,21 @@ def adaptive_worker(rank, world_size, name):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     report = [(label, measured) for label, _, _, measured in scheduler.report] if name == "auto" else []
-    return scheduler.settled, opt.plan.digest(), steps, report, [p.sum().item() for p in model.parameters()]
+    measured = (scheduler.profile.optimizer_step, sorted(scheduler.profile.finish)) if name == "auto" else None
+    return (scheduler.settled, opt.plan.digest(), steps, report, [p.sum().item() for p in model.parameters()],
+            measured)
 
 
 def test_auto_scheduler_profiles_checks_and_settles_identically():
     results = run_ranks(adaptive_worker, 2, "auto")
-    (settled, digest, steps, report, params), other = results[0], results[1]
+    (settled, digest, steps, report, params, _), other = results[0], results[1]
     assert settled and other[0] and digest == other[1] and params == other[4]
     assert [label for label, _ in report][0] == "optimal"
     assert all(isinstance(m, float) and m > 0 for _, m in report)  # every candidate measured
     assert steps <= 1 + 2 + 6 * 2 + 1
+    # The profile timed the wrapped SGD's step and probed every send mode's finish phase.
+    optimizer_step, finish = results[0][5]
+    assert 0 < optimizer_step < 1 and finish == ["bf16", "compress", "fp16", "fp32"]
 
 
 def test_binary_scheduler_searches_and_settles_identically():

@@ -71,7 +71,8 @@ def test_allgather_decodes_every_payload_and_ps_adds_phases():
     gather = send_costs(hand_profile(communicator="allgather", world=4))["compress"]
     assert gather.collective == LinearCost(0.3, 0.002)
     assert gather.decode == LinearCost(0.8, 0.0)
-    assert gather.aggregate_passes == 3
+    # aggregate() copies the first decoded payload, then adds the other N - 1: 4 passes.
+    assert gather.aggregate_passes == 4
     ps = send_costs(hand_profile(communicator="ps", world=4))["compress"]
     assert ps.collective.intercept == pytest.approx(0.4)
     assert ps.collective.slope == pytest.approx(0.001 + 0.002 / 4)

@@ -7,8 +7,11 @@ and broadcasting:
 1. **profile** (``profile_steps`` steps): the whole model goes raw in one FP32 group while
    the optimizer's hooks timestamp every gradient.  Backward is taken to start when the
    first gradient arrives (the user owns the forward pass, so it cannot be timed apart);
-   everything before it counts as forward.  Codec, copy and collective probes then
-   complete a :class:`~mergecomp.profile.Profile` (saved with ``profile_out``).
+   everything before it counts as forward.  The wrapped optimizer's ``step()`` is timed
+   through torch's step hooks (the profile's ``optimizer_step``, median).  Codec, copy,
+   collective and finish-phase probes (the last through the job's own communicator, up
+   to the whole model's size) then complete a :class:`~mergecomp.profile.Profile` (saved
+   with ``profile_out``).
    Then ``interference_steps`` more steps each launch a dummy allreduce at their first
    gradient, sized from the measured allreduce cost to outlast backward; the backward
    span (first to last gradient) of those steps against the profiled steps' gives the
@@ -118,7 +121,21 @@ class OnlineOptimalScheduler(Scheduler):
         if any(g.send != "fp32" for g in optimizer.plan.groups) or len(optimizer.plan) != 1:
             optimizer.set_plan(self._raw_plan(self._params(optimizer)))
         optimizer.ready_listener = self._on_ready
+        self._time_optimizer_steps(optimizer.optimizer)
         self._step_start = time.perf_counter()
+
+    def _time_optimizer_steps(self, inner) -> None:
+        """Time the wrapped optimizer's ``step()`` through torch's step hooks."""
+        self._inner_steps, began = [], []
+        self._step_hooks = [
+            inner.register_step_pre_hook(lambda *_: began.append(time.perf_counter())),
+            inner.register_step_post_hook(
+                lambda *_: self._inner_steps.append(time.perf_counter() - began.pop()))]
+
+    def _stop_timing_optimizer_steps(self) -> None:
+        for handle in getattr(self, "_step_hooks", ()):
+            handle.remove()
+        self._step_hooks = []
 
     def _on_ready(self, name: str) -> None:
         self._ready.setdefault(name, []).append(time.perf_counter() - self._step_start)
@@ -129,6 +146,7 @@ class OnlineOptimalScheduler(Scheduler):
         if len(self._samples) < self.profile_steps:
             return
         optimizer.ready_listener = None
+        self._stop_timing_optimizer_steps()
         self._alone = self._spans()
         self.profile = self._measure(optimizer)
         if self.interference_steps:
@@ -227,11 +245,17 @@ class OnlineOptimalScheduler(Scheduler):
         total = sum(t.numel for t in timeline)
         largest = min(2 ** 24, max(2 ** 21, total))
         sizes = (2 ** 12, 2 ** 16, 2 ** 20, largest)
+        # The finish phase allocates group-sized buffers: probe it at the model's own
+        # scale too, between 2**20 elements and the whole model.
+        finish_sizes = tuple(sorted({2 ** 12, 2 ** 16, 2 ** 20, max(2 ** 21, largest // 4), largest}))
+        steps = self._inner_steps[1:] or self._inner_steps
         return profile_from_timeline(timeline, first, end, by_name[timeline[0].name].device,
                                      optimizer.compressor.name, optimizer.compressor,
                                      optimizer.backend, comm_name if comm_name in ("allreduce", "allgather", "ps") else "allgather",
                                      compression_sizes=sizes, memory=optimizer.communicator.memory,
-                                     copy_sizes=(2 ** 14, 2 ** 18, 2 ** 22, 4 * largest))
+                                     copy_sizes=(2 ** 14, 2 ** 18, 2 ** 22, 4 * largest),
+                                     communicator_object=optimizer.communicator, finish_sizes=finish_sizes,
+                                     optimizer_step=statistics.median(steps) if steps else 0.0)
 
     def _plan_candidates(self, optimizer) -> List[Tuple[str, Plan, float]]:
         from ..costmodel import predict

@@ -15,7 +15,7 @@ for the prefix is a sequence of groups; launching them leaves the state
 time, channel-free time, finish-loop time, Σ finish).  The next group ``[j, k)`` with send
 mode m maps the state through ``advance`` with costs that depend only on (j, k, m) and
 with ``since`` = the ready time of tensor j − 1 (its previous launch), and the iteration
-time is ``forward + max(backward end + H, Q)`` of the final state
+time is ``forward + max(backward end + H, Q) + optimizer step`` of the final state
 (:func:`mergecomp.costmodel.finish_time`; backward end = T_b + A + the interference
 stretch of backward's tail on compute, T_b off compute).
 
@@ -172,7 +172,7 @@ class OptimalScheduler(Scheduler):
         beamed, _ = self._search(run_start, cost, rest, incumbent, self.beam)
         (value, groups), exact = self._search(run_start, cost, rest, beamed, self.max_states)
         plan = Plan([Group(tuple(t.name for t in timeline[i:j]), send) for i, j, send in groups])
-        return Solution(plan, self.profile.forward_time + value, exact)
+        return Solution(plan, self.profile.forward_time + value + self.profile.optimizer_step, exact)
 
     def _search(self, run_start, cost, rest, incumbent, max_states):
         """The DP over prefixes: ((best value, its groups), whether no state set was cut).
