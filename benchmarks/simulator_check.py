@@ -41,7 +41,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def measure(workers: int, profile: str, args, folder: str) -> dict:
     paths = {k: os.path.join(folder, f"{k}_{workers}.json") for k in ("profile", "plan", "result")}
-    command = [sys.executable, os.path.join(ROOT, "compress_benchmark.py"), "--model", args.model,
+    phases = os.path.join(folder, f"phases_{workers}")
+    script = ["phase_timing.py", "--phases-out", phases] if args.phases else ["compress_benchmark.py"]
+    script[0] = os.path.join(ROOT, "benchmarks" if args.phases else "", script[0])
+    command = [sys.executable] + script + ["--model", args.model,
                "--batch-size", str(args.batch_size), "--compress", "--compressor", args.compressor,
                "--scheduler", "auto", "--profile-out", paths["profile"], "--plan-out", paths["plan"],
                "--json", paths["result"], "--threads", "1", "--no-cuda",
@@ -57,8 +60,46 @@ def measure(workers: int, profile: str, args, folder: str) -> dict:
         raise RuntimeError(f"N={workers}: {results.failure}")
     with open(paths["result"]) as f:
         measured = json.load(f)
-    return {"profile": Profile.load(paths["profile"]), "plan": Plan.load(paths["plan"]),
-            "measured": measured["iteration_time_s"]}
+    run = {"profile": Profile.load(paths["profile"]), "plan": Plan.load(paths["plan"]),
+           "measured": measured["iteration_time_s"], "phases": []}
+    if args.phases:
+        for rank in range(workers):
+            with open(os.path.join(phases, f"phases_{rank}.json")) as f:
+                run["phases"].append(json.load(f))
+    return run
+
+
+def phase_table(prediction, phases) -> str:
+    """Predicted vs measured phases (medians over steps, min–max over ranks)."""
+    import statistics
+
+    def spread(values):
+        values = [v * 1e3 for v in values]
+        return f"{min(values):.1f}–{max(values):.1f}" if len(values) > 1 else f"{values[0]:.1f}"
+
+    def per_rank(pick):
+        return [statistics.median(pick(step) for step in steps) for steps in phases if steps]
+
+    hooks = [g for g in prediction.groups if g.launch < prediction.backward_end]
+    predicted_encode = sum(g.encode_end - g.launch for g in hooks)
+    finishes = [g.finish_end - g.finish_start for g in prediction.groups]
+    rows = [("forward (to first gradient)", prediction.forward_time, per_rank(lambda s: s["forward"])),
+            ("backward (first to last gradient)", prediction.backward_end, per_rank(lambda s: s["backward"])),
+            ("encode in hooks, Σ", predicted_encode,
+             per_rank(lambda s: sum(t for t, where in s["encode"] if where == "hook"))),
+            ("finish (decode…write-back), Σ", sum(finishes), per_rank(lambda s: sum(s["finish"]))),
+            ("after backward (synchronize)", prediction.iteration_time - prediction.forward_time
+             - prediction.optimizer_step - prediction.backward_end, per_rank(lambda s: s["synchronize"])),
+            ("optimizer step", prediction.optimizer_step, per_rank(lambda s: s["optimizer_step"] or 0.0)),
+            ("step", prediction.iteration_time, per_rank(lambda s: s["step"]))]
+    for g, predicted in enumerate(finishes):
+        rows.append((f"  finish of group {g}", predicted,
+                     per_rank(lambda s, g=g: s["finish"][g] if g < len(s["finish"]) else 0.0)))
+    lines = ["| phase | predicted ms | measured ms (median over steps, range over ranks) |",
+             "|---|---|---|"]
+    for label, predicted, measured in rows:
+        lines.append(f"| {label} | {predicted * 1e3:.1f} | {spread(measured) if measured else '–'} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -77,6 +118,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-iters", type=int, default=8, help="timed iterations per run")
     p.add_argument("--batches-per-iter", type=int, default=3, help="steps per timed iteration")
     p.add_argument("--out", default=None, help="folder to keep profiles, plans, results and logs in")
+    p.add_argument("--phases", action="store_true",
+                   help="run the benchmark through benchmarks/phase_timing.py and print each "
+                        "phase's predicted and measured time")
     p.add_argument("--timeout-s", type=float, default=1200)
     args = p.parse_args(argv)
     if args.num_iters < 1 or args.batches_per_iter < 1:
@@ -108,10 +152,16 @@ def main(argv=None) -> int:
                   f"interference {profile.interference:.2f}, link efficiency {efficiency:.2f}, memory "
                   f"{profile.memory.intercept * 1e3:.2f} ms + {profile.memory.slope * 1e9:.2f} ns/element\n"
                   f"{prediction.describe()}", flush=True)
+            if args.phases:
+                print(phase_table(prediction, run["phases"]), flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             for name in os.listdir(folder):
-                shutil.copy(os.path.join(folder, name), args.out)
+                source = os.path.join(folder, name)
+                if os.path.isdir(source):
+                    shutil.copytree(source, os.path.join(args.out, name), dirs_exist_ok=True)
+                else:
+                    shutil.copy(source, args.out)
     print(f"\n{args.model}, {args.compressor}, {args.profile} links, plan chosen by --scheduler auto\n")
     print("| workers | plan (groups, compressed) | interference | link efficiency | predicted ms | measured ms | error |")
     print("|---|---|---|---|---|---|---|")
