@@ -26,17 +26,18 @@ BLOCK = 64
 DENSE_BLOCKS = 0.5
 
 
-def sampled_threshold(flat: torch.Tensor, k: int, sample_ratio: float, min_samples: int) -> torch.Tensor:
-    """Estimate the k-th largest |g| of ``flat`` from a strided sample of it.
+def sampled_threshold(flat: torch.Tensor, k: int, sample_ratio: float, min_samples: int,
+                      margin: float = 1.0) -> torch.Tensor:
+    """Estimate the (margin·k)-th largest |g| of ``flat`` from a strided sample of it.
 
     A sample of m = max(min_samples, sample_ratio·n) elements, taken every ⌊n/m⌋-th
-    element, keeps its top ⌈k·m/n⌉ magnitudes; their minimum is the threshold.  Costs a
-    top-k over m elements instead of n.
+    element, keeps its top ⌈margin·k·m/n⌉ magnitudes; their minimum is the threshold.
+    Costs a top-k over m elements instead of n.
     """
     n = flat.numel()
     stride = max(1, n // max(1, min(n, max(min_samples, int(n * sample_ratio)))))
     sample = flat[::stride].abs()
-    top = max(1, min(sample.numel(), math.ceil(k * sample.numel() / n)))
+    top = max(1, min(sample.numel(), math.ceil(margin * k * sample.numel() / n)))
     return torch.topk(sample, top, sorted=False).values.min()
 
 
@@ -63,12 +64,13 @@ class BlockPeaks:
         blocks = (self.peaks >= threshold).nonzero().view(-1)
         if blocks.numel() > DENSE_BLOCKS * self.whole:
             return self._full_pass(threshold)
-        candidates = (blocks[:, None] * BLOCK + torch.arange(BLOCK, device=flat.device)).view(-1)
-        tail = torch.arange(self.whole * BLOCK, n, device=flat.device)
-        if tail.numel():
-            candidates = torch.cat([candidates, tail])
-        passed = flat.index_select(0, candidates).abs_() >= threshold
-        return candidates[passed]
+        rows = flat[: self.whole * BLOCK].view(self.whole, BLOCK).index_select(0, blocks)
+        hits = (rows.abs_() >= threshold).nonzero()  # (row, column) pairs, ascending
+        indices = blocks[hits[:, 0]] * BLOCK + hits[:, 1]
+        if n > self.whole * BLOCK:
+            tail = flat[self.whole * BLOCK:]
+            indices = torch.cat([indices, (tail.abs() >= threshold).nonzero().view(-1) + self.whole * BLOCK])
+        return indices
 
     def _full_pass(self, threshold: torch.Tensor) -> torch.Tensor:
         flat, n = self.flat, self.flat.numel()
