@@ -38,8 +38,8 @@ def sign_mask(tensor: torch.Tensor, scratch: Scratch, tag: str = "sign") -> torc
     """Flat integer tensor, −1 where the IEEE sign bit of ``tensor`` is set, 0 elsewhere.
 
     The arithmetic right shift of the float's bits by (width − 1): one integer pass.  Note
-    that −0.0 has its sign bit set (``x < 0`` would say no); the quantisers here either map
-    it to the same code as +0.0 or document the difference.
+    that −0.0 has its sign bit set (``x < 0`` would say no); the sign compressors and 1-bit
+    SGD, which send this bit, say so in their docstrings.
     """
     flat = tensor.reshape(-1)
     if not flat.is_contiguous():
