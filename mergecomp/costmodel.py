@@ -50,10 +50,31 @@ since every collective starts at its group's encode end or at the previous one's
 seconds of compute therefore take ``c + stretch(c, F − W)`` with
 ``stretch(c, b) = min((k − 1)·c, (1 − 1/k)·max(b, 0))``: all of it at 1/k speed while the
 channel is busy, the rest at full speed.  The same holds for the end of backward after
-the last launch.  Decoding and write-back after backward are not stretched, and the
-collectives are not slowed by the compute (they are timed by the profile's probes alone).
+the last launch.  Decoding and write-back after backward are not stretched; how compute slows the
+collectives is the collective slowdown below.
 The term is modelled with compression on compute only (off compute the backward delay
 would need a fifth state component); :func:`predict` refuses k ≠ 1 off compute.
+
+**Collective slowdown** (``profile.collective_slowdown`` = c ≥ 1, measured by ``auto``
+from a short allreduce timed under backward and alone; 1.0 in older profiles).  The other
+direction of the same contention: a collective runs c times slower while compute runs on
+the backward thread.  On compute, that thread is busy from the start of backward to its
+end, so a collective starting at s overlaps compute until backward ends; at the time a
+group launches, backward ends no earlier than ``T_b + A`` (its uncompressed end plus the
+delay so far, this group's encoding included; later hooks and the tail's stretch only
+add).  So a collective of d seconds starting at s ends at
+``s + d + stretch(d, T_b + A − s, c)``: at 1/c speed until ``T_b + A``, at full speed
+after.  Counting the overlap only to that lower bound of backward's end under-states the
+slowdown of collectives that run past it, but keeps the end non-decreasing in s and in A
+(raising s by x lowers the stretch by at most (1 − 1/c)·x), so the DP stays exact.  Like
+k, c is modelled with compression on compute only.
+
+**Live launch and finish costs.**  ``profile.launch`` (when present for the send mode)
+replaces ``copy + memory + codec`` as a group's encode cost, and ``profile.finish`` its
+finish cost; ``auto`` fits both from groups timed inside the optimizer during its check
+of candidate plans.  Launches are timed only for the first group of a step, when no
+collective of the step is in flight, so the fit carries no interference the model would
+count twice.
 
 The same state update (:func:`advance`) drives :func:`predict` and the optimal scheduler's
 dynamic program, so the scheduler optimizes exactly what this module predicts.
@@ -85,6 +106,8 @@ class SendCost:
     the copy of the first decoded payload and N − 1 additions, N in all).
     ``finish``: the measured seconds of the whole finish phase (decode, aggregate, average,
     write-back) for n elements; when set it replaces ``decode`` and the copy passes.
+    ``launch``: the measured seconds of the whole hook-side launch (gather copy, memory,
+    codec, collective start) for n elements; when set it replaces copy + memory + encode.
     """
 
     encode: LinearCost
@@ -94,6 +117,7 @@ class SendCost:
     relay: LinearCost = field(default_factory=LinearCost)
     aggregate_passes: int = 0
     finish: Optional[LinearCost] = None
+    launch: Optional[LinearCost] = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +140,11 @@ def group_cost(send: SendCost, copy: LinearCost, numel: int, nbytes: int,
         finish = send.finish(numel)
     else:
         finish = send.decode(numel) + (send.aggregate_passes + WRITE_BACK_PASSES) * copy(nbytes)
-    return GroupCost(encode=copy(nbytes) + memory(numel) + send.encode(numel),
+    if send.launch is not None:
+        encode = send.launch(numel)
+    else:
+        encode = copy(nbytes) + memory(numel) + send.encode(numel)
+    return GroupCost(encode=encode,
                      communicate=send.collective(wire) + send.relay(numel),
                      finish=finish, wire_bytes=wire)
 
@@ -133,9 +161,13 @@ def send_costs(profile: Profile) -> Dict[str, SendCost]:
     in N shards, then allgather of the recompressed 1/N shard; the servers' decode of N
     shards and re-encode of one are relay work on the channel, their summation is not
     modelled).
+
+    A send mode with a measured launch cost in ``profile.launch`` uses it as its encode
+    cost (gather copy, memory and codec together).
     """
     costs = _formula_costs(profile)
-    return {send: replace(cost, finish=profile.finish[send]) if send in profile.finish else cost
+    return {send: replace(cost, finish=profile.finish.get(send, cost.finish),
+                          launch=profile.launch.get(send, cost.launch))
             for send, cost in costs.items()}
 
 
@@ -203,17 +235,23 @@ def stretch(work: float, busy: float, interference: float) -> float:
 
 
 def advance(state: State, ready: float, cost: GroupCost, on_compute: bool,
-            interference: float = 1.0, since: float = 0.0):
+            interference: float = 1.0, since: float = 0.0, slowdown: float = 1.0,
+            backward_time: float = 0.0):
     """Launch one group whose completing gradient was ready at ``ready`` (uncompressed time).
 
     ``since``: the uncompressed ready time of the previous launch (0 for the first group):
     the compute between the two launches, ``ready − since`` of backward plus this group's
-    encoding, is what interference stretches (see the module docstring).
+    encoding, is what interference stretches (see the module docstring).  ``slowdown``:
+    the collective slowdown c, applied to the part of the collective before
+    ``backward_time + A`` (the uncompressed backward end ``backward_time`` plus the delay
+    A after this group's encoding: a lower bound of when backward ends).
 
     Returns (new state, launch, encode end, collective start, collective end).  Every
     component of the new state is a non-decreasing function of every component of the old
     one — the property that makes the optimal scheduler's dynamic program exact (A enters
-    as ``A + stretch(…, F − since − A)``, which grows with A at rate ≥ 1/k > 0).
+    as ``A + stretch(…, F − since − A)``, which grows with A at rate ≥ 1/k > 0; the
+    collective's end ``s + d + stretch(d, T_b + A − s, c)`` grows with its start s at rate
+    ≥ 1/c and with A).
     """
     delay_or_worker, channel, finish_loop, finished = state
     if on_compute:
@@ -223,21 +261,23 @@ def advance(state: State, ready: float, cost: GroupCost, on_compute: bool,
         new_first = (delay_or_worker + stretch(compute + cost.encode, busy, interference)) + cost.encode
         encoded = ready + new_first
     else:
-        if interference != 1.0:
-            raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(interference))
+        if interference != 1.0 or slowdown != 1.0:
+            raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(interference, slowdown))
         launch = ready
         encoded = max(delay_or_worker, ready) + cost.encode
         new_first = encoded
     start = max(encoded, channel)
     end = start + cost.communicate
+    if on_compute:
+        end = end + stretch(cost.communicate, (backward_time + new_first) - start, slowdown)
     finish_loop = max(finish_loop, end) + cost.finish
     return (new_first, end, finish_loop, finished + cost.finish), launch, encoded, start, end
 
 
 _OFF_COMPUTE_INTERFERENCE = (
-    "the profile's interference factor {!r} is modelled with compression on compute only; "
-    "predict with compression_on_compute=True, or use dataclasses.replace(profile, "
-    "interference=1.0) to ignore it")
+    "the profile's interference factor {!r} and collective slowdown {!r} are modelled with "
+    "compression on compute only; predict with compression_on_compute=True, or use "
+    "dataclasses.replace(profile, interference=1.0, collective_slowdown=1.0) to ignore them")
 
 
 def backward_end(state: State, backward_time: float, on_compute: bool = True,
@@ -310,9 +350,9 @@ def predict(plan: Plan, profile: Profile, costs: Optional[Mapping[str, SendCost]
     """
     costs = send_costs(profile) if costs is None else costs
     timeline = profile.timeline
-    interference = profile.interference
-    if not compression_on_compute and interference != 1.0:
-        raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(interference))
+    interference, slowdown = profile.interference, profile.collective_slowdown
+    if not compression_on_compute and (interference != 1.0 or slowdown != 1.0):
+        raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(interference, slowdown))
     plan.validate(t.name for t in timeline)
     index = {t.name: i for i, t in enumerate(timeline)}
     group_of = {name: g for g, group in enumerate(plan.groups) for name in group.names}
@@ -323,7 +363,8 @@ def predict(plan: Plan, profile: Profile, costs: Optional[Mapping[str, SendCost]
         remaining[group_of[tensor.name]] -= 1
         while launched < len(plan.groups) and remaining[launched] == 0:
             state, launch, encoded, start, end = advance(state, tensor.ready, phases[launched][0],
-                                                         compression_on_compute, interference, since)
+                                                         compression_on_compute, interference, since,
+                                                         slowdown, profile.backward_time)
             records.append((launch, encoded, start, end))
             since = tensor.ready
             launched += 1

@@ -34,7 +34,19 @@ and planned from on another:
   payload, which probes of a few megabytes do not see; profiles without it (the default,
   empty) fall back to the codec's decode cost plus copy passes;
 * the **optimizer step**: seconds of the wrapped optimizer's own ``step()`` per iteration,
-  timed on the live run (0.0 in profiles saved before the field existed).
+  timed on the live run (0.0 in profiles saved before the field existed);
+* the **live launch and finish costs** per send mode: the hook-side launch (gather copy,
+  memory, codec, collective start) and the finish phase (decode … write-back) of every
+  group, timed inside the optimizer while the ``auto`` scheduler runs its candidate plans
+  (:func:`fit_live_costs`).  An isolated probe allocates fresh buffers and runs while the
+  other ranks idle; in the training loop the allocator serves memory the process already
+  holds and every rank competes for the same cores, so the probes misjudge both phases
+  (the finish about 3× too high, the launch 2–4× too low on the 2-core cluster).  A live
+  ``finish`` fit replaces the probed one; ``launch``, when present, replaces copy + memory
+  + codec as a group's encode cost (empty, the default: priced from the probes);
+* the **collective slowdown** c ≥ 1: how many times longer a collective takes while
+  backward runs beside it (:func:`collective_slowdown_factor`, from a short dummy allreduce
+  timed under backward and alone, by ``auto``); 1.0 (the default) in older profiles.
 
 Linear costs follow MergeComp (Wang et al., 2021), whose scheduler models compression and
 communication of a group as affine in its size; α-β collective models are the standard
@@ -243,6 +255,13 @@ class Profile:
     finish: Dict[str, LinearCost] = field(default_factory=dict)
     #: Seconds of the wrapped optimizer's ``step()`` per iteration (after the finish loop).
     optimizer_step: float = 0.0
+    #: Measured seconds of a group's hook-side launch (gather copy, memory, codec, collective
+    #: start) for n elements, per send mode, timed in the live run; a mode missing here is
+    #: priced as copy + memory + codec encode.
+    launch: Dict[str, LinearCost] = field(default_factory=dict)
+    #: Collectives run this many times slower while backward (and hook-side encoding) runs
+    #: beside them (≥ 1; 1.0: not slowed).  See :func:`collective_slowdown_factor`.
+    collective_slowdown: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -267,13 +286,18 @@ class Profile:
         unknown = sorted(set(self.collectives) - set(COLLECTIVE_KINDS))
         if unknown:
             raise ValueError(f"profile has collective kinds {unknown}; known kinds are {COLLECTIVE_KINDS}")
-        unknown = sorted(set(self.finish) - set(FINISH_SENDS))
-        if unknown:
-            raise ValueError(f"profile has finish costs for send modes {unknown}; known modes are "
-                             f"{FINISH_SENDS}")
-        for send, cost in self.finish.items():
-            if not isinstance(cost, LinearCost):
-                raise ValueError(f"profile finish cost of {send!r} must be a LinearCost, got {cost!r}")
+        for what, costs in (("finish", self.finish), ("launch", self.launch)):
+            unknown = sorted(set(costs) - set(FINISH_SENDS))
+            if unknown:
+                raise ValueError(f"profile has {what} costs for send modes {unknown}; known modes "
+                                 f"are {FINISH_SENDS}")
+            for send, cost in costs.items():
+                if not isinstance(cost, LinearCost):
+                    raise ValueError(f"profile {what} cost of {send!r} must be a LinearCost, got {cost!r}")
+        c = self.collective_slowdown
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 1.0 <= c < float("inf"):
+            raise ValueError(f"profile collective_slowdown must be a finite factor ≥ 1.0 (1.0: "
+                             f"backward does not slow collectives), got {c!r}")
         step = self.optimizer_step
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0.0 <= step < float("inf"):
             raise ValueError(f"profile optimizer_step must be a finite number of seconds ≥ 0, got {step!r}")
@@ -296,6 +320,8 @@ class Profile:
             "memory": self.memory.to_dict(),
             "finish": {k: v.to_dict() for k, v in self.finish.items()},
             "optimizer_step": self.optimizer_step,
+            "launch": {k: v.to_dict() for k, v in self.launch.items()},
+            "collective_slowdown": self.collective_slowdown,
         }
 
     @classmethod
@@ -319,7 +345,9 @@ class Profile:
                 interference=float(data.get("interference", 1.0)),
                 memory=LinearCost.from_dict(data.get("memory", {"intercept": 0, "slope": 0}), "memory"),
                 finish={k: LinearCost.from_dict(v, f"finish.{k}") for k, v in data.get("finish", {}).items()},
-                optimizer_step=float(data.get("optimizer_step", 0.0)))
+                optimizer_step=float(data.get("optimizer_step", 0.0)),
+                launch={k: LinearCost.from_dict(v, f"launch.{k}") for k, v in data.get("launch", {}).items()},
+                collective_slowdown=float(data.get("collective_slowdown", 1.0)))
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"mergecomp profile is missing or has a malformed field: {error!r}") from None
 
@@ -713,6 +741,55 @@ def interference_factor(alone: Sequence[float], overlapped: Sequence[float]) -> 
     if any(not x > 0 or x == float("inf") for x in alone + overlapped):
         raise ValueError(f"interference_factor needs finite durations > 0 s, got {alone} and {overlapped}")
     return max(1.0, statistics.median(overlapped) / statistics.median(alone))
+
+
+def collective_slowdown_factor(alone: Sequence[float], overlapped: Sequence[float]) -> float:
+    """How many times longer a collective takes while backward runs beside it.
+
+    ``alone``: durations of a collective with nothing else running; ``overlapped``:
+    durations of the same collective launched during backward and done before backward
+    ended (so compute ran beside it from start to end).  The ratio of the medians, at
+    least 1.0 (compute does not speed a collective up; the cost model needs c ≥ 1).
+    """
+    alone, overlapped = [float(x) for x in alone], [float(x) for x in overlapped]
+    if not alone or not overlapped:
+        raise ValueError(f"collective_slowdown_factor needs durations of the collective alone and "
+                         f"under backward, got {len(alone)} alone and {len(overlapped)} overlapped")
+    if any(not x > 0 or x == float("inf") for x in alone + overlapped):
+        raise ValueError(f"collective_slowdown_factor needs finite durations > 0 s, got {alone} "
+                         f"and {overlapped}")
+    return max(1.0, statistics.median(overlapped) / statistics.median(alone))
+
+
+def fit_live_costs(samples: Dict[str, Sequence[Tuple[int, float]]]) -> Dict[str, LinearCost]:
+    """Cost lines per send mode from ``(elements, seconds)`` samples timed in the live run.
+
+    Sizes with several samples count with their median (a stall must not decide a line).
+    Two or more distinct sizes: :func:`fit_linear` in absolute error, so the large groups
+    decide the slope; one size: a line through the origin through its median; a send mode
+    without samples is left out (the probes price it).
+    """
+    costs = {}
+    for send, pairs in samples.items():
+        if send not in FINISH_SENDS:
+            raise ValueError(f"fit_live_costs got samples of send mode {send!r}; known modes are "
+                             f"{FINISH_SENDS}")
+        by_size: Dict[int, List[float]] = {}
+        for numel, seconds in pairs:
+            if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+                raise ValueError(f"fit_live_costs: group sizes must be integers ≥ 1, got {numel!r}")
+            if not seconds >= 0 or seconds == float("inf"):
+                raise ValueError(f"fit_live_costs: seconds must be finite and ≥ 0, got {seconds!r}")
+            by_size.setdefault(numel, []).append(float(seconds))
+        if not by_size:
+            continue
+        sizes = sorted(by_size)
+        medians = [statistics.median(by_size[n]) for n in sizes]
+        if len(sizes) == 1:
+            costs[send] = LinearCost(0.0, medians[0] / sizes[0])
+        else:
+            costs[send] = fit_linear(sizes, medians, relative=False)
+    return costs
 
 
 def assemble_profile(timer: BackwardTimer, compressor_name: str, compressor, backend,

@@ -20,7 +20,9 @@ time is ``forward + max(backward end + H, Q) + optimizer step`` of the final sta
 stretch of backward's tail on compute, T_b off compute).
 
 *Why the DP is exact.*  ``advance`` is built from +, max, constants and the interference
-stretch, in which A enters as ``A + min(c, (1 − 1/k)·(F − s − A))`` (slope 1 or 1/k), so
+stretch, in which A enters as ``A + min(c, (1 − 1/k)·(F − s − A))`` (slope 1 or 1/k), and
+the collective slowdown, in which the collective's start s enters as
+``s + min((c − 1)·d, (1 − 1/c)·max(T_b + A − s, 0))`` (slope 1 or 1/c in s, ≥ 0 in A), so
 every component of the new state is non-decreasing in every component of the old state,
 and so is the final objective.  (That is why the state carries H = Σ finish rather than
 the time added after backward, A + H: with interference a larger A can shrink the stretch
@@ -103,8 +105,10 @@ class OptimalScheduler(Scheduler):
         self.profile = profile
         self.costs: Dict[str, SendCost] = dict(send_costs(profile) if costs is None else costs)
         self.compression_on_compute = bool(compression_on_compute)
-        if not self.compression_on_compute and profile.interference != 1.0:
-            raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(profile.interference))
+        if not self.compression_on_compute and (profile.interference != 1.0
+                                                or profile.collective_slowdown != 1.0):
+            raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(profile.interference,
+                                                              profile.collective_slowdown))
         wanted = ["fp32"] + (["compress"] if allow_compress else []) + \
                  (["fp16", "bf16"] if allow_half else [])
         if sends is not None:
@@ -185,7 +189,7 @@ class OptimalScheduler(Scheduler):
         timeline = self.profile.timeline
         n = len(timeline)
         on_compute, backward = self.compression_on_compute, self.profile.backward_time
-        interference = self.profile.interference
+        interference, slowdown = self.profile.interference, self.profile.collective_slowdown
         since_of = np.array([0.0] + [t.ready for t in timeline[:-1]])
         best_value, best_groups = incumbent
         exact = True
@@ -204,7 +208,8 @@ class OptimalScheduler(Scheduler):
             pieces = []
             for mode, (encode, communicate, finish) in enumerate(tables):
                 new = _advance_all(previous, ready, encode[origin, j], communicate[origin, j],
-                                   finish[origin, j], on_compute, interference, since_of[origin])
+                                   finish[origin, j], on_compute, interference, since_of[origin],
+                                   slowdown, backward)
                 bounds = self._lower_bound(new, rest[j])
                 keep = np.flatnonzero(bounds < best_value)
                 pieces.append((new[keep], bounds[keep], origin[keep], np.full(len(keep), mode), rows[keep]))
@@ -323,7 +328,9 @@ class OptimalScheduler(Scheduler):
                         i = j - 1 if per_tensor else run_start[j - 1]
                         state = advance(state, timeline[j - 1].ready, cost(i, j, send),
                                         self.compression_on_compute, interference,
-                                        timeline[i - 1].ready if i else 0.0)[0]
+                                        timeline[i - 1].ready if i else 0.0,
+                                        self.profile.collective_slowdown,
+                                        self.profile.backward_time)[0]
                         groups.append((i, j, send))
                 value = finish_time(state, self.profile.backward_time, self.compression_on_compute,
                                     interference, timeline[-1].ready)
@@ -345,7 +352,7 @@ def _stretch_all(work, busy, interference: float):
 
 def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communicate: np.ndarray,
                  finish: np.ndarray, on_compute: bool, interference: float = 1.0,
-                 since=0.0) -> np.ndarray:
+                 since=0.0, slowdown: float = 1.0, backward: float = 0.0) -> np.ndarray:
     """:func:`mergecomp.costmodel.advance` on every row of ``states`` at once (row-wise costs
     and row-wise ``since``, the ready time of each row's previous launch)."""
     first, channel, finish_loop, finished = states.T
@@ -356,7 +363,10 @@ def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communica
     else:
         encoded = np.maximum(first, ready) + encode
         new_first = encoded
-    end = np.maximum(encoded, channel) + communicate
+    start = np.maximum(encoded, channel)
+    end = start + communicate
+    if on_compute:
+        end = end + _stretch_all(communicate, (backward + new_first) - start, slowdown)
     finish_loop = np.maximum(finish_loop, end) + finish
     return np.stack([new_first, end, finish_loop, finished + finish], axis=1)
 
