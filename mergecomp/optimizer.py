@@ -154,6 +154,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last_sync_time = 0.0
         #: Called with a parameter name whenever its gradient is ready (profilers use it).
         self.ready_listener = None
+        #: Timing only: when set, called as ``phase_listener(phase, group, seconds)`` with
+        #: phase ``"launch"`` (gather, memory, compression, collective start) and
+        #: ``"finish"`` (after the collective is done: decode, aggregate, average and the
+        #: write-back), ``group`` having ``index``, ``send`` and ``numel`` (profilers use it).
+        self.phase_listener = None
         self._last_step_end: Optional[float] = None
         if plan is not None:
             self._install_plan(plan)
@@ -330,11 +335,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch(self._groups[self._next_launch])
 
     def _launch(self, group: _GroupState) -> None:
+        listener = self.phase_listener
+        started = time.perf_counter() if listener is not None else 0.0
         buffer = group.gather()
         communicator = self.communicator if group.send == "compress" else self._raw_communicator(group.send)
         group.handle = communicator.start(buffer, group.name)
         group.remaining = -1  # launched
         self._next_launch += 1
+        if listener is not None:
+            listener("launch", group, time.perf_counter() - started)
 
     # -------------------------------------------------------------------------- step --
     @torch.no_grad()
@@ -353,10 +362,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch(self._groups[self._next_launch])
         used = self._launch_used_map() if self.find_unused_parameters else None
         globally_used = used.wait()[0] if used is not None else None
+        listener = self.phase_listener
         for group in self._groups:
             communicator = self.communicator if group.send == "compress" else self._raw_communicator(group.send)
+            if listener is not None and group.handle.rounds is None:
+                group.handle.work.wait()  # timing only: finish() would wait here anyway
+            finishing = time.perf_counter() if listener is not None else 0.0
             averaged = communicator.finish(group.handle)
             self._write_back(group, averaged, globally_used)
+            if listener is not None:
+                listener("finish", group, time.perf_counter() - finishing)
         self._synchronized = True
         self.last_sync_time = time.perf_counter() - started
 

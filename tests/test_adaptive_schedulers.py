@@ -31,7 +31,9 @@ def adaptive_worker(rank, world_size, name):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     report = [(label, measured) for label, _, _, measured in scheduler.report] if name == "auto" else []
-    measured = (scheduler.profile.optimizer_step, sorted(scheduler.profile.finish)) if name == "auto" else None
+    measured = (scheduler.profile.optimizer_step, sorted(scheduler.profile.finish),
+                sorted(scheduler.profile.launch), scheduler.profile.collective_slowdown) \
+        if name == "auto" else None
     return (scheduler.settled, opt.plan.digest(), steps, report, [p.sum().item() for p in model.parameters()],
             measured)
 
@@ -44,8 +46,11 @@ def test_auto_scheduler_profiles_checks_and_settles_identically():
     assert all(isinstance(m, float) and m > 0 for _, m in report)  # every candidate measured
     assert steps <= 1 + 2 + 6 * 2 + 1
     # The profile timed the wrapped SGD's step and probed every send mode's finish phase.
-    optimizer_step, finish = results[0][5]
+    optimizer_step, finish, launch, slowdown = results[0][5]
     assert 0 < optimizer_step < 1 and finish == ["bf16", "compress", "fp16", "fp32"]
+    # Launch costs timed in the run: the profile's raw group and the compressed candidates.
+    assert launch == ["compress", "fp32"] and slowdown >= 1.0
+    assert results[1][5][2:] == results[0][5][2:]  # agreed over ranks
 
 
 def test_binary_scheduler_searches_and_settles_identically():

@@ -20,6 +20,13 @@ and broadcasting:
    cannot know from probes taken one at a time.  A thread waits on the dummy and notes
    when it completes; a step counts only if that was after its last gradient (the step's
    own group, queued behind the dummy, cannot tell).  The factor is the mean over ranks.
+   The same number of steps then each launch a *short* dummy allreduce at their first
+   gradient (sized to 0.4 backward spans), counted when it was done before the last
+   gradient, and the same allreduce is timed alone between steps (after a barrier): the
+   ratio of the two is the profile's ``collective_slowdown``
+   (:func:`~mergecomp.profile.collective_slowdown_factor`), how much backward slows a
+   collective.  Each rank's duration includes waiting for the ranks that launched later,
+   so the shortest rank's median (the rank that waited least) is taken on both sides.
 2. **check** (``check_steps`` + 1 steps per candidate): three plans from the DP — the
    optimum, the best plan without compression, the best plan compressing every group —
    and MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a cost
@@ -28,12 +35,20 @@ and broadcasting:
    model cannot make training slower than the best uncompressed plan or the best fixed
    fusion it measured.  A candidate whose switch would lose state
    (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
+   During the profiled steps and the counted check steps, the optimizer's
+   ``phase_listener`` times each group's finish phase and the launch of each step's first
+   group (the only one launched with no collective of the step in flight); once the check
+   is over, lines fitted to those samples, pooled over ranks
+   (:func:`~mergecomp.profile.fit_live_costs`), replace the probes' ``finish`` and give
+   the profile's ``launch`` costs, and the profile is saved again (``profile_out``).  The
+   plan is chosen by measurement, so this changes no decision; it makes the saved profile
+   predict the run it came from.
 3. **watch**: every ``watch_every`` steps the mean step time (max over ranks) is compared
    with the winner's; after two windows in a row more than ``drift`` slower, it profiles
    and checks again.
 
 Iteration times are wall-clock between the ends of consecutive ``step()`` calls, the
-maximum over ranks.  The search cost is ``profile_steps + interference_steps + c·(check_steps + 1)`` steps for
+maximum over ranks.  The search cost is ``profile_steps + 2·interference_steps + c·(check_steps + 1)`` steps for
 c ≤ 6 distinct candidates, plus the probes.
 """
 from __future__ import annotations
@@ -92,6 +107,9 @@ class OnlineOptimalScheduler(Scheduler):
         self._overlapped: List[float] = []
         self._dummy = None
         self._span: List[float] = []
+        #: Live phase samples: {"launch"|"finish": {send: [(elements, seconds), ...]}}.
+        self._live: Dict[str, Dict[str, List[Tuple[int, float]]]] = {}
+        self._pending: List[Tuple[str, str, int, float]] = []
 
     @property
     def settled(self) -> bool:
@@ -122,7 +140,20 @@ class OnlineOptimalScheduler(Scheduler):
             optimizer.set_plan(self._raw_plan(self._params(optimizer)))
         optimizer.ready_listener = self._on_ready
         self._time_optimizer_steps(optimizer.optimizer)
+        self._live, self._pending = {"launch": {}, "finish": {}}, []
+        optimizer.phase_listener = self._on_phase
         self._step_start = time.perf_counter()
+
+    def _on_phase(self, phase: str, group, seconds: float) -> None:
+        if phase == "finish" or group.index == 0:
+            self._pending.append((phase, group.send, group.numel, seconds))
+
+    def _keep_phases(self, keep: bool) -> None:
+        """Keep (or drop) the phase samples of the step that just ended."""
+        if keep:
+            for phase, send, numel, seconds in self._pending:
+                self._live[phase].setdefault(send, []).append((numel, seconds))
+        self._pending = []
 
     def _time_optimizer_steps(self, inner) -> None:
         """Time the wrapped optimizer's ``step()`` through torch's step hooks."""
@@ -143,9 +174,11 @@ class OnlineOptimalScheduler(Scheduler):
     def _profile(self, optimizer, seconds):
         self._step_start = time.perf_counter()
         self._samples.append(seconds)
+        self._keep_phases(len(self._samples) > 1)
         if len(self._samples) < self.profile_steps:
             return
         optimizer.ready_listener = None
+        optimizer.phase_listener = None
         self._stop_timing_optimizer_steps()
         self._alone = self._spans()
         self.profile = self._measure(optimizer)
@@ -187,6 +220,8 @@ class OnlineOptimalScheduler(Scheduler):
         def listener(name: str) -> None:
             now = time.perf_counter()
             if self._dummy is None:
+                self._dummy_started = time.perf_counter()
+                self._dummy_nbytes = self._dummy_tensor.numel() * 4
                 work = optimizer.backend.allreduce_async([self._dummy_tensor])
                 self._dummy = threading.Thread(target=waiter, args=(work,), daemon=True)
                 self._dummy.start()
@@ -204,8 +239,6 @@ class OnlineOptimalScheduler(Scheduler):
             return
         optimizer.ready_listener = None
         backend = optimizer.backend
-        backend.bytes_sent, backend.collectives = self._counters
-        self._dummy = self._dummy_tensor = None
         from ..profile import interference_factor
         mine = interference_factor(self._alone, self._overlapped) if self._overlapped else None
         factors = [f for f in backend.allgather_object(mine) if f is not None]
@@ -214,6 +247,61 @@ class OnlineOptimalScheduler(Scheduler):
         else:
             self._say("auto scheduler: no interference step had its collective in flight to the "
                       "end of backward; the profile keeps interference 1.0")
+        self._start_slowdown(optimizer)
+
+    #: The short dummy allreduce of a slowdown step lasts this many backward spans (by the
+    #: measured allreduce cost), so that it is done before backward ends.
+    slowdown_span = 0.4
+
+    def _start_slowdown(self, optimizer):
+        backend = optimizer.backend
+        cost = self.profile.collectives["allreduce"]
+        target = self.slowdown_span * statistics.median(self._alone)
+        nbytes = None
+        if backend.rank == 0:
+            nbytes = int(min(self.interference_max_bytes,
+                             max(2 ** 16, (target - cost.intercept) / max(cost.slope, 1e-12))))
+        nbytes = backend.broadcast_object(nbytes, src=0)
+        device = optimizer._params[0][1].device
+        self._dummy_tensor = torch.zeros(max(1, nbytes // 4), device=device)
+        self._overlapped, self._samples = [], []
+        self.phase = "slowdown"
+        self._begin_interference_step(optimizer)
+
+    def _slowdown(self, optimizer, seconds):
+        self._samples.append(seconds)
+        if self._dummy is not None:
+            self._dummy.join()
+            if len(self._span) > 1 and self._dummy_done and self._dummy_done[0] < self._span[-1]:
+                self._overlapped.append(self._dummy_done[0] - self._dummy_started)
+        if len(self._samples) < self.interference_steps:
+            self._begin_interference_step(optimizer)
+            return
+        optimizer.ready_listener = None
+        backend = optimizer.backend
+        alone = []
+        for _ in range(3):
+            backend.barrier()
+            began = time.perf_counter()
+            backend.allreduce_async([self._dummy_tensor]).wait()
+            alone.append(time.perf_counter() - began)
+        backend.bytes_sent, backend.collectives = self._counters
+        self._dummy = self._dummy_tensor = None
+        mine = (statistics.median(alone),
+                statistics.median(self._overlapped) if self._overlapped else None)
+        everyone = backend.allgather_object(mine)
+        overlapped = [o for _, o in everyone if o is not None]
+        if overlapped:
+            from ..profile import collective_slowdown_factor
+            factor = collective_slowdown_factor([min(a for a, _ in everyone)], [min(overlapped)])
+            self.profile = dataclasses.replace(self.profile, collective_slowdown=factor)
+            self._say(f"auto scheduler: a {self._dummy_nbytes / 1e6:.1f} MB allreduce took "
+                      f"{min(overlapped) * 1e3:.1f} ms under backward, "
+                      f"{min(a for a, _ in everyone) * 1e3:.1f} ms alone: collective slowdown "
+                      f"{factor:.2f}")
+        else:
+            self._say("auto scheduler: no slowdown step had its collective done before the end "
+                      "of backward; the profile keeps collective_slowdown 1.0")
         self._planned(optimizer)
 
     def _planned(self, optimizer):
@@ -223,6 +311,8 @@ class OnlineOptimalScheduler(Scheduler):
         self._candidates = optimizer.backend.broadcast_object(candidates, src=0)
         self.report = []
         self.phase = "check"
+        self._pending = []
+        optimizer.phase_listener = self._on_phase
         self._next_candidate(optimizer)
 
     def _measure(self, optimizer):
@@ -294,6 +384,7 @@ class OnlineOptimalScheduler(Scheduler):
 
     def _check(self, optimizer, seconds):
         self._samples.append(seconds)
+        self._keep_phases(len(self._samples) > 1)
         if len(self._samples) < self.check_steps + 1:
             return
         mine = statistics.median(self._samples[1:])
@@ -302,7 +393,34 @@ class OnlineOptimalScheduler(Scheduler):
         self.report.append((label, plan, predicted, measured))
         self._next_candidate(optimizer)
 
+    def _live_costs(self, optimizer):
+        """The profile with the launch and finish lines fitted to the live samples of
+        every rank (see the module docstring)."""
+        from ..profile import fit_live_costs
+        everyone = optimizer.backend.allgather_object(self._live)
+        fitted = {}
+        for phase in ("launch", "finish"):
+            pooled: Dict[str, List[Tuple[int, float]]] = {}
+            for samples in everyone:
+                for send, pairs in samples.get(phase, {}).items():
+                    if send == "compress" and self.profile.communicator not in ("allreduce", "allgather"):
+                        continue  # the PS finish phase runs collectives: not a local cost
+                    pooled.setdefault(send, []).extend(pairs)
+            fitted[phase] = fit_live_costs(pooled)
+        self._live = {"launch": {}, "finish": {}}
+        lines = [f"{phase} {send}: {c.intercept * 1e3:.2f} ms + {c.slope * 1e9:.2f} ns/element"
+                 for phase in fitted for send, c in sorted(fitted[phase].items())]
+        if lines:
+            self._say("auto scheduler: costs timed in the run: " + "; ".join(lines))
+        return dataclasses.replace(self.profile, finish={**self.profile.finish, **fitted["finish"]},
+                                   launch={**self.profile.launch, **fitted["launch"]})
+
     def _choose(self, optimizer):
+        optimizer.phase_listener = None
+        self._pending = []
+        self.profile = self._live_costs(optimizer)
+        if optimizer.backend.rank == 0 and self.profile_out:
+            self.profile.save(self.profile_out)
         measured = [(m, label, plan, p) for label, plan, p, m in self.report if isinstance(m, float)]
         if measured:
             seconds, label, plan, _ = min(measured, key=lambda row: row[0])
