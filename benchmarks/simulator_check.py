@@ -14,6 +14,14 @@ cores, which a profile taken at N = 2 could not know), and so do the interferenc
 and, with ``--link-efficiency profile`` (the default), the fraction of the line rate the
 profile's allreduce probe reached.
 
+``--plans`` (default ``auto``) adds fixed plans, so that every N has predicted-vs-measured
+points for the *same* plans run after run (``auto`` picks by measurement, and picks
+differently from run to run): ``fp32-K`` / ``compress-K`` is the fixed scheduler's plan of
+K groups balanced by bytes (``--fusion-num K``), all raw FP32 or all compressed, built
+from the auto run's profile and executed with ``--plan-in``.  The ``auto`` run always
+happens (it measures the profile every prediction uses); its row is shown when ``auto``
+is listed.
+
 Windows: ``--num-iters`` × ``--batches-per-iter`` timed steps after the search (default
 8 × 3 = 24 steps); at 1 Gbit/s single steps vary by ±20%, so 6 steps are not enough to
 resolve a 15% error.  ``--out DIR`` keeps each run's profile, plan, result and log.
@@ -34,19 +42,43 @@ from benchmarks.cluster import Cluster, parse_profile  # noqa: E402
 from mergecomp.costmodel import predict  # noqa: E402
 from mergecomp.plan import Plan  # noqa: E402
 from mergecomp.profile import Profile  # noqa: E402
+from mergecomp.schedulers.fixed import FixedScheduler  # noqa: E402
 from mergecomp.simulate import measured_link_efficiency, network_collectives  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def measure(workers: int, profile: str, args, folder: str) -> dict:
-    paths = {k: os.path.join(folder, f"{k}_{workers}.json") for k in ("profile", "plan", "result")}
-    phases = os.path.join(folder, f"phases_{workers}")
+def parse_plans(text: str):
+    """``auto,fp32-4,compress-4`` → [("auto", None, None), ("fp32-4", "fp32", 4), ...]."""
+    specs = []
+    for item in (x.strip() for x in text.split(",")):
+        if item == "auto":
+            specs.append(("auto", None, None))
+            continue
+        send, _, groups = item.partition("-")
+        if send not in ("fp32", "fp16", "bf16", "compress") or not groups.isdigit() or int(groups) < 1:
+            raise ValueError(f"--plans: {item!r} is neither 'auto' nor SEND-K with SEND one of "
+                             "fp32, fp16, bf16, compress and K ≥ 1 groups (e.g. compress-4)")
+        specs.append((item, send, int(groups)))
+    if not specs or len({label for label, _, _ in specs}) != len(specs):
+        raise ValueError(f"--plans must list distinct plans, got {text!r}")
+    return specs
+
+
+def measure(workers: int, profile: str, args, folder: str, label: str = "auto",
+            plan_in: str = None) -> dict:
+    tag = f"{workers}" if label == "auto" else f"{workers}_{label}"
+    paths = {k: os.path.join(folder, f"{k}_{tag}.json") for k in ("profile", "plan", "result")}
+    phases = os.path.join(folder, f"phases_{tag}")
     script = ["phase_timing.py", "--phases-out", phases] if args.phases else ["compress_benchmark.py"]
     script[0] = os.path.join(ROOT, "benchmarks" if args.phases else "", script[0])
+    if plan_in is None:
+        how = ["--scheduler", "auto", "--profile-out", paths["profile"]]
+    else:
+        how = ["--scheduler", "fixed", "--plan-in", plan_in]
     command = [sys.executable] + script + ["--model", args.model,
                "--batch-size", str(args.batch_size), "--compress", "--compressor", args.compressor,
-               "--scheduler", "auto", "--profile-out", paths["profile"], "--plan-out", paths["plan"],
+               *how, "--plan-out", paths["plan"],
                "--json", paths["result"], "--threads", "1", "--no-cuda",
                "--num-warmup-batches", "2", "--num-batches-per-iter", str(args.batches_per_iter),
                "--num-iters", str(args.num_iters)]
@@ -54,14 +86,15 @@ def measure(workers: int, profile: str, args, folder: str) -> dict:
         command += ["--compress-ratio", str(args.compress_ratio)]
     with Cluster(num_workers=workers, profile=profile) as cluster:
         results = cluster.run(command, timeout_s=args.timeout_s, cwd=ROOT)
-    with open(os.path.join(folder, f"log_{workers}.txt"), "w") as f:
+    with open(os.path.join(folder, f"log_{tag}.txt"), "w") as f:
         f.write(results[0].stdout + results[0].stderr if results else "")
     if not results.ok:
-        raise RuntimeError(f"N={workers}: {results.failure}")
+        raise RuntimeError(f"N={workers}, plan {label}: {results.failure}")
     with open(paths["result"]) as f:
         measured = json.load(f)
-    run = {"profile": Profile.load(paths["profile"]), "plan": Plan.load(paths["plan"]),
-           "measured": measured["iteration_time_s"], "phases": []}
+    run = {"plan": Plan.load(paths["plan"]), "measured": measured["iteration_time_s"], "phases": []}
+    if plan_in is None:
+        run["profile"] = Profile.load(paths["profile"])
     if args.phases:
         for rank in range(workers):
             with open(os.path.join(phases, f"phases_{rank}.json")) as f:
@@ -102,6 +135,11 @@ def phase_table(prediction, phases) -> str:
     return "\n".join(lines)
 
 
+def _lines(costs) -> str:
+    return ", ".join(f"{send} {c.intercept * 1e3:.1f} ms + {c.slope * 1e9:.2f} ns/el"
+                     for send, c in sorted(costs.items())) or "none"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="2,3,4")
@@ -118,6 +156,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-iters", type=int, default=8, help="timed iterations per run")
     p.add_argument("--batches-per-iter", type=int, default=3, help="steps per timed iteration")
     p.add_argument("--out", default=None, help="folder to keep profiles, plans, results and logs in")
+    p.add_argument("--plans", default="auto",
+                   help="plans to validate at each N: 'auto' (the plan --scheduler auto chose) and "
+                        "fixed plans SEND-K (fp32-4: 4 raw FP32 groups; compress-4: 4 compressed "
+                        "groups), comma-separated; default: auto")
     p.add_argument("--phases", action="store_true",
                    help="run the benchmark through benchmarks/phase_timing.py and print each "
                         "phase's predicted and measured time")
@@ -132,6 +174,10 @@ def main(argv=None) -> int:
             p.error(f"--link-efficiency must be a fraction in (0, 1] or 'profile', got {args.link_efficiency!r}")
         if not 0 < fixed <= 1:
             p.error(f"--link-efficiency must be a fraction in (0, 1] or 'profile', got {fixed}")
+    try:
+        specs = parse_plans(args.plans)
+    except ValueError as error:
+        p.error(str(error))
     link = parse_profile(args.profile)
     if not link.shaped:
         p.error(f"profile {args.profile!r} is not rate-limited; the simulator needs a link rate")
@@ -139,21 +185,32 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for workers in (int(w) for w in args.workers.split(",")):
-            run = measure(workers, args.profile, args, folder)
-            profile = run["profile"]
+            auto = measure(workers, args.profile, args, folder)
+            profile = auto["profile"]
             efficiency = measured_link_efficiency(profile, rate) if args.link_efficiency == "profile" \
                 else float(args.link_efficiency)
             modelled = dataclasses.replace(profile, collectives=network_collectives(
                 workers, rate, args.latency_us * 1e-6, efficiency))
-            prediction = predict(run["plan"], modelled)
-            predicted = prediction.iteration_time
-            rows.append((workers, run["plan"], predicted, run["measured"], profile.interference, efficiency))
-            print(f"N={workers}: predicted {predicted * 1e3:.1f} ms, measured {run['measured'] * 1e3:.1f} ms; "
-                  f"interference {profile.interference:.2f}, link efficiency {efficiency:.2f}, memory "
-                  f"{profile.memory.intercept * 1e3:.2f} ms + {profile.memory.slope * 1e9:.2f} ns/element\n"
-                  f"{prediction.describe()}", flush=True)
-            if args.phases:
-                print(phase_table(prediction, run["phases"]), flush=True)
+            print(f"N={workers}: interference {profile.interference:.2f}, collective slowdown "
+                  f"{profile.collective_slowdown:.2f}, link efficiency {efficiency:.2f}, memory "
+                  f"{profile.memory.intercept * 1e3:.2f} ms + {profile.memory.slope * 1e9:.2f} ns/element; "
+                  f"live launch {_lines(profile.launch)}; finish {_lines(profile.finish)}", flush=True)
+            for label, send, groups in specs:
+                if label == "auto":
+                    run = auto
+                else:
+                    plan = FixedScheduler(groups, send=send).plan(profile.params())
+                    plan_in = os.path.join(folder, f"plan_in_{workers}_{label}.json")
+                    plan.save(plan_in)
+                    run = measure(workers, args.profile, args, folder, label, plan_in)
+                prediction = predict(run["plan"], modelled)
+                predicted = prediction.iteration_time
+                rows.append((workers, label, run["plan"], predicted, run["measured"], profile.interference,
+                             profile.collective_slowdown, efficiency))
+                print(f"N={workers}, plan {label}: predicted {predicted * 1e3:.1f} ms, measured "
+                      f"{run['measured'] * 1e3:.1f} ms\n{prediction.describe()}", flush=True)
+                if args.phases:
+                    print(phase_table(prediction, run["phases"]), flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             for name in os.listdir(folder):
@@ -162,13 +219,15 @@ def main(argv=None) -> int:
                     shutil.copytree(source, os.path.join(args.out, name), dirs_exist_ok=True)
                 else:
                     shutil.copy(source, args.out)
-    print(f"\n{args.model}, {args.compressor}, {args.profile} links, plan chosen by --scheduler auto\n")
-    print("| workers | plan (groups, compressed) | interference | link efficiency | predicted ms | measured ms | error |")
-    print("|---|---|---|---|---|---|---|")
-    for workers, plan, predicted, measured, interference, efficiency in rows:
+    print(f"\n{args.model}, {args.compressor}, {args.profile} links; plans: {args.plans}\n")
+    print("| workers | plan | groups, compressed | interference | collective slowdown | "
+          "link efficiency | predicted ms | measured ms | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for workers, label, plan, predicted, measured, interference, slowdown, efficiency in rows:
         compressed = sum(g.send == "compress" for g in plan.groups)
-        print(f"| {workers} | {len(plan)}, {compressed} | {interference:.2f} | {efficiency:.2f} | "
-              f"{predicted * 1e3:.1f} | {measured * 1e3:.1f} | {(predicted - measured) / measured * 100:+.1f}% |")
+        print(f"| {workers} | {label} | {len(plan)}, {compressed} | {interference:.2f} | {slowdown:.2f} | "
+              f"{efficiency:.2f} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | "
+              f"{(predicted - measured) / measured * 100:+.1f}% |")
     return 0
 
 
