@@ -10,7 +10,7 @@ def adaptive_worker(rank, world_size, name):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     if name == "auto":
-        scheduler = mergecomp.schedulers.create("auto", profile_steps=2, check_steps=1, log=None)
+        scheduler = mergecomp.schedulers.create("auto", profile_steps=2, check_steps=1, check_rounds=2, log=None)
     else:
         scheduler = mergecomp.schedulers.create("binary", steps=1, warmup=0)
     opt = mergecomp.DistributedOptimizer(
@@ -44,7 +44,7 @@ def test_auto_scheduler_profiles_checks_and_settles_identically():
     assert settled and other[0] and digest == other[1] and params == other[4]
     assert [label for label, _ in report][0] == "optimal"
     assert all(isinstance(m, float) and m > 0 for _, m in report)  # every candidate measured
-    assert steps <= 1 + 2 + 6 * 2 + 1
+    assert steps <= 1 + 2 + 2 * 6 * 2 + 1  # two rounds of at most 6 candidates, 2 steps a visit
     # The profile timed the wrapped SGD's step and probed every send mode's finish phase.
     optimizer_step, finish, launch, slowdown = results[0][5]
     assert 0 < optimizer_step < 1 and finish == ["bf16", "compress", "fp16", "fp32"]
@@ -57,3 +57,19 @@ def test_binary_scheduler_searches_and_settles_identically():
     results = run_ranks(adaptive_worker, 2, "binary")
     assert results[0][0] and results[1][0]
     assert results[0][1] == results[1][1] and results[0][4] == results[1][4]
+
+
+def test_auto_check_rounds_keep_only_the_contenders():
+    scheduler = mergecomp.schedulers.create("auto", contender_margin=0.15, log=None)
+    scheduler._times = {0: [1.0, 1.2], 1: [1.1, 1.3], 2: [2.0, 2.1], 3: []}
+    assert scheduler._contenders() == [0, 1]  # medians 1.1, 1.2 (within 15%), 2.05 out, 3 unmeasured
+    scheduler._times = {}
+    assert scheduler._contenders() == []
+
+
+def test_auto_scheduler_refuses_bad_check_settings():
+    import pytest
+    with pytest.raises(ValueError, match="check_rounds"):
+        mergecomp.schedulers.create("auto", check_rounds=0)
+    with pytest.raises(ValueError, match="contender_margin"):
+        mergecomp.schedulers.create("auto", contender_margin=-0.1)

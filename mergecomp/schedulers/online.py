@@ -27,13 +27,17 @@ and broadcasting:
    (:func:`~mergecomp.profile.collective_slowdown_factor`), how much backward slows a
    collective.  Each rank's duration includes waiting for the ranks that launched later,
    so the shortest rank's median (the rank that waited least) is taken on both sides.
-2. **check** (``check_steps`` + 1 steps per candidate): three plans from the DP — the
-   optimum, the best plan without compression, the best plan compressing every group —
-   and MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a cost
-   model is most likely to misjudge), each run for real (the first step after a switch not
-   counted, the median of the rest).  The fastest measured wins, so a mispredicting cost
-   model cannot make training slower than the best uncompressed plan or the best fixed
-   fusion it measured.  A candidate whose switch would lose state
+2. **check** (in rounds of ``check_steps`` + 1 steps per candidate): three plans from the
+   DP — the optimum, the best plan without compression, the best plan compressing every
+   group — and MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a
+   cost model is most likely to misjudge), each run for real (the first step after a switch
+   not counted).  The candidates are visited in turn, and again in up to ``check_rounds``
+   rounds, each later round only for the contenders whose median so far is within
+   ``contender_margin`` of the fastest: a burst of load on a shared machine then falls on
+   one visit of a candidate, not on all of its samples, and clearly slower plans stop
+   costing steps.  The lowest median over all of a candidate's steps wins, so a
+   mispredicting cost model cannot make training slower than the best uncompressed plan or
+   the best fixed fusion it measured.  A candidate whose switch would lose state
    (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
    During the profiled steps and the counted check steps, the optimizer's
    ``phase_listener`` times each group's finish phase and the launch of each step's first
@@ -48,8 +52,9 @@ and broadcasting:
    and checks again.
 
 Iteration times are wall-clock between the ends of consecutive ``step()`` calls, the
-maximum over ranks.  The search cost is ``profile_steps + 2·interference_steps + c·(check_steps + 1)`` steps for
-c ≤ 6 distinct candidates, plus the probes.
+maximum over ranks.  The search cost is ``profile_steps + 2·interference_steps`` steps plus
+``(check_steps + 1)`` per visit: c ≤ 6 visits in the first round and one per contender in
+each later one, plus the probes.
 """
 from __future__ import annotations
 
@@ -79,16 +84,22 @@ class OnlineOptimalScheduler(Scheduler):
     #: ... but it never holds more than this many bytes.
     interference_max_bytes = 2 ** 28
 
-    def __init__(self, profile_steps: int = 5, check_steps: int = 5, watch_every: int = 50,
+    def __init__(self, profile_steps: int = 5, check_steps: int = 3, watch_every: int = 50,
                  drift: float = 0.25, allow_half: bool = False, profile_out: Optional[str] = None,
-                 log: Optional[Callable[[str], None]] = print, interference_steps: int = 3):
+                 log: Optional[Callable[[str], None]] = print, interference_steps: int = 3,
+                 check_rounds: int = 3, contender_margin: float = 0.15):
         for what, value, least in (("profile_steps", profile_steps, 2), ("check_steps", check_steps, 1),
-                                   ("watch_every", watch_every, 1), ("interference_steps", interference_steps, 0)):
+                                   ("watch_every", watch_every, 1), ("interference_steps", interference_steps, 0),
+                                   ("check_rounds", check_rounds, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"auto scheduler {what} must be an integer ≥ {least}, got {value!r}")
         if not drift > 0:
             raise ValueError(f"auto scheduler drift must be a fraction > 0 (0.25 = 25% slower), got {drift!r}")
+        if not contender_margin >= 0:
+            raise ValueError(f"auto scheduler contender_margin must be a fraction ≥ 0 (0.15 = within 15% of "
+                             f"the fastest), got {contender_margin!r}")
         self.profile_steps, self.check_steps, self.watch_every = profile_steps, check_steps, watch_every
+        self.check_rounds, self.contender_margin = check_rounds, float(contender_margin)
         self.interference_steps = interference_steps
         self.drift, self.allow_half, self.profile_out = float(drift), bool(allow_half), profile_out
         self._log = log
@@ -102,6 +113,10 @@ class OnlineOptimalScheduler(Scheduler):
         self._step_start: Optional[float] = None
         self._samples: List[float] = []
         self._candidates: List[Tuple[str, Plan, float]] = []
+        self._queue: List[int] = []  # candidates (indices) still to visit in this round
+        self._times: Dict[int, List[float]] = {}  # counted step times per candidate, max over ranks
+        self._skipped: Dict[int, str] = {}
+        self._round = 0
         self._strikes = 0
         self._alone: List[float] = []
         self._overlapped: List[float] = []
@@ -309,6 +324,9 @@ class OnlineOptimalScheduler(Scheduler):
             self.profile.save(self.profile_out)
         candidates = self._plan_candidates(optimizer) if optimizer.backend.rank == 0 else None
         self._candidates = optimizer.backend.broadcast_object(candidates, src=0)
+        self._queue = list(range(len(self._candidates)))
+        self._times = {index: [] for index in self._queue}
+        self._skipped, self._round = {}, 0
         self.report = []
         self.phase = "check"
         self._pending = []
@@ -370,27 +388,43 @@ class OnlineOptimalScheduler(Scheduler):
 
     def _next_candidate(self, optimizer):
         from ..regroup import CannotRegroup
-        while self._candidates:
-            label, plan, predicted = self._candidates[0]
+        while self._queue:
+            index = self._queue[0]
             try:
-                optimizer.set_plan(plan)
+                optimizer.set_plan(self._candidates[index][1])
             except CannotRegroup as reason:
-                self.report.append((label, plan, predicted, f"skipped: {reason}"))
-                self._candidates.pop(0)
+                self._skipped[index] = f"skipped: {reason}"
+                self._queue.pop(0)
                 continue
             self._samples = []
             return
+        self._round += 1
+        self._queue = self._contenders()
+        if self._round < self.check_rounds and len(self._queue) > 1:
+            self._next_candidate(optimizer)
+            return
+        self.report = [(label, plan, predicted,
+                        self._skipped.get(index) or statistics.median(self._times[index]))
+                       for index, (label, plan, predicted) in enumerate(self._candidates)
+                       if index in self._skipped or self._times[index]]
         self._choose(optimizer)
+
+    def _contenders(self) -> List[int]:
+        """Candidates whose median so far is within ``contender_margin`` of the fastest's."""
+        medians = {index: statistics.median(times) for index, times in self._times.items() if times}
+        if not medians:
+            return []
+        fastest = min(medians.values())
+        return [index for index in sorted(medians) if medians[index] <= fastest * (1 + self.contender_margin)]
 
     def _check(self, optimizer, seconds):
         self._samples.append(seconds)
         self._keep_phases(len(self._samples) > 1)
         if len(self._samples) < self.check_steps + 1:
             return
-        mine = statistics.median(self._samples[1:])
-        measured = max(optimizer.backend.allgather_object(mine))
-        label, plan, predicted = self._candidates.pop(0)
-        self.report.append((label, plan, predicted, measured))
+        everyone = optimizer.backend.allgather_object(self._samples[1:])
+        index = self._queue.pop(0)
+        self._times[index].extend(max(step) for step in zip(*everyone))  # each step: its slowest rank
         self._next_candidate(optimizer)
 
     def _live_costs(self, optimizer):
@@ -471,4 +505,5 @@ class OnlineOptimalScheduler(Scheduler):
 
     def __repr__(self):
         return (f"OnlineOptimalScheduler(profile_steps={self.profile_steps}, check_steps={self.check_steps}, "
+                f"check_rounds={self.check_rounds}, "
                 f"watch_every={self.watch_every}, drift={self.drift})")
