@@ -37,9 +37,10 @@ def parse_args(argv=None):
     p.add_argument("--fusion-num", type=int, default=1,
                    help="0: one group per tensor, 1: one group, y: y groups balanced by bytes")
     p.add_argument("--scheduler", default="fixed",
-                   help="fixed (--fusion-num), binary (MergeComp's search for a 2-group split), "
-                        "optimal (DP over a saved --profile-in), auto (profile this run, DP, "
-                        "measured check)")
+                   help="fixed (--fusion-num), bucket (DDP-style groups of --bucket-mb), binary "
+                        "(MergeComp's search for a 2-group split), optimal (DP over a saved "
+                        "--profile-in), auto (profile this run, DP, measured check)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="group size for --scheduler bucket (MB)")
     p.add_argument("--profile-in", default=None, help="a saved profile for --scheduler optimal")
     p.add_argument("--profile-out", default=None, help="save the profile --scheduler auto measures (JSON)")
     p.add_argument("--plan-in", default=None, help="execute this saved plan (JSON)")
@@ -83,6 +84,8 @@ def build_scheduler(args):
         return mergecomp.schedulers.create("auto", profile_out=args.profile_out)
     if name == "binary":
         return mergecomp.schedulers.create("binary", send=send)
+    if name == "bucket":
+        return mergecomp.schedulers.create("bucket", bucket_mb=args.bucket_mb, send=send)
     return mergecomp.schedulers.create(name)
 
 

@@ -44,7 +44,7 @@ def test_auto_scheduler_profiles_checks_and_settles_identically():
     assert settled and other[0] and digest == other[1] and params == other[4]
     assert [label for label, _ in report][0] == "optimal"
     assert all(isinstance(m, float) and m > 0 for _, m in report)  # every candidate measured
-    assert steps <= 1 + 2 + 2 * 6 * 2 + 1  # two rounds of at most 6 candidates, 2 steps a visit
+    assert steps <= 1 + 2 + 2 * 7 * 2 + 1  # two rounds of at most 7 candidates, 2 steps a visit
     # The profile timed the wrapped SGD's step and probed every send mode's finish phase.
     optimizer_step, finish, launch, slowdown = results[0][5]
     assert 0 < optimizer_step < 1 and finish == ["bf16", "compress", "fp16", "fp32"]

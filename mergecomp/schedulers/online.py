@@ -29,15 +29,16 @@ and broadcasting:
    so the shortest rank's median (the rank that waited least) is taken on both sides.
 2. **check** (in rounds of ``check_steps`` + 1 steps per candidate): three plans from the
    DP — the optimum, the best plan without compression, the best plan compressing every
-   group — and MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a
-   cost model is most likely to misjudge), each run for real (the first step after a switch
-   not counted).  The candidates are visited in turn, and again in up to ``check_rounds``
+   group — MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a
+   cost model is most likely to misjudge) and DDP's plan (raw FP32 buckets of 25 MB,
+   :class:`~mergecomp.schedulers.bucket.BucketScheduler`), each run for real (the first
+   step after a switch not counted).  The candidates are visited in turn, and again in up to ``check_rounds``
    rounds, each later round only for the contenders whose median so far is within
    ``contender_margin`` of the fastest: a burst of load on a shared machine then falls on
    one visit of a candidate, not on all of its samples, and clearly slower plans stop
    costing steps.  The lowest median over all of a candidate's steps wins, so a
-   mispredicting cost model cannot make training slower than the best uncompressed plan or
-   the best fixed fusion it measured.  A candidate whose switch would lose state
+   mispredicting cost model cannot make training slower than the best uncompressed plan,
+   DDP's buckets or the best fixed fusion it measured.  A candidate whose switch would lose state
    (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
    During the profiled steps and the counted check steps, the optimizer's
    ``phase_listener`` times each group's finish phase and the launch of each step's first
@@ -53,7 +54,7 @@ and broadcasting:
 
 Iteration times are wall-clock between the ends of consecutive ``step()`` calls, the
 maximum over ranks.  The search cost is ``profile_steps + 2·interference_steps`` steps plus
-``(check_steps + 1)`` per visit: c ≤ 6 visits in the first round and one per contender in
+``(check_steps + 1)`` per visit: c ≤ 7 visits in the first round and one per contender in
 each later one, plus the probes.
 """
 from __future__ import annotations
@@ -68,6 +69,7 @@ import torch
 
 from . import register
 from .base import Scheduler
+from .bucket import BucketScheduler
 from .fixed import FixedScheduler
 from ..plan import ParamInfo, Plan
 
@@ -380,10 +382,11 @@ class OnlineOptimalScheduler(Scheduler):
                 continue
             if all(plan.digest() != p.digest() for _, p, _ in found):
                 found.append((label, plan, predict(plan, self.profile).iteration_time))
-        for groups in (1, 2, 4):
-            plan = FixedScheduler(groups, send="compress").plan(params)
+        fixed = [(f"fusion-num {groups}", FixedScheduler(groups, send="compress")) for groups in (1, 2, 4)]
+        for label, scheduler in fixed + [("DDP buckets", BucketScheduler(send="fp32"))]:
+            plan = scheduler.plan(params)
             if all(plan.digest() != p.digest() for _, p, _ in found):
-                found.append((f"fusion-num {groups}", plan, predict(plan, self.profile).iteration_time))
+                found.append((label, plan, predict(plan, self.profile).iteration_time))
         return found
 
     def _next_candidate(self, optimizer):
