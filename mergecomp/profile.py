@@ -41,7 +41,7 @@ and planned from on another:
   (:func:`fit_live_costs`).  An isolated probe allocates fresh buffers and runs while the
   other ranks idle; in the training loop the allocator serves memory the process already
   holds and every rank competes for the same cores, so the probes misjudge both phases
-  (the finish about 3× too high, the launch 2–4× too low on the 2-core cluster).  A live
+  (on the 2-core cluster the finish about 3× too high, the launch 1.6–7× too low).  A live
   ``finish`` fit replaces the probed one; ``launch``, when present, replaces copy + memory
   + codec as a group's encode cost (empty, the default: priced from the probes);
 * the **collective slowdown** c ≥ 1: how many times longer a collective takes while

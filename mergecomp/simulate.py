@@ -134,6 +134,8 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
         # A compressed group's measured finish phase holds for the profile's own world size
         # and communicator (allgather decodes one payload per rank); elsewhere it is priced
         # by the formula.  Raw groups' finish (allreduce) does not depend on the world size.
+        # Launch costs and the collective slowdown measured in the run carry over as they
+        # are: they describe this machine's processors, not the network being simulated.
         same = world == base.world_size and TOPOLOGIES[topology] == base.communicator
         profile = dataclasses.replace(base, world_size=world, communicator=TOPOLOGIES[topology],
                                       collectives=network_collectives(world, bandwidth, latency, efficiency),
