@@ -31,7 +31,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 from torch.optim.optimizer import (register_optimizer_step_post_hook,  # noqa: E402
                                    register_optimizer_step_pre_hook)
 

@@ -669,7 +669,7 @@ def measure_finish_cost(communicator, sizes: Sequence[int], device="cpu", repeat
             return time.perf_counter() - start
         once()
         times.append(statistics.median(once() for _ in range(repeats)))
-        del tensor, payload, target
+        tensor = payload = target = None  # free the group-sized buffers before the next size
     return fit_linear(sizes, times, relative=False)
 
 

@@ -3,11 +3,9 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from mergecomp import communicators, compressors, memories
 from mergecomp.costmodel import predict, send_costs
-from mergecomp.plan import Group, Plan
 from mergecomp.profile import CodecCost, LinearCost, Profile, WireSize, fit_linear, measure_finish_cost, measure_finish_costs
 from mergecomp.schedulers.optimal import OptimalScheduler
 from mergecomp.simulate import simulate

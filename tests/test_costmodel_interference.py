@@ -9,7 +9,7 @@ import random
 import pytest
 
 from mergecomp import compressors, memories
-from mergecomp.costmodel import START, GroupCost, advance, finish_time, predict, stretch
+from mergecomp.costmodel import GroupCost, advance, finish_time, predict, stretch
 from mergecomp.plan import Group, Plan
 from mergecomp.profile import LinearCost, Profile, interference_factor, measure_memory_cost
 from mergecomp.schedulers.optimal import OptimalScheduler
