@@ -115,7 +115,7 @@ class DGCCompressor(SparseCompressor):
         else:
             threshold = sampled_threshold(flat, k, self.sample_ratio, self.min_samples, self.sample_margin)
             blocks = BlockPeaks(flat, self._scratch)
-            for attempt in range(self.max_adjust + 1):  # lower the threshold while too few pass
+            for _ in range(self.max_adjust + 1):  # lower the threshold while too few pass
                 indices = blocks.indices_at_least(threshold)
                 if indices.numel() >= 0.8 * k:
                     break

@@ -27,19 +27,19 @@ and broadcasting:
    (:func:`~mergecomp.profile.collective_slowdown_factor`), how much backward slows a
    collective.  Each rank's duration includes waiting for the ranks that launched later,
    so the shortest rank's median (the rank that waited least) is taken on both sides.
-2. **check** (in rounds of ``check_steps`` + 1 steps per candidate): three plans from the
-   DP — the optimum, the best plan without compression, the best plan compressing every
-   group — MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a
-   cost model is most likely to misjudge) and DDP's plan (raw FP32 buckets of 25 MB,
-   :class:`~mergecomp.schedulers.bucket.BucketScheduler`), each run for real (the first
-   step after a switch not counted).  The candidates are visited in turn, and again in up to ``check_rounds``
-   rounds, each later round only for the contenders whose median so far is within
-   ``contender_margin`` of the fastest: a burst of load on a shared machine then falls on
-   one visit of a candidate, not on all of its samples, and clearly slower plans stop
-   costing steps.  The lowest median over all of a candidate's steps wins, so a
+2. **check** (in rounds of ``check_steps`` + 1 steps per candidate): three plans from the DP
+   — the optimum, the best plan without compression, the best plan compressing every group —
+   MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a cost model is
+   most likely to misjudge) and DDP's plan (raw FP32 buckets of 25 MB,
+   :class:`~mergecomp.schedulers.bucket.BucketScheduler`), each run for real (the first step
+   after a switch not counted).  The candidates are visited in turn, and again in up to
+   ``check_rounds`` rounds, each later round only for the contenders whose median so far is
+   within ``contender_margin`` of the fastest: a burst of load on a shared machine then
+   falls on one visit of a candidate, not on all of its samples, and clearly slower plans
+   stop costing steps.  The lowest median over all of a candidate's steps wins, so a
    mispredicting cost model cannot make training slower than the best uncompressed plan,
-   DDP's buckets or the best fixed fusion it measured.  A candidate whose switch would lose state
-   (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
+   DDP's buckets or the best fixed fusion it measured.  A candidate whose switch would lose
+   state (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
    During the profiled steps and the counted check steps, the optimizer's
    ``phase_listener`` times each group's finish phase and the launch of each step's first
    group (the only one launched with no collective of the step in flight); once the check
@@ -211,17 +211,23 @@ class OnlineOptimalScheduler(Scheduler):
                  for i in range(steps)]
         return spans[1:] or spans
 
-    def _start_interference(self, optimizer):
+    def _dummy_for(self, optimizer, spans: float, least_bytes: int) -> torch.Tensor:
+        """A zero tensor whose allreduce lasts about ``spans`` backward spans (by the measured
+        allreduce cost), between ``least_bytes`` and ``interference_max_bytes``; rank 0
+        sizes it, so every rank allocates the same."""
         backend = optimizer.backend
         cost = self.profile.collectives["allreduce"]
-        target = self.interference_span * statistics.median(self._alone)
+        target = spans * statistics.median(self._alone)
         nbytes = None
         if backend.rank == 0:
             nbytes = int(min(self.interference_max_bytes,
-                             max(2 ** 20, (target - cost.intercept) / max(cost.slope, 1e-12))))
+                             max(least_bytes, (target - cost.intercept) / max(cost.slope, 1e-12))))
         nbytes = backend.broadcast_object(nbytes, src=0)
-        device = optimizer._params[0][1].device
-        self._dummy_tensor = torch.zeros(max(1, nbytes // 4), device=device)
+        return torch.zeros(max(1, nbytes // 4), device=optimizer._params[0][1].device)
+
+    def _start_interference(self, optimizer):
+        backend = optimizer.backend
+        self._dummy_tensor = self._dummy_for(optimizer, self.interference_span, 2 ** 20)
         self._overlapped, self._samples = [], []
         self._counters = (backend.bytes_sent, backend.collectives)
         self.phase = "interfere"
@@ -271,16 +277,7 @@ class OnlineOptimalScheduler(Scheduler):
     slowdown_span = 0.4
 
     def _start_slowdown(self, optimizer):
-        backend = optimizer.backend
-        cost = self.profile.collectives["allreduce"]
-        target = self.slowdown_span * statistics.median(self._alone)
-        nbytes = None
-        if backend.rank == 0:
-            nbytes = int(min(self.interference_max_bytes,
-                             max(2 ** 16, (target - cost.intercept) / max(cost.slope, 1e-12))))
-        nbytes = backend.broadcast_object(nbytes, src=0)
-        device = optimizer._params[0][1].device
-        self._dummy_tensor = torch.zeros(max(1, nbytes // 4), device=device)
+        self._dummy_tensor = self._dummy_for(optimizer, self.slowdown_span, 2 ** 16)
         self._overlapped, self._samples = [], []
         self.phase = "slowdown"
         self._begin_interference_step(optimizer)
