@@ -23,8 +23,9 @@ import mergecomp
 from mergecomp import benchmarking, launch, models
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """The flags (other benchmarks add theirs to this parser)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     benchmarking.add_workload_arguments(p)
     p.add_argument("--compress", action="store_true", help="compress gradients (else FP32 allreduce)")
     p.add_argument("--compressor", default="none", help="compressor name (see --list)")
@@ -46,10 +47,20 @@ def parse_args(argv=None):
     p.add_argument("--plan-in", default=None, help="execute this saved plan (JSON)")
     p.add_argument("--plan-out", default=None, help="save the plan used (JSON)")
     p.add_argument("--list", action="store_true", help="list models and components, then exit")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_arguments(p: argparse.ArgumentParser, args) -> None:
+    """``p.error`` (exit 2, with the value) on a flag out of range."""
     benchmarking.check_workload_arguments(p, args)
     if args.fusion_num < 0:
         p.error(f"--fusion-num must be ≥ 0, got {args.fusion_num}")
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_arguments(p, args)
     return args
 
 
@@ -89,18 +100,44 @@ def build_scheduler(args):
     return mergecomp.schedulers.create(name)
 
 
-def worker(args):
-    work = benchmarking.prepare(args)
+def build_optimizer(args, work) -> mergecomp.DistributedOptimizer:
+    """SGD on ``work.model`` wrapped as the flags say (fills in args.memory and args.comm)."""
     compressor = build_compressor(args)
     args.memory = args.memory or compressor.recommended_memory
     args.comm = args.comm or compressor.recommended_communicator
     plan = mergecomp.Plan.load(args.plan_in) if args.plan_in else None
     base = torch.optim.SGD(work.model.parameters(), lr=args.lr)
-    optimizer = mergecomp.DistributedOptimizer(
+    return mergecomp.DistributedOptimizer(
         base, work.model.named_parameters(), compressor=compressor,
         memory=args.memory if args.compress else "none",
         communicator=args.comm if args.compress else "allreduce",
         scheduler=build_scheduler(args), plan=plan, compress=args.compress)
+
+
+def warm_up_and_settle(optimizer, timed, args, work) -> int:
+    """The warm-up steps, then steps until an adaptive scheduler settles; logs the plan.
+
+    Returns the search steps taken beyond the warm-up (0 for a fixed plan).
+    """
+    timed(max(1, args.num_warmup_batches))  # at least one step: it records the plan
+    search_steps = 0
+    scheduler = optimizer.scheduler
+    while getattr(scheduler, "adaptive", False) and not scheduler.settled:
+        if search_steps >= 1000:
+            raise RuntimeError(f"the {args.scheduler} scheduler did not settle within 1000 steps")
+        timed(1)
+        search_steps += 1
+    if search_steps:
+        work.log(f"Scheduler {args.scheduler} settled after {search_steps} steps beyond the warm-up")
+    work.log(optimizer.plan.describe(optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])))
+    if args.plan_out and work.rank == 0:
+        optimizer.plan.save(args.plan_out)
+    return search_steps
+
+
+def worker(args):
+    work = benchmarking.prepare(args)
+    optimizer = build_optimizer(args, work)
     backend = optimizer.backend
 
     def benchmark_step():
@@ -115,20 +152,7 @@ def worker(args):
              f"{type(backend).__name__}")
     work.log(f"Exchange: {optimizer.communicator!r}" if args.compress
              else "Exchange: FP32 allreduce (no compression)")
-
-    timed(max(1, args.num_warmup_batches))  # at least one step: it records the plan
-    search_steps = 0
-    scheduler = optimizer.scheduler
-    while getattr(scheduler, "adaptive", False) and not scheduler.settled:
-        if search_steps >= 1000:
-            raise RuntimeError(f"the {args.scheduler} scheduler did not settle within 1000 steps")
-        timed(1)
-        search_steps += 1
-    if search_steps:
-        work.log(f"Scheduler {args.scheduler} settled after {search_steps} steps beyond the warm-up")
-    work.log(optimizer.plan.describe(optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])))
-    if args.plan_out and work.rank == 0:
-        optimizer.plan.save(args.plan_out)
+    search_steps = warm_up_and_settle(optimizer, timed, args, work)
 
     series = benchmarking.run_iterations(
         timed, work, args, lambda: {"bytes_sent": backend.bytes_sent, "wire_bytes": backend.wire_bytes})
@@ -153,7 +177,13 @@ def main(argv=None):
         print("communicators: ", ", ".join(mergecomp.communicators.available()))
         print("schedulers:    ", ", ".join(mergecomp.schedulers.available()))
         return 0
-    # Fail fast, before any process starts, on names that do not exist.
+    check_names(args)
+    benchmarking.run_workers(worker, args)
+    return 0
+
+
+def check_names(args) -> None:
+    """Fail fast, before any process starts, on names that do not exist (ValueError)."""
     models.get(args.model)
     mergecomp.schedulers.get(args.scheduler)
     if args.scheduler == "optimal" and not args.profile_in:
@@ -164,8 +194,6 @@ def main(argv=None):
             mergecomp.memories.get(args.memory)
         if args.comm:
             mergecomp.communicators.get(args.comm)
-    benchmarking.run_workers(worker, args)
-    return 0
 
 
 if __name__ == "__main__":

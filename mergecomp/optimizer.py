@@ -70,7 +70,7 @@ class _GroupState:
             elif p.grad.is_sparse:
                 raise ValueError(f"parameter {name!r} has a sparse gradient, which mergecomp does "
                                  "not compress; build the layer with sparse=False")
-            else:
+            elif p.grad.data_ptr() != part.data_ptr():  # equal: the grad is already this part
                 part.copy_(p.grad.reshape(-1))
         return self.buffer
 
@@ -385,12 +385,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.backend.allreduce_async([flags])
 
     def _write_back(self, group: _GroupState, averaged: torch.Tensor, globally_used) -> None:
+        """Hand the averaged gradient to the parameters.
+
+        A raw group is averaged in place in its own flat buffer, which nothing touches
+        until the next step's gather: each ``p.grad`` becomes a view of its part, saving a
+        copy of every raw gradient per step (DDP's ``gradient_as_bucket_view``).  The
+        caller's ``zero_grad()`` then drops the views (or zeroes them, with
+        ``set_to_none=False``, and backward accumulates into the buffer, which the gather
+        recognises).  A gradient kept across steps without ``clone()`` sees the next step's
+        values, as under DDP's bucket views.  Decoded tensors of compressed groups come from
+        the compressor, which may keep them: they are copied.
+        """
         flat = averaged.reshape(-1)
+        own_buffer = group.buffer is not None and flat.data_ptr() == group.buffer.data_ptr() \
+            and flat.numel() == group.buffer.numel()
         for (name, p), offset in zip(group.params, group.offsets):
             if globally_used is not None and globally_used[self._position[name]] == 0:
                 continue
             value = flat.narrow(0, offset, p.numel()).view_as(p)
-            if p.grad is None:
+            if own_buffer:
+                p.grad = value
+            elif p.grad is None:
                 p.grad = value.clone()
             else:
                 p.grad.copy_(value)
@@ -428,6 +443,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         seconds = None if self._last_step_end is None else now - self._last_step_end
         self.scheduler.after_step(self, seconds)
         self._last_step_end = time.perf_counter()
+
+    def restart_step_clock(self) -> None:
+        """Do not count the time since the last ``step()`` as a training step.
+
+        Adaptive schedulers (``auto``, ``binary``) time each step from the end of the one
+        before; call this on every rank after a pause (evaluation, checkpointing, another
+        model's steps) so the pause is not taken for a slow plan.
+        """
+        self._last_step_end = None
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if not hasattr(self, "optimizer"):  # torch.optim.Optimizer.__init__ building the groups

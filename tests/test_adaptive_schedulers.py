@@ -73,3 +73,64 @@ def test_auto_scheduler_refuses_bad_check_settings():
         mergecomp.schedulers.create("auto", check_rounds=0)
     with pytest.raises(ValueError, match="contender_margin"):
         mergecomp.schedulers.create("auto", contender_margin=-0.1)
+
+
+class _OneRank:
+    """Just enough of a DistributedOptimizer for the watch phase of a single rank."""
+
+    class backend:
+        rank = 0
+
+        @staticmethod
+        def allgather_object(obj):
+            return [obj]
+
+
+def test_auto_watch_ignores_untimed_steps_and_a_single_pause():
+    scheduler = mergecomp.schedulers.create("auto", watch_every=4, drift=0.25, log=None)
+    scheduler.phase, scheduler.best, scheduler._strikes = "watch", ("optimal", None, 1.0), 0
+    # An untimed step (restart_step_clock) and one long pause in each window: the median of
+    # the timed steps stays at 1.0 s, so no strike.
+    for window in range(3):
+        for seconds in (None, 1.0, 30.0, 1.0):
+            scheduler._watch(_OneRank, seconds)
+    assert scheduler._strikes == 0 and scheduler.phase == "watch"
+    # A window of only untimed steps is skipped, not counted as slow.
+    for _ in range(4):
+        scheduler._watch(_OneRank, None)
+    assert scheduler._strikes == 0
+    # Steps really slower than the drift allows do count.
+    for seconds in (1.5, 1.6, 1.5, 1.4):
+        scheduler._watch(_OneRank, seconds)
+    assert scheduler._strikes == 1
+
+
+def restart_worker(rank, world_size):
+    from mergecomp.schedulers.fixed import FixedScheduler
+
+    class Recording(FixedScheduler):
+        adaptive = True
+
+        def __init__(self):
+            super().__init__(1)
+            self.seen = []
+
+        def after_step(self, optimizer, seconds):
+            self.seen.append(seconds)
+
+    model = nn.Linear(3, 1)
+    scheduler = Recording()
+    opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         scheduler=scheduler)
+    for restart in (False, False, True, False):
+        if restart:
+            opt.restart_step_clock()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return scheduler.seen
+
+
+def test_restart_step_clock_hands_the_scheduler_an_untimed_step():
+    for seen in run_ranks(restart_worker, 2):
+        assert seen[0] is None and seen[1] > 0 and seen[2] is None and seen[3] > 0

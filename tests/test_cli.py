@@ -33,3 +33,23 @@ def test_bad_flags_exit_with_a_clear_message():
     assert unknown.returncode == 2 and "did you mean 'topk'" in unknown.stderr
     optimal = run("--scheduler", "optimal")
     assert optimal.returncode == 2 and "--profile-in" in optimal.stderr
+
+
+def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):
+    out = tmp_path / "versus.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--nproc", "2", "--threads", "1",
+         "--model", "resnet20", "--batch-size", "4", "--num-warmup-batches", "1", "--compress",
+         "--compressor", "dgc", "--compress-ratio", "0.01", "--fusion-num", "2", "--rounds", "2",
+         "--window", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert len(result["ratios"]) == 2 and result["ratio_median"] > 0 and result["groups"] == 2
+    assert "SGD momentum 0.9" in done.stdout  # DDP applies the momentum the DGC memory applies
+    table = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"),
+                            "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert table.returncode == 0 and "| resnet20 | dgc | fixed | 2 (2) |" in table.stdout
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--rounds", "0"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "--rounds must be ≥ 1, got 0" in bad.stderr

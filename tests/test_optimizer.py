@@ -224,6 +224,42 @@ def test_unused_frozen_and_accumulation():
         assert "backward_passes_per_step=2" in rank_result["too_many"]
 
 
+def grad_view_worker(rank, world_size):
+    """Raw groups hand out views of their buffer as p.grad; kept grads, accumulation and
+    in-place clipping must still train exactly like the reference."""
+    results = {}
+    for set_to_none in (True, False):
+        model = make_model()
+        opt = mergecomp.DistributedOptimizer(make_optimizer("sgd", model), model.named_parameters(),
+                                             fusion_num=2, backward_passes_per_step=2)
+        for step in range(4):
+            x, y = batch(step, rank)
+            opt.zero_grad(set_to_none=set_to_none)
+            for half in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
+                (nn.functional.mse_loss(model(x[half]), y[half]) / 2).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # in place on the views
+            with opt.skip_synchronize():
+                opt.step()
+        buffers = [g.buffer for g in opt._groups]
+        results[set_to_none] = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "views": all(any(p.grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                             for b in buffers) for p in model.parameters()),
+        }
+    return results
+
+
+def test_raw_groups_write_back_views_of_their_buffer():
+    results = run_ranks(grad_view_worker, 2)
+    expected = reference_params("sgd", 2, 4)
+    for rank_result in results:
+        for set_to_none in (True, False):
+            assert rank_result[set_to_none]["views"], "p.grad should be a view of the group buffer"
+            for got, want in zip(rank_result[set_to_none]["params"], expected):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def find_unused_worker(rank, world_size):
     model = Branchy()
     opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

@@ -98,19 +98,21 @@ class DGCMemory(Memory):
 
     def update(self, tensor, name, compressor, payload, ctx):
         momentum, velocity = self._state(name, tensor)
+        if compressor.dense and compressor.lossless:
+            # Every coordinate went out exactly (a raw FP32 group): the velocity restarts
+            # from zero and the momentum is not masked, so a group sent uncompressed trains
+            # with plain momentum SGD, as DGC treats uncompressed layers.  The payload is
+            # the velocity itself, still to be sent: the zeros get fresh storage.
+            self.velocities[name] = torch.zeros_like(velocity)
+            return
         if any(_shares_memory(t, velocity) for t in payload):
-            # The payload is a view of the velocity (a dense compressor): zeroing in place
-            # would erase it before it is sent, so the velocity gets fresh storage.
+            # The payload is a view of the velocity: zeroing in place would erase it
+            # before it is sent, so the velocity gets fresh storage.
             velocity = self.velocities[name] = velocity.clone()
         flat_v, flat_u = velocity.view(-1), momentum.view(-1)
         if compressor.dense:
-            # Every coordinate went out (a raw FP32/16-bit group): the velocity keeps only
-            # the cast's rounding error and the momentum is not masked, so a group sent
-            # uncompressed trains with plain momentum SGD, as DGC treats uncompressed layers.
-            if compressor.lossless:
-                flat_v.zero_()
-            else:
-                flat_v.sub_(compressor.decompress(payload, ctx).reshape(-1).to(flat_v.dtype))
+            # A 16-bit cast went out: the velocity keeps only its rounding error.
+            flat_v.sub_(compressor.decompress(payload, ctx).reshape(-1).to(flat_v.dtype))
             return
         sent = getattr(compressor, "transmitted_indices", None)
         if sent is not None:

@@ -48,7 +48,7 @@ and broadcasting:
    the profile's ``launch`` costs, and the profile is saved again (``profile_out``).  The
    plan is chosen by measurement, so this changes no decision; it makes the saved profile
    predict the run it came from.
-3. **watch**: every ``watch_every`` steps the mean step time (max over ranks) is compared
+3. **watch**: every ``watch_every`` steps the median step time (max over ranks) is compared
    with the winner's; after two windows in a row more than ``drift`` slower, it profiles
    and checks again.
 
@@ -424,7 +424,8 @@ class OnlineOptimalScheduler(Scheduler):
             return
         everyone = optimizer.backend.allgather_object(self._samples[1:])
         index = self._queue.pop(0)
-        self._times[index].extend(max(step) for step in zip(*everyone))  # each step: its slowest rank
+        self._times[index].extend(max(step) for step in zip(*everyone)  # each step: its slowest rank
+                                   if None not in step)  # untimed: restart_step_clock()
         self._next_candidate(optimizer)
 
     def _live_costs(self, optimizer):
@@ -466,12 +467,21 @@ class OnlineOptimalScheduler(Scheduler):
         self._strikes = 0
 
     def _watch(self, optimizer, seconds):
+        # Windows close by step count, never by valid samples, so every rank calls the
+        # allgather below at the same step even when some steps were not timed (None: the
+        # first step, or one after ``restart_step_clock()``).  The median ignores one slow
+        # step (an evaluation or a checkpoint the caller did not announce).
         self._samples.append(seconds)
         if len(self._samples) < self.watch_every or self.best is None:
             return
-        mean = max(optimizer.backend.allgather_object(statistics.mean(self._samples)))
+        timed = [s for s in self._samples if s is not None]
         self._samples = []
-        self._strikes = self._strikes + 1 if mean > (1 + self.drift) * self.best[2] else 0
+        typical = [s for s in optimizer.backend.allgather_object(statistics.median(timed) if timed else None)
+                   if s is not None]
+        if not typical:
+            return
+        median = max(typical)
+        self._strikes = self._strikes + 1 if median > (1 + self.drift) * self.best[2] else 0
         if self._strikes >= 2:
             from ..regroup import CannotRegroup
             try:
@@ -480,7 +490,7 @@ class OnlineOptimalScheduler(Scheduler):
                 self._say(f"auto scheduler: steps drifted but the plan cannot change ({reason})")
                 self._strikes = 0
                 return
-            self._say(f"auto scheduler: steps take {mean * 1e3:.1f} ms against {self.best[2] * 1e3:.1f} ms "
+            self._say(f"auto scheduler: steps take {median * 1e3:.1f} ms against {self.best[2] * 1e3:.1f} ms "
                       "measured for the chosen plan; profiling again")
 
     # -- reporting ------------------------------------------------------------------------
