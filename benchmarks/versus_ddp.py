@@ -69,28 +69,6 @@ def parse_args(argv=None):
     return args
 
 
-def interleaved_windows(steps, rounds: int, window: int, before=None):
-    """Per-round seconds per step of each named step function, windows in AB/BA order.
-
-    ``steps`` maps a name to a function running one training step; ``before[name]``, when
-    given, runs before each of that name's windows.  Returns {name: [seconds per step, one
-    per round]} on this rank.
-    """
-    names = list(steps)
-    per_step = {name: [] for name in names}
-    for round_index in range(rounds):
-        order = names if round_index % 2 == 0 else names[::-1]
-        for name in order:
-            if before and name in before:
-                before[name]()
-            steps[name]()  # untimed: the other model's window left the caches cold
-            started = time.perf_counter()
-            for _ in range(window):
-                steps[name]()
-            per_step[name].append((time.perf_counter() - started) / window)
-    return per_step
-
-
 def momentum_of(optimizer) -> float:
     """The momentum mergecomp applies outside the wrapped SGD (the DGC memory's), which
     DDP's SGD then applies too, so both sides do the same work per step."""
@@ -135,7 +113,7 @@ def worker(args):
     search_steps = compress_benchmark.warm_up_and_settle(
         optimizer, benchmarking.make_timer(mergecomp_step, device), args, work)
 
-    mine = interleaved_windows({"ddp": synchronised(ddp_step), "mergecomp": synchronised(mergecomp_step)},
+    mine = benchmarking.interleaved_windows({"ddp": synchronised(ddp_step), "mergecomp": synchronised(mergecomp_step)},
                                args.rounds, args.window, before={"mergecomp": optimizer.restart_step_clock})
     everyone = optimizer.backend.allgather_object(mine)
     slowest = {name: [max(r[name][i] for r in everyone) for i in range(args.rounds)] for name in mine}

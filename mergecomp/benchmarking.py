@@ -108,6 +108,33 @@ def make_timer(step: Callable[[], None], device: torch.device) -> Callable[[int]
     return timed
 
 
+def interleaved_windows(steps: Dict[str, Callable[[], None]], rounds: int, window: int,
+                        before: Optional[Dict[str, Callable[[], None]]] = None) -> Dict[str, List[float]]:
+    """Per-round seconds per step of each named step function, timed in interleaved windows.
+
+    On a shared machine speed drifts within minutes; comparing runs taken one after the
+    other mixes that drift into the result.  Here each round runs one window of every
+    configuration, the order rotated by one each round (AB, BA, ... for two), so all of
+    them see the same conditions.  ``before[name]``, when given, runs before each of that
+    name's windows (switching a plan, resetting a clock); then one untimed step (the other
+    configurations left the caches and allocator cold) and ``window`` timed steps.
+    Returns {name: [seconds per step, one per round]} on this rank.
+    """
+    names = list(steps)
+    per_step: Dict[str, List[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if before and name in before:
+                before[name]()
+            steps[name]()
+            started = time.perf_counter()
+            for _ in range(window):
+                steps[name]()
+            per_step[name].append((time.perf_counter() - started) / window)
+    return per_step
+
+
 def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str, float]]) -> Dict[str, List[float]]:
     """``num_iters`` timed iterations of ``num_batches_per_iter`` steps each.
 

@@ -53,3 +53,27 @@ def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--rounds", "0"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "--rounds must be ≥ 1, got 0" in bad.stderr
+
+
+def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp_path):
+    saved, out = tmp_path / "two.json", tmp_path / "plans.json"
+    common = ["--nproc", "2", "--threads", "1", "--model", "resnet20", "--batch-size", "4",
+              "--num-warmup-batches", "1", "--compress", "--compressor", "efsignsgd"]
+    done = run(*common, "--fusion-num", "2", "--num-iters", "1", "--num-batches-per-iter", "1",
+               "--plan-out", str(saved))
+    assert done.returncode == 0, done.stderr[-2000:]
+    script = os.path.join(ROOT, "benchmarks", "interleaved_plans.py")
+    done = subprocess.run([sys.executable, script, *common, "--scheduler", "fixed", "--fusion-num", "1",
+                           "--fusion-nums", "0,3", "--plans", str(saved), "--rounds", "2", "--window", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert list(result["plans"]) == ["fixed", "fusion-num 0", "fusion-num 3", "two"]
+    assert result["plans"]["fusion-num 3"]["groups"] == 3 and result["plans"]["two"]["groups"] == 2
+    assert result["best_fixed"] in ("fusion-num 0", "fusion-num 3") and result["versus_best_fixed"] > 0
+    assert all(len(p["step_s"]) == 2 for p in result["plans"].values())
+    table = subprocess.run([sys.executable, script, "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert table.returncode == 0 and "| resnet20 | efsignsgd | 1 (1) |" in table.stdout
+    missing = subprocess.run([sys.executable, script, "--plans", str(tmp_path / "nope.json")],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "no such file" in missing.stderr

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""A scheduler's plan against every fixed ``--fusion-num`` (and saved plans), in one run.
+
+Is ``auto`` within 5% of the best fixed fusion-num?  Separate runs cannot say: on a shared
+machine the same configuration drifts by ±15% between runs, and the best of seven noisy
+cells is biased upwards.  Here one training run does it all: the scheduler (``--scheduler
+auto`` by default, configured by the flags of ``compress_benchmark.py``) searches and
+settles as usual, its search steps are reported; then the run is detached from it and
+rounds of windows of ``--window`` steps switch between its plan, the plans of
+``--fusion-nums`` (MergeComp's fixed groups, compressing every group) and any saved plans
+(``--plans binary.json``, e.g. written by ``compress_benchmark.py --scheduler binary
+--plan-out binary.json``), the order rotated each round.  Switching goes through
+``set_plan``, so error-feedback state follows the parameters and the model keeps training.
+Every window starts with one untimed step; a window's time is its slowest rank's.
+
+Printed and saved (``--json``): each plan's median step time over rounds, and the median
+over rounds of the scheduler's speed against the best fixed plan (best by median), against
+each saved plan, and the search cost in steps.
+
+    python benchmarks/cluster.py --workers 2 --profile 1gbit -- python benchmarks/interleaved_plans.py \\
+        --threads 1 --model vgg16 --batch-size 8 --compress --compressor dgc --compress-ratio 0.01 \\
+        --scheduler auto --plans binary.json --rounds 6 --window 3 --json vgg16-dgc.json
+    python benchmarks/interleaved_plans.py --table *.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import compress_benchmark  # noqa: E402
+import mergecomp  # noqa: E402
+from mergecomp import benchmarking, launch  # noqa: E402
+
+DEFAULT_FUSION_NUMS = "0,1,2,3,4,6,8"  # the sweep the scheduler is measured against
+
+
+def parse_args(argv=None):
+    p = compress_benchmark.build_parser(__doc__)
+    p.set_defaults(scheduler="auto", compress=True)
+    p.add_argument("--fusion-nums", default=DEFAULT_FUSION_NUMS,
+                   help=f"fixed fusion-nums to compare with (default {DEFAULT_FUSION_NUMS})")
+    p.add_argument("--plans", nargs="*", default=[], metavar="JSON", help="saved plans to compare with")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of one window per plan (default 6)")
+    p.add_argument("--window", type=int, default=3, help="timed steps per window (default 3)")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="print a markdown table of saved --json results and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        return args
+    compress_benchmark.check_arguments(p, args)
+    try:
+        args.fusion_nums = [int(x) for x in args.fusion_nums.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--fusion-nums must be comma-separated integers like 0,1,2,4, got {args.fusion_nums!r}")
+    if any(k < 0 for k in args.fusion_nums):
+        p.error(f"--fusion-nums must be ≥ 0, got {args.fusion_nums}")
+    for name in ("rounds", "window"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
+    for path in args.plans:
+        if not os.path.isfile(path):
+            p.error(f"--plans: no such file {path!r}; save one with compress_benchmark.py --plan-out")
+    return args
+
+
+def plan_label(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def candidate_plans(optimizer, args):
+    """{label: plan}: the scheduler's choice first, then the fixed fusion-nums, then saved plans."""
+    order = [n for g in optimizer.plan.groups for n in g.names]  # backward order
+    params = optimizer._param_infos(order)
+    plans = {args.scheduler: optimizer.plan}
+    for k in args.fusion_nums:
+        plans[f"fusion-num {k}"] = mergecomp.schedulers.create("fixed", fusion_num=k, send="compress").plan(params)
+    for path in args.plans:
+        plans[plan_label(path)] = mergecomp.Plan.load(path)
+    return plans
+
+
+def worker(args):
+    work = benchmarking.prepare(args)
+    optimizer = compress_benchmark.build_optimizer(args, work)
+
+    def step():
+        optimizer.zero_grad()
+        work.spec.loss(work.model(work.inputs), work.targets).backward()
+        optimizer.step()
+
+    timed = benchmarking.make_timer(step, work.device)
+    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
+             f"{work.batch_size} per worker, {work.size} workers; exchange {optimizer.communicator!r}")
+    search_steps = compress_benchmark.warm_up_and_settle(optimizer, timed, args, work)
+    plans = candidate_plans(optimizer, args)
+    # From here the benchmark switches plans itself: an adaptive scheduler would take the
+    # other plans' steps for drift and search again.
+    optimizer.scheduler = mergecomp.schedulers.create("fixed")
+
+    def switch_to(plan):
+        return lambda: optimizer.set_plan(plan)
+
+    mine = benchmarking.interleaved_windows({label: lambda: timed(1) for label in plans}, args.rounds,
+                                            args.window, before={label: switch_to(plan) for label, plan in plans.items()})
+    everyone = optimizer.backend.allgather_object(mine)
+    slowest = {label: [max(r[label][i] for r in everyone) for i in range(args.rounds)] for label in plans}
+    medians = {label: statistics.median(times) for label, times in slowest.items()}
+    fixed = [label for label in plans if label.startswith("fusion-num ")]
+    best_fixed = min(fixed, key=medians.get) if fixed else None
+    chosen = slowest[args.scheduler]
+
+    def speedup(label):  # the scheduler's speed over ``label``'s, round by round
+        return statistics.median(other / mine for other, mine in zip(slowest[label], chosen))
+
+    result = {
+        "model": args.model, "batch_size": work.batch_size, "workers": work.size, "device": str(work.device),
+        "compressor": args.compressor, "compress_ratio": args.compress_ratio, "memory": args.memory,
+        "comm": args.comm, "scheduler": args.scheduler, "search_steps": search_steps,
+        "rounds": args.rounds, "window": args.window,
+        "plans": {label: {"groups": len(plan), "compressed": sum(g.send == "compress" for g in plan.groups),
+                          "digest": plan.digest(), "step_s": slowest[label], "median_s": medians[label]}
+                  for label, plan in plans.items()},
+        "best_fixed": best_fixed,
+        "versus_best_fixed": speedup(best_fixed) if best_fixed else None,
+        "versus": {label: speedup(label) for label in plans if label != args.scheduler},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    for label, plan in plans.items():
+        versus = "" if label == args.scheduler else f"   {args.scheduler} is {result['versus'][label]:.3f}x as fast"
+        work.log(f"{label:<16} {len(plan):>3} groups ({result['plans'][label]['compressed']} compressed)  "
+                 f"median {medians[label] * 1e3:8.1f} ms/step{versus}")
+    if best_fixed:
+        work.log(f"{args.scheduler} against the best fixed plan ({best_fixed}): "
+                 f"{result['versus_best_fixed']:.3f}x as fast (median over {args.rounds} rounds)")
+    benchmarking.save_result(result, args.json, work)
+    dist.barrier()
+    launch.shutdown()
+    return result if work.rank == 0 else None
+
+
+def table(paths) -> str:
+    """Markdown rows of saved results, one per file."""
+    lines = ["| model | compressor | scheduler: groups (compressed) | search steps | best fixed | "
+             "scheduler / best fixed | scheduler / saved plans |", "|---|---|---|---:|---|---:|---|"]
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        mine = r["plans"][r["scheduler"]]
+        saved = ", ".join(f"{label} {value:.3f}" for label, value in r["versus"].items()
+                          if not label.startswith("fusion-num "))
+        lines.append(f"| {r['model']} | {r['compressor']} | {mine['groups']} ({mine['compressed']}) | "
+                     f"{r['search_steps']} | {r['best_fixed']} | {r['versus_best_fixed']:.3f} | {saved or '–'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+    compress_benchmark.check_names(args)
+    benchmarking.run_workers(worker, args)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
