@@ -64,3 +64,37 @@ def test_lane_unpacking_inverts_lane_packing(bits):
     from mergecomp.compressors.packing import _unpack_lanes
     codes = torch.randint(0, 2 ** bits, (8 * 64,), dtype=torch.uint8)
     assert torch.equal(_unpack_lanes(pack_bits(codes, bits), bits), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("numel", [1, 7, 9, 1001])
+def test_table_decode_matches_unpacking_then_mapping(bits, numel):
+    from mergecomp.compressors.packing import decode_codes
+    gen = torch.Generator().manual_seed(bits * 7 + numel)
+    packed = torch.randint(0, 256, (packed_nbytes(numel, bits),), generator=gen, dtype=torch.uint8)
+    values = torch.randint(-128, 128, (2 ** bits,), generator=gen, dtype=torch.int8)
+    expected = values[unpack_bits(packed, bits, numel).long()]
+    assert torch.equal(decode_codes(packed, bits, numel, values.tolist()), expected)
+    scratch = Scratch()  # the scratch version gives the same codes, twice in a row
+    assert torch.equal(decode_codes(packed, bits, numel, values.tolist(), scratch), expected)
+    assert torch.equal(decode_codes(packed, bits, numel, values.tolist(), scratch), expected)
+
+
+def test_table_decode_refuses_what_it_cannot_represent():
+    from mergecomp.compressors.packing import decode_codes
+    packed = torch.zeros(2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="int8 values"):
+        decode_codes(packed, 1, 9, (0, 200))
+    with pytest.raises(ValueError, match="int8 values"):
+        decode_codes(packed, 2, 8, (0, 1))
+    with pytest.raises(ValueError, match="truncated"):
+        decode_codes(packed, 1, 17, (0, 1))
+    with pytest.raises(ValueError, match="unpack_bits"):
+        decode_codes(packed, 3, 5, tuple(range(8)))
+
+
+def test_scratch_counter_is_kept_and_grown():
+    scratch = Scratch()
+    assert scratch.counter(5, "cpu").tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(scratch.counter(1000, "cpu"), torch.arange(1000, dtype=torch.int32))
+    assert scratch.counter(3, "cpu").tolist() == [0, 1, 2]

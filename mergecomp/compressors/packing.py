@@ -13,10 +13,11 @@ allocate (and page-fault) a fresh n-element tensor on every step.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -85,15 +86,20 @@ def _pack_lanes(flat: torch.Tensor, bits: int, out: torch.Tensor) -> None:
 
 
 def _unpack_lanes(packed: torch.Tensor, bits: int, scratch: Optional["Scratch"] = None) -> torch.Tensor:
-    """Inverse of :func:`_pack_lanes`: 8/bits codes per packed byte, as flat uint8."""
+    """Inverse of :func:`_pack_lanes`: 8/bits codes per packed byte, as flat uint8.
+
+    The lane word is wide enough for every bit that matters: copy j of the byte (shifted
+    by (8 + b)·j) puts the code bits that end up in byte j at bits 8j + 8 − b .. 8j + 7,
+    inside the word, and the copies do not overlap, so the products that overflow the word
+    only lose bits that the mask drops anyway.
+    """
     per_byte = 8 // bits
-    wide = torch.int64 if bits <= 2 else torch.int32  # holds the copies up to bit (8+b)(p−1)+8
-    spread = _wrap(sum(1 << ((8 + bits) * j) for j in range(per_byte)), 64 if wide == torch.int64 else 32)
-    mask = sum(((1 << bits) - 1) << (8 * j) for j in range(per_byte))
-    lanes = _buffer(scratch, "unpack_wide", packed.numel(), wide, packed.device).copy_(packed)
-    lanes.mul_(spread).bitwise_right_shift_(8 - bits).bitwise_and_(_wrap(mask, 64))
-    if _LANE[bits] != wide:  # the cast keeps the low bytes (the codes)
-        lanes = _buffer(scratch, "unpack_lanes", packed.numel(), _LANE[bits], packed.device).copy_(lanes)
+    lane = _LANE[bits]
+    width = 8 * per_byte
+    spread = _wrap(sum(1 << ((8 + bits) * j) for j in range(per_byte)), width)
+    mask = _wrap(sum(((1 << bits) - 1) << (8 * j) for j in range(per_byte)), width)
+    lanes = _buffer(scratch, "unpack_lanes", packed.numel(), lane, packed.device).copy_(packed)
+    lanes.mul_(spread).bitwise_right_shift_(8 - bits).bitwise_and_(mask)
     return lanes.view(torch.uint8)
 
 
@@ -181,6 +187,53 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, scratch: Optional["
     return codes.view(-1)[:numel]
 
 
+#: The integer word that holds the 8/b decoded bytes of one packed byte (see decode_codes).
+_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16, 8: torch.int8}
+
+
+@functools.lru_cache(maxsize=64)
+def _byte_table(bits: int, values: Tuple[int, ...], device: str) -> torch.Tensor:
+    """256 words: word v holds ``values[code]`` (one int8 each) for the 8/bits codes of byte v."""
+    per_byte = 8 // bits
+    shifts = torch.arange(bits * (per_byte - 1), -1, -bits)
+    codes = (torch.arange(256).unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # 256 × per_byte
+    mapped = torch.tensor(values, dtype=torch.int8)[codes]
+    return mapped.contiguous().view(_WORD[bits]).view(256).to(device)
+
+
+def decode_codes(packed: torch.Tensor, bits: int, numel: int, values: Sequence[int],
+                 scratch: Optional["Scratch"] = None) -> torch.Tensor:
+    """The first ``numel`` codes of ``packed``, each replaced by ``values[code]``, as flat int8.
+
+    A table lookup instead of :func:`unpack_bits`' shifts: a packed byte can only take 256
+    values, so the 8/bits codes it holds — already mapped to what the decoder wants, e.g.
+    ±1 for signs or the signed level ``code − offset`` — are precomputed once as one integer
+    word per byte value (8 int8 in an int64 for 1 bit, 4 in an int32 for 2 bits, 2 in an
+    int16 for 4 bits).  Decoding is then a single gather of one word per packed byte,
+    ``table[packed]``, and the caller's one ``.to(dtype)`` turns the int8 values into the
+    output: two passes where unpacking, converting and an affine ``mul_``/``add_`` took five.
+    ``values`` has one int8 (−128..127) per code, 2**bits of them; the table is cached per
+    (bits, values, device).  With a ``scratch`` the result lives in it (consume it before
+    the next call), otherwise it is a new tensor.
+    """
+    _check(packed, bits)
+    if len(values) != 1 << bits or not all(-128 <= int(v) <= 127 for v in values):
+        raise ValueError(f"decode_codes needs {1 << bits} int8 values, one per {bits}-bit code, "
+                         f"got {tuple(values)!r}")
+    if 8 % bits:
+        raise ValueError(f"decode_codes handles 1, 2, 4 and 8 bits, got {bits}; use unpack_bits")
+    need = packed_nbytes(numel, bits)
+    if packed.numel() < need:
+        raise ValueError(f"{numel} codes of {bits} bits need {need} packed bytes, "
+                         f"got {packed.numel()}: the payload was truncated or mismatched")
+    packed = packed.reshape(-1)[:need].view(torch.uint8)
+    table = _byte_table(bits, tuple(int(v) for v in values), str(packed.device))
+    index = _buffer(scratch, "decode_index", need, torch.int64, packed.device).copy_(packed)
+    words = _buffer(scratch, "decode_words", need, table.dtype, packed.device)
+    torch.index_select(table, 0, index, out=words)
+    return words.view(torch.int8)[:numel]
+
+
 class Scratch:
     """Per-thread reusable work buffers, keyed by a purpose tag, dtype and device.
 
@@ -204,6 +257,15 @@ class Scratch:
             buffers[key] = buf
         return buf[:numel]
 
+    def counter(self, numel: int, device) -> torch.Tensor:
+        """0, 1, ..., numel − 1 as int32, kept (and grown) between calls: read it, never write it."""
+        buffers = self._local.__dict__.setdefault("counters", {})
+        device = torch.device(device)
+        count = buffers.get(device)
+        if count is None or count.numel() < numel:
+            count = buffers[device] = torch.arange(max(numel, 1), dtype=torch.int32, device=device)
+        return count[:numel]
+
     def __getstate__(self):
         return {}  # buffers are a cache: copies and pickles start empty
 
@@ -213,3 +275,4 @@ class Scratch:
     def clear(self) -> None:
         """Free this thread's buffers (e.g. after the plan changed to smaller groups)."""
         self._local.__dict__.pop("buffers", None)
+        self._local.__dict__.pop("counters", None)
