@@ -9,6 +9,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Dict
 
+import numpy as np
 import torch
 
 from . import register
@@ -33,10 +34,26 @@ def uniform_subset(numel: int, k: int, generator: torch.Generator) -> torch.Tens
         return torch.randperm(numel, generator=generator)[:k]
     draws = k + k // 8 + 16
     while True:
-        distinct = torch.unique(torch.randint(0, numel, (draws,), generator=generator))
+        distinct = sorted_distinct(torch.randint(0, numel, (draws,), generator=generator))
         if distinct.numel() >= k:
             return distinct[torch.randperm(distinct.numel(), generator=generator)[:k]]
         draws *= 2
+
+
+def sorted_distinct(values: torch.Tensor) -> torch.Tensor:
+    """``torch.unique(values)`` (sorted, distinct) for a CPU integer tensor, several times faster.
+
+    On one CPU thread torch's sort costs about 70 ns per element at 10^4 int64 (the
+    selection of 1% of 1M elements), numpy's about 10 ns; the duplicates are then dropped
+    by comparing neighbours.  The generator that draws the values is a CPU one, so the
+    values are always on the CPU here.
+    """
+    ordered = torch.from_numpy(np.sort(values.numpy()))
+    if ordered.numel() < 2:
+        return ordered
+    keep = torch.ones(ordered.numel(), dtype=torch.bool)
+    torch.ne(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
 
 
 @register("randk")
@@ -74,7 +91,7 @@ class RandKCompressor(Compressor):
         flat = tensor.reshape(-1)
         indices = self._indices(name, flat.numel(), flat.device)
         scale = flat.numel() / indices.numel() if self.unbiased else 1.0
-        values = flat[indices]
+        values = torch.index_select(flat, 0, indices)  # faster than flat[indices] on the CPU
         if scale != 1.0:
             values = values * scale
         return (values,), RandKContext(tensor.shape, tensor.dtype, indices, scale)
