@@ -125,3 +125,57 @@ def test_unpacking_into_scratch_matches_fresh_buffers(bits):
     scratch = Scratch()
     assert torch.equal(unpack_bits(packed, bits, 1003, scratch), codes)
     assert torch.equal(unpack_bits(packed, bits, 1003, scratch), unpack_bits(packed, bits, 1003))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("numel", [1, 13, 1003])
+def test_sign_decoding_is_what_unpacking_then_an_affine_map_gave(dtype, numel):
+    from mergecomp.compressors.base import Context
+    from mergecomp.compressors.sign import pack_signs, unpack_signs
+    x = torch.randn(numel).to(dtype)
+    packed = pack_signs(x, Scratch())
+    old = unpack_bits(packed, 1, numel).to(dtype).mul_(-2).add_(1)
+    for scratch in (None, Scratch()):
+        got = unpack_signs(packed, Context(torch.Size([numel]), dtype), scratch)
+        assert got.dtype == dtype and torch.equal(got, old)
+
+
+def test_terngrad_levels_scale_like_the_affine_dequantisation():
+    from mergecomp.compressors.packing import decode_codes
+    from mergecomp.compressors.quantize import scale_levels
+    codes = torch.randint(0, 3, (1000,), dtype=torch.uint8)
+    scales = torch.rand(4) * 10
+    scales[1] = 0.0
+    levels = decode_codes(pack_bits(codes, 2), 2, 1000, (-1, 0, 1, 2))
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        assert torch.equal(scale_levels(levels, scales, 300, dtype), dequantize(codes, 1, scales, 300, dtype))
+
+
+def test_random_int16_differs_between_calls_and_handles_odd_lengths():
+    scratch = Scratch()
+    first = random_int16(1001, "cpu", scratch).clone()
+    second = random_int16(1001, "cpu", scratch)
+    assert first.numel() == second.numel() == 1001
+    assert (first != second).float().mean() > 0.99
+
+
+def test_stochastic_codes_above_int8_range_stay_unbiased():
+    torch.manual_seed(2)
+    offset, n = 100, 512
+    x = torch.empty(n).uniform_(-1, 1)
+    scratch = Scratch()
+    parts = bucket_parts(x, n, scratch)
+    factors = torch.full((1,), float(offset))
+    total = torch.zeros(n)
+    for _ in range(200):
+        codes = stochastic_codes(parts, factors, offset, n, scratch)
+        assert int(codes.max()) <= 2 * offset
+        total += codes.float() - offset
+    assert torch.allclose(total / 200, x * offset, atol=0.2)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 50, 10_000])
+def test_sorted_distinct_is_torch_unique(size):
+    from mergecomp.compressors.randk import sorted_distinct
+    values = torch.randint(0, max(1, size // 3), (size,))
+    assert torch.equal(sorted_distinct(values), torch.unique(values))

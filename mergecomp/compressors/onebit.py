@@ -9,7 +9,7 @@ import torch
 
 from . import register
 from .base import Compressor, Context
-from .packing import Scratch, pack_bits, unpack_bits
+from .packing import Scratch, decode_codes, pack_bits
 from .quantize import select_by_code, sign_bits
 
 
@@ -50,5 +50,5 @@ class OneBitCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, means = payload
-        negative = unpack_bits(packed, 1, ctx.numel)
+        negative = decode_codes(packed, 1, ctx.numel, (0, 1), self._scratch)
         return select_by_code(negative, means, ctx.dtype).view(ctx.shape)

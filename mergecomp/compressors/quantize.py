@@ -3,10 +3,11 @@
 They exist because the obvious torch expressions are slow on the CPU for what they do:
 ``x < 0`` and ``torch.where`` go through bool tensors (about 1 ns and 6 ns per element on
 one core, against 0.1–0.3 ns for an integer op), and ``torch.rand`` draws 32 random bits
-per element through the Mersenne Twister (about 8 ns per element).  The versions here are
-a handful of integer passes over the input's own device and dtype, and write into reusable
-:class:`~mergecomp.compressors.packing.Scratch` buffers instead of allocating n-element
-temporaries on every step.
+per element through the Mersenne Twister (about 8 ns per element; even full-range int64
+words cost 1.5 ns per 16 bits).  The versions here are a handful of vectorised passes over
+the input's own device and dtype (random bits from a counter hash keyed by torch's
+generator), and write into reusable :class:`~mergecomp.compressors.packing.Scratch`
+buffers instead of allocating n-element temporaries on every step.
 """
 from __future__ import annotations
 
@@ -50,11 +51,17 @@ def sign_mask(tensor: torch.Tensor, scratch: Scratch, tag: str = "sign") -> torc
 
 
 def sign_bits(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-    """Flat uint8 tensor, 1 where the sign bit of ``tensor`` is set (negative, or −0.0), else 0."""
-    mask = sign_mask(tensor, scratch, "sign_bits_wide")
-    codes = scratch.get("sign_bits", mask.numel(), torch.uint8, mask.device)
-    codes.copy_(mask)  # −1 becomes 255: the cast keeps the low byte
-    return codes.bitwise_and_(1)
+    """Flat uint8 tensor, 1 where the sign bit of ``tensor`` is set (negative, or −0.0), else 0.
+
+    The float's bits read as a same-width integer are negative exactly when the sign bit
+    is set: one integer comparison written straight into uint8 (a shift then a narrowing
+    copy and a mask took three passes; a float ``x < 0`` misses −0.0 and is slower).
+    """
+    flat = tensor.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    bits = flat.view(same_width_int(flat.dtype))
+    return torch.lt(bits, 0, out=scratch.get("sign_bits", flat.numel(), torch.uint8, flat.device))
 
 
 def select_by_code(codes: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -70,15 +77,38 @@ def select_by_code(codes: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
     return chosen.view(dtype)
 
 
-def random_int16(numel: int, device, scratch: Scratch) -> torch.Tensor:
-    """``numel`` int16 values, each uniform over all 65536 values, from torch's default generator.
+#: Constants of the integer hash behind :func:`random_int16` (C. Wellons' "lowbias32").
+_HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B - (1 << 32))
 
-    Drawn as full-range int64 words (four lanes each): a quarter of the generator calls of
-    one draw per element, and reproducible under ``torch.manual_seed`` like ``torch.rand``.
-    Reuses a scratch buffer: consume the result before the next call.
+
+def _xorshift_right(words: torch.Tensor, shift: int, spare: torch.Tensor) -> torch.Tensor:
+    """words ^= words >>> shift (a logical shift: torch's >> on int32 is arithmetic, hence the mask)."""
+    torch.bitwise_right_shift(words, shift, out=spare).bitwise_and_((1 << (32 - shift)) - 1)
+    return words.bitwise_xor_(spare)
+
+
+def random_int16(numel: int, device, scratch: Scratch) -> torch.Tensor:
+    """``numel`` int16 values, each uniform over all 65536 values, keyed by torch's default generator.
+
+    torch's CPU generator (the Mersenne Twister) costs about 3 ns per 32 random bits, one at
+    a time: more than all the arithmetic of a quantiser.  Here each call draws one 31-bit
+    key k from the default generator (so ``torch.manual_seed`` makes the result
+    reproducible, as with ``torch.rand``) and hashes the counters k, k + 1, ... with an
+    integer hash (multiply, xor-shift, multiply, xor-shift: the last four steps of
+    Wellons' lowbias32, a bijection of 32-bit words that mixes every input bit into both
+    halves), as counter-based generators such as Philox do.  Each 32-bit word
+    gives two int16 lanes; since the hash is a bijection and k is uniform, every lane is
+    uniform over its 65536 values.  A handful of vectorised integer passes over n/2 words.
+    Reuses scratch buffers: consume the result before the next call.
     """
-    words = scratch.get("random_words", (numel + 3) // 4, torch.int64, device)
-    words.random_(-2 ** 63, None)
+    count = (numel + 1) // 2
+    key = int(torch.randint(0, (1 << 31) - count, (1,)))
+    words = torch.add(scratch.counter(count, device), key,
+                      out=scratch.get("random_words", count, torch.int32, device))
+    spare = scratch.get("random_spare", count, torch.int32, device)
+    for multiplier in _HASH_MULTIPLIERS:
+        words.mul_(multiplier)
+        _xorshift_right(words, 16, spare)
     return words.view(torch.int16)[:numel]
 
 
@@ -92,32 +122,52 @@ def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: i
     real L, so E[c] − offset = f_b·v: a signed level rounds to either neighbour with the
     right odds, and the integer offset makes the code non-negative without a sign pass.
 
-    The level is computed in fp32 times 2^16, cast (a floor, since it is positive), plus 16
-    random bits, shifted down by 16: the mean is exact up to the 16-bit resolution of u
-    and fp32 rounding near 2^24 (together under 2^-16 of a level).  Six passes over the
-    data and one n-element fp32 scratch (reused in place for the integers); 2·offset + 1
-    must stay below 256.
+    In fp32: L + ½ = f_b·v + offset + ½, plus r·2^-16 for a 16-bit random r ∈ [−2^15, 2^15)
+    (so u = ½ + r·2^-16 takes the 65536 values k·2^-16), then the float→int8 conversion,
+    which truncates, i.e. floors the positive sum.  The mean is exact up to the 16-bit
+    resolution of u and fp32 rounding (ulp ≤ 2^-16 below 256; together under 2^-16 of a
+    level).  Five passes over the data plus the random bits (:func:`random_int16`), in two
+    n-element fp32 scratch buffers; 2·offset + 1 must stay below 256 (above 127 the last
+    conversion goes through uint8, which is several times slower on the CPU).
     """
     if not 0 < 2 * offset < MAX_ROUNDED_LEVEL:
         raise ValueError(f"stochastic codes need 0 < 2·offset < {MAX_ROUNDED_LEVEL}, got offset {offset!r}")
     size = parts[0].shape[1]
     rows = sum(part.shape[0] for part in parts)
     device = parts[0].device
-    work = scratch.get("levels", rows * size, torch.float32, device)
-    scaled = factors.to(torch.float32) * float(1 << ROUNDING_BITS)
+    levels = scratch.get("levels", rows * size, torch.float32, device)
+    factors = factors.to(torch.float32)
     row = 0
     for part in parts:
         count = part.shape[0]
-        torch.mul(part, scaled[row: row + count, None], out=work[row * size: (row + count) * size].view(count, size))
+        torch.mul(part, factors[row: row + count, None], out=levels[row * size: (row + count) * size].view(count, size))
         row += count
-    # 2^16·(offset + f·v) + 2^15 is positive and exact enough in fp32 (below 2^24).
-    work.add_(float((offset << ROUNDING_BITS) + (1 << (ROUNDING_BITS - 1))))
-    levels = work.view(torch.int32)
-    levels.copy_(work)  # in place, element by element: the cast truncates, i.e. floors
-    levels.add_(random_int16(levels.numel(), device, scratch))  # now F + u16, u16 in 0..65535
-    levels.bitwise_right_shift_(ROUNDING_BITS).clamp_(0, 2 * offset)
+    levels = levels[:numel].add_(offset + 0.5)
+    noise = scratch.get("noise", numel, torch.float32, device).copy_(random_int16(numel, device, scratch))
+    levels.add_(noise, alpha=2.0 ** -ROUNDING_BITS)
     codes = scratch.get("codes", numel, torch.uint8, device)
-    return codes.copy_(levels[:numel])
+    if 2 * offset + 1 <= 127:  # fp32 → int8 is vectorised, fp32 → uint8 is not
+        codes.view(torch.int8).copy_(levels)
+    else:
+        codes.copy_(levels)
+    return codes.clamp_max_(2 * offset)
+
+
+def scale_levels(levels: torch.Tensor, scales: torch.Tensor, bucket_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """New tensor of ``dtype``: ℓ·scale_b for each signed integer level ℓ of bucket b.
+
+    ``levels`` are small integers (int8 from :func:`~mergecomp.compressors.packing.decode_codes`),
+    so the conversion to fp32 is exact and each value is rounded once, by the product.
+    """
+    n = levels.numel()
+    values = levels.to(torch.float32)
+    scales = scales.to(torch.float32)
+    full = n // bucket_size
+    if full:
+        values[: full * bucket_size].view(full, bucket_size).mul_(scales[:full, None])
+    if n > full * bucket_size:
+        values[full * bucket_size:].mul_(scales[full])
+    return values if dtype == torch.float32 else values.to(dtype)
 
 
 def dequantize(codes: torch.Tensor, offset: int, scales: torch.Tensor, bucket_size: int,

@@ -18,7 +18,7 @@ import torch
 from ..momentum import refuse_optimizer_momentum
 from . import register
 from .base import Compressor, Context
-from .packing import Scratch, pack_bits, unpack_bits
+from .packing import Scratch, decode_codes, pack_bits
 from .quantize import sign_bits
 
 
@@ -27,11 +27,14 @@ def pack_signs(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     return pack_bits(sign_bits(tensor, scratch), 1)
 
 
-def unpack_signs(packed: torch.Tensor, ctx: Context) -> torch.Tensor:
-    """±1 tensor of ``ctx``'s shape and dtype from :func:`pack_signs`' bytes."""
-    negative = unpack_bits(packed, 1, ctx.numel)
-    signs = negative.to(ctx.dtype).mul_(-2).add_(1)
-    return signs.view(ctx.shape)
+def unpack_signs(packed: torch.Tensor, ctx: Context, scratch: Scratch = None) -> torch.Tensor:
+    """New ±1 tensor of ``ctx``'s shape and dtype from :func:`pack_signs`' bytes.
+
+    The table lookup maps a clear bit to +1 and a set bit to −1 as int8, so the only pass
+    over the n outputs is the conversion to ``ctx.dtype``.
+    """
+    signs = decode_codes(packed, 1, ctx.numel, (1, -1), scratch)
+    return signs.to(ctx.dtype).view(ctx.shape)
 
 
 class _MajorityVote(Compressor):
@@ -65,7 +68,7 @@ class SignSGDCompressor(_MajorityVote):
         return (pack_signs(tensor, self._scratch),), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
-        return unpack_signs(payload[0], ctx)
+        return unpack_signs(payload[0], ctx, self._scratch)
 
 
 @register("signum")
@@ -104,7 +107,7 @@ class SignumCompressor(_MajorityVote):
         return (pack_signs(momentum, self._scratch),), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
-        return unpack_signs(payload[0], ctx)
+        return unpack_signs(payload[0], ctx, self._scratch)
 
     def state_dict(self):
         return {"momenta": {k: v.detach().clone() for k, v in self.momenta.items()}}
@@ -142,4 +145,4 @@ class EFSignSGDCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, scale = payload
-        return unpack_signs(packed, ctx).mul_(scale.to(ctx.dtype))
+        return unpack_signs(packed, ctx, self._scratch).mul_(scale.to(ctx.dtype))

@@ -10,8 +10,8 @@ import torch
 from . import register
 from .base import Compressor, Context
 from .buckets import bucket_parts, bucket_peaks, check_bucket_size, padded_fp32_buckets
-from .packing import Scratch, pack_bits, unpack_bits
-from .quantize import dequantize, stochastic_codes
+from .packing import Scratch, decode_codes, pack_bits
+from .quantize import scale_levels, stochastic_codes
 
 
 @register("terngrad")
@@ -75,8 +75,9 @@ class TernGradCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, scales = payload
-        codes = unpack_bits(packed, 2, ctx.numel, self._scratch)
-        return dequantize(codes, 1, scales, self.bucket_size, ctx.dtype).view(ctx.shape)
+        # Code c stands for c − 1 times the scale (code 3 is never sent; it decodes as 2·S).
+        levels = decode_codes(packed, 2, ctx.numel, (-1, 0, 1, 2), self._scratch)
+        return scale_levels(levels, scales, self.bucket_size, ctx.dtype).view(ctx.shape)
 
     def __repr__(self):
         return f"TernGradCompressor(bucket_size={self.bucket_size}, clip={self.clip})"
