@@ -44,7 +44,13 @@ def test_auto_scheduler_profiles_checks_and_settles_identically():
     assert settled and other[0] and digest == other[1] and params == other[4]
     assert [label for label, _ in report][0] == "optimal"
     assert all(isinstance(m, float) and m > 0 for _, m in report)  # every candidate measured
-    assert steps <= 1 + 2 + 2 * 7 * 2 + 1  # two rounds of at most 7 candidates, 2 steps a visit
+    # Profile (2), interference and slowdown (3 + 3), then two rounds: at most 11 candidates,
+    # then the faster half, 2 steps a visit.
+    assert steps <= 1 + 2 + 2 * 3 + 2 * (11 + 6) + 1
+    labels = [label for label, _ in report]
+    assert len(labels) >= 3 and "fusion-num 0" in labels  # duplicates dropped (a 6-tensor model)
+    assert set(labels) <= {"optimal", "no compression", "all compressed", "DDP buckets"} | {
+        f"fusion-num {k}" for k in (0, 1, 2, 3, 4, 6, 8)}
     # The profile timed the wrapped SGD's step and probed every send mode's finish phase.
     optimizer_step, finish, launch, slowdown = results[0][5]
     assert 0 < optimizer_step < 1 and finish == ["bf16", "compress", "fp16", "fp32"]
@@ -59,10 +65,16 @@ def test_binary_scheduler_searches_and_settles_identically():
     assert results[0][1] == results[1][1] and results[0][4] == results[1][4]
 
 
-def test_auto_check_rounds_keep_only_the_contenders():
+def test_auto_check_rounds_keep_the_faster_half_and_the_close_ones():
     scheduler = mergecomp.schedulers.create("auto", contender_margin=0.15, log=None)
     scheduler._times = {0: [1.0, 1.2], 1: [1.1, 1.3], 2: [2.0, 2.1], 3: []}
     assert scheduler._contenders() == [0, 1]  # medians 1.1, 1.2 (within 15%), 2.05 out, 3 unmeasured
+    # Halving keeps a candidate that one bad visit put 30% behind, when it is in the faster half.
+    scheduler._times = {0: [1.0], 1: [1.3], 2: [1.4], 3: [1.5], 4: [2.0]}
+    assert scheduler._contenders() == [0, 1, 2]
+    # Only the candidates still in the race count, so the field shrinks round by round.
+    scheduler._race = [0, 1, 2]
+    assert scheduler._contenders() == [0, 1]
     scheduler._times = {}
     assert scheduler._contenders() == []
 
@@ -73,6 +85,8 @@ def test_auto_scheduler_refuses_bad_check_settings():
         mergecomp.schedulers.create("auto", check_rounds=0)
     with pytest.raises(ValueError, match="contender_margin"):
         mergecomp.schedulers.create("auto", contender_margin=-0.1)
+    with pytest.raises(ValueError, match="fusion_candidates"):
+        mergecomp.schedulers.create("auto", fusion_candidates=(1, -1))
 
 
 class _OneRank:

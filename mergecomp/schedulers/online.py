@@ -29,16 +29,20 @@ and broadcasting:
    so the shortest rank's median (the rank that waited least) is taken on both sides.
 2. **check** (in rounds of ``check_steps`` + 1 steps per candidate): three plans from the DP
    — the optimum, the best plan without compression, the best plan compressing every group —
-   MergeComp's fixed plans with 1, 2 and 4 compressed groups (the neighbours a cost model is
+   MergeComp's fixed plans for each of ``fusion_candidates`` (by default the whole sweep
+   0, 1, 2, 3, 4, 6, 8 a user would otherwise run by hand: the neighbours a cost model is
    most likely to misjudge) and DDP's plan (raw FP32 buckets of 25 MB,
-   :class:`~mergecomp.schedulers.bucket.BucketScheduler`), each run for real (the first step
-   after a switch not counted).  The candidates are visited in turn, and again in up to
-   ``check_rounds`` rounds, each later round only for the contenders whose median so far is
-   within ``contender_margin`` of the fastest: a burst of load on a shared machine then
-   falls on one visit of a candidate, not on all of its samples, and clearly slower plans
-   stop costing steps.  The lowest median over all of a candidate's steps wins, so a
-   mispredicting cost model cannot make training slower than the best uncompressed plan,
-   DDP's buckets or the best fixed fusion it measured.  A candidate whose switch would lose
+   :class:`~mergecomp.schedulers.bucket.BucketScheduler`), duplicates dropped, each run for
+   real (the first step after a switch not counted).  The candidates are visited in turn,
+   and again in up to ``check_rounds`` rounds, each later round only for the contenders:
+   the faster half by median so far (at least two), plus any within ``contender_margin`` of
+   the fastest.  Halving, not a margin alone, because one visit of three steps on a shared
+   machine can be off by a third: a margin would drop the true best on one bad visit, while
+   half the field keeps it unless it was measured slower than half of the others.  A burst of
+   load then falls on one visit of a candidate, not on all of its samples, and clearly
+   slower plans stop costing steps.  The lowest median over all of a candidate's steps wins,
+   so a mispredicting cost model cannot make training slower than the best uncompressed
+   plan, DDP's buckets or the best fixed fusion-num it measured.  A candidate whose switch would lose
    state (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
    During the profiled steps and the counted check steps, the optimizer's
    ``phase_listener`` times each group's finish phase and the launch of each step's first
@@ -54,8 +58,8 @@ and broadcasting:
 
 Iteration times are wall-clock between the ends of consecutive ``step()`` calls, the
 maximum over ranks.  The search cost is ``profile_steps + 2·interference_steps`` steps plus
-``(check_steps + 1)`` per visit: c ≤ 7 visits in the first round and one per contender in
-each later one, plus the probes.
+``(check_steps + 1)`` per visit: one per candidate in the first round (at most 11) and one
+per contender in each later one (about half as many each round), plus the probes.
 """
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ import dataclasses
 import statistics
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -89,7 +93,8 @@ class OnlineOptimalScheduler(Scheduler):
     def __init__(self, profile_steps: int = 5, check_steps: int = 3, watch_every: int = 50,
                  drift: float = 0.25, allow_half: bool = False, profile_out: Optional[str] = None,
                  log: Optional[Callable[[str], None]] = print, interference_steps: int = 3,
-                 check_rounds: int = 3, contender_margin: float = 0.15):
+                 check_rounds: int = 3, contender_margin: float = 0.15,
+                 fusion_candidates: Sequence[int] = (0, 1, 2, 3, 4, 6, 8)):
         for what, value, least in (("profile_steps", profile_steps, 2), ("check_steps", check_steps, 1),
                                    ("watch_every", watch_every, 1), ("interference_steps", interference_steps, 0),
                                    ("check_rounds", check_rounds, 1)):
@@ -97,11 +102,16 @@ class OnlineOptimalScheduler(Scheduler):
                 raise ValueError(f"auto scheduler {what} must be an integer ≥ {least}, got {value!r}")
         if not drift > 0:
             raise ValueError(f"auto scheduler drift must be a fraction > 0 (0.25 = 25% slower), got {drift!r}")
+        fusion_candidates = tuple(fusion_candidates)
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in fusion_candidates):
+            raise ValueError(f"auto scheduler fusion_candidates must be integers ≥ 0 (fusion-nums, 0 = "
+                             f"layer-wise), got {fusion_candidates!r}")
         if not contender_margin >= 0:
             raise ValueError(f"auto scheduler contender_margin must be a fraction ≥ 0 (0.15 = within 15% of "
                              f"the fastest), got {contender_margin!r}")
         self.profile_steps, self.check_steps, self.watch_every = profile_steps, check_steps, watch_every
         self.check_rounds, self.contender_margin = check_rounds, float(contender_margin)
+        self.fusion_candidates = fusion_candidates
         self.interference_steps = interference_steps
         self.drift, self.allow_half, self.profile_out = float(drift), bool(allow_half), profile_out
         self._log = log
@@ -116,6 +126,7 @@ class OnlineOptimalScheduler(Scheduler):
         self._samples: List[float] = []
         self._candidates: List[Tuple[str, Plan, float]] = []
         self._queue: List[int] = []  # candidates (indices) still to visit in this round
+        self._race: Optional[List[int]] = None  # candidates of this round (None: all)
         self._times: Dict[int, List[float]] = {}  # counted step times per candidate, max over ranks
         self._skipped: Dict[int, str] = {}
         self._round = 0
@@ -326,6 +337,7 @@ class OnlineOptimalScheduler(Scheduler):
         self._queue = list(range(len(self._candidates)))
         self._times = {index: [] for index in self._queue}
         self._skipped, self._round = {}, 0
+        self._race = list(self._queue)
         self.report = []
         self.phase = "check"
         self._pending = []
@@ -379,7 +391,7 @@ class OnlineOptimalScheduler(Scheduler):
                 continue
             if all(plan.digest() != p.digest() for _, p, _ in found):
                 found.append((label, plan, predict(plan, self.profile).iteration_time))
-        fixed = [(f"fusion-num {groups}", FixedScheduler(groups, send="compress")) for groups in (1, 2, 4)]
+        fixed = [(f"fusion-num {groups}", FixedScheduler(groups, send="compress")) for groups in self.fusion_candidates]
         for label, scheduler in fixed + [("DDP buckets", BucketScheduler(send="fp32"))]:
             plan = scheduler.plan(params)
             if all(plan.digest() != p.digest() for _, p, _ in found):
@@ -400,6 +412,7 @@ class OnlineOptimalScheduler(Scheduler):
             return
         self._round += 1
         self._queue = self._contenders()
+        self._race = list(self._queue)
         if self._round < self.check_rounds and len(self._queue) > 1:
             self._next_candidate(optimizer)
             return
@@ -410,12 +423,18 @@ class OnlineOptimalScheduler(Scheduler):
         self._choose(optimizer)
 
     def _contenders(self) -> List[int]:
-        """Candidates whose median so far is within ``contender_margin`` of the fastest's."""
-        medians = {index: statistics.median(times) for index, times in self._times.items() if times}
+        """Of the candidates still in the race (all, before the first round), the faster half
+        by median (at least two), plus any within ``contender_margin`` of the fastest; in
+        candidate order."""
+        medians = {index: statistics.median(times) for index, times in self._times.items()
+                   if times and (self._race is None or index in self._race)}
         if not medians:
             return []
-        fastest = min(medians.values())
-        return [index for index in sorted(medians) if medians[index] <= fastest * (1 + self.contender_margin)]
+        ranked = sorted(medians, key=lambda index: (medians[index], index))
+        keep = set(ranked[:max(2, (len(ranked) + 1) // 2)])
+        fastest = medians[ranked[0]]
+        keep.update(index for index in ranked if medians[index] <= fastest * (1 + self.contender_margin))
+        return sorted(keep)
 
     def _check(self, optimizer, seconds):
         self._samples.append(seconds)
@@ -515,5 +534,5 @@ class OnlineOptimalScheduler(Scheduler):
 
     def __repr__(self):
         return (f"OnlineOptimalScheduler(profile_steps={self.profile_steps}, check_steps={self.check_steps}, "
-                f"check_rounds={self.check_rounds}, "
+                f"check_rounds={self.check_rounds}, fusion_candidates={self.fusion_candidates}, "
                 f"watch_every={self.watch_every}, drift={self.drift})")
