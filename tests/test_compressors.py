@@ -50,6 +50,14 @@ def test_round_trip_keeps_shape_dtype_device_and_stays_finite(name, dtype, case)
         assert not decoded.any(), f"{name} decoded a zero gradient as non-zero"
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "atomo"])
+def test_fp64_gradients_round_trip_as_fp64(name):
+    torch.manual_seed(0)
+    tensor = torch.randn(1000, dtype=torch.float64)
+    decoded, _ = run_locally(compressors.create(name), tensor, "group")
+    assert decoded.dtype == torch.float64 and decoded.shape == tensor.shape and torch.isfinite(decoded).all()
+
+
 @pytest.mark.parametrize("name", ["none", "fp32", "fp16", "bf16"])
 def test_dense_casts_are_close(name):
     x = torch.randn(1000)

@@ -71,13 +71,21 @@ def bucket_peaks(parts: List[torch.Tensor]) -> torch.Tensor:
     return per_bucket(parts, lambda p: torch.maximum(p.amax(dim=1), p.amin(dim=1).neg()).float())
 
 
+def _fp32_row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """‖row‖₂ of each row as fp32 (fp64 rows are reduced in fp64 first: torch refuses to
+    narrow them inside the reduction)."""
+    if rows.dtype == torch.float64:
+        return torch.linalg.vector_norm(rows, dim=1).float()
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+
+
 def bucket_norms(parts: List[torch.Tensor]) -> torch.Tensor:
     """‖v‖₂ of each bucket in fp32, without overflow for |v| ~ 1e30 or underflow for 1e-30.
 
     The plain fp32 norm squares the values, so it overflows above ~1e19 and loses buckets
     below ~1e-19; those (rare) buckets are recomputed as peak · ‖v / peak‖.
     """
-    norms = per_bucket(parts, lambda p: torch.linalg.vector_norm(p, dim=1, dtype=torch.float32))
+    norms = per_bucket(parts, _fp32_row_norms)
     suspect = ~(torch.isfinite(norms) & (norms >= 1e-15))
     if bool(suspect.any()):  # only the suspect rows are gathered and redone
         start = 0
