@@ -54,14 +54,17 @@ def sign_bits(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     """Flat uint8 tensor, 1 where the sign bit of ``tensor`` is set (negative, or −0.0), else 0.
 
     The float's bits read as a same-width integer are negative exactly when the sign bit
-    is set: one integer comparison written straight into uint8 (a shift then a narrowing
-    copy and a mask took three passes; a float ``x < 0`` misses −0.0 and is slower).
+    is set: one integer comparison into a bool buffer, whose bytes are already 0/1, read as
+    uint8 (a shift then a narrowing copy and a mask took three passes; a float ``x < 0``
+    misses −0.0).  The comparison must write bool: asked for uint8 directly, torch computes
+    a bool temporary and casts it, five times slower at 25M elements.
     """
     flat = tensor.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     bits = flat.view(same_width_int(flat.dtype))
-    return torch.lt(bits, 0, out=scratch.get("sign_bits", flat.numel(), torch.uint8, flat.device))
+    negative = torch.lt(bits, 0, out=scratch.get("sign_bits", flat.numel(), torch.bool, flat.device))
+    return negative.view(torch.uint8)
 
 
 def select_by_code(codes: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
