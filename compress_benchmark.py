@@ -15,7 +15,6 @@ workers, and the bytes each worker handed to the collective backend per training
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -197,8 +196,4 @@ def check_names(args) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    benchmarking.exit_with(main)

@@ -172,8 +172,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    benchmarking.exit_with(main)

@@ -206,6 +206,16 @@ def save_result(result: Dict[str, Any], path: Optional[str], work: Workload) -> 
             json.dump(result, f, indent=2)
 
 
+def exit_with(main: Callable[[], int]) -> None:
+    """Run a benchmark script's ``main()`` and exit with its code; a ValueError (an unknown
+    name, a value out of range) is printed as ``error: ...`` and exits 2, without a traceback."""
+    try:
+        sys.exit(main())
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
 def run_workers(worker: Callable[[Any], Any], args) -> None:
     """Run ``worker(args)`` here when a launcher started us, or spawn ``args.nproc`` local ranks."""
     launcher = launch.detect().launcher
