@@ -139,12 +139,7 @@ def worker(args):
     optimizer = build_optimizer(args, work)
     backend = optimizer.backend
 
-    def benchmark_step():
-        optimizer.zero_grad()
-        work.spec.loss(work.model(work.inputs), work.targets).backward()
-        optimizer.step()
-
-    timed = benchmarking.make_timer(benchmark_step, work.device)
+    timed = benchmarking.make_timer(benchmarking.training_step(work, work.model, optimizer), work.device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker")
     work.log(f"Workers: {work.size} ({work.info.launcher}), device: {work.device}, backend: "
@@ -175,6 +170,17 @@ def main(argv=None):
         print("memories:      ", ", ".join(mergecomp.memories.available()))
         print("communicators: ", ", ".join(mergecomp.communicators.available()))
         print("schedulers:    ", ", ".join(mergecomp.schedulers.available()))
+        return 0
+    check_names(args)
+    benchmarking.run_workers(worker, args)
+    return 0
+
+
+def run_or_table(args, worker, table) -> int:
+    """``main()`` of the benchmarks built on these flags: print the ``--table`` of saved
+    results, or check the names and run ``worker`` on every rank."""
+    if args.table:
+        print(table(args.table))
         return 0
     check_names(args)
     benchmarking.run_workers(worker, args)

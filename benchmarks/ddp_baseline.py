@@ -138,12 +138,7 @@ def worker(args):
     exchange, buckets = register_hook(model, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
-    def benchmark_step():
-        optimizer.zero_grad()
-        work.spec.loss(model(work.inputs), work.targets).backward()
-        optimizer.step()
-
-    timed = benchmarking.make_timer(benchmark_step, device)
+    timed = benchmarking.make_timer(benchmarking.training_step(work, model, optimizer), device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker")
     work.log(f"Workers: {work.size} ({work.info.launcher}), device: {device}, backend: {dist.get_backend()}")

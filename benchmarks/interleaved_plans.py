@@ -91,12 +91,7 @@ def worker(args):
     work = benchmarking.prepare(args)
     optimizer = compress_benchmark.build_optimizer(args, work)
 
-    def step():
-        optimizer.zero_grad()
-        work.spec.loss(work.model(work.inputs), work.targets).backward()
-        optimizer.step()
-
-    timed = benchmarking.make_timer(step, work.device)
+    timed = benchmarking.make_timer(benchmarking.training_step(work, work.model, optimizer), work.device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker, {work.size} workers; exchange {optimizer.communicator!r}")
     search_steps = compress_benchmark.warm_up_and_settle(optimizer, timed, args, work)
@@ -162,13 +157,7 @@ def table(paths) -> str:
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.table:
-        print(table(args.table))
-        return 0
-    compress_benchmark.check_names(args)
-    benchmarking.run_workers(worker, args)
-    return 0
+    return compress_benchmark.run_or_table(parse_args(argv), worker, table)
 
 
 if __name__ == "__main__":

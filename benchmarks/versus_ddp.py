@@ -85,15 +85,8 @@ def worker(args):
     optimizer = compress_benchmark.build_optimizer(args, work)
     ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=momentum_of(optimizer))
 
-    def ddp_step():
-        ddp_optimizer.zero_grad()
-        work.spec.loss(ddp(work.inputs), work.targets).backward()
-        ddp_optimizer.step()
-
-    def mergecomp_step():
-        optimizer.zero_grad()
-        work.spec.loss(work.model(work.inputs), work.targets).backward()
-        optimizer.step()
+    ddp_step = benchmarking.training_step(work, ddp, ddp_optimizer)
+    mergecomp_step = benchmarking.training_step(work, work.model, optimizer)
 
     def synchronised(step):
         def run():
@@ -157,13 +150,7 @@ def table(paths) -> str:
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.table:
-        print(table(args.table))
-        return 0
-    compress_benchmark.check_names(args)
-    benchmarking.run_workers(worker, args)
-    return 0
+    return compress_benchmark.run_or_table(parse_args(argv), worker, table)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,16 @@ def prepare(args) -> Workload:
     return Workload(info, device, spec, batch_size, model, inputs, targets, num_params)
 
 
+def training_step(work: Workload, model: torch.nn.Module, optimizer) -> Callable[[], None]:
+    """One synthetic training step of ``model`` on ``work``'s batch: zero_grad, forward, loss,
+    backward, ``optimizer.step()`` — the step every benchmark times."""
+    def step() -> None:
+        optimizer.zero_grad()
+        work.spec.loss(model(work.inputs), work.targets).backward()
+        optimizer.step()
+    return step
+
+
 def make_timer(step: Callable[[], None], device: torch.device) -> Callable[[int], float]:
     """``timed(n)``: seconds for n calls of ``step``, the device synchronised at both ends."""
     def timed(batches: int) -> float:
