@@ -218,12 +218,19 @@ def save_result(result: Dict[str, Any], path: Optional[str], work: Workload) -> 
 
 def exit_with(main: Callable[[], int]) -> None:
     """Run a benchmark script's ``main()`` and exit with its code; a ValueError (an unknown
-    name, a value out of range) is printed as ``error: ...`` and exits 2, without a traceback."""
+    name, a value out of range) is printed as ``error: ...`` and exits 2, without a traceback.
+
+    A rank started by a launcher (torchrun, mpirun) exits without the interpreter's
+    teardown once ``main()`` returned (see :func:`launch.exit_without_teardown`).
+    """
     try:
-        sys.exit(main())
+        code = main()
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    if launch.detect().launcher not in ("single", "spawn"):
+        launch.exit_without_teardown(code or 0)
+    sys.exit(code)
 
 
 def run_workers(worker: Callable[[Any], Any], args) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
 import zlib
@@ -342,6 +343,24 @@ def _run_child(fn, args, env, sender) -> None:
         os._exit(1)  # skip interpreter teardown, which can block on a broken collective
     if dist.is_initialized():
         dist.destroy_process_group()
+    exit_without_teardown(0)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Flush stdout and stderr, then end this rank with ``code`` at once.
+
+    A rank's work is done (its result sent or written) by the time it exits, but the
+    interpreter's teardown still destroys the collectives' C++ objects, and a worker
+    thread found joinable there aborts the process ("terminate called without an active
+    exception", signal 6) after a successful run, rarely and at random.  Skipping the
+    teardown makes the exit code the run's own.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream: nothing more can be written anyway
+            pass
+    os._exit(code)
 
 
 @dataclass

@@ -1,4 +1,5 @@
 """Launch discovery from fake environments, and real runs through spawn and mpirun."""
+import atexit
 import os
 import re
 import shutil
@@ -165,6 +166,16 @@ def test_a_child_that_dies_reports_its_exit_code():
     with pytest.raises(SpawnedProcessError, match="rank 0 exited with code 3") as caught:
         launch.spawn(_exit_with_code, 1, args=(3,))
     assert caught.value.exitcode == 3
+
+
+def _done_then_aborting_teardown():
+    atexit.register(os.abort)  # stands in for a collective's thread aborting at teardown
+    return "done"
+
+
+def test_a_finished_child_exits_before_the_interpreter_teardown():
+    """A rank whose result is sent skips the teardown, where gloo's threads can abort it."""
+    assert launch.spawn(_done_then_aborting_teardown, 2, timeout_s=60) == ["done", "done"]
 
 
 def _init_without_any_launcher():
