@@ -4,7 +4,7 @@ import torch
 
 from mergecomp.compressors.buckets import bucket_norms, bucket_parts, bucket_peaks
 from mergecomp.compressors.packing import Scratch, pack_bits, unpack_bits
-from mergecomp.compressors.quantize import (dequantize, random_int16, select_by_code, sign_bits,
+from mergecomp.compressors.quantize import (dequantize, random_int16, sign_bits,
                                             stochastic_codes)
 from mergecomp.compressors.selection import BLOCK, BlockPeaks, exact_top_k
 
@@ -51,15 +51,6 @@ def test_sign_bits_are_the_negative_mask(dtype):
     x[5] = 0.0
     assert torch.equal(sign_bits(x, Scratch()), (x < 0).to(torch.uint8))
     assert sign_bits(torch.tensor([-0.0], dtype=dtype), Scratch()).item() == 1  # the IEEE sign bit
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_select_by_code_copies_the_chosen_value_bit_for_bit(dtype):
-    codes = torch.randint(0, 2, (999,), dtype=torch.uint8)
-    values = torch.tensor([0.1234567, -98.7654321], dtype=dtype)
-    got = select_by_code(codes, values, dtype)
-    assert got.dtype == dtype
-    assert torch.equal(got, torch.where(codes.bool(), values[1], values[0]))
 
 
 def test_random_int16_is_uniform_over_all_bits():
@@ -141,13 +132,13 @@ def test_sign_decoding_is_what_unpacking_then_an_affine_map_gave(dtype, numel):
 
 
 def test_terngrad_levels_scale_like_the_affine_dequantisation():
-    from mergecomp.compressors.packing import decode_codes
+    from mergecomp.compressors.packing import decode_values
     from mergecomp.compressors.quantize import scale_levels
     codes = torch.randint(0, 3, (1000,), dtype=torch.uint8)
     scales = torch.rand(4) * 10
     scales[1] = 0.0
-    levels = decode_codes(pack_bits(codes, 2), 2, 1000, (-1, 0, 1, 2))
     for dtype in (torch.float32, torch.float16, torch.float64):
+        levels = decode_values(pack_bits(codes, 2), 2, 1000, torch.tensor([-1.0, 0.0, 1.0, 2.0]))
         assert torch.equal(scale_levels(levels, scales, 300, dtype), dequantize(codes, 1, scales, 300, dtype))
 
 
@@ -179,3 +170,55 @@ def test_sorted_distinct_is_torch_unique(size):
     from mergecomp.compressors.randk import sorted_distinct
     values = torch.randint(0, max(1, size // 3), (size,))
     assert torch.equal(sorted_distinct(values), torch.unique(values))
+
+
+
+def _run_both_paths(fn, monkeypatch):
+    """fn() on the numpy kernels, then on the torch ops (as on a GPU), from the same seed."""
+    from mergecomp.compressors import numpy_kernels
+    torch.manual_seed(3)
+    with_numpy = fn()
+    with monkeypatch.context() as patch:
+        patch.setattr(numpy_kernels, "on_cpu", lambda tensor: False)
+        torch.manual_seed(3)
+        with_torch = fn()
+    return with_numpy, with_torch
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "signum", "onebit", "terngrad", "qsgd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_numpy_and_torch_paths_give_the_same_bits(name, dtype, monkeypatch):
+    """The CPU's numpy kernels and the torch ops that other devices run agree bit for bit:
+    payloads (random bits included) and decoded tensors."""
+    from mergecomp import compressors
+    x = torch.randn(3001, generator=torch.Generator().manual_seed(5)).to(dtype)
+    x[7] = -0.0
+
+    def step():
+        compressor = compressors.create(name)
+        payload, ctx = compressor.compress(x, "g")
+        return [p.clone() for p in payload], compressor.decompress(payload, ctx)
+
+    (numpy_payload, numpy_decoded), (torch_payload, torch_decoded) = _run_both_paths(step, monkeypatch)
+    assert all(_same_bits(a, b) for a, b in zip(numpy_payload, torch_payload))
+    assert _same_bits(numpy_decoded, torch_decoded)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_packing_kernels_agree_between_numpy_and_torch(bits, monkeypatch):
+    from mergecomp.compressors.packing import decode_values
+    codes = torch.randint(0, 2 ** bits, (1003,), dtype=torch.uint8)
+    values = torch.randn(2 ** bits)
+
+    def kernels():
+        packed = pack_bits(codes, bits)
+        return packed, unpack_bits(packed, bits, 1003).clone(), decode_values(packed, bits, 1003, values), \
+            random_int16(1001, "cpu", Scratch()).clone()
+
+    for a, b in zip(*_run_both_paths(kernels, monkeypatch)):
+        assert _same_bits(a, b)

@@ -66,31 +66,27 @@ def test_lane_unpacking_inverts_lane_packing(bits):
     assert torch.equal(_unpack_lanes(pack_bits(codes, bits), bits), codes)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("numel", [1, 7, 9, 1001])
-def test_table_decode_matches_unpacking_then_mapping(bits, numel):
-    from mergecomp.compressors.packing import decode_codes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_table_decode_matches_unpacking_then_mapping(bits, numel, dtype):
+    from mergecomp.compressors.packing import decode_values
     gen = torch.Generator().manual_seed(bits * 7 + numel)
     packed = torch.randint(0, 256, (packed_nbytes(numel, bits),), generator=gen, dtype=torch.uint8)
-    values = torch.randint(-128, 128, (2 ** bits,), generator=gen, dtype=torch.int8)
+    values = torch.randn(2 ** bits, generator=gen).to(dtype)
     expected = values[unpack_bits(packed, bits, numel).long()]
-    assert torch.equal(decode_codes(packed, bits, numel, values.tolist()), expected)
-    scratch = Scratch()  # the scratch version gives the same codes, twice in a row
-    assert torch.equal(decode_codes(packed, bits, numel, values.tolist(), scratch), expected)
-    assert torch.equal(decode_codes(packed, bits, numel, values.tolist(), scratch), expected)
+    got = decode_values(packed, bits, numel, values)
+    assert got.dtype == dtype and got.shape == (numel,)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # bit for bit
 
 
 def test_table_decode_refuses_what_it_cannot_represent():
-    from mergecomp.compressors.packing import decode_codes
+    from mergecomp.compressors.packing import decode_values
     packed = torch.zeros(2, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="int8 values"):
-        decode_codes(packed, 1, 9, (0, 200))
-    with pytest.raises(ValueError, match="int8 values"):
-        decode_codes(packed, 2, 8, (0, 1))
+    with pytest.raises(ValueError, match="needs 4 values"):
+        decode_values(packed, 2, 8, torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="truncated"):
-        decode_codes(packed, 1, 17, (0, 1))
-    with pytest.raises(ValueError, match="unpack_bits"):
-        decode_codes(packed, 3, 5, tuple(range(8)))
+        decode_values(packed, 1, 17, torch.tensor([0.0, 1.0]))
 
 
 def test_scratch_counter_is_kept_and_grown():

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from . import register
+from . import numpy_kernels, register
 from .base import Compressor, Context
-from .packing import Scratch, decode_codes, pack_bits
-from .quantize import select_by_code, sign_bits
+from .packing import Scratch, decode_values, pack_bits
+from .quantize import sign_bits
 
 
 @register("onebit")
@@ -41,8 +41,12 @@ class OneBitCompressor(Compressor):
         total = flat.sum(dtype=torch.float32)
         magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))
         absolute = magnitudes.sum(dtype=torch.float32)
-        num_negative = (negative.sum(dtype=torch.int32) if flat.numel() < 2 ** 31  # faster than
-                        else torch.count_nonzero(negative))                     # count_nonzero
+        if numpy_kernels.on_cpu(negative):  # numpy counts bytes several times faster
+            num_negative = torch.tensor(numpy_kernels.count_nonzero(negative))
+        elif flat.numel() < 2 ** 31:  # faster than count_nonzero
+            num_negative = negative.sum(dtype=torch.int32)
+        else:
+            num_negative = torch.count_nonzero(negative)
         num_positive = flat.numel() - num_negative
         means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
                              (total - absolute) / 2 / num_negative.clamp(min=1)])
@@ -50,5 +54,5 @@ class OneBitCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, means = payload
-        negative = decode_codes(packed, 1, ctx.numel, (0, 1), self._scratch)
-        return select_by_code(negative, means, ctx.dtype).view(ctx.shape)
+        # Clear bit → the non-negative mean, set bit → the negative one, copied bit for bit.
+        return decode_values(packed, 1, ctx.numel, means.to(ctx.dtype)).view(ctx.shape)

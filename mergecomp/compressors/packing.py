@@ -21,6 +21,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from . import numpy_kernels
+
 
 def bits_for(num_codes: int) -> int:
     """Fewest bits that can hold ``num_codes`` distinct codes (at least 1)."""
@@ -138,11 +140,15 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if 8 % bits:
         planes = _bit_planes(flat, bits)
         return pack_bits(planes, 1)
+    if bits == 1 and numpy_kernels.on_cpu(flat):
+        return numpy_kernels.pack_flags(flat)
     per_byte = 8 // bits
     full, rest = divmod(n, per_byte)
     out = torch.empty(full + (1 if rest else 0), dtype=torch.uint8, device=flat.device)
     done = full if _LITTLE_ENDIAN else 0  # bytes packed through the lanes
-    if done:
+    if done and bits > 1 and numpy_kernels.on_cpu(flat):
+        numpy_kernels.pack_lanes(flat[: done * per_byte], bits, _gather_multiplier(bits), out[:done])
+    elif done:
         _pack_lanes(flat[: done * per_byte], bits, out[:done])
     if full > done:
         _pack_rows(flat[done * per_byte: full * per_byte].view(full - done, per_byte), bits, out[done:full])
@@ -179,6 +185,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, scratch: Optional["
         for j in range(1, bits):
             codes.bitwise_left_shift_(1).bitwise_or_(planes[:, j])
         return codes
+    if bits == 1 and numpy_kernels.on_cpu(packed):
+        return numpy_kernels.unpack_flags(packed[:need], numel)
     if _LITTLE_ENDIAN:
         return _unpack_lanes(packed[:need], bits, scratch)[:numel]
     per_byte = 8 // bits
@@ -187,51 +195,44 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, scratch: Optional["
     return codes.view(-1)[:numel]
 
 
-#: The integer word that holds the 8/b decoded bytes of one packed byte (see decode_codes).
-_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16, 8: torch.int8}
-
-
-@functools.lru_cache(maxsize=64)
-def _byte_table(bits: int, values: Tuple[int, ...], device: str) -> torch.Tensor:
-    """256 words: word v holds ``values[code]`` (one int8 each) for the 8/bits codes of byte v."""
+@functools.lru_cache(maxsize=8)
+def _codes_of_bytes(bits: int, device: str) -> torch.Tensor:
+    """(256 × 8/bits) int64: the codes byte value v holds, first code (top bits) first."""
     per_byte = 8 // bits
     shifts = torch.arange(bits * (per_byte - 1), -1, -bits)
-    codes = (torch.arange(256).unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # 256 × per_byte
-    mapped = torch.tensor(values, dtype=torch.int8)[codes]
-    return mapped.contiguous().view(_WORD[bits]).view(256).to(device)
+    return ((torch.arange(256).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).to(device)
 
 
-def decode_codes(packed: torch.Tensor, bits: int, numel: int, values: Sequence[int],
-                 scratch: Optional["Scratch"] = None) -> torch.Tensor:
-    """The first ``numel`` codes of ``packed``, each replaced by ``values[code]``, as flat int8.
+def decode_values(packed: torch.Tensor, bits: int, numel: int, values: torch.Tensor) -> torch.Tensor:
+    """New flat tensor of ``values``' dtype and device: ``values[code]`` for the first
+    ``numel`` codes of ``packed``.
 
-    A table lookup instead of :func:`unpack_bits`' shifts: a packed byte can only take 256
-    values, so the 8/bits codes it holds — already mapped to what the decoder wants, e.g.
-    ±1 for signs or the signed level ``code − offset`` — are precomputed once as one integer
-    word per byte value (8 int8 in an int64 for 1 bit, 4 in an int32 for 2 bits, 2 in an
-    int16 for 4 bits).  Decoding is then a single gather of one word per packed byte,
-    ``table[packed]``, and the caller's one ``.to(dtype)`` turns the int8 values into the
-    output: two passes where unpacking, converting and an affine ``mul_``/``add_`` took five.
-    ``values`` has one int8 (−128..127) per code, 2**bits of them; the table is cached per
-    (bits, values, device).  With a ``scratch`` the result lives in it (consume it before
-    the next call), otherwise it is a new tensor.
+    The decoder's whole output in one gather: a packed byte can take only 256 values, so
+    the 8/bits outputs of each (``values`` of its codes: ±1 for signs, the two means of
+    1-bit SGD, the levels ``code − offset`` of a quantiser) are laid out once per call as
+    a 256-row table (8 KB for 1 bit in fp32), and each packed byte copies its row.  One
+    pass that writes the output, where unpacking, converting and mapping took three to
+    five; the values are copied bit for bit.  ``values`` holds 2**bits entries (codes
+    that never occur may map to anything).  Widths that do not divide 8 unpack first.
     """
     _check(packed, bits)
-    if len(values) != 1 << bits or not all(-128 <= int(v) <= 127 for v in values):
-        raise ValueError(f"decode_codes needs {1 << bits} int8 values, one per {bits}-bit code, "
-                         f"got {tuple(values)!r}")
-    if 8 % bits:
-        raise ValueError(f"decode_codes handles 1, 2, 4 and 8 bits, got {bits}; use unpack_bits")
+    if values.dim() != 1 or values.numel() != 1 << bits:
+        raise ValueError(f"decode_values needs {1 << bits} values, one per {bits}-bit code, "
+                         f"got a tensor of shape {tuple(values.shape)}")
     need = packed_nbytes(numel, bits)
     if packed.numel() < need:
         raise ValueError(f"{numel} codes of {bits} bits need {need} packed bytes, "
                          f"got {packed.numel()}: the payload was truncated or mismatched")
     packed = packed.reshape(-1)[:need].view(torch.uint8)
-    table = _byte_table(bits, tuple(int(v) for v in values), str(packed.device))
-    index = _buffer(scratch, "decode_index", need, torch.int64, packed.device).copy_(packed)
-    words = _buffer(scratch, "decode_words", need, table.dtype, packed.device)
-    torch.index_select(table, 0, index, out=words)
-    return words.view(torch.int8)[:numel]
+    if 8 % bits:
+        return values[unpack_bits(packed, bits, numel).long()]
+    table = values[_codes_of_bytes(bits, str(values.device))]
+    if (numpy_kernels.on_cpu(packed) and numpy_kernels.on_cpu(table)
+            and table[0].numel() * table.element_size() >= numpy_kernels.MIN_TAKE_ROW_BYTES):
+        rows = numpy_kernels.take_rows(table, packed)
+    else:
+        rows = table.index_select(0, packed.to(device=table.device, dtype=torch.int64))
+    return rows.view(-1)[:numel]
 
 
 class Scratch:

@@ -15,6 +15,7 @@ from typing import List
 
 import torch
 
+from . import numpy_kernels
 from .packing import Scratch
 
 #: The integer type that has the same bytes as each floating type (for sign-bit tricks).
@@ -63,21 +64,12 @@ def sign_bits(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     if not flat.is_contiguous():
         flat = flat.contiguous()
     bits = flat.view(same_width_int(flat.dtype))
-    negative = torch.lt(bits, 0, out=scratch.get("sign_bits", flat.numel(), torch.bool, flat.device))
+    negative = scratch.get("sign_bits", flat.numel(), torch.bool, flat.device)
+    if numpy_kernels.on_cpu(bits):
+        numpy_kernels.negative_flags(bits, negative)
+    else:
+        torch.lt(bits, 0, out=negative)
     return negative.view(torch.uint8)
-
-
-def select_by_code(codes: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """New tensor of ``dtype``: ``values[1]`` where ``codes`` (uint8 0/1) is 1, ``values[0]`` else.
-
-    Bit-exact (the chosen value's bits are copied, not recomputed as a + c·(b − a)) and
-    without bool tensors: bits = bits(v0) XOR c · (bits(v0) XOR bits(v1)), in integers.
-    """
-    wide = same_width_int(dtype)
-    pair = values.to(dtype).reshape(2).contiguous().view(wide)
-    first, difference = int(pair[0]), int(pair[0] ^ pair[1])
-    chosen = codes.to(wide).mul_(difference).bitwise_xor_(first)
-    return chosen.view(dtype)
 
 
 #: Constants of the integer hash behind :func:`random_int16` (C. Wellons' "lowbias32").
@@ -109,6 +101,9 @@ def random_int16(numel: int, device, scratch: Scratch) -> torch.Tensor:
     words = torch.add(scratch.counter(count, device), key,
                       out=scratch.get("random_words", count, torch.int32, device))
     spare = scratch.get("random_spare", count, torch.int32, device)
+    if numpy_kernels.on_cpu(words):
+        numpy_kernels.hash_words(words, _HASH_MULTIPLIERS, spare)
+        return words.view(torch.int16)[:numel]
     for multiplier in _HASH_MULTIPLIERS:
         words.mul_(multiplier)
         _xorshift_right(words, 16, spare)
@@ -157,10 +152,11 @@ def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: i
 
 
 def scale_levels(levels: torch.Tensor, scales: torch.Tensor, bucket_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """New tensor of ``dtype``: ℓ·scale_b for each signed integer level ℓ of bucket b.
+    """Tensor of ``dtype``: ℓ·scale_b for each signed integer level ℓ of bucket b.
 
-    ``levels`` are small integers (int8 from :func:`~mergecomp.compressors.packing.decode_codes`),
-    so the conversion to fp32 is exact and each value is rounded once, by the product.
+    ``levels`` are small integers, as fp32 (from :func:`~mergecomp.compressors.packing.decode_values`,
+    then scaled in place and returned when ``dtype`` is fp32) or an integer type (converted
+    exactly), so each value is rounded once, by the product.
     """
     n = levels.numel()
     values = levels.to(torch.float32)

@@ -11,6 +11,7 @@ and −0.0 as −1 (reading the bit is one integer pass; ``x < 0`` costs several
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from ..momentum import refuse_optimizer_momentum
 from . import register
 from .base import Compressor, Context
-from .packing import Scratch, decode_codes, pack_bits
+from .packing import Scratch, decode_values, pack_bits
 from .quantize import sign_bits
 
 
@@ -27,14 +28,18 @@ def pack_signs(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     return pack_bits(sign_bits(tensor, scratch), 1)
 
 
+@functools.lru_cache(maxsize=16)
+def _plus_minus_one(dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.tensor([1, -1], dtype=dtype, device=device)
+
+
 def unpack_signs(packed: torch.Tensor, ctx: Context, scratch: Scratch = None) -> torch.Tensor:
     """New ±1 tensor of ``ctx``'s shape and dtype from :func:`pack_signs`' bytes.
 
-    The table lookup maps a clear bit to +1 and a set bit to −1 as int8, so the only pass
-    over the n outputs is the conversion to ``ctx.dtype``.
+    One table gather writes the output: a clear bit becomes +1, a set bit −1, already in
+    ``ctx.dtype`` (``scratch`` is accepted for symmetry and not needed).
     """
-    signs = decode_codes(packed, 1, ctx.numel, (1, -1), scratch)
-    return signs.to(ctx.dtype).view(ctx.shape)
+    return decode_values(packed, 1, ctx.numel, _plus_minus_one(ctx.dtype, str(packed.device))).view(ctx.shape)
 
 
 class _MajorityVote(Compressor):

@@ -10,8 +10,12 @@ import torch
 from . import register
 from .base import Compressor, Context
 from .buckets import bucket_parts, bucket_peaks, check_bucket_size, padded_fp32_buckets
-from .packing import Scratch, decode_codes, pack_bits
+from .packing import Scratch, decode_values, pack_bits
 from .quantize import scale_levels, stochastic_codes
+
+
+#: What each 2-bit code stands for, in units of the bucket's scale.
+_TERNARY_LEVELS = torch.tensor([-1.0, 0.0, 1.0, 2.0])
 
 
 @register("terngrad")
@@ -76,7 +80,7 @@ class TernGradCompressor(Compressor):
     def decompress(self, payload, ctx):
         packed, scales = payload
         # Code c stands for c − 1 times the scale (code 3 is never sent; it decodes as 2·S).
-        levels = decode_codes(packed, 2, ctx.numel, (-1, 0, 1, 2), self._scratch)
+        levels = decode_values(packed, 2, ctx.numel, _TERNARY_LEVELS.to(packed.device))
         return scale_levels(levels, scales, self.bucket_size, ctx.dtype).view(ctx.shape)
 
     def __repr__(self):
