@@ -1,29 +1,28 @@
 """CPU fast paths through numpy's vectorised loops, for the quantisers' elementwise work.
 
-Why numpy: on one CPU core, torch's kernels for a comparison into bool, a narrowing dtype
-conversion or a gather from a small table cost 1–3 ns per element, where numpy's SIMD
-loops do the same work in 0.1–0.4 ns.  Measured here on 1M fp32 elements, one thread:
+Why numpy: on one CPU core, some of torch's kernels cost 1–3 ns per element where numpy's
+SIMD loops do the same work in 0.1–0.4 ns.  Measured here on 1M fp32 elements, one thread:
 
-============================================  ==================  ==================
-operation                                     torch               numpy
-============================================  ==================  ==================
-sign test into bool (``x < 0`` on int bits)   ``lt`` 1.27 ms      ``less`` 0.19 ms
-8 flags → 1 byte, first flag in the top bit   lane multiply ~0.5  ``packbits`` 0.10
-256-row table → 1M fp32 values                ``index_select`` 1.07  ``take`` 0.38 ms
-============================================  ==================  ==================
+- sign test of the float's bits into bool: ``torch.lt`` 1.27 ms, ``numpy.less`` 0.19 ms;
+- 8 flags into 1 byte, first flag in the top bit: torch lane multiply 0.36 ms,
+  ``numpy.packbits`` 0.13 ms;
+- 256-row table to 1M fp32 values (1-bit decode): ``torch.index_select`` 1.0 ms,
+  ``numpy.take`` 0.4–0.7 ms.
 
-At 1M elements the tensor stays in cache and a ``clone()`` costs 0.3–0.6 ms, so those
-ns per element decide whether a compressor costs 3× or 10× a clone.  A CPU tensor and its
-``.numpy()`` share memory, so the functions here read torch tensors and return torch
-tensors without copies; the callers (``packing``, ``quantize``) use them for CPU tensors
-and keep their torch ops, one kernel each on a GPU, on every other device.  Both paths
-give the same bits (tests compare them on the CPU).  bfloat16, which numpy lacks, goes
-through its int16 bits or the torch path.
+Where torch is as fast or faster (broadcast products, conversions, clamps, 2- and 4-bit
+lane packing) the callers keep torch.  At 1M elements the tensor stays in cache and a
+``clone()`` costs 0.2–0.6 ms, so those ns per element decide whether a compressor costs 3×
+or 10× a clone.  A CPU tensor and its ``.numpy()`` share memory, so the functions here read
+torch tensors and return torch tensors without copies; the callers (``packing``,
+``quantize``, ``onebit``) use them for CPU tensors and keep their torch ops, one kernel each
+on a GPU, on every other device.  Both paths give the same bits (tests compare them on the
+CPU).  bfloat16, which numpy lacks, is handled as raw bytes or int16 bits.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
 
 def on_cpu(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lives in host memory, where the numpy paths apply."""
@@ -54,24 +53,6 @@ def pack_flags(flags: torch.Tensor) -> torch.Tensor:
 def unpack_flags(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` flags of :func:`pack_flags`' bytes, as new uint8 0/1."""
     return torch.from_numpy(np.unpackbits(as_numpy(packed), count=numel))
-
-
-#: The unsigned word that holds the 8/bits codes of one packed byte (see packing._pack_lanes).
-_UNSIGNED_LANE = {2: np.uint32, 4: np.uint16}
-
-
-def pack_lanes(flat: torch.Tensor, bits: int, multiplier: int, out: torch.Tensor) -> None:
-    """``out`` ← one byte per 8/bits codes of ``flat`` (2 or 4 bits), first code in the top bits.
-
-    The multiply-and-take-the-top-byte of ``packing._pack_lanes`` on unsigned numpy words,
-    whose shift and narrowing conversion are single SIMD loops.
-    """
-    lane = _UNSIGNED_LANE[bits]
-    width = 8 * np.dtype(lane).itemsize
-    words = as_numpy(flat).view(lane)
-    product = np.multiply(words, lane(multiplier % (1 << width)))
-    np.right_shift(product, lane(width - 8), out=product)
-    np.copyto(as_numpy(out), product, casting="unsafe")
 
 
 #: Table rows narrower than this go through torch's gather: numpy's take handles rows of

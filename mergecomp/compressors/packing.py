@@ -146,9 +146,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     full, rest = divmod(n, per_byte)
     out = torch.empty(full + (1 if rest else 0), dtype=torch.uint8, device=flat.device)
     done = full if _LITTLE_ENDIAN else 0  # bytes packed through the lanes
-    if done and bits > 1 and numpy_kernels.on_cpu(flat):
-        numpy_kernels.pack_lanes(flat[: done * per_byte], bits, _gather_multiplier(bits), out[:done])
-    elif done:
+    if done:
         _pack_lanes(flat[: done * per_byte], bits, out[:done])
     if full > done:
         _pack_rows(flat[done * per_byte: full * per_byte].view(full - done, per_byte), bits, out[done:full])
