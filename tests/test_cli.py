@@ -77,3 +77,13 @@ def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp
     missing = subprocess.run([sys.executable, script, "--plans", str(tmp_path / "nope.json")],
                              capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_compressor_benchmark_prints_a_row_per_compressor_and_dgc_against_topk():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compressors.py"), "--sizes", "4096",
+                           "--compressors", "dgc,signsgd", "--reps", "1", "--devices", "cpu"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| cpu | 4,096 |")]
+    assert [row.split("|")[3].strip() for row in rows] == ["dgc", "signsgd"]
+    assert "dgc selects" in rows[0] and "torch.topk" in rows[0]
