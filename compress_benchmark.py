@@ -19,7 +19,7 @@ import argparse
 import torch
 
 import mergecomp
-from mergecomp import benchmarking, launch, models
+from mergecomp import benchmarking, models
 
 
 def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
@@ -157,9 +157,7 @@ def worker(args):
         "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
         "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
         "plan": optimizer.plan.digest()})
-    benchmarking.save_result(result, args.json, work)
-    launch.shutdown()
-    return result if work.rank == 0 else None
+    return benchmarking.finish(result, args.json, work)
 
 
 def main(argv=None):

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mergecomp import benchmarking, launch, models  # noqa: E402
+from mergecomp import benchmarking, models  # noqa: E402
 
 HOOKS = ("fp32", "fp16", "powersgd")
 DEFAULT_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
@@ -165,9 +165,7 @@ def worker(args):
         "groups": groups, "plan": None, "hook": args.hook,
         "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None,
         "bucket_cap_mb": args.bucket_cap_mb})
-    benchmarking.save_result(result, args.json, work)
-    launch.shutdown()
-    return result if work.rank == 0 else None
+    return benchmarking.finish(result, args.json, work)
 
 
 def main(argv=None):

@@ -24,20 +24,18 @@ each saved plan, and the search cost in steps.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
 
-import torch.distributed as dist
 
 if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compress_benchmark  # noqa: E402
 import mergecomp  # noqa: E402
-from mergecomp import benchmarking, launch  # noqa: E402
+from mergecomp import benchmarking  # noqa: E402
 
 DEFAULT_FUSION_NUMS = "0,1,2,3,4,6,8"  # the sweep the scheduler is measured against
 
@@ -135,19 +133,14 @@ def worker(args):
     if best_fixed:
         work.log(f"{args.scheduler} against the best fixed plan ({best_fixed}): "
                  f"{result['versus_best_fixed']:.3f}x as fast (median over {args.rounds} rounds)")
-    benchmarking.save_result(result, args.json, work)
-    dist.barrier()
-    launch.shutdown()
-    return result if work.rank == 0 else None
+    return benchmarking.finish(result, args.json, work)
 
 
 def table(paths) -> str:
     """Markdown rows of saved results, one per file."""
     lines = ["| model | compressor | scheduler: groups (compressed) | search steps | best fixed | "
              "scheduler / best fixed | scheduler / saved plans |", "|---|---|---|---:|---|---:|---|"]
-    for path in paths:
-        with open(path) as f:
-            r = json.load(f)
+    for r in benchmarking.saved_results(paths, "plans", "benchmarks/interleaved_plans.py"):
         mine = r["plans"][r["scheduler"]]
         saved = ", ".join(f"{label} {value:.3f}" for label, value in r["versus"].items()
                           if not label.startswith("fusion-num "))

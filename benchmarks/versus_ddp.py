@@ -30,21 +30,19 @@ slowest rank's.  The result is the median over rounds of
 from __future__ import annotations
 
 import copy
-import json
 import os
 import statistics
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compress_benchmark  # noqa: E402
-from mergecomp import benchmarking, launch  # noqa: E402
+from mergecomp import benchmarking  # noqa: E402
 
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
 
@@ -127,10 +125,7 @@ def worker(args):
         work.log(f"Round {i}: DDP {d * 1e3:.1f} ms/step, mergecomp {m * 1e3:.1f} ms/step, ratio {d / m:.3f}")
     work.log(f"DDP / mergecomp step time: median {result['ratio_median']:.3f} over {args.rounds} rounds "
              f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}); > 1: mergecomp faster")
-    benchmarking.save_result(result, args.json, work)
-    dist.barrier()
-    launch.shutdown()
-    return result if work.rank == 0 else None
+    return benchmarking.finish(result, args.json, work)
 
 
 def table(paths) -> str:
@@ -138,9 +133,7 @@ def table(paths) -> str:
     lines = ["| model | compressor | scheduler | groups (compressed) | search steps | DDP ms/step | "
              "mergecomp ms/step | DDP / mergecomp (median, min–max) |",
              "|---|---|---|---|---:|---:|---:|---|"]
-    for path in paths:
-        with open(path) as f:
-            r = json.load(f)
+    for r in benchmarking.saved_results(paths, "ratios", "benchmarks/versus_ddp.py"):
         lines.append(f"| {r['model']} | {r['compressor']} | {r['scheduler']} | {r['groups']} "
                      f"({r['compressed_groups']}) | {r['search_steps']} | "
                      f"{statistics.median(r['ddp_step_s']) * 1e3:.0f} | "

@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -214,6 +214,37 @@ def save_result(result: Dict[str, Any], path: Optional[str], work: Workload) -> 
         import json
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def finish(result: Dict[str, Any], path: Optional[str], work: Workload) -> Optional[Dict[str, Any]]:
+    """End a benchmark worker: save the result (rank 0 writes ``path``), tear the process
+    group down (every rank waits for the others there), and return the result on rank 0,
+    None on the others."""
+    save_result(result, path, work)
+    launch.shutdown()
+    return result if work.rank == 0 else None
+
+
+def saved_results(paths, needs: str, written_by: str) -> Iterator[Dict[str, Any]]:
+    """The results saved at ``paths`` (JSON files written by :func:`save_result`), in order.
+
+    A file that is not JSON, or whose result lacks the key ``needs``, raises ValueError
+    naming it and the script (``written_by``) whose results are expected.
+    """
+    import json
+    for path in paths:
+        try:
+            with open(path) as f:
+                result = json.load(f)
+        except OSError as error:
+            raise ValueError(f"cannot read {path}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not a JSON result ({error}); pass the --json files of "
+                             f"{written_by}") from None
+        if not isinstance(result, dict) or needs not in result:
+            raise ValueError(f"{path} is not a result of {written_by} (it has no {needs!r}); pass "
+                             f"the files its --json wrote")
+        yield result
 
 
 def exit_with(main: Callable[[], int]) -> None:

@@ -87,3 +87,13 @@ def test_compressor_benchmark_prints_a_row_per_compressor_and_dgc_against_topk()
     rows = [line for line in done.stdout.splitlines() if line.startswith("| cpu | 4,096 |")]
     assert [row.split("|")[3].strip() for row in rows] == ["dgc", "signsgd"]
     assert "dgc selects" in rows[0] and "torch.topk" in rows[0]
+
+
+def test_result_tables_name_a_file_that_is_not_a_result(tmp_path):
+    plan = tmp_path / "saved.plan.json"
+    plan.write_text('{"groups": []}')
+    for script in ("versus_ddp.py", "interleaved_plans.py"):
+        for path, message in ((plan, "is not a result of"), (tmp_path / "missing.json", "cannot read")):
+            done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--table", str(path)],
+                                  capture_output=True, text=True, cwd=ROOT, timeout=60)
+            assert done.returncode == 2 and message in done.stderr and str(path) in done.stderr, done.stderr
