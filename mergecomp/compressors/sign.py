@@ -33,11 +33,11 @@ def _plus_minus_one(dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.tensor([1, -1], dtype=dtype, device=device)
 
 
-def unpack_signs(packed: torch.Tensor, ctx: Context, scratch: Scratch = None) -> torch.Tensor:
+def unpack_signs(packed: torch.Tensor, ctx: Context) -> torch.Tensor:
     """New ±1 tensor of ``ctx``'s shape and dtype from :func:`pack_signs`' bytes.
 
     One table gather writes the output: a clear bit becomes +1, a set bit −1, already in
-    ``ctx.dtype`` (``scratch`` is accepted for symmetry and not needed).
+    ``ctx.dtype``.
     """
     return decode_values(packed, 1, ctx.numel, _plus_minus_one(ctx.dtype, str(packed.device))).view(ctx.shape)
 
@@ -73,7 +73,7 @@ class SignSGDCompressor(_MajorityVote):
         return (pack_signs(tensor, self._scratch),), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
-        return unpack_signs(payload[0], ctx, self._scratch)
+        return unpack_signs(payload[0], ctx)
 
 
 @register("signum")
@@ -112,7 +112,7 @@ class SignumCompressor(_MajorityVote):
         return (pack_signs(momentum, self._scratch),), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
-        return unpack_signs(payload[0], ctx, self._scratch)
+        return unpack_signs(payload[0], ctx)
 
     def state_dict(self):
         return {"momenta": {k: v.detach().clone() for k, v in self.momenta.items()}}
@@ -150,4 +150,4 @@ class EFSignSGDCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, scale = payload
-        return unpack_signs(packed, ctx, self._scratch).mul_(scale.to(ctx.dtype))
+        return unpack_signs(packed, ctx).mul_(scale.to(ctx.dtype))
