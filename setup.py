@@ -4,7 +4,19 @@ torch is required but deliberately loose (>=2.1): a torch the user already has i
 On a machine without torch, `make setup` installs one explicitly before this package so
 that pip never resolves a multi-GB CUDA build by accident.
 """
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# Fused CPU kernels of the quantisers, loaded through ctypes (mergecomp/compressors/native.py).
+# Optional: where no C compiler is present the build is skipped with a warning and the
+# compressors keep their torch/numpy paths, which give the same bits.  -ffp-contract=off keeps
+# every float operation a separate IEEE operation, as in the torch path.
+NATIVE_KERNELS = Extension(
+    "mergecomp.compressors._native_kernels",
+    sources=["mergecomp/compressors/native_kernels.c"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-std=c99"],
+    libraries=["m"],
+    optional=True,
+)
 
 setup(
     name="mergecomp",
@@ -14,6 +26,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mergecomp", "mergecomp.*"]),
+    ext_modules=[NATIVE_KERNELS],
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy", "tqdm", "pyyaml"],
     extras_require={

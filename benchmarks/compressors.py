@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mergecomp import compressors  # noqa: E402
+from mergecomp.compressors import native  # noqa: E402
 from mergecomp.compressors.loopback import run_locally  # noqa: E402
 
 
@@ -119,7 +120,8 @@ def main(argv=None):
                else ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
     torch.set_num_threads(args.threads)
 
-    print(f"torch {torch.__version__}, {args.threads} CPU thread(s), median of {args.reps}\n")
+    print(f"torch {torch.__version__}, {args.threads} CPU thread(s), median of {args.reps}; "
+          f"CPU quantisers on {native.status()}\n")
     print("| device | elements | compressor | ms | GB/s in | wire | clone ms | × clone | note |")
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
     for device in map(torch.device, devices):

@@ -173,8 +173,10 @@ def test_sorted_distinct_is_torch_unique(size):
 
 
 def _run_both_paths(fn, monkeypatch):
-    """fn() on the numpy kernels, then on the torch ops (as on a GPU), from the same seed."""
-    from mergecomp.compressors import numpy_kernels
+    """fn() on the numpy kernels, then on the torch ops (as on a GPU), from the same seed
+    (the native kernels, compared in test_native_kernels.py, are off for both)."""
+    from mergecomp.compressors import native, numpy_kernels
+    monkeypatch.setattr(native, "usable", lambda tensor: False)
     torch.manual_seed(3)
     with_numpy = fn()
     with monkeypatch.context() as patch:

@@ -67,8 +67,12 @@ def per_bucket(parts: List[torch.Tensor], statistic) -> torch.Tensor:
 
 
 def bucket_peaks(parts: List[torch.Tensor]) -> torch.Tensor:
-    """max |v| of each bucket, in fp32 (two plain reductions: no |v| temporary)."""
-    return per_bucket(parts, lambda p: torch.maximum(p.amax(dim=1), p.amin(dim=1).neg()).float())
+    """max |v| of each bucket, in fp32 (two plain reductions: no |v| temporary).
+
+    A bucket of zeros gives +0.0 whatever the signs of its zeros (adding +0.0 turns −0.0
+    into +0.0), the value the native kernel sends too.
+    """
+    return per_bucket(parts, lambda p: torch.maximum(p.amax(dim=1), p.amin(dim=1).neg()).float().add_(0.0))
 
 
 def _fp32_row_norms(rows: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import numpy_kernels, register
+from . import native, numpy_kernels, register
 from .base import Compressor, Context
 from .packing import Scratch, decode_values, pack_bits
 from .quantize import sign_bits
@@ -35,6 +35,8 @@ class OneBitCompressor(Compressor):
         self._scratch = Scratch()
 
     def compress(self, tensor, name):
+        if tensor.dtype == torch.float32 and native.usable(tensor):
+            return self._compress_native(tensor)
         flat = tensor.reshape(-1)
         negative = sign_bits(flat, self._scratch)  # 1 where the sign bit is set
         # Both side sums from two reductions: sum(g⁺) = (Σg + Σ|g|)/2, sum(g⁻) = (Σg − Σ|g|)/2.
@@ -51,6 +53,15 @@ class OneBitCompressor(Compressor):
         means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
                              (total - absolute) / 2 / num_negative.clamp(min=1)])
         return (pack_bits(negative, 1), means), Context(tensor.shape, tensor.dtype)
+
+    def _compress_native(self, tensor):
+        """One pass on the CPU: the sign bits and both sums (in double, so the means can
+        differ from the torch path's fp32 sums in their last bits)."""
+        packed, total, absolute, num_negative = native.onebit_encode(tensor)
+        num_positive = tensor.numel() - num_negative
+        means = torch.tensor([(total + absolute) / 2 / max(num_positive, 1),
+                              (total - absolute) / 2 / max(num_negative, 1)], dtype=torch.float32)
+        return (packed, means), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         packed, means = payload

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from . import numpy_kernels
+from . import native, numpy_kernels
 
 
 def bits_for(num_codes: int) -> int:
@@ -222,6 +222,8 @@ def decode_values(packed: torch.Tensor, bits: int, numel: int, values: torch.Ten
         raise ValueError(f"{numel} codes of {bits} bits need {need} packed bytes, "
                          f"got {packed.numel()}: the payload was truncated or mismatched")
     packed = packed.reshape(-1)[:need].view(torch.uint8)
+    if bits == 1 and values.element_size() in (2, 4, 8) and native.usable(packed) and native.usable(values):
+        return native.decode_bits(packed, numel, values)
     if 8 % bits:
         return values[unpack_bits(packed, bits, numel).long()]
     table = values[_codes_of_bytes(bits, str(values.device))]

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from . import register
+from . import native, register
 from .base import Compressor, Context
 from .buckets import bucket_norms, bucket_parts, check_bucket_size
-from .packing import Scratch, bits_for, pack_bits, unpack_bits
-from .quantize import dequantize, stochastic_codes
+from .packing import Scratch, bits_for
+from .quantize import dequantize_packed, quantize_packed
 
 
 @register("qsgd")
@@ -45,17 +45,20 @@ class QSGDCompressor(Compressor):
 
     def compress(self, tensor, name):
         buckets = bucket_parts(tensor, self.bucket_size, self._scratch)
-        norms = bucket_norms(buckets)
+        if tensor.dtype == torch.float32 and native.usable(tensor):
+            norms = native.bucket_norms(tensor, self.bucket_size)  # one pass, no rescue needed
+        else:
+            norms = bucket_norms(buckets)
         s = self.levels
         # Signed level s·v/‖v‖ ∈ [−s, s], rounded stochastically and offset by s: the code.
         factors = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        codes = stochastic_codes(buckets, factors, s, tensor.numel(), self._scratch)
-        return (pack_bits(codes, self.bits), norms), Context(tensor.shape, tensor.dtype)
+        packed = quantize_packed(tensor, buckets, factors, s, self.bits, self._scratch)
+        return (packed, norms), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         packed, norms = payload
-        codes = unpack_bits(packed, self.bits, ctx.numel, self._scratch)
-        return dequantize(codes, self.levels, norms / self.levels, self.bucket_size, ctx.dtype).view(ctx.shape)
+        return dequantize_packed(packed, self.bits, ctx.numel, self.levels, norms / self.levels,
+                                 self.bucket_size, ctx.dtype, self._scratch).view(ctx.shape)
 
     def __repr__(self):
         return f"QSGDCompressor(levels={self.levels}, bucket_size={self.bucket_size})"

@@ -15,8 +15,8 @@ from typing import List
 
 import torch
 
-from . import numpy_kernels
-from .packing import Scratch
+from . import native, numpy_kernels
+from .packing import Scratch, decode_values, pack_bits, unpack_bits
 
 #: The integer type that has the same bytes as each floating type (for sign-bit tricks).
 _SAME_WIDTH = {torch.float32: torch.int32, torch.float16: torch.int16,
@@ -82,6 +82,12 @@ def _xorshift_right(words: torch.Tensor, shift: int, spare: torch.Tensor) -> tor
     return words.bitwise_xor_(spare)
 
 
+def random_key(numel: int) -> int:
+    """The 31-bit counter start of one :func:`random_int16` call, from torch's default generator
+    (chosen so that the ⌈numel/2⌉ counters do not wrap)."""
+    return int(torch.randint(0, (1 << 31) - (numel + 1) // 2, (1,)))
+
+
 def random_int16(numel: int, device, scratch: Scratch) -> torch.Tensor:
     """``numel`` int16 values, each uniform over all 65536 values, keyed by torch's default generator.
 
@@ -97,7 +103,7 @@ def random_int16(numel: int, device, scratch: Scratch) -> torch.Tensor:
     Reuses scratch buffers: consume the result before the next call.
     """
     count = (numel + 1) // 2
-    key = int(torch.randint(0, (1 << 31) - count, (1,)))
+    key = random_key(numel)
     words = torch.add(scratch.counter(count, device), key,
                       out=scratch.get("random_words", count, torch.int32, device))
     spare = scratch.get("random_spare", count, torch.int32, device)
@@ -172,15 +178,37 @@ def scale_levels(levels: torch.Tensor, scales: torch.Tensor, bucket_size: int, d
 def dequantize(codes: torch.Tensor, offset: int, scales: torch.Tensor, bucket_size: int,
                dtype: torch.dtype) -> torch.Tensor:
     """New tensor of ``dtype``: (c − offset)·scale_b for each code c of bucket b (inverse of
-    :func:`stochastic_codes` with scale_b = 1/f_b)."""
-    n = codes.numel()
-    values = torch.empty(n, dtype=torch.float32, device=codes.device).copy_(codes)
-    scales = scales.to(torch.float32)
-    biases = scales * -float(offset)
-    full = n // bucket_size
-    if full:
-        rows = values[: full * bucket_size].view(full, bucket_size)
-        rows.mul_(scales[:full, None]).add_(biases[:full, None])
-    if n > full * bucket_size:
-        values[full * bucket_size:].mul_(scales[full]).add_(biases[full])
-    return values if dtype == torch.float32 else values.to(dtype)
+    :func:`stochastic_codes` with scale_b = 1/f_b).  c − offset is exact in fp32, so each
+    value is rounded once, by the product (as the native kernel does)."""
+    values = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device).copy_(codes)
+    return scale_levels(values.sub_(offset), scales, bucket_size, dtype)
+
+
+def quantize_packed(tensor: torch.Tensor, parts: List[torch.Tensor], factors: torch.Tensor, offset: int,
+                    bits: int, scratch: Scratch) -> torch.Tensor:
+    """``pack_bits(stochastic_codes(parts, factors, offset, ...), bits)``: the packed codes.
+
+    ``parts`` are ``tensor``'s buckets (:func:`~mergecomp.compressors.buckets.bucket_parts`).
+    fp32 CPU tensors go through the fused native kernel (one pass, the same bits, the
+    same random lanes for the same generator state), everything else through the torch ops.
+    """
+    if tensor.dtype == torch.float32 and native.usable(tensor):
+        key = random_key(tensor.numel())
+        return native.stochastic_codes(tensor, parts[0].shape[1], factors, offset, key, bits)
+    return pack_bits(stochastic_codes(parts, factors, offset, tensor.numel(), scratch), bits)
+
+
+def dequantize_packed(packed: torch.Tensor, bits: int, numel: int, offset: int, scales: torch.Tensor,
+                      bucket_size: int, dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+    """Inverse of :func:`quantize_packed`: new tensor of ``dtype``, (c − offset)·scale_b.
+
+    On the CPU one native pass; elsewhere, for 1 and 2 bits, a 256-row table gather of
+    c − offset (rows of 4 and 8 values), then the scaling, and for wider codes unpacking.
+    """
+    if native.usable(packed):
+        values = native.dequantize(packed, numel, bits, bucket_size, scales, offset)
+        return values if dtype == torch.float32 else values.to(dtype)
+    if bits <= 2:
+        levels = torch.arange(-offset, (1 << bits) - offset, dtype=torch.float32, device=packed.device)
+        return scale_levels(decode_values(packed, bits, numel, levels), scales, bucket_size, dtype)
+    return dequantize(unpack_bits(packed, bits, numel, scratch), offset, scales, bucket_size, dtype)

@@ -17,14 +17,20 @@ from typing import Dict
 import torch
 
 from ..momentum import refuse_optimizer_momentum
-from . import register
+from . import native, register
 from .base import Compressor, Context
 from .packing import Scratch, decode_values, pack_bits
 from .quantize import sign_bits
 
 
 def pack_signs(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-    """⌈n/8⌉ bytes: bit i is set where element i has its sign bit set (is negative, or −0.0)."""
+    """⌈n/8⌉ bytes: bit i is set where element i has its sign bit set (is negative, or −0.0).
+
+    One native pass on the CPU (read the sign bits, pack them); elsewhere a flag pass and
+    a packing pass.
+    """
+    if native.usable(tensor):
+        return native.pack_signs(tensor)
     return pack_bits(sign_bits(tensor, scratch), 1)
 
 
@@ -150,4 +156,6 @@ class EFSignSGDCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, scale = payload
-        return unpack_signs(packed, ctx).mul_(scale.to(ctx.dtype))
+        # ±scale straight from the table: the same bits as ±1 times the scale, one pass.
+        scale = scale.reshape(1).to(ctx.dtype)
+        return decode_values(packed, 1, ctx.numel, torch.cat([scale, -scale])).view(ctx.shape)

@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from . import register
+from . import native, register
 from .base import Compressor, Context
 from .buckets import bucket_parts, bucket_peaks, check_bucket_size, padded_fp32_buckets
-from .packing import Scratch, decode_values, pack_bits
-from .quantize import scale_levels, stochastic_codes
-
-
-#: What each 2-bit code stands for, in units of the bucket's scale.
-_TERNARY_LEVELS = torch.tensor([-1.0, 0.0, 1.0, 2.0])
+from .packing import Scratch
+from .quantize import dequantize_packed, quantize_packed
 
 
 @register("terngrad")
@@ -56,12 +52,15 @@ class TernGradCompressor(Compressor):
             torch.minimum(work, bound, out=work)
             source = work.view(-1)[: tensor.numel()]
         buckets = bucket_parts(source, self.bucket_size, self._scratch)
-        scales = bucket_peaks(buckets)
+        if source.dtype == torch.float32 and native.usable(source):
+            scales = native.bucket_peaks(source, self.bucket_size)  # one pass instead of two
+        else:
+            scales = bucket_peaks(buckets)
         # v/S ∈ [−1, 1] rounded stochastically and offset by 1: code 0 → −S, 1 → 0, 2 → +S,
         # +S with probability v/S for v > 0 and −S with probability |v|/S for v < 0.
         factors = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
-        codes = stochastic_codes(buckets, factors, 1, tensor.numel(), self._scratch)
-        return (pack_bits(codes, 2), scales), Context(tensor.shape, tensor.dtype)
+        packed = quantize_packed(source, buckets, factors, 1, 2, self._scratch)
+        return (packed, scales), Context(tensor.shape, tensor.dtype)
 
     def _bucket_std(self, work, n):
         """Standard deviation of each bucket, the zero padding of the last one excluded.
@@ -80,8 +79,8 @@ class TernGradCompressor(Compressor):
     def decompress(self, payload, ctx):
         packed, scales = payload
         # Code c stands for c − 1 times the scale (code 3 is never sent; it decodes as 2·S).
-        levels = decode_values(packed, 2, ctx.numel, _TERNARY_LEVELS.to(packed.device))
-        return scale_levels(levels, scales, self.bucket_size, ctx.dtype).view(ctx.shape)
+        return dequantize_packed(packed, 2, ctx.numel, 1, scales, self.bucket_size, ctx.dtype,
+                                 self._scratch).view(ctx.shape)
 
     def __repr__(self):
         return f"TernGradCompressor(bucket_size={self.bucket_size}, clip={self.clip})"

@@ -1,0 +1,152 @@
+"""The fused C kernels (mergecomp/compressors/native_kernels.c) against the torch/numpy paths.
+
+Both paths must put the same bits on the wire and decode to the same bits, so that ranks
+with and without a compiled library interoperate and results do not depend on the build.
+The exceptions are sums (1-bit SGD's means, QSGD's norms), which the kernels accumulate in
+another order (and in double): those are compared to within an ulp or two, and QSGD's
+codes are compared given the same norms.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mergecomp import compressors
+from mergecomp.compressors import native
+from mergecomp.compressors.packing import Scratch, pack_bits, unpack_bits
+from mergecomp.compressors.quantize import dequantize, random_key, stochastic_codes
+from mergecomp.compressors.buckets import bucket_parts
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels: {native.status()}")
+
+SIZES = [1, 7, 8, 513, 4099, 20_011]
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+def _gradient(n, dtype=torch.float32, seed=5):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    x *= torch.rand(n, generator=torch.Generator().manual_seed(seed + 1))
+    if n > 20:
+        x[3] = -0.0
+        x[11::17] = 0.0
+    return x.to(dtype)
+
+
+def _both_paths(name, x, monkeypatch, **options):
+    """(payload, decoded) through the native kernels, then through the torch/numpy path."""
+    results = []
+    for use_native in (True, False):
+        with monkeypatch.context() as patch:
+            if not use_native:
+                patch.setattr(native, "usable", lambda tensor: False)
+            compressor = compressors.create(name, **options)
+            torch.manual_seed(11)
+            payload, ctx = compressor.compress(x, "g")
+            results.append(([p.clone() for p in payload], compressor.decompress(payload, ctx)))
+    return results
+
+
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "signum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", SIZES)
+def test_sign_compressors_give_the_same_bits(name, dtype, n, monkeypatch):
+    (native_payload, native_decoded), (torch_payload, torch_decoded) = _both_paths(name, _gradient(n, dtype), monkeypatch)
+    assert all(_same_bits(a, b) for a, b in zip(native_payload, torch_payload))
+    assert _same_bits(native_decoded, torch_decoded)
+
+
+@pytest.mark.parametrize("options", [{}, {"bucket_size": 33}, {"bucket_size": 1}, {"clip": 2.5, "bucket_size": 100}])
+@pytest.mark.parametrize("n", SIZES)
+def test_terngrad_gives_the_same_bits(options, n, monkeypatch):
+    (native_payload, native_decoded), (torch_payload, torch_decoded) = \
+        _both_paths("terngrad", _gradient(n), monkeypatch, **options)
+    assert all(_same_bits(a, b) for a, b in zip(native_payload, torch_payload))
+    assert _same_bits(native_decoded, torch_decoded)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_onebit_sends_the_same_bits_and_means_within_an_ulp(n, monkeypatch):
+    (native_payload, native_decoded), (torch_payload, torch_decoded) = _both_paths("onebit", _gradient(n), monkeypatch)
+    assert _same_bits(native_payload[0], torch_payload[0])
+    assert torch.allclose(native_payload[1], torch_payload[1], rtol=1e-6, atol=0)
+    assert torch.allclose(native_decoded, torch_decoded, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("levels, bucket_size", [(7, 512), (1, 512), (3, 100), (15, 7), (127, 64)])
+@pytest.mark.parametrize("n", SIZES)
+def test_qsgd_codes_and_decoding_match_given_the_same_norms(levels, bucket_size, n):
+    """Codes 2 to 8 bits wide (3 and 5 bits are not byte-aligned), several bucket sizes."""
+    x = _gradient(n)
+    bits = compressors.create("qsgd", levels=levels).bits
+    norms = native.bucket_norms(x, bucket_size)
+    parts = bucket_parts(x, bucket_size, Scratch())
+    factors = torch.where(norms > 0, levels / norms, torch.zeros_like(norms))
+    torch.manual_seed(2)
+    key = random_key(n)
+    packed = native.stochastic_codes(x, bucket_size, factors, levels, key, bits)
+    torch.manual_seed(2)
+    expected = pack_bits(stochastic_codes(parts, factors, levels, n, Scratch()), bits)
+    assert _same_bits(packed, expected)
+    decoded = native.dequantize(packed, n, bits, bucket_size, norms / levels, levels)
+    reference = dequantize(unpack_bits(packed, bits, n), levels, norms / levels, bucket_size, torch.float32)
+    assert _same_bits(decoded, reference)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30])
+def test_bucket_norms_are_accurate_without_rescaling(scale):
+    """Squares summed in double neither overflow at 1e30 nor vanish at 1e-30."""
+    x = _gradient(5000) * scale
+    exact = torch.linalg.vector_norm(torch.nn.functional.pad(x.double(), (0, 120)).view(-1, 512), dim=1)
+    norms = native.bucket_norms(x, 512)
+    assert torch.isfinite(norms).all() and (norms > 0).all()
+    assert torch.allclose(norms.double(), exact, rtol=2e-7, atol=0)
+
+
+def test_qsgd_on_the_native_path_decodes_to_levels_next_to_the_input():
+    """Each value is ℓ·‖bucket‖/s with ℓ one of the two levels around s·v/‖bucket‖."""
+    x = _gradient(100_000)
+    compressor = compressors.create("qsgd")
+    payload, ctx = compressor.compress(x, "g")
+    decoded = compressor.decompress(payload, ctx)
+    assert decoded.shape == x.shape and decoded.dtype == x.dtype
+    unit = (payload[1] / 7).repeat_interleave(512)[: x.numel()]
+    levels, exact = decoded / unit, x / unit
+    assert torch.allclose(levels, levels.round(), atol=1e-4)
+    assert ((levels - exact).abs() < 1 + 1e-4).all()
+
+
+def test_truncated_payloads_raise_instead_of_reading_past_them():
+    x = _gradient(4099)
+    with pytest.raises(ValueError, match="truncated"):
+        native.decode_bits(native.pack_signs(x)[:-1], 4099, torch.tensor([1.0, -1.0]))
+    packed = native.stochastic_codes(x, 512, torch.ones(9), 7, 1, 4)
+    with pytest.raises(ValueError, match="truncated"):
+        native.dequantize(packed[:100], 4099, 4, 512, torch.ones(9), 7)
+    with pytest.raises(ValueError, match="scales"):
+        native.dequantize(packed, 4099, 4, 512, torch.ones(3), 7)
+
+
+def test_kernels_refuse_dtypes_they_do_not_handle():
+    with pytest.raises(TypeError, match="float16"):
+        native.stochastic_codes(torch.ones(10, dtype=torch.float16), 4, torch.ones(3), 1, 0, 2)
+
+
+def test_a_stale_build_or_the_switch_falls_back_with_a_reason(monkeypatch):
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION + 1000)
+    assert native.library() is None and "stale build" in native.status()
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setenv("MERGECOMP_NATIVE", "0")
+    assert native.library() is None and "MERGECOMP_NATIVE" in native.status()
+    # the compressors still work, on the torch/numpy path
+    compressor = compressors.create("terngrad")
+    payload, ctx = compressor.compress(_gradient(1000), "g")
+    assert compressor.decompress(payload, ctx).shape == (1000,)
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.delenv("MERGECOMP_NATIVE")
+    monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION - 1000)
+    assert native.library() is not None
