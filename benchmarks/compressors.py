@@ -72,7 +72,11 @@ def paired_median_ms(fn, reference, device: torch.device, reps: int):
     return statistics.median(fn_times), statistics.median(reference_times)
 
 
-def benchmark_compressor(name: str, tensor: torch.Tensor, reps: int):
+#: Compressors with fused native CPU kernels (``mergecomp/compressors/native_kernels.c``).
+NATIVE_KERNELS = ("signsgd", "efsignsgd", "signum", "onebit", "terngrad", "qsgd")
+
+
+def benchmark_compressor(name: str, tensor: torch.Tensor, reps: int, compare_fallback: bool = False):
     compressor = compressors.create(name)
     state = {}
 
@@ -82,6 +86,16 @@ def benchmark_compressor(name: str, tensor: torch.Tensor, reps: int):
     ms, clone_ms = paired_median_ms(step, tensor.clone, tensor.device, reps)
     row = {"compressor": name, "ms": ms, "gbps": tensor.numel() * tensor.element_size() / ms / 1e6,
            "wire": state["nbytes"], "clone_ms": clone_ms, "vs_clone": ms / clone_ms, "note": ""}
+    if compare_fallback and name in NATIVE_KERNELS and native.usable(tensor):
+        fallback = compressors.create(name)
+
+        def fallback_step():
+            with native.disabled():
+                run_locally(fallback, tensor, "bench")
+
+        fallback_ms, native_ms = paired_median_ms(fallback_step, step, tensor.device, reps)
+        row["note"] = (f"torch/numpy path {fallback_ms:.2f} ms, native {native_ms:.2f} ms "
+                       f"alternately: {fallback_ms / native_ms:.1f}x faster")
     if name == "dgc":  # selection against selection: DGC's compress, |g| and an exact top-k
         k = max(1, int(tensor.numel() * compressor.density()))
         topk_ms, select_ms = paired_median_ms(lambda: torch.topk(tensor.abs(), k, sorted=False),
@@ -106,6 +120,9 @@ def main(argv=None):
     parser.add_argument("--devices", default=None, help="comma-separated devices (default: cpu, and cuda if present)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per cell; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--compare-fallback", action="store_true",
+                        help="also time the torch/numpy path of the compressors with native CPU "
+                             "kernels, alternately with the native one (the speed-up of the kernels)")
     parser.add_argument("--atomo-max", type=parse_size, default=parse_size("4M"),
                         help="largest size ATOMO is run at (its SVD is cubic; default 4M)")
     args = parser.parse_args(argv)
@@ -131,7 +148,7 @@ def main(argv=None):
                 if name == "atomo" and size > args.atomo_max:
                     print(f"| {device} | {size:,} | atomo | | | | | | skipped: SVD above --atomo-max |")
                     continue
-                row = benchmark_compressor(name, tensor, args.reps)
+                row = benchmark_compressor(name, tensor, args.reps, args.compare_fallback)
                 print(f"| {device} | {size:,} | {name} | {row['ms']:.2f} | {row['gbps']:.2f} | "
                       f"{human_bytes(row['wire'])} | {row['clone_ms']:.2f} | {row['vs_clone']:.2f} | "
                       f"{row['note']} |", flush=True)

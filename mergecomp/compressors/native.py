@@ -20,9 +20,11 @@ can compress groups side by side.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -83,9 +85,24 @@ def status() -> str:
     return "native C kernels" if library() is not None else f"torch/numpy kernels ({_load_error})"
 
 
+_switch = threading.local()
+
+
 def usable(tensor: torch.Tensor) -> bool:
-    """Whether the kernels can take ``tensor``: a CPU tensor, with the library loaded."""
-    return tensor.device.type == "cpu" and library() is not None
+    """Whether the kernels can take ``tensor``: a CPU tensor, with the library loaded (and
+    not inside :func:`disabled` on this thread)."""
+    return tensor.device.type == "cpu" and not getattr(_switch, "off", False) and library() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the block on the torch/numpy paths (this thread only): to compare the two."""
+    before = getattr(_switch, "off", False)
+    _switch.off = True
+    try:
+        yield
+    finally:
+        _switch.off = before
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
