@@ -98,12 +98,12 @@ def test_qsgd_codes_and_decoding_match_given_the_same_norms(levels, bucket_size,
 
 @pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30])
 def test_bucket_norms_are_accurate_without_rescaling(scale):
-    """Squares summed in double neither overflow at 1e30 nor vanish at 1e-30."""
+    """Buckets whose fp32 squares overflow (1e30) or vanish (1e-30) are redone in double."""
     x = _gradient(5000) * scale
     exact = torch.linalg.vector_norm(torch.nn.functional.pad(x.double(), (0, 120)).view(-1, 512), dim=1)
     norms = native.bucket_norms(x, 512)
     assert torch.isfinite(norms).all() and (norms > 0).all()
-    assert torch.allclose(norms.double(), exact, rtol=2e-7, atol=0)
+    assert torch.allclose(norms.double(), exact, rtol=1e-6, atol=0)
 
 
 def test_qsgd_on_the_native_path_decodes_to_levels_next_to_the_input():

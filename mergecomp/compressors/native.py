@@ -179,8 +179,8 @@ def bucket_peaks(tensor: torch.Tensor, bucket_size: int) -> torch.Tensor:
 
 
 def bucket_norms(tensor: torch.Tensor, bucket_size: int) -> torch.Tensor:
-    """‖bucket‖₂ of each bucket of an fp32 tensor, summed in double (no overflow, no
-    underflow) and rounded once to fp32: within an ulp of the torch path's fp32 norms."""
+    """‖bucket‖₂ of each bucket of an fp32 tensor (fp32 lanes, buckets whose squares
+    overflow or vanish redone in double): within about an ulp of the torch path's norms."""
     flat = _flat_input(tensor, (torch.float32,))
     out = torch.empty((flat.numel() + bucket_size - 1) // bucket_size, dtype=torch.float32)
     library().mc_bucket_norms(_address(flat), flat.numel(), bucket_size, _address(out))

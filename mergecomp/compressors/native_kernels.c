@@ -304,21 +304,32 @@ MC_EXPORT MC_HOT void mc_bucket_peaks(const float *x, int64_t n, int64_t bucket,
     }
 }
 
-/* Per-bucket scale of QSGD: norms[b] = ||bucket b||_2, rounded once to fp32.  The squares
- * are summed in double, where no fp32 value overflows (3.4e38^2 < 1.8e308) or underflows
- * to zero (1.4e-45^2 > 2.2e-308), so unlike an fp32 sum it needs no rescaling for huge or
- * tiny buckets.  Eight independent lanes per bucket: the summation order differs from
- * torch's, hence the last bit can too. */
+/* ||x[start, stop)||_2 with the squares summed in double, where no fp32 value overflows
+ * (3.4e38^2 < 1.8e308) or underflows to zero (1.4e-45^2 > 2.2e-308). */
+MC_INLINE double norm_in_double(const float *x, int64_t start, int64_t stop) {
+    double squares = 0.0;
+    for (int64_t i = start; i < stop; i++) squares += (double)x[i] * (double)x[i];
+    return sqrt(squares);
+}
+
+/* Per-bucket scale of QSGD: norms[b] = ||bucket b||_2 in fp32.  Squares are summed in 16
+ * independent fp32 lanes (so the loop vectorises; the order differs from torch's, hence
+ * the last bit can too) and the lanes in double.  A bucket whose fp32 result is not finite
+ * or below 1e-15 (squares that overflow above ~1e19 or vanish below ~1e-19) is summed
+ * again in double, like the torch path's rescue of such buckets. */
 MC_EXPORT MC_HOT void mc_bucket_norms(const float *x, int64_t n, int64_t bucket, float *norms) {
     for (int64_t start = 0, b = 0; start < n; start += bucket, b++) {
         const int64_t stop = start + bucket < n ? start + bucket : n;
-        double lanes[8] = {0};
+        float lanes[16] = {0};
         int64_t i = start;
-        for (; i + 8 <= stop; i += 8)
-            for (int k = 0; k < 8; k++) lanes[k] += (double)x[i + k] * (double)x[i + k];
-        double squares = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        for (; i + 16 <= stop; i += 16)
+            for (int k = 0; k < 16; k++) lanes[k] += x[i + k] * x[i + k];
+        double squares = 0.0;
+        for (int k = 0; k < 16; k++) squares += lanes[k];
         for (; i < stop; i++) squares += (double)x[i] * (double)x[i];
-        norms[b] = (float)sqrt(squares);
+        float norm = (float)sqrt(squares);
+        if (!(norm >= 1e-15f && norm <= 3.0e38f)) norm = (float)norm_in_double(x, start, stop);
+        norms[b] = norm;
     }
 }
 
