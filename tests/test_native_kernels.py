@@ -150,3 +150,12 @@ def test_a_stale_build_or_the_switch_falls_back_with_a_reason(monkeypatch):
     monkeypatch.delenv("MERGECOMP_NATIVE")
     monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION - 1000)
     assert native.library() is not None
+
+
+@pytest.mark.parametrize("n", [64, 65, 64 * 333 + 5])
+def test_block_peaks_of_the_sparsifiers_match_the_torch_reductions(n, monkeypatch):
+    from mergecomp.compressors.selection import BlockPeaks
+    flat = _gradient(n)
+    native_peaks = BlockPeaks(flat, Scratch()).peaks
+    monkeypatch.setattr(native, "usable", lambda tensor: False)
+    assert torch.equal(native_peaks, BlockPeaks(flat, Scratch()).peaks)
