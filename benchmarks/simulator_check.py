@@ -43,7 +43,7 @@ from mergecomp.costmodel import predict  # noqa: E402
 from mergecomp.plan import Plan  # noqa: E402
 from mergecomp.profile import Profile  # noqa: E402
 from mergecomp.schedulers.fixed import FixedScheduler  # noqa: E402
-from mergecomp.simulate import measured_link_efficiency, network_collectives  # noqa: E402
+from mergecomp.simulate import measured_link_efficiency, network_collectives, scaled_compute  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,6 +100,18 @@ def measure(workers: int, profile: str, args, folder: str, label: str = "auto",
             with open(os.path.join(phases, f"phases_{rank}.json")) as f:
                 run["phases"].append(json.load(f))
     return run
+
+
+def window_compute_factor(profile: Profile, phases) -> float:
+    """The timed window's forward time over the profile's: the median over ranks of each
+    rank's median forward (to the first gradient).  Forward runs with no collective in
+    flight, so its change is the host's compute speed alone."""
+    import statistics
+    forwards = [statistics.median(step["forward"] for step in steps) for steps in phases if steps]
+    if not forwards or not profile.forward_time > 0:
+        raise ValueError("no forward times to calibrate with: run with --phases and a profile "
+                         f"whose forward time is positive (got {profile.forward_time!r})")
+    return statistics.median(forwards) / profile.forward_time
 
 
 def phase_table(prediction, phases) -> str:
@@ -163,8 +175,15 @@ def main(argv=None) -> int:
     p.add_argument("--phases", action="store_true",
                    help="run the benchmark through benchmarks/phase_timing.py and print each "
                         "phase's predicted and measured time")
+    p.add_argument("--calibrate-compute", action="store_true",
+                   help="with --phases: also predict with the profile's processor-side times scaled "
+                        "by the timed window's forward time over the profile's (the host's compute "
+                        "speed drifts between the two; forward runs with no collective in flight), "
+                        "so that the error left is the network and overlap model's")
     p.add_argument("--timeout-s", type=float, default=1200)
     args = p.parse_args(argv)
+    if args.calibrate_compute and not args.phases:
+        p.error("--calibrate-compute needs --phases (the timed window's forward time)")
     if args.num_iters < 1 or args.batches_per_iter < 1:
         p.error(f"--num-iters and --batches-per-iter must be ≥ 1, got {args.num_iters}, {args.batches_per_iter}")
     if args.link_efficiency != "profile":
@@ -205,10 +224,16 @@ def main(argv=None) -> int:
                     run = measure(workers, args.profile, args, folder, label, plan_in)
                 prediction = predict(run["plan"], modelled)
                 predicted = prediction.iteration_time
+                speed = window_compute_factor(profile, run["phases"]) if args.calibrate_compute else None
+                calibrated = (predict(run["plan"], scaled_compute(modelled, speed)).iteration_time
+                              if speed else None)
                 rows.append((workers, label, run["plan"], predicted, run["measured"], profile.interference,
-                             profile.collective_slowdown, efficiency))
+                             profile.collective_slowdown, efficiency, speed, calibrated))
                 print(f"N={workers}, plan {label}: predicted {predicted * 1e3:.1f} ms, measured "
                       f"{run['measured'] * 1e3:.1f} ms\n{prediction.describe()}", flush=True)
+                if speed:
+                    print(f"  window's compute speed: {speed:.2f} × the profile's; calibrated "
+                          f"prediction {calibrated * 1e3:.1f} ms", flush=True)
                 if args.phases:
                     print(phase_table(prediction, run["phases"]), flush=True)
         if args.out:
@@ -220,14 +245,18 @@ def main(argv=None) -> int:
                 else:
                     shutil.copy(source, args.out)
     print(f"\n{args.model}, {args.compressor}, {args.profile} links; plans: {args.plans}\n")
+    calibrate = " window compute × | calibrated ms | calibrated error |" if args.calibrate_compute else ""
     print("| workers | plan | groups, compressed | interference | collective slowdown | "
-          "link efficiency | predicted ms | measured ms | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for workers, label, plan, predicted, measured, interference, slowdown, efficiency in rows:
+          "link efficiency | predicted ms | measured ms | error |" + calibrate)
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if calibrate else ""))
+    for (workers, label, plan, predicted, measured, interference, slowdown, efficiency,
+         speed, calibrated) in rows:
         compressed = sum(g.send == "compress" for g in plan.groups)
+        extra = (f" {speed:.2f} | {calibrated * 1e3:.1f} | {(calibrated - measured) / measured * 100:+.1f}% |"
+                 if calibrate else "")
         print(f"| {workers} | {label} | {len(plan)}, {compressed} | {interference:.2f} | {slowdown:.2f} | "
               f"{efficiency:.2f} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | "
-              f"{(predicted - measured) / measured * 100:+.1f}% |")
+              f"{(predicted - measured) / measured * 100:+.1f}% |" + extra)
     return 0
 
 

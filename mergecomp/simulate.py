@@ -103,6 +103,34 @@ def model_profile(model_name: str, compute_time: float, forward_fraction: float 
                    backward_time=backward)
 
 
+def _scaled(cost: LinearCost, factor: float) -> LinearCost:
+    return LinearCost(cost.intercept * factor, cost.slope * factor)
+
+
+def scaled_compute(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every processor-side time multiplied by ``factor``: forward, backward
+    and the gradients' ready times, codecs, copies, error-feedback memory, launch and finish
+    phases, the optimizer step.  The collectives (the network) stay as they are.
+
+    What-if questions ("a device twice as fast": 0.5), and the simulator check's
+    calibration: the same host's compute speed can differ by 40% between a profile and a
+    timed window minutes later, which no network model can predict.
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"a compute scale must be a positive factor (0.5: twice as fast), got {factor!r}")
+    codecs = {name: dataclasses.replace(codec, encode=_scaled(codec.encode, factor),
+                                        decode=_scaled(codec.decode, factor))
+              for name, codec in profile.codecs.items()}
+    return dataclasses.replace(
+        profile,
+        timeline=[dataclasses.replace(t, ready=t.ready * factor) for t in profile.timeline],
+        forward_time=profile.forward_time * factor, backward_time=profile.backward_time * factor,
+        codecs=codecs, copy=_scaled(profile.copy, factor), memory=_scaled(profile.memory, factor),
+        finish={k: _scaled(v, factor) for k, v in profile.finish.items()},
+        launch={k: _scaled(v, factor) for k, v in profile.launch.items()},
+        optimizer_step=profile.optimizer_step * factor)
+
+
 def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
     """``profile`` with the compressor's, FP16's and the copy costs, measured where missing."""
     from . import compressors
@@ -188,6 +216,9 @@ def _parse_args(argv: Optional[Sequence[str]]):
     parser.add_argument("--link-efficiency", default="1.0",
                         help="fraction of the bandwidth the collectives reach (default 1.0, line rate), "
                              "or 'profile': measured by the profile's allreduce (needs --profile)")
+    parser.add_argument("--compute-scale", type=float, default=1.0,
+                        help="multiply every processor-side time of the profile (compute, codecs, "
+                             "copies, optimizer step) by this factor: 0.5 for a device twice as fast")
     parser.add_argument("--workers", default=",".join(map(str, DEFAULT_WORKERS)),
                         help="comma-separated worker counts")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -236,6 +267,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ValueError(f"--link-efficiency must be a fraction in (0, 1] or 'profile', "
                                  f"got {args.link_efficiency!r}") from None
         base = with_codecs(base, name, compressor)
+        if args.compute_scale != 1.0:
+            base = scaled_compute(base, args.compute_scale)
         rows = simulate(base, workers, bandwidth, args.latency * 1e-6, args.topology,
                         summable=bool(compressor.summable), efficiency=efficiency)
     except ValueError as error:

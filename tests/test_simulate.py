@@ -58,3 +58,39 @@ def test_command_line_json_and_errors(tmp_path, capsys):
     assert "not summable" in capsys.readouterr().err
     assert simulate.main(["--model", "vgg16"]) == 2
     assert "--compute-time" in capsys.readouterr().err
+
+
+def test_compute_scale_multiplies_the_processor_side_only():
+    base = one_tensor_profile()
+    doubled = simulate.scaled_compute(base, 2.0)
+    assert doubled.forward_time == 0.05 and doubled.backward_time == 0.1
+    assert doubled.timeline[0].ready == pytest.approx(0.1)
+    assert doubled.codecs["topk"].encode == LinearCost(2e-4, 2e-9)
+    assert doubled.codecs["topk"].wire == base.codecs["topk"].wire
+    rows = simulate.simulate(doubled, [4], bandwidth=1e9, latency=1e-5, topology="allgather")
+    copy = 2 * 4e6 * 1e-12
+    ring = 2 * 3 / 4 * 4e6 / 1e9 + 6e-5  # the network is not scaled
+    assert rows[0]["fp32"]["iteration_time"] == pytest.approx(0.05 + 0.1 + copy + ring + 2 * copy)
+    with pytest.raises(ValueError, match="positive factor"):
+        simulate.scaled_compute(base, 0)
+
+
+def test_command_line_compute_scale(tmp_path, capsys):
+    path = str(tmp_path / "profile.json")
+    one_tensor_profile().save(path)
+    times = []
+    for scale in ("1", "0.5"):
+        assert simulate.main(["--profile", path, "--workers", "2", "--json", "--compute-scale", scale]) == 0
+        times.append(json.loads(capsys.readouterr().out)["rows"][0]["fp32"]["iteration_time"])
+    assert times[1] < times[0]
+    assert simulate.main(["--profile", path, "--compute-scale", "-1"]) == 2
+    assert "positive factor" in capsys.readouterr().err
+
+
+def test_simulator_check_calibrates_with_the_window_forward_time():
+    from benchmarks.simulator_check import window_compute_factor
+    phases = [[{"forward": 0.030}, {"forward": 0.040}, {"forward": 0.050}],  # rank 0: median 40 ms
+              [{"forward": 0.060}, {"forward": 0.060}]]                       # rank 1: median 60 ms
+    assert window_compute_factor(one_tensor_profile(), phases) == pytest.approx(0.050 / 0.025)
+    with pytest.raises(ValueError, match="--phases"):
+        window_compute_factor(one_tensor_profile(), [])
