@@ -15,7 +15,9 @@ Every window starts with one untimed step; a window's time is its slowest rank's
 
 Printed and saved (``--json``): each plan's median step time over rounds, and the median
 over rounds of the scheduler's speed against the best fixed plan (best by median), against
-each saved plan, and the search cost in steps.
+each saved plan, and the search cost in steps.  ``--table`` also names the fixed plans that
+are the scheduler's own plan (same digest), with the scheduler's measured ratio to them:
+the same configuration measured twice, i.e. this measure's noise.
 
     python benchmarks/cluster.py --workers 2 --profile 1gbit -- python benchmarks/interleaved_plans.py \\
         --threads 1 --model vgg16 --batch-size 8 --compress --compressor dgc --compress-ratio 0.01 \\
@@ -136,16 +138,29 @@ def worker(args):
     return benchmarking.finish(result, args.json, work)
 
 
+def same_plans(result: dict) -> list:
+    """Labels of the fixed plans that are the scheduler's own plan (equal digests).
+
+    Their windows and the scheduler's run the same configuration, so the ratio between
+    them is this measure's noise, not a difference between plans."""
+    mine = result["plans"][result["scheduler"]]["digest"]
+    return [label for label, plan in result["plans"].items()
+            if label != result["scheduler"] and label.startswith("fusion-num ") and plan["digest"] == mine]
+
+
 def table(paths) -> str:
     """Markdown rows of saved results, one per file."""
     lines = ["| model | compressor | scheduler: groups (compressed) | search steps | best fixed | "
-             "scheduler / best fixed | scheduler / saved plans |", "|---|---|---|---:|---|---:|---|"]
+             "scheduler / best fixed | same plan as | scheduler / saved plans |",
+             "|---|---|---|---:|---|---:|---|---|"]
     for r in benchmarking.saved_results(paths, "plans", "benchmarks/interleaved_plans.py"):
         mine = r["plans"][r["scheduler"]]
         saved = ", ".join(f"{label} {value:.3f}" for label, value in r["versus"].items()
                           if not label.startswith("fusion-num "))
+        same = ", ".join(f"{label} ({r['versus'][label]:.3f})" for label in same_plans(r))
         lines.append(f"| {r['model']} | {r['compressor']} | {mine['groups']} ({mine['compressed']}) | "
-                     f"{r['search_steps']} | {r['best_fixed']} | {r['versus_best_fixed']:.3f} | {saved or '–'} |")
+                     f"{r['search_steps']} | {r['best_fixed']} | {r['versus_best_fixed']:.3f} | {same or '–'} | "
+                     f"{saved or '–'} |")
     return "\n".join(lines)
 
 

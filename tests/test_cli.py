@@ -97,3 +97,17 @@ def test_result_tables_name_a_file_that_is_not_a_result(tmp_path):
             done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--table", str(path)],
                                   capture_output=True, text=True, cwd=ROOT, timeout=60)
             assert done.returncode == 2 and message in done.stderr and str(path) in done.stderr, done.stderr
+
+
+def test_interleaved_table_names_the_fixed_plan_that_is_the_schedulers_own(tmp_path):
+    from benchmarks.interleaved_plans import same_plans, table
+    plans = {"auto": {"groups": 7, "compressed": 7, "digest": "aa", "step_s": [1.0], "median_s": 1.0},
+             "fusion-num 2": {"groups": 2, "compressed": 2, "digest": "bb", "step_s": [1.1], "median_s": 1.1},
+             "fusion-num 8": {"groups": 7, "compressed": 7, "digest": "aa", "step_s": [0.9], "median_s": 0.9}}
+    result = {"model": "vgg16", "compressor": "dgc", "scheduler": "auto", "search_steps": 90, "plans": plans,
+              "best_fixed": "fusion-num 8", "versus_best_fixed": 0.9,
+              "versus": {"fusion-num 2": 1.1, "fusion-num 8": 0.9}}
+    assert same_plans(result) == ["fusion-num 8"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert "| fusion-num 8 | 0.900 | fusion-num 8 (0.900) | – |" in table([str(path)])
