@@ -79,6 +79,23 @@ def test_auto_check_rounds_keep_the_faster_half_and_the_close_ones():
     assert scheduler._contenders() == []
 
 
+def test_auto_keeps_fp32_unless_a_lossy_plan_is_clearly_faster():
+    from mergecomp.plan import Group, Plan
+    raw = Plan([Group(("a",), "fp32"), Group(("b",), "fp32")])
+    compressed = Plan([Group(("a", "b"), "compress")])
+    half = Plan([Group(("a", "b"), "fp16")])
+    scheduler = mergecomp.schedulers.create("auto", compression_margin=0.05, log=None)
+    # 3% faster compressed: within the margin, FP32 is kept.
+    assert scheduler._winner([(0.97, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)])[1] == "DDP buckets"
+    assert scheduler._winner([(0.97, "fp16", half), (1.0, "DDP buckets", raw)])[1] == "DDP buckets"
+    # 10% faster: compression pays and is chosen; with no FP32 candidate the fastest wins.
+    assert scheduler._winner([(0.90, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)])[1] == "fusion-num 1"
+    assert scheduler._winner([(0.97, "fusion-num 1", compressed), (0.99, "fp16", half)])[1] == "fusion-num 1"
+    # A margin of 0 is the plain minimum.
+    plain = mergecomp.schedulers.create("auto", compression_margin=0.0, log=None)
+    assert plain._winner([(0.99, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)])[1] == "fusion-num 1"
+
+
 def test_auto_scheduler_refuses_bad_check_settings():
     import pytest
     with pytest.raises(ValueError, match="check_rounds"):
@@ -87,6 +104,8 @@ def test_auto_scheduler_refuses_bad_check_settings():
         mergecomp.schedulers.create("auto", contender_margin=-0.1)
     with pytest.raises(ValueError, match="fusion_candidates"):
         mergecomp.schedulers.create("auto", fusion_candidates=(1, -1))
+    with pytest.raises(ValueError, match="compression_margin"):
+        mergecomp.schedulers.create("auto", compression_margin=1.5)
 
 
 class _OneRank:

@@ -42,7 +42,10 @@ and broadcasting:
    load then falls on one visit of a candidate, not on all of its samples, and clearly
    slower plans stop costing steps.  The lowest median over all of a candidate's steps wins,
    so a mispredicting cost model cannot make training slower than the best uncompressed
-   plan, DDP's buckets or the best fixed fusion-num it measured.  A candidate whose switch would lose
+   plan, DDP's buckets or the best fixed fusion-num it measured — except that a lossy plan
+   (one that compresses or casts) must beat the fastest all-FP32 candidate by more than
+   ``compression_margin`` (5%), or the FP32 one is kept: compression that does not clearly
+   pay is not worth its accuracy cost.  A candidate whose switch would lose
    state (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and logged.
    During the profiled steps and the counted check steps, the optimizer's
    ``phase_listener`` times each group's finish phase and the launch of each step's first
@@ -94,7 +97,8 @@ class OnlineOptimalScheduler(Scheduler):
                  drift: float = 0.25, allow_half: bool = False, profile_out: Optional[str] = None,
                  log: Optional[Callable[[str], None]] = print, interference_steps: int = 3,
                  check_rounds: int = 3, contender_margin: float = 0.15,
-                 fusion_candidates: Sequence[int] = (0, 1, 2, 3, 4, 6, 8)):
+                 fusion_candidates: Sequence[int] = (0, 1, 2, 3, 4, 6, 8),
+                 compression_margin: float = 0.05):
         for what, value, least in (("profile_steps", profile_steps, 2), ("check_steps", check_steps, 1),
                                    ("watch_every", watch_every, 1), ("interference_steps", interference_steps, 0),
                                    ("check_rounds", check_rounds, 1)):
@@ -109,6 +113,11 @@ class OnlineOptimalScheduler(Scheduler):
         if not contender_margin >= 0:
             raise ValueError(f"auto scheduler contender_margin must be a fraction ≥ 0 (0.15 = within 15% of "
                              f"the fastest), got {contender_margin!r}")
+        if isinstance(compression_margin, bool) or not isinstance(compression_margin, (int, float)) \
+                or not 0 <= compression_margin < 1:
+            raise ValueError(f"auto scheduler compression_margin must be a fraction in [0, 1) (0.05: a "
+                             f"lossy plan must measure 5% faster than the best FP32 plan), got {compression_margin!r}")
+        self.compression_margin = float(compression_margin)
         self.profile_steps, self.check_steps, self.watch_every = profile_steps, check_steps, watch_every
         self.check_rounds, self.contender_margin = check_rounds, float(contender_margin)
         self.fusion_candidates = fusion_candidates
@@ -475,15 +484,33 @@ class OnlineOptimalScheduler(Scheduler):
         self.profile = self._live_costs(optimizer)
         if optimizer.backend.rank == 0 and self.profile_out:
             self.profile.save(self.profile_out)
-        measured = [(m, label, plan, p) for label, plan, p, m in self.report if isinstance(m, float)]
+        measured = [(m, label, plan) for label, plan, p, m in self.report if isinstance(m, float)]
         if measured:
-            seconds, label, plan, _ = min(measured, key=lambda row: row[0])
+            seconds, label, plan = self._winner(measured)
             optimizer.set_plan(plan)
             self.best = (label, plan, seconds)
         self._say(self.describe(optimizer))
         self.phase = "watch"
         self._samples = []
         self._strikes = 0
+
+    def _winner(self, measured: List[Tuple[float, str, Plan]]) -> Tuple[float, str, Plan]:
+        """The fastest measured (seconds, label, plan), unless it is lossy (compresses or
+        casts a group) and the fastest all-FP32 plan measured within ``compression_margin``
+        of it: then that FP32 plan.  A few percent is inside what one check can resolve on
+        a shared machine, and compression that does not clearly pay should not be bought
+        with accuracy (the loopback benchmark: a compressed plan measured 2% faster in the
+        check ran 10% slower than DDP afterwards)."""
+        fastest = min(measured, key=lambda row: row[0])
+        lossless = [row for row in measured if all(g.send == "fp32" for g in row[2].groups)]
+        if lossless and fastest not in lossless:
+            best_raw = min(lossless, key=lambda row: row[0])
+            if best_raw[0] <= fastest[0] * (1 + self.compression_margin):
+                self._say(f"auto scheduler: {fastest[1]} measured {fastest[0] * 1e3:.1f} ms, within "
+                          f"{self.compression_margin:.0%} of {best_raw[1]} ({best_raw[0] * 1e3:.1f} ms, all FP32): "
+                          f"keeping FP32")
+                return best_raw
+        return fastest
 
     def _watch(self, optimizer, seconds):
         # Windows close by step count, never by valid samples, so every rank calls the
