@@ -164,13 +164,6 @@ def test_stochastic_codes_above_int8_range_stay_unbiased():
     assert torch.allclose(total / 200, x * offset, atol=0.2)
 
 
-@pytest.mark.parametrize("size", [0, 1, 2, 50, 10_000])
-def test_sorted_distinct_is_torch_unique(size):
-    from mergecomp.compressors.randk import sorted_distinct
-    values = torch.randint(0, max(1, size // 3), (size,))
-    assert torch.equal(sorted_distinct(values), torch.unique(values))
-
-
 
 def _run_both_paths(fn, monkeypatch):
     """fn() on the numpy kernels, then on the torch ops (as on a GPU), from the same seed
@@ -223,3 +216,17 @@ def test_packing_kernels_agree_between_numpy_and_torch(bits, monkeypatch):
 
     for a, b in zip(*_run_both_paths(kernels, monkeypatch)):
         assert _same_bits(a, b)
+
+
+def test_uniform_subset_is_distinct_reproducible_and_uniform():
+    from mergecomp.compressors.randk import uniform_subset
+    first = uniform_subset(10_000, 100, torch.Generator().manual_seed(4))
+    assert torch.equal(first, uniform_subset(10_000, 100, torch.Generator().manual_seed(4)))
+    assert first.dtype == torch.int64 and torch.unique(first).numel() == 100
+    assert int(first.min()) >= 0 and int(first.max()) < 10_000
+    # 2000 draws of 10 of 200: each index is picked 100 times on average (σ ≈ 9.7).
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(200)
+    for _ in range(2000):
+        counts[uniform_subset(200, 10, generator)] += 1
+    assert counts.min() > 100 - 5 * 9.7 and counts.max() < 100 + 5 * 9.7

@@ -24,36 +24,18 @@ class RandKContext(Context):
 
 
 def uniform_subset(numel: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """k distinct indices drawn uniformly from range(numel), in O(k log k) when k ≪ n.
+    """k distinct indices drawn uniformly from range(numel), in O(k) when k ≪ n.
 
-    Draw a few more than k indices with replacement, keep the distinct ones (a uniformly
-    random subset of its size, by symmetry) and take k of them at random.  For dense
-    selections a full permutation is cheaper than the rejections.
+    numpy's ``Generator.choice(numel, k, replace=False)`` (Floyd's sampling with a hash set
+    when k is small against n, a partial shuffle otherwise), seeded by one draw from
+    ``generator``, so every rank with the same generator state gets the same indices.  At
+    1% of 1M elements it costs about half of drawing with replacement, sorting, dropping
+    duplicates and permuting in torch.  For dense selections a full permutation is cheaper.
     """
     if 4 * k > numel:
         return torch.randperm(numel, generator=generator)[:k]
-    draws = k + k // 8 + 16
-    while True:
-        distinct = sorted_distinct(torch.randint(0, numel, (draws,), generator=generator))
-        if distinct.numel() >= k:
-            return distinct[torch.randperm(distinct.numel(), generator=generator)[:k]]
-        draws *= 2
-
-
-def sorted_distinct(values: torch.Tensor) -> torch.Tensor:
-    """``torch.unique(values)`` (sorted, distinct) for a CPU integer tensor, several times faster.
-
-    On one CPU thread torch's sort costs about 70 ns per element at 10^4 int64 (the
-    selection of 1% of 1M elements), numpy's about 10 ns; the duplicates are then dropped
-    by comparing neighbours.  The generator that draws the values is a CPU one, so the
-    values are always on the CPU here.
-    """
-    ordered = torch.from_numpy(np.sort(values.numpy()))
-    if ordered.numel() < 2:
-        return ordered
-    keep = torch.ones(ordered.numel(), dtype=torch.bool)
-    torch.ne(ordered[1:], ordered[:-1], out=keep[1:])
-    return ordered[keep]
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+    return torch.from_numpy(np.random.default_rng(seed).choice(numel, k, replace=False))
 
 
 @register("randk")
