@@ -44,15 +44,16 @@ class QSGDCompressor(Compressor):
         self._scratch = Scratch()
 
     def compress(self, tensor, name):
-        buckets = bucket_parts(tensor, self.bucket_size, self._scratch)
+        buckets = None  # the torch path's bucket views, made only where it runs
         if tensor.dtype == torch.float32 and native.usable(tensor):
             norms = native.bucket_norms(tensor, self.bucket_size)  # one pass, no rescue needed
         else:
+            buckets = bucket_parts(tensor, self.bucket_size, self._scratch)
             norms = bucket_norms(buckets)
         s = self.levels
         # Signed level s·v/‖v‖ ∈ [−s, s], rounded stochastically and offset by s: the code.
         factors = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        packed = quantize_packed(tensor, buckets, factors, s, self.bits, self._scratch)
+        packed = quantize_packed(tensor, self.bucket_size, factors, s, self.bits, self._scratch, buckets)
         return (packed, norms), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):

@@ -11,11 +11,12 @@ buffers instead of allocating n-element temporaries on every step.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
 from . import native, numpy_kernels
+from .buckets import bucket_parts
 from .packing import Scratch, decode_values, pack_bits, unpack_bits
 
 #: The integer type that has the same bytes as each floating type (for sign-bit tricks).
@@ -184,17 +185,20 @@ def dequantize(codes: torch.Tensor, offset: int, scales: torch.Tensor, bucket_si
     return scale_levels(values.sub_(offset), scales, bucket_size, dtype)
 
 
-def quantize_packed(tensor: torch.Tensor, parts: List[torch.Tensor], factors: torch.Tensor, offset: int,
-                    bits: int, scratch: Scratch) -> torch.Tensor:
+def quantize_packed(tensor: torch.Tensor, bucket_size: int, factors: torch.Tensor, offset: int, bits: int,
+                    scratch: Scratch, parts: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
     """``pack_bits(stochastic_codes(parts, factors, offset, ...), bits)``: the packed codes.
 
-    ``parts`` are ``tensor``'s buckets (:func:`~mergecomp.compressors.buckets.bucket_parts`).
     fp32 CPU tensors go through the fused native kernel (one pass, the same bits, the
-    same random lanes for the same generator state), everything else through the torch ops.
+    same random lanes for the same generator state), everything else through the torch
+    ops on ``tensor``'s buckets (``parts``, from
+    :func:`~mergecomp.compressors.buckets.bucket_parts`, made here when not given).
     """
     if tensor.dtype == torch.float32 and native.usable(tensor):
         key = random_key(tensor.numel())
-        return native.stochastic_codes(tensor, parts[0].shape[1], factors, offset, key, bits)
+        return native.stochastic_codes(tensor, bucket_size, factors, offset, key, bits)
+    if parts is None:
+        parts = bucket_parts(tensor, bucket_size, scratch)
     return pack_bits(stochastic_codes(parts, factors, offset, tensor.numel(), scratch), bits)
 
 

@@ -51,15 +51,16 @@ class TernGradCompressor(Compressor):
             torch.maximum(work, -bound, out=work)
             torch.minimum(work, bound, out=work)
             source = work.view(-1)[: tensor.numel()]
-        buckets = bucket_parts(source, self.bucket_size, self._scratch)
+        buckets = None  # the torch path's bucket views, made only where it runs
         if source.dtype == torch.float32 and native.usable(source):
             scales = native.bucket_peaks(source, self.bucket_size)  # one pass instead of two
         else:
+            buckets = bucket_parts(source, self.bucket_size, self._scratch)
             scales = bucket_peaks(buckets)
         # v/S ∈ [−1, 1] rounded stochastically and offset by 1: code 0 → −S, 1 → 0, 2 → +S,
         # +S with probability v/S for v > 0 and −S with probability |v|/S for v < 0.
         factors = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
-        packed = quantize_packed(source, buckets, factors, 1, 2, self._scratch)
+        packed = quantize_packed(source, self.bucket_size, factors, 1, 2, self._scratch, buckets)
         return (packed, scales), Context(tensor.shape, tensor.dtype)
 
     def _bucket_std(self, work, n):
