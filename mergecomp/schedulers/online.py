@@ -52,9 +52,15 @@ and broadcasting:
    group (the only one launched with no collective of the step in flight); once the check
    is over, lines fitted to those samples, pooled over ranks
    (:func:`~mergecomp.profile.fit_live_costs`), replace the probes' ``finish`` and give
-   the profile's ``launch`` costs, and the profile is saved again (``profile_out``).  The
-   plan is chosen by measurement, so this changes no decision; it makes the saved profile
-   predict the run it came from.
+   the profile's ``launch`` costs.  The counted check steps' forward passes (end of the
+   last step to the first gradient: no collective of the step is in flight yet, whatever
+   the plan) are timed too; their median over ranks against the profile's forward time is
+   the speed the processor ran at during the check, and every processor-side time of the
+   profile is scaled by it (:func:`~mergecomp.simulate.scaled_compute`) — on a shared
+   machine the five profiled steps can run 30% faster or slower than the minutes after
+   them.  The profile is then saved again (``profile_out``).  The plan is chosen by
+   measurement, so this changes no decision; it makes the saved profile predict the run
+   it came from.
 3. **watch**: every ``watch_every`` steps the median step time (max over ranks) is compared
    with the winner's; after two windows in a row more than ``drift`` slower, it profiles
    and checks again.
@@ -92,6 +98,9 @@ class OnlineOptimalScheduler(Scheduler):
     interference_span = 2.5
     #: ... but it never holds more than this many bytes.
     interference_max_bytes = 2 ** 28
+    #: The profile is rescaled to the check's compute speed only from this many timed
+    #: forward passes (pooled over ranks) or more.
+    live_forward_samples = 3
 
     def __init__(self, profile_steps: int = 5, check_steps: int = 3, watch_every: int = 50,
                  drift: float = 0.25, allow_half: bool = False, profile_out: Optional[str] = None,
@@ -146,6 +155,9 @@ class OnlineOptimalScheduler(Scheduler):
         self._span: List[float] = []
         #: Live phase samples: {"launch"|"finish": {send: [(elements, seconds), ...]}}.
         self._live: Dict[str, Dict[str, List[Tuple[int, float]]]] = {}
+        #: Forward seconds of the counted check steps (this rank), and the current step's.
+        self._forwards: List[float] = []
+        self._first_ready: Optional[float] = None
         self._pending: List[Tuple[str, str, int, float]] = []
 
     @property
@@ -207,6 +219,11 @@ class OnlineOptimalScheduler(Scheduler):
 
     def _on_ready(self, name: str) -> None:
         self._ready.setdefault(name, []).append(time.perf_counter() - self._step_start)
+
+    def _on_first_ready(self, name: str) -> None:
+        """Check phase: note only when the step's first gradient arrived (its forward)."""
+        if self._first_ready is None:
+            self._first_ready = time.perf_counter() - self._step_start
 
     def _profile(self, optimizer, seconds):
         self._step_start = time.perf_counter()
@@ -351,6 +368,9 @@ class OnlineOptimalScheduler(Scheduler):
         self.phase = "check"
         self._pending = []
         optimizer.phase_listener = self._on_phase
+        self._forwards, self._first_ready = [], None
+        optimizer.ready_listener = self._on_first_ready
+        self._step_start = time.perf_counter()
         self._next_candidate(optimizer)
 
     def _measure(self, optimizer):
@@ -446,8 +466,12 @@ class OnlineOptimalScheduler(Scheduler):
         return sorted(keep)
 
     def _check(self, optimizer, seconds):
+        forward, self._first_ready = self._first_ready, None
+        self._step_start = time.perf_counter()
         self._samples.append(seconds)
         self._keep_phases(len(self._samples) > 1)
+        if len(self._samples) > 1 and seconds is not None and forward is not None:
+            self._forwards.append(forward)
         if len(self._samples) < self.check_steps + 1:
             return
         everyone = optimizer.backend.allgather_object(self._samples[1:])
@@ -457,14 +481,24 @@ class OnlineOptimalScheduler(Scheduler):
         self._next_candidate(optimizer)
 
     def _live_costs(self, optimizer):
-        """The profile with the launch and finish lines fitted to the live samples of
-        every rank (see the module docstring)."""
+        """The profile at the speed the check ran at, with the launch and finish lines
+        fitted to the live samples of every rank (see the module docstring)."""
         from ..profile import fit_live_costs
-        everyone = optimizer.backend.allgather_object(self._live)
+        from ..simulate import scaled_compute
+        everyone = optimizer.backend.allgather_object((self._live, self._forwards))
+        forwards = [f for _, rank_forwards in everyone for f in rank_forwards]
+        self._forwards = []
+        profile = self.profile
+        if len(forwards) >= self.live_forward_samples and profile.forward_time > 0:
+            speed = statistics.median(forwards) / profile.forward_time
+            profile = scaled_compute(profile, speed)
+            self._say(f"auto scheduler: forward took {statistics.median(forwards) * 1e3:.1f} ms in the check "
+                      f"against {self.profile.forward_time * 1e3:.1f} ms profiled: processor-side costs "
+                      f"scaled by {speed:.2f}")
         fitted = {}
         for phase in ("launch", "finish"):
             pooled: Dict[str, List[Tuple[int, float]]] = {}
-            for samples in everyone:
+            for samples, _ in everyone:
                 for send, pairs in samples.get(phase, {}).items():
                     if send == "compress" and self.profile.communicator not in ("allreduce", "allgather"):
                         continue  # the PS finish phase runs collectives: not a local cost
@@ -475,11 +509,12 @@ class OnlineOptimalScheduler(Scheduler):
                  for phase in fitted for send, c in sorted(fitted[phase].items())]
         if lines:
             self._say("auto scheduler: costs timed in the run: " + "; ".join(lines))
-        return dataclasses.replace(self.profile, finish={**self.profile.finish, **fitted["finish"]},
-                                   launch={**self.profile.launch, **fitted["launch"]})
+        return dataclasses.replace(profile, finish={**profile.finish, **fitted["finish"]},
+                                   launch={**profile.launch, **fitted["launch"]})
 
     def _choose(self, optimizer):
         optimizer.phase_listener = None
+        optimizer.ready_listener = None
         self._pending = []
         self.profile = self._live_costs(optimizer)
         if optimizer.backend.rank == 0 and self.profile_out:
