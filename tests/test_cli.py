@@ -72,6 +72,8 @@ def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp
     assert result["plans"]["fusion-num 3"]["groups"] == 3 and result["plans"]["two"]["groups"] == 2
     assert result["best_fixed"] in ("fusion-num 0", "fusion-num 3") and result["versus_best_fixed"] > 0
     assert all(len(p["step_s"]) == 2 for p in result["plans"].values())
+    assert len(result["repeat"]["step_s"]) == 2 and result["repeat"]["versus"] > 0  # the noise control
+    assert all(p["same_as"] is None for p in result["plans"].values())
     table = subprocess.run([sys.executable, script, "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert table.returncode == 0 and "| resnet20 | efsignsgd | 1 (1) |" in table.stdout
     missing = subprocess.run([sys.executable, script, "--plans", str(tmp_path / "nope.json")],
@@ -110,4 +112,18 @@ def test_interleaved_table_names_the_fixed_plan_that_is_the_schedulers_own(tmp_p
     assert same_plans(result) == ["fusion-num 8"]
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
-    assert "| fusion-num 8 | 0.900 | fusion-num 8 (0.900) | – |" in table([str(path)])
+    assert "| fusion-num 8 | 0.900 | fusion-num 8 (0.900) | – | – |" in table([str(path)])
+    # Results with a repeat window ran the same plan once: the label alone, and the noise.
+    plans["fusion-num 8"].update(step_s=[1.0], median_s=1.0, same_as="auto")
+    result.update(best_fixed="fusion-num 8", versus_best_fixed=1.0, repeat={"step_s": [1.05], "median_s": 1.05,
+                                                                            "versus": 1.05})
+    path.write_text(json.dumps(result))
+    assert "| fusion-num 8 | 1.000 | fusion-num 8 | 1.050 | – |" in table([str(path)])
+
+
+def test_interleaved_plans_run_each_distinct_plan_once():
+    from benchmarks.interleaved_plans import distinct_plans
+    from mergecomp.plan import Group, Plan
+    seven, two = Plan([Group(("a", "b"), "compress")]), Plan([Group(("a",), "compress"), Group(("b",), "compress")])
+    plans = {"auto": seven, "fusion-num 1": seven, "fusion-num 2": two, "fusion-num 3": two, "binary": seven}
+    assert distinct_plans(plans) == {"fusion-num 1": "auto", "fusion-num 3": "fusion-num 2", "binary": "auto"}
