@@ -14,12 +14,17 @@ copies of the model, with the same initial weights and batch:
 
 After the warm-up of both and the settling of mergecomp's scheduler (its search steps are
 reported, not timed), ``--rounds`` rounds each time one window of ``--window`` steps of
-either, in the order AB then BA so neither always goes first.  Every window begins with one
+either, and a second window of DDP ("DDP again"), in an order rotated each round so none
+always goes first.  Every window begins with one
 untimed step (caches, allocator) and ``restart_step_clock()``, so the adaptive scheduler
 does not take the other model's steps for a slow step of its own.  A window's time is its
 slowest rank's.  The result is the median over rounds of
 
     speed ratio = DDP seconds per step / mergecomp seconds per step   (> 1: mergecomp faster)
+
+and, as this measure's noise, the median of DDP's speed over its second window's: the
+same configuration timed twice in each round, so whatever it is off 1 by, a difference
+of that size between DDP and mergecomp is not resolved.
 
     python benchmarks/versus_ddp.py --nproc 2 --threads 1 --model lstm --batch-size 8 \\
         --compress --compressor efsignsgd --scheduler auto --rounds 8 --window 3
@@ -45,6 +50,7 @@ import compress_benchmark  # noqa: E402
 from mergecomp import benchmarking  # noqa: E402
 
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
+DDP_AGAIN = "ddp again"  # the label of DDP's second window in every round: the noise control
 
 
 def parse_args(argv=None):
@@ -104,11 +110,13 @@ def worker(args):
     search_steps = compress_benchmark.warm_up_and_settle(
         optimizer, benchmarking.make_timer(mergecomp_step, device), args, work)
 
-    mine = benchmarking.interleaved_windows({"ddp": synchronised(ddp_step), "mergecomp": synchronised(mergecomp_step)},
-                               args.rounds, args.window, before={"mergecomp": optimizer.restart_step_clock})
+    mine = benchmarking.interleaved_windows({"ddp": synchronised(ddp_step), "mergecomp": synchronised(mergecomp_step),
+                                             DDP_AGAIN: synchronised(ddp_step)},
+                                            args.rounds, args.window, before={"mergecomp": optimizer.restart_step_clock})
     everyone = optimizer.backend.allgather_object(mine)
     slowest = {name: [max(r[name][i] for r in everyone) for i in range(args.rounds)] for name in mine}
     ratios = [d / m for d, m in zip(slowest["ddp"], slowest["mergecomp"])]
+    noise = statistics.median(a / d for d, a in zip(slowest["ddp"], slowest[DDP_AGAIN]))
     result = {
         "model": args.model, "batch_size": work.batch_size, "workers": work.size, "device": str(device),
         "compressor": args.compressor if args.compress else "none", "compress": args.compress,
@@ -119,26 +127,29 @@ def worker(args):
         "plan": optimizer.plan.digest(), "rounds": args.rounds, "window": args.window,
         "ddp_step_s": slowest["ddp"], "mergecomp_step_s": slowest["mergecomp"], "ratios": ratios,
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "ddp_again_step_s": slowest[DDP_AGAIN], "ddp_versus_ddp_again": noise,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     for i, (d, m) in enumerate(zip(slowest["ddp"], slowest["mergecomp"])):
         work.log(f"Round {i}: DDP {d * 1e3:.1f} ms/step, mergecomp {m * 1e3:.1f} ms/step, ratio {d / m:.3f}")
     work.log(f"DDP / mergecomp step time: median {result['ratio_median']:.3f} over {args.rounds} rounds "
              f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}); > 1: mergecomp faster")
+    work.log(f"DDP / DDP again: median {noise:.3f} (the same configuration twice: this measure's noise)")
     return benchmarking.finish(result, args.json, work)
 
 
 def table(paths) -> str:
     """Markdown rows of saved results, one per file."""
     lines = ["| model | compressor | scheduler | groups (compressed) | search steps | DDP ms/step | "
-             "mergecomp ms/step | DDP / mergecomp (median, min–max) |",
-             "|---|---|---|---|---:|---:|---:|---|"]
+             "mergecomp ms/step | DDP / mergecomp (median, min–max) | DDP / DDP again |",
+             "|---|---|---|---|---:|---:|---:|---|---:|"]
     for r in benchmarking.saved_results(paths, "ratios", "benchmarks/versus_ddp.py"):
         lines.append(f"| {r['model']} | {r['compressor']} | {r['scheduler']} | {r['groups']} "
                      f"({r['compressed_groups']}) | {r['search_steps']} | "
                      f"{statistics.median(r['ddp_step_s']) * 1e3:.0f} | "
                      f"{statistics.median(r['mergecomp_step_s']) * 1e3:.0f} | "
-                     f"{r['ratio_median']:.3f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |")
+                     f"{r['ratio_median']:.3f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | "
+                     + (f"{r['ddp_versus_ddp_again']:.3f} |" if "ddp_versus_ddp_again" in r else "– |"))
     return "\n".join(lines)
 
 

@@ -46,6 +46,8 @@ def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert len(result["ratios"]) == 2 and result["ratio_median"] > 0 and result["groups"] == 2
+    assert len(result["ddp_again_step_s"]) == 2 and result["ddp_versus_ddp_again"] > 0  # the noise control
+    assert "DDP / DDP again: median" in done.stdout
     assert "SGD momentum 0.9" in done.stdout  # DDP applies the momentum the DGC memory applies
     table = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"),
                             "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
