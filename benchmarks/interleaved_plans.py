@@ -47,6 +47,7 @@ import mergecomp  # noqa: E402
 from mergecomp import benchmarking  # noqa: E402
 
 DEFAULT_FUSION_NUMS = "0,1,2,3,4,6,8"  # the sweep the scheduler is measured against
+REPEAT = "repeat"  # the label of the scheduler's plan's second window in every round
 
 
 def parse_args(argv=None):
@@ -72,9 +73,15 @@ def parse_args(argv=None):
     for name in ("rounds", "window"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
+    taken = {args.scheduler, REPEAT}
     for path in args.plans:
         if not os.path.isfile(path):
             p.error(f"--plans: no such file {path!r}; save one with compress_benchmark.py --plan-out")
+        label = plan_label(path)
+        if label in taken or label.startswith("fusion-num "):
+            p.error(f"--plans: {path!r} would be labelled {label!r}, which another plan of this run already "
+                    "has; rename the file")
+        taken.add(label)
     return args
 
 
@@ -92,9 +99,6 @@ def candidate_plans(optimizer, args):
     for path in args.plans:
         plans[plan_label(path)] = mergecomp.Plan.load(path)
     return plans
-
-
-REPEAT = "repeat"  # the label of the scheduler's plan's second window in every round
 
 
 def distinct_plans(plans) -> dict:

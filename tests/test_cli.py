@@ -81,6 +81,11 @@ def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp
     missing = subprocess.run([sys.executable, script, "--plans", str(tmp_path / "nope.json")],
                              capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and "no such file" in missing.stderr
+    repeat = tmp_path / "repeat.json"
+    repeat.write_text(saved.read_text())
+    for clash in ([str(saved), str(saved)], [str(repeat)]):
+        taken = subprocess.run([sys.executable, script, "--plans", *clash], capture_output=True, text=True, cwd=ROOT)
+        assert taken.returncode == 2 and "rename the file" in taken.stderr, taken.stderr
 
 
 def test_compressor_benchmark_prints_a_row_per_compressor_and_dgc_against_topk():
