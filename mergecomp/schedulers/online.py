@@ -490,9 +490,10 @@ class OnlineOptimalScheduler(Scheduler):
         self._forwards = []
         profile = self.profile
         if len(forwards) >= self.live_forward_samples and profile.forward_time > 0:
-            speed = statistics.median(forwards) / profile.forward_time
+            forward = statistics.median(forwards)
+            speed = forward / profile.forward_time
             profile = scaled_compute(profile, speed)
-            self._say(f"auto scheduler: forward took {statistics.median(forwards) * 1e3:.1f} ms in the check "
+            self._say(f"auto scheduler: forward took {forward * 1e3:.1f} ms in the check "
                       f"against {self.profile.forward_time * 1e3:.1f} ms profiled: processor-side costs "
                       f"scaled by {speed:.2f}")
         fitted = {}
@@ -500,7 +501,7 @@ class OnlineOptimalScheduler(Scheduler):
             pooled: Dict[str, List[Tuple[int, float]]] = {}
             for samples, _ in everyone:
                 for send, pairs in samples.get(phase, {}).items():
-                    if send == "compress" and self.profile.communicator not in ("allreduce", "allgather"):
+                    if send == "compress" and profile.communicator not in ("allreduce", "allgather"):
                         continue  # the PS finish phase runs collectives: not a local cost
                     pooled.setdefault(send, []).extend(pairs)
             fitted[phase] = fit_live_costs(pooled)
