@@ -1,4 +1,5 @@
 """The auto and binary schedulers driving a real 2-rank run: they settle on the same plan."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -67,16 +68,61 @@ def test_binary_scheduler_searches_and_settles_identically():
 
 def test_auto_check_rounds_keep_the_faster_half_and_the_close_ones():
     scheduler = mergecomp.schedulers.create("auto", contender_margin=0.15, log=None)
-    scheduler._times = {0: [1.0, 1.2], 1: [1.1, 1.3], 2: [2.0, 2.1], 3: []}
+    # Visits: (step seconds, forward seconds); no forwards timed, so no speed correction.
+    scheduler._windows = {0: [([1.0, 1.2], None)], 1: [([1.1], None), ([1.3], None)], 2: [([2.0, 2.1], None)],
+                          3: []}
     assert scheduler._contenders() == [0, 1]  # medians 1.1, 1.2 (within 15%), 2.05 out, 3 unmeasured
     # Halving keeps a candidate that one bad visit put 30% behind, when it is in the faster half.
-    scheduler._times = {0: [1.0], 1: [1.3], 2: [1.4], 3: [1.5], 4: [2.0]}
+    scheduler._windows = {i: [([t], None)] for i, t in enumerate([1.0, 1.3, 1.4, 1.5, 2.0])}
     assert scheduler._contenders() == [0, 1, 2]
     # Only the candidates still in the race count, so the field shrinks round by round.
     scheduler._race = [0, 1, 2]
     assert scheduler._contenders() == [0, 1]
-    scheduler._times = {}
+    scheduler._windows = {}
     assert scheduler._contenders() == []
+
+
+def test_auto_compares_visits_at_the_checks_median_compute_speed():
+    import dataclasses
+    from mergecomp.costmodel import predict
+    from mergecomp.plan import Group, Plan
+    from mergecomp.simulate import scaled_compute
+    from tests.test_costmodel import hand_profile
+    profile = hand_profile()  # forward 1 s, backward 4 s, compute-bound
+    split = Plan([Group(("a",), "compress"), Group(("b", "c"), "fp32")])
+    whole = Plan([Group(("a", "b", "c"), "fp32")])
+    at = lambda plan, factor: predict(plan, scaled_compute(profile, factor)).iteration_time  # noqa: E731
+    scheduler = mergecomp.schedulers.create("auto", log=None)
+    scheduler.profile = profile
+    scheduler._candidates = [("split", split, 0.0), ("whole", whole, 0.0)]
+    # "split" was visited while the host ran 1.5x slower (forward 1.5 s against the median
+    # 1.0 s): its raw 7.0 s loses to "whole"'s 6.5 s, but the cost model says 1.5x slower
+    # compute costs it at(1.5) - at(1.0) seconds, which are taken off.
+    scheduler._windows = {0: [([7.0, 7.0], 1.5)], 1: [([6.5, 6.5], 1.0), ([6.5], 1.0)]}
+    shift = at(split, 1.5) - at(split, 1.0)
+    assert shift > 0.5
+    figures = scheduler._at_check_speed()
+    assert figures == pytest.approx({0: 7.0 - shift, 1: 6.5})
+    assert figures[0] < figures[1]
+    # A visit without a timed forward is taken as measured; a forward pause is clamped.
+    scheduler._windows = {0: [([7.0], None)], 1: [([6.5], 1.0)]}
+    assert scheduler._at_check_speed() == pytest.approx({0: 7.0, 1: 6.5})
+    scheduler._windows = {0: [([7.0], 50.0)], 1: [([6.5], 1.0)], 2: [([6.4], 1.0)], 3: []}
+    scheduler._candidates += [("whole again", whole, 0.0), ("unvisited", whole, 0.0)]
+    clamped = at(split, scheduler.speed_clamp) - at(split, 1.0)
+    assert scheduler._at_check_speed() == pytest.approx({0: 7.0 - clamped, 1: 6.5, 2: 6.4})
+    # The reference is the visits' median forward (here 2x the profile's), not the profile's.
+    scheduler.profile = dataclasses.replace(profile, forward_time=0.5)
+    scheduler._windows = {0: [([7.0], 1.5)], 1: [([6.5], 1.0)], 2: [([6.0], 1.0)]}
+    half = scheduler.profile
+    expected = 7.0 - (predict(split, scaled_compute(half, 3.0)).iteration_time
+                      - predict(split, scaled_compute(half, 2.0)).iteration_time)
+    assert scheduler._at_check_speed() == pytest.approx({0: expected, 1: 6.5, 2: 6.0})
+    # Switched off: plain medians.
+    plain = mergecomp.schedulers.create("auto", log=None, speed_correction=False)
+    plain.profile, plain._candidates = profile, scheduler._candidates
+    plain._windows = {0: [([7.0, 7.0], 1.5)], 1: [([6.5], 1.0)]}
+    assert plain._at_check_speed() == {0: 7.0, 1: 6.5}
 
 
 def test_auto_keeps_fp32_unless_a_lossy_plan_is_clearly_faster():
@@ -106,6 +152,8 @@ def test_auto_scheduler_refuses_bad_check_settings():
         mergecomp.schedulers.create("auto", fusion_candidates=(1, -1))
     with pytest.raises(ValueError, match="compression_margin"):
         mergecomp.schedulers.create("auto", compression_margin=1.5)
+    with pytest.raises(ValueError, match="speed_correction"):
+        mergecomp.schedulers.create("auto", speed_correction="yes")
 
 
 class _OneRank:

@@ -40,7 +40,16 @@ and broadcasting:
    machine can be off by a third: a margin would drop the true best on one bad visit, while
    half the field keeps it unless it was measured slower than half of the others.  A burst of
    load then falls on one visit of a candidate, not on all of its samples, and clearly
-   slower plans stop costing steps.  The lowest median over all of a candidate's steps wins,
+   slower plans stop costing steps.  Visits are compared at one compute speed: the host's
+   speed drifts by 20% and more within a minute on a shared machine, and a visit that fell in
+   a slow minute would otherwise lose to its own plan visited in a fast one.  Each counted
+   step's forward pass is timed (end of the last step to the first gradient; the slowest
+   rank's); a visit's median forward against the median of all visits' is its speed, and the
+   cost model says how much of the plan's step time moves with that speed
+   (:func:`~mergecomp.simulate.scaled_compute`: processor-side costs scale, collectives do
+   not), which is taken off the visit's steps (``speed_correction``; on the LSTM at 1 Gbit/s
+   this removed half the variance of 3-step visits).  The lowest median over all of a
+   candidate's corrected steps wins,
    so a mispredicting cost model cannot make training slower than the best uncompressed
    plan, DDP's buckets or the best fixed fusion-num it measured — except that a lossy plan
    (one that compresses or casts) must beat the fastest all-FP32 candidate by more than
@@ -107,7 +116,7 @@ class OnlineOptimalScheduler(Scheduler):
                  log: Optional[Callable[[str], None]] = print, interference_steps: int = 3,
                  check_rounds: int = 3, contender_margin: float = 0.15,
                  fusion_candidates: Sequence[int] = (0, 1, 2, 3, 4, 6, 8),
-                 compression_margin: float = 0.05):
+                 compression_margin: float = 0.05, speed_correction: bool = True):
         for what, value, least in (("profile_steps", profile_steps, 2), ("check_steps", check_steps, 1),
                                    ("watch_every", watch_every, 1), ("interference_steps", interference_steps, 0),
                                    ("check_rounds", check_rounds, 1)):
@@ -126,7 +135,10 @@ class OnlineOptimalScheduler(Scheduler):
                 or not 0 <= compression_margin < 1:
             raise ValueError(f"auto scheduler compression_margin must be a fraction in [0, 1) (0.05: a "
                              f"lossy plan must measure 5% faster than the best FP32 plan), got {compression_margin!r}")
+        if not isinstance(speed_correction, bool):
+            raise ValueError(f"auto scheduler speed_correction must be True or False, got {speed_correction!r}")
         self.compression_margin = float(compression_margin)
+        self.speed_correction = speed_correction
         self.profile_steps, self.check_steps, self.watch_every = profile_steps, check_steps, watch_every
         self.check_rounds, self.contender_margin = check_rounds, float(contender_margin)
         self.fusion_candidates = fusion_candidates
@@ -145,7 +157,10 @@ class OnlineOptimalScheduler(Scheduler):
         self._candidates: List[Tuple[str, Plan, float]] = []
         self._queue: List[int] = []  # candidates (indices) still to visit in this round
         self._race: Optional[List[int]] = None  # candidates of this round (None: all)
-        self._times: Dict[int, List[float]] = {}  # counted step times per candidate, max over ranks
+        #: Per candidate, its visits: (counted step seconds, the visit's forward seconds or
+        #: None), each step and forward its slowest rank's.
+        self._windows: Dict[int, List[Tuple[List[float], Optional[float]]]] = {}
+        self._window_forwards: List[Optional[float]] = []  # this rank's, this visit's counted steps
         self._skipped: Dict[int, str] = {}
         self._round = 0
         self._strikes = 0
@@ -361,7 +376,7 @@ class OnlineOptimalScheduler(Scheduler):
         candidates = self._plan_candidates(optimizer) if optimizer.backend.rank == 0 else None
         self._candidates = optimizer.backend.broadcast_object(candidates, src=0)
         self._queue = list(range(len(self._candidates)))
-        self._times = {index: [] for index in self._queue}
+        self._windows = {index: [] for index in self._queue}
         self._skipped, self._round = {}, 0
         self._race = list(self._queue)
         self.report = []
@@ -437,26 +452,28 @@ class OnlineOptimalScheduler(Scheduler):
                 self._skipped[index] = f"skipped: {reason}"
                 self._queue.pop(0)
                 continue
-            self._samples = []
+            self._samples, self._window_forwards = [], []
             return
         self._round += 1
-        self._queue = self._contenders()
+        # Rank 0 decides: the speed correction runs the cost model on its own profile.
+        self._queue = optimizer.backend.broadcast_object(self._contenders() if optimizer.backend.rank == 0 else None, src=0)
         self._race = list(self._queue)
         if self._round < self.check_rounds and len(self._queue) > 1:
             self._next_candidate(optimizer)
             return
-        self.report = [(label, plan, predicted,
-                        self._skipped.get(index) or statistics.median(self._times[index]))
+        figures = optimizer.backend.broadcast_object(self._at_check_speed() if optimizer.backend.rank == 0 else None, src=0)
+        self._say_speeds()
+        self.report = [(label, plan, predicted, self._skipped.get(index) or figures[index])
                        for index, (label, plan, predicted) in enumerate(self._candidates)
-                       if index in self._skipped or self._times[index]]
+                       if index in self._skipped or index in figures]
         self._choose(optimizer)
 
     def _contenders(self) -> List[int]:
         """Of the candidates still in the race (all, before the first round), the faster half
         by median (at least two), plus any within ``contender_margin`` of the fastest; in
         candidate order."""
-        medians = {index: statistics.median(times) for index, times in self._times.items()
-                   if times and (self._race is None or index in self._race)}
+        medians = {index: seconds for index, seconds in self._at_check_speed().items()
+                   if self._race is None or index in self._race}
         if not medians:
             return []
         ranked = sorted(medians, key=lambda index: (medians[index], index))
@@ -470,15 +487,61 @@ class OnlineOptimalScheduler(Scheduler):
         self._step_start = time.perf_counter()
         self._samples.append(seconds)
         self._keep_phases(len(self._samples) > 1)
-        if len(self._samples) > 1 and seconds is not None and forward is not None:
-            self._forwards.append(forward)
+        if len(self._samples) > 1:
+            timed = seconds is not None and forward is not None
+            self._window_forwards.append(forward if timed else None)
+            if timed:
+                self._forwards.append(forward)
         if len(self._samples) < self.check_steps + 1:
             return
-        everyone = optimizer.backend.allgather_object(self._samples[1:])
+        everyone = optimizer.backend.allgather_object((self._samples[1:], self._window_forwards))
         index = self._queue.pop(0)
-        self._times[index].extend(max(step) for step in zip(*everyone)  # each step: its slowest rank
-                                   if None not in step)  # untimed: restart_step_clock()
+        steps = [max(step) for step in zip(*(s for s, _ in everyone))  # each step: its slowest rank
+                 if None not in step]  # untimed: restart_step_clock()
+        forwards = [max(step) for step in zip(*(f for _, f in everyone)) if None not in step]
+        if steps:
+            self._windows[index].append((steps, statistics.median(forwards) if forwards else None))
         self._next_candidate(optimizer)
+
+    def _at_check_speed(self) -> Dict[int, float]:
+        """{candidate: median of its counted steps, each visit's corrected to the check's
+        median compute speed} for the measured candidates (see the module docstring)."""
+        forwards = [forward for visits in self._windows.values() for _, forward in visits if forward]
+        profile = self.profile
+        reference = statistics.median(forwards) if forwards else None
+        correct = self.speed_correction and reference is not None and profile is not None \
+            and profile.forward_time > 0
+        figures = {}
+        for index, visits in self._windows.items():
+            steps = []
+            for seconds, forward in visits:
+                shift = self._speed_shift(self._candidates[index][1], forward, reference) \
+                    if correct and forward else 0.0
+                steps.extend(s - shift for s in seconds)
+            if steps:
+                figures[index] = statistics.median(steps)
+        return figures
+
+    def _say_speeds(self) -> None:
+        forwards = sorted(forward for visits in self._windows.values() for _, forward in visits if forward)
+        if forwards and self.speed_correction:
+            self._say(f"auto scheduler: the check's visits ran forward passes of {forwards[0] * 1e3:.1f} to "
+                      f"{forwards[-1] * 1e3:.1f} ms; their steps are compared at the median, "
+                      f"{statistics.median(forwards) * 1e3:.1f} ms")
+
+    #: A visit's forward further than this factor from the check's median is a pause in
+    #: that forward pass (a collection, a page fault), not the host's speed: clamped.
+    speed_clamp = 2.0
+
+    def _speed_shift(self, plan: Plan, forward: float, reference: float) -> float:
+        """Seconds the cost model puts on ``plan``'s step at the compute speed a visit's
+        ``forward`` shows, over its step at the ``reference`` forward."""
+        from ..costmodel import predict
+        from ..simulate import scaled_compute
+        ratio = min(max(forward / reference, 1 / self.speed_clamp), self.speed_clamp)
+        speed = reference / self.profile.forward_time
+        at = lambda factor: predict(plan, scaled_compute(self.profile, factor)).iteration_time  # noqa: E731
+        return at(speed * ratio) - at(speed)
 
     def _live_costs(self, optimizer):
         """The profile at the speed the check ran at, with the launch and finish lines
@@ -580,7 +643,7 @@ class OnlineOptimalScheduler(Scheduler):
         return optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])
 
     def describe(self, optimizer=None) -> str:
-        lines = ["auto scheduler: candidates (predicted vs measured step time)"]
+        lines = ["auto scheduler: candidates (predicted vs measured step time, at the check's median speed)"]
         for label, plan, predicted, measured in self.report:
             compressed = sum(g.send == "compress" for g in plan.groups)
             shown = f"{measured * 1e3:9.1f} ms" if isinstance(measured, float) else measured
