@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -119,13 +121,33 @@ def test_interleaved_table_names_the_fixed_plan_that_is_the_schedulers_own(tmp_p
     assert same_plans(result) == ["fusion-num 8"]
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
-    assert "| fusion-num 8 | 0.900 | fusion-num 8 (0.900) | – | – |" in table([str(path)])
+    assert "| fusion-num 8 | 0.900 | fusion-num 8 (0.900) | – | – | – |" in table([str(path)])
     # Results with a repeat window ran the same plan once: the label alone, and the noise.
     plans["fusion-num 8"].update(step_s=[1.0], median_s=1.0, same_as="auto")
     result.update(best_fixed="fusion-num 8", versus_best_fixed=1.0, repeat={"step_s": [1.05], "median_s": 1.05,
                                                                             "versus": 1.05})
     path.write_text(json.dumps(result))
-    assert "| fusion-num 8 | 1.000 | fusion-num 8 | 1.050 | – |" in table([str(path)])
+    assert "| fusion-num 8 | 1.000 | fusion-num 8 | 1.050 | – | – |" in table([str(path)])
+
+
+def test_selection_floor_scores_a_selector_on_held_out_rounds():
+    from benchmarks.interleaved_plans import selection_floor
+
+    def result(**times):
+        return {"plans": {label.replace("fusion_num_", "fusion-num "): {"digest": label[-1] if label != "auto" else "8", "step_s": t}
+                          for label, t in times.items()}}
+    # A clearly faster plan is always found: the floor is 1.
+    assert selection_floor(result(auto=[1.0] * 4, fusion_num_1=[2.0] * 4, fusion_num_8=[1.0] * 4)) == {
+        "mean": 1.0, "misses": 0.0, "splits": 6}
+    # Two plans that trade places: chosen on rounds 0, 1 (1.0 against 1.25) the first loses
+    # on rounds 2, 3 (1.5): 0.833; the other way round 0.8; the four mixed splits tie
+    # (1.25 each way) and score 1.
+    floor = selection_floor(result(fusion_num_1=[1.0, 1.0, 1.5, 1.5], fusion_num_2=[1.25] * 4))
+    assert floor["splits"] == 6 and floor["misses"] == pytest.approx(2 / 6)
+    assert floor["mean"] == pytest.approx((1.25 / 1.5 + 1.0 / 1.25 + 4) / 6)
+    # A fixed plan that repeats another (same digest) is one candidate; too few rounds: None.
+    assert selection_floor(result(fusion_num_1=[1.0] * 4, fusion_num_11=[2.0] * 4)) is None
+    assert selection_floor(result(fusion_num_1=[1.0] * 3, fusion_num_2=[2.0] * 3)) is None
 
 
 def test_interleaved_plans_run_each_distinct_plan_once():

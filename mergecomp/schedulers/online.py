@@ -456,12 +456,13 @@ class OnlineOptimalScheduler(Scheduler):
             return
         self._round += 1
         # Rank 0 decides: the speed correction runs the cost model on its own profile.
-        self._queue = optimizer.backend.broadcast_object(self._contenders() if optimizer.backend.rank == 0 else None, src=0)
+        lead = optimizer.backend.rank == 0
+        self._queue = optimizer.backend.broadcast_object(self._contenders() if lead else None, src=0)
         self._race = list(self._queue)
         if self._round < self.check_rounds and len(self._queue) > 1:
             self._next_candidate(optimizer)
             return
-        figures = optimizer.backend.broadcast_object(self._at_check_speed() if optimizer.backend.rank == 0 else None, src=0)
+        figures = optimizer.backend.broadcast_object(self._at_check_speed() if lead else None, src=0)
         self._say_speeds()
         self.report = [(label, plan, predicted, self._skipped.get(index) or figures[index])
                        for index, (label, plan, predicted) in enumerate(self._candidates)
@@ -470,7 +471,7 @@ class OnlineOptimalScheduler(Scheduler):
 
     def _contenders(self) -> List[int]:
         """Of the candidates still in the race (all, before the first round), the faster half
-        by median (at least two), plus any within ``contender_margin`` of the fastest; in
+        by median at the check's speed (at least two), plus any within ``contender_margin`` of the fastest; in
         candidate order."""
         medians = {index: seconds for index, seconds in self._at_check_speed().items()
                    if self._race is None or index in self._race}
