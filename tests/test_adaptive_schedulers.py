@@ -32,6 +32,8 @@ def adaptive_worker(rank, world_size, name):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     report = [(label, measured) for label, _, _, measured in scheduler.report] if name == "auto" else []
+    if name == "auto":  # the same candidates' figures as timed, before the speed correction
+        assert set(scheduler.as_timed) == {label for label, _ in report}
     measured = (scheduler.profile.optimizer_step, sorted(scheduler.profile.finish),
                 sorted(scheduler.profile.launch), scheduler.profile.collective_slowdown) \
         if name == "auto" else None

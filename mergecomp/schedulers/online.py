@@ -150,6 +150,8 @@ class OnlineOptimalScheduler(Scheduler):
         self.steps = 0
         #: (label, plan, predicted seconds, measured seconds or a reason it was skipped)
         self.report: List[Tuple[str, Plan, float, object]] = []
+        #: {label: median step seconds as timed}: the report's figures before the speed correction.
+        self.as_timed: Dict[str, float] = {}
         self.best: Optional[Tuple[str, Plan, float]] = None
         self._ready: Dict[str, List[float]] = {}
         self._step_start: Optional[float] = None
@@ -462,11 +464,13 @@ class OnlineOptimalScheduler(Scheduler):
         if self._round < self.check_rounds and len(self._queue) > 1:
             self._next_candidate(optimizer)
             return
-        figures = optimizer.backend.broadcast_object(self._at_check_speed() if lead else None, src=0)
+        figures, timed = optimizer.backend.broadcast_object(
+            (self._at_check_speed(), self._at_check_speed(correct=False)) if lead else None, src=0)
         self._say_speeds()
         self.report = [(label, plan, predicted, self._skipped.get(index) or figures[index])
                        for index, (label, plan, predicted) in enumerate(self._candidates)
                        if index in self._skipped or index in figures]
+        self.as_timed = {self._candidates[index][0]: seconds for index, seconds in timed.items()}
         self._choose(optimizer)
 
     def _contenders(self) -> List[int]:
@@ -504,13 +508,14 @@ class OnlineOptimalScheduler(Scheduler):
             self._windows[index].append((steps, statistics.median(forwards) if forwards else None))
         self._next_candidate(optimizer)
 
-    def _at_check_speed(self) -> Dict[int, float]:
+    def _at_check_speed(self, correct: bool = True) -> Dict[int, float]:
         """{candidate: median of its counted steps, each visit's corrected to the check's
-        median compute speed} for the measured candidates (see the module docstring)."""
+        median compute speed} for the measured candidates (see the module docstring);
+        with ``correct=False`` (or ``speed_correction`` off) the steps as timed."""
         forwards = [forward for visits in self._windows.values() for _, forward in visits if forward]
         profile = self.profile
         reference = statistics.median(forwards) if forwards else None
-        correct = self.speed_correction and reference is not None and profile is not None \
+        correct = correct and self.speed_correction and reference is not None and profile is not None \
             and profile.forward_time > 0
         figures = {}
         for index, visits in self._windows.items():
@@ -648,6 +653,8 @@ class OnlineOptimalScheduler(Scheduler):
         for label, plan, predicted, measured in self.report:
             compressed = sum(g.send == "compress" for g in plan.groups)
             shown = f"{measured * 1e3:9.1f} ms" if isinstance(measured, float) else measured
+            if isinstance(measured, float) and label in self.as_timed and self.speed_correction:
+                shown += f" (as timed {self.as_timed[label] * 1e3:.1f} ms)"
             lines.append(f"  {label:<15} {len(plan):>3} groups ({compressed} compressed)  "
                          f"predicted {predicted * 1e3:9.1f} ms  measured {shown}")
         if self.best is not None:
