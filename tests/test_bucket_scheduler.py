@@ -14,11 +14,18 @@ def test_capped_cuts_close_a_run_once_it_reaches_the_cap():
     assert capped_cuts([10, 10, 10, 10, 10], 25) == [3]
     assert capped_cuts([30, 1, 1, 40, 1], 25) == [1, 4]  # a tensor over the cap is its own run
     assert capped_cuts([5], 25) == []
+    # DDP's small first bucket: the first run closes at its own limit, the rest at the cap.
+    assert capped_cuts([1, 2, 10, 10, 10, 10], 25, first_cap=3) == [2, 5]
 
 
 def test_bucket_plan_groups_by_megabytes_and_send_mode():
-    plan = mergecomp.schedulers.create("bucket", bucket_mb=25).plan(params(10, 10, 10, 30, 2, 2))
+    plan = mergecomp.schedulers.create("bucket", bucket_mb=25, first_bucket_mb=25).plan(params(10, 10, 10, 30, 2, 2))
     assert [g.names for g in plan.groups] == [("p0", "p1", "p2"), ("p3",), ("p4", "p5")]
+    # DDP's defaults: the first bucket closes at 1 MB (the LSTM's small decoder bias and
+    # large decoder weight), then 25 MB ones.
+    plan = mergecomp.schedulers.create("bucket").plan(params(0.1, 26, 6.5, 6.5, 6.5, 6.5, 26))
+    assert [g.names for g in plan.groups] == [("p0", "p1"), ("p2", "p3", "p4", "p5"), ("p6",)]
+    assert mergecomp.schedulers.create("bucket", bucket_mb=10).first_bucket_mb == 10  # DDP: a set cap, no small first
     assert {g.send for g in plan.groups} == {"fp32"}
     plan = mergecomp.schedulers.create("bucket", bucket_mb=1000, send="compress").plan(params(10, 10))
     assert len(plan) == 1 and plan.groups[0].send == "compress"
@@ -28,5 +35,8 @@ def test_bucket_plan_groups_by_megabytes_and_send_mode():
 def test_bucket_scheduler_refuses_a_bad_size(bad):
     with pytest.raises(ValueError, match="bucket_mb"):
         mergecomp.schedulers.create("bucket", bucket_mb=bad)
+    if bad is not None:  # None is DDP's rule
+        with pytest.raises(ValueError, match="first_bucket_mb"):
+            mergecomp.schedulers.create("bucket", first_bucket_mb=bad)
     with pytest.raises(ValueError, match="send"):
         mergecomp.schedulers.create("bucket", send="zip")
