@@ -110,6 +110,9 @@ class OnlineOptimalScheduler(Scheduler):
     #: The profile is rescaled to the check's compute speed only from this many timed
     #: forward passes (pooled over ranks) or more.
     live_forward_samples = 3
+    #: A visit's forward further than this factor from the check's median is a pause in
+    #: that forward pass (a collection, a page fault), not the host's speed: clamped.
+    speed_clamp = 2.0
 
     def __init__(self, profile_steps: int = 5, check_steps: int = 3, watch_every: int = 50,
                  drift: float = 0.25, allow_half: bool = False, profile_out: Optional[str] = None,
@@ -512,7 +515,7 @@ class OnlineOptimalScheduler(Scheduler):
         """{candidate: median of its counted steps, each visit's corrected to the check's
         median compute speed} for the measured candidates (see the module docstring);
         with ``correct=False`` (or ``speed_correction`` off) the steps as timed."""
-        forwards = [forward for visits in self._windows.values() for _, forward in visits if forward]
+        forwards = self._visit_forwards()
         profile = self.profile
         reference = statistics.median(forwards) if forwards else None
         correct = correct and self.speed_correction and reference is not None and profile is not None \
@@ -528,16 +531,16 @@ class OnlineOptimalScheduler(Scheduler):
                 figures[index] = statistics.median(steps)
         return figures
 
+    def _visit_forwards(self) -> List[float]:
+        """The median forward seconds of every visit that timed one."""
+        return [forward for visits in self._windows.values() for _, forward in visits if forward]
+
     def _say_speeds(self) -> None:
-        forwards = sorted(forward for visits in self._windows.values() for _, forward in visits if forward)
+        forwards = sorted(self._visit_forwards())
         if forwards and self.speed_correction:
             self._say(f"auto scheduler: the check's visits ran forward passes of {forwards[0] * 1e3:.1f} to "
                       f"{forwards[-1] * 1e3:.1f} ms; their steps are compared at the median, "
                       f"{statistics.median(forwards) * 1e3:.1f} ms")
-
-    #: A visit's forward further than this factor from the check's median is a pause in
-    #: that forward pass (a collection, a page fault), not the host's speed: clamped.
-    speed_clamp = 2.0
 
     def _speed_shift(self, plan: Plan, forward: float, reference: float) -> float:
         """Seconds the cost model puts on ``plan``'s step at the compute speed a visit's
