@@ -212,12 +212,12 @@ def selection_floor(result: dict, most_splits: int = 2000) -> Optional[dict]:
     else:
         pick = random.Random(0)
         splits = [tuple(pick.sample(range(rounds), half)) for _ in range(most_splits)]
+    def fastest(on):
+        return min(plans, key=lambda times: statistics.median(times[r] for r in on))
+
     scores = []
     for chosen_on in splits:
         scored_on = [r for r in range(rounds) if r not in chosen_on]
-
-        def fastest(on):
-            return min(plans, key=lambda times: statistics.median(times[r] for r in on))
         chosen, best = fastest(chosen_on), fastest(scored_on)
         scores.append(statistics.median(best[r] / chosen[r] for r in scored_on))
     return {"mean": statistics.mean(scores), "misses": sum(s < 0.95 for s in scores) / len(scores),
@@ -238,9 +238,10 @@ def table(paths) -> str:
     """Markdown rows of saved results, one per file.
 
     "scheduler / repeat" is the scheduler's plan against its own second window (this
-    measure's noise); "selection floor" is :func:`selection_floor` (what a selector that timed
-    every fixed plan scores on this measure); results saved before repeats were run show "–" there, and measured
-    each same plan again, so their "same plan as" carries that ratio instead."""
+    measure's noise); "selection floor" is :func:`selection_floor` (what a selector that
+    timed every fixed plan scores on this measure).  Results saved before repeats were run
+    show "–" for the repeat, and measured each same plan again, so their "same plan as"
+    carries that ratio instead."""
     lines = ["| model | compressor | scheduler: groups (compressed) | search steps | best fixed | "
              "scheduler / best fixed | same plan as | scheduler / repeat | selection floor (under 0.95) | "
              "scheduler / saved plans |",

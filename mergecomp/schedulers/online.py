@@ -48,7 +48,9 @@ and broadcasting:
    cost model says how much of the plan's step time moves with that speed
    (:func:`~mergecomp.simulate.scaled_compute`: processor-side costs scale, collectives do
    not), which is taken off the visit's steps (``speed_correction``; on the LSTM at 1 Gbit/s
-   this removed half the variance of 3-step visits).  The lowest median over all of a
+   forward explained half the variance of 3-step visits, though in the benchmark's runs
+   the corrected ranking did no measurably better than the ranking as timed, which the
+   report shows beside it).  The lowest median over all of a
    candidate's corrected steps wins,
    so a mispredicting cost model cannot make training slower than the best uncompressed
    plan, DDP's buckets or the best fixed fusion-num it measured — except that a lossy plan
@@ -478,8 +480,8 @@ class OnlineOptimalScheduler(Scheduler):
 
     def _contenders(self) -> List[int]:
         """Of the candidates still in the race (all, before the first round), the faster half
-        by median at the check's speed (at least two), plus any within ``contender_margin`` of the fastest; in
-        candidate order."""
+        by median at the check's speed (at least two), plus any within ``contender_margin``
+        of the fastest; in candidate order."""
         medians = {index: seconds for index, seconds in self._at_check_speed().items()
                    if self._race is None or index in self._race}
         if not medians:
@@ -522,10 +524,10 @@ class OnlineOptimalScheduler(Scheduler):
             and profile.forward_time > 0
         figures = {}
         for index, visits in self._windows.items():
-            steps = []
+            plan, steps = self._candidates[index][1] if correct else None, []
+            at_reference = self._predicted_at(plan, reference, reference) if correct else 0.0
             for seconds, forward in visits:
-                shift = self._speed_shift(self._candidates[index][1], forward, reference) \
-                    if correct and forward else 0.0
+                shift = self._predicted_at(plan, forward, reference) - at_reference if correct and forward else 0.0
                 steps.extend(s - shift for s in seconds)
             if steps:
                 figures[index] = statistics.median(steps)
@@ -542,15 +544,13 @@ class OnlineOptimalScheduler(Scheduler):
                       f"{forwards[-1] * 1e3:.1f} ms; their steps are compared at the median, "
                       f"{statistics.median(forwards) * 1e3:.1f} ms")
 
-    def _speed_shift(self, plan: Plan, forward: float, reference: float) -> float:
-        """Seconds the cost model puts on ``plan``'s step at the compute speed a visit's
-        ``forward`` shows, over its step at the ``reference`` forward."""
+    def _predicted_at(self, plan: Plan, forward: float, reference: float) -> float:
+        """The cost model's step time of ``plan`` at the compute speed a visit's ``forward``
+        shows (clamped to ``speed_clamp`` around the ``reference`` forward)."""
         from ..costmodel import predict
         from ..simulate import scaled_compute
-        ratio = min(max(forward / reference, 1 / self.speed_clamp), self.speed_clamp)
-        speed = reference / self.profile.forward_time
-        at = lambda factor: predict(plan, scaled_compute(self.profile, factor)).iteration_time  # noqa: E731
-        return at(speed * ratio) - at(speed)
+        forward = min(max(forward, reference / self.speed_clamp), reference * self.speed_clamp)
+        return predict(plan, scaled_compute(self.profile, forward / self.profile.forward_time)).iteration_time
 
     def _live_costs(self, optimizer):
         """The profile at the speed the check ran at, with the launch and finish lines
