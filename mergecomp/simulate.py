@@ -44,7 +44,8 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from .costmodel import send_costs
-from .profile import LinearCost, Profile, TensorTiming, measure_compression_cost, measure_copy_cost
+from .probes import measure_compression_cost, measure_copy_cost
+from .profile import LinearCost, Profile, TensorTiming
 
 TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps"}
 DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64, 128, 256)

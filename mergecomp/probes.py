@@ -1,0 +1,459 @@
+"""Probes: how the numbers of a :class:`~mergecomp.profile.Profile` are measured.
+
+:mod:`mergecomp.profile` holds the data (what the cost model knows about one job, plain
+JSON); this module measures it on the machine the job runs on:
+
+* :class:`BackwardTimer` — when each gradient becomes ready during backward, with its own
+  hooks, plus forward and backward totals (the ``auto`` scheduler records the same
+  timeline through the optimizer's hooks instead);
+* :func:`measure_compression_cost` — compress and decompress seconds of a compressor as
+  ``a + b·n`` for n elements, and the bytes it really puts on the wire;
+* :func:`measure_copy_cost`, :func:`measure_memory_cost` — the fused buffer's gather and
+  write-back copies, and the error-feedback memory's passes over a group;
+* :func:`measure_finish_cost` / :func:`measure_finish_costs` — a group's finish phase
+  (decode, aggregate, average, write-back) through the job's own communicator;
+* :func:`measure_collective_cost` — ``α + β·bytes`` of each collective at this world size,
+  timed on every rank (a collective call: every rank must make it, in the same order);
+* :func:`profile_from_timeline` / :func:`assemble_profile` — all of the above around a
+  measured timeline, as one :class:`~mergecomp.profile.Profile`.
+
+Local probes take the fastest of a few repeats (noise on a shared machine only adds
+time); collective probes take the slowest rank's median (a collective ends when its last
+rank does).  Sizes should reach the largest group a plan may form: costs of cache-sized
+buffers extrapolate badly to groups of tens of megabytes.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .profile import COLLECTIVE_KINDS, CodecCost, LinearCost, Profile, TensorTiming, WireSize, fit_linear
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class BackwardTimer:
+    """Records when each gradient becomes ready during backward, with its own hooks.
+
+    It registers a post-accumulate-grad hook on every trainable parameter (next to any
+    the optimizer has) and times ``iterations`` backward passes after ``warmup`` ones::
+
+        timer = BackwardTimer(model.named_parameters(), iterations=5)
+        while not timer.done:
+            with timer.forward():
+                loss = loss_fn(model(inputs), targets)
+            with timer.backward():
+                loss.backward()
+            optimizer.step(); optimizer.zero_grad()
+        timeline, forward_time, backward_time = timer.result()
+        timer.remove()
+
+    Ready times are medians over the timed passes; the order is that of the first timed
+    pass.  On CUDA each hook synchronizes the device (``synchronize=True`` by default
+    there), so a ready time is when the gradient exists, not when its kernel was queued;
+    this slows the timed passes a little, and the profile says so by its device field.
+    """
+
+    def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
+                 iterations: int = 5, warmup: int = 1, synchronize: Optional[bool] = None):
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"BackwardTimer iterations must be an integer ≥ 1, got {iterations!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"BackwardTimer warmup must be an integer ≥ 0, got {warmup!r}")
+        self._params = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if not self._params:
+            raise ValueError("BackwardTimer got no trainable parameters; pass model.named_parameters()")
+        self.device = self._params[0][1].device
+        self.synchronize = (self.device.type == "cuda") if synchronize is None else bool(synchronize)
+        self.iterations, self.warmup = iterations, warmup
+        self._passes = 0
+        self._start: Optional[float] = None
+        self._current: Dict[str, float] = {}
+        self._order: List[str] = []
+        self._ready: Dict[str, List[float]] = {n: [] for n, _ in self._params}
+        self._forward: List[float] = []
+        self._backward: List[float] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._params]
+
+    @property
+    def done(self) -> bool:
+        return self._passes >= self.warmup + self.iterations
+
+    @property
+    def _timing(self) -> bool:
+        return self.warmup <= self._passes < self.warmup + self.iterations
+
+    def _hook(self, name: str):
+        def hook(param):
+            if self._start is None or name in self._current:
+                return
+            if self.synchronize:
+                _synchronize(self.device)
+            self._current[name] = time.perf_counter() - self._start
+        return hook
+
+    @contextlib.contextmanager
+    def forward(self):
+        """Time the forward pass (and loss) inside this block."""
+        if self.synchronize:
+            _synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.synchronize:
+            _synchronize(self.device)
+        if self._timing:
+            self._forward.append(time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def backward(self):
+        """Time ``loss.backward()`` inside this block and record its gradients' ready times."""
+        if self.synchronize:
+            _synchronize(self.device)
+        self._current = {}
+        self._start = time.perf_counter()
+        try:
+            yield
+            if self.synchronize:
+                _synchronize(self.device)
+            total = time.perf_counter() - self._start
+        finally:
+            self._start = None
+        if self._timing:
+            if not self._order:
+                self._order = sorted(self._current, key=self._current.get)
+            for name, ready in self._current.items():
+                self._ready[name].append(ready)
+            self._backward.append(total)
+        self._passes += 1
+
+    def result(self) -> Tuple[List[TensorTiming], float, float]:
+        """(timeline in backward order, forward seconds, backward seconds), medians."""
+        if not self._backward:
+            raise ValueError(f"BackwardTimer has timed no backward pass yet ({self._passes} passes "
+                             f"seen, {self.warmup} warm-up); run backward inside timer.backward()")
+        backward = statistics.median(self._backward)
+        forward = statistics.median(self._forward) if self._forward else 0.0
+        by_name = dict(self._params)
+        # Parameters that never got a gradient go last, as the optimizer orders them.
+        order = self._order + [n for n, _ in reversed(self._params) if n not in set(self._order)]
+        timeline = []
+        for name in order:
+            p = by_name[name]
+            ready = statistics.median(self._ready[name]) if self._ready[name] else backward
+            timeline.append(TensorTiming(name, p.numel(), p.numel() * p.element_size(), str(p.dtype),
+                                         str(p.device), min(ready, backward)))
+        return timeline, forward, backward
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` runs: noise (other processes, interrupts) only adds time."""
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _check_sizes(sizes: Sequence[int], what: str) -> List[int]:
+    sizes = list(sizes)
+    if len(set(sizes)) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"{what} must be at least two distinct positive integers, got {sizes}")
+    return sizes
+
+
+def _encode_once(compressor, tensor: torch.Tensor):
+    """(payload tuple, ctx or None, wire bytes): one compression of ``tensor``.
+
+    A multi-round compressor (PowerSGD) is driven through its rounds on this rank alone,
+    each request summed over one rank (itself); its wire bytes are those of every round.
+    """
+    from .compressors.base import payload_nbytes
+    if compressor.multi_round:
+        rounds = compressor.rounds(tensor, "profile")
+        wire = 0
+        try:
+            request = next(rounds)
+            while True:
+                wire += payload_nbytes(request.tensors)
+                request = rounds.send(request.tensors)
+        except StopIteration:
+            return None, None, wire
+    payload, ctx = compressor.compress(tensor, "profile")
+    return payload, ctx, payload_nbytes(payload)
+
+
+def measure_compression_cost(compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
+                             device="cpu", repeats: int = 5, dtype=torch.float32) -> CodecCost:
+    """Time compress and decompress of ``compressor`` on ``device`` at each size; fit a + b·n.
+
+    Inputs are standard-normal tensors (a gradient's distribution matters little to the
+    cost of these kernels, but it does to value-dependent payload sizes such as DGC's, for
+    which the fitted wire size is an estimate).  The wire size is fitted to the payload
+    bytes actually produced.  Multi-round compressors have all their work in ``encode``.
+    """
+    sizes = _check_sizes(sizes, "measure_compression_cost sizes")
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    encode, decode, wire = [], [], []
+    for n in sizes:
+        tensor = torch.randn(n, generator=generator, device=device, dtype=dtype)
+        payload, ctx, nbytes = _encode_once(compressor, tensor)  # warm-up, and the wire size
+        wire.append(nbytes)
+        encode.append(_best_time(lambda: _encode_once(compressor, tensor), device, repeats))
+        if payload is None:
+            decode.append(0.0)
+        else:
+            compressor.decompress(payload, ctx)
+            decode.append(_best_time(lambda: compressor.decompress(payload, ctx), device, repeats))
+    wire_fit = _fit_wire(sizes, wire)
+    return CodecCost(fit_linear(sizes, encode), fit_linear(sizes, decode), wire_fit)
+
+
+def _fit_wire(sizes: Sequence[int], nbytes: Sequence[int]) -> WireSize:
+    line = fit_linear(sizes, nbytes)
+    return WireSize(line.slope, line.intercept)
+
+
+def measure_copy_cost(sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22), device="cpu",
+                      repeats: int = 5) -> LinearCost:
+    """Seconds to copy ``x`` bytes on ``device`` (gather into a fused buffer, write-back)."""
+    sizes = _check_sizes(sizes, "measure_copy_cost sizes")
+    device = torch.device(device)
+    times = []
+    for nbytes in sizes:
+        source = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        target = torch.empty_like(source)
+        target.copy_(source)
+        times.append(_best_time(lambda: target.copy_(source), device, repeats))
+    return fit_linear(sizes, times)
+
+
+def measure_memory_cost(memory, compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
+                        device="cpu", repeats: int = 3, dtype=torch.float32) -> LinearCost:
+    """Seconds of ``memory.compensate`` + ``memory.update`` for n elements; fit a + b·n.
+
+    Runs on a deep copy of ``memory`` under a probe name, so the job's residuals are
+    neither read nor changed.  ``update`` gets a payload of ``compressor`` (as in the
+    communicator); for a multi-round compressor only ``compensate`` runs, as there.
+    """
+    import copy as copying
+    sizes = _check_sizes(sizes, "measure_memory_cost sizes")
+    device = torch.device(device)
+    probe = copying.deepcopy(memory)
+    generator = torch.Generator(device=device).manual_seed(0)
+    times = []
+    for n in sizes:
+        name = f"profile-memory-{n}"
+        tensor = torch.randn(n, generator=generator, device=device, dtype=dtype)
+        compensated = probe.compensate(tensor, name)
+        if compressor.multi_round:
+            times.append(_best_time(lambda: probe.compensate(tensor, name), device, repeats))
+            continue
+        payload, ctx = compressor.compress(compensated, name)
+        probe.update(compensated, name, compressor, payload, ctx)
+
+        def once():
+            probe.update(probe.compensate(tensor, name), name, compressor, payload, ctx)
+        times.append(_best_time(once, device, repeats))
+    return fit_linear(sizes, times)
+
+
+def measure_finish_cost(communicator, sizes: Sequence[int], device="cpu", repeats: int = 3,
+                        dtype=torch.float32) -> LinearCost:
+    """Seconds of one group's finish phase for n elements, through ``communicator``; fit a + b·n.
+
+    What ``DistributedOptimizer.synchronize`` does for a group once its collective is
+    done: ``communicator.finish`` (decode, aggregate, average) on a completed handle, then
+    the write-back of the average into the parameters' gradients (one copy into existing
+    tensors).  The handle's result is what the collective would return at this world size:
+    for ``allgather`` one payload per rank (copies of a real payload of this compressor,
+    each in its own memory, as received), for ``allreduce`` the summed payload.  So the
+    probe runs the code the optimizer runs, allocations and page faults of group-sized
+    buffers included; sizes should reach the largest group a plan may form.  Each size
+    is timed ``repeats`` times after one warm-up; its time is the median (not the
+    fastest: the allocations' cost recurs every step).  The fit minimizes the absolute
+    error (see :func:`fit_linear`): the cost per element grows past the caches, and the
+    large groups are the ones whose finish decides a plan's time.
+
+    Local work only (no collective).  Communicators whose finish phase runs collectives
+    (``ps``'s second phase, multi-round compressors) cannot be probed this way.
+    """
+    from .backends.base import Completed
+    from .communicators.base import Handle
+    sizes = _check_sizes(sizes, "measure_finish_cost sizes")
+    kind = getattr(communicator, "name", None)
+    if kind not in ("allreduce", "allgather"):
+        raise ValueError(f"measure_finish_cost probes the allreduce and allgather communicators; "
+                         f"{kind!r} runs collectives in its finish phase")
+    if communicator.compressor.multi_round:
+        raise ValueError(f"compressor {communicator.compressor.name!r} is multi-round: its finish "
+                         "phase runs collectives and cannot be probed locally")
+    device = torch.device(device)
+    world = communicator.backend.size
+    generator = torch.Generator(device=device).manual_seed(0)
+    times = []
+    for n in sizes:
+        tensor = torch.randn(n, generator=generator, device=device, dtype=dtype)
+        payload, ctx = communicator.compressor.compress(tensor, f"profile-finish-{n}")
+        target = torch.zeros(n, device=device, dtype=dtype)
+
+        def once():
+            if kind == "allgather":
+                result = [tuple(part.clone() for part in payload) for _ in range(world)]
+            else:
+                result = tuple(part.clone() for part in payload)
+            _synchronize(device)
+            start = time.perf_counter()
+            averaged = communicator.finish(Handle("profile-finish", tensor.shape,
+                                                  Completed(result), ctx=ctx))
+            target.copy_(averaged.reshape(-1))
+            _synchronize(device)
+            return time.perf_counter() - start
+        once()
+        times.append(statistics.median(once() for _ in range(repeats)))
+        tensor = payload = target = None  # free the group-sized buffers before the next size
+    return fit_linear(sizes, times, relative=False)
+
+
+def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22),
+                            repeats: int = 3, device=None) -> LinearCost:
+    """Time one collective through ``backend`` at each payload size (bytes per rank); fit α + β·B.
+
+    A collective: every rank must call this with the same ``kind``, ``sizes`` and
+    ``repeats`` in the same order.  Each size is timed ``repeats`` times after one warm-up,
+    each time starting from a barrier; a rank's time is its median, and the size's time
+    is the maximum over ranks (the slowest rank decides when a collective is over).
+    The backend's byte counters are restored afterwards, so probes do not show up in the
+    benchmark's bytes per iteration.
+    """
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; measure one of {COLLECTIVE_KINDS}")
+    sizes = _check_sizes(sizes, "measure_collective_cost sizes")
+    device = torch.device(device if device is not None else getattr(backend, "device", "cpu"))
+    world = backend.size
+    counters = (backend.bytes_sent, backend.collectives)
+    local, actual = [], []
+    for nbytes in sizes:
+        if kind == "alltoall":
+            per_rank = max(1, nbytes // world)
+            chunks = [torch.ones(per_rank, dtype=torch.uint8, device=device) for _ in range(world)]
+            actual.append(per_rank * world)
+
+            def op():
+                backend.alltoall(chunks)
+        else:
+            numel = max(1, nbytes // 4)
+            tensor = torch.ones(numel, dtype=torch.float32, device=device)
+            actual.append(numel * 4)
+            if kind == "allreduce":
+                def op():
+                    backend.allreduce_async([tensor]).wait()
+            else:
+                def op():
+                    backend.allgather_async([tensor], same_shapes=True).wait()
+        times = []
+        for attempt in range(repeats + 1):
+            backend.barrier()
+            _synchronize(device)
+            start = time.perf_counter()
+            op()
+            _synchronize(device)
+            if attempt:
+                times.append(time.perf_counter() - start)
+        local.append(statistics.median(times))
+    everyone = backend.allgather_object(local)
+    slowest = [max(per_size) for per_size in zip(*everyone)]
+    backend.bytes_sent, backend.collectives = counters
+    return fit_linear(actual, slowest)
+
+
+def assemble_profile(timer: BackwardTimer, compressor_name: str, compressor, backend,
+                     communicator: str = "allreduce",
+                     compression_sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
+                     collective_sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22)) -> Profile:
+    """A full profile from a finished :class:`BackwardTimer` plus codec, copy and collective probes.
+
+    Collective: call on every rank.  Measures the configured compressor and the FP16/BF16
+    casts (for raw half-precision sends), allreduce always (raw sends use it), and the
+    collectives of ``communicator`` (allgather; PS = alltoall + allgather).
+    """
+    timeline, forward, backward = timer.result()
+    return profile_from_timeline(timeline, forward, backward, timer.device, compressor_name,
+                                 compressor, backend, communicator, compression_sizes,
+                                 collective_sizes)
+
+
+def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward: float, device,
+                          compressor_name: str, compressor, backend, communicator: str = "allreduce",
+                          compression_sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
+                          collective_sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22),
+                          memory=None, copy_sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22),
+                          communicator_object=None, finish_sizes: Optional[Sequence[int]] = None,
+                          optimizer_step: float = 0.0) -> Profile:
+    """A full profile from a measured backward timeline (however recorded) plus the probes.
+
+    Collective: call on every rank (see :func:`assemble_profile`).  ``memory``: the
+    job's error-feedback memory, whose cost is measured on a copy (None: not measured,
+    zero).  Sizes should reach the largest group a plan may form: costs measured on
+    cache-sized buffers extrapolate badly to tens of megabytes.
+
+    ``communicator_object``: the job's communicator; when given, the finish phase of
+    compressed groups is measured through it and that of raw FP32/FP16/BF16 groups through
+    allreduce communicators with the casts (:func:`measure_finish_cost`, at
+    ``finish_sizes``, by default ``compression_sizes``).  ``optimizer_step``: the wrapped
+    optimizer's measured step seconds, stored as they are.
+    """
+    from . import compressors
+    device = torch.device(device)
+    codecs = {compressor_name: measure_compression_cost(compressor, compression_sizes, device)}
+    for half in ("fp16", "bf16"):
+        if half not in codecs:
+            codecs[half] = measure_compression_cost(compressors.create(half), compression_sizes, device)
+    kinds = ["allreduce"] + {"allreduce": [], "allgather": ["allgather"],
+                             "ps": ["alltoall", "allgather"]}.get(communicator, [])
+    collectives = {kind: measure_collective_cost(backend, kind, collective_sizes) for kind in kinds}
+    finish = {}
+    if communicator_object is not None:
+        finish = measure_finish_costs(communicator_object, compressor_name,
+                                      compression_sizes if finish_sizes is None else finish_sizes, device)
+    return Profile(world_size=backend.size, timeline=timeline, forward_time=forward,
+                   backward_time=backward, compressor=compressor_name, communicator=communicator,
+                   codecs=codecs, collectives=collectives,
+                   copy=measure_copy_cost(copy_sizes, device=device), device=str(device),
+                   memory=LinearCost() if memory is None else
+                   measure_memory_cost(memory, compressor, compression_sizes, device),
+                   finish=finish, optimizer_step=optimizer_step)
+
+
+def measure_finish_costs(communicator, compressor_name: str, sizes: Sequence[int],
+                         device="cpu") -> Dict[str, LinearCost]:
+    """:func:`measure_finish_cost` of every send mode the cost model prices: raw FP32,
+    FP16 and BF16 groups (an allreduce communicator with the cast, as the optimizer builds
+    for raw groups) and, when ``communicator`` can be probed locally, compressed groups."""
+    from . import communicators, compressors, memories
+    costs = {}
+    for send in ("fp32", "fp16", "bf16"):
+        raw = communicators.create("allreduce", compressor=compressors.create("none" if send == "fp32" else send),
+                                   memory=memories.create("none"), backend=communicator.backend)
+        costs[send] = measure_finish_cost(raw, sizes, device)
+    if compressor_name in ("none", "fp32"):
+        costs["compress"] = costs["fp32"]
+    elif getattr(communicator, "name", None) in ("allreduce", "allgather") \
+            and not communicator.compressor.multi_round:
+        costs["compress"] = measure_finish_cost(communicator, sizes, device)
+    return costs
