@@ -41,6 +41,9 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
                         "(MergeComp's search for a 2-group split), optimal (DP over a saved "
                         "--profile-in), auto (profile this run, DP, measured check)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="group size for --scheduler bucket (MB)")
+    p.add_argument("--chunk-mb", type=float, default=None,
+                   help="--scheduler optimal/auto: let the DP send tensors larger than this (MB) in "
+                        "pieces, pipelining their compression and transfer (default: whole tensors)")
     p.add_argument("--profile-in", default=None, help="a saved profile for --scheduler optimal")
     p.add_argument("--profile-out", default=None, help="save the profile --scheduler auto measures (JSON)")
     p.add_argument("--plan-in", default=None, help="execute this saved plan (JSON)")
@@ -54,6 +57,12 @@ def check_arguments(p: argparse.ArgumentParser, args) -> None:
     benchmarking.check_workload_arguments(p, args)
     if args.fusion_num < 0:
         p.error(f"--fusion-num must be ≥ 0, got {args.fusion_num}")
+    if args.chunk_mb is not None:
+        if not 0 < args.chunk_mb < float("inf"):
+            p.error(f"--chunk-mb must be a size in MB > 0 (e.g. 4), got {args.chunk_mb}")
+        if args.scheduler not in ("optimal", "auto"):
+            p.error(f"--chunk-mb is for --scheduler optimal or auto (their DP cuts tensors), "
+                    f"not {args.scheduler!r}")
 
 
 def parse_args(argv=None):
@@ -89,9 +98,10 @@ def build_scheduler(args):
             raise ValueError("--scheduler optimal plans from a saved profile: pass --profile-in "
                              "PATH (written by --scheduler auto --profile-out PATH), or use "
                              "--scheduler auto to profile this run")
-        return mergecomp.schedulers.create("optimal", profile=args.profile_in, allow_compress=args.compress)
+        return mergecomp.schedulers.create("optimal", profile=args.profile_in, allow_compress=args.compress,
+                                           chunk_mb=args.chunk_mb)
     if name == "auto":
-        return mergecomp.schedulers.create("auto", profile_out=args.profile_out)
+        return mergecomp.schedulers.create("auto", profile_out=args.profile_out, chunk_mb=args.chunk_mb)
     if name == "binary":
         return mergecomp.schedulers.create("binary", send=send)
     if name == "bucket":
@@ -128,7 +138,7 @@ def warm_up_and_settle(optimizer, timed, args, work) -> int:
         search_steps += 1
     if search_steps:
         work.log(f"Scheduler {args.scheduler} settled after {search_steps} steps beyond the warm-up")
-    work.log(optimizer.plan.describe(optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])))
+    work.log(optimizer.plan.describe(optimizer._param_infos(optimizer.plan.order())))
     if args.plan_out and work.rank == 0:
         optimizer.plan.save(args.plan_out)
     return search_steps

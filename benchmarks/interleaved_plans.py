@@ -98,7 +98,7 @@ def plan_label(path: str) -> str:
 
 def candidate_plans(optimizer, args):
     """{label: plan}: the scheduler's choice first, then the fixed fusion-nums, then saved plans."""
-    order = [n for g in optimizer.plan.groups for n in g.names]  # backward order
+    order = optimizer.plan.order()  # backward order
     params = optimizer._param_infos(order)
     plans = {args.scheduler: optimizer.plan}
     for k in args.fusion_nums:

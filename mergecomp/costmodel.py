@@ -82,7 +82,7 @@ dynamic program, so the scheduler optimizes exactly what this module predicts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from .plan import Plan
 from .profile import LinearCost, Profile, WireSize
@@ -353,14 +353,21 @@ def predict(plan: Plan, profile: Profile, costs: Optional[Mapping[str, SendCost]
     interference, slowdown = profile.interference, profile.collective_slowdown
     if not compression_on_compute and (interference != 1.0 or slowdown != 1.0):
         raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(interference, slowdown))
-    plan.validate(t.name for t in timeline)
+    numels = {t.name: t.numel for t in timeline}
+    plan.validate((t.name for t in timeline), numels)
     index = {t.name: i for i, t in enumerate(timeline)}
-    group_of = {name: g for g, group in enumerate(plan.groups) for name in group.names}
-    remaining = [len(group.names) for group in plan.groups]
-    phases = [_phases(group, timeline, index, costs, profile.copy, profile.memory) for group in plan.groups]
+    pieces = plan.pieces(numels)
+    groups_of: Dict[str, List[int]] = {}  # a sliced tensor completes a piece of several groups
+    for g, members in enumerate(pieces):
+        for name, _, _ in members:
+            groups_of.setdefault(name, []).append(g)
+    remaining = [len(members) for members in pieces]
+    phases = [_phases(group, members, timeline, index, costs, profile.copy, profile.memory)
+              for group, members in zip(plan.groups, pieces)]
     state, launched, records, since = START, 0, [], 0.0
     for tensor in timeline:
-        remaining[group_of[tensor.name]] -= 1
+        for g in groups_of[tensor.name]:
+            remaining[g] -= 1
         while launched < len(plan.groups) and remaining[launched] == 0:
             state, launch, encoded, start, end = advance(state, tensor.ready, phases[launched][0],
                                                          compression_on_compute, interference, since,
@@ -380,12 +387,12 @@ def predict(plan: Plan, profile: Profile, costs: Optional[Mapping[str, SendCost]
                       ended, tuple(groups), profile.optimizer_step)
 
 
-def _phases(group, timeline, index, costs, copy, memory) -> Tuple[GroupCost, int, int]:
+def _phases(group, members, timeline, index, costs, copy, memory) -> Tuple[GroupCost, int, int]:
     if group.send not in costs:
         raise ValueError(f"plan group [{group.names[0]} ..] is sent {group.send!r}, which this "
                          f"profile cannot price (it prices {sorted(costs)}); measure that codec "
                          "into the profile or plan without it")
-    members = [timeline[index[n]] for n in group.names]
-    numel = sum(t.numel for t in members)
-    nbytes = sum(t.nbytes for t in members)
+    numel = sum(stop - start for _, start, stop in members)
+    nbytes = sum(timeline[index[n]].nbytes * (stop - start) // timeline[index[n]].numel
+                 for n, start, stop in members)
     return group_cost(costs[group.send], copy, numel, nbytes, memory), numel, nbytes

@@ -12,7 +12,8 @@ Read top to bottom, this module is the whole integration:
    buffer and the communicator starts compress + collective asynchronously, while
    backward continues.  Groups launch strictly in plan order — a group that completes
    early waits for the ones before it — so every rank issues the same collectives in
-   the same order even when a parameter gets no gradient on some rank.
+   the same order even when a parameter gets no gradient on some rank.  A parameter the
+   plan slices (a large tensor sent in chunks) completes one piece of each group it is in.
 4. ``step()`` launches whatever is left (missing gradients count as zero), finishes the
    groups in launch order, writes the averages into ``p.grad`` and calls the wrapped
    optimizer's own ``step()``.
@@ -41,18 +42,21 @@ from .schedulers.fixed import FixedScheduler
 
 
 class _GroupState:
-    """Runtime state of one planned group: its parameters, buffer and progress."""
+    """Runtime state of one planned group: its parameters (or slices of them), buffer and progress."""
 
-    def __init__(self, index: int, group: Group, params: List[Tuple[str, torch.nn.Parameter]]):
+    def __init__(self, index: int, group: Group, by_name: Dict[str, torch.nn.Parameter]):
         self.index = index
         self.name = f"group{index}"
         self.send = group.send
-        self.params = params
+        #: (name, parameter, first element, end element) per member, in buffer order.
+        self.members = [(n, by_name[n], start, stop)
+                        for n, start, stop in group.pieces({n: by_name[n].numel() for n in group.names})]
+        self.params = [(n, p) for n, p, _, _ in self.members]
         self.offsets = []
         offset = 0
-        for _, p in params:
+        for _, _, start, stop in self.members:
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += stop - start
         self.numel = offset
         self.buffer: Optional[torch.Tensor] = None
         self.remaining = 0
@@ -63,13 +67,15 @@ class _GroupState:
         first = self.params[0][1]
         if self.buffer is None:
             self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
-        for (name, p), offset in zip(self.params, self.offsets):
-            part = self.buffer.narrow(0, offset, p.numel())
+        for (name, p, start, stop), offset in zip(self.members, self.offsets):
+            part = self.buffer.narrow(0, offset, stop - start)
             if p.grad is None:
                 part.zero_()
             elif p.grad.is_sparse:
                 raise ValueError(f"parameter {name!r} has a sparse gradient, which mergecomp does "
                                  "not compress; build the layer with sparse=False")
+            elif stop - start < p.numel():  # a slice: its elements of the flattened gradient
+                part.copy_(p.grad.reshape(-1)[start:stop])
             elif p.grad.data_ptr() != part.data_ptr():  # equal: the grad is already this part
                 part.copy_(p.grad.reshape(-1))
         return self.buffer
@@ -124,6 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.find_unused_parameters = bool(find_unused_parameters)
         self._params = self._trainable_params(optimizer, named_parameters)
         self._position = {name: i for i, (name, _) in enumerate(self._params)}
+        self._numels = {name: p.numel() for name, p in self._params}
         self._check_same_model()
 
         self.compressor = compressors.create(compressor) if isinstance(compressor, str) else compressor
@@ -143,7 +150,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self.plan: Optional[Plan] = None
         self._groups: List[_GroupState] = []
-        self._group_of: Dict[str, _GroupState] = {}
+        self._group_of: Dict[str, List[_GroupState]] = {}
         self._ready_order: List[str] = []
         self._passes: Dict[str, int] = {name: 0 for name, _ in self._params}
         self._next_launch = 0
@@ -252,26 +259,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _install_plan(self, plan: Plan) -> None:
         """Check the plan against the model and across ranks (by digest), then build groups."""
-        plan.validate(n for n, _ in self._params)
+        plan.validate((n for n, _ in self._params), self._numels)
         digests = self.backend.allgather_object(plan.digest())
         if len(set(digests)) != 1:
             raise ValueError(f"ranks were given different plans (digests {digests}); load "
                              "the same plan on every rank or let rank 0 plan")
         by_name = dict(self._params)
         self.plan = plan
-        self._groups = [_GroupState(i, g, [(n, by_name[n]) for n in g.names])
-                        for i, g in enumerate(plan.groups)]
+        self._groups = [_GroupState(i, g, by_name) for i, g in enumerate(plan.groups)]
         for group in self._groups:
             kinds = {(str(p.dtype), str(p.device)) for _, p in group.params}
             if len(kinds) > 1:
                 raise ValueError(f"plan group {group.index} mixes dtypes/devices {sorted(kinds)}; "
                                  "a fused buffer needs one of each")
-        self._group_of = {n: g for g in self._groups for n, _ in g.params}
+        # A sliced parameter is in several groups: its gradient completes a piece of each.
+        self._group_of = {}
+        for group in self._groups:
+            for n, _ in group.params:
+                self._group_of.setdefault(n, []).append(group)
         self._reset_iteration()
 
     def _layout(self, plan: Plan) -> Layout:
-        by_name = dict(self._params)
-        return {f"group{i}": [(n, by_name[n].numel()) for n in g.names] for i, g in enumerate(plan.groups)}
+        return {f"group{i}": pieces for i, pieces in enumerate(plan.pieces(self._numels))}
 
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` between steps; call it on every rank with the same plan.
@@ -284,7 +293,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if any(self._passes.values()) or self._next_launch:
             raise RuntimeError("set_plan() must be called between step() and the next backward, "
                                "not in the middle of an iteration")
-        plan.validate(n for n, _ in self._params)
+        plan.validate((n for n, _ in self._params), self._numels)
         if self.plan is None:
             self._install_plan(plan)
             return
@@ -296,7 +305,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_iteration(self) -> None:
         for group in self._groups:
-            group.remaining = len(group.params) * self.backward_passes_per_step
+            group.remaining = len(group.members) * self.backward_passes_per_step
             group.handle = None
         for name in self._passes:
             self._passes[name] = 0
@@ -324,9 +333,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if passes == 1:
                 self._ready_order.append(name)
             return
-        group = self._group_of[name]
-        group.remaining -= 1
-        if group.remaining == 0:
+        complete = False
+        for group in self._group_of[name]:
+            group.remaining -= 1
+            complete = complete or group.remaining == 0
+        if complete:
             self._launch_ready_groups()
 
     def _launch_ready_groups(self) -> None:
@@ -394,13 +405,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``set_to_none=False``, and backward accumulates into the buffer, which the gather
         recognises).  A gradient kept across steps without ``clone()`` sees the next step's
         values, as under DDP's bucket views.  Decoded tensors of compressed groups come from
-        the compressor, which may keep them: they are copied.
+        the compressor, which may keep them: they are copied.  A slice of a parameter is
+        copied into its part of ``p.grad`` (every group is gathered before the first is
+        written back, so no group reads another's average).
         """
         flat = averaged.reshape(-1)
         own_buffer = group.buffer is not None and flat.data_ptr() == group.buffer.data_ptr() \
             and flat.numel() == group.buffer.numel()
-        for (name, p), offset in zip(group.params, group.offsets):
+        for (name, p, start, stop), offset in zip(group.members, group.offsets):
             if globally_used is not None and globally_used[self._position[name]] == 0:
+                continue
+            if stop - start < p.numel():  # a slice: the other groups write the rest
+                if p.grad is None:
+                    p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                elif not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+                p.grad.view(-1)[start:stop].copy_(flat.narrow(0, offset, stop - start))
                 continue
             value = flat.narrow(0, offset, p.numel()).view_as(p)
             if own_buffer:

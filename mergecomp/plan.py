@@ -3,13 +3,19 @@
 A Plan is plain data.  It can be printed, saved as JSON, broadcast from rank 0 and
 compared by digest, so every rank provably executes the same collectives in the same
 order.  Schedulers produce plans; the optimizer executes them.
+
+A group names whole parameters, or *slices* of them: a range of elements of the flattened
+gradient.  A large tensor cut into slices in consecutive groups is sent as chunks, so the
+first chunk is on the wire while the next one is compressed, and the first is decoded while
+the next one is in flight (HiPress's and Espresso's partitioning of large tensors).  The
+slices of a parameter tile it exactly: together they cover ``[0, numel)`` once.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 #: How a group travels: through the configured compressor, or raw at a float width.
 SEND_MODES = ("compress", "fp32", "fp16", "bf16")
@@ -30,12 +36,21 @@ class ParamInfo:
         return self.numel * self.element_size
 
 
+#: A piece of a group: (parameter name, first element, end element) of its flat gradient.
+Piece = Tuple[str, int, int]
+
+
 @dataclass(frozen=True)
 class Group:
-    """Parameters fused into one flat buffer (in backward order) and how it is sent."""
+    """Parameters fused into one flat buffer (in backward order) and how it is sent.
+
+    ``slices``, when given, has one entry per name: None for the whole parameter, or
+    ``(start, stop)``, the elements ``start ≤ i < stop`` of its flattened gradient.
+    """
 
     names: tuple
     send: str = "compress"
+    slices: Optional[tuple] = None
 
     def __post_init__(self):
         object.__setattr__(self, "names", tuple(self.names))
@@ -43,6 +58,26 @@ class Group:
             raise ValueError("a group must name at least one parameter")
         if self.send not in SEND_MODES:
             raise ValueError(f"group send mode must be one of {SEND_MODES}, got {self.send!r}")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"a group names each parameter at most once, got {list(self.names)}")
+        if self.slices is not None:
+            slices = tuple(None if s is None else tuple(s) for s in self.slices)
+            if len(slices) != len(self.names):
+                raise ValueError(f"group slices must have one entry per name ({len(self.names)}), "
+                                 f"got {len(slices)}")
+            for name, piece in zip(self.names, slices):
+                if piece is not None and (len(piece) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
+                                                                 for x in piece) or not 0 <= piece[0] < piece[1]):
+                    raise ValueError(f"slice of {name!r} must be (start, stop) integers with "
+                                     f"0 ≤ start < stop, got {piece!r}")
+            # All-whole slices are the same group as no slices: one canonical form.
+            object.__setattr__(self, "slices", slices if any(x is not None for x in slices) else None)
+
+    def pieces(self, numels: Mapping[str, int]) -> List[Piece]:
+        """(name, start, stop) of every member, whole parameters as (name, 0, numel)."""
+        slices = self.slices or (None,) * len(self.names)
+        return [(n, 0, numels[n]) if piece is None else (n, piece[0], piece[1])
+                for n, piece in zip(self.names, slices)]
 
 
 @dataclass
@@ -52,31 +87,70 @@ class Plan:
     groups: List[Group] = field(default_factory=list)
 
     # -- checks ------------------------------------------------------------------------
-    def validate(self, names: Iterable[str]) -> None:
-        """Every trainable parameter appears in exactly one group, and nothing else does."""
+    def validate(self, names: Iterable[str], numels: Optional[Mapping[str, int]] = None) -> None:
+        """Every trainable parameter appears in exactly one group, and nothing else does;
+        a sliced parameter's slices tile it exactly (``numels``: elements per name, needed
+        when a group has slices)."""
         expected = list(names)
         seen: Dict[str, int] = {}
+        cut: Dict[str, List[Tuple[int, int, int]]] = {}
         for index, group in enumerate(self.groups):
-            for name in group.names:
-                if name in seen:
-                    raise ValueError(f"plan puts parameter {name!r} in groups {seen[name]} and {index}")
+            for position, name in enumerate(group.names):
+                piece = group.slices[position] if group.slices else None
+                if piece is not None:
+                    cut.setdefault(name, []).append((piece[0], piece[1], index))
+                    if name in seen:
+                        raise ValueError(f"plan puts parameter {name!r} whole in group {seen[name]} "
+                                         f"and a slice of it in group {index}")
+                    continue
+                if name in seen or name in cut:
+                    raise ValueError(f"plan puts parameter {name!r} in groups "
+                                     f"{seen[name] if name in seen else cut[name][0][2]} and {index}")
                 seen[name] = index
-        missing = [n for n in expected if n not in seen]
-        unknown = [n for n in seen if n not in set(expected)]
+        missing = [n for n in expected if n not in seen and n not in cut]
+        unknown = [n for n in list(seen) + list(cut) if n not in set(expected)]
         if missing or unknown:
             raise ValueError(
                 f"plan does not match the model: missing parameters {missing[:5]}"
                 f"{'...' if len(missing) > 5 else ''}, unknown parameters {unknown[:5]}"
                 f"{'...' if len(unknown) > 5 else ''}")
+        if cut and numels is None:
+            raise ValueError("plan slices parameters; validating it needs their sizes (numels)")
+        for name, pieces in cut.items():
+            end = 0
+            for start, stop, index in sorted(pieces):
+                if start != end:
+                    raise ValueError(f"slices of {name!r} must tile its {numels[name]} elements: "
+                                     f"{'a gap' if start > end else 'an overlap'} at element {min(start, end)} "
+                                     f"(group {index} starts at {start})")
+                end = stop
+            if end != numels[name]:
+                raise ValueError(f"slices of {name!r} must tile its {numels[name]} elements, "
+                                 f"they end at {end}")
+
+    def order(self) -> List[str]:
+        """The parameter names in plan order (backward order), each once."""
+        return list(dict.fromkeys(n for g in self.groups for n in g.names))
+
+    def pieces(self, numels: Mapping[str, int]) -> List[List[Piece]]:
+        """Per group, :meth:`Group.pieces`."""
+        return [g.pieces(numels) for g in self.groups]
 
     # -- plain data --------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"groups": [{"names": list(g.names), "send": g.send} for g in self.groups]}
+        groups = []
+        for g in self.groups:
+            entry = {"names": list(g.names), "send": g.send}
+            if g.slices is not None:  # absent for whole parameters: older digests stay valid
+                entry["slices"] = [None if s is None else list(s) for s in g.slices]
+            groups.append(entry)
+        return {"groups": groups}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
         try:
-            return cls([Group(tuple(g["names"]), g.get("send", "compress")) for g in data["groups"]])
+            return cls([Group(tuple(g["names"]), g.get("send", "compress"), g.get("slices"))
+                        for g in data["groups"]])
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a mergecomp plan (expected {{'groups': [{{'names': [...], "
                              f"'send': ...}}]}}): {error!r}") from None
@@ -103,13 +177,24 @@ class Plan:
 
     # -- for people --------------------------------------------------------------------
     def describe(self, params: Sequence[ParamInfo] = ()) -> str:
-        sizes = {p.name: p.nbytes for p in params}
+        sizes = {p.name: p.element_size for p in params}
+        numels = {p.name: p.numel for p in params}
+
+        def label(name, piece):
+            return name if piece is None else f"{name}[{piece[0]}:{piece[1]}]"
+
         lines = [f"Plan {self.digest()}: {len(self.groups)} groups"]
         for index, group in enumerate(self.groups):
-            nbytes = sum(sizes.get(n, 0) for n in group.names)
-            size = f", {nbytes / 1e6:.2f} MB" if sizes else ""
-            lines.append(f"  group {index}: {len(group.names)} tensors{size}, send={group.send} "
-                         f"[{group.names[0]} .. {group.names[-1]}]")
+            slices = group.slices or (None,) * len(group.names)
+            size = ""
+            if sizes and all(n in sizes for n in group.names):
+                nbytes = sum((stop - start) * sizes[n] for n, start, stop in group.pieces(numels))
+                size = f", {nbytes / 1e6:.2f} MB"
+            what = f"{len(group.names)} tensors" + (f" ({sum(s is not None for s in slices)} sliced)"
+                                                     if group.slices else "")
+            span = label(group.names[0], slices[0]) + (
+                f" .. {label(group.names[-1], slices[-1])}" if len(group.names) > 1 else "")
+            lines.append(f"  group {index}: {what}{size}, send={group.send} [{span}]")
         return "\n".join(lines)
 
     def __len__(self) -> int:

@@ -2,9 +2,10 @@
 
 Error-feedback memories (and a few compressors) keep state per group: a flat tensor the
 size of the group's buffer (a residual, a velocity, a momentum).  When the scheduler
-switches plans, each such tensor is cut into its parameters' pieces and the pieces are
-concatenated in the new groups' order (zeros for a parameter that had no state).  The
-sum of everything is unchanged, so error feedback stays exact across the switch.
+switches plans, each such tensor is cut into its parameters' pieces (element ranges: a
+sliced parameter has several) and the new groups' pieces are cut from them in the new
+order (zeros for a parameter that had no state).  The sum of everything is unchanged, so
+error feedback stays exact across the switch.
 
 State that is not shaped like its group (PowerSGD's low-rank matrices, a parameter
 server's shard residuals held on other ranks) cannot move this way; :func:`regroup_state`
@@ -16,37 +17,61 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-#: group name → [(parameter name, numel)] in buffer order
-Layout = Dict[str, List[Tuple[str, int]]]
+#: group name → [(parameter name, first element, end element)] in buffer order
+Layout = Dict[str, List[Tuple[str, int, int]]]
 
 
 class CannotRegroup(Exception):
     """The state holds something that cannot follow its parameters into new groups."""
 
 
-def _pieces(tensors: Dict[str, torch.Tensor], layout: Layout) -> Dict[str, torch.Tensor]:
-    pieces = {}
+def _pieces(tensors: Dict[str, torch.Tensor], layout: Layout) -> Dict[str, List[Tuple[int, int, torch.Tensor]]]:
+    """{parameter: [(start, stop, its state for those elements)]} from per-group tensors."""
+    pieces: Dict[str, List[Tuple[int, int, torch.Tensor]]] = {}
     for group, value in tensors.items():
         offset = 0
         flat = value.reshape(-1)
-        for param, numel in layout[group]:
-            pieces[param] = flat.narrow(0, offset, numel)
-            offset += numel
+        for param, start, stop in layout[group]:
+            pieces.setdefault(param, []).append((start, stop, flat.narrow(0, offset, stop - start)))
+            offset += stop - start
     return pieces
 
 
+def _cut(pieces: List[Tuple[int, int, torch.Tensor]], start: int, stop: int, zeros) -> List[torch.Tensor]:
+    """Elements ``start:stop`` of one parameter's state, from whichever old pieces hold them
+    (zeros where none does)."""
+    parts, at = [], start
+    for first, end, value in sorted(pieces, key=lambda piece: piece[0]):
+        low, high = max(first, at), min(end, stop)
+        if low >= high:
+            continue
+        if low > at:
+            parts.append(zeros(low - at))
+        parts.append(value[low - first:high - first])
+        at = high
+    if at < stop:
+        parts.append(zeros(stop - at))
+    return parts
+
+
 def regroup_tensors(tensors: Dict[str, torch.Tensor], old: Layout, new: Layout) -> Dict[str, torch.Tensor]:
-    """Per-group flat tensors of ``old`` → per-group flat tensors of ``new``."""
+    """Per-group flat tensors of ``old`` → per-group flat tensors of ``new``.
+
+    Pieces are element ranges of parameters, so a parameter cut into slices differently
+    (or not at all) in the two layouts keeps every element's state."""
     if not tensors:
         return {}
     pieces = _pieces(tensors, old)
     like = next(iter(tensors.values()))
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=like.dtype, device=like.device)
+
     result = {}
-    for group, params in new.items():
-        parts = [pieces[p] if p in pieces else torch.zeros(n, dtype=like.dtype, device=like.device)
-                 for p, n in params]
-        if any(p in pieces for p, _ in params):
-            result[group] = torch.cat(parts)
+    for group, members in new.items():
+        if any(p in pieces for p, _, _ in members):
+            result[group] = torch.cat([part for p, start, stop in members
+                                       for part in _cut(pieces.get(p, []), start, stop, zeros)])
     return result
 
 
@@ -65,7 +90,7 @@ def regroup_state(state: Any, old: Layout, new: Layout, where: str = "state") ->
     if not isinstance(state, dict):
         return state
     if _is_group_tensors(state, old):
-        sizes = {g: sum(n for _, n in params) for g, params in old.items()}
+        sizes = {g: sum(stop - start for _, start, stop in pieces) for g, pieces in old.items()}
         wrong = [g for g, t in state.items() if t.numel() != sizes[g]]
         if wrong:
             raise CannotRegroup(f"{where} holds tensors for groups {wrong} that are not shaped like "

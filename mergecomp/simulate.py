@@ -144,12 +144,14 @@ def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
 
 
 def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: float,
-             topology: str, summable: bool = True, efficiency: float = 1.0) -> List[dict]:
+             topology: str, summable: bool = True, efficiency: float = 1.0,
+             chunk_mb: Optional[float] = None) -> List[dict]:
     """One row per worker count: predicted times, scaling factors and the optimal plan's shape.
 
     ``base`` carries the timeline, codecs (the configured compressor and fp16) and copy
     cost; ``bandwidth`` is in bytes/s, ``latency`` in seconds, ``efficiency`` the fraction
-    of the bandwidth the collectives reach.
+    of the bandwidth the collectives reach; ``chunk_mb`` lets the optimal plan send large
+    tensors in pieces (:class:`~mergecomp.schedulers.optimal.OptimalScheduler`).
     """
     from .schedulers.optimal import OptimalScheduler
     if topology not in TOPOLOGIES:
@@ -173,10 +175,12 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
         row = {"workers": world}
         for label, sends in (("fp32", ("fp32",)), ("fp16", ("fp16",)),
                              ("optimal", ("fp32", "fp16", "compress"))):
-            solution = OptimalScheduler(profile, costs=costs, sends=sends).solve()
+            solution = OptimalScheduler(profile, costs=costs, sends=sends,
+                                        chunk_mb=chunk_mb if label == "optimal" else None).solve()
             row[label] = {"iteration_time": solution.iteration_time,
                           "scaling": compute / solution.iteration_time,
                           "groups": len(solution.plan),
+                          "sliced": sum(g.slices is not None for g in solution.plan.groups),
                           "sends": {s: sum(g.send == s for g in solution.plan.groups)
                                     for s in sends},
                           "exact": solution.exact}
@@ -195,7 +199,8 @@ def format_table(rows: List[dict]) -> str:
             cells.append(f"{cell['iteration_time'] * 1e3:>{width}.2f} {cell['scaling']:>6.3f}")
         best = row["optimal"]
         shape = ", ".join(f"{k} {v}" for k, v in best["sends"].items() if v)
-        mark = "" if best["exact"] else " (state sets cut: best found, not proven optimal)"
+        mark = f", {best['sliced']} holding pieces of tensors" if best.get("sliced") else ""
+        mark += "" if best["exact"] else " (state sets cut: best found, not proven optimal)"
         lines.append(f"{row['workers']:>5} | " + " | ".join(cells) + f"  {best['groups']} groups: {shape}{mark}")
     return "\n".join(lines)
 
@@ -222,6 +227,8 @@ def _parse_args(argv: Optional[Sequence[str]]):
                              "copies, optimizer step) by this factor: 0.5 for a device twice as fast")
     parser.add_argument("--workers", default=",".join(map(str, DEFAULT_WORKERS)),
                         help="comma-separated worker counts")
+    parser.add_argument("--chunk-mb", type=float, default=None,
+                        help="let the optimal plan send tensors larger than this (MB) in pieces")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser.parse_args(argv)
 
@@ -271,7 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.compute_scale != 1.0:
             base = scaled_compute(base, args.compute_scale)
         rows = simulate(base, workers, bandwidth, args.latency * 1e-6, args.topology,
-                        summable=bool(compressor.summable), efficiency=efficiency)
+                        summable=bool(compressor.summable), efficiency=efficiency, chunk_mb=args.chunk_mb)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -35,6 +35,10 @@ def test_bad_flags_exit_with_a_clear_message():
     assert unknown.returncode == 2 and "did you mean 'topk'" in unknown.stderr
     optimal = run("--scheduler", "optimal")
     assert optimal.returncode == 2 and "--profile-in" in optimal.stderr
+    chunk = run("--scheduler", "auto", "--chunk-mb", "0")
+    assert chunk.returncode == 2 and "--chunk-mb must be a size in MB > 0" in chunk.stderr
+    chunk = run("--chunk-mb", "4")
+    assert chunk.returncode == 2 and "not 'fixed'" in chunk.stderr
 
 
 def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):

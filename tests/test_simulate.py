@@ -94,3 +94,18 @@ def test_simulator_check_calibrates_with_the_window_forward_time():
     assert window_compute_factor(one_tensor_profile(), phases) == pytest.approx(0.050 / 0.025)
     with pytest.raises(ValueError, match="--phases"):
         window_compute_factor(one_tensor_profile(), [])
+
+
+def test_the_optimal_row_may_send_the_tensor_in_pieces(tmp_path, capsys):
+    whole = simulate.simulate(one_tensor_profile(), [8], bandwidth=1e8, latency=1e-5, topology="allgather")
+    pieces = simulate.simulate(one_tensor_profile(), [8], bandwidth=1e8, latency=1e-5, topology="allgather",
+                               chunk_mb=1.0)
+    assert whole[0]["optimal"]["sliced"] == 0
+    assert pieces[0]["optimal"]["sliced"] == pieces[0]["optimal"]["groups"] == 3  # 4 MB in 3 pieces
+    assert pieces[0]["optimal"]["iteration_time"] < whole[0]["optimal"]["iteration_time"]
+    assert pieces[0]["fp32"] == whole[0]["fp32"]  # the FP32 and FP16 rows stay whole
+    path = str(tmp_path / "profile.json")
+    one_tensor_profile().save(path)
+    assert simulate.main(["--profile", path, "--workers", "8", "--chunk-mb", "1"]) == 0
+    assert simulate.main(["--profile", path, "--chunk-mb", "0"]) == 2
+    assert "chunk_mb must be a size in MB > 0" in capsys.readouterr().err

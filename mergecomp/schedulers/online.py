@@ -11,7 +11,8 @@ and broadcasting:
    backward and backward slows a collective
    (:class:`~mergecomp.schedulers.live_profile.LiveProfiling`, where the details are).
 2. **check** (in rounds of ``check_steps`` + 1 steps per candidate): three plans from the DP
-   — the optimum, the best plan without compression, the best plan compressing every group —
+   — the optimum, the best plan without compression, the best plan compressing every group,
+   each free to send tensors over ``chunk_mb`` in pieces when that is set —
    MergeComp's fixed plans for each of ``fusion_candidates`` (by default the whole sweep
    0, 1, 2, 3, 4, 6, 8 a user would otherwise run by hand: the neighbours a cost model is
    most likely to misjudge) and DDP's plan (raw FP32 buckets of 25 MB,
@@ -97,7 +98,8 @@ class OnlineOptimalScheduler(LiveProfiling, Scheduler):
                  log: Optional[Callable[[str], None]] = print, interference_steps: int = 3,
                  check_rounds: int = 3, contender_margin: float = 0.15,
                  fusion_candidates: Sequence[int] = (0, 1, 2, 3, 4, 6, 8),
-                 compression_margin: float = 0.05, speed_correction: bool = True):
+                 compression_margin: float = 0.05, speed_correction: bool = True,
+                 chunk_mb: Optional[float] = None):
         for what, value, least in (("profile_steps", profile_steps, 2), ("check_steps", check_steps, 1),
                                    ("watch_every", watch_every, 1), ("interference_steps", interference_steps, 0),
                                    ("check_rounds", check_rounds, 1)):
@@ -118,6 +120,11 @@ class OnlineOptimalScheduler(LiveProfiling, Scheduler):
                              f"lossy plan must measure 5% faster than the best FP32 plan), got {compression_margin!r}")
         if not isinstance(speed_correction, bool):
             raise ValueError(f"auto scheduler speed_correction must be True or False, got {speed_correction!r}")
+        if chunk_mb is not None and (isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float))
+                                     or not 0 < chunk_mb < float("inf")):
+            raise ValueError(f"auto scheduler chunk_mb must be a size in MB > 0 (e.g. 4), or None for "
+                             f"whole tensors; got {chunk_mb!r}")
+        self.chunk_mb = chunk_mb
         self.compression_margin = float(compression_margin)
         self.speed_correction = speed_correction
         self.profile_steps, self.check_steps, self.watch_every = profile_steps, check_steps, watch_every
@@ -234,7 +241,7 @@ class OnlineOptimalScheduler(LiveProfiling, Scheduler):
                               ("no compression", {"allow_compress": False, "allow_half": self.allow_half}),
                               ("all compressed", {"sends": ("compress",)})):
             try:
-                plan = OptimalScheduler(self.profile, **kwargs).plan(params)
+                plan = OptimalScheduler(self.profile, chunk_mb=self.chunk_mb, **kwargs).plan(params)
             except ValueError as error:  # e.g. a send mode the profile cannot price
                 self._say(f"auto scheduler: no '{label}' candidate: {error}")
                 continue
@@ -447,7 +454,7 @@ class OnlineOptimalScheduler(LiveProfiling, Scheduler):
 
     # -- reporting ------------------------------------------------------------------------
     def _params(self, optimizer) -> List[ParamInfo]:
-        return optimizer._param_infos([n for g in optimizer.plan.groups for n in g.names])
+        return optimizer._param_infos(optimizer.plan.order())
 
     def describe(self, optimizer=None) -> str:
         lines = ["auto scheduler: candidates (predicted vs measured step time, at the check's median speed)"]

@@ -45,11 +45,24 @@ about 0.3 s for 59 tensors (resnet20), 2 s for 54 (vgg16), 10 to 15 s for 161 (r
 with ``max_states=None`` instances of up to ~30 tensors stay exact in seconds.
 
 Groups never mix dtypes or devices (they are cut at :func:`split_by_type` boundaries).
-Tensors are not split into chunks: a :class:`~mergecomp.plan.Plan` names whole
-parameters, so chunking a large tensor would need a Plan format change.
+
+**Chunks.**  With ``chunk_mb``, every tensor larger than that is cut into near-equal
+chunks (as many as it takes to stay under ``chunk_mb``) before the DP runs; the chunks
+are ready when their tensor is, and the DP may cut between them like between any two
+tensors.  A cut inside a tensor sends it in pieces (slices in the
+:class:`~mergecomp.plan.Plan`): the first piece's collective runs while the next one is
+compressed, and the first piece is decoded while the next is in flight — HiPress's and
+Espresso's partitioning of large tensors.  Each piece pays its group's fixed costs (a
+collective's latency, a launch), which is what the DP weighs against the overlap;
+without a cut the chunks travel together, so the DP still can choose not to split.
+More chunks mean a larger DP: ``chunk_mb`` should leave a model at most a few hundred
+pieces.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -60,7 +73,7 @@ from .base import Scheduler, split_by_type
 from ..costmodel import (_OFF_COMPUTE_INTERFERENCE, SendCost, START, advance, finish_time,
                          group_cost, send_costs)
 from ..plan import Group, ParamInfo, Plan, SEND_MODES
-from ..profile import Profile
+from ..profile import Profile, TensorTiming
 
 
 @dataclass(frozen=True)
@@ -92,12 +105,17 @@ class OptimalScheduler(Scheduler):
             no set exceeds it (``Solution.exact``); a larger set is cut to the states with
             the smallest lower bounds, which bounds planning time on models with hundreds
             of tensors.  None: never cut.
+        chunk_mb: let the DP send tensors larger than this many MB (2**20 bytes) in
+            pieces (see the module docstring); None (the default): whole tensors only.
     """
+
+    #: The most pieces the chunked timeline may have (the DP grows with it).
+    max_pieces = 512
 
     def __init__(self, profile: Union[Profile, str], allow_half: bool = False,
                  allow_compress: bool = True, compression_on_compute: bool = True,
                  costs: Optional[Mapping[str, SendCost]] = None, max_states: Optional[int] = 64,
-                 sends: Optional[Sequence[str]] = None):
+                 sends: Optional[Sequence[str]] = None, chunk_mb: Optional[float] = None):
         if isinstance(profile, str):
             profile = Profile.load(profile)
         if not isinstance(profile, Profile):
@@ -126,6 +144,17 @@ class OptimalScheduler(Scheduler):
                                        or max_states < 1):
             raise ValueError(f"max_states must be a positive integer or None, got {max_states!r}")
         self.max_states = max_states
+        if chunk_mb is not None and (isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float))
+                                     or not 0 < chunk_mb < float("inf")):
+            raise ValueError(f"chunk_mb must be a size in MB > 0 (e.g. 4), or None for whole tensors; "
+                             f"got {chunk_mb!r}")
+        self.chunk_mb = None if chunk_mb is None else float(chunk_mb)
+        if self.chunk_mb is not None:
+            pieces = len(self._chunked_timeline()[0])
+            if pieces > self.max_pieces:
+                raise ValueError(f"chunk_mb={chunk_mb!r} cuts this model's {len(profile.timeline)} tensors "
+                                 f"into {pieces} pieces, more than the DP takes ({self.max_pieces}); "
+                                 "raise chunk_mb")
         self.sends = tuple(wanted)
         self.allow_half, self.allow_compress = bool(allow_half), bool(allow_compress)
 
@@ -154,7 +183,10 @@ class OptimalScheduler(Scheduler):
         complete plan; the main pass then drops every state whose lower bound
         (:meth:`_lower_bound`) cannot beat it.  Both passes use the same transitions; the
         main pass alone decides optimality, the beam only makes it faster.
+        With ``chunk_mb`` the DP runs over the chunked timeline and the plan names slices.
         """
+        if self.chunk_mb is not None:
+            return self._solve_chunked()
         timeline = self.profile.timeline
         n = len(timeline)
         run_start = []
@@ -177,6 +209,47 @@ class OptimalScheduler(Scheduler):
         (value, groups), exact = self._search(run_start, cost, rest, beamed, self.max_states)
         plan = Plan([Group(tuple(t.name for t in timeline[i:j]), send) for i, j, send in groups])
         return Solution(plan, self.profile.forward_time + value + self.profile.optimizer_step, exact)
+
+    def _chunked_timeline(self) -> Tuple[List[TensorTiming], Dict[str, Tuple[str, int, int]]]:
+        """The profile's timeline with every tensor over ``chunk_mb`` cut into near-equal
+        chunks (named ``name[start:stop]``, ready with their tensor), and each chunk's
+        (tensor, start, stop)."""
+        limit = self.chunk_mb * 2 ** 20
+        timeline, origin = [], {}
+        for t in self.profile.timeline:
+            count = min(t.numel, max(1, math.ceil(t.nbytes / limit)))
+            start = 0
+            for i in range(count):
+                stop = start + t.numel // count + (1 if i < t.numel % count else 0)
+                name = t.name if count == 1 else f"{t.name}[{start}:{stop}]"
+                timeline.append(dataclasses.replace(t, name=name, numel=stop - start,
+                                                    nbytes=(stop - start) * t.element_size))
+                origin[name] = (t.name, start, stop)
+                start = stop
+        return timeline, origin
+
+    def _solve_chunked(self) -> Solution:
+        """The DP over the chunked timeline; chunks of one tensor in one group merge back
+        into one slice (the whole tensor when all of them do)."""
+        timeline, origin = self._chunked_timeline()
+        inner = copy.copy(self)  # the same settings, planning whole pieces
+        inner.profile = dataclasses.replace(self.profile, timeline=timeline)
+        inner.chunk_mb = None
+        solution = inner.solve()
+        numels = {t.name: t.numel for t in self.profile.timeline}
+        groups = []
+        for group in solution.plan.groups:
+            members: List[List] = []  # [name, start, stop], consecutive chunks merged
+            for piece in group.names:
+                name, start, stop = origin[piece]
+                if members and members[-1][0] == name and members[-1][2] == start:
+                    members[-1][2] = stop
+                else:
+                    members.append([name, start, stop])
+            slices = tuple(None if (start, stop) == (0, numels[name]) else (start, stop)
+                           for name, start, stop in members)
+            groups.append(Group(tuple(m[0] for m in members), group.send, slices))
+        return Solution(Plan(groups), solution.iteration_time, solution.exact)
 
     def _search(self, run_start, cost, rest, incumbent, max_states):
         """The DP over prefixes: ((best value, its groups), whether no state set was cut).
