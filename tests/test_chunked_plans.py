@@ -14,7 +14,7 @@ from mergecomp.regroup import regroup_tensors
 from mergecomp.schedulers.optimal import OptimalScheduler
 from tests.distributed import run_ranks
 from tests.test_optimal import brute_force, random_profile
-from tests.test_optimizer import batch, make_model, make_optimizer
+from tests.test_optimizer import batch, make_model, make_optimizer, reference_params
 
 NUMELS = {"a": 10, "b": 4}
 
@@ -154,18 +154,6 @@ def wide_batch(step, rank):
     return torch.randn(4, 32, generator=g), torch.randn(4, 3, generator=g)
 
 
-def wide_reference(world_size, steps):
-    """One process on the concatenated batches of all ranks."""
-    model = wide_first_layer()
-    opt = make_optimizer("sgd", model)
-    for step in range(steps):
-        xs, ys = zip(*(wide_batch(step, r) for r in range(world_size)))
-        opt.zero_grad()
-        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def priced_profile(model):
     """The model's tensors in backward order (ready 1 ms apart), priced so that the last
     one's encoding, transfer and decoding take about as long as each other: pieces pay.
@@ -203,7 +191,7 @@ def chunked_training_worker(rank, world_size):
 
 
 def test_training_with_sliced_groups_equals_one_process_on_all_batches():
-    expected = wide_reference(2, 3)
+    expected = reference_params("sgd", 2, 3, wide_first_layer, wide_batch)
     for result in run_ranks(chunked_training_worker, 2):
         params, plan = result["planned"]
         assert sum(g.slices is not None for g in plan.groups) >= 2

@@ -28,12 +28,13 @@ def make_optimizer(kind, model):
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def reference_params(kind, world_size, steps):
-    """One process, the concatenated batches of all ranks: what data parallelism must equal."""
-    model = make_model()
+def reference_params(kind, world_size, steps, model_factory=None, batches=None):
+    """One process, the concatenated batches of all ranks: what data parallelism must equal
+    (of ``make_model`` and ``batch`` unless given others)."""
+    model = (model_factory or make_model)()
     opt = make_optimizer(kind, model)
     for step in range(steps):
-        xs, ys = zip(*(batch(step, r) for r in range(world_size)))
+        xs, ys = zip(*((batches or batch)(step, r) for r in range(world_size)))
         opt.zero_grad()
         nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
