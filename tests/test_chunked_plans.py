@@ -137,9 +137,14 @@ def test_chunk_size_errors_say_what_to_do():
 def test_auto_offers_the_dp_plans_with_pieces():
     auto = schedulers.create("auto", chunk_mb=8000 / 2 ** 20, log=None)
     auto.profile = chunk_profile()
-    candidates = {label: plan for label, plan, _ in auto._plan_candidates(None)}
+    found = auto._plan_candidates(None)
+    candidates = {label: plan for label, plan, _ in found}
     assert any(g.slices is not None for g in candidates["optimal"].groups)
     assert all(g.slices is None for g in candidates["fusion-num 1"].groups)
+    auto.report = [(label, plan, predicted, 0.05) for label, plan, predicted in found]
+    report = auto.describe().splitlines()
+    assert "with pieces of tensors" in next(line for line in report if "optimal" in line)
+    assert "pieces" not in next(line for line in report if "fusion-num 1" in line)
 
 
 # ------------------------------------------------------------------------- the optimizer

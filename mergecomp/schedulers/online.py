@@ -460,10 +460,12 @@ class OnlineOptimalScheduler(LiveProfiling, Scheduler):
         lines = ["auto scheduler: candidates (predicted vs measured step time, at the check's median speed)"]
         for label, plan, predicted, measured in self.report:
             compressed = sum(g.send == "compress" for g in plan.groups)
+            sliced = sum(g.slices is not None for g in plan.groups)
+            pieces = f", {sliced} with pieces of tensors" if sliced else ""
             shown = f"{measured * 1e3:9.1f} ms" if isinstance(measured, float) else measured
             if isinstance(measured, float) and label in self.as_timed and self.speed_correction:
                 shown += f" (as timed {self.as_timed[label] * 1e3:.1f} ms)"
-            lines.append(f"  {label:<15} {len(plan):>3} groups ({compressed} compressed)  "
+            lines.append(f"  {label:<15} {len(plan):>3} groups ({compressed} compressed{pieces})  "
                          f"predicted {predicted * 1e3:9.1f} ms  measured {shown}")
         if self.best is not None:
             lines.append(f"  chosen: {self.best[0]} (plan {self.best[1].digest()}); search took "
