@@ -393,6 +393,5 @@ def _phases(group, members, timeline, index, costs, copy, memory) -> Tuple[Group
                          f"profile cannot price (it prices {sorted(costs)}); measure that codec "
                          "into the profile or plan without it")
     numel = sum(stop - start for _, start, stop in members)
-    nbytes = sum(timeline[index[n]].nbytes * (stop - start) // timeline[index[n]].numel
-                 for n, start, stop in members)
+    nbytes = sum(timeline[index[n]].element_size * (stop - start) for n, start, stop in members)
     return group_cost(costs[group.send], copy, numel, nbytes, memory), numel, nbytes

@@ -199,7 +199,7 @@ def format_table(rows: List[dict]) -> str:
             cells.append(f"{cell['iteration_time'] * 1e3:>{width}.2f} {cell['scaling']:>6.3f}")
         best = row["optimal"]
         shape = ", ".join(f"{k} {v}" for k, v in best["sends"].items() if v)
-        mark = f", {best['sliced']} holding pieces of tensors" if best.get("sliced") else ""
+        mark = f", {best['sliced']} holding pieces of tensors" if best["sliced"] else ""
         mark += "" if best["exact"] else " (state sets cut: best found, not proven optimal)"
         lines.append(f"{row['workers']:>5} | " + " | ".join(cells) + f"  {best['groups']} groups: {shape}{mark}")
     return "\n".join(lines)

@@ -77,6 +77,7 @@ from .base import Scheduler
 from .bucket import BucketScheduler
 from .fixed import FixedScheduler
 from .live_profile import LiveProfiling
+from .optimal import checked_chunk_mb
 from ..plan import ParamInfo, Plan
 
 
@@ -120,11 +121,7 @@ class OnlineOptimalScheduler(LiveProfiling, Scheduler):
                              f"lossy plan must measure 5% faster than the best FP32 plan), got {compression_margin!r}")
         if not isinstance(speed_correction, bool):
             raise ValueError(f"auto scheduler speed_correction must be True or False, got {speed_correction!r}")
-        if chunk_mb is not None and (isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float))
-                                     or not 0 < chunk_mb < float("inf")):
-            raise ValueError(f"auto scheduler chunk_mb must be a size in MB > 0 (e.g. 4), or None for "
-                             f"whole tensors; got {chunk_mb!r}")
-        self.chunk_mb = chunk_mb
+        self.chunk_mb = checked_chunk_mb(chunk_mb, "auto scheduler chunk_mb")
         self.compression_margin = float(compression_margin)
         self.speed_correction = speed_correction
         self.profile_steps, self.check_steps, self.watch_every = profile_steps, check_steps, watch_every

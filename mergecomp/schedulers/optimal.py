@@ -76,6 +76,15 @@ from ..plan import Group, ParamInfo, Plan, SEND_MODES
 from ..profile import Profile, TensorTiming
 
 
+def checked_chunk_mb(value, who: str = "chunk_mb") -> Optional[float]:
+    """``value`` as a float size in MB, or None (whole tensors); a clear error otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{who} must be a size in MB > 0 (e.g. 4), or None for whole tensors; got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Solution:
     """The optimal plan and its predicted iteration time (seconds)."""
@@ -144,11 +153,7 @@ class OptimalScheduler(Scheduler):
                                        or max_states < 1):
             raise ValueError(f"max_states must be a positive integer or None, got {max_states!r}")
         self.max_states = max_states
-        if chunk_mb is not None and (isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float))
-                                     or not 0 < chunk_mb < float("inf")):
-            raise ValueError(f"chunk_mb must be a size in MB > 0 (e.g. 4), or None for whole tensors; "
-                             f"got {chunk_mb!r}")
-        self.chunk_mb = None if chunk_mb is None else float(chunk_mb)
+        self.chunk_mb = checked_chunk_mb(chunk_mb)
         if self.chunk_mb is not None:
             pieces = len(self._chunked_timeline()[0])
             if pieces > self.max_pieces:
