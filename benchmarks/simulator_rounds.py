@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""The simulator against the emulated cluster, with the compute timed in the same rounds.
+
+    python benchmarks/cluster.py --workers 4 --profile 1gbit -- python benchmarks/simulator_rounds.py \\
+        --threads 1 --model vgg16 --batch-size 8 --compressor dgc --compress-ratio 0.01 \\
+        --plans auto,fp32-4,compress-4 --rounds 8 --window 3 --json vgg16-dgc-4.json
+    python benchmarks/simulator_rounds.py --table vgg16-dgc-*.json
+
+What ``benchmarks/simulator_check.py`` validates is the simulator's network and overlap
+model: the compute side (forward, when each gradient is ready, the codecs) comes from the
+run's own profile.  On a shared host that profile is minutes older than the timed window,
+and the host's compute speed drifts by up to 50% in between, which no network model can
+predict.  Here one training run does it all, so that the compute a prediction uses was
+timed beside the steps it predicts:
+
+1. ``--scheduler auto`` profiles the live run and settles as usual; its profile, with the
+   collectives replaced by the α-β model at the link's rate
+   (:func:`mergecomp.simulate.network_collectives`, link efficiency from the profile's
+   allreduce probe), is the simulator's input — the *saved-profile* prediction.
+2. Then ``--rounds`` rounds run one window of ``--window`` steps of every plan of
+   ``--plans`` (``auto``: the plan the scheduler chose; ``fp32-K`` / ``compress-K``: K
+   groups balanced by bytes, all raw FP32 or all compressed) and one *compute* window:
+   the whole model in one raw FP32 group, launched when the last gradient is ready, so no
+   collective runs during forward or backward.  Its steps time each gradient's ready time
+   and the optimizer's step, per rank; the order of the windows rotates each round.
+3. Each round's prediction takes the profile's compute from that round's compute window:
+   a gradient is ready when the slowest rank has it (a collective cannot run ahead of its
+   last contributor), forward ends at the first of those; codec, copy, memory, launch and
+   finish costs are scaled by rank 0's backward time in the window over the profile's.
+   The interference and collective slowdown factors stay as the profile measured them.
+
+A window's time is its slowest rank's mean step.  The error of a plan is the median over
+rounds of its predicted over its measured step time, minus one; the saved-profile error is
+the profile's single prediction against the median measured step.  ``--json`` saves both
+with every round's numbers; ``--table`` prints the saved results as one markdown table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import compress_benchmark  # noqa: E402
+import mergecomp  # noqa: E402
+from benchmarks.cluster import parse_profile  # noqa: E402
+from benchmarks.simulator_check import parse_plans  # noqa: E402
+from mergecomp import benchmarking  # noqa: E402
+from mergecomp.costmodel import predict  # noqa: E402
+from mergecomp.profile import Profile  # noqa: E402
+from mergecomp.simulate import measured_link_efficiency, network_collectives, scaled_compute  # noqa: E402
+
+COMPUTE = "compute"  # the label of the compute window
+
+
+def parse_args(argv=None):
+    p = compress_benchmark.build_parser(__doc__)
+    p.set_defaults(scheduler="auto", compress=True)
+    p.add_argument("--plans", default="auto,fp32-4,compress-4",
+                   help="plans to predict and time: auto (the scheduler's choice), fp32-K, fp16-K, "
+                        "bf16-K, compress-K (default auto,fp32-4,compress-4)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds of one window per plan (default 8)")
+    p.add_argument("--window", type=int, default=3, help="timed steps per window (default 3)")
+    p.add_argument("--net-profile", default=os.environ.get("MERGECOMP_NET_PROFILE"),
+                   help="the network profile of the links (default: the one benchmarks/cluster.py "
+                        "runs this worker behind)")
+    p.add_argument("--latency-us", type=float, default=50.0,
+                   help="per-message latency the simulator assumes (default 50)")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="print a markdown table of saved --json results and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        return args
+    compress_benchmark.check_arguments(p, args)
+    if args.scheduler != "auto":
+        p.error(f"--scheduler must be auto (its live profile is the simulator's input), got {args.scheduler!r}")
+    try:
+        args.plans = parse_plans(args.plans)
+    except ValueError as error:
+        p.error(str(error))
+    for name in ("rounds", "window"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
+    if not args.latency_us >= 0:
+        p.error(f"--latency-us must be ≥ 0, got {args.latency_us}")
+    if not args.net_profile:
+        p.error("no network profile: run under benchmarks/cluster.py --profile NAME, or pass --net-profile")
+    try:
+        link = parse_profile(args.net_profile)
+    except ValueError as error:
+        p.error(str(error))
+    if not link.shaped:
+        p.error(f"network profile {args.net_profile!r} is not rate-limited; the simulator needs a link rate")
+    args.link_rate = link.rate_bps / 8  # bytes per second
+    return args
+
+
+class ComputeClock:
+    """Times the compute of each step it runs: every gradient's ready time and the wrapped
+    optimizer's ``step()``, in seconds from the step's start; one list of steps per round."""
+
+    def __init__(self, optimizer, step):
+        self.optimizer, self.step, self.rounds, self._current = optimizer, step, [], None
+        self._began = None
+        inner = optimizer.optimizer
+        inner.register_step_pre_hook(lambda *_: setattr(self, "_began", time.perf_counter()))
+        inner.register_step_post_hook(lambda *_: self._stepped())
+
+    def _stepped(self) -> None:
+        if self._current is not None:
+            self._current["optimizer_step"] = time.perf_counter() - self._began
+
+    def new_round(self) -> None:
+        self.rounds.append([])
+
+    def __call__(self) -> None:
+        current = self._current = {"ready": {}, "optimizer_step": 0.0}
+        start = time.perf_counter()
+        self.optimizer.ready_listener = lambda name: current["ready"].setdefault(name, time.perf_counter() - start)
+        try:
+            self.step()
+        finally:
+            self.optimizer.ready_listener, self._current = None, None
+        self.rounds[-1].append(current)
+
+    def summaries(self) -> List[dict]:
+        """Per round (its first, cold step dropped): the median over steps of each gradient's
+        ready time and of the optimizer step."""
+        out = []
+        for steps in self.rounds:
+            steps = steps[1:] or steps
+            names = set.intersection(*(set(s["ready"]) for s in steps))
+            out.append({"ready": {n: statistics.median(s["ready"][n] for s in steps) for n in names},
+                        "optimizer_step": statistics.median(s["optimizer_step"] for s in steps)})
+        return out
+
+
+def round_profile(modelled: Profile, ranks: List[dict]) -> Profile:
+    """``modelled`` with the compute of one round's window (``ranks``: each rank's summary).
+
+    A gradient is ready when the slowest rank has it; forward ends at the first of those.
+    The other processor-side costs are scaled by rank 0's backward span over the profile's."""
+    names = [t.name for t in modelled.timeline]
+    last = {n: max(r["ready"].get(n, max(r["ready"].values())) for r in ranks) for n in names}
+    forward = min(last.values())
+    mine = ranks[0]["ready"]
+    speed = (max(mine.values()) - min(mine.values())) / modelled.backward_time \
+        if modelled.backward_time > 0 else 1.0
+    timeline = sorted((dataclasses.replace(t, ready=last[t.name] - forward) for t in modelled.timeline),
+                      key=lambda t: t.ready)
+    return dataclasses.replace(scaled_compute(modelled, speed), timeline=timeline, forward_time=forward,
+                               backward_time=timeline[-1].ready,
+                               optimizer_step=max(r["optimizer_step"] for r in ranks))
+
+
+def fixed_plans(optimizer, specs) -> Dict[str, mergecomp.Plan]:
+    """{label: plan} of ``--plans``, and the compute window's one raw group."""
+    params = optimizer._param_infos(optimizer.plan.order())
+    plans = {}
+    for label, send, groups in specs:
+        plans[label] = optimizer.plan if label == "auto" else \
+            mergecomp.schedulers.create("fixed", fusion_num=groups, send=send).plan(params)
+    plans[COMPUTE] = mergecomp.schedulers.create("fixed", fusion_num=1, send="fp32").plan(params)
+    return plans
+
+
+def worker(args):
+    work = benchmarking.prepare(args)
+    optimizer = compress_benchmark.build_optimizer(args, work)
+    step = benchmarking.training_step(work, work.model, optimizer)
+    timed = benchmarking.make_timer(step, work.device)
+    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
+             f"{work.batch_size} per worker, {work.size} workers on {args.net_profile} links; "
+             f"exchange {optimizer.communicator!r}")
+    search_steps = compress_benchmark.warm_up_and_settle(optimizer, timed, args, work)
+    profile = optimizer.scheduler.profile
+    plans = fixed_plans(optimizer, args.plans)
+    optimizer.scheduler = mergecomp.schedulers.create("fixed")  # the run switches plans itself from here
+    clock = ComputeClock(optimizer, step)
+
+    def before(label):
+        def switch():
+            optimizer.set_plan(plans[label])
+            if label == COMPUTE:
+                clock.new_round()
+        return switch
+
+    steps = {label: (clock if label == COMPUTE else (lambda: timed(1))) for label in plans}
+    mine = benchmarking.interleaved_windows(steps, args.rounds, args.window,
+                                            before={label: before(label) for label in plans})
+    everyone = optimizer.backend.allgather_object((mine, clock.summaries()))
+    if work.rank != 0:  # rank 0 predicts, from its profile
+        return benchmarking.finish({}, None, work)
+    measured = {label: [max(times[label][r] for times, _ in everyone) for r in range(args.rounds)]
+                for label in plans}
+    efficiency = measured_link_efficiency(profile, args.link_rate)
+    modelled = dataclasses.replace(profile, collectives=network_collectives(
+        work.size, args.link_rate, args.latency_us * 1e-6, efficiency))
+    rounds = [round_profile(modelled, [summaries[r] for _, summaries in everyone]) for r in range(args.rounds)]
+    result = {
+        "model": args.model, "batch_size": work.batch_size, "workers": work.size, "compressor": args.compressor,
+        "compress_ratio": args.compress_ratio, "net_profile": args.net_profile, "search_steps": search_steps,
+        "rounds": args.rounds, "window": args.window, "link_efficiency": efficiency,
+        "interference": profile.interference, "collective_slowdown": profile.collective_slowdown,
+        "profile": {"forward_s": profile.forward_time, "backward_s": profile.backward_time},
+        "compute": [{"forward_s": p.forward_time, "backward_s": p.backward_time,
+                     "speed": p.backward_time / profile.backward_time if profile.backward_time > 0 else 1.0}
+                    for p in rounds],
+        "plans": {}, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    for label, plan in plans.items():
+        if label == COMPUTE:
+            continue
+        saved = predict(plan, modelled).iteration_time
+        predicted = [predict(plan, p).iteration_time for p in rounds]
+        result["plans"][label] = {
+            "groups": len(plan), "compressed": sum(g.send == "compress" for g in plan.groups),
+            "measured_s": measured[label], "predicted_s": predicted, "saved_profile_s": saved,
+            "error": statistics.median(p / m - 1 for p, m in zip(predicted, measured[label])),
+            "saved_profile_error": saved / statistics.median(measured[label]) - 1}
+        row = result["plans"][label]
+        work.log(f"{label:<12} {row['groups']} groups ({row['compressed']} compressed): measured "
+                 f"{statistics.median(measured[label]) * 1e3:.1f} ms, predicted from each round's compute "
+                 f"{statistics.median(predicted) * 1e3:.1f} ms (error {row['error']:+.1%}), from the saved "
+                 f"profile {saved * 1e3:.1f} ms ({row['saved_profile_error']:+.1%})")
+    return benchmarking.finish(result, args.json, work)
+
+
+def table(paths) -> str:
+    lines = ["| workers | plan | groups (compressed) | measured ms | predicted ms, same rounds | error | "
+             "rounds within 15% | saved profile ms | saved-profile error | compute × profile |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    results = sorted(benchmarking.saved_results(paths, "plans", "benchmarks/simulator_rounds.py"),
+                     key=lambda r: r["workers"])
+    for r in results:
+        speeds = [c["speed"] for c in r["compute"]]
+        for label, row in r["plans"].items():
+            within = sum(abs(p / m - 1) <= 0.15 for p, m in zip(row["predicted_s"], row["measured_s"]))
+            lines.append(f"| {r['workers']} | {label} | {row['groups']} ({row['compressed']}) | "
+                         f"{statistics.median(row['measured_s']) * 1e3:.1f} | "
+                         f"{statistics.median(row['predicted_s']) * 1e3:.1f} | {row['error']:+.1%} | "
+                         f"{within}/{len(row['measured_s'])} | {row['saved_profile_s'] * 1e3:.1f} | "
+                         f"{row['saved_profile_error']:+.1%} | {min(speeds):.2f}–{max(speeds):.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    return compress_benchmark.run_or_table(parse_args(argv), worker, table)
+
+
+if __name__ == "__main__":
+    benchmarking.exit_with(main)
