@@ -157,10 +157,11 @@ def send_costs(profile: Profile) -> Dict[str, SendCost]:
     finish phase; otherwise the phase is priced from the decode cost and copy passes.
     Compressed payloads travel by the profile's communicator: allreduce (one decode),
     allgather (N payloads decoded, then ``aggregate``: a copy of the first and N − 1
-    additions, N passes), or ``ps`` (alltoall of the payload
-    in N shards, then allgather of the recompressed 1/N shard; the servers' decode of N
-    shards and re-encode of one are relay work on the channel, their summation is not
-    modelled).
+    additions, N passes; a compressor that sums in place, with ``add`` in its codec cost,
+    pays one decode and N − 1 adds instead), or ``ps`` (alltoall of the payload
+    in N shards, then allgather of the recompressed 1/N shard; the servers' sum of N
+    payloads of their shard and re-encode of one are relay work on the channel; a dense
+    decode-then-aggregate's summation passes are not modelled).
 
     A send mode with a measured launch cost in ``profile.launch`` uses it as its encode
     cost (gather copy, memory and codec together).
@@ -188,16 +189,23 @@ def _formula_costs(profile: Profile) -> Dict[str, SendCost]:
     if profile.communicator == "allreduce":
         costs["compress"] = SendCost(codec.encode, codec.wire, allreduce, codec.decode)
     elif profile.communicator == "allgather":
-        costs["compress"] = SendCost(codec.encode, codec.wire,
-                                     _collective(profile, "allgather", "the allgather communicator"),
-                                     codec.decode.scaled(world, world), aggregate_passes=world)
+        gather = _collective(profile, "allgather", "the allgather communicator")
+        if codec.add is None:
+            costs["compress"] = SendCost(codec.encode, codec.wire, gather,
+                                         codec.decode.scaled(world, world), aggregate_passes=world)
+        else:
+            costs["compress"] = SendCost(codec.encode, codec.wire, gather,
+                                         codec.decode + codec.add.scaled(world - 1, world - 1))
     elif profile.communicator == "ps":
         alltoall = _collective(profile, "alltoall", "the PS communicator's first phase")
         allgather = _collective(profile, "allgather", "the PS communicator's second phase")
+        # A server sums N payloads of its n/N-element shard; workers decode N shards.
+        serve = codec.decode.scaled(world, 1) if codec.add is None else \
+            (codec.decode + codec.add.scaled(world - 1, world - 1)).scaled(1, 1 / world)
         costs["compress"] = SendCost(
             codec.encode, codec.wire, alltoall + allgather.scaled(1, 1 / world),
             decode=codec.decode.scaled(world, 1),
-            relay=codec.decode.scaled(world, 1) + codec.encode.scaled(1, 1 / world))
+            relay=serve + codec.encode.scaled(1, 1 / world))
     else:
         raise ValueError(f"no cost formula for communicator {profile.communicator!r}; the cost "
                          "model knows 'allreduce', 'allgather' and 'ps'")

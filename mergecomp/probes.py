@@ -205,11 +205,14 @@ def measure_compression_cost(compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 1
     cost of these kernels, but it does to value-dependent payload sizes such as DGC's, for
     which the fitted wire size is an estimate).  The wire size is fitted to the payload
     bytes actually produced.  Multi-round compressors have all their work in ``encode``.
+    Compressors that sum payloads in place also get ``add``: what a second payload adds
+    to ``decompress_sum``.
     """
     sizes = _check_sizes(sizes, "measure_compression_cost sizes")
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    encode, decode, wire = [], [], []
+    in_place = getattr(compressor, "sums_in_place", False)
+    encode, decode, wire, add = [], [], [], []
     for n in sizes:
         tensor = torch.randn(n, generator=generator, device=device, dtype=dtype)
         payload, ctx, nbytes = _encode_once(compressor, tensor)  # warm-up, and the wire size
@@ -217,11 +220,16 @@ def measure_compression_cost(compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 1
         encode.append(_best_time(lambda: _encode_once(compressor, tensor), device, repeats))
         if payload is None:
             decode.append(0.0)
-        else:
-            compressor.decompress(payload, ctx)
-            decode.append(_best_time(lambda: compressor.decompress(payload, ctx), device, repeats))
+            continue
+        compressor.decompress(payload, ctx)
+        decode.append(_best_time(lambda: compressor.decompress(payload, ctx), device, repeats))
+        if in_place:  # what a second payload adds to the in-place sum
+            one = _best_time(lambda: compressor.decompress_sum([payload], ctx), device, repeats)
+            two = _best_time(lambda: compressor.decompress_sum([payload, payload], ctx), device, repeats)
+            add.append(max(0.0, two - one))
     wire_fit = _fit_wire(sizes, wire)
-    return CodecCost(fit_linear(sizes, encode), fit_linear(sizes, decode), wire_fit)
+    return CodecCost(fit_linear(sizes, encode), fit_linear(sizes, decode), wire_fit,
+                     fit_linear(sizes, add) if add else None)
 
 
 def _fit_wire(sizes: Sequence[int], nbytes: Sequence[int]) -> WireSize:

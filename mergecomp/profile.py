@@ -175,15 +175,23 @@ class WireSize:
 
 @dataclass(frozen=True)
 class CodecCost:
-    """What one compressor costs for n elements: encode and decode seconds, wire bytes."""
+    """What one compressor costs for n elements: encode and decode seconds, wire bytes.
+
+    ``add``: for compressors that sum payloads in place (``Compressor.sums_in_place``),
+    the seconds each payload after the first adds to ``decompress_sum``; None for the
+    others, whose every payload is decoded in full and then aggregated."""
 
     encode: LinearCost
     decode: LinearCost
     wire: WireSize
+    add: Optional[LinearCost] = None
 
     def to_dict(self) -> dict:
-        return {"encode": self.encode.to_dict(), "decode": self.decode.to_dict(),
+        data = {"encode": self.encode.to_dict(), "decode": self.decode.to_dict(),
                 "wire": self.wire.to_dict()}
+        if self.add is not None:  # only then: older profiles and their digests stay as they were
+            data["add"] = self.add.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data, what: str = "codec") -> "CodecCost":
@@ -191,7 +199,8 @@ class CodecCost:
             raise ValueError(f"{what}: expected an object with encode, decode, wire; got {data!r}")
         return cls(LinearCost.from_dict(data.get("encode"), f"{what}.encode"),
                    LinearCost.from_dict(data.get("decode"), f"{what}.decode"),
-                   WireSize.from_dict(data.get("wire"), f"{what}.wire"))
+                   WireSize.from_dict(data.get("wire"), f"{what}.wire"),
+                   LinearCost.from_dict(data["add"], f"{what}.add") if "add" in data else None)
 
 
 # ------------------------------------------------------------------------------- the profile

@@ -120,7 +120,8 @@ def scaled_compute(profile: Profile, factor: float) -> Profile:
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ValueError(f"a compute scale must be a positive factor (0.5: twice as fast), got {factor!r}")
     codecs = {name: dataclasses.replace(codec, encode=_scaled(codec.encode, factor),
-                                        decode=_scaled(codec.decode, factor))
+                                        decode=_scaled(codec.decode, factor),
+                                        add=None if codec.add is None else _scaled(codec.add, factor))
               for name, codec in profile.codecs.items()}
     return dataclasses.replace(
         profile,

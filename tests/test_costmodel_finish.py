@@ -108,11 +108,12 @@ def test_finish_probe_runs_the_communicators_code(monkeypatch):
     gather = communicators.create("allgather", compressor=compressor, memory=memories.create("none"),
                                   backend=StubBackend(3))
     calls = []
-    decompress = compressor.decompress
-    monkeypatch.setattr(compressor, "decompress", lambda payload, ctx: calls.append(1) or decompress(payload, ctx))
+    decompress_sum = compressor.decompress_sum
+    monkeypatch.setattr(compressor, "decompress_sum",
+                        lambda payloads, ctx: calls.append(len(payloads)) or decompress_sum(payloads, ctx))
     cost = measure_finish_cost(gather, sizes=(2 ** 10, 2 ** 14), repeats=2)
-    # 2 sizes × (1 warm-up + 2 timed) finishes × 3 payloads, one decode each.
-    assert len(calls) == 2 * 3 * 3
+    # 2 sizes × (1 warm-up + 2 timed) finishes, each summing 3 payloads.
+    assert calls == [3] * (2 * 3)
     assert cost.intercept >= 0 and cost.slope >= 0 and cost(2 ** 14) > 0
     costs = measure_finish_costs(gather, "topk", sizes=(2 ** 10, 2 ** 12))
     assert sorted(costs) == ["bf16", "compress", "fp16", "fp32"]

@@ -12,11 +12,10 @@ from .base import Communicator
 
 @register("allgather")
 class AllgatherCommunicator(Communicator):
-    """Gathers all payloads, decodes each with the local context, aggregates."""
+    """Gathers all payloads and sums them with the local context (``decompress_sum``)."""
 
     def _launch(self, payload, ctx, name):
         return self.backend.allgather_async(payload, same_shapes=self.compressor.fixed_size)
 
     def _combine(self, result, handle):
-        decoded = [self.compressor.decompress(payload, handle.ctx).reshape(-1) for payload in result]
-        return self.compressor.aggregate(decoded)
+        return self.compressor.decompress_sum(result, handle.ctx)

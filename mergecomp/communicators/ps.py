@@ -16,8 +16,9 @@ also the server of one shard.  For a group of n elements on N ranks:
      nothing to recompress and keeps no residual.  With ``none`` this is a reduce-scatter
      (gloo has none, so it is an all-to-all plus a local sum), and step 5 is the allgather
      that completes the allreduce: 2·(N−1)/N·4n bytes per rank, like a ring allreduce;
-   * any other compressor: each payload is decoded, combined with ``compressor.aggregate``
-     (majority vote for signSGD), divided by N when ``compressor.average``, the server's
+   * any other compressor: the payloads are combined by ``compressor.decompress_sum``
+     (each decoded, then ``aggregate``: majority vote for signSGD; sparse payloads are
+     scatter-added into one buffer), divided by N when ``compressor.average``, the server's
      residual is added, the result is compressed again and what that loses becomes the new
      server residual (error feedback on the server, Zheng et al., NeurIPS 2019);
 
@@ -197,8 +198,7 @@ class PSCommunicator(Communicator):
                 for acc, part in zip(total, payload):
                     acc.add_(part)
             return total
-        decoded = [self.compressor.decompress(p, ctx).reshape(-1) for p in payloads]
-        aggregate = self.compressor.aggregate(decoded)
+        aggregate = self.compressor.decompress_sum(payloads, ctx)
         if self.compressor.average:
             aggregate = aggregate.div_(self.backend.size)
         if self.server_residual:

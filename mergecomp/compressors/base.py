@@ -23,6 +23,10 @@ Capabilities are class attributes the communicators rely on:
 ``dense`` / ``lossless``
     every coordinate is sent (the casts) / and exactly (FP32).  Memories use them: a
     dense send leaves no coordinate behind, a lossless one leaves no residual at all.
+``sums_in_place``
+    :meth:`decompress_sum` adds every payload into one buffer instead of decoding each
+    into a dense tensor of its own (sparse payloads: one scatter-add per rank).  The cost
+    model prices the extra payloads by the profiled ``CodecCost.add``.
 """
 from __future__ import annotations
 
@@ -71,6 +75,7 @@ class Compressor:
     multi_round = False
     dense = False
     lossless = False
+    sums_in_place = False
     #: What to pair it with when the user does not say (allgather carries anything).
     recommended_memory = "none"
     recommended_communicator = "allgather"
@@ -89,6 +94,13 @@ class Compressor:
         for t in tensors[1:]:
             total.add_(t)
         return total
+
+    def decompress_sum(self, payloads: Sequence[Payload], ctx: Context) -> torch.Tensor:
+        """The aggregate of every rank's payload, flat: what the allgather and PS
+        communicators hand on.  By default each payload is decoded into a dense tensor and
+        the tensors are combined by :meth:`aggregate`; compressors with ``sums_in_place``
+        override it to skip the dense tensor per rank."""
+        return self.aggregate([self.decompress(payload, ctx).reshape(-1) for payload in payloads])
 
     def rounds(self, tensor: torch.Tensor, name: str) -> Generator[AllReduce, Sequence[torch.Tensor], torch.Tensor]:
         """Multi-round exchange for compressors with ``multi_round = True``.

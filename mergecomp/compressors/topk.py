@@ -35,13 +35,31 @@ class SparseCompressor(Compressor):
 
     Decoding scatters the values into zeros; :meth:`transmitted_indices` tells the DGC
     memory exactly which coordinates went out (for momentum factor masking).
+
+    The sum of N ranks' payloads (:meth:`decompress_sum`) is one zero buffer and N
+    scatter-adds of k values, in rank order: n + N·k elements touched instead of the N
+    dense n-element decodes and N passes of decode-then-add, with the same floating-point
+    result (each coordinate gets the same additions in the same order, starting from 0).
     """
 
     summable = False
 
+    @property
+    def sums_in_place(self) -> bool:  # unless a subclass decodes or combines its own way
+        cls = type(self)
+        return cls.decompress is SparseCompressor.decompress and cls.aggregate is Compressor.aggregate
+
     def decompress(self, payload, ctx):
         values, indices = payload
         return scatter_values(values, indices, ctx)
+
+    def decompress_sum(self, payloads, ctx):
+        if not self.sums_in_place:
+            return super().decompress_sum(payloads, ctx)
+        total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payloads[0][0].device)
+        for values, indices in payloads:
+            total.index_add_(0, indices.long(), values.to(ctx.dtype))
+        return total
 
     def transmitted_indices(self, payload, ctx) -> torch.Tensor:
         """Flat indices of the coordinates this payload sent."""
