@@ -29,10 +29,13 @@ timed beside the steps it predicts:
    finish costs are scaled by rank 0's backward time in the window over the profile's.
    The interference and collective slowdown factors stay as the profile measured them.
 
-A window's time is its slowest rank's mean step.  The error of a plan is the median over
+A window's time is its slowest rank's mean step.  Every step's phases are timed as
+``benchmarks/phase_timing.py`` times them, and each plan's are printed next to the phases
+predicted from its median round.  The error of a plan is the median over
 rounds of its predicted over its measured step time, minus one; the saved-profile error is
 the profile's single prediction against the median measured step.  ``--json`` saves both
-with every round's numbers; ``--table`` prints the saved results as one markdown table.
+with every round's numbers, the profile and each round's compute (to predict again offline);
+``--table`` prints the saved results as one markdown table.
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable 
 import compress_benchmark  # noqa: E402
 import mergecomp  # noqa: E402
 from benchmarks.cluster import parse_profile  # noqa: E402
-from benchmarks.simulator_check import parse_plans  # noqa: E402
+from benchmarks.phase_timing import Recorder, install  # noqa: E402
+from benchmarks.simulator_check import parse_plans, phase_table  # noqa: E402
 from mergecomp import benchmarking  # noqa: E402
 from mergecomp.costmodel import predict  # noqa: E402
 from mergecomp.profile import Profile  # noqa: E402
@@ -71,6 +75,9 @@ def parse_args(argv=None):
                         "runs this worker behind)")
     p.add_argument("--latency-us", type=float, default=50.0,
                    help="per-message latency the simulator assumes (default 50)")
+    p.add_argument("--link-efficiency", default="profile",
+                   help="fraction of the line rate the simulated collectives reach, or 'profile' "
+                        "(default): the fraction the run's own allreduce probe reached")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
                    help="print a markdown table of saved --json results and exit")
     args = p.parse_args(argv)
@@ -88,6 +95,13 @@ def parse_args(argv=None):
             p.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
     if not args.latency_us >= 0:
         p.error(f"--latency-us must be ≥ 0, got {args.latency_us}")
+    if args.link_efficiency != "profile":
+        try:
+            args.link_efficiency = float(args.link_efficiency)
+        except ValueError:
+            p.error(f"--link-efficiency must be a fraction in (0, 1] or 'profile', got {args.link_efficiency!r}")
+        if not 0 < args.link_efficiency <= 1:
+            p.error(f"--link-efficiency must be a fraction in (0, 1] or 'profile', got {args.link_efficiency}")
     if not args.net_profile:
         p.error("no network profile: run under benchmarks/cluster.py --profile NAME, or pass --net-profile")
     try:
@@ -158,6 +172,17 @@ def round_profile(modelled: Profile, ranks: List[dict]) -> Profile:
                                optimizer_step=max(r["optimizer_step"] for r in ranks))
 
 
+def link_efficiency(profile: Profile, args):
+    """``--link-efficiency``, or the fraction of the line rate the profile's allreduce
+    probe reached; a string saying why when the profile cannot tell."""
+    if args.link_efficiency != "profile":
+        return args.link_efficiency
+    try:
+        return measured_link_efficiency(profile, args.link_rate)
+    except ValueError as error:
+        return str(error)
+
+
 def fixed_plans(optimizer, specs) -> Dict[str, mergecomp.Plan]:
     """{label: plan} of ``--plans``, and the compute window's one raw group."""
     params = optimizer._param_infos(optimizer.plan.order())
@@ -169,7 +194,19 @@ def fixed_plans(optimizer, specs) -> Dict[str, mergecomp.Plan]:
     return plans
 
 
+def window_phases(recorder: Recorder, marks) -> Dict[str, List[dict]]:
+    """{label: the phase records of that label's timed steps}: ``marks`` lists (label, index
+    of the window's first step in ``recorder.steps``); each window's first step is untimed."""
+    phases: Dict[str, List[dict]] = {}
+    ends = [start for _, start in marks[1:]] + [len(recorder.steps)]
+    for (label, start), end in zip(marks, ends):
+        phases.setdefault(label, []).extend(recorder.steps[start + 1:end])
+    return phases
+
+
 def worker(args):
+    recorder = Recorder()
+    install(recorder)  # phase timers around the optimizer's pieces, in this process
     work = benchmarking.prepare(args)
     optimizer = compress_benchmark.build_optimizer(args, work)
     step = benchmarking.training_step(work, work.model, optimizer)
@@ -179,12 +216,17 @@ def worker(args):
              f"exchange {optimizer.communicator!r}")
     search_steps = compress_benchmark.warm_up_and_settle(optimizer, timed, args, work)
     profile = optimizer.scheduler.profile
+    efficiency = optimizer.backend.broadcast_object(link_efficiency(profile, args) if work.rank == 0 else None, src=0)
+    if isinstance(efficiency, str):  # every rank stops with rank 0's reason, none waits for the others
+        raise ValueError(efficiency)
     plans = fixed_plans(optimizer, args.plans)
     optimizer.scheduler = mergecomp.schedulers.create("fixed")  # the run switches plans itself from here
     clock = ComputeClock(optimizer, step)
+    marks = []
 
     def before(label):
         def switch():
+            marks.append((label, len(recorder.steps)))
             optimizer.set_plan(plans[label])
             if label == COMPUTE:
                 clock.new_round()
@@ -193,15 +235,14 @@ def worker(args):
     steps = {label: (clock if label == COMPUTE else (lambda: timed(1))) for label in plans}
     mine = benchmarking.interleaved_windows(steps, args.rounds, args.window,
                                             before={label: before(label) for label in plans})
-    everyone = optimizer.backend.allgather_object((mine, clock.summaries()))
+    everyone = optimizer.backend.allgather_object((mine, clock.summaries(), window_phases(recorder, marks)))
     if work.rank != 0:  # rank 0 predicts, from its profile
         return benchmarking.finish({}, None, work)
-    measured = {label: [max(times[label][r] for times, _ in everyone) for r in range(args.rounds)]
+    measured = {label: [max(times[label][r] for times, _, _ in everyone) for r in range(args.rounds)]
                 for label in plans}
-    efficiency = measured_link_efficiency(profile, args.link_rate)
     modelled = dataclasses.replace(profile, collectives=network_collectives(
         work.size, args.link_rate, args.latency_us * 1e-6, efficiency))
-    rounds = [round_profile(modelled, [summaries[r] for _, summaries in everyone]) for r in range(args.rounds)]
+    rounds = [round_profile(modelled, [summaries[r] for _, summaries, _ in everyone]) for r in range(args.rounds)]
     result = {
         "model": args.model, "batch_size": work.batch_size, "workers": work.size, "compressor": args.compressor,
         "compress_ratio": args.compress_ratio, "net_profile": args.net_profile, "search_steps": search_steps,
@@ -211,7 +252,12 @@ def worker(args):
         "compute": [{"forward_s": p.forward_time, "backward_s": p.backward_time,
                      "speed": p.backward_time / profile.backward_time if profile.backward_time > 0 else 1.0}
                     for p in rounds],
-        "plans": {}, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        "plans": {}, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        # What the predictions were made from, to predict again offline with another model:
+        # the profile as measured (its collectives, not the α-β model's) and every rank's
+        # compute summary of every round.
+        "measured_profile": profile.to_dict(),
+        "round_compute": [[summaries[r] for _, summaries, _ in everyone] for r in range(args.rounds)]}
     for label, plan in plans.items():
         if label == COMPUTE:
             continue
@@ -223,10 +269,14 @@ def worker(args):
             "error": statistics.median(p / m - 1 for p, m in zip(predicted, measured[label])),
             "saved_profile_error": saved / statistics.median(measured[label]) - 1}
         row = result["plans"][label]
+        row["phases"] = [phases.get(label, []) for _, _, phases in everyone]
+        typical = sorted(range(args.rounds), key=predicted.__getitem__)[args.rounds // 2]
         work.log(f"{label:<12} {row['groups']} groups ({row['compressed']} compressed): measured "
                  f"{statistics.median(measured[label]) * 1e3:.1f} ms, predicted from each round's compute "
                  f"{statistics.median(predicted) * 1e3:.1f} ms (error {row['error']:+.1%}), from the saved "
-                 f"profile {saved * 1e3:.1f} ms ({row['saved_profile_error']:+.1%})")
+                 f"profile {saved * 1e3:.1f} ms ({row['saved_profile_error']:+.1%})\n"
+                 f"{label}'s phases, predicted from round {typical}'s compute (its median prediction):\n"
+                 + phase_table(predict(plan, rounds[typical]), row["phases"]))
     return benchmarking.finish(result, args.json, work)
 
 

@@ -160,3 +160,31 @@ def test_interleaved_plans_run_each_distinct_plan_once():
     seven, two = Plan([Group(("a", "b"), "compress")]), Plan([Group(("a",), "compress"), Group(("b",), "compress")])
     plans = {"auto": seven, "fusion-num 1": seven, "fusion-num 2": two, "fusion-num 3": two, "binary": seven}
     assert distinct_plans(plans) == {"fusion-num 1": "auto", "fusion-num 3": "fusion-num 2", "binary": "auto"}
+
+
+def test_simulator_rounds_predicts_each_plan_from_the_compute_of_its_round(tmp_path):
+    out = tmp_path / "rounds.json"
+    script = os.path.join(ROOT, "benchmarks", "simulator_rounds.py")
+    done = subprocess.run([sys.executable, script, "--nproc", "2", "--threads", "1", "--model", "resnet20",
+                           "--batch-size", "4", "--num-warmup-batches", "1", "--compressor", "efsignsgd",
+                           "--net-profile", "1gbit", "--link-efficiency", "0.9", "--plans", "auto,compress-2",
+                           "--rounds", "2",
+                           "--window", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert list(result["plans"]) == ["auto", "compress-2"] and result["workers"] == 2
+    assert result["plans"]["compress-2"]["compressed"] == 2 and len(result["compute"]) == 2
+    for row in result["plans"].values():
+        assert len(row["measured_s"]) == len(row["predicted_s"]) == 2
+        assert all(t > 0 for t in row["measured_s"] + row["predicted_s"]) and row["saved_profile_s"] > 0
+    table = subprocess.run([sys.executable, script, "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert table.returncode == 0 and "| 2 | compress-2 | 2 (2) |" in table.stdout
+    for flags, message in ((["--rounds", "0"], "--rounds must be ≥ 1, got 0"),
+                           (["--plans", "fp32-x"], "neither 'auto' nor SEND-K"),
+                           (["--net-profile", "loopback"], "is not rate-limited"),
+                           (["--scheduler", "fixed"], "--scheduler must be auto"),
+                           (["--link-efficiency", "2"], "a fraction in (0, 1]")):
+        bad = subprocess.run([sys.executable, script, "--net-profile", "1gbit", *flags], capture_output=True,
+                             text=True, cwd=ROOT, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
