@@ -136,14 +136,30 @@ def allgather_sizes_worker(rank, world_size):
     mine = (torch.arange(rank, dtype=torch.float32), torch.tensor(rank, dtype=torch.int64))
     gathered = backend.allgather_async(mine, same_shapes=False).wait()
     empty = backend.allgather_async((torch.empty(0),), same_shapes=False).wait()
-    return [[t.tolist() for t in parts] for parts in gathered], [p[0].numel() for p in empty]
+    # With a bound the shapes travel inside one fixed-size blob: one collective, not two.
+    before = backend.collectives
+    bounded = backend.allgather_async(mine, same_shapes=False, bound=(torch.Size([2]), torch.Size([]))).wait()
+    one_collective = backend.collectives - before == 1
+    return ([[t.tolist() for t in parts] for parts in gathered], [p[0].numel() for p in empty],
+            [[t.tolist() for t in parts] for parts in bounded], one_collective)
 
 
 def test_allgather_variable_and_empty_payloads_complete():
     results = run_ranks(allgather_sizes_worker, 3)
-    for gathered, empty in results:
-        assert gathered == [[[], 0], [[0.0], 1], [[0.0, 1.0], 2]]
-        assert empty == [0, 0, 0]
+    for gathered, empty, bounded, one_collective in results:
+        assert gathered == bounded == [[[], 0], [[0.0], 1], [[0.0, 1.0], 2]]
+        assert empty == [0, 0, 0] and one_collective
+
+
+def test_a_payload_over_its_bound_is_refused():
+    from mergecomp.backends.serialize import pack_bounded, unpack_bounded
+    parts = (torch.arange(3, dtype=torch.float16), torch.arange(3, dtype=torch.int32))
+    blob = pack_bounded(parts, (torch.Size([5]), torch.Size([5])), "cpu")
+    assert [t.tolist() for t in unpack_bounded(blob, [torch.float16, torch.int32])] == [[0, 1, 2], [0, 1, 2]]
+    with pytest.raises(ValueError, match=r"shape \(3,\) exceeds its bound \(2,\).*payload_bound"):
+        pack_bounded(parts, (torch.Size([2]), torch.Size([5])), "cpu")
+    with pytest.raises(ValueError, match="one shape per part"):
+        pack_bounded(parts, (torch.Size([5]),), "cpu")
 
 
 class Branchy(nn.Module):

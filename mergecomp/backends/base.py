@@ -100,11 +100,15 @@ class Backend:
         """Sum each tensor over all ranks, in place; ``wait()`` returns the tuple."""
         raise NotImplementedError
 
-    def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool) -> Work:
+    def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool,
+                        bound: Optional[Sequence[torch.Size]] = None) -> Work:
         """Gather a tuple of tensors from every rank; ``wait()`` returns one tuple per rank.
 
         With ``same_shapes`` every rank sends tensors of the local shapes; otherwise shapes
-        may differ per rank (including empty tensors) and are exchanged first.
+        may differ per rank (including empty tensors).  Then ``bound``, the largest shape
+        of each part (the same on every rank), lets the shapes travel inside one
+        fixed-size blob; without it a backend whose collectives need sizes up front
+        exchanges the shapes first, a blocking collective that waits behind any in flight.
         """
         raise NotImplementedError
 

@@ -20,7 +20,7 @@ from its source repository (``pip install git+https://github.com/horovod/horovod
 from __future__ import annotations
 
 import importlib
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -94,7 +94,10 @@ class HorovodBackend(Backend):
                    for t in tensors if t.numel()]
         return Work(pending, lambda: tensors)
 
-    def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool) -> Work:
+    def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool,
+                        bound: Optional[Sequence[torch.Size]] = None) -> Work:
+        # Horovod's allgather takes a different first dimension per rank: variable shapes
+        # travel inline in one collective, so ``bound`` is not needed.
         tensors = tuple(tensors)
         device = tensors[0].device if tensors else self.device
         dtypes = [t.dtype for t in tensors]

@@ -74,3 +74,33 @@ def shape_header(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
 def shapes_from_header(header: torch.Tensor) -> List[torch.Size]:
     rows = header.view(-1, MAX_DIMS).tolist()
     return [torch.Size([d for d in row if d >= 0]) for row in rows]
+
+
+def pack_bounded(tensors: Sequence[torch.Tensor], bound: Sequence[torch.Size], device) -> torch.Tensor:
+    """A payload whose shapes vary up to ``bound`` (the largest shape of each part), as a
+    blob of fixed size: its shape header, then :func:`pack` padded to the bound's size.
+    Every rank's blob has the same size, so one allgather carries them without an
+    exchange of sizes first."""
+    if len(bound) != len(tensors):
+        raise ValueError(f"a payload bound needs one shape per part: {len(tensors)} parts, bound {list(bound)}")
+    for t, largest in zip(tensors, bound):
+        if t.numel() > _numel(largest):
+            raise ValueError(f"a payload part of shape {tuple(t.shape)} exceeds its bound {tuple(largest)}: the "
+                             "compressor's payload_bound() must cover every payload it produces")
+    header = shape_header(tensors, device)
+    capacity = blob_size(bound, [t.dtype for t in tensors])
+    return pack((header, *tensors), device, size=header.numel() * 8 + capacity)
+
+
+def unpack_bounded(blob: torch.Tensor, dtypes: Sequence[torch.dtype]) -> Tuple[torch.Tensor, ...]:
+    """Inverse of :func:`pack_bounded` for a payload of ``len(dtypes)`` parts."""
+    header_bytes = len(dtypes) * MAX_DIMS * 8
+    shapes = shapes_from_header(blob[:header_bytes].view(torch.int64))
+    return unpack(blob[header_bytes:], shapes, dtypes)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

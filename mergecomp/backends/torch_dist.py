@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Completed, Work
-from .serialize import blob_size, pack, shape_header, shapes_from_header, unpack
+from .serialize import blob_size, pack, pack_bounded, shape_header, shapes_from_header, unpack, unpack_bounded
 
 
 class TorchDistributedBackend(Backend):
@@ -51,10 +51,17 @@ class TorchDistributedBackend(Backend):
         handles = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors if t.numel()]
         return Work(handles, lambda: tensors)
 
-    def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool) -> Work:
+    def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool,
+                        bound: Optional[Sequence[torch.Size]] = None) -> Work:
         tensors = tuple(tensors)
         device = tensors[0].device if tensors else self.device
         dtypes = [t.dtype for t in tensors]
+        if not same_shapes and bound is not None and tensors:
+            blob = pack_bounded(tensors, bound, device)
+            received = [torch.empty_like(blob) for _ in range(self._size)]
+            self._count_allgather([blob])
+            handle = dist.all_gather(received, blob, group=self.group, async_op=True)
+            return Work([handle], lambda: [unpack_bounded(r, dtypes) for r in received])
         if same_shapes:
             shapes_per_rank = [[t.shape for t in tensors]] * self._size
         else:

@@ -3,6 +3,13 @@
 Carries any compressor, including payloads whose size differs per rank (DGC) or is zero.
 Each rank receives N payloads, so traffic grows with the world size: use it for
 compressors that shrink the gradient a lot.
+
+A variable-size payload with a bound (``Compressor.payload_bound``: DGC sends at most k
+values) travels in one asynchronous collective, padded to the bound with its shapes in
+front; the padding is what the ranks' largest payload would have cost anyway when the
+count reaches k, as DGC's usually does.  Without a bound (GradDrop, ATOMO) the backend
+exchanges sizes first, which blocks the hook until every rank has reached it and every
+collective in flight before it is done.
 """
 from __future__ import annotations
 
@@ -15,7 +22,9 @@ class AllgatherCommunicator(Communicator):
     """Gathers all payloads and sums them with the local context (``decompress_sum``)."""
 
     def _launch(self, payload, ctx, name):
-        return self.backend.allgather_async(payload, same_shapes=self.compressor.fixed_size)
+        fixed = self.compressor.fixed_size
+        return self.backend.allgather_async(payload, same_shapes=fixed,
+                                            bound=None if fixed else self.compressor.payload_bound(ctx))
 
     def _combine(self, result, handle):
         return self.compressor.decompress_sum(result, handle.ctx)

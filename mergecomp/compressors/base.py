@@ -31,7 +31,7 @@ Capabilities are class attributes the communicators rely on:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Generator, List, Sequence, Tuple
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -94,6 +94,14 @@ class Compressor:
         for t in tensors[1:]:
             total.add_(t)
         return total
+
+    def payload_bound(self, ctx: Context) -> Optional[Tuple[torch.Size, ...]]:
+        """The largest shape of each payload part for ``ctx``, the same on every rank, or
+        None (the default) when a variable-size payload has no bound.  With a bound the
+        allgather communicator sends a fixed-size blob in one asynchronous collective;
+        without one it exchanges sizes first, which blocks the hook until every rank gets
+        there and every collective already in flight is done."""
+        return None
 
     def decompress_sum(self, payloads: Sequence[Payload], ctx: Context) -> torch.Tensor:
         """The aggregate of every rank's payload, flat: what the allgather and PS

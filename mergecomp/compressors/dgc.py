@@ -131,6 +131,12 @@ class DGCCompressor(SparseCompressor):
         wire_index = torch.int32 if self.index_bits == 32 else torch.int64
         return (values, indices.to(wire_index)), Context(tensor.shape, tensor.dtype)
 
+    def payload_bound(self, ctx):
+        """At most k = density·n values and indices (see the class docstring); the density
+        depends on the epoch, which every rank sets alike."""
+        k = min(num_selected(ctx.numel, self.density()), ctx.numel)
+        return (torch.Size([k]), torch.Size([k]))
+
     def __repr__(self):
         return (f"DGCCompressor(compress_ratio={self.compress_ratio}, warmup={self.warmup}, "
                 f"fp16_values={self.fp16_values}, index_bits={self.index_bits})")
