@@ -178,6 +178,7 @@ def test_simulator_rounds_predicts_each_plan_from_the_compute_of_its_round(tmp_p
     for row in result["plans"].values():
         assert len(row["measured_s"]) == len(row["predicted_s"]) == 2
         assert all(t > 0 for t in row["measured_s"] + row["predicted_s"]) and row["saved_profile_s"] > 0
+        assert len(row["plan"]["groups"]) == row["groups"] and len(row["phases"]) == 2  # per rank
     table = subprocess.run([sys.executable, script, "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert table.returncode == 0 and "| 2 | compress-2 | 2 (2) |" in table.stdout
     for flags, message in ((["--rounds", "0"], "--rounds must be ≥ 1, got 0"),

@@ -111,21 +111,22 @@ def test_the_optimal_row_may_send_the_tensor_in_pieces(tmp_path, capsys):
     assert "chunk_mb must be a size in MB > 0" in capsys.readouterr().err
 
 
-def test_a_rounds_compute_is_the_slowest_ranks_and_scales_the_codecs():
+def test_a_rounds_compute_is_the_median_ranks_and_scales_the_codecs():
     from benchmarks.simulator_rounds import round_profile
     timeline = [TensorTiming("b", 10, 40, "torch.float32", "cpu", 0.0),
                 TensorTiming("a", 10, 40, "torch.float32", "cpu", 0.05)]
     toy = CodecCost(LinearCost(1e-3, 1e-9), LinearCost(2e-3, 1e-9), WireSize(0.1, 0))
     profile = Profile(2, timeline, forward_time=0.02, backward_time=0.05, compressor="topk",
                       codecs={"topk": toy}, optimizer_step=0.004)
-    # In seconds from each step's start: rank 0's backward spans 0.03 → 0.13 (twice the
-    # profile's 0.05); rank 1 has "b" later and "a" earlier.
+    # In seconds from each step's start; backward spans 0.10, 0.06 and 0.14 s: the median
+    # rank's is twice the profile's 0.05 s.
     ranks = [{"ready": {"b": 0.03, "a": 0.13}, "optimizer_step": 0.005},
-             {"ready": {"b": 0.04, "a": 0.10}, "optimizer_step": 0.007}]
+             {"ready": {"b": 0.04, "a": 0.10}, "optimizer_step": 0.007},
+             {"ready": {"b": 0.02, "a": 0.16}, "optimizer_step": 0.009}]
     round_ = round_profile(profile, ranks)
-    assert round_.forward_time == pytest.approx(0.04)  # the slowest rank's first gradient
-    assert [(t.name, t.ready) for t in round_.timeline] == [("b", 0.0), ("a", pytest.approx(0.09))]
-    assert round_.backward_time == pytest.approx(0.09) and round_.optimizer_step == 0.007
-    assert round_.codecs["topk"].encode.intercept == pytest.approx(2e-3)  # rank 0 ran at half speed
+    assert round_.forward_time == pytest.approx(0.03)  # the median rank's first gradient
+    assert [(t.name, t.ready) for t in round_.timeline] == [("b", 0.0), ("a", pytest.approx(0.10))]
+    assert round_.backward_time == pytest.approx(0.10) and round_.optimizer_step == 0.007
+    assert round_.codecs["topk"].encode.intercept == pytest.approx(2e-3)  # the median rank ran at half speed
     assert round_.codecs["topk"].decode.slope == pytest.approx(2e-9)
     assert round_.collectives == profile.collectives  # the network is not the processor's
