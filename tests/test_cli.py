@@ -189,3 +189,14 @@ def test_simulator_rounds_predicts_each_plan_from_the_compute_of_its_round(tmp_p
         bad = subprocess.run([sys.executable, script, "--net-profile", "1gbit", *flags], capture_output=True,
                              text=True, cwd=ROOT, timeout=60)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
+def test_sparse_sum_benchmark_prints_a_row_per_cell_and_refuses_dense_compressors():
+    script = os.path.join(ROOT, "benchmarks", "sparse_sum.py")
+    done = subprocess.run([sys.executable, script, "--sizes", "10K", "--ranks", "2,3", "--reps", "1",
+                           "--compressors", "dgc"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line.split("|")[3].strip() for line in done.stdout.splitlines() if line.startswith("| dgc |")] == ["2", "3"]
+    dense = subprocess.run([sys.executable, script, "--compressors", "qsgd"], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+    assert dense.returncode == 2 and "does not sum in place" in dense.stderr
