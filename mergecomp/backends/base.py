@@ -108,7 +108,7 @@ class Backend:
         may differ per rank (including empty tensors).  Then ``bound``, the largest shape
         of each part (the same on every rank), lets the shapes travel inside one
         fixed-size blob; without it a backend whose collectives need sizes up front
-        exchanges the shapes first, a blocking collective that waits behind any in flight.
+        exchanges the shapes first, a blocking collective: the caller waits for every rank.
         """
         raise NotImplementedError
 

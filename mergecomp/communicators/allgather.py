@@ -8,8 +8,7 @@ A variable-size payload with a bound (``Compressor.payload_bound``: DGC sends at
 values) travels in one asynchronous collective, padded to the bound with its shapes in
 front; the padding is what the ranks' largest payload would have cost anyway when the
 count reaches k, as DGC's usually does.  Without a bound (GradDrop, ATOMO) the backend
-exchanges sizes first, which blocks the hook until every rank has reached it and every
-collective in flight before it is done.
+exchanges sizes first, which blocks the hook until every rank has reached it.
 """
 from __future__ import annotations
 

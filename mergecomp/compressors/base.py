@@ -100,7 +100,7 @@ class Compressor:
         None (the default) when a variable-size payload has no bound.  With a bound the
         allgather communicator sends a fixed-size blob in one asynchronous collective;
         without one it exchanges sizes first, which blocks the hook until every rank gets
-        there and every collective already in flight is done."""
+        there."""
         return None
 
     def decompress_sum(self, payloads: Sequence[Payload], ctx: Context) -> torch.Tensor:
