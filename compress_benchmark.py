@@ -65,6 +65,28 @@ def check_arguments(p: argparse.ArgumentParser, args) -> None:
                     f"not {args.scheduler!r}")
 
 
+def add_rounds_arguments(p: argparse.ArgumentParser, rounds: int, what: str) -> None:
+    """``--rounds``, ``--window`` and ``--table`` of the benchmarks that time several
+    configurations in interleaved rounds (``what``: one round's windows, for the help)."""
+    p.add_argument("--rounds", type=int, default=rounds, help=f"rounds of {what} (default {rounds})")
+    p.add_argument("--window", type=int, default=3, help="timed steps per window (default 3)")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="print a markdown table of saved --json results and exit")
+
+
+def parse_rounds_arguments(p: argparse.ArgumentParser, argv):
+    """Parse; unless ``--table`` was given, check the benchmark's flags and that
+    ``--rounds`` and ``--window`` are ≥ 1 (``p.error`` otherwise)."""
+    args = p.parse_args(argv)
+    if args.table:
+        return args
+    check_arguments(p, args)
+    for name in ("rounds", "window"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
+    return args
+
+
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)

@@ -63,23 +63,16 @@ def parse_args(argv=None):
     p.add_argument("--fusion-nums", default=DEFAULT_FUSION_NUMS,
                    help=f"fixed fusion-nums to compare with (default {DEFAULT_FUSION_NUMS})")
     p.add_argument("--plans", nargs="*", default=[], metavar="JSON", help="saved plans to compare with")
-    p.add_argument("--rounds", type=int, default=6, help="rounds of one window per plan (default 6)")
-    p.add_argument("--window", type=int, default=3, help="timed steps per window (default 3)")
-    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
-                   help="print a markdown table of saved --json results and exit")
-    args = p.parse_args(argv)
+    compress_benchmark.add_rounds_arguments(p, 6, "one window per plan")
+    args = compress_benchmark.parse_rounds_arguments(p, argv)
     if args.table:
         return args
-    compress_benchmark.check_arguments(p, args)
     try:
         args.fusion_nums = [int(x) for x in args.fusion_nums.split(",") if x.strip()]
     except ValueError:
         p.error(f"--fusion-nums must be comma-separated integers like 0,1,2,4, got {args.fusion_nums!r}")
     if any(k < 0 for k in args.fusion_nums):
         p.error(f"--fusion-nums must be ≥ 0, got {args.fusion_nums}")
-    for name in ("rounds", "window"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
     taken = {args.scheduler, REPEAT}
     for path in args.plans:
         if not os.path.isfile(path):

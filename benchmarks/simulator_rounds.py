@@ -68,8 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--plans", default="auto,fp32-4,compress-4",
                    help="plans to predict and time: auto (the scheduler's choice), fp32-K, fp16-K, "
                         "bf16-K, compress-K (default auto,fp32-4,compress-4)")
-    p.add_argument("--rounds", type=int, default=8, help="rounds of one window per plan (default 8)")
-    p.add_argument("--window", type=int, default=3, help="timed steps per window (default 3)")
+    compress_benchmark.add_rounds_arguments(p, 8, "one window per plan and a compute window")
     p.add_argument("--net-profile", default=os.environ.get("MERGECOMP_NET_PROFILE"),
                    help="the network profile of the links (default: the one benchmarks/cluster.py "
                         "runs this worker behind)")
@@ -78,21 +77,15 @@ def parse_args(argv=None):
     p.add_argument("--link-efficiency", default="profile",
                    help="fraction of the line rate the simulated collectives reach, or 'profile' "
                         "(default): the fraction the run's own allreduce probe reached")
-    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
-                   help="print a markdown table of saved --json results and exit")
-    args = p.parse_args(argv)
+    args = compress_benchmark.parse_rounds_arguments(p, argv)
     if args.table:
         return args
-    compress_benchmark.check_arguments(p, args)
     if args.scheduler != "auto":
         p.error(f"--scheduler must be auto (its live profile is the simulator's input), got {args.scheduler!r}")
     try:
         args.plans = parse_plans(args.plans)
     except ValueError as error:
         p.error(str(error))
-    for name in ("rounds", "window"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
     if not args.latency_us >= 0:
         p.error(f"--latency-us must be ≥ 0, got {args.latency_us}")
     if args.link_efficiency != "profile":

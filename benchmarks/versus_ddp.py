@@ -55,19 +55,12 @@ DDP_AGAIN = "ddp again"  # the label of DDP's second window in every round: the 
 
 def parse_args(argv=None):
     p = compress_benchmark.build_parser(__doc__)
-    p.add_argument("--rounds", type=int, default=8, help="rounds of one DDP and one mergecomp window (default 8)")
-    p.add_argument("--window", type=int, default=3, help="timed steps per window (default 3)")
+    compress_benchmark.add_rounds_arguments(p, 8, "one DDP and one mergecomp window")
     p.add_argument("--bucket-cap-mb", type=float, default=DDP_BUCKET_CAP_MB,
                    help=f"DDP's bucket size in MB (default {DDP_BUCKET_CAP_MB}, DDP's own)")
-    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
-                   help="print a markdown table of saved --json results and exit")
-    args = p.parse_args(argv)
+    args = compress_benchmark.parse_rounds_arguments(p, argv)
     if args.table:
         return args
-    compress_benchmark.check_arguments(p, args)
-    for name in ("rounds", "window"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be ≥ 1, got {getattr(args, name)}")
     if args.bucket_cap_mb <= 0:
         p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
     return args
