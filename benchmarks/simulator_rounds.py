@@ -152,8 +152,8 @@ def round_profile(modelled: Profile, ranks: List[dict]) -> Profile:
 
     Each gradient's ready time (from the step's start) and the optimizer step are the
     median over ranks, forward ends at the first gradient: a typical rank, as the profile
-    is one rank's medians.  (The slowest rank per gradient would be the worst of several
-    3-step medians, which on a shared host ran 15% slower than any rank's typical step.)
+    is one rank's medians.  (The slowest rank per gradient, tried first, composes the
+    worst of several noisy 3-step medians: a step slower than any rank's typical one.)
     The other processor-side costs are scaled by the median rank's backward span over the
     profile's."""
     names = [t.name for t in modelled.timeline]
