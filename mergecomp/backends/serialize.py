@@ -17,13 +17,7 @@ def _aligned(nbytes: int) -> int:
 
 
 def blob_size(shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> int:
-    total = 0
-    for shape, dtype in zip(shapes, dtypes):
-        numel = 1
-        for d in shape:
-            numel *= d
-        total += _aligned(numel * _itemsize(dtype))
-    return total
+    return sum(_aligned(_numel(shape) * _itemsize(dtype)) for shape, dtype in zip(shapes, dtypes))
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -51,10 +45,7 @@ def unpack(blob: torch.Tensor, shapes: Sequence[torch.Size], dtypes: Sequence[to
     parts: List[torch.Tensor] = []
     offset = 0
     for shape, dtype in zip(shapes, dtypes):
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * _itemsize(dtype)
+        nbytes = _numel(shape) * _itemsize(dtype)
         part = blob[offset:offset + nbytes]
         parts.append(part.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype, device=blob.device))
         offset += _aligned(nbytes)
