@@ -108,42 +108,37 @@ def parse_args(argv=None):
 
 
 class ComputeClock:
-    """Times the compute of each step it runs: every gradient's ready time and the wrapped
-    optimizer's ``step()``, in seconds from the step's start; one list of steps per round."""
+    """Times when each gradient is ready, in seconds from the start of each step it runs;
+    one list of steps per round.  (The optimizer step of the same steps is in the phase
+    recorder's records.)"""
 
     def __init__(self, optimizer, step):
-        self.optimizer, self.step, self.rounds, self._current = optimizer, step, [], None
-        self._began = None
-        inner = optimizer.optimizer
-        inner.register_step_pre_hook(lambda *_: setattr(self, "_began", time.perf_counter()))
-        inner.register_step_post_hook(lambda *_: self._stepped())
-
-    def _stepped(self) -> None:
-        if self._current is not None:
-            self._current["optimizer_step"] = time.perf_counter() - self._began
+        self.optimizer, self.step, self.rounds = optimizer, step, []
 
     def new_round(self) -> None:
         self.rounds.append([])
 
     def __call__(self) -> None:
-        current = self._current = {"ready": {}, "optimizer_step": 0.0}
+        ready = {}
         start = time.perf_counter()
-        self.optimizer.ready_listener = lambda name: current["ready"].setdefault(name, time.perf_counter() - start)
+        self.optimizer.ready_listener = lambda name: ready.setdefault(name, time.perf_counter() - start)
         try:
             self.step()
         finally:
-            self.optimizer.ready_listener, self._current = None, None
-        self.rounds[-1].append(current)
+            self.optimizer.ready_listener = None
+        self.rounds[-1].append(ready)
 
-    def summaries(self) -> List[dict]:
+    def summaries(self, phases: List[dict], window: int) -> List[dict]:
         """Per round (its first, cold step dropped): the median over steps of each gradient's
-        ready time and of the optimizer step."""
+        ready time, and of the optimizer step from ``phases``, the recorder's records of the
+        compute windows' timed steps (``window`` per round, in order)."""
         out = []
-        for steps in self.rounds:
+        for r, steps in enumerate(self.rounds):
             steps = steps[1:] or steps
-            names = set.intersection(*(set(s["ready"]) for s in steps))
-            out.append({"ready": {n: statistics.median(s["ready"][n] for s in steps) for n in names},
-                        "optimizer_step": statistics.median(s["optimizer_step"] for s in steps)})
+            names = set.intersection(*(set(s) for s in steps))
+            optimizer_steps = [p["optimizer_step"] or 0.0 for p in phases[r * window:(r + 1) * window]]
+            out.append({"ready": {n: statistics.median(s[n] for s in steps) for n in names},
+                        "optimizer_step": statistics.median(optimizer_steps) if optimizer_steps else 0.0})
         return out
 
 
@@ -231,7 +226,9 @@ def worker(args):
     steps = {label: (clock if label == COMPUTE else (lambda: timed(1))) for label in plans}
     mine = benchmarking.interleaved_windows(steps, args.rounds, args.window,
                                             before={label: before(label) for label in plans})
-    everyone = optimizer.backend.allgather_object((mine, clock.summaries(), window_phases(recorder, marks)))
+    phases = window_phases(recorder, marks)
+    everyone = optimizer.backend.allgather_object(
+        (mine, clock.summaries(phases.get(COMPUTE, []), args.window), phases))
     if work.rank != 0:  # rank 0 predicts, from its profile
         return benchmarking.finish({}, None, work)
     measured = {label: [max(times[label][r] for times, _, _ in everyone) for r in range(args.rounds)]
@@ -266,7 +263,7 @@ def worker(args):
             "error": statistics.median(p / m - 1 for p, m in zip(predicted, measured[label])),
             "saved_profile_error": saved / statistics.median(measured[label]) - 1}
         row = result["plans"][label]
-        row["phases"] = [phases.get(label, []) for _, _, phases in everyone]
+        row["phases"] = [rank_phases.get(label, []) for _, _, rank_phases in everyone]
         typical = sorted(range(args.rounds), key=predicted.__getitem__)[args.rounds // 2]
         work.log(f"{label:<12} {row['groups']} groups ({row['compressed']} compressed): measured "
                  f"{statistics.median(measured[label]) * 1e3:.1f} ms, predicted from each round's compute "
