@@ -15,7 +15,7 @@ from typing import Any, Dict, Generator, Optional
 import torch
 
 from ..backends.base import Backend, Work
-from ..compressors.base import AllReduce, Compressor, Context
+from ..compressors.base import AllReduce, Compressor, Context, GroupLayout, accepts_layout
 from ..memories.base import Memory
 
 
@@ -44,18 +44,30 @@ class Communicator:
         self.compressor = compressor
         self.memory = memory
         self.backend = backend
+        self._layout_keyword = accepts_layout(compressor.rounds if compressor.multi_round
+                                              else compressor.compress)
 
     # -- the pipeline ----------------------------------------------------------------
-    def start(self, tensor: torch.Tensor, name: str) -> Handle:
-        """Compensate, compress, record the loss, and launch the collective (async)."""
+    def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None) -> Handle:
+        """Compensate, compress, record the loss, and launch the collective (async).
+
+        ``layout`` gives the per-parameter views of a fused ``tensor`` (see
+        :class:`~mergecomp.compressors.base.ParamView`); None treats it as one tensor.
+        """
         compensated = self.memory.compensate(tensor, name)
         if self.compressor.multi_round:
-            rounds = self.compressor.rounds(compensated, name)
+            rounds = self._encode(self.compressor.rounds, compensated, name, layout)
             request = next(rounds)
             return Handle(name, tensor.shape, self._launch_request(request), rounds=rounds)
-        payload, ctx = self.compressor.compress(compensated, name)
+        payload, ctx = self._encode(self.compressor.compress, compensated, name, layout)
         self.memory.update(compensated, name, self.compressor, payload, ctx)
         return Handle(name, tensor.shape, self._launch(payload, ctx, name), ctx=ctx)
+
+    def _encode(self, method, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout]):
+        """``compress``/``rounds`` with the layout, for compressors that take one."""
+        if self._layout_keyword:
+            return method(tensor, name, layout=layout)
+        return method(tensor, name)
 
     def finish(self, handle: Handle) -> torch.Tensor:
         """Wait for the group and return the average of all ranks' gradients."""
@@ -94,6 +106,16 @@ class Communicator:
         raise NotImplementedError
 
     # -- state ---------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Keep what this step wrote into compressor and memory state (every rank agreed)."""
+        self.compressor.commit()
+        self.memory.commit()
+
+    def rollback(self) -> None:
+        """Drop what this step wrote into compressor and memory state."""
+        self.compressor.rollback()
+        self.memory.rollback()
+
     def state_dict(self) -> Dict[str, Any]:
         return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
 

@@ -52,7 +52,7 @@ import torch
 from . import register
 from .base import Communicator, Handle
 from ..backends.serialize import MAX_DIMS, pack, unpack
-from ..compressors.base import Compressor, Context
+from ..compressors.base import Compressor, Context, GroupLayout, clip_layout
 from ..memories.none import NoneMemory
 
 #: dtypes a self-describing blob can carry, by code.
@@ -143,16 +143,21 @@ class PSCommunicator(Communicator):
         return self._vote_compressor
 
     # -- start: workers compress, all-to-all, servers aggregate, allgather launched -----
-    def start(self, tensor: torch.Tensor, name: str) -> Handle:
+    def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None) -> Handle:
         if self.compressor.multi_round:
-            return super().start(tensor, name)
+            return super().start(tensor, name, layout)
         rank, size = self.backend.rank, self.backend.size
         flat = tensor.reshape(-1)
-        shards = torch.split(flat, shard_sizes(flat.numel(), size))
+        sizes = shard_sizes(flat.numel(), size)
+        shards = torch.split(flat, sizes)
         payloads: List[Tuple[torch.Tensor, ...]] = []
         contexts: List[Optional[Context]] = []
+        layouts: List[Optional[GroupLayout]] = []
+        start = 0
         for r, shard in enumerate(shards):
-            payload, ctx = self._compress_shard(shard, f"{name}/shard{r}")
+            layouts.append(None if layout is None else clip_layout(layout, start, start + sizes[r]))
+            start += sizes[r]
+            payload, ctx = self._compress_shard(shard, f"{name}/shard{r}", layouts[r])
             payloads.append(payload)
             contexts.append(ctx)
         chunks = [self._uplink_chunk(payloads[r], flat.device) if r != rank
@@ -160,16 +165,16 @@ class PSCommunicator(Communicator):
         received = self.backend.alltoall(chunks)
         mine = [payloads[rank] if r == rank else self._uplink_payload(received[r], payloads[rank])
                 for r in range(size)]
-        reply = self._serve(mine, contexts[rank], f"{name}/shard{rank}")
+        reply = self._serve(mine, contexts[rank], f"{name}/shard{rank}", layouts[rank])
         work = self.backend.allgather_async((encode(reply, flat.device),), same_shapes=False)
         return Handle(name, tensor.shape, work, extra={"contexts": contexts, "dtype": flat.dtype,
                                                        "device": flat.device})
 
-    def _compress_shard(self, shard: torch.Tensor, shard_name: str):
+    def _compress_shard(self, shard: torch.Tensor, shard_name: str, layout: Optional[GroupLayout]):
         if shard.numel() == 0:  # fewer elements than ranks: nothing to send for this shard
             return (), None
         compensated = self.memory.compensate(shard, shard_name)
-        payload, ctx = self.compressor.compress(compensated, shard_name)
+        payload, ctx = self._encode(self.compressor.compress, compensated, shard_name, layout)
         self.memory.update(compensated, shard_name, self.compressor, payload, ctx)
         if self.recompresses:
             _check_plain_context(ctx, self.compressor)
@@ -188,7 +193,8 @@ class PSCommunicator(Communicator):
             return unpack(_aligned(chunk), [p.shape for p in own], [p.dtype for p in own])
         return decode(chunk)
 
-    def _serve(self, payloads, ctx: Optional[Context], shard_name: str) -> Tuple[torch.Tensor, ...]:
+    def _serve(self, payloads, ctx: Optional[Context], shard_name: str,
+               layout: Optional[GroupLayout]) -> Tuple[torch.Tensor, ...]:
         """The server's work for its shard: the aggregate, compressed, to send back."""
         if ctx is None:  # an empty shard
             return ()
@@ -211,7 +217,10 @@ class PSCommunicator(Communicator):
                         "build a new communicator (or load a matching state)")
                 aggregate = aggregate.add_(residual)
         server = self.server_compressor
-        payload, server_ctx = server.compress(aggregate, shard_name + "/server")
+        if server is self.compressor:
+            payload, server_ctx = self._encode(server.compress, aggregate, shard_name + "/server", layout)
+        else:
+            payload, server_ctx = server.compress(aggregate, shard_name + "/server")
         if self.server_residual:
             sent = server.decompress(payload, server_ctx).reshape(-1)
             self.server_residuals[shard_name] = aggregate - sent

@@ -5,7 +5,8 @@ instantiates one; ``available()`` lists every name, plugins from the
 ``mergecomp.compressors`` entry-point group included.
 """
 from ..registry import Registry
-from .base import AllReduce, Compressor, Context, Payload, check_ratio, payload_nbytes
+from .base import (AllReduce, Compressor, Context, GroupLayout, ParamView, Payload, check_ratio,
+                   clip_layout, payload_nbytes, whole_layout)
 
 registry = Registry("compressor", Compressor, "mergecomp.compressors")
 register = registry.register
@@ -18,5 +19,6 @@ from . import none, halfprecision, topk, randk  # noqa: E402,F401
 from . import (sign, onebit, qsgd, terngrad, dgc, graddrop, tbq, atomo,  # noqa: E402,F401
                powersgd)
 
-__all__ = ["Compressor", "Context", "Payload", "AllReduce", "register", "create", "available",
-           "get", "registry", "payload_nbytes", "check_ratio"]
+__all__ = ["Compressor", "Context", "Payload", "AllReduce", "ParamView", "GroupLayout", "register",
+           "create", "available", "get", "registry", "payload_nbytes", "check_ratio", "clip_layout",
+           "whole_layout"]

@@ -27,6 +27,19 @@ Capabilities are class attributes the communicators rely on:
     :meth:`decompress_sum` adds every payload into one buffer instead of decoding each
     into a dense tensor of its own (sparse payloads: one scatter-add per rank).  The cost
     model prices the extra payloads by the profiled ``CodecCost.add``.
+
+The group's layout.  A fused buffer holds several parameters' gradients back to back;
+``compress(tensor, name, layout)`` and ``rounds(tensor, name, layout)`` receive the
+per-parameter views of it (:class:`ParamView`: name, shape, offset — what DDP's
+``GradBucket.gradients()`` gives), so a low-rank method can factor each layer's own
+matrix.  Elementwise compressors ignore it.  ``layout`` is None when the caller has
+none (a bare tensor), and a compressor must then treat the tensor as one parameter.
+
+Transactional state.  A step can be dropped after its collectives are in flight (a
+non-finite gradient on some rank, a shadow step nobody applies).  Components that keep
+state between steps (residuals, warm starts, random streams) stage the step's writes
+(:class:`mergecomp.staging.StagedDict`) and keep them on :meth:`commit`, forget them on
+:meth:`rollback`; the reducer calls exactly one of the two per step, on every rank.
 """
 from __future__ import annotations
 
@@ -58,6 +71,62 @@ class Context:
         return n
 
 
+@dataclass(frozen=True)
+class ParamView:
+    """One parameter's gradient inside a group buffer: elements ``offset .. offset + numel``,
+    viewed with ``shape``.  A piece of a parameter (a plan that slices a large tensor) is a
+    1-D view of the piece, named ``"<param>[start:stop]"``."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+#: The per-parameter views of a group buffer, in buffer order, covering it exactly.
+GroupLayout = Tuple[ParamView, ...]
+
+
+def whole_layout(tensor: torch.Tensor, name: str = "tensor") -> GroupLayout:
+    """The layout of a tensor that is one parameter: a single view of its own shape."""
+    return (ParamView(name, tensor.shape, 0),)
+
+
+def clip_layout(layout: GroupLayout, start: int, stop: int) -> GroupLayout:
+    """The views of elements ``start .. stop`` of a buffer (a PS shard), offsets relative to
+    ``start``; a parameter cut by the range becomes a 1-D piece."""
+    clipped = []
+    for view in layout:
+        lo, hi = max(view.offset, start), min(view.offset + view.numel, stop)
+        if lo >= hi:
+            continue
+        if lo == view.offset and hi == view.offset + view.numel:
+            clipped.append(ParamView(view.name, view.shape, lo - start))
+        else:
+            first = lo - view.offset
+            clipped.append(ParamView(f"{view.name}[{first}:{first + hi - lo}]",
+                                     torch.Size([hi - lo]), lo - start))
+    return tuple(clipped)
+
+
+def check_layout(layout: GroupLayout, numel: int) -> None:
+    """Raise ValueError unless ``layout`` tiles a buffer of ``numel`` elements in order."""
+    offset = 0
+    for view in layout:
+        if view.offset != offset:
+            raise ValueError(f"layout view {view.name!r} starts at element {view.offset}, "
+                             f"expected {offset}: views must tile the buffer in order")
+        offset += view.numel
+    if offset != numel:
+        raise ValueError(f"layout covers {offset} elements but the buffer has {numel}")
+
+
 @dataclass
 class AllReduce:
     """A request yielded by :meth:`Compressor.rounds`: sum these tensors over all ranks."""
@@ -80,8 +149,10 @@ class Compressor:
     recommended_memory = "none"
     recommended_communicator = "allgather"
 
-    def compress(self, tensor: torch.Tensor, name: str) -> Tuple[Payload, Context]:
-        """Encode ``tensor`` (the gradients of group ``name``); return (payload, context)."""
+    def compress(self, tensor: torch.Tensor, name: str,
+                 layout: Optional[GroupLayout] = None) -> Tuple[Payload, Context]:
+        """Encode ``tensor`` (the gradients of group ``name``, laid out as ``layout``);
+        return (payload, context)."""
         raise NotImplementedError(f"{type(self).__name__} must implement compress()")
 
     def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
@@ -110,7 +181,8 @@ class Compressor:
         override it to skip the dense tensor per rank."""
         return self.aggregate([self.decompress(payload, ctx).reshape(-1) for payload in payloads])
 
-    def rounds(self, tensor: torch.Tensor, name: str) -> Generator[AllReduce, Sequence[torch.Tensor], torch.Tensor]:
+    def rounds(self, tensor: torch.Tensor, name: str,
+               layout: Optional[GroupLayout] = None) -> Generator[AllReduce, Sequence[torch.Tensor], torch.Tensor]:
         """Multi-round exchange for compressors with ``multi_round = True``.
 
         A generator: it yields :class:`AllReduce` requests, receives the summed tensors
@@ -119,6 +191,12 @@ class Compressor:
         communicator order, time and count them like any other.
         """
         raise NotImplementedError(f"{type(self).__name__} is not a multi-round compressor")
+
+    def commit(self) -> None:
+        """Keep the state this step wrote (see "Transactional state" above)."""
+
+    def rollback(self) -> None:
+        """Forget the state this step wrote, as if the step had not happened."""
 
     def state_dict(self) -> Dict[str, Any]:
         return {}
@@ -129,6 +207,18 @@ class Compressor:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def accepts_layout(method) -> bool:
+    """Whether ``compress``/``rounds`` takes the ``layout`` keyword (plugins written before
+    layouts existed take ``(tensor, name)`` only and are called that way)."""
+    import inspect
+    try:
+        parameters = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    return "layout" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                         for p in parameters.values())
 
 
 def payload_nbytes(payload: Sequence[torch.Tensor]) -> int:

@@ -4,6 +4,11 @@ Before compression ``compensate`` folds what earlier steps failed to send into t
 gradient; after compression ``update`` records what this step fails to send.  State is
 kept per group name and is part of the optimizer's state dict, so a resumed run
 continues exactly.
+
+State is transactional, like a compressor's: a memory stages what a step writes
+(:class:`mergecomp.staging.StagedDict`) and keeps it on :meth:`commit`, forgets it on
+:meth:`rollback`, so a step dropped after its exchange (a non-finite gradient on some
+rank) leaves every residual as it was.  Never change a committed tensor in place.
 """
 from __future__ import annotations
 
@@ -24,6 +29,12 @@ class Memory:
     def update(self, tensor: torch.Tensor, name: str, compressor, payload, ctx) -> None:
         """Record what compressing ``tensor`` into ``payload`` lost."""
         raise NotImplementedError(f"{type(self).__name__} must implement update()")
+
+    def commit(self) -> None:
+        """Keep the state this step wrote."""
+
+    def rollback(self) -> None:
+        """Forget the state this step wrote, as if the step had not happened."""
 
     def state_dict(self) -> Dict[str, Any]:
         return {}

@@ -1,0 +1,96 @@
+"""State that a step writes but only a committed step keeps.
+
+A step whose gradient turns out non-finite on some rank (or a shadow step of
+:meth:`~mergecomp.optimizer.DistributedOptimizer.join` that nobody applies) must leave
+compressors, memories and servers exactly as they were before it.  The step's collectives
+are already in flight when that is known, so components do not write their state in
+place: they stage it, and the reducer calls ``commit()`` (every rank agreed the step is
+good) or ``rollback()`` (it is dropped) once per step, on every rank alike.
+
+:class:`StagedDict` is the one mechanism the built-in components use.  Reads see the
+step's own writes first, then the committed values; a committed tensor is never changed
+in place (a component that updates a tensor computes a new one and stores that), so a
+rollback costs nothing but forgetting the pending entries.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, MutableMapping
+
+
+class StagedDict(MutableMapping):
+    """A dict whose writes become visible to ``committed()`` readers only at :meth:`commit`.
+
+    ``d[k]`` reads the pending value if this step wrote one, else the committed one;
+    ``d[k] = v`` and ``del d[k]`` are pending until :meth:`commit`; :meth:`rollback`
+    forgets them.  ``state_dict``-style exports should read :meth:`committed`.
+    """
+
+    _DELETED = object()
+
+    def __init__(self, initial: Dict[str, Any] = None):
+        self._committed: Dict[str, Any] = dict(initial or {})
+        self._pending: Dict[str, Any] = {}
+
+    # -- mapping -------------------------------------------------------------------------
+    def __getitem__(self, key):
+        if key in self._pending:
+            value = self._pending[key]
+            if value is self._DELETED:
+                raise KeyError(key)
+            return value
+        return self._committed[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._pending[key] = value
+
+    def __delitem__(self, key) -> None:
+        if key not in self:
+            raise KeyError(key)
+        self._pending[key] = self._DELETED
+
+    def __contains__(self, key) -> bool:
+        if key in self._pending:
+            return self._pending[key] is not self._DELETED
+        return key in self._committed
+
+    def __iter__(self) -> Iterator[str]:
+        seen = set()
+        for key, value in self._pending.items():
+            seen.add(key)
+            if value is not self._DELETED:
+                yield key
+        for key in self._committed:
+            if key not in seen:
+                yield key
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    # -- the step's outcome --------------------------------------------------------------
+    @property
+    def dirty(self) -> bool:
+        """True when this step wrote something not yet committed or rolled back."""
+        return bool(self._pending)
+
+    def commit(self) -> None:
+        for key, value in self._pending.items():
+            if value is self._DELETED:
+                self._committed.pop(key, None)
+            else:
+                self._committed[key] = value
+        self._pending.clear()
+
+    def rollback(self) -> None:
+        self._pending.clear()
+
+    def committed(self) -> Dict[str, Any]:
+        """The committed entries (a shallow copy): what a checkpoint holds."""
+        return dict(self._committed)
+
+    def replace(self, values: Dict[str, Any]) -> None:
+        """Set the committed entries to ``values`` and drop anything pending (loading state)."""
+        self._committed = dict(values)
+        self._pending.clear()
+
+    def __repr__(self) -> str:
+        return f"StagedDict(committed={sorted(self._committed)}, pending={sorted(self._pending)})"
