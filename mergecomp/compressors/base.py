@@ -148,6 +148,14 @@ class Compressor:
     #: What to pair it with when the user does not say (allgather carries anything).
     recommended_memory = "none"
     recommended_communicator = "allgather"
+    #: This process's rank, set by the communicator (:meth:`set_process_rank`): compressors
+    #: with a private random stream that must differ between ranks (stochastic rounding)
+    #: derive it from their seed and this.
+    process_rank = 0
+
+    def set_process_rank(self, rank: int) -> None:
+        """Called once by the communicator that carries this compressor."""
+        self.process_rank = int(rank)
 
     def compress(self, tensor: torch.Tensor, name: str,
                  layout: Optional[GroupLayout] = None) -> Tuple[Payload, Context]:
