@@ -44,7 +44,7 @@ class Communicator:
         self.compressor = compressor
         self.memory = memory
         self.backend = backend
-        compressor.set_process_rank(backend.rank)
+        compressor.set_process_rank(getattr(backend, "rank", 0))
         self._layout_keyword = accepts_layout(compressor.rounds if compressor.multi_round
                                               else compressor.compress)
 
