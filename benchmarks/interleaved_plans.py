@@ -92,7 +92,7 @@ def plan_label(path: str) -> str:
 def candidate_plans(optimizer, args):
     """{label: plan}: the scheduler's choice first, then the fixed fusion-nums, then saved plans."""
     order = optimizer.plan.order()  # backward order
-    params = optimizer._param_infos(order)
+    params = optimizer.param_infos(order)
     plans = {args.scheduler: optimizer.plan}
     for k in args.fusion_nums:
         plans[f"fusion-num {k}"] = mergecomp.schedulers.create("fixed", fusion_num=k, send="compress").plan(params)

@@ -36,6 +36,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,  # noqa: E
 
 import compress_benchmark  # noqa: E402
 from mergecomp import optimizer as optimizer_module  # noqa: E402
+from mergecomp import reducer as reducer_module  # noqa: E402
 from mergecomp.communicators.base import Communicator  # noqa: E402
 
 
@@ -63,7 +64,8 @@ def install(recorder: Recorder) -> None:
         scheduler = opt.scheduler
         return not getattr(scheduler, "adaptive", False) or scheduler.settled
 
-    on_ready = Opt._on_gradient_ready
+    Red = reducer_module.Reducer
+    on_ready = Red._on_gradient_ready
 
     def _on_gradient_ready(self, name):
         if not recorder.active:
@@ -75,7 +77,7 @@ def install(recorder: Recorder) -> None:
         step["last"] = time.perf_counter()  # after the hook: its launch is part of backward
         return result
 
-    launch = Opt._launch
+    launch = Red._launch
 
     def _launch(self, group):
         if not recorder.active:
@@ -100,7 +102,7 @@ def install(recorder: Recorder) -> None:
         recorder.begin_if_needed()["wait"].append(waited - start)
         return result
 
-    write_back = Opt._write_back
+    write_back = Red._write_back
 
     def _write_back(self, group, averaged, used):
         result = write_back(self, group, averaged, used)
@@ -109,12 +111,12 @@ def install(recorder: Recorder) -> None:
             recorder.current["synchronized"] = time.perf_counter()
         return result
 
-    synchronize = Opt.synchronize
+    synchronize = Red.synchronize
 
-    def _synchronize(self):
+    def _synchronize(self, active=True):
         self._in_step = True
         try:
-            return synchronize(self)
+            return synchronize(self, active)
         finally:
             self._in_step = False
 
@@ -146,9 +148,8 @@ def install(recorder: Recorder) -> None:
         if recorder.active and recorder.inner_began is not None and not isinstance(optimizer, Opt):
             recorder.begin_if_needed()["optimizer_step"] = time.perf_counter() - recorder.inner_began
 
-    Opt._in_step = False
-    Opt._on_gradient_ready, Opt._launch, Opt._write_back = _on_gradient_ready, _launch, _write_back
-    Opt.synchronize, Opt.step, Communicator.finish = _synchronize, _step, _finish
+    Red._on_gradient_ready, Red._launch, Red._write_back = _on_gradient_ready, _launch, _write_back
+    Red.synchronize, Opt.step, Communicator.finish = _synchronize, _step, _finish
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)
 

@@ -176,7 +176,7 @@ def link_efficiency(profile: Profile, args):
 
 def fixed_plans(optimizer, specs) -> Dict[str, mergecomp.Plan]:
     """{label: plan} of ``--plans``, and the compute window's one raw group."""
-    params = optimizer._param_infos(optimizer.plan.order())
+    params = optimizer.param_infos(optimizer.plan.order())
     plans = {}
     for label, send, groups in specs:
         plans[label] = optimizer.plan if label == "auto" else \

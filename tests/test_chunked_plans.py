@@ -246,7 +246,7 @@ def sliced_state_worker(rank, world_size):
     moved = residual_by_element(opt, model)
     train(2)  # the hooks run the sliced plan
     during = residual_by_element(opt, model)
-    opt.set_plan(mergecomp.schedulers.create("fixed", fusion_num=1).plan(opt._param_infos(order)))
+    opt.set_plan(mergecomp.schedulers.create("fixed", fusion_num=1).plan(opt.param_infos(order)))
     back = residual_by_element(opt, model)
     return (all(torch.equal(before[n], moved[n]) for n in before),
             all(torch.equal(back[n], during[n]) for n in back) and any(during[n].abs().sum() > 0 for n in during),

@@ -25,9 +25,11 @@ def test_two_workers_report_bytes_counted_at_the_backend(tmp_path):
     result = json.loads(out.read_text())
     assert result["workers"] == 2 and result["groups"] == 2
     # top-k at 1%: fp32 values + int32 indices, 8 bytes per kept element (k rounded down per
-    # group), plus at most 8 bytes per group of alignment padding in the allgather blob
+    # group), plus at most 8 bytes per group of alignment padding in the allgather blob, plus
+    # the step's agreement: the preflight (two float64) and the outcome (N + 2 float32)
     expected = 8 * 0.01 * result["num_params"]
-    assert 0.98 * expected <= result["bytes_per_step"] <= expected + 8 * result["groups"]
+    agreement = 16 + 4 * (2 + 2)
+    assert 0.98 * expected + agreement <= result["bytes_per_step"] <= expected + 8 * result["groups"] + agreement
 
 
 def test_bad_flags_exit_with_a_clear_message():

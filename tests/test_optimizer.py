@@ -258,7 +258,7 @@ def grad_view_worker(rank, world_size):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # in place on the views
             with opt.skip_synchronize():
                 opt.step()
-        buffers = [g.buffer for g in opt._groups]
+        buffers = [g.buffer for g in opt.reducer.groups]
         results[set_to_none] = {
             "params": [p.detach().clone() for p in model.parameters()],
             "views": all(any(p.grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -427,7 +427,7 @@ def set_plan_worker(rank, world_size):
 
     before = per_param(opt)
     layer_wise = mergecomp.schedulers.create("fixed", fusion_num=0).plan(
-        opt._param_infos([n for g in opt.plan.groups for n in g.names]))
+        opt.param_infos([n for g in opt.plan.groups for n in g.names]))
     opt.set_plan(layer_wise)
     after = per_param(opt)
     x, y = batch(5, rank)
@@ -438,7 +438,7 @@ def set_plan_worker(rank, world_size):
     # Turning every group raw drains the residuals into the next (exact) send.
     residual_mass = sum(float(r.abs().sum()) for r in opt.memory.residuals.values())
     raw = mergecomp.schedulers.create("fixed", fusion_num=1, send="fp32").plan(
-        opt._param_infos([n for g in opt.plan.groups for n in g.names]))
+        opt.param_infos([n for g in opt.plan.groups for n in g.names]))
     opt.set_plan(raw)
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
@@ -447,12 +447,12 @@ def set_plan_worker(rank, world_size):
 
     power_model = make_model()
     power = mergecomp.DistributedOptimizer(torch.optim.SGD(power_model.parameters(), lr=0.1),
-                                           power_model.named_parameters(), compressor="powersgd")
+                                           power_model.named_parameters(), compressor="powersgd", schedule=1)
     nn.functional.mse_loss(power_model(x), y).backward()
     power.step()
     try:
         power.set_plan(mergecomp.schedulers.create("fixed", fusion_num=0).plan(
-            power._param_infos([n for g in power.plan.groups for n in g.names])))
+            power.param_infos([n for g in power.plan.groups for n in g.names])))
         refused = None
     except CannotRegroup as error:
         refused = str(error)

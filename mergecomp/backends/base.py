@@ -116,6 +116,10 @@ class Backend:
         """Send 1-D uint8 ``chunks[r]`` to rank r; return the chunk received from each rank."""
         raise NotImplementedError
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` with rank ``src``'s, in place (blocking); returns it."""
+        raise NotImplementedError
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         raise NotImplementedError
 

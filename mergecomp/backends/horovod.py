@@ -136,6 +136,13 @@ class HorovodBackend(Backend):
         received, received_splits = self.hvd.synchronize(handle)
         return list(torch.split(received.to(device), received_splits.tolist()))
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self.collectives += 1
+        if self.rank == src:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.hvd.broadcast_(tensor, root_rank=src, name=self._name("broadcast"))
+        return tensor
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=src, name=self._name("broadcast_object"))
 

@@ -102,6 +102,13 @@ class TorchDistributedBackend(Backend):
                                input_split_sizes=send_sizes.tolist(), group=self.group)
         return list(torch.split(recv, recv_sizes))
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self.collectives += 1
+        if self._rank == src:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)

@@ -71,7 +71,7 @@ class BinarySearchScheduler(Scheduler):
         if seconds is None:
             return
         if not self._params:
-            self.plan(optimizer._param_infos(optimizer.plan.order()))
+            self.plan(optimizer.param_infos(optimizer.plan.order()))
         if self.done:
             return
         self.report(optimizer.plan, max(optimizer.backend.allgather_object(seconds)))

@@ -106,7 +106,7 @@ class LiveProfiling:
             nbytes = int(min(self.interference_max_bytes,
                              max(least_bytes, (target - cost.intercept) / max(cost.slope, 1e-12))))
         nbytes = backend.broadcast_object(nbytes, src=0)
-        return torch.zeros(max(1, nbytes // 4), device=optimizer._params[0][1].device)
+        return torch.zeros(max(1, nbytes // 4), device=optimizer.named_parameters()[0][1].device)
 
     def _start_interference(self, optimizer):
         backend = optimizer.backend
@@ -201,7 +201,7 @@ class LiveProfiling:
         """Median ready times (first pass dropped as warm-up) → timeline → full profile."""
         from ..probes import profile_from_timeline
         from ..profile import TensorTiming
-        by_name = dict(optimizer._params)
+        by_name = dict(optimizer.named_parameters())
         medians = {n: statistics.median(times[1:] or times) for n, times in self._ready.items()}
         order = sorted(medians, key=medians.get)
         first = medians[order[0]] if order else 0.0
@@ -211,7 +211,7 @@ class LiveProfiling:
         # Parameters without a gradient on this rank cannot be timed: they go last, at the end.
         end = timeline[-1].ready if timeline else 0.0
         timeline += [TensorTiming(n, p.numel(), p.numel() * p.element_size(), str(p.dtype),
-                                  str(p.device), end) for n, p in optimizer._params if n not in medians]
+                                  str(p.device), end) for n, p in optimizer.named_parameters() if n not in medians]
         comm_name = optimizer.communicator.name
         # Probe up to the whole model (a plan's largest group), at most 2**24 elements:
         # costs of cache-sized buffers extrapolate badly to groups of tens of megabytes.

@@ -451,7 +451,7 @@ class OnlineOptimalScheduler(LiveProfiling, Scheduler):
 
     # -- reporting ------------------------------------------------------------------------
     def _params(self, optimizer) -> List[ParamInfo]:
-        return optimizer._param_infos(optimizer.plan.order())
+        return optimizer.param_infos(optimizer.plan.order())
 
     def describe(self, optimizer=None) -> str:
         lines = ["auto scheduler: candidates (predicted vs measured step time, at the check's median speed)"]

@@ -1,0 +1,594 @@
+"""The Reducer: runs a plan's exchange during backward and writes the averages into ``p.grad``.
+
+This is the integration, top to bottom.  :class:`~mergecomp.optimizer.DistributedOptimizer`
+is a thin facade over it (it adds the wrapped optimizer's ``step``); the DDP communication
+hook (:mod:`mergecomp.ddp`) shares its pieces that do not depend on autograd hooks: the
+communicators, the per-step agreement (:mod:`mergecomp.agreement`) and commit/rollback.
+
+1. Construction registers a post-accumulate-grad hook on every trainable parameter.
+2. First iteration (recording): the hooks only note the order in which gradients become
+   ready.  When backward ends, rank 0 turns that order into a :class:`~mergecomp.plan.Plan`
+   with the scheduler and broadcasts it; the groups are then sent at once.
+3. Every backward pass, the first ready gradient launches the *preflight* (one tiny
+   allreduce of a hash of what ranks must agree on: the plan, the step, the epoch, the
+   configuration) and queues a callback for the end of backward.  When the last gradient
+   of a group is ready (after ``backward_passes_per_step`` passes), its gradients are
+   copied into the group's flat buffer and the communicator starts compress + collective
+   asynchronously, while backward continues; the first group waits for the preflight
+   first, so a disagreement is an error on every rank instead of a mismatched collective.
+   Groups launch strictly in plan order — a group that completes early waits for the ones
+   before it — so every rank issues the same collectives in the same order even when a
+   parameter gets no gradient on some rank.  A parameter the plan slices completes one
+   piece of each group it is in.
+4. When backward ends (on the last of ``backward_passes_per_step`` passes), whatever is
+   left is launched (missing gradients count as zero), the groups are finished in launch
+   order, one small allreduce settles the step's outcome (was any rank's gradient, or the
+   average, NaN or Inf? how many ranks are still training, for ``join``?), and then either
+   the averages are written into ``p.grad`` and compressor/memory state is committed, or
+   every ``p.grad`` is set to NaN and the state rolled back.  So, as under DDP, ``p.grad``
+   holds the averaged gradient as soon as ``backward()`` returns: clipping it and AMP's
+   ``GradScaler`` (which skips ``step()`` on NaN/Inf) work unchanged.
+"""
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+import zlib
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from . import communicators, compressors
+from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
+from .backends import Backend
+from .communicators.base import Communicator, Handle
+from .compressors.base import GroupLayout, ParamView
+from .plan import Group, ParamInfo, Plan
+from .regroup import Layout, regroup_state
+from .schedulers.base import Scheduler
+
+#: What a non-finite step does: skip it on every rank (default), raise, or go unchecked.
+NONFINITE_POLICIES = ("skip", "raise", "off")
+
+
+class GroupState:
+    """Runtime state of one planned group: its parameters (or slices of them), buffer and progress."""
+
+    def __init__(self, index: int, group: Group, by_name: Dict[str, torch.nn.Parameter]):
+        self.index = index
+        self.name = f"group{index}"
+        self.send = group.send
+        #: (name, parameter, first element, end element) per member, in buffer order.
+        self.members = [(n, by_name[n], start, stop)
+                        for n, start, stop in group.pieces({n: by_name[n].numel() for n in group.names})]
+        self.params = [(n, p) for n, p, _, _ in self.members]
+        self.offsets = []
+        views = []
+        offset = 0
+        for name, p, start, stop in self.members:
+            self.offsets.append(offset)
+            whole = stop - start == p.numel()
+            views.append(ParamView(name if whole else f"{name}[{start}:{stop}]",
+                                   p.shape if whole else torch.Size([stop - start]), offset))
+            offset += stop - start
+        self.numel = offset
+        #: The per-parameter views of the buffer, handed to the compressor.
+        self.layout: GroupLayout = tuple(views)
+        self.buffer: Optional[torch.Tensor] = None
+        self.remaining = 0
+        self.handle: Optional[Handle] = None
+        #: This rank's input was NaN/Inf (0-d bool tensor), for compressed groups.
+        self.local_nonfinite: Optional[torch.Tensor] = None
+
+    def gather(self) -> torch.Tensor:
+        """Copy the parameters' gradients into the flat buffer (zeros where there is none)."""
+        first = self.params[0][1]
+        if self.buffer is None:
+            self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        for (name, p, start, stop), offset in zip(self.members, self.offsets):
+            part = self.buffer.narrow(0, offset, stop - start)
+            if p.grad is None:
+                part.zero_()
+            elif p.grad.is_sparse:
+                raise ValueError(f"parameter {name!r} has a sparse gradient, which mergecomp does "
+                                 "not compress; build the layer with sparse=False")
+            elif stop - start < p.numel():  # a slice: its elements of the flattened gradient
+                part.copy_(p.grad.reshape(-1)[start:stop])
+            elif p.grad.data_ptr() != part.data_ptr():  # equal: the grad is already this part
+                part.copy_(p.grad.reshape(-1))
+        return self.buffer
+
+
+class _Listeners:
+    """Callbacks with removable handles (like ``torch.nn.Module`` hooks)."""
+
+    def __init__(self):
+        self._callbacks: Dict[int, Callable] = collections.OrderedDict()
+
+    def add(self, callback: Callable) -> RemovableHandle:
+        handle = RemovableHandle(self._callbacks)
+        self._callbacks[handle.id] = callback
+        return handle
+
+    def __bool__(self) -> bool:
+        return bool(self._callbacks)
+
+    def __call__(self, *args) -> None:
+        for callback in list(self._callbacks.values()):
+            callback(*args)
+
+
+class Reducer:
+    """Runs the exchange of ``named_params``' gradients by a plan, from autograd hooks.
+
+    Args:
+        named_params: (name, parameter) of every trainable parameter, in a fixed order that
+            is the same on every rank.
+        communicator: carries compressed groups; raw groups get an allreduce sharing its
+            memory.
+        backend: the collective layer.
+        scheduler: plans from the first backward's order (rank 0) unless ``plan`` is given.
+        plan: a fixed plan.
+        backward_passes_per_step: gradient accumulation: backward passes per step.
+        find_unused_parameters: keep ``grad = None`` for a parameter no rank used.
+        nonfinite: ``"skip"`` (a step whose gradient is NaN/Inf on any rank, or whose
+            average is, is dropped on every rank: ``p.grad`` becomes NaN, compressor and
+            memory state stay as before it, a counter and a warning say so), ``"raise"``
+            (:class:`~mergecomp.agreement.NonFiniteGradient` on every rank), or ``"off"``
+            (no checks, no extra collective: as DDP).
+        config: what ranks must agree on about the configuration (checked every step).
+    """
+
+    def __init__(self, named_params: Sequence[Tuple[str, torch.nn.Parameter]], communicator: Communicator,
+                 backend: Backend, scheduler: Scheduler, plan: Optional[Plan] = None,
+                 backward_passes_per_step: int = 1, find_unused_parameters: bool = False,
+                 nonfinite: str = "skip", config: str = ""):
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}: "
+                             "'skip' drops a NaN/Inf step on every rank, 'raise' stops, 'off' does not check")
+        self.params = list(named_params)
+        if not self.params:
+            raise ValueError("no trainable parameters to exchange: every parameter has requires_grad=False")
+        self.position = {name: i for i, (name, _) in enumerate(self.params)}
+        self.numels = {name: p.numel() for name, p in self.params}
+        self.device = self.params[0][1].device
+        self.communicator = communicator
+        self.backend = backend
+        self.scheduler = scheduler
+        self.backward_passes_per_step = backward_passes_per_step
+        self.find_unused_parameters = find_unused_parameters
+        self.nonfinite = nonfinite
+        self.config = config
+        self.agreement = StepAgreement(backend, self.device)
+        self._raw_communicators: Dict[str, Communicator] = {}
+
+        self.plan: Optional[Plan] = None
+        self.groups: List[GroupState] = []
+        self._group_of: Dict[str, List[GroupState]] = {}
+        self._ready_order: List[str] = []
+        self._passes: Dict[str, int] = {name: 0 for name, _ in self.params}
+        self._next_launch = 0
+        self._backward_passes = 0
+        self._in_backward = False
+        self._preflight = None  # the step's preflight Work, until checked
+        self._preflight_checked = False
+        #: True once this step's averages are in ``p.grad`` (until the next backward).
+        self.synchronized = False
+        self._awaiting_step = False
+        self._written: Dict[str, torch.Tensor] = {}
+        self._in_step = False
+        #: Steps applied (counted by the owner through :meth:`step_applied`).
+        self.steps = 0
+        #: The epoch set by :meth:`set_epoch` (part of what ranks must agree on).
+        self.epoch = 0
+        #: Digest of the last loaded state (ranks must have loaded alike).
+        self.loaded = ""
+        #: Steps dropped because a gradient was non-finite.
+        self.skipped_steps = 0
+        #: Inside ``join()`` (on every rank): each step says how many ranks still train.
+        self.joining = False
+        self.last_outcome: Optional[StepOutcome] = None
+        #: Seconds the last synchronisation took (finishing groups, outcome, write-back).
+        self.last_sync_time = 0.0
+        self.ready_listeners = _Listeners()
+        self.phase_listeners = _Listeners()
+        if plan is not None:
+            self.install_plan(plan, check_ranks=True)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
+                       for name, p in self.params]
+
+    # ------------------------------------------------------------------ public surface --
+    def param_infos(self, order: Optional[Sequence[str]] = None) -> List[ParamInfo]:
+        """What a scheduler knows of each parameter, in ``order`` (default: plan order, or
+        definition order before the first plan)."""
+        if order is None:
+            order = self.plan.order() if self.plan is not None else [n for n, _ in self.params]
+        by_name = dict(self.params)
+        return [ParamInfo(n, by_name[n].numel(), str(by_name[n].dtype), str(by_name[n].device),
+                          by_name[n].element_size()) for n in order]
+
+    def add_ready_listener(self, callback: Callable[[str], None]) -> RemovableHandle:
+        """Call ``callback(name)`` whenever a parameter's gradient is ready; ``.remove()`` the
+        handle to stop."""
+        return self.ready_listeners.add(callback)
+
+    def add_phase_listener(self, callback: Callable[[str, GroupState, float], None]) -> RemovableHandle:
+        """Call ``callback(phase, group, seconds)`` after each group's ``"launch"`` (gather,
+        memory, compression, collective start) and ``"finish"`` (decode, aggregate, average,
+        write-back, after the collective is done); ``group`` has ``index``, ``send``,
+        ``numel``.  Timing only."""
+        return self.phase_listeners.add(callback)
+
+    def communicators(self) -> List[Communicator]:
+        """Every communicator this reducer sends with (compressed, then raw widths)."""
+        return [self.communicator] + list(self._raw_communicators.values())
+
+    def facts(self) -> Dict[str, Any]:
+        """What every rank must agree on before a step's exchange (see mergecomp.agreement)."""
+        return {"plan": self.plan.digest() if self.plan is not None else None, "steps": self.steps,
+                "epoch": self.epoch, "config": self.config, "state": self.loaded}
+
+    # ------------------------------------------------------------------------ planning --
+    def raw_communicator(self, send: str) -> Communicator:
+        """Allreduce with a cast for raw groups, sharing the memory of compressed groups.
+
+        Sharing keeps error feedback whole when a plan turns a compressed group raw (the
+        residual goes out with the next raw send) and keeps memory-side momentum (DGC)
+        for raw groups.
+        """
+        if send not in self._raw_communicators:
+            wire = "none" if send == "fp32" else send
+            self._raw_communicators[send] = communicators.create(
+                "allreduce", compressor=compressors.create(wire),
+                memory=self.communicator.memory, backend=self.backend)
+        return self._raw_communicators[send]
+
+    def _communicator_for(self, group: GroupState) -> Communicator:
+        return self.communicator if group.send == "compress" else self.raw_communicator(group.send)
+
+    def _make_plan(self) -> Plan:
+        """Rank 0 plans from its recorded backward order; every rank receives that plan."""
+        plan = None
+        if self.backend.rank == 0:
+            seen = set(self._ready_order)
+            # Parameters that got no gradient here go last, in reverse definition order
+            # (the order backward usually produces).
+            order = self._ready_order + [n for n, _ in reversed(self.params) if n not in seen]
+            plan = self.scheduler.plan(self.param_infos(order))
+        return self.backend.broadcast_object(plan, src=0)
+
+    def install_plan(self, plan: Plan, check_ranks: bool = False) -> None:
+        """Check the plan against the model (and, with ``check_ranks``, across ranks by
+        digest: a collective), then build the groups."""
+        plan.validate((n for n, _ in self.params), self.numels)
+        if check_ranks:
+            digests = self.backend.allgather_object(plan.digest())
+            if len(set(digests)) != 1:
+                raise ValueError(f"ranks were given different plans (digests {digests}); load "
+                                 "the same plan on every rank or let rank 0 plan")
+        by_name = dict(self.params)
+        groups = [GroupState(i, g, by_name) for i, g in enumerate(plan.groups)]
+        for group in groups:
+            kinds = {(str(p.dtype), str(p.device)) for _, p in group.params}
+            if len(kinds) > 1:
+                raise ValueError(f"plan group {group.index} mixes dtypes/devices {sorted(kinds)}; "
+                                 "a fused buffer needs one of each")
+        self.plan, self.groups = plan, groups
+        # A sliced parameter is in several groups: its gradient completes a piece of each.
+        self._group_of = {}
+        for group in self.groups:
+            for n, _ in group.params:
+                self._group_of.setdefault(n, []).append(group)
+        self._reset_iteration()
+
+    def layout(self, plan: Plan) -> Layout:
+        return {f"group{i}": pieces for i, pieces in enumerate(plan.pieces(self.numels))}
+
+    def set_plan(self, plan: Plan) -> None:
+        """Switch to ``plan`` between steps; call it on every rank with the same plan (the
+        next step's preflight checks that they did).
+
+        Per-group error-feedback state follows its parameters into the new groups (see
+        :mod:`mergecomp.regroup`), so the switch is exact.  Raises
+        :class:`~mergecomp.regroup.CannotRegroup`, changing nothing, when some state cannot
+        move (PowerSGD's matrices, PS shard residuals): keep the current plan then.
+        """
+        if self._in_iteration():
+            raise RuntimeError("set_plan() must be called between steps (after backward has "
+                               "finished and before the next one), not in the middle of an iteration")
+        plan.validate((n for n, _ in self.params), self.numels)
+        if self.plan is None:
+            self.install_plan(plan)
+            return
+        old, new = self.layout(self.plan), self.layout(plan)
+        # Raw groups share this memory and their casts are stateless: this is all the state.
+        moved = regroup_state(self.communicator.state_dict(), old, new)  # raises, changing nothing
+        self.install_plan(plan)
+        self.communicator.load_state_dict(moved)
+
+    def _in_iteration(self) -> bool:
+        return any(self._passes.values()) or self._next_launch > 0 or self._in_backward
+
+    def _reset_iteration(self) -> None:
+        for group in self.groups:
+            group.remaining = len(group.members) * self.backward_passes_per_step
+            group.handle = None
+            group.local_nonfinite = None
+        for name in self._passes:
+            self._passes[name] = 0
+        self._next_launch = 0
+        self._backward_passes = 0
+
+    # --------------------------------------------------------------------------- hooks --
+    def _make_hook(self, name: str):
+        def hook(param: torch.nn.Parameter) -> None:
+            self._on_gradient_ready(name)
+        return hook
+
+    def _on_gradient_ready(self, name: str) -> None:
+        if not self._in_backward:
+            self._begin_backward_pass(name)
+        if self.ready_listeners:
+            self.ready_listeners(name)
+        passes = self._passes[name] + 1
+        if passes > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"parameter {name!r} received gradient {passes} times since the last step, "
+                f"but backward_passes_per_step={self.backward_passes_per_step}. Call step() after "
+                f"each {self.backward_passes_per_step} backward pass(es), or raise "
+                "backward_passes_per_step to the number of passes you accumulate.")
+        self._passes[name] = passes
+        if self.plan is None:
+            if passes == 1:
+                self._ready_order.append(name)
+            return
+        complete = False
+        for group in self._group_of[name]:
+            group.remaining -= 1
+            complete = complete or group.remaining == 0
+        if complete:
+            self._launch_ready_groups()
+
+    def _begin_backward_pass(self, name: str) -> None:
+        """First gradient of a backward pass: check the step is a fresh one, launch the
+        preflight (on the first pass of a step), and ask autograd to call us at its end."""
+        if self._awaiting_step and self._backward_passes == 0:
+            grad = dict(self.params)[name].grad
+            if grad is not None and grad is self._written.get(name):
+                raise RuntimeError(
+                    f"a new backward pass started while p.grad still holds the averaged gradient of "
+                    f"the previous {self.backward_passes_per_step} (backward_passes_per_step="
+                    f"{self.backward_passes_per_step}; no step() and no zero_grad() in between). To "
+                    "accumulate gradients over k backward passes, pass backward_passes_per_step=k; "
+                    "after a step that was skipped (e.g. GradScaler found inf), call "
+                    "optimizer.zero_grad() first.")
+        self._awaiting_step = False
+        self._written = {}
+        self.synchronized = False
+        self._in_backward = True
+        if self._backward_passes == 0 and self._preflight is None and not self._preflight_checked:
+            self._preflight = self.agreement.preflight(self.facts())
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        """Autograd's callback at the end of a backward pass."""
+        self._in_backward = False
+        self._backward_passes += 1
+        if self._backward_passes >= self.backward_passes_per_step:
+            self.synchronize()
+
+    def _check_preflight(self) -> None:
+        if self._preflight is not None:
+            work, self._preflight = self._preflight, None
+            self._preflight_checked = True
+            self.agreement.check(work, self.facts(), f"at step {self.steps}")
+
+    def _launch_ready_groups(self) -> None:
+        """Launch complete groups in plan order; stop at the first incomplete one."""
+        while self._next_launch < len(self.groups) and self.groups[self._next_launch].remaining == 0:
+            self._launch(self.groups[self._next_launch])
+
+    def _launch(self, group: GroupState) -> None:
+        self._check_preflight()
+        listening = bool(self.phase_listeners)
+        started = time.perf_counter() if listening else 0.0
+        buffer = group.gather()
+        if group.send == "compress" and self.nonfinite != "off":
+            # A compressor must never see a NaN (a sparsifier could drop it, an SVD would
+            # fail, error feedback would keep it): flag it and send zeros; the step is dropped.
+            group.local_nonfinite = nonfinite_flag(buffer)
+            zero_if(buffer, group.local_nonfinite)
+        group.handle = self._communicator_for(group).start(buffer, group.name, group.layout)
+        group.remaining = -1  # launched
+        self._next_launch += 1
+        if listening:
+            self.phase_listeners("launch", group, time.perf_counter() - started)
+
+    # -------------------------------------------------------------------------- step --
+    @torch.no_grad()
+    def synchronize(self, active: bool = True) -> StepOutcome:
+        """Finish every group, settle the step's outcome with every rank, write ``p.grad``.
+
+        Runs by itself when backward ends; call it yourself only to exchange without a
+        backward pass (``active=False`` for a rank that has run out of data, see ``join``).
+        Returns the outcome every rank agreed on.
+        """
+        if self.synchronized:
+            return self.last_outcome
+        started = time.perf_counter()
+        self._in_step = True
+        try:
+            if self._preflight is None and not self._preflight_checked:  # no backward launched it
+                self._preflight = self.agreement.preflight(self.facts())
+            if self.plan is None:
+                self._check_preflight()
+                self.install_plan(self._make_plan())
+            while self._next_launch < len(self.groups):
+                self._launch(self.groups[self._next_launch])
+            self._check_preflight()  # a plan with no groups launched none
+            averages = self._finish_groups()
+            outcome = self._agree(averages, active)
+            if outcome.finite and outcome.active_ranks > 0:
+                for group, averaged in zip(self.groups, averages):
+                    self._write_back(group, averaged, outcome.used)
+                for communicator in self.communicators():
+                    communicator.commit()
+            else:
+                for communicator in self.communicators():
+                    communicator.rollback()
+                if not outcome.finite:
+                    self._drop_step(outcome)
+        finally:
+            self._in_step = False
+            self._preflight = None
+            self._preflight_checked = False
+        self._reset_iteration()
+        self.synchronized = True
+        self._awaiting_step = True
+        self.last_outcome = outcome
+        self.last_sync_time = time.perf_counter() - started
+        return outcome
+
+    def _finish_groups(self) -> List[torch.Tensor]:
+        averages = []
+        listening = bool(self.phase_listeners)
+        for group in self.groups:
+            if listening and group.handle.rounds is None:
+                group.handle.work.wait()  # timing only: finish() would wait here anyway
+            finishing = time.perf_counter() if listening else 0.0
+            averages.append(self._communicator_for(group).finish(group.handle))
+            if listening:
+                group.finish_seconds = time.perf_counter() - finishing
+        return averages
+
+    def _agree(self, averages: List[torch.Tensor], active: bool) -> StepOutcome:
+        """One small allreduce: non-finite flags, ranks still training, the used-map."""
+        used = self._used_map() if self.find_unused_parameters else None
+        if self.nonfinite == "off":
+            if used is None and not self.joining:
+                return StepOutcome([], False, self.backend.size if active else 0)
+            return self.agreement.outcome(None, None, active, used)
+        local = [g.local_nonfinite for g in self.groups if g.local_nonfinite is not None]
+        local_flag = torch.stack(local).any() if local else None
+        averaged_flag = torch.stack([nonfinite_flag(a) for a in averages]).any() if averages else None
+        return self.agreement.outcome(local_flag, averaged_flag, active, used)
+
+    def _used_map(self) -> torch.Tensor:
+        """1 where this rank has a gradient, per parameter, on the parameters' device."""
+        used = torch.tensor([p.grad is not None for _, p in self.params], dtype=torch.float32)
+        return used.to(self.device)
+
+    def _drop_step(self, outcome: StepOutcome) -> None:
+        """Every rank: ``p.grad`` becomes NaN (so GradScaler and the caller see the step is
+        bad), the count goes up, and the policy warns or raises."""
+        self.skipped_steps += 1
+        for group in self.groups:
+            for name, p, _, _ in group.members:
+                if p.grad is None:
+                    p.grad = torch.full_like(p, float("nan"))
+                else:
+                    p.grad.fill_(float("nan"))
+                self._written[name] = p.grad
+        message = (f"step {self.steps}: {outcome.describe()}; the step was dropped on every rank "
+                   f"(p.grad is NaN, compressor and error-feedback state are as before the step)")
+        if self.nonfinite == "raise":
+            raise NonFiniteGradient(message)
+        warnings.warn(f"mergecomp: {message}; {self.skipped_steps} step(s) dropped so far "
+                      "(nonfinite='raise' stops instead)", RuntimeWarning, stacklevel=3)
+
+    def _write_back(self, group: GroupState, averaged: torch.Tensor, used: Optional[torch.Tensor]) -> None:
+        """Hand the averaged gradient to the parameters.
+
+        A raw group is averaged in place in its own flat buffer, which nothing touches
+        until the next step's gather: each ``p.grad`` becomes a view of its part, saving a
+        copy of every raw gradient per step (DDP's ``gradient_as_bucket_view``).  The
+        caller's ``zero_grad()`` then drops the views (or zeroes them, with
+        ``set_to_none=False``, and backward accumulates into the buffer, which the gather
+        recognises).  A gradient kept across steps without ``clone()`` sees the next step's
+        values, as under DDP's bucket views.  Decoded tensors of compressed groups come from
+        the compressor, which may keep them: they are copied.  A slice of a parameter is
+        copied into its part of ``p.grad`` (every group is gathered before the first is
+        written back, so no group reads another's average).
+        """
+        listening = bool(self.phase_listeners)
+        started = time.perf_counter() if listening else 0.0
+        flat = averaged.reshape(-1)
+        own_buffer = group.buffer is not None and flat.data_ptr() == group.buffer.data_ptr() \
+            and flat.numel() == group.buffer.numel()
+        positions = used.tolist() if used is not None else None
+        for (name, p, start, stop), offset in zip(group.members, group.offsets):
+            if positions is not None and positions[self.position[name]] == 0:
+                continue
+            if stop - start < p.numel():  # a slice: the other groups write the rest
+                if p.grad is None:
+                    p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                elif not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+                p.grad.view(-1)[start:stop].copy_(flat.narrow(0, offset, stop - start))
+            else:
+                value = flat.narrow(0, offset, p.numel()).view_as(p)
+                if own_buffer:
+                    p.grad = value
+                elif p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+            self._written[name] = p.grad
+        if listening:
+            seconds = getattr(group, "finish_seconds", 0.0) + time.perf_counter() - started
+            self.phase_listeners("finish", group, seconds)
+
+    def zero_grad_called(self) -> None:
+        """The owner's ``zero_grad()`` ran: a new backward pass is a new step."""
+        self._awaiting_step = False
+
+    def step_done(self, applied: bool) -> None:
+        """The owner's step is over (``applied``: its optimizer stepped): the next exchange,
+        with or without a backward pass, is a new step."""
+        if applied:
+            self.steps += 1
+        self._awaiting_step = False
+        self.synchronized = False
+
+    def set_epoch(self, epoch: int) -> None:
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if self._in_iteration():
+            raise RuntimeError("set_epoch() must be called between steps, not during backward")
+        self.epoch = epoch
+        for component in (self.communicator.compressor, self.communicator.memory):
+            if hasattr(component, "set_epoch"):
+                component.set_epoch(epoch)
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (e.g. before wrapping them again)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def config_digest(*parts: Any) -> str:
+    """A short digest of configuration reprs (what ranks must agree on)."""
+    text = "|".join(repr(p) for p in parts)
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def broadcast_tensors(backend: Backend, tensors: Iterable[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s, one collective per dtype and
+    device (the tensors are flattened into one buffer each)."""
+    buckets: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = collections.OrderedDict()
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, device), members in buckets.items():
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        if flat.numel() == 0:
+            continue
+        wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # gloo has no bool
+        backend.broadcast(wire, src)
+        offset = 0
+        for t in members:
+            n = t.numel()
+            t.data.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
