@@ -142,7 +142,7 @@ def build_optimizer(args, work) -> mergecomp.DistributedOptimizer:
         base, work.model.named_parameters(), compressor=compressor,
         memory=args.memory if args.compress else "none",
         communicator=args.comm if args.compress else "allreduce",
-        scheduler=build_scheduler(args), plan=plan, compress=args.compress)
+        schedule=plan if plan is not None else build_scheduler(args))
 
 
 def warm_up_and_settle(optimizer, timed, args, work) -> int:

@@ -49,7 +49,7 @@ def build_optimizer(model, args):
     return mergecomp.DistributedOptimizer(
         base, model.named_parameters(),
         compressor=mergecomp.compressors.create(args.compressor, **kwargs),
-        fusion_num=args.fusion_num)  # memory and communicator: the compressor's recommendation
+        schedule=args.fusion_num)  # memory and communicator: the compressor's recommendation
 
 
 def train(args):

@@ -4,7 +4,7 @@
     optimizer = mergecomp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         model.named_parameters(),
-        compressor="topk", memory="residual", communicator="allgather", fusion_num=2)
+        compressor="topk", memory="residual", communicator="allgather", schedule=2)
 
 Components are looked up by name in four registries (``mergecomp.compressors``,
 ``.memories``, ``.communicators``, ``.schedulers``), each open to plugins.

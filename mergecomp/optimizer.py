@@ -195,14 +195,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         copies = [t.detach().clone() for t in tensors]
         with torch.no_grad():
             broadcast_tensors(self.backend, copies, src=0)
+        differs = None
         for name, t, theirs in zip(names, tensors, copies):
             if not torch.equal(t.detach(), theirs):
-                difference = (t.detach().double() - theirs.double()).abs().max().item() \
+                gap = (t.detach().double() - theirs.double()).abs().max().item() \
                     if t.dtype.is_floating_point else "not equal"
-                raise ValueError(
-                    f"rank {self.backend.rank} starts from a different model than rank 0: {name!r} "
-                    f"differs (max difference {difference}). Seed every rank alike, load the same "
-                    "checkpoint everywhere, or use initial_sync='broadcast' to copy rank 0's model.")
+                differs = f"{name!r} (max difference {gap})"
+                break
+        everyone = self.backend.allgather_object(differs)  # every rank raises alike
+        bad = [(rank, what) for rank, what in enumerate(everyone) if what is not None]
+        if bad:
+            listed = "; ".join(f"rank {rank}: {what}" for rank, what in bad)
+            raise ValueError(
+                f"ranks start from a different model than rank 0 ({listed}). Seed every rank "
+                "alike, load the same checkpoint everywhere, or use initial_sync='broadcast' to "
+                "copy rank 0's model.")
 
     # ----------------------------------------------------------------- reducer surface --
     @property

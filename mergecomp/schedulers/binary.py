@@ -6,7 +6,7 @@ search needs the running training loop, so this scheduler proposes candidate pla
 told how long each took::
 
     scheduler = BinarySearchScheduler(steps=10, warmup=2)
-    optimizer = DistributedOptimizer(opt, model.named_parameters(), scheduler=scheduler, ...)
+    optimizer = DistributedOptimizer(opt, model.named_parameters(), schedule=scheduler, ...)
     # the first step() calls scheduler.plan(params), which returns the first candidate
     while training:
         started = time.perf_counter()
