@@ -77,7 +77,7 @@ def train(args) -> dict:
         f"worker(s) ({info.launcher}) on {device.type}, batch {args.batch_size} per worker, "
         f"{steps_per_epoch} steps per epoch")
     log(f"Exchange: {optimizer.communicator!r}, {args.fusion_num} fusion group(s); "
-        f"{_describe_sgd(optimizer)}")
+        f"{_describe_sgd(optimizer, args)}")
     log(f"Learning rate: {args.lr:g} → {args.lr * info.world_size:g} over "
         f"{args.lr_warmup_epochs:g} epochs, then cosine to 0 at epoch {args.epochs}", flush=True)
 
@@ -213,12 +213,16 @@ def _config(args, optimizer, info) -> dict:
             "weight_decay": args.weight_decay, "seed": args.seed}
 
 
-def _describe_sgd(optimizer) -> str:
+def _describe_sgd(optimizer, args) -> str:
     group = optimizer.param_groups[0]
     memory_momentum = getattr(optimizer.memory, "momentum", None)
-    where = (f"momentum {memory_momentum:g} in the memory, SGD without" if memory_momentum
-             else f"SGD momentum {group['momentum']:g}")
-    return f"{where}, weight decay {group['weight_decay']:g}"
+    if not memory_momentum:
+        return f"SGD momentum {group['momentum']:g}, weight decay {group['weight_decay']:g}"
+    decay = f"weight decay {group['weight_decay']:g}"
+    if args.weight_decay:
+        decay += (f" (= {args.weight_decay:g} / (1 - {memory_momentum:g}): applied after the "
+                  f"exchange, outside the momentum)")
+    return f"momentum {memory_momentum:g} in the memory, SGD without; {decay}"
 
 
 def _triple(values) -> str:

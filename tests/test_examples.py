@@ -57,7 +57,7 @@ def test_cifar_example_trains_an_epoch_on_two_ranks(tmp_path):
     assert 0.25 * 8 * 269_722 < result["bytes_per_step"] < 0.26 * 8 * 269_722
     assert "64 training images (2 batches), 16 test images" in printed
     assert "DGCCompressor(compress_ratio=0.001, warmup=4" in printed
-    assert "momentum 0.9 in the memory, SGD without, weight decay 0.001" in printed
+    assert "momentum 0.9 in the memory, SGD without; weight decay 0.001 (= 0.0001 / (1 - 0.9)" in printed
     assert "epoch 0: train loss" in printed and "test accuracy" in printed
     assert "density 0.25" in printed and "bytes/step per worker" in printed
 
