@@ -122,8 +122,9 @@ def train(args) -> dict:
         if checkpoint:
             checkpoint.save(model, optimizer, epoch)
         if epoch == args.stop_after_epoch:
-            log(f"stopping after epoch {epoch} as asked; run again with the same --checkpoint "
-                f"to continue", flush=True)
+            log(f"stopping after epoch {epoch} as asked"
+                + ("; run again with the same --checkpoint to continue" if checkpoint else ""),
+                flush=True)
             break
     if result["epochs_run"] == 0:
         correct, tested = evaluate(model, data.test, mean, std, args.eval_batch_size, info, device)
