@@ -2,14 +2,15 @@
 """Train a classifier with compressed gradient exchange: the whole API in one script.
 
     torchrun --nproc_per_node 2 examples/train_classifier.py --compressor dgc --epochs 4
-    python examples/train_classifier.py --nproc 2 --compressor topk --checkpoint ckpt --stop-after-epoch 2
-    python examples/train_classifier.py --nproc 2 --compressor topk --checkpoint ckpt --resume
+    python examples/train_classifier.py --nproc 2 --compressor topk --checkpoint --stop-after-epoch 2
+    python examples/train_classifier.py --nproc 2 --compressor topk --checkpoint --resume
 
 The data is a learnable synthetic task (Gaussian clusters, one per class), split across
 ranks by a DistributedSampler, so the script runs anywhere; swap in your own Dataset.  It
 shows: wrapping your optimizer, an LR scheduler on the wrapped optimizer, gradient
 clipping on the averaged gradients (``synchronize`` + ``skip_synchronize``), telling DGC the
-epoch (``set_epoch``), and per-rank checkpoints that resume exactly (residuals included).
+epoch (``set_epoch``), and per-rank checkpoints that resume exactly (residuals included;
+``--checkpoint`` alone keeps them in runs/train_classifier, which git ignores).
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mergecomp  # noqa: E402
 from mergecomp import launch  # noqa: E402
+
+#: Where ``--checkpoint`` without a folder saves: under runs/, which git ignores.
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "runs", "train_classifier")
 
 
 def synthetic_clusters(samples: int, features: int, classes: int, draw: int) -> TensorDataset:
@@ -66,7 +71,7 @@ def train(args):
     path = os.path.join(args.checkpoint, f"rank{info.rank}.pt") if args.checkpoint else None
     first_epoch = 0
     if args.resume:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=True)  # tensors and plain values only
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])  # residuals, plan, compressor state too
         schedule.load_state_dict(state["schedule"])
@@ -113,7 +118,9 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--checkpoint", default=None, help="folder for per-rank checkpoints")
+    p.add_argument("--checkpoint", nargs="?", const=DEFAULT_CHECKPOINT, default=None, metavar="DIR",
+                   help="folder for per-rank checkpoints (alone: runs/train_classifier in the "
+                        "repository, which git ignores)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--stop-after-epoch", type=int, default=None,
                    help="stop after this epoch, as if interrupted (then --resume)")
@@ -121,7 +128,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     mergecomp.compressors.get(args.compressor)  # fail fast on a bad name
     if args.resume and not args.checkpoint:
-        p.error("--resume needs --checkpoint FOLDER")
+        p.error("--resume needs --checkpoint (and the folder of the interrupted run, if it gave one)")
     if args.nproc and launch.detect().launcher == "single":
         launch.spawn(train, args.nproc, args=(args,))
     else:

@@ -111,3 +111,14 @@ def test_transformer_refuses_sequences_longer_than_its_positions():
                                             max_seq_len=8)
     with pytest.raises(ValueError, match="sequence length 9 exceeds max_seq_len=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_lstm_carries_its_state_across_windows():
+    torch.manual_seed(0)
+    model = models.lstm.LSTMLanguageModel(vocab_size=30, hidden_size=8, num_layers=2, dropout=0.0).eval()
+    tokens = torch.randint(30, (3, 12))
+    whole = model(tokens)
+    first, state = model(tokens[:, :5], return_state=True)
+    second, _ = model(tokens[:, 5:], state, return_state=True)
+    assert torch.allclose(torch.cat([first, second], 1), whole, atol=1e-6)
+    assert not torch.allclose(model(tokens[:, 5:]), second)  # a zero state differs

@@ -6,13 +6,15 @@ is the paper's "medium" model (dropout 0.5, 19.8M parameters), ``hidden_size=150
 "large" one (dropout 0.65, 66M parameters); vocabulary 10000 and 35-step sequences as in PTB.
 This is the model of PyTorch's word_language_model example and of the MergeComp paper.
 
-For data-parallel benchmarking every forward starts from a zero hidden state instead of
-carrying it across batches (truncated BPTT): each step is then independent of the previous
-one, every rank can run any batch, and no state has to be detached or kept in sync.
+For data-parallel benchmarking a forward starts from a zero hidden state unless it is given
+one: each step is then independent of the previous one, every rank can run any batch, and no
+state has to be detached or kept in sync.  Training on a text stream carries the state from
+one BPTT window to the next instead (``model(tokens, state, return_state=True)``, detaching
+the returned state between windows), as examples/train_language_model.py does.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -58,13 +60,20 @@ class LSTMLanguageModel(nn.Module):
             nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
         nn.init.zeros_(self.decoder.bias)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, state: Optional[Tuple[Tensor, Tensor]] = None,
+                return_state: bool = False):
+        """Logits ``(B, T, V)``; with ``return_state``, ``(logits, (h, c))``.
+
+        ``state`` is the ``(h, c)`` pair of ``nn.LSTM`` (each ``(num_layers, B, hidden)``)
+        that the previous window returned; None starts from zeros.
+        """
         if tokens.dim() != 2:
             raise ValueError(f"expected token ids of shape (batch, seq_len), got shape "
                              f"{tuple(tokens.shape)}")
         embedded = self.drop(self.embedding(tokens))
-        output, _ = self.lstm(embedded)  # no state given: zeros, so steps are independent
-        return self.decoder(self.drop(output))
+        output, new_state = self.lstm(embedded, state)
+        logits = self.decoder(self.drop(output))
+        return (logits, new_state) if return_state else logits
 
 
 def lstm(vocab_size: int = PTB_VOCAB_SIZE, hidden_size: int = 650, num_layers: int = 2,
