@@ -139,7 +139,7 @@ def build_optimizer(model: torch.nn.Module, args, lr: float, weight_decay: float
     return mergecomp.DistributedOptimizer(
         base, model.named_parameters(), compressor=compressor, memory=memory,
         communicator=args.comm or compressor.recommended_communicator,
-        fusion_num=args.fusion_num)
+        schedule=args.fusion_num)
 
 
 def start_worker(args) -> Tuple[launch.LaunchInfo, torch.device]:

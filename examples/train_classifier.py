@@ -8,7 +8,7 @@
 The data is a learnable synthetic task (Gaussian clusters, one per class), split across
 ranks by a DistributedSampler, so the script runs anywhere; swap in your own Dataset.  It
 shows: wrapping your optimizer, an LR scheduler on the wrapped optimizer, gradient
-clipping on the averaged gradients (``synchronize`` + ``skip_synchronize``), telling DGC the
+clipping on the averaged gradients (right after ``backward()``, as under DDP), telling DGC the
 epoch (``set_epoch``), and per-rank checkpoints that resume exactly (residuals included;
 ``--checkpoint`` alone keeps them in runs/train_classifier, which git ignores).
 """
@@ -83,11 +83,9 @@ def train(args):
         model.train()
         for inputs, labels in loader:
             optimizer.zero_grad()
-            nn.functional.cross_entropy(model(inputs), labels).backward()
-            optimizer.synchronize()  # averaged gradients are in p.grad now
+            nn.functional.cross_entropy(model(inputs), labels).backward()  # p.grad: the average
             nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
-            with optimizer.skip_synchronize():
-                optimizer.step()
+            optimizer.step()
         schedule.step()
         accuracy = evaluate(model, test)
         if info.rank == 0:

@@ -18,9 +18,9 @@ every epoch whose validation loss is no better than the best so far, 40 epochs. 
 learning rate is not scaled with the number of workers (the averaged gradient of N workers
 is that of an N-times larger batch).
 
-Clipping acts on the averaged gradient, the supported way for the wrapper:
-``optimizer.synchronize()`` writes the averages into ``p.grad``, ``clip_grad_norm_`` clips
-them, and ``step()`` runs inside ``optimizer.skip_synchronize()``.  With the ``dgc`` memory
+Clipping acts on the averaged gradient, as under DDP: when ``backward()`` returns, ``p.grad``
+holds the average over all workers, so ``clip_grad_norm_`` between backward and ``step()``
+clips what every worker applies.  With the ``dgc`` memory
 the clipping is DGC's local one instead (Lin et al., ICLR 2018, section 3.2): each rank's own
 gradient is clipped to ``--clip`` / sqrt(workers) before momentum correction, per fused group.
 
@@ -95,12 +95,8 @@ def train(args) -> dict:
             loss = F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1))
             loss.backward()  # groups are compressed and sent while backward runs
             if args.clip and not local_clipping:
-                optimizer.synchronize()  # the averaged gradients are in p.grad now
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                with optimizer.skip_synchronize():
-                    optimizer.step()
-            else:
-                optimizer.step()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # the averaged gradient
+            optimizer.step()
             loss_sum += loss.detach() * targets.numel()
             tokens += targets.numel()
         handed, wire = traffic.read()
