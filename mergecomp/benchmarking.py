@@ -6,6 +6,7 @@ count, same iterations, same statistics, same JSON keys.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -151,12 +152,9 @@ def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str,
     Returns per-iteration lists: ``rates`` (samples/s), ``step_times`` (s), and for each
     key of ``counters()`` its increase per step (bytes sent, ...).
     """
-    from tqdm import tqdm
     series: Dict[str, List[float]] = {"rates": [], "step_times": []}
-    # A progress bar on rank 0's terminal only: in logs its carriage returns garble lines.
-    progress = tqdm(range(args.num_iters), desc="iterations", file=sys.stderr, leave=False,
-                    disable=work.rank != 0 or not sys.stderr.isatty())
-    for i in progress:
+    iterations, write = _progress(args.num_iters, show=work.rank == 0 and sys.stderr.isatty())
+    for i in iterations:
         before = counters()
         seconds = timed(args.num_batches_per_iter)
         after = counters()
@@ -165,8 +163,26 @@ def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str,
         series["step_times"].append(seconds / args.num_batches_per_iter)
         series["rates"].append(work.batch_size * args.num_batches_per_iter / seconds)
         if work.rank == 0:
-            progress.write(f"Iter #{i}: {series['rates'][-1]:.1f} {work.spec.unit}/sec per worker")
+            write(f"Iter #{i}: {series['rates'][-1]:.1f} {work.spec.unit}/sec per worker")
     return series
+
+
+def _progress(iterations: int, show: bool):
+    """``range(iterations)`` and a function that prints a line: with a progress bar on
+    stderr when ``show`` (rank 0 on a terminal: in logs the bar's carriage returns garble
+    lines), the bar's own ``write``, which keeps the bar below the lines.
+
+    The bar gets a thread lock.  tqdm's default lock adds a multiprocessing semaphore,
+    created by every bar even a disabled one; a rank ends without the interpreter's
+    teardown (:func:`launch.exit_without_teardown`), so that semaphore is never released
+    and the resource tracker reports it as leaked when the launching process exits.
+    """
+    if not show:
+        return range(iterations), functools.partial(print, flush=True)
+    import threading
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
+    return tqdm(range(iterations), desc="iterations", file=sys.stderr, leave=False), tqdm.write
 
 
 def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any], List[Any]],
