@@ -159,7 +159,8 @@ def warm_up_and_settle(optimizer, timed, args, work) -> int:
         timed(1)
         search_steps += 1
     if search_steps:
-        work.log(f"Scheduler {args.scheduler} settled after {search_steps} steps beyond the warm-up")
+        work.log(f"Scheduler {args.scheduler} settled after {search_steps} step{'s' if search_steps != 1 else ''} "
+                 f"beyond the warm-up")
     work.log(optimizer.plan.describe(optimizer._param_infos(optimizer.plan.order())))
     if args.plan_out and work.rank == 0:
         optimizer.plan.save(args.plan_out)

@@ -215,7 +215,7 @@ def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any
     }
     unit = work.spec.unit
     work.log(f"{unit.capitalize()}/sec per worker: {mean:.1f} +-{conf:.1f}")
-    work.log(f"Total {unit}/sec on {size} worker(s): {total:.1f} +-{conf * size:.1f}")
+    work.log(f"Total {unit}/sec on {size} worker{'s' if size != 1 else ''}: {total:.1f} +-{conf * size:.1f}")
     work.log(f"Bytes sent per worker per iteration: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
              f"{fp32_bytes:,} bytes; compression ratio {result['compression_ratio']:.1f}x")
     if size > 1:

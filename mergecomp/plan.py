@@ -183,14 +183,14 @@ class Plan:
         def label(name, piece):
             return name if piece is None else f"{name}[{piece[0]}:{piece[1]}]"
 
-        lines = [f"Plan {self.digest()}: {len(self.groups)} groups"]
+        lines = [f"Plan {self.digest()}: {_count(len(self.groups), 'group')}"]
         for index, group in enumerate(self.groups):
             slices = group.slices or (None,) * len(group.names)
             size = ""
             if sizes and all(n in sizes for n in group.names):
                 nbytes = sum((stop - start) * sizes[n] for n, start, stop in group.pieces(numels))
                 size = f", {nbytes / 1e6:.2f} MB"
-            what = f"{len(group.names)} tensors" + (f" ({sum(s is not None for s in slices)} sliced)"
+            what = _count(len(group.names), "tensor") + (f" ({sum(s is not None for s in slices)} sliced)"
                                                      if group.slices else "")
             span = label(group.names[0], slices[0]) + (
                 f" .. {label(group.names[-1], slices[-1])}" if len(group.names) > 1 else "")
@@ -199,3 +199,8 @@ class Plan:
 
     def __len__(self) -> int:
         return len(self.groups)
+
+
+def _count(number: int, noun: str) -> str:
+    """"1 group", "3 groups"."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -21,7 +21,8 @@ def test_two_workers_report_bytes_counted_at_the_backend(tmp_path):
                "--batch-size", "4", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
                "--num-iters", "2", "--threads", "1", "--json", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "Iter #1:" in done.stdout and "Total img/sec on 2 worker(s)" in done.stdout
+    assert "Iter #1:" in done.stdout and "Total img/sec on 2 workers:" in done.stdout
+    assert ": 2 groups\n" in done.stdout
     # tqdm's multiprocessing lock, never released by a rank that skips teardown, used to
     # end every --nproc run with the resource tracker's warning
     assert "leaked semaphore" not in done.stderr, done.stderr
@@ -42,6 +43,16 @@ def test_bad_flags_exit_with_a_clear_message():
     assert chunk.returncode == 2 and "--chunk-mb must be a size in MB > 0" in chunk.stderr
     chunk = run("--chunk-mb", "4")
     assert chunk.returncode == 2 and "not 'fixed'" in chunk.stderr
+    import compress_benchmark
+    with pytest.raises(ValueError, match="available memories are"):
+        compress_benchmark.main(["--compress", "--memory", "residul"])
+
+
+def test_plural_words_agree_with_their_numbers():
+    from mergecomp.plan import Group, Plan
+    text = Plan([Group(("w",))]).describe()
+    assert ": 1 group\n" in text and "group 0: 1 tensor, send" in text
+    assert ": 2 groups\n" in Plan([Group(("a", "b")), Group(("c",))]).describe()
 
 
 def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):
