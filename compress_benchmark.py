@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Synthetic-data training throughput with compressed gradient exchange.
+r"""Synthetic-data training throughput with compressed gradient exchange.
 
 The flags are MergeComp's (and Horovod's synthetic benchmark's), e.g.
 

@@ -22,19 +22,23 @@ from . import launch, models
 
 def add_workload_arguments(p) -> None:
     """The flags :func:`prepare`, :func:`run_iterations` and :func:`run_workers` read."""
-    p.add_argument("--model", default="resnet20", help=f"one of {', '.join(models.available())}")
-    p.add_argument("--batch-size", type=int, default=None, help="per worker (default: the model's)")
-    p.add_argument("--num-warmup-batches", type=int, default=10)
-    p.add_argument("--num-batches-per-iter", type=int, default=10)
-    p.add_argument("--num-iters", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--model", default="resnet20", metavar="NAME",
+                   help=f"one of {', '.join(models.available())} (default resnet20)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="per worker (default: the model's)")
+    p.add_argument("--num-warmup-batches", type=int, default=10, metavar="N",
+                   help="untimed steps before the timed iterations (default 10)")
+    p.add_argument("--num-batches-per-iter", type=int, default=10, metavar="N",
+                   help="steps in one timed iteration (default 10)")
+    p.add_argument("--num-iters", type=int, default=10, metavar="N", help="timed iterations (default 10)")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate of the SGD optimizer (default 0.01)")
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if CUDA is available")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="spawn this many local workers (when not started by torchrun/mpirun/horovodrun)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads per worker (default: CPU cores / local workers)")
-    p.add_argument("--json", default=None, help="write the result as JSON to this path (rank 0)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON to this path (rank 0)")
+    p.add_argument("--seed", type=int, default=42,
+                   help="seed of the model's initial weights and of the synthetic batches (default 42)")
 
 
 def check_workload_arguments(p, args) -> None:

@@ -48,6 +48,13 @@ def test_bad_flags_exit_with_a_clear_message():
         compress_benchmark.main(["--compress", "--memory", "residul"])
 
 
+def test_help_keeps_the_examples_lines_and_explains_every_flag():
+    import compress_benchmark
+    parser = compress_benchmark.build_parser()
+    assert "--compress --compressor dgc \\\n        --comm allgather --memory dgc" in parser.format_help()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+
+
 def test_plural_words_agree_with_their_numbers():
     from mergecomp.plan import Group, Plan
     text = Plan([Group(("w",))]).describe()
