@@ -55,6 +55,14 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
 def check_arguments(p: argparse.ArgumentParser, args) -> None:
     """``p.error`` (exit 2, with the value) on a flag out of range."""
     benchmarking.check_workload_arguments(p, args)
+    if not args.compress:
+        given = [f"{flag} {value}" for flag, value, unset in (
+            ("--compressor", args.compressor, "none"), ("--compress-ratio", args.compress_ratio, None),
+            ("--memory", args.memory, None), ("--comm", args.comm, None)) if value != unset]
+        if given:
+            p.error(f"{', '.join(given)} without --compress: compression is off, so "
+                    f"{'it' if len(given) == 1 else 'they'} would be ignored and every gradient sent "
+                    f"uncompressed in an FP32 allreduce; add --compress")
     if args.fusion_num < 0:
         p.error(f"--fusion-num must be ≥ 0, got {args.fusion_num}")
     if args.chunk_mb is not None:

@@ -48,6 +48,17 @@ def test_bad_flags_exit_with_a_clear_message():
         compress_benchmark.main(["--compress", "--memory", "residul"])
 
 
+def test_compression_flags_without_compress_are_refused(capsys):
+    import compress_benchmark
+    for flags, named in ((["--compressor", "topk", "--comm", "allgather"], "--compressor topk, --comm allgather"),
+                         (["--compress-ratio", "0.01"], "--compress-ratio 0.01")):
+        with pytest.raises(SystemExit) as exited:
+            compress_benchmark.parse_args(flags)
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and f"{named} without --compress" in stderr and "add --compress" in stderr
+    assert compress_benchmark.parse_args(["--compress", "--compressor", "topk"]).compress
+
+
 def test_help_keeps_the_examples_lines_and_explains_every_flag():
     import compress_benchmark
     parser = compress_benchmark.build_parser()
