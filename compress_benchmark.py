@@ -227,17 +227,24 @@ def run_or_table(args, worker, table) -> int:
 
 
 def check_names(args) -> None:
-    """Fail fast, before any process starts, on names that do not exist (ValueError)."""
+    """Fail fast, before any process starts (ValueError): names that do not exist, a
+    compressor the communicator cannot carry."""
     models.get(args.model)
     mergecomp.schedulers.get(args.scheduler)
     if args.scheduler == "optimal" and not args.profile_in:
         build_scheduler(args)  # raises the explanation
     if args.compress:
-        build_compressor(args)
-        if args.memory:
-            mergecomp.memories.get(args.memory)
-        if args.comm:
-            mergecomp.communicators.get(args.comm)
+        check_exchange(args)
+
+
+def check_exchange(args) -> None:
+    """Build the compressor, memory and communicator every rank will build, here, with no
+    process group (:class:`~mergecomp.benchmarking.NoProcessGroup`): their construction
+    checks raise before any rank is spawned."""
+    compressor = build_compressor(args)
+    memory = mergecomp.memories.create(args.memory or compressor.recommended_memory)
+    mergecomp.communicators.create(args.comm or compressor.recommended_communicator, compressor=compressor,
+                                   memory=memory, backend=benchmarking.NoProcessGroup(args.nproc or 1))
 
 
 if __name__ == "__main__":

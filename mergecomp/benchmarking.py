@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from . import launch, models
+from .backends.base import Backend
 
 
 def add_workload_arguments(p) -> None:
@@ -269,7 +270,9 @@ def saved_results(paths, needs: str, written_by: str) -> Iterator[Dict[str, Any]
 
 def exit_with(main: Callable[[], int]) -> None:
     """Run a benchmark script's ``main()`` and exit with its code; a ValueError (an unknown
-    name, a value out of range) is printed as ``error: ...`` and exits 2, without a traceback.
+    name, a value out of range, a clash of flags) is printed as one line,
+    ``script.py: error: ...`` as argparse prints its errors, and exits 2, without a
+    traceback.
 
     A rank started by a launcher (torchrun, mpirun) exits without the interpreter's
     teardown once ``main()`` returned (see :func:`launch.exit_without_teardown`).
@@ -277,7 +280,7 @@ def exit_with(main: Callable[[], int]) -> None:
     try:
         code = main()
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
         sys.exit(2)
     if launch.detect().launcher not in ("single", "spawn"):
         launch.exit_without_teardown(code or 0)
@@ -285,12 +288,69 @@ def exit_with(main: Callable[[], int]) -> None:
 
 
 def run_workers(worker: Callable[[Any], Any], args) -> None:
-    """Run ``worker(args)`` here when a launcher started us, or spawn ``args.nproc`` local ranks."""
+    """Run ``worker(args)`` here when a launcher started us, or spawn ``args.nproc`` local ranks.
+
+    Check the flags before (:class:`NoProcessGroup` builds what needs no ranks); a
+    ValueError a spawned rank still raises (bad input only a rank can see) comes back as a
+    ValueError naming the rank, without the rank's traceback; any other failure keeps it.
+    """
     launcher = launch.detect().launcher
     if args.nproc is not None and launcher not in ("single", "spawn"):
         raise SystemExit(f"--nproc {args.nproc} was given but this process was started by "
                          f"{launcher}; use one or the other")
     if args.nproc is not None and launcher == "single":
-        launch.spawn(worker, args.nproc, args=(args,))
+        try:
+            launch.spawn(worker, args.nproc, args=(args,))
+        except launch.SpawnedProcessError as failure:
+            message = value_error_message(failure.child_traceback)
+            if message is None:
+                raise
+            raise ValueError(f"rank {failure.rank}: {message}") from None
     else:
         worker(args)
+
+
+def value_error_message(formatted: Optional[str]) -> Optional[str]:
+    """The message of the exception ``formatted`` (a ``traceback.format_exc()`` text) ends
+    with, if that exception is a ValueError; None otherwise (or for no traceback)."""
+    if not formatted:
+        return None
+    lines = formatted.rstrip("\n").split("\n")
+    # The last exception's text starts at the first unindented line after its last frame.
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=-1)
+    start = next((i for i in range(last_frame + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), None)
+    if start is None or not lines[start].startswith("ValueError: "):
+        return None
+    return "\n".join(lines[start:])[len("ValueError: "):]
+
+
+class NoProcessGroup(Backend):
+    """A backend with no process group behind it, for building components before any rank
+    exists.
+
+    The launching process builds the communicator the ranks will build with it, so the
+    checks communicators make at construction (allreduce refusing a compressor whose
+    payloads do not add up, ...) fail before processes are spawned, in one line, instead
+    of in every rank.  It is rank 0 of ``size``; every collective raises.
+    """
+
+    name = "no-process-group"
+
+    def __init__(self, size: int = 1):
+        super().__init__()
+        self._size = size
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError("NoProcessGroup has no process group: it builds components for their "
+                           "checks, it cannot run collectives")
+
+    allreduce_async = allgather_async = alltoall = _refuse
+    broadcast_object = allgather_object = barrier = _refuse

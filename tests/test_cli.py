@@ -48,6 +48,43 @@ def test_bad_flags_exit_with_a_clear_message():
         compress_benchmark.main(["--compress", "--memory", "residul"])
 
 
+def error_line(done):
+    """The one line a bad configuration prints (no traceback), without the script's name."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    prefix = "compress_benchmark.py: error: "
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0][len(prefix):]
+
+
+def test_a_compressor_the_communicator_cannot_carry_is_refused_before_ranks_start():
+    # The communicator's own construction check, run in the launching process: a rank's
+    # error would start with "rank 0: ".
+    message = error_line(run("--nproc", "2", "--compress", "--compressor", "topk", "--comm", "allreduce"))
+    assert message.startswith("the allreduce communicator cannot carry compressor 'topk'")
+    assert "Use communicator='allgather' or 'ps'" in message
+
+
+def _bad_input_on_every_rank(args):
+    raise ValueError(f"--num-iters {args.num_iters} is not what this rank expected")
+
+
+def test_a_value_error_in_a_spawned_rank_comes_back_as_one_message():
+    import argparse
+    from mergecomp import benchmarking
+    with pytest.raises(ValueError) as raised:
+        benchmarking.run_workers(_bad_input_on_every_rank, argparse.Namespace(nproc=1, num_iters=3))
+    assert str(raised.value) == "rank 0: --num-iters 3 is not what this rank expected"
+    message = benchmarking.value_error_message(
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
+        'ValueError: two\nlines\n')
+    assert message == "two\nlines"
+    chained = ('Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: first\n\n'
+               'During handling of the above exception, another exception occurred:\n\n'
+               'Traceback (most recent call last):\n  File "x.py", line 3, in g\nKeyError: 1\n')
+    assert benchmarking.value_error_message(chained) is None  # a bug, not bad input: keep the traceback
+
+
 def test_compression_flags_without_compress_are_refused(capsys):
     import compress_benchmark
     for flags, named in ((["--compressor", "topk", "--comm", "allgather"], "--compressor topk, --comm allgather"),
