@@ -228,13 +228,15 @@ def run_or_table(args, worker, table) -> int:
 
 def check_names(args) -> None:
     """Fail fast, before any process starts (ValueError): names that do not exist, a
-    compressor the communicator cannot carry."""
+    compressor the communicator cannot carry, a --plan-in that is no plan of this model."""
     models.get(args.model)
     mergecomp.schedulers.get(args.scheduler)
     if args.scheduler == "optimal" and not args.profile_in:
         build_scheduler(args)  # raises the explanation
     if args.compress:
         check_exchange(args)
+    if args.plan_in:
+        check_plan(args)
 
 
 def check_exchange(args) -> None:
@@ -245,6 +247,20 @@ def check_exchange(args) -> None:
     memory = mergecomp.memories.create(args.memory or compressor.recommended_memory)
     mergecomp.communicators.create(args.comm or compressor.recommended_communicator, compressor=compressor,
                                    memory=memory, backend=benchmarking.NoProcessGroup(args.nproc or 1))
+
+
+def check_plan(args) -> None:
+    """Load --plan-in and check it names exactly the model's trainable parameters (the
+    model is built on the meta device: names and sizes, no memory)."""
+    plan = mergecomp.Plan.load(args.plan_in)
+    with torch.device("meta"):
+        model = models.get(args.model).build()
+    params = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
+    try:
+        plan.validate([name for name, _ in params], dict(params))
+    except ValueError as error:
+        raise ValueError(f"--plan-in {args.plan_in}: {error}; was it saved (--plan-out) from a run "
+                         f"of --model {args.model}?") from None
 
 
 if __name__ == "__main__":

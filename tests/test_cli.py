@@ -110,6 +110,26 @@ def test_plural_words_agree_with_their_numbers():
     assert ": 2 groups\n" in Plan([Group(("a", "b")), Group(("c",))]).describe()
 
 
+def test_a_plan_file_that_is_not_a_plan_names_the_file_and_the_format(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"groups": [\n  {"names": ["fc.weight"]\n')
+    message = error_line(run("--plan-in", str(broken)))
+    assert f"plan file {broken}: " in message and "not JSON" in message and "line 3, column 1" in message
+    assert 'a plan file is the JSON Plan.save (--plan-out) writes: {"groups": [{"names"' in message
+    import compress_benchmark  # the same checks in this process (main raises, exit_with prints)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f'plan file {listed}: not a mergecomp plan: it has no list of "groups"'):
+        compress_benchmark.main(["--plan-in", str(listed)])
+    with pytest.raises(ValueError, match=f"cannot read plan file {tmp_path / 'missing.json'}: No such file"):
+        compress_benchmark.main(["--plan-in", str(tmp_path / "missing.json")])
+    other = tmp_path / "other.json"
+    other.write_text('{"groups": [{"names": ["fc.weight"], "send": "compress"}]}')
+    with pytest.raises(ValueError, match=f"--plan-in {other}: plan does not match the model") as raised:
+        compress_benchmark.main(["--plan-in", str(other), "--model", "resnet20"])
+    assert "from a run of --model resnet20" in str(raised.value)
+
+
 def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):
     out = tmp_path / "versus.json"
     done = subprocess.run(
