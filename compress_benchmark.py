@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Synthetic-data training throughput with compressed gradient exchange.
+r"""Synthetic-data training throughput with compressed gradient exchange.
 
 The flags are MergeComp's (and Horovod's synthetic benchmark's), e.g.
 
@@ -55,6 +55,14 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
 def check_arguments(p: argparse.ArgumentParser, args) -> None:
     """``p.error`` (exit 2, with the value) on a flag out of range."""
     benchmarking.check_workload_arguments(p, args)
+    if not args.compress:
+        given = [f"{flag} {value}" for flag, value, unset in (
+            ("--compressor", args.compressor, "none"), ("--compress-ratio", args.compress_ratio, None),
+            ("--memory", args.memory, None), ("--comm", args.comm, None)) if value != unset]
+        if given:
+            p.error(f"{', '.join(given)} without --compress: compression is off, so "
+                    f"{'it' if len(given) == 1 else 'they'} would be ignored and every gradient sent "
+                    f"uncompressed in an FP32 allreduce; add --compress")
     if args.fusion_num < 0:
         p.error(f"--fusion-num must be ≥ 0, got {args.fusion_num}")
     if args.chunk_mb is not None:
@@ -159,7 +167,8 @@ def warm_up_and_settle(optimizer, timed, args, work) -> int:
         timed(1)
         search_steps += 1
     if search_steps:
-        work.log(f"Scheduler {args.scheduler} settled after {search_steps} steps beyond the warm-up")
+        work.log(f"Scheduler {args.scheduler} settled after {search_steps} step{'s' if search_steps != 1 else ''} "
+                 f"beyond the warm-up")
     work.log(optimizer.plan.describe(optimizer.param_infos(optimizer.plan.order())))
     if args.plan_out and work.rank == 0:
         optimizer.plan.save(args.plan_out)
@@ -218,17 +227,40 @@ def run_or_table(args, worker, table) -> int:
 
 
 def check_names(args) -> None:
-    """Fail fast, before any process starts, on names that do not exist (ValueError)."""
+    """Fail fast, before any process starts (ValueError): names that do not exist, a
+    compressor the communicator cannot carry, a --plan-in that is no plan of this model."""
     models.get(args.model)
     mergecomp.schedulers.get(args.scheduler)
     if args.scheduler == "optimal" and not args.profile_in:
         build_scheduler(args)  # raises the explanation
     if args.compress:
-        build_compressor(args)
-        if args.memory:
-            mergecomp.memories.get(args.memory)
-        if args.comm:
-            mergecomp.communicators.get(args.comm)
+        check_exchange(args)
+    if args.plan_in:
+        check_plan(args)
+
+
+def check_exchange(args) -> None:
+    """Build the compressor, memory and communicator every rank will build, here, with no
+    process group (:class:`~mergecomp.benchmarking.NoProcessGroup`): their construction
+    checks raise before any rank is spawned."""
+    compressor = build_compressor(args)
+    memory = mergecomp.memories.create(args.memory or compressor.recommended_memory)
+    mergecomp.communicators.create(args.comm or compressor.recommended_communicator, compressor=compressor,
+                                   memory=memory, backend=benchmarking.NoProcessGroup(args.nproc or 1))
+
+
+def check_plan(args) -> None:
+    """Load --plan-in and check it names exactly the model's trainable parameters (the
+    model is built on the meta device: names and sizes, no memory)."""
+    plan = mergecomp.Plan.load(args.plan_in)
+    with torch.device("meta"):
+        model = models.get(args.model).build()
+    params = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
+    try:
+        plan.validate([name for name, _ in params], dict(params))
+    except ValueError as error:
+        raise ValueError(f"--plan-in {args.plan_in}: {error}; was it saved (--plan-out) from a run "
+                         f"of --model {args.model}?") from None
 
 
 if __name__ == "__main__":

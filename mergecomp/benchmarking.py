@@ -6,6 +6,7 @@ count, same iterations, same statistics, same JSON keys.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -17,23 +18,28 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from . import launch, models
+from .backends.base import Backend
 
 
 def add_workload_arguments(p) -> None:
     """The flags :func:`prepare`, :func:`run_iterations` and :func:`run_workers` read."""
-    p.add_argument("--model", default="resnet20", help=f"one of {', '.join(models.available())}")
-    p.add_argument("--batch-size", type=int, default=None, help="per worker (default: the model's)")
-    p.add_argument("--num-warmup-batches", type=int, default=10)
-    p.add_argument("--num-batches-per-iter", type=int, default=10)
-    p.add_argument("--num-iters", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--model", default="resnet20", metavar="NAME",
+                   help=f"one of {', '.join(models.available())} (default resnet20)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="per worker (default: the model's)")
+    p.add_argument("--num-warmup-batches", type=int, default=10, metavar="N",
+                   help="untimed steps before the timed iterations (default 10)")
+    p.add_argument("--num-batches-per-iter", type=int, default=10, metavar="N",
+                   help="steps in one timed iteration (default 10)")
+    p.add_argument("--num-iters", type=int, default=10, metavar="N", help="timed iterations (default 10)")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate of the SGD optimizer (default 0.01)")
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if CUDA is available")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="spawn this many local workers (when not started by torchrun/mpirun/horovodrun)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads per worker (default: CPU cores / local workers)")
-    p.add_argument("--json", default=None, help="write the result as JSON to this path (rank 0)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON to this path (rank 0)")
+    p.add_argument("--seed", type=int, default=42,
+                   help="seed of the model's initial weights and of the synthetic batches (default 42)")
 
 
 def check_workload_arguments(p, args) -> None:
@@ -151,12 +157,9 @@ def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str,
     Returns per-iteration lists: ``rates`` (samples/s), ``step_times`` (s), and for each
     key of ``counters()`` its increase per step (bytes sent, ...).
     """
-    from tqdm import tqdm
     series: Dict[str, List[float]] = {"rates": [], "step_times": []}
-    # A progress bar on rank 0's terminal only: in logs its carriage returns garble lines.
-    progress = tqdm(range(args.num_iters), desc="iterations", file=sys.stderr, leave=False,
-                    disable=work.rank != 0 or not sys.stderr.isatty())
-    for i in progress:
+    iterations, write = _progress(args.num_iters, show=work.rank == 0 and sys.stderr.isatty())
+    for i in iterations:
         before = counters()
         seconds = timed(args.num_batches_per_iter)
         after = counters()
@@ -165,8 +168,26 @@ def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str,
         series["step_times"].append(seconds / args.num_batches_per_iter)
         series["rates"].append(work.batch_size * args.num_batches_per_iter / seconds)
         if work.rank == 0:
-            progress.write(f"Iter #{i}: {series['rates'][-1]:.1f} {work.spec.unit}/sec per worker")
+            write(f"Iter #{i}: {series['rates'][-1]:.1f} {work.spec.unit}/sec per worker")
     return series
+
+
+def _progress(iterations: int, show: bool):
+    """``range(iterations)`` and a function that prints a line: with a progress bar on
+    stderr when ``show`` (rank 0 on a terminal: in logs the bar's carriage returns garble
+    lines), the bar's own ``write``, which keeps the bar below the lines.
+
+    The bar gets a thread lock.  tqdm's default lock adds a multiprocessing semaphore,
+    created by every bar even a disabled one; a rank ends without the interpreter's
+    teardown (:func:`launch.exit_without_teardown`), so that semaphore is never released
+    and the resource tracker reports it as leaked when the launching process exits.
+    """
+    if not show:
+        return range(iterations), functools.partial(print, flush=True)
+    import threading
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
+    return tqdm(range(iterations), desc="iterations", file=sys.stderr, leave=False), tqdm.write
 
 
 def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any], List[Any]],
@@ -199,7 +220,7 @@ def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any
     }
     unit = work.spec.unit
     work.log(f"{unit.capitalize()}/sec per worker: {mean:.1f} +-{conf:.1f}")
-    work.log(f"Total {unit}/sec on {size} worker(s): {total:.1f} +-{conf * size:.1f}")
+    work.log(f"Total {unit}/sec on {size} worker{'s' if size != 1 else ''}: {total:.1f} +-{conf * size:.1f}")
     work.log(f"Bytes sent per worker per iteration: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
              f"{fp32_bytes:,} bytes; compression ratio {result['compression_ratio']:.1f}x")
     if size > 1:
@@ -249,7 +270,9 @@ def saved_results(paths, needs: str, written_by: str) -> Iterator[Dict[str, Any]
 
 def exit_with(main: Callable[[], int]) -> None:
     """Run a benchmark script's ``main()`` and exit with its code; a ValueError (an unknown
-    name, a value out of range) is printed as ``error: ...`` and exits 2, without a traceback.
+    name, a value out of range, a clash of flags) is printed as one line,
+    ``script.py: error: ...`` as argparse prints its errors, and exits 2, without a
+    traceback.
 
     A rank started by a launcher (torchrun, mpirun) exits without the interpreter's
     teardown once ``main()`` returned (see :func:`launch.exit_without_teardown`).
@@ -257,7 +280,7 @@ def exit_with(main: Callable[[], int]) -> None:
     try:
         code = main()
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
         sys.exit(2)
     if launch.detect().launcher not in ("single", "spawn"):
         launch.exit_without_teardown(code or 0)
@@ -265,12 +288,69 @@ def exit_with(main: Callable[[], int]) -> None:
 
 
 def run_workers(worker: Callable[[Any], Any], args) -> None:
-    """Run ``worker(args)`` here when a launcher started us, or spawn ``args.nproc`` local ranks."""
+    """Run ``worker(args)`` here when a launcher started us, or spawn ``args.nproc`` local ranks.
+
+    Check the flags before (:class:`NoProcessGroup` builds what needs no ranks); a
+    ValueError a spawned rank still raises (bad input only a rank can see) comes back as a
+    ValueError naming the rank, without the rank's traceback; any other failure keeps it.
+    """
     launcher = launch.detect().launcher
     if args.nproc is not None and launcher not in ("single", "spawn"):
         raise SystemExit(f"--nproc {args.nproc} was given but this process was started by "
                          f"{launcher}; use one or the other")
     if args.nproc is not None and launcher == "single":
-        launch.spawn(worker, args.nproc, args=(args,))
+        try:
+            launch.spawn(worker, args.nproc, args=(args,))
+        except launch.SpawnedProcessError as failure:
+            message = value_error_message(failure.child_traceback)
+            if message is None:
+                raise
+            raise ValueError(f"rank {failure.rank}: {message}") from None
     else:
         worker(args)
+
+
+def value_error_message(formatted: Optional[str]) -> Optional[str]:
+    """The message of the exception ``formatted`` (a ``traceback.format_exc()`` text) ends
+    with, if that exception is a ValueError; None otherwise (or for no traceback)."""
+    if not formatted:
+        return None
+    lines = formatted.rstrip("\n").split("\n")
+    # The last exception's text starts at the first unindented line after its last frame.
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=-1)
+    start = next((i for i in range(last_frame + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), None)
+    if start is None or not lines[start].startswith("ValueError: "):
+        return None
+    return "\n".join(lines[start:])[len("ValueError: "):]
+
+
+class NoProcessGroup(Backend):
+    """A backend with no process group behind it, for building components before any rank
+    exists.
+
+    The launching process builds the communicator the ranks will build with it, so the
+    checks communicators make at construction (allreduce refusing a compressor whose
+    payloads do not add up, ...) fail before processes are spawned, in one line, instead
+    of in every rank.  It is rank 0 of ``size``; every collective raises.
+    """
+
+    name = "no-process-group"
+
+    def __init__(self, size: int = 1):
+        super().__init__()
+        self._size = size
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError("NoProcessGroup has no process group: it builds components for their "
+                           "checks, it cannot run collectives")
+
+    allreduce_async = allgather_async = alltoall = _refuse
+    broadcast_object = allgather_object = barrier = _refuse

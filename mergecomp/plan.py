@@ -20,6 +20,12 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 #: How a group travels: through the configured compressor, or raw at a float width.
 SEND_MODES = ("compress", "fp32", "fp16", "bf16")
 
+#: What a plan file holds, for the errors of one that does not.
+PLAN_FORMAT = ('a plan file is the JSON Plan.save (--plan-out) writes: {"groups": [{"names": ["fc.weight", '
+               '"fc.bias"], "send": "compress"}, ...]}, the groups in launch order, each naming its '
+               f'parameters in backward order, "send" one of {", ".join(SEND_MODES)}, and optionally '
+               '"slices": one [start, stop] or null per name')
+
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -148,19 +154,30 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        try:
-            return cls([Group(tuple(g["names"]), g.get("send", "compress"), g.get("slices"))
-                        for g in data["groups"]])
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"not a mergecomp plan (expected {{'groups': [{{'names': [...], "
-                             f"'send': ...}}]}}): {error!r}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("groups"), list):
+            raise ValueError(f"not a mergecomp plan: it has no list of \"groups\"; {PLAN_FORMAT}")
+        groups = []
+        for index, g in enumerate(data["groups"]):
+            if not isinstance(g, dict) or not isinstance(g.get("names"), (list, tuple)):
+                raise ValueError(f"not a mergecomp plan: group {index} is {g!r:.80}, not a mapping with a list "
+                                 f"of \"names\"; {PLAN_FORMAT}")
+            try:
+                groups.append(Group(tuple(g["names"]), g.get("send", "compress"), g.get("slices")))
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"group {index} of the plan: {error}") from None
+        return cls(groups)
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not a mergecomp plan: not JSON ({error.msg} at line {error.lineno}, "
+                             f"column {error.colno}); {PLAN_FORMAT}") from None
+        return cls.from_dict(data)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -168,8 +185,21 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """The plan saved at ``path``; ValueError naming the file when it cannot be read or
+        holds no plan."""
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as error:
+            raise ValueError(f"cannot read plan file {path}: {error.strerror}; save a plan with "
+                             f"--plan-out or Plan.save()") from None
+        except UnicodeDecodeError as error:
+            raise ValueError(f"plan file {path} is not text ({error.reason} at byte {error.start}); "
+                             f"{PLAN_FORMAT}") from None
+        try:
+            return cls.from_json(text)
+        except ValueError as error:
+            raise ValueError(f"plan file {path}: {error}") from None
 
     def digest(self) -> str:
         """A short hash of the canonical JSON: equal on two ranks iff the plans are equal."""
@@ -183,14 +213,14 @@ class Plan:
         def label(name, piece):
             return name if piece is None else f"{name}[{piece[0]}:{piece[1]}]"
 
-        lines = [f"Plan {self.digest()}: {len(self.groups)} groups"]
+        lines = [f"Plan {self.digest()}: {_count(len(self.groups), 'group')}"]
         for index, group in enumerate(self.groups):
             slices = group.slices or (None,) * len(group.names)
             size = ""
             if sizes and all(n in sizes for n in group.names):
                 nbytes = sum((stop - start) * sizes[n] for n, start, stop in group.pieces(numels))
                 size = f", {nbytes / 1e6:.2f} MB"
-            what = f"{len(group.names)} tensors" + (f" ({sum(s is not None for s in slices)} sliced)"
+            what = _count(len(group.names), "tensor") + (f" ({sum(s is not None for s in slices)} sliced)"
                                                      if group.slices else "")
             span = label(group.names[0], slices[0]) + (
                 f" .. {label(group.names[-1], slices[-1])}" if len(group.names) > 1 else "")
@@ -199,3 +229,8 @@ class Plan:
 
     def __len__(self) -> int:
         return len(self.groups)
+
+
+def _count(number: int, noun: str) -> str:
+    """"1 group", "3 groups"."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -21,6 +21,7 @@ class Registry:
 
     def __init__(self, kind: str, base: type, entry_point_group: str):
         self.kind = kind
+        self.kinds = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"  # "memories"
         self.base = base
         self.entry_point_group = entry_point_group
         self._classes: Dict[str, type] = {}
@@ -74,7 +75,7 @@ class Registry:
             close = difflib.get_close_matches(str(name), names, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(
-                f"unknown {self.kind} {name!r}: {hint}available {self.kind}s are "
+                f"unknown {self.kind} {name!r}: {hint}available {self.kinds} are "
                 f"{', '.join(names)}") from None
 
     def create(self, name: str, **kwargs):

@@ -21,7 +21,11 @@ def test_two_workers_report_bytes_counted_at_the_backend(tmp_path):
                "--batch-size", "4", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
                "--num-iters", "2", "--threads", "1", "--json", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "Iter #1:" in done.stdout and "Total img/sec on 2 worker(s)" in done.stdout
+    assert "Iter #1:" in done.stdout and "Total img/sec on 2 workers:" in done.stdout
+    assert ": 2 groups\n" in done.stdout
+    # tqdm's multiprocessing lock, never released by a rank that skips teardown, used to
+    # end every --nproc run with the resource tracker's warning
+    assert "leaked semaphore" not in done.stderr, done.stderr
     result = json.loads(out.read_text())
     assert result["workers"] == 2 and result["groups"] == 2
     # top-k at 1%: fp32 values + int32 indices, 8 bytes per kept element (k rounded down per
@@ -41,6 +45,91 @@ def test_bad_flags_exit_with_a_clear_message():
     assert chunk.returncode == 2 and "--chunk-mb must be a size in MB > 0" in chunk.stderr
     chunk = run("--chunk-mb", "4")
     assert chunk.returncode == 2 and "not 'fixed'" in chunk.stderr
+    import compress_benchmark
+    with pytest.raises(ValueError, match="available memories are"):
+        compress_benchmark.main(["--compress", "--memory", "residul"])
+
+
+def error_line(done):
+    """The one line a bad configuration prints (no traceback), without the script's name."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    prefix = "compress_benchmark.py: error: "
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0][len(prefix):]
+
+
+def test_a_compressor_the_communicator_cannot_carry_is_refused_before_ranks_start():
+    # The communicator's own construction check, run in the launching process: a rank's
+    # error would start with "rank 0: ".
+    message = error_line(run("--nproc", "2", "--compress", "--compressor", "topk", "--comm", "allreduce"))
+    assert message.startswith("the allreduce communicator cannot carry compressor 'topk'")
+    assert "Use communicator='allgather' or 'ps'" in message
+
+
+def _bad_input_on_every_rank(args):
+    raise ValueError(f"--num-iters {args.num_iters} is not what this rank expected")
+
+
+def test_a_value_error_in_a_spawned_rank_comes_back_as_one_message():
+    import argparse
+    from mergecomp import benchmarking
+    with pytest.raises(ValueError) as raised:
+        benchmarking.run_workers(_bad_input_on_every_rank, argparse.Namespace(nproc=1, num_iters=3))
+    assert str(raised.value) == "rank 0: --num-iters 3 is not what this rank expected"
+    message = benchmarking.value_error_message(
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
+        'ValueError: two\nlines\n')
+    assert message == "two\nlines"
+    chained = ('Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: first\n\n'
+               'During handling of the above exception, another exception occurred:\n\n'
+               'Traceback (most recent call last):\n  File "x.py", line 3, in g\nKeyError: 1\n')
+    assert benchmarking.value_error_message(chained) is None  # a bug, not bad input: keep the traceback
+
+
+def test_compression_flags_without_compress_are_refused(capsys):
+    import compress_benchmark
+    for flags, named in ((["--compressor", "topk", "--comm", "allgather"], "--compressor topk, --comm allgather"),
+                         (["--compress-ratio", "0.01"], "--compress-ratio 0.01")):
+        with pytest.raises(SystemExit) as exited:
+            compress_benchmark.parse_args(flags)
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and f"{named} without --compress" in stderr and "add --compress" in stderr
+    assert compress_benchmark.parse_args(["--compress", "--compressor", "topk"]).compress
+
+
+def test_help_keeps_the_examples_lines_and_explains_every_flag():
+    import compress_benchmark
+    parser = compress_benchmark.build_parser()
+    assert "--compress --compressor dgc \\\n        --comm allgather --memory dgc" in parser.format_help()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+
+
+def test_plural_words_agree_with_their_numbers():
+    from mergecomp.plan import Group, Plan
+    text = Plan([Group(("w",))]).describe()
+    assert ": 1 group\n" in text and "group 0: 1 tensor, send" in text
+    assert ": 2 groups\n" in Plan([Group(("a", "b")), Group(("c",))]).describe()
+
+
+def test_a_plan_file_that_is_not_a_plan_names_the_file_and_the_format(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"groups": [\n  {"names": ["fc.weight"]\n')
+    message = error_line(run("--plan-in", str(broken)))
+    assert f"plan file {broken}: " in message and "not JSON" in message and "line 3, column 1" in message
+    assert 'a plan file is the JSON Plan.save (--plan-out) writes: {"groups": [{"names"' in message
+    import compress_benchmark  # the same checks in this process (main raises, exit_with prints)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f'plan file {listed}: not a mergecomp plan: it has no list of "groups"'):
+        compress_benchmark.main(["--plan-in", str(listed)])
+    with pytest.raises(ValueError, match=f"cannot read plan file {tmp_path / 'missing.json'}: No such file"):
+        compress_benchmark.main(["--plan-in", str(tmp_path / "missing.json")])
+    other = tmp_path / "other.json"
+    other.write_text('{"groups": [{"names": ["fc.weight"], "send": "compress"}]}')
+    with pytest.raises(ValueError, match=f"--plan-in {other}: plan does not match the model") as raised:
+        compress_benchmark.main(["--plan-in", str(other), "--model", "resnet20"])
+    assert "from a run of --model resnet20" in str(raised.value)
 
 
 def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):

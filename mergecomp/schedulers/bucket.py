@@ -36,13 +36,16 @@ class BucketScheduler(Scheduler):
     """Contiguous groups of about ``bucket_mb`` megabytes in backward order (Li et al., "PyTorch
     Distributed", VLDB 2020): the plan uncompressed DDP runs, here with any send mode.
 
-    With ``send="fp32"`` it is the DDP-equivalent plan the ``auto`` scheduler measures as a
+    ``send`` says how every group travels, as for the other schedulers: ``"compress"`` (the
+    default: the optimizer's compressor, so ``scheduler="bucket"`` changes the grouping,
+    never whether gradients are compressed) or raw ``"fp32"``/``"fp16"``/``"bf16"``.  With
+    ``send="fp32"`` it is the DDP-equivalent plan the ``auto`` scheduler measures as a
     candidate, so that declining compression never means a coarser overlap than DDP's.
     The first group of each dtype closes at ``first_bucket_mb``; by default DDP's rule: 1 MB
     with DDP's default 25 MB buckets, else the bucket size.
     """
 
-    def __init__(self, bucket_mb: float = DDP_BUCKET_MB, send: str = "fp32",
+    def __init__(self, bucket_mb: float = DDP_BUCKET_MB, send: str = "compress",
                  first_bucket_mb: Optional[float] = None):
         bucket_mb = self._megabytes("bucket_mb", bucket_mb)
         if first_bucket_mb is None:
