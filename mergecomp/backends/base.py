@@ -41,6 +41,34 @@ class Work:
             self._done = True
         return self._result
 
+    def future(self) -> "torch.futures.Future":
+        """A ``torch.futures.Future`` completed with :meth:`wait`'s result once the collective
+        is done, for chaining (``.then``) instead of blocking.
+
+        Handles that offer futures (torch.distributed's) complete it from their own
+        callback; others (Horovod's) are waited for on a helper thread.  The chained
+        callback runs on that thread: keep collectives out of it, or ranks could issue
+        them in different orders.
+        """
+        if self._done or not self._handles:
+            done = torch.futures.Future()
+            done.set_result(self.wait())
+            return done
+        if all(hasattr(h, "get_future") for h in self._handles):
+            return torch.futures.collect_all([h.get_future() for h in self._handles]).then(
+                lambda _: self.wait())
+        result = torch.futures.Future()
+
+        def complete() -> None:
+            try:
+                result.set_result(self.wait())
+            except BaseException as error:  # the waiter re-raises it from wait()/value()
+                result.set_exception(error)
+
+        import threading
+        threading.Thread(target=complete, daemon=True, name="mergecomp-work-future").start()
+        return result
+
 
 class Completed(Work):
     """A Work whose result is already known."""

@@ -30,6 +30,13 @@ class Handle:
     rounds: Optional[Generator] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
+    def future(self) -> "torch.futures.Future":
+        """A ``torch.futures.Future`` of the group's (first) collective: ``.then`` chains on
+        its completion.  Multi-round exchanges (PowerSGD) launch their next collective from
+        :meth:`Communicator.finish`, on the caller's thread, so that every rank issues them
+        in the same order: chain ``finish`` only for single-round handles."""
+        return self.work.future()
+
 
 class Communicator:
     """Base class: error feedback + compression + one async collective per group."""

@@ -1,0 +1,199 @@
+"""mergecomp as a DDP communication hook, on real gloo ranks."""
+import copy
+import gc
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mergecomp
+import mergecomp.ddp
+from tests.distributed import run_ranks
+from tests.test_optimizer import batch, make_model
+
+
+def _ddp(model, groups=2):
+    return DDP(model, bucket_cap_mb_list=mergecomp.ddp.bucket_caps(model, groups))
+
+
+def _bucket_plan(state, sends="compress"):
+    """The mergecomp plan whose groups are the hook's buckets, in bucket order."""
+    return mergecomp.Plan([mergecomp.Group(tuple(n for n, _ in state.layouts[i]), sends)
+                           for i in sorted(state.layouts)])
+
+
+def equivalence_worker(rank, world_size, compressor, memory, communicator):
+    model = make_model()
+    ddp = _ddp(model)
+    state = mergecomp.ddp.register(ddp, compressor=compressor, memory=memory, communicator=communicator)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook_grads = []
+    for step in range(4):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        hook_grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    layouts_stable = len(state.layouts) == 2
+
+    # The same exchange through DistributedOptimizer: the buckets as groups, the first
+    # step raw FP32 as the hook's first step (a bucket it has not seen) is.
+    twin = make_model()
+    wrapper = mergecomp.DistributedOptimizer(
+        torch.optim.SGD(twin.parameters(), lr=0.1), model=twin, compressor=compressor, memory=memory,
+        communicator=communicator, schedule=_bucket_plan(state, "fp32"))
+    optimizer_grads = []
+    for step in range(4):
+        if step == 2:  # DDP's first two steps had buckets new to the hook (DDP rebuilds after one)
+            wrapper.set_plan(_bucket_plan(state))
+        x, y = batch(step, rank)
+        wrapper.zero_grad()
+        nn.functional.mse_loss(twin(x), y).backward()
+        optimizer_grads.append([p.grad.clone() for p in twin.parameters()])
+        wrapper.step()
+    return hook_grads, optimizer_grads, layouts_stable, state.steps
+
+
+EQUIVALENT = [("fp16", "none", "allreduce"), ("topk", "residual", "allgather"), ("topk", "residual", "ps"),
+              ("powersgd", "none", "allreduce"), ("signsgd", "none", "allgather"),
+              ("efsignsgd", "residual", "allgather"), ("dgc", "residual", "allgather")]
+
+
+@pytest.mark.parametrize("compressor,memory,communicator", EQUIVALENT)
+def test_the_hook_averages_as_the_optimizer_does_with_the_same_groups(compressor, memory, communicator):
+    for hook_grads, optimizer_grads, stable, steps in run_ranks(equivalence_worker, 2, compressor, memory,
+                                                                communicator):
+        assert stable and steps == 4
+        for step, (a, b) in enumerate(zip(hook_grads, optimizer_grads)):
+            for got, want in zip(a, b):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+
+
+def every_compressor_worker(rank, world_size, compressor):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    ddp = _ddp(model)
+    state = mergecomp.ddp.register(ddp, compressor=compressor)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], state.skipped_steps
+
+
+@pytest.mark.parametrize("compressor", sorted(mergecomp.compressors.available()))
+def test_every_registered_compressor_runs_on_ddp_buckets(compressor):
+    (a, skipped0), (b, skipped1) = run_ranks(every_compressor_worker, 2, compressor)
+    assert skipped0 == skipped1 == 0
+    for x, y in zip(a, b):
+        assert torch.equal(x, y) and torch.isfinite(x).all()
+
+
+def checkpoint_worker(rank, world_size, how):
+    """A restart rebuilds DDP (whose first iteration buckets differently); the hook state
+    restored from a checkpoint must continue exactly as the same state kept in memory across
+    the same rebuild."""
+    def train(model, ddp, opt, steps, first):
+        for step in range(first, first + steps):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+
+    model = make_model()
+    ddp = _ddp(model)
+    state = mergecomp.ddp.register(ddp, compressor="topk", memory="residual")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, ddp, opt, 4, 0)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    if how == "state_dict":
+        buffer = io.BytesIO()
+        torch.save(state.state_dict(), buffer)
+        saved_state = buffer.getvalue()
+    else:
+        saved_state = pickle.dumps(state)
+    del ddp  # its reducer's autograd hooks go with it
+    gc.collect()
+    kept = _ddp(model)  # the same process rebuilds DDP around the same model and state
+    kept.register_comm_hook(state, mergecomp.ddp.hook)
+    train(model, kept, opt, 3, 4)
+    in_memory = [p.detach().clone() for p in model.parameters()]
+
+    resumed = make_model()
+    resumed.load_state_dict(saved_model)
+    ddp2 = _ddp(resumed)
+    opt2 = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(saved_opt)
+    if how == "state_dict":
+        state2 = mergecomp.ddp.HookState(ddp2, compressor="topk", memory="residual")
+        state2.load_state_dict(torch.load(io.BytesIO(saved_state), weights_only=True))
+    else:
+        state2 = pickle.loads(saved_state).attach(ddp2)
+    ddp2.register_comm_hook(state2, mergecomp.ddp.hook)
+    train(resumed, ddp2, opt2, 3, 4)
+    return in_memory, [p.detach().clone() for p in resumed.parameters()], state2.steps
+
+
+@pytest.mark.parametrize("how", ["state_dict", "pickle"])
+def test_a_checkpoint_of_the_hook_state_continues_exactly(how):
+    for in_memory, resumed, steps in run_ranks(checkpoint_worker, 2, how):
+        assert steps == 7
+        for a, b in zip(in_memory, resumed):
+            assert torch.equal(a, b)
+
+
+def nonfinite_worker(rank, world_size):
+    model = make_model()
+    ddp = _ddp(model)
+    state = mergecomp.ddp.register(ddp, compressor="topk", memory="residual")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads_nan = None
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x, y = batch(step, rank)
+            if step == 2 and rank == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            if step == 2:
+                before = io.BytesIO()
+                torch.save(state.communicator.state_dict(), before)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            if step == 2:
+                grads_nan = all(torch.isnan(p.grad).all() for p in model.parameters())
+                after = io.BytesIO()
+                torch.save(state.communicator.state_dict(), after)
+                unchanged = before.getvalue() == after.getvalue()
+                continue  # the caller skips the NaN step, as GradScaler would
+            opt.step()
+    return (grads_nan, unchanged, state.skipped_steps, [p.detach().clone() for p in model.parameters()],
+            any("rank(s) [1]" in str(w.message) for w in warned))
+
+
+def test_a_nan_on_one_rank_makes_the_buckets_nan_everywhere_and_keeps_state():
+    (nan0, same0, skipped0, params0, warned0), (nan1, same1, skipped1, params1, _) = run_ranks(nonfinite_worker, 2)
+    assert nan0 and nan1 and same0 and same1 and skipped0 == skipped1 == 1 and warned0
+    for a, b in zip(params0, params1):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def test_bucket_caps_follow_the_schedule_and_refuse_adaptive_ones():
+    model = make_model()
+    caps = mergecomp.ddp.bucket_caps(model, 2)
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    assert len(caps) == 2 and abs(sum(caps) * 2 ** 20 - sum(sizes)) < 1e-3
+    with pytest.raises(ValueError, match="re-plans while training"):
+        mergecomp.ddp.bucket_caps(model, "auto")
+
+
+def test_the_hook_takes_the_communicator_by_name():
+    with pytest.raises(TypeError, match="by name"):
+        mergecomp.ddp.HookState(None, "none", "none", communicator=object.__new__(
+            mergecomp.communicators.get("allreduce")))
