@@ -53,7 +53,7 @@ from .backends import Backend
 from .communicators.base import Communicator, Handle
 from .compressors.base import Compressor, GroupLayout, ParamView
 from .memories.base import Memory
-from .plan import ParamInfo, Plan
+from .plan import ParamInfo
 from .reducer import NONFINITE_POLICIES, config_digest
 from .regroup import CannotRegroup, regroup_state
 

@@ -1,7 +1,6 @@
 """What every rank must agree on: the starting model, the configuration, the step, and
 whether a step is applied at all (NaN/Inf anywhere drops it on every rank)."""
 import io
-import math
 import warnings
 
 import pytest
@@ -11,7 +10,7 @@ import torch.nn as nn
 import mergecomp
 from mergecomp.agreement import RanksDisagree, StepOutcome, describe_disagreement, fact_hash, hash_bits
 from tests.distributed import run_ranks
-from tests.test_optimizer import BATCH, batch, make_model, reference_params
+from tests.test_optimizer import batch, make_model
 
 
 class WithNorm(nn.Module):
@@ -66,7 +65,7 @@ def test_every_rank_starts_from_rank_0s_parameters_and_buffers():
 
 def averaged_after_backward_worker(rank, world_size):
     model = make_model()
-    opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
     x, y = batch(0, rank)
     nn.functional.mse_loss(model(x), y).backward()
     return [p.grad.clone() for p in model.parameters()]
@@ -374,7 +373,7 @@ def test_join_lets_ranks_with_uneven_inputs_finish_with_the_same_model():
 
 def accumulate_without_step_worker(rank, world_size):
     model = make_model()
-    opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
     x, y = batch(0, rank)
     nn.functional.mse_loss(model(x), y).backward()
     try:

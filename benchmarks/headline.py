@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""The headline: mergecomp against what a tuned user runs, and against the zero-cost bound.
+
+Compression is only worth its complexity if it beats DDP with a 16-bit hook (what a tuned
+user runs) and gets close to the *zero-cost bound*: the same workers computing the same
+steps with no exchange at all, i.e. as if compression and communication cost nothing
+(Agarwal et al., MLSys 2022; Espresso, EuroSys 2023).  Every worker here holds one copy of
+the model per configuration, all with the same initial weights and batch:
+
+* ``bound``: plain SGD, no exchange (each rank alone, at the same time as the others);
+* ``solo``: rank 0 runs the bound's step while the other ranks wait (one worker alone on
+  the host, the denominator of the scaling factor);
+* ``ddp-fp32``: DistributedDataParallel, no hook (FP32 allreduce of 25 MB buckets, C++);
+* ``ddp-fp16``: DDP's ``fp16_compress_hook`` (``bf16_compress_hook`` needs NCCL);
+* ``ddp-powersgd``: DDP's ``powerSGD_hook`` (rank ``--powersgd-rank``, error feedback, warm
+  start; one bucket: its later rounds are launched from future callbacks, which can reorder
+  collectives across buckets on gloo);
+* ``auto-<c>``: ``mergecomp.DistributedOptimizer(compressor=c, schedule="auto")`` for each
+  of ``--compressors`` (its recommended memory and communicator), settled before timing;
+* ``hook-<c>``: DDP with ``mergecomp.ddp``'s hook for each of ``--hook-compressors``, its
+  buckets set by ``mergecomp.ddp.bucket_caps(model, --hook-groups)``.
+
+After warm-up, ``--rounds`` rounds each run one window of ``--window`` steps of every
+configuration, the order rotated each round, a barrier and one untimed step before each
+window; a window's time is its slowest rank's.  Per configuration, the median over rounds
+gives the step time, and from it: throughput, the scaling factor against one worker
+(solo step time / step time) and against the bound (bound step time / step time), the ratio
+to ``ddp-fp16`` (its step time / this one's: > 1 is faster) and bytes handed to collectives
+per step.  For mergecomp's optimizer the phases are timed too: compression on the compute
+core (gather, error feedback, compression, collective start, summed over groups), the wait
+for collectives after backward, and decoding (decode, aggregate, average, write-back).
+
+    python benchmarks/headline.py --nproc 2 --threads 1 --model lstm --rounds 5
+    python benchmarks/cluster.py --workers 2 --profile 1gbit -- \\
+        python benchmarks/headline.py --model vgg16 --threads 1 --json cell.json
+    python benchmarks/headline.py --table results/*.json
+"""
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import compress_benchmark  # noqa: E402
+import mergecomp  # noqa: E402
+import mergecomp.ddp  # noqa: E402
+from benchmarks.ddp_baseline import AllreduceCounter  # noqa: E402
+from mergecomp import benchmarking  # noqa: E402
+
+DDP_BUCKET_CAP_MB = 25
+BASELINE = "ddp-fp16"
+MOMENTUM = 0.9
+
+
+def parse_args(argv=None):
+    p = compress_benchmark.build_parser(__doc__)
+    compress_benchmark.add_rounds_arguments(p, 8, "one window of every configuration")
+    p.add_argument("--compressors", default="fp16,dgc,efsignsgd,powersgd",
+                   help="compressors of the auto-scheduled mergecomp optimizer, comma-separated")
+    p.add_argument("--hook-compressors", default="fp16,dgc",
+                   help="compressors of mergecomp's DDP hook, comma-separated ('' for none)")
+    p.add_argument("--hook-groups", type=int, default=4, help="DDP buckets for mergecomp's hook (default 4)")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="DDP PowerSGD hook's rank (default 1)")
+    p.add_argument("--link", default="loopback",
+                   help="what the workers' links are, recorded in the result (e.g. the cluster's --profile)")
+    p.set_defaults(threads=1)
+    args = compress_benchmark.parse_rounds_arguments(p, argv)
+    if args.table:
+        return args
+    args.compressors = [c for c in args.compressors.split(",") if c]
+    args.hook_compressors = [c for c in args.hook_compressors.split(",") if c]
+    for name in args.compressors + args.hook_compressors:
+        mergecomp.compressors.get(name)  # an unknown name fails here, before any rank starts
+    if args.hook_groups < 1 or args.powersgd_rank < 1:
+        p.error("--hook-groups and --powersgd-rank must be ≥ 1")
+    return args
+
+
+class Configuration:
+    """One way to train the model: its step, its byte counter and (mergecomp) its phases."""
+
+    def __init__(self, name: str, step: Callable[[], None], bytes_sent: Callable[[], float],
+                 before: Callable[[], None] = None, optimizer=None):
+        self.name, self.step, self.bytes_sent, self.before, self.optimizer = name, step, bytes_sent, before, optimizer
+        self.phases: List[Dict[str, float]] = []
+
+
+def sgd(model, owns_momentum: bool, lr: float):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if owns_momentum else MOMENTUM)
+
+
+def build_configurations(args, work) -> Dict[str, Configuration]:
+    base = work.model
+    loss = work.spec.loss
+    configurations: Dict[str, Configuration] = {}
+
+    def train_step(model, optimizer):
+        def step():
+            optimizer.zero_grad()
+            loss(model(work.inputs), work.targets).backward()
+            optimizer.step()
+        return step
+
+    local = copy.deepcopy(base)
+    local_step = train_step(local, sgd(local, False, args.lr))
+    configurations["bound"] = Configuration("bound", local_step, lambda: 0.0)
+    configurations["solo"] = Configuration("solo", local_step if work.rank == 0 else (lambda: None), lambda: 0.0)
+
+    numel = work.num_params
+    for hook_name in ("fp32", "fp16", "powersgd"):
+        model = copy.deepcopy(base)
+        if hook_name == "powersgd":
+            ddp = DistributedDataParallel(model, bucket_cap_mb=10 ** 6)  # one bucket, see the docstring
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                                start_powerSGD_iter=2, random_seed=args.seed)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            counter = AllreduceCounter()
+            inner = train_step(ddp, sgd(ddp, False, args.lr))
+
+            def step(inner=inner, counter=counter):
+                with counter:
+                    inner()
+            configurations["ddp-powersgd"] = Configuration("ddp-powersgd", step, lambda c=counter: c.bytes_sent)
+            continue
+        ddp = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_MB)
+        if hook_name == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        per_step = numel * (4 if hook_name == "fp32" else 2)  # what DDP hands to allreduce
+        configurations[f"ddp-{hook_name}"] = _counted(f"ddp-{hook_name}", train_step(ddp, sgd(ddp, False, args.lr)),
+                                                      per_step)
+
+    for name in args.compressors:
+        model = copy.deepcopy(base)
+        compressor = mergecomp.compressors.create(name)
+        memory = mergecomp.memories.create(compressor.recommended_memory)
+        optimizer = mergecomp.DistributedOptimizer(sgd(model, _owns_momentum(compressor, memory), args.lr),
+                                                   model=model, compressor=compressor, memory=memory,
+                                                   schedule="auto")
+        configurations[f"auto-{name}"] = Configuration(
+            f"auto-{name}", train_step(model, optimizer), lambda o=optimizer: o.backend.bytes_sent,
+            before=optimizer.restart_step_clock, optimizer=optimizer)
+
+    for name in args.hook_compressors:
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, bucket_cap_mb_list=mergecomp.ddp.bucket_caps(model, args.hook_groups))
+        state = mergecomp.ddp.register(ddp, compressor=name)
+        owns = _owns_momentum(state.compressor, state.memory)
+        configurations[f"hook-{name}"] = Configuration(
+            f"hook-{name}", train_step(ddp, sgd(ddp, owns, args.lr)), lambda s=state: s.backend.bytes_sent)
+    return configurations
+
+
+def _owns_momentum(*components) -> bool:
+    """DGC's memory and SIGNUM keep the momentum: the optimizer must not have one too."""
+    return any(callable(getattr(c, "check_optimizer", None)) for c in components)
+
+
+def _counted(name: str, step: Callable[[], None], per_step: float) -> Configuration:
+    count = {"bytes": 0.0}
+
+    def counted_step():
+        step()
+        count["bytes"] += per_step
+    return Configuration(name, counted_step, lambda: count["bytes"])
+
+
+def settle(configurations: Dict[str, Configuration], args, work) -> Dict[str, int]:
+    """Warm every configuration up; run each auto optimizer until its scheduler settles."""
+    search = {}
+    for name, configuration in configurations.items():
+        for _ in range(max(3, args.num_warmup_batches)):
+            configuration.step()
+        optimizer = configuration.optimizer
+        if optimizer is not None:
+            steps = 0
+            while not optimizer.scheduler.settled:
+                configuration.step()
+                steps += 1
+            search[name] = steps
+            work.log(f"{name}: auto settled after {steps} steps: "
+                     + optimizer.plan.describe(optimizer.param_infos()).splitlines()[0])
+    return search
+
+
+def timed_rounds(configurations: Dict[str, Configuration], args):
+    """Interleaved windows (the order rotated each round, a barrier and one untimed step
+    before each).  Returns, per configuration: seconds per step per round on this rank,
+    bytes per timed step, and (mergecomp's optimizer) its phases per step per round."""
+    names = list(configurations)
+    per_step = {name: [] for name in names}
+    sent = {name: 0.0 for name in names}
+    phases = {name: {"launch": [], "finish": [], "sync": []} for name in names}
+    window_phases: Dict[str, Dict[str, float]] = {}
+
+    handles = []
+    for name, configuration in configurations.items():
+        if configuration.optimizer is not None:
+            def on_phase(phase, group, seconds, name=name):
+                if name in window_phases:
+                    window_phases[name][phase] += seconds
+            handles.append(configuration.optimizer.add_phase_listener(on_phase))
+    try:
+        for round_index in range(args.rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                configuration = configurations[name]
+                optimizer = configuration.optimizer
+                dist.barrier()
+                if configuration.before is not None:
+                    configuration.before()
+                configuration.step()  # untimed: the others left caches and allocator cold
+                window_phases[name] = {"launch": 0.0, "finish": 0.0, "sync": 0.0}
+                bytes_before = configuration.bytes_sent()
+                started = time.perf_counter()
+                for _ in range(args.window):
+                    configuration.step()
+                    if optimizer is not None:
+                        window_phases[name]["sync"] += optimizer.last_sync_time
+                per_step[name].append((time.perf_counter() - started) / args.window)
+                sent[name] += configuration.bytes_sent() - bytes_before
+                if optimizer is not None:
+                    for key, total in window_phases[name].items():
+                        phases[name][key].append(total / args.window)
+                del window_phases[name]
+    finally:
+        for handle in handles:
+            handle.remove()
+    steps = args.rounds * args.window
+    return per_step, {name: total / steps for name, total in sent.items()}, phases
+
+
+def worker(args):
+    work = benchmarking.prepare(args)
+    warnings.simplefilter("ignore", UserWarning)
+    configurations = build_configurations(args, work)
+    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size {work.batch_size} "
+             f"per worker, {work.size} workers, {args.threads} thread(s) each; configurations: "
+             + ", ".join(configurations))
+    search = settle(configurations, args, work)
+    per_step, bytes_per_step, phases = timed_rounds(configurations, args)
+    gathered = [None] * work.size
+    dist.all_gather_object(gathered, per_step)
+    slowest = {name: [max(r[name][i] for r in gathered) for i in range(args.rounds)] for name in configurations}
+    step_s = {name: statistics.median(v) for name, v in slowest.items()}
+    result = {
+        "model": args.model, "batch_size": work.batch_size, "workers": work.size, "threads": args.threads,
+        "unit": work.spec.unit, "num_params": work.num_params, "rounds": args.rounds, "window": args.window,
+        "link": args.link, "torch": torch.__version__,
+        "configurations": {}, "search_steps": search, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    for name in configurations:
+        entry = {"step_s": step_s[name], "step_s_rounds": slowest[name], "bytes_per_step": bytes_per_step[name]}
+        if name != "solo":
+            entry["throughput"] = work.size * work.batch_size / step_s[name]
+            entry["scaling_vs_one_worker"] = step_s["solo"] / step_s[name]
+            entry["scaling_vs_bound"] = step_s["bound"] / step_s[name]
+            entry["versus_ddp_fp16"] = step_s[BASELINE] / step_s[name]
+            entry["versus_ddp_fp16_rounds"] = [b / s for b, s in zip(slowest[BASELINE], slowest[name])]
+        optimizer = configurations[name].optimizer
+        if optimizer is not None:
+            entry["phases_s"] = {key: statistics.median(values) for key, values in phases[name].items() if values}
+            entry["plan"] = optimizer.plan.describe(optimizer.param_infos()).splitlines()[0]
+            entry["groups"] = len(optimizer.plan)
+            entry["compressed_groups"] = sum(g.send == "compress" for g in optimizer.plan.groups)
+        result["configurations"][name] = entry
+    work.log(table_of(result))
+    return benchmarking.finish(result, args.json, work)
+
+
+def table_of(result: Dict[str, Any]) -> str:
+    lines = [f"{result['model']}, {result['workers']} workers, {result['link']}: "
+             f"median of {result['rounds']} rounds of {result['window']} steps",
+             "| configuration | ms/step | throughput | × one worker | × bound | × ddp-fp16 | kB/step | phases (compress / wait / decode ms) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, entry in result["configurations"].items():
+        if name == "solo":
+            lines.append(f"| solo (one worker alone) | {entry['step_s'] * 1e3:.0f} | | | | | | |")
+            continue
+        phases = entry.get("phases_s")
+        phase_text = ""
+        if phases:
+            wait = max(0.0, phases.get("sync", 0.0) - phases.get("finish", 0.0))
+            phase_text = (f"{phases.get('launch', 0) * 1e3:.0f} / {wait * 1e3:.0f} / "
+                          f"{phases.get('finish', 0) * 1e3:.0f}")
+        lines.append(f"| {name} | {entry['step_s'] * 1e3:.0f} | {entry['throughput']:.1f} | "
+                     f"{entry['scaling_vs_one_worker']:.2f} | {entry['scaling_vs_bound']:.2f} | "
+                     f"{entry['versus_ddp_fp16']:.2f} | {entry['bytes_per_step'] / 1e3:,.1f} | {phase_text} |")
+    return "\n".join(lines)
+
+
+def table(paths) -> str:
+    return "\n\n".join(table_of(r) for r in benchmarking.saved_results(paths, "configurations",
+                                                                         "benchmarks/headline.py"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+    benchmarking.run_workers(worker, args)
+    return 0
+
+
+if __name__ == "__main__":
+    benchmarking.exit_with(main)
