@@ -54,6 +54,7 @@ from .base import Communicator, Handle
 from ..backends.serialize import MAX_DIMS, pack, unpack
 from ..compressors.base import Compressor, Context, GroupLayout, clip_layout
 from ..memories.none import NoneMemory
+from ..staging import StagedDict
 
 #: dtypes a self-describing blob can carry, by code.
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
@@ -129,7 +130,7 @@ class PSCommunicator(Communicator):
         if server_residual is None:
             server_residual = not isinstance(memory, NoneMemory)
         self.server_residual = self.recompresses and server_residual
-        self.server_residuals: Dict[str, torch.Tensor] = {}
+        self.server_residuals = StagedDict()  # staged like the memories': see commit()
         self._vote_compressor: Optional[Compressor] = None
 
     @property
@@ -246,16 +247,31 @@ class PSCommunicator(Communicator):
         return total.view(handle.shape)
 
     # -- state ----------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Keep this step's worker and server state (every rank agreed the step is good)."""
+        super().commit()
+        self.server_residuals.commit()
+        if self._vote_compressor is not None:
+            self._vote_compressor.commit()
+
+    def rollback(self) -> None:
+        """Drop this step's worker and server state: residuals are the previous step's."""
+        super().rollback()
+        self.server_residuals.rollback()
+        if self._vote_compressor is not None:
+            self._vote_compressor.rollback()
+
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()
-        state["server_residuals"] = {k: v.detach().clone() for k, v in self.server_residuals.items()}
+        state["server_residuals"] = {k: v.detach().clone()
+                                     for k, v in self.server_residuals.committed().items()}
         if self._vote_compressor is not None:
             state["server_compressor"] = self._vote_compressor.state_dict()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.server_residuals = {k: v.clone() for k, v in state.get("server_residuals", {}).items()}
+        self.server_residuals.replace({k: v.clone() for k, v in state.get("server_residuals", {}).items()})
         if state.get("server_compressor"):
             self.server_compressor.load_state_dict(state["server_compressor"])
 
