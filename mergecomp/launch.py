@@ -329,13 +329,16 @@ def shutdown(linger_s: float = SHUTDOWN_LINGER_S) -> None:
         dist.destroy_process_group()
         if hosts_store and world_size > 1 and beacons:
             deadline = time.monotonic() + linger_s
-            while time.monotonic() < deadline:
-                count = beacons[0].left_count()
-                if count is None or count >= world_size:
-                    break
+            while time.monotonic() < deadline and not all(_everyone_left(b) for b in beacons):
                 time.sleep(0.05)
     watchdog.forget_beacons()
     _initialised_info = None
+
+
+def _everyone_left(beacon: "watchdog.Beacon") -> bool:
+    """Whether every rank of the beacon's group has left (or its store is gone)."""
+    count = beacon.left_count()
+    return count is None or count >= beacon.world_size
 
 
 def _choose_backend(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:
