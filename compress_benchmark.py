@@ -49,6 +49,10 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--plan-in", default=None, help="execute this saved plan (JSON)")
     p.add_argument("--plan-out", default=None, help="save the plan used (JSON)")
     p.add_argument("--list", action="store_true", help="list models and components, then exit")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a collective waits for the slowest rank before failing with "
+                        "the ranks behind named (default: $MERGECOMP_TIMEOUT, else 60 for gloo, "
+                        "300 for NCCL)")
     return p
 
 
@@ -63,6 +67,8 @@ def check_arguments(p: argparse.ArgumentParser, args) -> None:
             p.error(f"{', '.join(given)} without --compress: compression is off, so "
                     f"{'it' if len(given) == 1 else 'they'} would be ignored and every gradient sent "
                     f"uncompressed in an FP32 allreduce; add --compress")
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.fusion_num < 0:
         p.error(f"--fusion-num must be ≥ 0, got {args.fusion_num}")
     if args.chunk_mb is not None:

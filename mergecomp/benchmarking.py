@@ -81,11 +81,12 @@ class Workload:
 def prepare(args) -> Workload:
     """Initialise the process group and build the model and its synthetic batch.
 
-    ``args`` needs ``no_cuda``, ``threads``, ``seed``, ``model`` and ``batch_size``.
+    ``args`` needs ``no_cuda``, ``threads``, ``seed``, ``model`` and ``batch_size``; an
+    optional ``timeout`` (seconds) bounds every collective's wait.
     On the CPU each worker gets cores / local workers threads unless ``threads`` says.
     """
     device_name = "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
-    info = launch.init_distributed(device=device_name)
+    info = launch.init_distributed(device=device_name, timeout_s=getattr(args, "timeout", None))
     device = torch.device("cuda", info.local_rank) if device_name == "cuda" else torch.device("cpu")
     if device.type == "cpu":
         cores = os.cpu_count() or 1

@@ -202,6 +202,7 @@ class HookState:
     def _begin_step(self, device: torch.device) -> None:
         if self._agreement is None:
             self._agreement = StepAgreement(self.backend, device)
+        self.backend.mark_step(self.steps)
         self._preflight = self._agreement.preflight(self.facts())
         self._new_layouts = {}
 

@@ -32,6 +32,7 @@ Open MPI refuses to start as root unless told to: ``mpirun --allow-run-as-root``
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -46,6 +47,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from . import watchdog
 
 LAUNCHERS = ("torchrun", "horovodrun", "mpirun", "spawn", "env", "single")
 LAUNCHER_VARIABLE = "MERGECOMP_LAUNCHER"
@@ -189,7 +192,50 @@ def free_port() -> int:
 
 # ----------------------------------------------------------------------------- init
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 300,
+TIMEOUT_VARIABLE = watchdog.TIMEOUT_VARIABLE
+#: How long a collective waits for the slowest rank before it fails, by backend.  The wait
+#: covers one step's skew between ranks plus whatever one rank does alone between two
+#: collectives (logging, evaluation or checkpointing on rank 0), so it must be longer than
+#: that; it also bounds how long the others hang when a rank stops taking part without
+#: exiting.  One minute keeps a stopped CPU job from hanging for torch's default 30 minutes
+#: while leaving room for slow steps of large models on CPUs.  NCCL jobs keep five minutes:
+#: NCCL sets its communicators up lazily, at the first collective, which takes longer at
+#: scale, and a NCCL timeout aborts the process rather than raising.
+DEFAULT_TIMEOUT_S = {"gloo": 60.0, "mpi": 60.0, "nccl": 300.0}
+#: Ranks meet at start-up under a separate, longer limit: processes of one job can start
+#: minutes apart (containers pulled on several machines, a slow shared file system).
+RENDEZVOUS_TIMEOUT_S = 300.0
+#: How long :func:`shutdown` on the rank that hosts the rendezvous store (rank 0) keeps the
+#: store up for ranks still reading it (their own shutdown, the progress of the ranks when
+#: their last collective failed), at most.
+SHUTDOWN_LINGER_S = 10.0
+
+
+def collective_timeout(timeout_s: Optional[float] = None, backend: str = "gloo",
+                       environ: Optional[Mapping[str, str]] = None) -> float:
+    """The collective timeout to use: ``timeout_s`` if given, else the MERGECOMP_TIMEOUT
+    environment variable (seconds), else :data:`DEFAULT_TIMEOUT_S` for ``backend``."""
+    if timeout_s is not None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        return float(timeout_s)
+    env = os.environ if environ is None else environ
+    raw = env.get(TIMEOUT_VARIABLE, "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise ValueError(f"environment variable {TIMEOUT_VARIABLE} must be a positive number "
+                             f"of seconds, got {env[TIMEOUT_VARIABLE]!r}; e.g. "
+                             f"{TIMEOUT_VARIABLE}=120")
+        return value
+    return DEFAULT_TIMEOUT_S.get(backend, DEFAULT_TIMEOUT_S["gloo"])
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None,
                      device: Optional[str] = None) -> LaunchInfo:
     """Detect the launch and initialise the default torch.distributed process group.
 
@@ -199,6 +245,14 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300,
     same for one and many ranks.  MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
     LOCAL_WORLD_SIZE are exported for code that reads them.  Calling it again once the group
     exists only returns the launch info.
+
+    ``timeout_s`` bounds every collective's wait for the other ranks (see
+    :func:`collective_timeout`: default from MERGECOMP_TIMEOUT, else
+    :data:`DEFAULT_TIMEOUT_S`); a collective that runs out of it raises
+    :class:`mergecomp.watchdog.CollectiveTimeout` naming the ranks behind.  The start-up
+    rendezvous waits :data:`RENDEZVOUS_TIMEOUT_S` (or ``timeout_s`` if longer).
+    :func:`shutdown` is registered to run at interpreter exit, so a rank whose script ends
+    leaves the group at once and the others fail within seconds instead of waiting.
     """
     global _initialised_info
     if dist.is_initialized() and _initialised_info is not None:
@@ -211,9 +265,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300,
                 f"{dist.get_world_size()}, but the {info.launcher} launch says rank "
                 f"{info.rank} of {info.world_size}")
         return info
-    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     backend = _choose_backend(backend, device, info)
+    timeout = collective_timeout(timeout_s, backend)
     if info.master_addr is None or info.master_port is None:  # only a single process
         info = LaunchInfo(info.launcher, info.rank, info.world_size, info.local_rank,
                           info.local_world_size, LOOPBACK, free_port())
@@ -221,27 +274,71 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300,
                       RANK=str(info.rank), WORLD_SIZE=str(info.world_size),
                       LOCAL_RANK=str(info.local_rank),
                       LOCAL_WORLD_SIZE=str(info.local_world_size))
+    # torch.distributed has one timeout for the rendezvous and the collectives; where it
+    # can change the collectives' afterwards (gloo and NCCL groups), the rendezvous gets
+    # the longer one.
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    separate = set_timeout is not None and backend in ("gloo", "nccl")
+    rendezvous = max(timeout, RENDEZVOUS_TIMEOUT_S) if separate else timeout
     dist.init_process_group(backend, init_method="env://", rank=info.rank,
-                            world_size=info.world_size, timeout=timedelta(seconds=timeout_s))
+                            world_size=info.world_size, timeout=timedelta(seconds=rendezvous))
+    if rendezvous != timeout:
+        set_timeout(timedelta(seconds=timeout))
+    watchdog.configured_timeout_s = timeout
     _initialised_info = info
+    _register_exit_handler()
     return info
 
 
 _initialised_info: Optional[LaunchInfo] = None  # what init_distributed set up, for repeat calls
+_exit_handler_registered = False
 
 
-def shutdown() -> None:
-    """Tear the process group down in order: wait for every rank, then destroy it.
+def _register_exit_handler() -> None:
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(shutdown)
+        _exit_handler_registered = True
 
-    Leaving the interpreter with a live gloo group can abort the process ("terminate called
-    without an active exception") when its threads are destroyed mid-flight; call this at
-    the end of a training script.  Does nothing when no group is initialised.
+
+def shutdown(linger_s: float = SHUTDOWN_LINGER_S) -> None:
+    """Leave the job: record it in this rank's progress beacon and destroy the process group
+    at once, without waiting for the other ranks.
+
+    Ranks still waiting in a collective for this one then fail within seconds, with an error
+    that says this rank left (:class:`mergecomp.watchdog.PeerLost`), instead of hanging until
+    their timeout.  At the end of training every rank has completed the same collectives, so
+    nothing is lost by not waiting.  The rank hosting the rendezvous store (rank 0, unless
+    torchrun's agent hosts it) keeps the store up after destroying its group until every rank
+    has left, at most ``linger_s`` seconds, so that the others can still record their exit
+    and read why a collective failed.
+
+    :func:`init_distributed` registers this to run at interpreter exit; calling it earlier
+    is fine, and calling it again does nothing.  Leaving the interpreter with a live gloo
+    group can abort the process ("terminate called without an active exception") when its
+    threads are destroyed mid-flight, which this avoids.
     """
     global _initialised_info
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        beacons = watchdog.beacons()
+        for beacon in beacons:
+            beacon.leave()
+        hosts_store = (dist.get_rank() == 0
+                       and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
+        world_size = dist.get_world_size()
         dist.destroy_process_group()
+        if hosts_store and world_size > 1 and beacons:
+            deadline = time.monotonic() + linger_s
+            while time.monotonic() < deadline and not all(_everyone_left(b) for b in beacons):
+                time.sleep(0.05)
+    watchdog.forget_beacons()
     _initialised_info = None
+
+
+def _everyone_left(beacon: "watchdog.Beacon") -> bool:
+    """Whether every rank of the beacon's group has left (or its store is gone)."""
+    count = beacon.left_count()
+    return count is None or count >= beacon.world_size
 
 
 def _choose_backend(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:
@@ -341,8 +438,7 @@ def _run_child(fn, args, env, sender) -> None:
     sender.close()
     if message[0] == "error":
         os._exit(1)  # skip interpreter teardown, which can block on a broken collective
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown()
     exit_without_teardown(0)
 
 

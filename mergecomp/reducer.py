@@ -369,7 +369,7 @@ class Reducer:
         self.synchronized = False
         self._in_backward = True
         if self._backward_passes == 0 and self._preflight is None and not self._preflight_checked:
-            self._preflight = self.agreement.preflight(self.facts())
+            self._start_preflight()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
@@ -378,6 +378,12 @@ class Reducer:
         self._backward_passes += 1
         if self._backward_passes >= self.backward_passes_per_step:
             self.synchronize()
+
+    def _start_preflight(self) -> None:
+        """The step's first collective: mark the step in the progress beacons (so a rank
+        that falls behind is named if a collective times out), then the preflight."""
+        self.backend.mark_step(self.steps)
+        self._preflight = self.agreement.preflight(self.facts())
 
     def _check_preflight(self) -> None:
         if self._preflight is not None:
@@ -421,7 +427,7 @@ class Reducer:
         self._in_step = True
         try:
             if self._preflight is None and not self._preflight_checked:  # no backward launched it
-                self._preflight = self.agreement.preflight(self.facts())
+                self._start_preflight()
             if self.plan is None:
                 self._check_preflight()
                 self.install_plan(self._make_plan())

@@ -27,7 +27,10 @@ def make(kind, compressor, memory="none", backend=None, **kwargs):
 
 
 def exchange(communicator, tensor, name):
-    return communicator.finish(communicator.start(tensor.clone(), name))
+    """One step of one group, committed as the reducer commits every good step."""
+    result = communicator.finish(communicator.start(tensor.clone(), name))
+    communicator.commit()
+    return result
 
 
 class NonzeroCompressor(Compressor):
@@ -192,6 +195,56 @@ def test_ps_every_lossy_compressor_with_error_feedback_on_both_sides():
         if not recompresses:  # summable payloads are added exactly: nothing to keep
             assert entry["residual_norm"] == 0
 
+
+
+# ----------------------------------------------------------------------- transactional state
+def _committed_state(ps):
+    state = ps.state_dict()
+    return {"server": state["server_residuals"], "workers": state["memory"]["residuals"]}
+
+
+def _equal_states(left, right):
+    return all(left[side].keys() == right[side].keys()
+               and all(torch.equal(left[side][k], right[side][k]) for k in left[side])
+               for side in left)
+
+
+def rollback_worker(rank, world_size):
+    backend = TorchDistributedBackend()
+    ps = make("ps", compressors.create("topk", compress_ratio=0.05), "residual", backend)
+    numel = 301
+    exchange(ps, gradient(0, rank, numel), "group")  # committed
+    before = _committed_state(ps)
+    held = {k: (v, v.clone()) for k, v in ps.server_residuals.items()}
+    assert before["server"] and before["workers"]
+    out = ps.finish(ps.start(gradient(1, rank, numel), "group"))  # a step to drop
+    assert torch.isfinite(out).all()
+    assert _equal_states(_committed_state(ps), before)  # state_dict: committed state only
+    assert not _equal_states({"server": dict(ps.server_residuals), "workers": {}},
+                             {"server": before["server"], "workers": {}})  # the step wrote
+    assert all(torch.equal(value, copy) for value, copy in held.values())  # nothing in place
+    ps.rollback()
+    assert _equal_states({"server": dict(ps.server_residuals), "workers": dict(ps.memory.residuals)},
+                         before)
+    # The dropped step left no trace: the next step matches a run that never saw it.
+    twin = make("ps", compressors.create("topk", compress_ratio=0.05), "residual", backend)
+    exchange(twin, gradient(0, rank, numel), "group")
+    torch.testing.assert_close(exchange(ps, gradient(2, rank, numel), "group"),
+                               exchange(twin, gradient(2, rank, numel), "group"))
+    assert _equal_states(_committed_state(ps), _committed_state(twin))
+    # A majority vote's server compressor is committed and rolled back with the rest.
+    vote = make("ps", "signsgd", "none", backend)
+    exchange(vote, gradient(0, rank, numel), "vote")
+    calls = []
+    vote._vote_compressor.commit = lambda: calls.append("commit")
+    vote._vote_compressor.rollback = lambda: calls.append("rollback")
+    vote.rollback()
+    vote.commit()
+    return calls
+
+
+def test_ps_rollback_restores_worker_and_server_residuals():
+    assert run_ranks(rollback_worker, 3) == [["rollback", "commit"]] * 3
 
 
 # ----------------------------------------------------------------------- end to end

@@ -25,18 +25,31 @@ Tensors = Tuple[torch.Tensor, ...]
 
 
 class Work:
-    """An operation in flight: ``wait()`` blocks until done and returns its result."""
+    """An operation in flight: ``wait()`` blocks until done and returns its result.
 
-    def __init__(self, handles: Sequence[Any] = (), finalize: Optional[Callable[[], Any]] = None):
+    ``explain(error)``, when given, turns what a handle's ``wait()`` raised into a clearer
+    error (a :class:`mergecomp.watchdog.CollectiveError` naming the ranks behind), or
+    returns None to let the original error through.
+    """
+
+    def __init__(self, handles: Sequence[Any] = (), finalize: Optional[Callable[[], Any]] = None,
+                 explain: Optional[Callable[[BaseException], Optional[BaseException]]] = None):
         self._handles = list(handles)
         self._finalize = finalize
+        self._explain = explain
         self._done = False
         self._result = None
 
     def wait(self):
         if not self._done:
-            for handle in self._handles:
-                handle.wait()
+            try:
+                for handle in self._handles:
+                    handle.wait()
+            except Exception as error:
+                clearer = self._explain(error) if self._explain is not None else None
+                if clearer is None:
+                    raise
+                raise clearer from error
             self._result = self._finalize() if self._finalize is not None else None
             self._done = True
         return self._result
@@ -98,6 +111,13 @@ class Backend:
     def size(self) -> int:
         raise NotImplementedError
 
+    # -- progress -----------------------------------------------------------------------
+    def mark_step(self, step: int) -> None:
+        """Record that this rank starts training step ``step`` (call it once per step, on
+        every rank, before the step's first collective).  A backend that keeps progress
+        beacons (torch.distributed) names the ranks that fell behind when a collective
+        fails; this default keeps none."""
+
     # -- accounting -------------------------------------------------------------------
     @staticmethod
     def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -129,7 +149,8 @@ class Backend:
         raise NotImplementedError
 
     def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool,
-                        bound: Optional[Sequence[torch.Size]] = None) -> Work:
+                        bound: Optional[Sequence[torch.Size]] = None,
+                        limit: Optional[int] = None) -> Work:
         """Gather a tuple of tensors from every rank; ``wait()`` returns one tuple per rank.
 
         With ``same_shapes`` every rank sends tensors of the local shapes; otherwise shapes
@@ -137,11 +158,20 @@ class Backend:
         of each part (the same on every rank), lets the shapes travel inside one
         fixed-size blob; without it a backend whose collectives need sizes up front
         exchanges the shapes first, a blocking collective: the caller waits for every rank.
+        ``limit`` is the most bytes a rank's payload may take: shapes received from a peer
+        that claim more raise :class:`~mergecomp.backends.serialize.HeaderError` before
+        anything is allocated (see :func:`~mergecomp.backends.serialize.payload_limit`).
+
+        Every tensor handed in must be on one device, the group's: the collective's
+        buffers, headers included, are made there (NCCL takes CUDA tensors only).
         """
         raise NotImplementedError
 
-    def alltoall(self, chunks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Send 1-D uint8 ``chunks[r]`` to rank r; return the chunk received from each rank."""
+    def alltoall(self, chunks: Sequence[torch.Tensor], limit: Optional[int] = None) -> List[torch.Tensor]:
+        """Send 1-D uint8 ``chunks[r]`` to rank r; return the chunk received from each rank.
+
+        ``limit`` is the most bytes a chunk from a peer may take (HeaderError beyond it,
+        before the receive buffer is allocated)."""
         raise NotImplementedError
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

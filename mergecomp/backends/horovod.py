@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from .base import Backend, Completed, Work
-from .serialize import blob_size, pack, shape_header, shapes_from_header, unpack
+from .serialize import blob_size, check_blob_size, header_error, pack, shape_header, shapes_from_header, unpack
 
 INSTALL_ADVICE = (
     "Install Horovod with PyTorch support: 'HOROVOD_WITH_PYTORCH=1 pip install --no-cache-dir "
@@ -95,7 +95,8 @@ class HorovodBackend(Backend):
         return Work(pending, lambda: tensors)
 
     def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool,
-                        bound: Optional[Sequence[torch.Size]] = None) -> Work:
+                        bound: Optional[Sequence[torch.Size]] = None,
+                        limit: Optional[int] = None) -> Work:
         # Horovod's allgather takes a different first dimension per rank: variable shapes
         # travel inline in one collective, so ``bound`` is not needed.
         tensors = tuple(tensors)
@@ -120,21 +121,28 @@ class HorovodBackend(Backend):
             blob = pack((torch.cat([length, header]), *tensors), device)
 
             def parse(gathered):
-                return _walk_blobs(gathered, self.size, header_bytes, dtypes)
+                return _walk_blobs(gathered, self.size, header_bytes, dtypes, limit)
         self._count_allgather([blob])
         pending = _Pending(self.hvd, self.hvd.allgather_async(blob, name=self._name("allgather")))
         return Work([pending], lambda: parse(pending.output))
 
-    def alltoall(self, chunks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def alltoall(self, chunks: Sequence[torch.Tensor], limit: Optional[int] = None) -> List[torch.Tensor]:
         if len(chunks) != self.size:
             raise ValueError(f"alltoall needs one chunk per rank ({self.size}), got {len(chunks)}")
         device = chunks[0].device
         send = torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks])
+        # The split table is metadata that Horovod reads on the host, not a buffer it
+        # hands to NCCL, so it stays on the CPU whatever the payload's device.
         splits = torch.tensor([c.numel() * c.element_size() for c in chunks], dtype=torch.int32)
         self._count_alltoall(chunks, extra=[splits])
         handle = self.hvd.alltoall_async(send, splits=splits, name=self._name("alltoall"))
         received, received_splits = self.hvd.synchronize(handle)
-        return list(torch.split(received.to(device), received_splits.tolist()))
+        sizes = received_splits.tolist()
+        for source, size in enumerate(sizes):
+            if size < 0 or (limit is not None and size > limit):
+                raise header_error(source, f"it sent a {size}-byte all-to-all chunk; a chunk of "
+                                           f"this group takes at most {limit} bytes")
+        return list(torch.split(received.to(device), sizes))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self.collectives += 1
@@ -153,21 +161,32 @@ class HorovodBackend(Backend):
         self.hvd.barrier()
 
 
-def _walk_blobs(gathered: torch.Tensor, world_size: int, header_bytes: int, dtypes) -> List[tuple]:
-    """Split Horovod's concatenation of variable-size blobs; each starts with its length."""
+def _walk_blobs(gathered: torch.Tensor, world_size: int, header_bytes: int, dtypes,
+                limit: Optional[int] = None) -> List[tuple]:
+    """Split Horovod's concatenation of variable-size blobs; each starts with its length.
+
+    Every length and shape comes from a peer: each is checked against what is left of the
+    concatenation and against ``limit`` before it is used (HeaderError naming the rank).
+    """
     results, offset = [], 0
-    for _ in range(world_size):
+    for source in range(world_size):
+        if gathered.numel() - offset < header_bytes:
+            raise header_error(source, f"its blob starts {offset} bytes into a {gathered.numel()}-"
+                                       f"byte allgather, with no room for a {header_bytes}-byte header")
         head = gathered[offset:offset + header_bytes]
         if head.storage_offset() % 8:
             head = head.clone()
         words = head.view(torch.int64)
         total = int(words[0])
-        shapes = shapes_from_header(words[1:])
+        shapes = shapes_from_header(words[1:], source)
+        header_shape = torch.Size([header_bytes // 8])
+        needed = check_blob_size([header_shape] + shapes, [torch.int64] + list(dtypes), limit, source)
+        if total != needed or offset + total > gathered.numel():
+            raise header_error(source, f"its blob claims {total} bytes, its shapes {needed}, and "
+                                       f"{gathered.numel() - offset} bytes are left")
         blob = gathered[offset:offset + total]
         if blob.storage_offset() % 8:
             blob = blob.clone()
-        header_shape = torch.Size([header_bytes // 8])
         results.append(unpack(blob, [header_shape] + shapes, [torch.int64] + list(dtypes))[1:])
         offset += total
     return results
-

@@ -1,15 +1,49 @@
 """Tuples of tensors ↔ one flat byte tensor, so a whole payload travels in one collective.
 
 Each part starts at an 8-byte aligned offset, so any dtype can be viewed back in place.
+
+Sizes and shapes read from a peer are checked before anything is allocated or viewed
+with them: a rank whose collectives got out of step with the others (a different
+communicator, compressor or plan) reads whatever the peer sent in that collective as a
+header, and would otherwise try to allocate absurd sizes.  A bad header raises
+:class:`HeaderError` naming the rank that sent it.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 ALIGN = 8
 MAX_DIMS = 4
+
+#: A variable-size payload from a peer may claim at most ``LIMIT_FACTOR`` times the bytes
+#: of the uncompressed tensor plus ``LIMIT_SLACK`` bytes (:func:`payload_limit`).  No
+#: compressor sends more than a few times the raw gradient (top-k at ratio 1 sends every
+#: value and an int64 index: 3x), while a size misread from another collective is
+#: typically absurd (gigabytes to terabytes).
+LIMIT_FACTOR = 16
+LIMIT_SLACK = 1 << 16
+
+
+class HeaderError(ValueError):
+    """A peer's sizes or shapes do not describe a payload of this group."""
+
+
+def header_error(source: Optional[int], detail: str) -> HeaderError:
+    """The error for a bad header from rank ``source`` (None: not known here)."""
+    who = "a peer" if source is None else f"rank {source}"
+    return HeaderError(
+        f"{who} sent a header that does not describe a payload of this group: {detail}. Are all "
+        f"ranks using the same communicator, compressor and plan? Every rank must build the "
+        f"same configuration and run the same collectives in the same order; a rank whose "
+        f"collectives got out of step reads another collective's data as sizes.")
+
+
+def payload_limit(numel: int, dtype: torch.dtype) -> int:
+    """The most bytes a peer's variable-size payload for ``numel`` elements of ``dtype`` may
+    claim (see ``LIMIT_FACTOR``)."""
+    return LIMIT_FACTOR * numel * _itemsize(dtype) + LIMIT_SLACK
 
 
 def _aligned(nbytes: int) -> int:
@@ -62,9 +96,29 @@ def shape_header(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1)
 
 
-def shapes_from_header(header: torch.Tensor) -> List[torch.Size]:
+def shapes_from_header(header: torch.Tensor, source: Optional[int] = None) -> List[torch.Size]:
+    """The shapes a :func:`shape_header` describes; HeaderError unless each row is
+    non-negative dims followed by -1 padding."""
     rows = header.view(-1, MAX_DIMS).tolist()
-    return [torch.Size([d for d in row if d >= 0]) for row in rows]
+    shapes = []
+    for index, row in enumerate(rows):
+        ndim = next((i for i, d in enumerate(row) if d < 0), MAX_DIMS)
+        if any(d != -1 for d in row[ndim:]):
+            raise header_error(source, f"part {index} has the shape row {row}, which is neither "
+                                       f"sizes (>= 0) nor -1 padding after them")
+        shapes.append(torch.Size(row[:ndim]))
+    return shapes
+
+
+def check_blob_size(shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype],
+                    limit: Optional[int], source: Optional[int]) -> int:
+    """The bytes ``shapes`` take; HeaderError when they exceed ``limit`` (None: no limit)."""
+    size = blob_size(shapes, dtypes)
+    if limit is not None and size > limit:
+        described = ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d in zip(shapes, dtypes))
+        raise header_error(source, f"parts of shapes {described} take {size} bytes, more than "
+                                   f"the {limit} any payload of this group may take")
+    return size
 
 
 def pack_bounded(tensors: Sequence[torch.Tensor], bound: Sequence[torch.Size], device) -> torch.Tensor:
@@ -83,10 +137,25 @@ def pack_bounded(tensors: Sequence[torch.Tensor], bound: Sequence[torch.Size], d
     return pack((header, *tensors), device, size=header.numel() * 8 + capacity)
 
 
-def unpack_bounded(blob: torch.Tensor, dtypes: Sequence[torch.dtype]) -> Tuple[torch.Tensor, ...]:
-    """Inverse of :func:`pack_bounded` for a payload of ``len(dtypes)`` parts."""
+def unpack_bounded(blob: torch.Tensor, dtypes: Sequence[torch.dtype],
+                   bound: Optional[Sequence[torch.Size]] = None,
+                   source: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+    """Inverse of :func:`pack_bounded` for a payload of ``len(dtypes)`` parts.
+
+    The shapes in the blob's header come from rank ``source``: each part must fit its
+    ``bound`` and all of them the blob, else HeaderError.
+    """
     header_bytes = len(dtypes) * MAX_DIMS * 8
-    shapes = shapes_from_header(blob[:header_bytes].view(torch.int64))
+    if blob.numel() < header_bytes:
+        raise header_error(source, f"a bounded payload of {len(dtypes)} parts needs a "
+                                   f"{header_bytes}-byte header, got a {blob.numel()}-byte blob")
+    shapes = shapes_from_header(blob[:header_bytes].view(torch.int64), source)
+    if bound is not None:
+        for index, (shape, largest) in enumerate(zip(shapes, bound)):
+            if _numel(shape) > _numel(largest):
+                raise header_error(source, f"part {index} has shape {tuple(shape)}, larger than "
+                                           f"its bound {tuple(largest)}")
+    check_blob_size(shapes, dtypes, blob.numel() - header_bytes, source)
     return unpack(blob[header_bytes:], shapes, dtypes)
 
 

@@ -1,13 +1,25 @@
-"""torch.distributed backend: gloo for CPU tensors, NCCL for CUDA tensors."""
+"""torch.distributed backend: gloo for CPU tensors, NCCL for CUDA tensors.
+
+Every buffer a collective needs (size headers, padded blobs, receive buffers) is made on
+the device of the tensors handed in, never on the CPU by default: NCCL takes CUDA tensors
+only.  Sizes and shapes that peers send are checked before anything is allocated with
+them (:mod:`mergecomp.backends.serialize`).  A collective that fails because a rank did
+not take part raises :class:`mergecomp.watchdog.CollectiveTimeout` or
+:class:`~mergecomp.watchdog.PeerLost`, naming the ranks behind from their progress
+beacons (:meth:`mark_step`).
+"""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import watchdog
 from .base import Backend, Completed, Work
-from .serialize import blob_size, pack, pack_bounded, shape_header, shapes_from_header, unpack, unpack_bounded
+from .serialize import (HeaderError, blob_size, check_blob_size, header_error, pack, pack_bounded,
+                        shape_header, shapes_from_header, unpack, unpack_bounded)
 
 
 class TorchDistributedBackend(Backend):
@@ -31,6 +43,7 @@ class TorchDistributedBackend(Backend):
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
         self.device = self._default_device()
+        self.beacon = watchdog.beacon_for(group)
 
     def _default_device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":
@@ -45,14 +58,52 @@ class TorchDistributedBackend(Backend):
     def size(self) -> int:
         return self._size
 
+    # -- progress and failures -----------------------------------------------------------
+    def mark_step(self, step: int) -> None:
+        if self.beacon is not None:
+            self.beacon.mark(step, self.collectives)
+
+    def _explain(self, op: str, number: int):
+        """For a Work: what a failure of collective ``op`` (this rank's ``number``-th) means."""
+        def explain(error: BaseException):
+            return watchdog.explain(error, op, self.beacon, self._rank, self._size, number)
+        return explain
+
+    @contextmanager
+    def _guard(self, op: str):
+        """Blocking collectives: a timeout or a lost peer becomes a CollectiveError; a bad
+        header from a peer is recorded in this rank's beacon, so the others learn why."""
+        number = self.collectives
+        try:
+            yield
+        except HeaderError as error:
+            if self.beacon is not None:
+                self.beacon.fail(f"HeaderError in {op}: {error}")
+            raise
+        except Exception as error:
+            clearer = watchdog.explain(error, op, self.beacon, self._rank, self._size, number)
+            if clearer is None:
+                raise
+            raise clearer from error
+
+    def _checked(self, op: str, finalize):
+        """``finalize`` with a bad peer header recorded in the beacon, as in :meth:`_guard`."""
+        def run():
+            with self._guard(op):
+                return finalize()
+        return run
+
+    # -- collectives ---------------------------------------------------------------------
     def allreduce_async(self, tensors: Sequence[torch.Tensor]) -> Work:
         tensors = tuple(tensors)
         self._count_allreduce(tensors)
-        handles = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors if t.numel()]
-        return Work(handles, lambda: tensors)
+        with self._guard("allreduce"):
+            handles = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors if t.numel()]
+        return Work(handles, lambda: tensors, explain=self._explain("allreduce", self.collectives))
 
     def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool,
-                        bound: Optional[Sequence[torch.Size]] = None) -> Work:
+                        bound: Optional[Sequence[torch.Size]] = None,
+                        limit: Optional[int] = None) -> Work:
         tensors = tuple(tensors)
         device = tensors[0].device if tensors else self.device
         dtypes = [t.dtype for t in tensors]
@@ -60,17 +111,23 @@ class TorchDistributedBackend(Backend):
             blob = pack_bounded(tensors, bound, device)
             received = [torch.empty_like(blob) for _ in range(self._size)]
             self._count_allgather([blob])
-            handle = dist.all_gather(received, blob, group=self.group, async_op=True)
-            return Work([handle], lambda: [unpack_bounded(r, dtypes) for r in received])
+            with self._guard("allgather"):
+                handle = dist.all_gather(received, blob, group=self.group, async_op=True)
+            return Work([handle], self._checked("allgather", lambda: [
+                unpack_bounded(r, dtypes, bound, source) for source, r in enumerate(received)]),
+                explain=self._explain("allgather", self.collectives))
         if same_shapes:
             shapes_per_rank = [[t.shape for t in tensors]] * self._size
+            sizes = [blob_size(shapes_per_rank[0], dtypes)]
         else:
             header = shape_header(tensors, device)
             gathered = [torch.empty_like(header) for _ in range(self._size)]
             self._count_allgather([header])
-            dist.all_gather(gathered, header, group=self.group)
-            shapes_per_rank = [shapes_from_header(h) for h in gathered]
-        sizes = [blob_size(shapes, dtypes) for shapes in shapes_per_rank]
+            with self._guard("allgather (shape exchange)"):
+                dist.all_gather(gathered, header, group=self.group)
+                shapes_per_rank = [shapes_from_header(h, source) for source, h in enumerate(gathered)]
+                sizes = [check_blob_size(shapes, dtypes, limit, source)
+                         for source, shapes in enumerate(shapes_per_rank)]
         longest = max(sizes)
         if longest == 0:
             return Completed([unpack(torch.empty(0, dtype=torch.uint8, device=device), s, dtypes)
@@ -78,46 +135,65 @@ class TorchDistributedBackend(Backend):
         blob = pack(tensors, device, size=longest)
         received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self._size)]
         self._count_allgather([blob])
-        handle = dist.all_gather(received, blob, group=self.group, async_op=True)
+        with self._guard("allgather"):
+            handle = dist.all_gather(received, blob, group=self.group, async_op=True)
 
         def finalize():
             return [unpack(r, s, dtypes) for r, s in zip(received, shapes_per_rank)]
 
-        return Work([handle], finalize)
+        return Work([handle], finalize, explain=self._explain("allgather", self.collectives))
 
-    def alltoall(self, chunks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def alltoall(self, chunks: Sequence[torch.Tensor], limit: Optional[int] = None) -> List[torch.Tensor]:
         if len(chunks) != self._size:
             raise ValueError(f"alltoall needs one chunk per rank ({self._size}), got {len(chunks)}")
         device = chunks[0].device
-        send_sizes = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
+        counts = [c.numel() * c.element_size() for c in chunks]
+        send_sizes = torch.tensor(counts, dtype=torch.int64, device=device)
         all_sizes = [torch.empty_like(send_sizes) for _ in range(self._size)]
         self._count_allgather([send_sizes])
-        dist.all_gather(all_sizes, send_sizes, group=self.group)
-        recv_sizes = [int(s[self._rank]) for s in all_sizes]
-        send = torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks]) if chunks else \
-            torch.empty(0, dtype=torch.uint8, device=device)
+        with self._guard("alltoall (size exchange)"):
+            dist.all_gather(all_sizes, send_sizes, group=self.group)
+            recv_sizes = [self._received_size(sizes, source, limit)
+                          for source, sizes in enumerate(all_sizes)]
+        send = torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks])
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
         self._count_alltoall(chunks)
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
-                               input_split_sizes=send_sizes.tolist(), group=self.group)
+        with self._guard("alltoall"):
+            dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
+                                   input_split_sizes=counts, group=self.group)
         return list(torch.split(recv, recv_sizes))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self.collectives += 1
         if self._rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        dist.broadcast(tensor, src=src, group=self.group)
+        with self._guard("broadcast"):
+            dist.broadcast(tensor, src=src, group=self.group)
         return tensor
+
+    def _received_size(self, sizes: torch.Tensor, source: int, limit: Optional[int]) -> int:
+        """The byte count rank ``source`` announces for this rank, checked."""
+        announced = sizes.tolist()
+        if any(n < 0 for n in announced):
+            raise header_error(source, f"its all-to-all sizes {announced} include negative counts")
+        size = announced[self._rank]
+        if limit is not None and size > limit:
+            raise header_error(source, f"it announces a {size}-byte chunk for rank {self._rank}, "
+                                       f"more than the {limit} bytes a chunk of this group may take")
+        return size
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
+        with self._guard("broadcast_object"):
+            dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
         return box[0]
 
     def allgather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self._size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._guard("allgather_object"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        with self._guard("barrier"):
+            dist.barrier(group=self.group)

@@ -8,11 +8,14 @@ A variable-size payload with a bound (``Compressor.payload_bound``: DGC sends at
 values) travels in one asynchronous collective, padded to the bound with its shapes in
 front; the padding is what the ranks' largest payload would have cost anyway when the
 count reaches k, as DGC's usually does.  Without a bound (GradDrop, ATOMO) the backend
-exchanges sizes first, which blocks the hook until every rank has reached it.
+exchanges sizes first, which blocks the hook until every rank has reached it; the sizes
+peers announce are checked against :func:`~mergecomp.backends.serialize.payload_limit`
+before anything is allocated for them.
 """
 from __future__ import annotations
 
 from . import register
+from ..backends.serialize import payload_limit
 from .base import Communicator
 
 
@@ -21,9 +24,11 @@ class AllgatherCommunicator(Communicator):
     """Gathers all payloads and sums them with the local context (``decompress_sum``)."""
 
     def _launch(self, payload, ctx, name):
-        fixed = self.compressor.fixed_size
-        return self.backend.allgather_async(payload, same_shapes=fixed,
-                                            bound=None if fixed else self.compressor.payload_bound(ctx))
+        if self.compressor.fixed_size:
+            return self.backend.allgather_async(payload, same_shapes=True)
+        return self.backend.allgather_async(payload, same_shapes=False,
+                                            bound=self.compressor.payload_bound(ctx),
+                                            limit=payload_limit(ctx.numel, ctx.dtype))
 
     def _combine(self, result, handle):
         return self.compressor.decompress_sum(result, handle.ctx)

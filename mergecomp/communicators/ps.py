@@ -51,9 +51,11 @@ import torch
 
 from . import register
 from .base import Communicator, Handle
-from ..backends.serialize import MAX_DIMS, pack, unpack
+from ..backends.serialize import (MAX_DIMS, blob_size, check_blob_size, header_error, pack, payload_limit,
+                                  unpack)
 from ..compressors.base import Compressor, Context, GroupLayout, clip_layout
 from ..memories.none import NoneMemory
+from ..staging import StagedDict
 
 #: dtypes a self-describing blob can carry, by code.
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
@@ -86,16 +88,35 @@ def encode(payload: Sequence[torch.Tensor], device) -> torch.Tensor:
     return pack((header, *payload), device)
 
 
-def decode(blob: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """Inverse of :func:`encode`; an empty blob is an empty payload (an empty shard)."""
+def decode(blob: torch.Tensor, source: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+    """Inverse of :func:`encode`; an empty blob is an empty payload (an empty shard).
+
+    The header comes from rank ``source``: its part count, dtype codes, dims and the bytes
+    they describe are checked against the blob before any part is viewed (HeaderError).
+    """
     if blob.numel() == 0:
         return ()
+    if blob.numel() < 8:
+        raise header_error(source, f"a PS blob has an 8-byte header at least, got {blob.numel()} bytes")
     blob = _aligned(blob)
     parts = int(blob[:8].view(torch.int64)[0])
     header_len = 1 + parts * _HEADER_ROW
+    if parts < 0 or 8 * header_len > blob.numel():
+        room = (blob.numel() // 8 - 1) // _HEADER_ROW
+        raise header_error(source, f"its PS blob of {blob.numel()} bytes claims {parts} parts; "
+                                   f"its header has room for {room} at most")
     rows = blob[:8 * header_len].view(torch.int64)[1:].view(parts, _HEADER_ROW).tolist()
-    shapes = [torch.Size(row[2:2 + row[1]]) for row in rows]
-    dtypes = [_DTYPES[row[0]] for row in rows]
+    shapes, dtypes = [], []
+    for index, row in enumerate(rows):
+        code, ndim, dims = row[0], row[1], row[2:]
+        if (not 0 <= code < len(_DTYPES) or not 0 <= ndim <= MAX_DIMS
+                or any(d < 0 for d in dims[:ndim]) or any(d != -1 for d in dims[ndim:])):
+            raise header_error(source, f"part {index} of its PS blob has the header row {row}; "
+                                       f"expected a dtype code in 0..{len(_DTYPES) - 1}, a dim "
+                                       f"count in 0..{MAX_DIMS}, that many sizes >= 0, then -1s")
+        shapes.append(torch.Size(dims[:ndim]))
+        dtypes.append(_DTYPES[code])
+    check_blob_size([torch.Size([header_len])] + shapes, [torch.int64] + dtypes, blob.numel(), source)
     return unpack(blob, [torch.Size([header_len])] + shapes, [torch.int64] + dtypes)[1:]
 
 
@@ -129,7 +150,7 @@ class PSCommunicator(Communicator):
         if server_residual is None:
             server_residual = not isinstance(memory, NoneMemory)
         self.server_residual = self.recompresses and server_residual
-        self.server_residuals: Dict[str, torch.Tensor] = {}
+        self.server_residuals = StagedDict()  # staged like the memories': see commit()
         self._vote_compressor: Optional[Compressor] = None
 
     @property
@@ -162,11 +183,13 @@ class PSCommunicator(Communicator):
             contexts.append(ctx)
         chunks = [self._uplink_chunk(payloads[r], flat.device) if r != rank
                   else torch.empty(0, dtype=torch.uint8, device=flat.device) for r in range(size)]
-        received = self.backend.alltoall(chunks)
-        mine = [payloads[rank] if r == rank else self._uplink_payload(received[r], payloads[rank])
+        # What peers announce is checked against what a shard of this group can take.
+        received = self.backend.alltoall(chunks, limit=payload_limit(sizes[rank], flat.dtype))
+        mine = [payloads[rank] if r == rank else self._uplink_payload(received[r], payloads[rank], r)
                 for r in range(size)]
         reply = self._serve(mine, contexts[rank], f"{name}/shard{rank}", layouts[rank])
-        work = self.backend.allgather_async((encode(reply, flat.device),), same_shapes=False)
+        work = self.backend.allgather_async((encode(reply, flat.device),), same_shapes=False,
+                                            limit=payload_limit(max(sizes), flat.dtype))
         return Handle(name, tensor.shape, work, extra={"contexts": contexts, "dtype": flat.dtype,
                                                        "device": flat.device})
 
@@ -186,12 +209,28 @@ class PSCommunicator(Communicator):
             return torch.empty(0, dtype=torch.uint8, device=device)
         return pack(payload, device) if self.compressor.fixed_size else encode(payload, device)
 
-    def _uplink_payload(self, chunk: torch.Tensor, own: Tuple[torch.Tensor, ...]):
+    def _uplink_payload(self, chunk: torch.Tensor, own: Tuple[torch.Tensor, ...], source: int):
+        """Rank ``source``'s payload for this rank's shard, checked against this rank's own
+        payload for it: the same compressor on a shard of the same size gives the same
+        parts and dtypes (and, fixed-size, the same bytes)."""
         if not own:
+            if chunk.numel():
+                raise header_error(source, f"it sent {chunk.numel()} bytes for shard "
+                                           f"{self.backend.rank}, which is empty")
             return ()
         if self.compressor.fixed_size:
+            expected = blob_size([p.shape for p in own], [p.dtype for p in own])
+            if chunk.numel() != expected:
+                raise header_error(source, f"it sent {chunk.numel()} bytes for shard "
+                                           f"{self.backend.rank}, whose fixed-size payload "
+                                           f"takes {expected}")
             return unpack(_aligned(chunk), [p.shape for p in own], [p.dtype for p in own])
-        return decode(chunk)
+        payload = decode(chunk, source)
+        if [p.dtype for p in payload] != [p.dtype for p in own]:
+            raise header_error(source, f"its payload for shard {self.backend.rank} has parts of "
+                                       f"dtypes {_names(payload)}, this rank's compressor "
+                                       f"makes {_names(own)}")
+        return payload
 
     def _serve(self, payloads, ctx: Optional[Context], shard_name: str,
                layout: Optional[GroupLayout]) -> Tuple[torch.Tensor, ...]:
@@ -234,10 +273,10 @@ class PSCommunicator(Communicator):
         contexts = handle.extra["contexts"]
         decoder = self.compressor if not self.recompresses else self.server_compressor
         pieces = []
-        for (blob,), ctx in zip(handle.work.wait(), contexts):
+        for source, ((blob,), ctx) in enumerate(zip(handle.work.wait(), contexts)):
             if ctx is None:
                 continue
-            pieces.append(decoder.decompress(decode(blob), ctx).reshape(-1))
+            pieces.append(decoder.decompress(decode(blob, source), ctx).reshape(-1))
         if not pieces:
             return torch.empty(handle.shape, dtype=handle.extra["dtype"], device=handle.extra["device"])
         total = torch.cat(pieces)
@@ -246,22 +285,41 @@ class PSCommunicator(Communicator):
         return total.view(handle.shape)
 
     # -- state ----------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Keep this step's worker and server state (every rank agreed the step is good)."""
+        super().commit()
+        self.server_residuals.commit()
+        if self._vote_compressor is not None:
+            self._vote_compressor.commit()
+
+    def rollback(self) -> None:
+        """Drop this step's worker and server state: residuals are the previous step's."""
+        super().rollback()
+        self.server_residuals.rollback()
+        if self._vote_compressor is not None:
+            self._vote_compressor.rollback()
+
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()
-        state["server_residuals"] = {k: v.detach().clone() for k, v in self.server_residuals.items()}
+        state["server_residuals"] = {k: v.detach().clone()
+                                     for k, v in self.server_residuals.committed().items()}
         if self._vote_compressor is not None:
             state["server_compressor"] = self._vote_compressor.state_dict()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.server_residuals = {k: v.clone() for k, v in state.get("server_residuals", {}).items()}
+        self.server_residuals.replace({k: v.clone() for k, v in state.get("server_residuals", {}).items()})
         if state.get("server_compressor"):
             self.server_compressor.load_state_dict(state["server_compressor"])
 
     def __repr__(self) -> str:
         return (f"PSCommunicator({self.compressor!r}, {self.memory!r}, "
                 f"server_residual={self.server_residual})")
+
+
+def _names(payload) -> List[str]:
+    return [str(p.dtype).replace("torch.", "") for p in payload]
 
 
 def _check_plain_context(ctx: Context, compressor: Compressor) -> None:

@@ -12,6 +12,8 @@ rank) leaves every residual as it was.  Never change a committed tensor in place
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Dict
 
 import torch
@@ -45,3 +47,32 @@ class Memory:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def check_number(value, what: str, low: float, high: float, low_open: bool = False,
+                 high_open: bool = False, advice: str = "") -> float:
+    """``value`` as a float, or ValueError naming ``what``, the value and the allowed range.
+
+    NaN and infinities are refused (a NaN factor turns every residual into NaN at the first
+    step, silently), and so are booleans and strings, which ``float()`` would accept.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a number, got {value!r}. {advice}".rstrip())
+    number = float(value)
+    inside = (math.isfinite(number)
+              and (number > low if low_open else number >= low)
+              and (number < high if high_open else number <= high))
+    if not inside:
+        if math.isinf(high):
+            allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
+        else:
+            allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{what} must be {allowed}, got {value!r}. {advice}".rstrip())
+    return number
+
+
+def check_flag(value, what: str) -> bool:
+    """``value`` if it is a bool, else ValueError (``bool("False")`` is True)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be True or False, got {value!r}")
+    return value

@@ -14,13 +14,14 @@ decay and the learning rate schedule stay with the optimizer.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from ..momentum import refuse_optimizer_momentum
 from . import register
-from .base import Memory
+from .base import Memory, check_flag, check_number
+from ..staging import StagedDict
 
 
 def check_optimizer(optimizer) -> None:
@@ -53,18 +54,17 @@ class DGCMemory(Memory):
     needs_plain_optimizer = True
 
     def __init__(self, momentum: float = 0.9, nesterov: bool = False, clip_norm: Optional[float] = None):
-        momentum = float(momentum)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"dgc memory momentum must be in [0, 1), got {momentum!r}; 0.9 is usual")
+        self.momentum = check_number(momentum, "dgc memory momentum", 0.0, 1.0, high_open=True,
+                                     advice="0.9 is usual; the optimizer's own momentum must be 0.")
+        self.nesterov = check_flag(nesterov, "dgc memory nesterov")
         if clip_norm is not None:
-            clip_norm = float(clip_norm)
-            if not clip_norm > 0:
-                raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}")
-        self.momentum = momentum
-        self.nesterov = bool(nesterov)
+            clip_norm = check_number(clip_norm, "dgc memory clip_norm", 0.0, float("inf"),
+                                     low_open=True, high_open=True,
+                                     advice="Pass None for no clipping; the paper clips at the "
+                                            "global threshold times N^(-1/2) for N ranks.")
         self.clip_norm = clip_norm
-        self.momenta: Dict[str, torch.Tensor] = {}
-        self.velocities: Dict[str, torch.Tensor] = {}
+        self.momenta = StagedDict()
+        self.velocities = StagedDict()
 
     @staticmethod
     def check_optimizer(optimizer) -> None:
@@ -74,9 +74,8 @@ class DGCMemory(Memory):
     def _state(self, name, tensor):
         momentum = self.momenta.get(name)
         if momentum is None:
-            momentum = self.momenta[name] = torch.zeros_like(tensor)
-            self.velocities[name] = torch.zeros_like(tensor)
-        elif momentum.shape != tensor.shape:
+            return torch.zeros_like(tensor), torch.zeros_like(tensor)
+        if momentum.shape != tensor.shape:
             raise ValueError(
                 f"dgc memory of group {name!r} has shape {tuple(momentum.shape)} but the gradient "
                 f"has shape {tuple(tensor.shape)}: the plan changed without resetting memory")
@@ -88,53 +87,60 @@ class DGCMemory(Memory):
             if norm > self.clip_norm:
                 tensor = tensor * (self.clip_norm / float(norm))
         momentum, velocity = self._state(name, tensor)
+        # New tensors, never the committed ones changed in place: a step dropped after
+        # this (rollback) must find the previous step's state intact.
         if self.nesterov:
-            momentum.add_(tensor).mul_(self.momentum)
-            velocity.add_(momentum).add_(tensor)
+            momentum = (momentum + tensor).mul_(self.momentum)
+            velocity = (velocity + momentum).add_(tensor)
         else:
-            momentum.mul_(self.momentum).add_(tensor)
-            velocity.add_(momentum)
+            momentum = torch.add(tensor, momentum, alpha=self.momentum)
+            velocity = velocity + momentum
+        self.momenta[name], self.velocities[name] = momentum, velocity
         return velocity
 
     def update(self, tensor, name, compressor, payload, ctx):
+        # ``tensor`` is the velocity compensate() returned, possibly shared with the payload
+        # (a dense compressor sends it as it is): new tensors replace it, it is never
+        # changed in place, so the payload is not erased before it is sent.
         momentum, velocity = self._state(name, tensor)
         if compressor.dense and compressor.lossless:
             # Every coordinate went out exactly (a raw FP32 group): the velocity restarts
             # from zero and the momentum is not masked, so a group sent uncompressed trains
-            # with plain momentum SGD, as DGC treats uncompressed layers.  The payload is
-            # the velocity itself, still to be sent: the zeros get fresh storage.
+            # with plain momentum SGD, as DGC treats uncompressed layers.
             self.velocities[name] = torch.zeros_like(velocity)
             return
-        if any(_shares_memory(t, velocity) for t in payload):
-            # The payload is a view of the velocity: zeroing in place would erase it
-            # before it is sent, so the velocity gets fresh storage.
-            velocity = self.velocities[name] = velocity.clone()
-        flat_v, flat_u = velocity.view(-1), momentum.view(-1)
+        flat_v, flat_u = velocity.reshape(-1), momentum.reshape(-1)
         if compressor.dense:
             # A 16-bit cast went out: the velocity keeps only its rounding error.
-            flat_v.sub_(compressor.decompress(payload, ctx).reshape(-1).to(flat_v.dtype))
+            sent = compressor.decompress(payload, ctx).reshape(-1).to(flat_v.dtype)
+            self.velocities[name] = (flat_v - sent).view_as(velocity)
             return
-        sent = getattr(compressor, "transmitted_indices", None)
-        if sent is not None:
-            indices = sent(payload, ctx)
-            flat_v.index_fill_(0, indices, 0)
-            flat_u.index_fill_(0, indices, 0)
+        transmitted = getattr(compressor, "transmitted_indices", None)
+        if transmitted is not None:
+            indices = transmitted(payload, ctx)
+            flat_v, flat_u = flat_v.index_fill(0, indices, 0), flat_u.index_fill(0, indices, 0)
         else:
             mask = compressor.decompress(payload, ctx).reshape(-1) != 0
-            flat_v.masked_fill_(mask, 0)
-            flat_u.masked_fill_(mask, 0)
+            flat_v, flat_u = flat_v.masked_fill(mask, 0), flat_u.masked_fill(mask, 0)
+        self.velocities[name] = flat_v.view_as(velocity)
+        self.momenta[name] = flat_u.view_as(momentum)
+
+    def commit(self):
+        self.momenta.commit()
+        self.velocities.commit()
+
+    def rollback(self):
+        self.momenta.rollback()
+        self.velocities.rollback()
 
     def state_dict(self):
-        return {"momenta": {k: v.detach().clone() for k, v in self.momenta.items()},
-                "velocities": {k: v.detach().clone() for k, v in self.velocities.items()}}
+        return {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},
+                "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()}}
 
     def load_state_dict(self, state):
-        self.momenta = {k: v.clone() for k, v in state.get("momenta", {}).items()}
-        self.velocities = {k: v.clone() for k, v in state.get("velocities", {}).items()}
+        self.momenta.replace({k: v.clone() for k, v in state.get("momenta", {}).items()})
+        self.velocities.replace({k: v.clone() for k, v in state.get("velocities", {}).items()})
 
     def __repr__(self):
         return f"DGCMemory(momentum={self.momentum}, nesterov={self.nesterov}, clip_norm={self.clip_norm})"
 
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
