@@ -96,11 +96,12 @@ def zero_views(flat: torch.Tensor, spans: Spans) -> List[int]:
         return [0] if flat[0].item() == 0 and not bool(flat.any()) else []
     starts, positions = _first_elements(spans, str(flat.device))
     zero = [i for i, (_, size) in enumerate(spans) if not size]
-    suspects = (flat.index_select(0, starts) == 0).nonzero().view(-1).tolist() if starts.numel() else []
-    for j in suspects:
-        offset, size = spans[positions[j]]
-        if not bool(flat[offset: offset + size].any()):
-            zero.append(positions[j])
+    firsts = flat.index_select(0, starts).tolist() if starts.numel() else []
+    for j, first in enumerate(firsts):
+        if first == 0:
+            offset, size = spans[positions[j]]
+            if not bool(flat[offset: offset + size].any()):
+                zero.append(positions[j])
     return sorted(zero)
 
 
@@ -147,7 +148,20 @@ class _SignCompressor(Compressor):
             if layout is not None:
                 check_layout(layout, tensor.numel())
             return Context(tensor.shape, tensor.dtype)
-        return SignContext(tensor.shape, tensor.dtype, layout_spans(tuple(layout), tensor.numel()))
+        return SignContext(tensor.shape, tensor.dtype, self._spans(layout, tensor.numel()))
+
+    def _spans(self, layout: GroupLayout, numel: int) -> Spans:
+        """:func:`layout_spans`, remembered by the layout object: a plan hands the same tuple
+        every step, and hashing a long one costs more than the zero-view test itself."""
+        cache = self.__dict__.setdefault("_layout_spans", {})
+        hit = cache.get(id(layout))
+        if hit is not None and hit[0] is layout and hit[1] == numel:
+            return hit[2]
+        if len(cache) >= 64:  # layouts made afresh each step (a shard's): keep the cache small
+            cache.clear()
+        spans = layout_spans(tuple(layout), numel)
+        cache[id(layout)] = (layout, numel, spans)
+        return spans
 
     def _encode(self, source: torch.Tensor, ctx: Context):
         """(packed signs of ``source``, zero-view flags, positions of the zero views)."""
