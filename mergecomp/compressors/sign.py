@@ -226,8 +226,8 @@ class SignumCompressor(_MajorityVote):
     parameter whose momentum is all zero on a rank abstains there (module docstring).
 
     The momentum is state: staged with the step (a new tensor each step, never the
-    committed one changed in place; the buffer a commit replaces is reused), saved by
-    ``state_dict()``.
+    committed one changed in place; the buffer a commit replaces is reused, so a group
+    holds two momentum-sized buffers), saved by ``state_dict()``.
 
     Wire for n elements in v parameter views: ⌈n/8⌉ + ⌈v/8⌉ bytes.  ``average = False``.
     """
