@@ -1,9 +1,11 @@
-"""Bytes on the wire equal each compressor's theoretical size plus a small fixed header.
+"""Bytes on the wire equal each compressor's own formula, ``wire_nbytes``.
 
-Every registered compressor must have a formula here: a new compressor that is not
-listed fails ``test_every_registered_compressor_has_a_formula``, so none can quietly send
-a byte per sign.  Formulas take n, the input's element size, the compressor and the
-payload (for the variable-size ones, whose count of values or atoms varies per step).
+Every registered compressor must state its wire format: a ``wire_nbytes(numel,
+element_size, payload=None, layout=None)`` method next to its algorithm (or, for one whose
+file does not define it yet, a formula here); a new compressor with neither fails
+``test_every_registered_compressor_has_a_formula``, so none can quietly send a byte per sign.
+The formulas of the variable-size compressors read the count from the payload and check
+it against their bound.
 """
 import math
 
@@ -11,78 +13,92 @@ import pytest
 import torch
 
 from mergecomp import compressors
-from mergecomp.compressors.loopback import run_locally
 from mergecomp.compressors.matrix import matrix_shape
-from mergecomp.compressors.topk import num_selected
+from mergecomp.compressors.testing import make_input, run_step, several_views, wire_formula
 
 
 def ceil_div(a, b):
     return -(-a // b)
 
 
-def dgc(n, size, compressor, payload):
-    values, indices = payload
-    assert values.numel() <= num_selected(n, compressor.density()), "DGC sent more than k values"
-    return values.numel() * (size + 4)
-
-
-def atomo(n, size, compressor, payload):
+def atomo(n, size, payload=None, layout=None):
     rows, cols = matrix_shape(torch.Size([n]))
     return 4 * payload[1].numel() * (rows + cols + 1)
 
 
-def powersgd(n, size, compressor, payload):
-    rows, cols = matrix_shape(torch.Size([n]))
-    return 4 * min(compressor.rank, rows, cols) * (rows + cols)
+#: Formulas of compressors whose class has no ``wire_nbytes`` (yet): (compressor) → formula.
+FALLBACK = {"atomo": lambda compressor: atomo}
 
 
-FORMULAS = {
-    "none": lambda n, size, c, p: n * size,
-    "fp32": lambda n, size, c, p: n * size,
-    "fp16": lambda n, size, c, p: 2 * n,
-    "bf16": lambda n, size, c, p: 2 * n,
-    "topk": lambda n, size, c, p: num_selected(n, c.compress_ratio) * (size + 4),
-    "randk": lambda n, size, c, p: num_selected(n, c.compress_ratio) * size,
-    "dgc": dgc,
-    "graddrop": lambda n, size, c, p: p[0].numel() * (size + 4),
-    "signsgd": lambda n, size, c, p: ceil_div(n, 8),
-    "signum": lambda n, size, c, p: ceil_div(n, 8),
-    "efsignsgd": lambda n, size, c, p: ceil_div(n, 8) + 4,
-    "onebit": lambda n, size, c, p: ceil_div(n, 8) + 8,
-    "tbq": lambda n, size, c, p: ceil_div(n, 4),
-    "terngrad": lambda n, size, c, p: ceil_div(n, 4) + 4 * ceil_div(n, c.bucket_size),
-    "qsgd": lambda n, size, c, p: ceil_div(n * math.ceil(math.log2(2 * c.levels + 1)), 8)
-    + 4 * ceil_div(n, c.bucket_size),
-    "atomo": atomo,
-    "powersgd": powersgd,
-}
+def formula_of(name, compressor):
+    own = wire_formula(compressor)
+    if own is not None:
+        return own
+    return FALLBACK[name](compressor) if name in FALLBACK else None
 
 
 def test_every_registered_compressor_has_a_formula():
-    missing = sorted(set(compressors.available()) - set(FORMULAS))
-    assert not missing, (f"compressors {missing} have no wire-size formula in tests/test_wire_sizes.py: "
-                         f"add the exact bytes they send for n elements")
+    missing = sorted(name for name in compressors.available()
+                     if formula_of(name, compressors.create(name)) is None)
+    assert not missing, (f"compressors {missing} state no wire size: give each a method "
+                         f"wire_nbytes(numel, element_size, payload=None, layout=None) with the exact bytes")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("numel", [1, 7, 1000, 4099, 100_003])
-@pytest.mark.parametrize("name", sorted(FORMULAS))
+@pytest.mark.parametrize("numel", [0, 1, 7, 1000, 4099, 100_003])
+@pytest.mark.parametrize("name", sorted(compressors.available()))
 def test_payload_bytes_match_the_formula(name, numel, dtype):
-    if name not in compressors.available():
-        pytest.fail(f"{name} has a formula but is not registered")
     torch.manual_seed(0)
     compressor = compressors.create(name)
-    tensor = torch.randn(numel, dtype=dtype)
     if name == "atomo" and numel > 5000:
         pytest.skip("an SVD of this size adds nothing to the byte count check")
-    if compressor.multi_round:
-        payload = None
-        _, sent = run_locally(compressor, tensor, "g")
-    else:
-        payload, _ = compressor.compress(tensor, "g")
-        sent = sum(t.numel() * t.element_size() for t in payload)
-    expected = FORMULAS[name](numel, tensor.element_size(), compressor, payload)
-    assert sent == expected, f"{name} sends {sent} bytes for {numel} elements, the format says {expected}"
+    tensor = make_input("gaussian", numel, dtype).tensor
+    step = run_step(compressor, tensor)
+    expected = formula_of(name, compressor)(numel, tensor.element_size(), payload=step.payload)
+    assert step.nbytes == expected, f"{name} sends {step.nbytes} bytes for {numel} elements, the format says {expected}"
+
+
+@pytest.mark.parametrize("numel", [38, 4099])
+@pytest.mark.parametrize("name", sorted(compressors.available()))
+def test_payload_bytes_match_the_formula_with_a_layout(name, numel):
+    torch.manual_seed(0)
+    compressor = compressors.create(name)
+    layout = several_views(numel)
+    tensor = make_input("sparse", numel).tensor
+    step = run_step(compressor, tensor, layout=layout)
+    expected = formula_of(name, compressor)(numel, tensor.element_size(), payload=step.payload, layout=layout)
+    assert step.nbytes == expected, f"{name} sends {step.nbytes} bytes for {numel} elements in 3 views, " \
+                                    f"the format says {expected}"
+
+
+@pytest.mark.parametrize("name, kwargs", [("dgc", dict(fp16_values=True)), ("dgc", dict(index_bits=64)),
+                                          ("qsgd", dict(levels=127, bucket_size=100)),
+                                          ("terngrad", dict(bucket_size=33)), ("randk", dict(compress_ratio=0.3)),
+                                          ("topk", dict(compress_ratio=0.5)), ("graddrop", dict(compress_ratio=0.2))])
+def test_options_that_change_the_format_are_in_the_formula(name, kwargs):
+    compressor = compressors.create(name, **kwargs)
+    tensor = make_input("gaussian", 3001).tensor
+    step = run_step(compressor, tensor)
+    assert step.nbytes == wire_formula(compressor)(3001, 4, payload=step.payload)
+
+
+def test_variable_size_formulas_check_the_payload_against_the_bound():
+    dgc = compressors.create("dgc", compress_ratio=0.01)
+    (values, indices), _ = dgc.compress(torch.randn(1000), "g")
+    too_many = (torch.cat([values, values]), torch.cat([indices, indices]))
+    with pytest.raises(ValueError, match="at most k = 10"):
+        dgc.wire_nbytes(1000, 4, payload=too_many)
+    assert dgc.wire_nbytes(1000, 4) == 10 * 8  # without a payload: the bound
+    graddrop = compressors.create("graddrop")
+    with pytest.raises(ValueError, match="pass the payload"):
+        graddrop.wire_nbytes(1000, 4)
+
+
+def test_sign_flags_cost_one_bit_per_view():
+    views = tuple(compressors.ParamView(f"p{i}", torch.Size([10]), 10 * i) for i in range(9))
+    for name, extra in (("signsgd", 0), ("signum", 0), ("efsignsgd", 4)):
+        payload, _ = compressors.create(name).compress(torch.randn(90), "g", layout=views)
+        assert sum(p.numel() * p.element_size() for p in payload) == ceil_div(90, 8) + ceil_div(9, 8) + extra
 
 
 @pytest.mark.parametrize("name, kwargs, bits", [("qsgd", dict(levels=1), 2), ("qsgd", dict(levels=3), 3),
@@ -91,6 +107,7 @@ def test_qsgd_spends_the_fewest_bits(name, kwargs, bits):
     compressor = compressors.create(name, bucket_size=1000, **kwargs)
     payload, _ = compressor.compress(torch.randn(1000), "g")
     assert payload[0].numel() == ceil_div(1000 * bits, 8)
+    assert compressor.wire_nbytes(1000, 4) == ceil_div(1000 * math.ceil(math.log2(2 * kwargs["levels"] + 1)), 8) + 4
 
 
 def test_sign_compressors_really_send_one_bit_per_element():

@@ -27,6 +27,18 @@ Capabilities are class attributes the communicators rely on:
     :meth:`decompress_sum` adds every payload into one buffer instead of decoding each
     into a dense tensor of its own (sparse payloads: one scatter-add per rank).  The cost
     model prices the extra payloads by the profiled ``CodecCost.add``.
+``unbiased``
+    E[decode(compress(g))] = g over the compressor's randomness (True/False; None when a
+    plugin does not say).  An instance may refine it (rand-k's depends on its options).
+``supported_dtypes``
+    the gradient dtypes it carries (:func:`check_dtypes` refuses the others up front).
+
+The bytes on the wire.  Every built-in compressor states its wire format as a method,
+``wire_nbytes(numel, element_size, payload=None, layout=None)``: the bytes one rank puts
+on the wire for ``numel`` elements of ``element_size`` bytes (a variable-size compressor
+reads the count from ``payload`` and checks it against its bound).  The conformance kit
+(:mod:`mergecomp.compressors.testing`) compares it with the payload it really sends; a
+plugin without it is checked for everything else.
 
 The group's layout.  A fused buffer holds several parameters' gradients back to back;
 ``compress(tensor, name, layout)`` and ``rounds(tensor, name, layout)`` receive the
@@ -127,6 +139,10 @@ def check_layout(layout: GroupLayout, numel: int) -> None:
         raise ValueError(f"layout covers {offset} elements but the buffer has {numel}")
 
 
+#: Real floating types: what the quantisers, sparsifiers and casts handle.
+REAL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 @dataclass
 class AllReduce:
     """A request yielded by :meth:`Compressor.rounds`: sum these tensors over all ranks."""
@@ -145,6 +161,10 @@ class Compressor:
     dense = False
     lossless = False
     sums_in_place = False
+    #: E[decode(compress(g))] = g (None: not declared; the conformance kit says so).
+    unbiased: Optional[bool] = None
+    #: The gradient dtypes this compressor carries; :func:`check_dtypes` refuses others.
+    supported_dtypes: Tuple[torch.dtype, ...] = REAL_FLOATS
     #: What to pair it with when the user does not say (allgather carries anything).
     recommended_memory = "none"
     recommended_communicator = "allgather"
@@ -214,7 +234,27 @@ class Compressor:
             raise ValueError(f"{type(self).__name__} has no state but was given keys {sorted(state)}")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        """``Name(arg=value, ...)`` for every constructor argument kept as an attribute of
+        the same name.  The reducer compares ``repr`` across ranks, so every argument that
+        changes what is sent (a seed, above all) must show; this process's rank must not."""
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in constructor_arguments(self))})"
+
+
+def constructor_arguments(compressor) -> List[Tuple[str, Any]]:
+    """(name, value) of each ``__init__`` argument of ``compressor``'s class that the instance
+    keeps as an attribute of the same name, in signature order."""
+    import inspect
+    try:
+        parameters = inspect.signature(type(compressor).__init__).parameters
+    except (TypeError, ValueError):
+        return []
+    found = []
+    for name, parameter in parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if hasattr(compressor, name):
+            found.append((name, getattr(compressor, name)))
+    return found
 
 
 def accepts_layout(method) -> bool:
@@ -232,6 +272,28 @@ def accepts_layout(method) -> bool:
 def payload_nbytes(payload: Sequence[torch.Tensor]) -> int:
     """Bytes a payload puts on the wire."""
     return sum(t.numel() * t.element_size() for t in payload)
+
+
+def check_dtypes(compressor: Compressor, dtypes) -> None:
+    """Raise ValueError unless ``compressor`` carries every dtype in ``dtypes``.
+
+    The message names the compressor, the dtype and what to do instead, so a model with
+    complex or integer parameters fails at construction, not in the middle of a step.
+    """
+    supported = tuple(getattr(compressor, "supported_dtypes", REAL_FLOATS))
+    for dtype in dtypes:
+        if dtype in supported:
+            continue
+        carried = ", ".join(str(d).replace("torch.", "") for d in supported)
+        if dtype.is_complex:
+            advice = ("only the 'none'/'fp32' compressor carries complex gradients: view those "
+                      "parameters as real pairs (torch.view_as_real) or send them raw (uncompressed)")
+        elif not dtype.is_floating_point:
+            advice = "integer and bool tensors have no gradient to compress: leave them out of the parameters"
+        else:
+            advice = "send those parameters raw (uncompressed) or cast them to a supported dtype"
+        raise ValueError(f"{compressor!r} cannot carry {str(dtype).replace('torch.', '')} gradients "
+                         f"(it carries {carried}); {advice}")
 
 
 def check_ratio(ratio: float, what: str = "compress_ratio") -> float:

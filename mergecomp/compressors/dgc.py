@@ -46,12 +46,17 @@ class DGCCompressor(SparseCompressor):
     (``optimizer.compressor.set_epoch(epoch)`` on the DistributedOptimizer); before any
     call the epoch is 0.
 
+    The epoch is part of ``state_dict()`` (a resumed run keeps its density).  NaN
+    elements are never selected (a NaN fails the threshold test) and do not disturb the
+    threshold; the reducer drops non-finite steps anyway.
+
     Wire for n elements, c ≤ k values sent: c × (value bytes + index bytes) — values in
     the input dtype (2 bytes with ``fp16_values=True``), int32 indices (``index_bits=64``
     for int64).
     """
 
     summable = False
+    unbiased = False
     fixed_size = False
     recommended_memory = "dgc"
     recommended_communicator = "allgather"
@@ -106,7 +111,7 @@ class DGCCompressor(SparseCompressor):
             return self.compress_ratio
         return 0.25 * (self.compress_ratio / 0.25) ** (epoch / self.warmup)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)
         n = flat.numel()
         k = num_selected(n, self.density())
@@ -137,6 +142,25 @@ class DGCCompressor(SparseCompressor):
         k = min(num_selected(ctx.numel, self.density()), ctx.numel)
         return (torch.Size([k]), torch.Size([k]))
 
-    def __repr__(self):
-        return (f"DGCCompressor(compress_ratio={self.compress_ratio}, warmup={self.warmup}, "
-                f"fp16_values={self.fp16_values}, index_bits={self.index_bits})")
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """c × (value bytes + index bytes) for the c values of ``payload`` (at most k, which
+        is checked); without a payload, the most it can be (c = k)."""
+        k = self.payload_bound(Context(torch.Size([numel]), torch.float32))[0][0]
+        count = k
+        if payload is not None:
+            count = payload[0].numel()
+            if count > k or payload[1].numel() != count:
+                raise ValueError(f"DGC payload has {count} values and {payload[1].numel()} indices "
+                                 f"for {numel} elements; at most k = {k} of each, as many indices as values")
+        value_bytes = 2 if self.fp16_values and element_size == 4 else element_size
+        return count * (value_bytes + self.index_bits // 8)
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        unknown = set(state) - {"epoch"}
+        if unknown:
+            raise ValueError(f"DGCCompressor state has unknown keys {sorted(unknown)}; expected 'epoch'")
+        if "epoch" in state:
+            self.set_epoch(state["epoch"])

@@ -14,22 +14,28 @@ from .base import Compressor, Context
 class _CastCompressor(Compressor):
     """Casts to a 16-bit type for the wire and back to the input's dtype on arrival.
 
-    Wire: 2n bytes.  Deterministic rounding to nearest (biased by at most half an ulp);
-    summable, because the sum of 16-bit payloads decodes like the sum of decoded ones.
+    Wire: 2n bytes.  Deterministic rounding to nearest (biased by at most half an ulp, so
+    ``unbiased = False``); summable, because the sum of 16-bit payloads decodes like the sum
+    of decoded ones (up to the rounding of the 16-bit sum).
     """
 
     summable = True
+    unbiased = False
     recommended_memory = "none"
     recommended_communicator = "allreduce"
     fixed_size = True
     dense = True
     wire_dtype: torch.dtype
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
         return (tensor.reshape(-1).to(self.wire_dtype),), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         return payload[0].to(ctx.dtype).view(ctx.shape)
+
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """Two bytes per element, whatever the input dtype."""
+        return 2 * numel
 
 
 @register("fp16")

@@ -7,19 +7,26 @@ of each allreduce (the sum over one rank is the tensor itself).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .base import AllReduce, Compressor, payload_nbytes
+from .base import AllReduce, Compressor, GroupLayout, accepts_layout, payload_nbytes
 
 
-def run_locally(compressor: Compressor, tensor: torch.Tensor, name: str = "tensor") -> Tuple[torch.Tensor, int]:
-    """(decoded tensor, bytes this rank would put on the wire) for one step on one rank."""
+def run_locally(compressor: Compressor, tensor: torch.Tensor, name: str = "tensor",
+                layout: Optional[GroupLayout] = None) -> Tuple[torch.Tensor, int]:
+    """(decoded tensor, bytes this rank would put on the wire) for one step on one rank.
+
+    ``layout`` (the group's parameter views) is passed on to compressors that take one.
+    """
+    method = compressor.rounds if compressor.multi_round else compressor.compress
+    args = (tensor, name)
+    kwargs = {"layout": layout} if accepts_layout(method) else {}
     if not compressor.multi_round:
-        payload, ctx = compressor.compress(tensor, name)
+        payload, ctx = compressor.compress(*args, **kwargs)
         return compressor.decompress(payload, ctx), payload_nbytes(payload)
-    exchange = compressor.rounds(tensor, name)
+    exchange = compressor.rounds(*args, **kwargs)
     sent = 0
     reply = None
     try:

@@ -9,7 +9,7 @@ import torch
 
 from . import native, numpy_kernels, register
 from .base import Compressor, Context
-from .packing import Scratch, decode_values, pack_bits
+from .packing import Scratch, decode_values, pack_bits, packed_nbytes
 from .quantize import sign_bits
 
 
@@ -28,13 +28,14 @@ class OneBitCompressor(Compressor):
 
     summable = False
     fixed_size = True
+    unbiased = False
     recommended_memory = "residual"
     recommended_communicator = "allgather"
 
     def __init__(self):
         self._scratch = Scratch()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
         if tensor.dtype == torch.float32 and native.usable(tensor):
             return self._compress_native(tensor)
         flat = tensor.reshape(-1)
@@ -62,6 +63,10 @@ class OneBitCompressor(Compressor):
         means = torch.tensor([(total + absolute) / 2 / max(num_positive, 1),
                               (total - absolute) / 2 / max(num_negative, 1)], dtype=torch.float32)
         return (packed, means), Context(tensor.shape, tensor.dtype)
+
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """⌈n/8⌉ bytes of signs + the two fp32 means."""
+        return packed_nbytes(numel, 1) + 8
 
     def decompress(self, payload, ctx):
         packed, means = payload

@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 
 from . import native, register
-from .base import Compressor, Context
-from .buckets import bucket_norms, bucket_parts, check_bucket_size
-from .packing import Scratch, bits_for
+from .base import Context
+from .buckets import bucket_norms, bucket_parts, check_bucket_size, num_buckets
+from .packing import Scratch, bits_for, packed_nbytes
 from .quantize import dequantize_packed, quantize_packed
+from .streams import StochasticCompressor
 
 
 @register("qsgd")
-class QSGDCompressor(Compressor):
+class QSGDCompressor(StochasticCompressor):
     """Each element v of a bucket with norm ‖v‖₂ becomes sign(v)·‖v‖·ℓ/s, ℓ ∈ {0..s} drawn
     so that E[ℓ] = s·|v|/‖v‖ (stochastic rounding between the two nearest levels).
 
@@ -26,15 +27,21 @@ class QSGDCompressor(Compressor):
     (4 bits for the default s = 7, 8 bits for s = 127); the paper's Elias coding of the
     levels is not used, to keep payloads fixed-size.
 
+    The rounding draws from a private stream per group, seeded from ``seed`` and this
+    process's rank (ranks round independently), saved in ``state_dict()`` and rewound by
+    ``rollback()`` (:mod:`~mergecomp.compressors.streams`).
+
     Wire for n elements: ⌈n·b/8⌉ bytes of codes + 4·⌈n/bucket_size⌉ bytes of fp32 norms.
     """
 
     summable = False
     fixed_size = True
+    unbiased = True
     recommended_memory = "none"
     recommended_communicator = "allgather"
 
-    def __init__(self, levels: int = 7, bucket_size: int = 512):
+    def __init__(self, levels: int = 7, bucket_size: int = 512, seed: int = 0):
+        super().__init__(seed)
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"qsgd levels must be an integer in [1, 127], got {levels!r}; "
                              f"s levels cost ⌈log2(2s+1)⌉ bits per element (7 → 4 bits)")
@@ -43,7 +50,11 @@ class QSGDCompressor(Compressor):
         self.bits = bits_for(2 * levels + 1)
         self._scratch = Scratch()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
+        if not tensor.numel():
+            empty = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            return (empty, torch.empty(0, dtype=torch.float32, device=tensor.device)), \
+                Context(tensor.shape, tensor.dtype)
         buckets = None  # the torch path's bucket views, made only where it runs
         if tensor.dtype == torch.float32 and native.usable(tensor):
             norms = native.bucket_norms(tensor, self.bucket_size)  # one pass, no rescue needed
@@ -53,13 +64,17 @@ class QSGDCompressor(Compressor):
         s = self.levels
         # Signed level s·v/‖v‖ ∈ [−s, s], rounded stochastically and offset by s: the code.
         factors = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        packed = quantize_packed(tensor, self.bucket_size, factors, s, self.bits, self._scratch, buckets)
+        packed = quantize_packed(tensor, self.bucket_size, factors, s, self.bits, self._scratch, buckets,
+                                 key=self.streams.key(name, tensor.numel()))
         return (packed, norms), Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         packed, norms = payload
+        if not ctx.numel:
+            return torch.zeros(ctx.shape, dtype=ctx.dtype, device=packed.device)
         return dequantize_packed(packed, self.bits, ctx.numel, self.levels, norms / self.levels,
                                  self.bucket_size, ctx.dtype, self._scratch).view(ctx.shape)
 
-    def __repr__(self):
-        return f"QSGDCompressor(levels={self.levels}, bucket_size={self.bucket_size})"
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """⌈n·b/8⌉ bytes of codes + 4 bytes per bucket (whatever the input dtype)."""
+        return packed_nbytes(numel, self.bits) + 4 * num_buckets(numel, self.bucket_size)

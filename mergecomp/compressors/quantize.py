@@ -5,9 +5,10 @@ They exist because the obvious torch expressions are slow on the CPU for what th
 one core, against 0.1–0.3 ns for an integer op), and ``torch.rand`` draws 32 random bits
 per element through the Mersenne Twister (about 8 ns per element; even full-range int64
 words cost 1.5 ns per 16 bits).  The versions here are a handful of vectorised passes over
-the input's own device and dtype (random bits from a counter hash keyed by torch's
-generator), and write into reusable :class:`~mergecomp.compressors.packing.Scratch`
-buffers instead of allocating n-element temporaries on every step.
+the input's own device and dtype (random bits from a counter hash under a key: the
+caller's, or one drawn from torch's generator), and write into reusable
+:class:`~mergecomp.compressors.packing.Scratch` buffers instead of allocating n-element
+temporaries on every step.
 """
 from __future__ import annotations
 
@@ -89,13 +90,15 @@ def random_key(numel: int) -> int:
     return int(torch.randint(0, (1 << 31) - (numel + 1) // 2, (1,)))
 
 
-def random_int16(numel: int, device, scratch: Scratch) -> torch.Tensor:
-    """``numel`` int16 values, each uniform over all 65536 values, keyed by torch's default generator.
+def random_int16(numel: int, device, scratch: Scratch, key: Optional[int] = None) -> torch.Tensor:
+    """``numel`` int16 values, each uniform over all 65536 values, from ``key`` (a
+    :func:`random_key`; drawn from torch's default generator when None).
 
     torch's CPU generator (the Mersenne Twister) costs about 3 ns per 32 random bits, one at
     a time: more than all the arithmetic of a quantiser.  Here each call draws one 31-bit
     key k from the default generator (so ``torch.manual_seed`` makes the result
-    reproducible, as with ``torch.rand``) and hashes the counters k, k + 1, ... with an
+    reproducible, as with ``torch.rand``), or takes the caller's (a compressor's private
+    stream, :mod:`~mergecomp.compressors.streams`), and hashes the counters k, k + 1, ... with an
     integer hash (multiply, xor-shift, multiply, xor-shift: the last four steps of
     Wellons' lowbias32, a bijection of 32-bit words that mixes every input bit into both
     halves), as counter-based generators such as Philox do.  Each 32-bit word
@@ -104,7 +107,7 @@ def random_int16(numel: int, device, scratch: Scratch) -> torch.Tensor:
     Reuses scratch buffers: consume the result before the next call.
     """
     count = (numel + 1) // 2
-    key = random_key(numel)
+    key = random_key(numel) if key is None else key
     words = torch.add(scratch.counter(count, device), key,
                       out=scratch.get("random_words", count, torch.int32, device))
     spare = scratch.get("random_spare", count, torch.int32, device)
@@ -118,7 +121,7 @@ def random_int16(numel: int, device, scratch: Scratch) -> torch.Tensor:
 
 
 def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: int, numel: int,
-                     scratch: Scratch) -> torch.Tensor:
+                     scratch: Scratch, key: Optional[int] = None) -> torch.Tensor:
     """uint8 codes c = ⌊offset + f_b·v + u⌋ for each element v of bucket b, u uniform in [0, 1).
 
     ``parts`` are the buckets (:func:`~mergecomp.compressors.buckets.bucket_parts`),
@@ -131,7 +134,8 @@ def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: i
     (so u = ½ + r·2^-16 takes the 65536 values k·2^-16), then the float→int8 conversion,
     which truncates, i.e. floors the positive sum.  The mean is exact up to the 16-bit
     resolution of u and fp32 rounding (ulp ≤ 2^-16 below 256; together under 2^-16 of a
-    level).  Five passes over the data plus the random bits (:func:`random_int16`), in two
+    level).  Five passes over the data plus the random bits (:func:`random_int16`, from
+    ``key``), in two
     n-element fp32 scratch buffers; 2·offset + 1 must stay below 256 (above 127 the last
     conversion goes through uint8, which is several times slower on the CPU).
     """
@@ -148,7 +152,7 @@ def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: i
         torch.mul(part, factors[row: row + count, None], out=levels[row * size: (row + count) * size].view(count, size))
         row += count
     levels = levels[:numel].add_(offset + 0.5)
-    noise = scratch.get("noise", numel, torch.float32, device).copy_(random_int16(numel, device, scratch))
+    noise = scratch.get("noise", numel, torch.float32, device).copy_(random_int16(numel, device, scratch, key))
     levels.add_(noise, alpha=2.0 ** -ROUNDING_BITS)
     codes = scratch.get("codes", numel, torch.uint8, device)
     if 2 * offset + 1 <= 127:  # fp32 → int8 is vectorised, fp32 → uint8 is not
@@ -186,20 +190,23 @@ def dequantize(codes: torch.Tensor, offset: int, scales: torch.Tensor, bucket_si
 
 
 def quantize_packed(tensor: torch.Tensor, bucket_size: int, factors: torch.Tensor, offset: int, bits: int,
-                    scratch: Scratch, parts: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+                    scratch: Scratch, parts: Optional[List[torch.Tensor]] = None,
+                    key: Optional[int] = None) -> torch.Tensor:
     """``pack_bits(stochastic_codes(parts, factors, offset, ...), bits)``: the packed codes.
 
     fp32 CPU tensors go through the fused native kernel (one pass, the same bits, the
     same random lanes for the same generator state), everything else through the torch
     ops on ``tensor``'s buckets (``parts``, from
-    :func:`~mergecomp.compressors.buckets.bucket_parts`, made here when not given).
+    :func:`~mergecomp.compressors.buckets.bucket_parts`, made here when not given).  Both
+    use the random lanes of ``key`` (one drawn from torch's default generator when None).
     """
-    if tensor.dtype == torch.float32 and native.usable(tensor):
+    if key is None:
         key = random_key(tensor.numel())
+    if tensor.dtype == torch.float32 and native.usable(tensor):
         return native.stochastic_codes(tensor, bucket_size, factors, offset, key, bits)
     if parts is None:
         parts = bucket_parts(tensor, bucket_size, scratch)
-    return pack_bits(stochastic_codes(parts, factors, offset, tensor.numel(), scratch), bits)
+    return pack_bits(stochastic_codes(parts, factors, offset, tensor.numel(), scratch, key), bits)
 
 
 def dequantize_packed(packed: torch.Tensor, bits: int, numel: int, offset: int, scales: torch.Tensor,

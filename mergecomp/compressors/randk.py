@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Dict
 
 import numpy as np
 import torch
 
+from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, check_ratio
 from .topk import num_selected
@@ -47,10 +47,15 @@ class RandKCompressor(Compressor):
     With ``unbiased=True`` values are scaled by n/k, making the estimate unbiased; the
     default leaves them unscaled for use with residual memory (error feedback).
 
+    The step counters that key the indices are state: saved by ``state_dict()`` and staged
+    with the step (``rollback()`` rewinds them), never derived from the rank, so every rank
+    draws the same indices.  ``seed`` must be the same on every rank (it shows in ``repr``).
+
     Wire for n elements: k × value bytes (4k for fp32); no indices.
     """
 
     summable = True
+    unbiased = False  # per instance: the ``unbiased`` option
     recommended_memory = "residual"
     recommended_communicator = "allreduce"
     fixed_size = True
@@ -59,7 +64,7 @@ class RandKCompressor(Compressor):
         self.compress_ratio = check_ratio(compress_ratio)
         self.seed = int(seed)
         self.unbiased = bool(unbiased)
-        self._steps: Dict[str, int] = {}
+        self._steps = StagedDict()
 
     def _indices(self, name: str, numel: int, device) -> torch.Tensor:
         step = self._steps.get(name, 0)
@@ -69,10 +74,10 @@ class RandKCompressor(Compressor):
         k = num_selected(numel, self.compress_ratio)
         return uniform_subset(numel, k, generator).to(device)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)
         indices = self._indices(name, flat.numel(), flat.device)
-        scale = flat.numel() / indices.numel() if self.unbiased else 1.0
+        scale = flat.numel() / indices.numel() if self.unbiased and indices.numel() else 1.0
         values = torch.index_select(flat, 0, indices)  # faster than flat[indices] on the CPU
         if scale != 1.0:
             values = values * scale
@@ -83,12 +88,21 @@ class RandKCompressor(Compressor):
         dense[ctx.indices] = payload[0].to(ctx.dtype)
         return dense.view(ctx.shape)
 
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """k values in the input dtype; the indices are not sent."""
+        return num_selected(numel, self.compress_ratio) * element_size
+
+    def commit(self):
+        self._steps.commit()
+
+    def rollback(self):
+        self._steps.rollback()
+
     def state_dict(self):
-        return {"steps": dict(self._steps)}
+        return {"steps": self._steps.committed()}
 
     def load_state_dict(self, state):
-        self._steps = dict(state.get("steps", {}))
-
-    def __repr__(self):
-        return (f"RandKCompressor(compress_ratio={self.compress_ratio}, seed={self.seed}, "
-                f"unbiased={self.unbiased})")
+        unknown = set(state) - {"steps"}
+        if unknown:
+            raise ValueError(f"RandKCompressor state has unknown keys {sorted(unknown)}; expected 'steps'")
+        self._steps.replace(dict(state.get("steps", {})))

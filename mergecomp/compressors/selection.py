@@ -28,16 +28,26 @@ DENSE_BLOCKS = 0.5
 
 
 def sampled_threshold(flat: torch.Tensor, k: int, sample_ratio: float, min_samples: int,
-                      margin: float = 1.0) -> torch.Tensor:
+                      margin: float = 1.0, survivors: int = 0) -> torch.Tensor:
     """Estimate the (margin·k)-th largest |g| of ``flat`` from a strided sample of it.
 
-    A sample of m = max(min_samples, sample_ratio·n) elements, taken every ⌊n/m⌋-th
-    element, keeps its top ⌈margin·k·m/n⌉ magnitudes; their minimum is the threshold.
-    Costs a top-k over m elements instead of n.
+    A sample of m = max(min_samples, sample_ratio·n, survivors·n/k) elements (all of them
+    when that reaches n), taken every ⌊n/m⌋-th element, keeps its top j = ⌈margin·k·m/n⌉
+    magnitudes; their minimum is the threshold.  Costs a top-k over m elements instead of n.
+
+    How good the estimate is: for i.i.d. magnitudes the fraction of the tensor at or above
+    the j-th largest of m samples has mean j/(m + 1) and a relative standard deviation of
+    about 1/√j, so ``survivors`` (a floor on j) sets the precision of the count.  A NaN
+    sample counts as 0 and an infinite one as the dtype's largest finite value, so neither
+    can make the threshold NaN or inf.
     """
     n = flat.numel()
-    stride = max(1, n // max(1, min(n, max(min_samples, int(n * sample_ratio)))))
-    sample = flat[::stride].abs()
+    wanted = max(min_samples, int(n * sample_ratio), math.ceil(survivors * n / max(k, 1)))
+    stride = max(1, n // max(1, min(n, wanted)))
+    # A NaN would rank first in topk and make the threshold NaN (nothing would pass); an inf
+    # threshold would pass only infs.  Both are mapped in the sample, not in the tensor.
+    largest = torch.finfo(flat.dtype).max
+    sample = flat[::stride].abs().nan_to_num_(nan=0.0, posinf=largest)
     top = max(1, min(sample.numel(), math.ceil(margin * k * sample.numel() / n)))
     return torch.topk(sample, top, sorted=False).values.min()
 
@@ -92,10 +102,18 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     lie in at most k blocks), so every element of the top k passes |g| ≥ t, and at least
     k elements do.  A top-k over the n/64 peaks, the threshold selection, and a top-k over
     the (typically few) candidates replace a top-k over all n elements.
+
+    A NaN ranks above every number, as in ``torch.topk``: a NaN makes its block's peak NaN,
+    which fails the threshold test, so fewer than k candidates come back, and then (only
+    then) the plain ``torch.topk`` over all n elements decides.
     """
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=flat.device)
     blocks = BlockPeaks(flat, scratch)
     if blocks.peaks is None or k > blocks.whole:
         return torch.topk(flat.abs(), k, sorted=False).indices
     threshold = torch.topk(blocks.peaks, k, sorted=False).values.min()
     candidates = blocks.indices_at_least(threshold)
+    if candidates.numel() < k:  # only with a NaN (a NaN peak or threshold fails every comparison)
+        return torch.topk(flat.abs(), k, sorted=False).indices
     return candidates[torch.topk(blocks.flat[candidates].abs(), k, sorted=False).indices]

@@ -8,19 +8,41 @@ Compression Schemes", ICML 2019.
 Signs travel as a packed bit mask (bit set = negative), so n elements cost ⌈n/8⌉ bytes.
 What travels is the IEEE sign bit: +0.0 is sent as +1, as in the reference implementations,
 and −0.0 as −1 (reading the bit is one integer pass; ``x < 0`` costs several times more).
+
+One exception, per parameter: a parameter whose gradient is all zero on this rank (frozen
+in effect, unused, or an embedding row nobody looked up) would otherwise vote +1 on every
+coordinate, and under a majority vote a parameter that is zero on every rank would move by
+the learning rate every step.  So the payload also carries one bit per parameter view of
+the group (the ``layout``; the whole tensor is one view without it), set when the view is
+all zero here: that view decodes to 0, the rank abstains on it, and a view that is zero on
+every rank gets a zero update.  That is ⌈views/8⌉ more bytes.  Finding the zero views reads
+one element per view (its first); only a view whose first element is zero is read whole.
 """
 from __future__ import annotations
 
 import functools
-from typing import Dict
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..momentum import refuse_optimizer_momentum
+from ..staging import StagedDict
 from . import native, register
-from .base import Compressor, Context
-from .packing import Scratch, decode_values, pack_bits
+from .base import Compressor, Context, GroupLayout, check_layout
+from .packing import Scratch, decode_values, pack_bits, packed_nbytes
 from .quantize import sign_bits
+
+#: (offset, numel) of each parameter view of a group, in buffer order.
+Spans = Tuple[Tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class SignContext(Context):
+    """A sign payload's context when the group has several parameter views: their spans
+    (the same on every rank, like the layout they come from)."""
+
+    spans: Spans
 
 
 def pack_signs(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
@@ -48,14 +70,126 @@ def unpack_signs(packed: torch.Tensor, ctx: Context) -> torch.Tensor:
     return decode_values(packed, 1, ctx.numel, _plus_minus_one(ctx.dtype, str(packed.device))).view(ctx.shape)
 
 
-class _MajorityVote(Compressor):
-    """Aggregation by majority vote: the update is the sign of the sum of the ranks' signs."""
+@functools.lru_cache(maxsize=256)
+def layout_spans(layout: GroupLayout, numel: int) -> Spans:
+    """The (offset, numel) spans of ``layout``'s views, checked to tile ``numel`` elements."""
+    check_layout(layout, numel)
+    return tuple((view.offset, view.numel) for view in layout)
+
+
+@functools.lru_cache(maxsize=256)
+def _first_elements(spans: Spans, device: str) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """(index of each non-empty view's first element, on ``device``; those views' positions)."""
+    positions = tuple(i for i, (_, size) in enumerate(spans) if size)
+    return torch.tensor([spans[i][0] for i in positions], dtype=torch.int64, device=device), positions
+
+
+def zero_views(flat: torch.Tensor, spans: Spans) -> List[int]:
+    """Positions of the views that are all zero (±0.0; a NaN is not zero) in ``flat``.
+
+    One gather of the views' first elements; only the views whose first element is zero
+    are read in full.  Empty views count as zero.
+    """
+    if len(spans) == 1:
+        if not flat.numel():
+            return [0]
+        return [0] if flat[0].item() == 0 and not bool(flat.any()) else []
+    starts, positions = _first_elements(spans, str(flat.device))
+    zero = [i for i, (_, size) in enumerate(spans) if not size]
+    firsts = flat.index_select(0, starts).tolist() if starts.numel() else []
+    for j, first in enumerate(firsts):
+        if first == 0:
+            offset, size = spans[positions[j]]
+            if not bool(flat[offset: offset + size].any()):
+                zero.append(positions[j])
+    return sorted(zero)
+
+
+def pack_zero_flags(zero: List[int], views: int, device) -> torch.Tensor:
+    """⌈views/8⌉ bytes, bit i (first view in the top bit of byte 0) set for each view in ``zero``."""
+    flags = bytearray(packed_nbytes(views, 1))
+    for i in zero:
+        flags[i // 8] |= 0x80 >> (i % 8)
+    if not any(flags):
+        return torch.zeros(len(flags), dtype=torch.uint8, device=device)
+    return torch.tensor(list(flags), dtype=torch.uint8, device=device)
+
+
+def context_spans(ctx: Context) -> Spans:
+    """The views a sign payload's flags refer to: the context's spans, or the whole tensor."""
+    return getattr(ctx, "spans", None) or ((0, ctx.numel),)
+
+
+def zero_flagged_views(decoded: torch.Tensor, flags: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Set to 0, in place, the views of ``decoded`` (flat) whose bit is set in ``flags``."""
+    spans = context_spans(ctx)
+    if flags.numel() != packed_nbytes(len(spans), 1):
+        raise ValueError(f"sign payload has {flags.numel()} bytes of zero-view flags but its context has "
+                         f"{len(spans)} views ({packed_nbytes(len(spans), 1)} bytes): the payload was made "
+                         f"with a different layout than the one decoding it")
+    for byte_index, byte in enumerate(flags.tolist()):
+        while byte:
+            bit = byte.bit_length() - 1  # the lowest view of this byte still set
+            offset, size = spans[byte_index * 8 + 7 - bit]
+            decoded[offset: offset + size] = 0
+            byte &= ~(1 << bit)
+    return decoded
+
+
+class _SignCompressor(Compressor):
+    """Sign bits plus one "all zero here" bit per parameter view (module docstring)."""
 
     summable = False
     fixed_size = True
+    unbiased = False
+
+    def _context(self, tensor: torch.Tensor, layout: Optional[GroupLayout]) -> Context:
+        if layout is None or len(layout) <= 1:
+            if layout is not None:
+                check_layout(layout, tensor.numel())
+            return Context(tensor.shape, tensor.dtype)
+        return SignContext(tensor.shape, tensor.dtype, self._spans(layout, tensor.numel()))
+
+    def _spans(self, layout: GroupLayout, numel: int) -> Spans:
+        """:func:`layout_spans`, remembered by the layout object: a plan hands the same tuple
+        every step, and hashing a long one costs more than the zero-view test itself."""
+        cache = self.__dict__.setdefault("_layout_spans", {})
+        hit = cache.get(id(layout))
+        if hit is not None and hit[0] is layout and hit[1] == numel:
+            return hit[2]
+        if len(cache) >= 64:  # layouts made afresh each step (a shard's): keep the cache small
+            cache.clear()
+        spans = layout_spans(tuple(layout), numel)
+        cache[id(layout)] = (layout, numel, spans)
+        return spans
+
+    def _encode(self, source: torch.Tensor, ctx: Context):
+        """(packed signs of ``source``, zero-view flags, positions of the zero views)."""
+        flat = source.reshape(-1)
+        spans = context_spans(ctx)
+        zero = zero_views(flat, spans)
+        return pack_signs(flat, self._scratch), pack_zero_flags(zero, len(spans), flat.device), zero
+
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """⌈n/8⌉ bytes of signs + ⌈views/8⌉ bytes of zero-view flags (+ a subclass's extras)."""
+        views = 1 if layout is None else max(1, len(layout))
+        return packed_nbytes(numel, 1) + packed_nbytes(views, 1) + self.extra_nbytes
+
+    extra_nbytes = 0
+
+
+class _MajorityVote(_SignCompressor):
+    """Aggregation by majority vote: the update is the sign of the sum of the ranks' signs."""
+
     average = False
     recommended_memory = "none"
     recommended_communicator = "allgather"
+
+    def decompress(self, payload, ctx):
+        packed, flags = payload
+        decoded = unpack_signs(packed, ctx)
+        zero_flagged_views(decoded.view(-1), flags, ctx)
+        return decoded
 
     def aggregate(self, tensors):
         return super().aggregate(tensors).sign_()
@@ -67,19 +201,20 @@ class SignSGDCompressor(_MajorityVote):
 
     Biased (the magnitude is lost), which the majority vote analysis of Bernstein et al.
     (ICLR 2019) accepts: use a small learning rate, as for Adam-like updates.  Ties of an
-    even number of ranks give 0 (no step on that coordinate).
+    even number of ranks give 0 (no step on that coordinate); a parameter that is all zero
+    on a rank abstains there (module docstring).
 
-    Wire for n elements: ⌈n/8⌉ bytes.  ``average = False``: the vote is the update.
+    Wire for n elements in v parameter views: ⌈n/8⌉ + ⌈v/8⌉ bytes (v = 1 without a
+    layout).  ``average = False``: the vote is the update.
     """
 
     def __init__(self):
         self._scratch = Scratch()
 
-    def compress(self, tensor, name):
-        return (pack_signs(tensor, self._scratch),), Context(tensor.shape, tensor.dtype)
-
-    def decompress(self, payload, ctx):
-        return unpack_signs(payload[0], ctx)
+    def compress(self, tensor, name, layout=None):
+        ctx = self._context(tensor, layout)
+        packed, flags, _ = self._encode(tensor, ctx)
+        return (packed, flags), ctx
 
 
 @register("signum")
@@ -87,9 +222,14 @@ class SignumCompressor(_MajorityVote):
     """SIGNUM: send the sign of the momentum m ← β·m + (1 − β)·g, combined by majority vote.
 
     Bernstein et al. (ICML 2018, ICLR 2019).  The momentum lives here, per group, so the
-    wrapped optimizer must be plain SGD without momentum.  Biased like signSGD.
+    wrapped optimizer must be plain SGD without momentum.  Biased like signSGD.  A
+    parameter whose momentum is all zero on a rank abstains there (module docstring).
 
-    Wire for n elements: ⌈n/8⌉ bytes.  ``average = False``.
+    The momentum is state: staged with the step (a new tensor each step, never the
+    committed one changed in place; the buffer a commit replaces is reused, so a group
+    holds two momentum-sized buffers), saved by ``state_dict()``.
+
+    Wire for n elements in v parameter views: ⌈n/8⌉ + ⌈v/8⌉ bytes.  ``average = False``.
     """
 
     def check_optimizer(self, optimizer) -> None:
@@ -104,58 +244,90 @@ class SignumCompressor(_MajorityVote):
             raise ValueError(f"signum momentum beta must be in [0, 1), got {beta!r}; 0.9 is usual")
         self.beta = beta
         self._scratch = Scratch()
-        self.momenta: Dict[str, torch.Tensor] = {}
+        self.momenta = StagedDict()
+        self._written = set()  # groups whose momentum this step wrote
+        self._spare = {}  # name → a tensor no state refers to any more, reused as the next output
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
+        ctx = self._context(tensor, layout)
         momentum = self.momenta.get(name)
-        if momentum is None:
-            momentum = self.momenta[name] = torch.zeros_like(tensor)
-        elif momentum.shape != tensor.shape:
+        if momentum is not None and momentum.shape != tensor.shape:
             raise ValueError(
                 f"signum momentum of group {name!r} has shape {tuple(momentum.shape)} but the "
                 f"gradient has shape {tuple(tensor.shape)}: the plan changed; create a new compressor")
-        momentum.mul_(self.beta).add_(tensor, alpha=1.0 - self.beta)
-        return (pack_signs(momentum, self._scratch),), Context(tensor.shape, tensor.dtype)
+        spare = self._spare.pop(name, None)
+        if spare is None or spare.shape != tensor.shape or spare.dtype != tensor.dtype or spare.device != tensor.device:
+            spare = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        if momentum is None:  # m = (1 − β)·g
+            updated = torch.mul(tensor, 1.0 - self.beta, out=spare)
+        else:  # m = β·m + (1 − β)·g in one pass, into a buffer no state holds
+            updated = torch.lerp(tensor, momentum, self.beta, out=spare)
+        if name in self._written:  # a second compress in one step: the first one's output is free
+            self._spare[name] = momentum
+        self._written.add(name)
+        self.momenta[name] = updated
+        packed, flags, _ = self._encode(updated, ctx)
+        return (packed, flags), ctx
 
-    def decompress(self, payload, ctx):
-        return unpack_signs(payload[0], ctx)
+    def commit(self):
+        before = self.momenta.committed()
+        for name in self._written:
+            if name in before:  # replaced: nothing refers to it any more
+                self._spare[name] = before[name]
+        self.momenta.commit()
+        self._written.clear()
+
+    def rollback(self):
+        for name in self._written:
+            self._spare[name] = self.momenta[name]
+        self.momenta.rollback()
+        self._written.clear()
 
     def state_dict(self):
-        return {"momenta": {k: v.detach().clone() for k, v in self.momenta.items()}}
+        return {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()}}
 
     def load_state_dict(self, state):
-        self.momenta = {k: v.clone() for k, v in state.get("momenta", {}).items()}
-
-    def __repr__(self):
-        return f"SignumCompressor(beta={self.beta})"
+        unknown = set(state) - {"momenta"}
+        if unknown:
+            raise ValueError(f"SignumCompressor state has unknown keys {sorted(unknown)}; expected 'momenta'")
+        self.momenta.replace({k: v.clone() for k, v in state.get("momenta", {}).items()})
+        self._written.clear()
+        self._spare.clear()
 
 
 @register("efsignsgd")
-class EFSignSGDCompressor(Compressor):
-    """EF-SignSGD: send (‖g‖₁/n)·sign(g), the scaled sign, and keep the error as residual.
+class EFSignSGDCompressor(_SignCompressor):
+    """EF-SignSGD: send (‖g‖₁/d)·sign(g), the scaled sign, and keep the error as residual.
 
     Karimireddy et al. (ICML 2019): the scale makes the compressor a δ-approximate one, so
-    error feedback (the ``residual`` memory) restores SGD's convergence.  Biased.
+    error feedback (the ``residual`` memory) restores SGD's convergence.  Biased.  d counts
+    the elements whose signs are sent: a parameter view that is all zero here decodes to 0
+    (module docstring) and is left out of the mean.
 
-    Wire for n elements: ⌈n/8⌉ bytes of signs + 4 bytes for the fp32 scale.
+    Wire for n elements in v parameter views: ⌈n/8⌉ bytes of signs + ⌈v/8⌉ bytes of
+    zero-view flags + 4 bytes for the fp32 scale.
     """
 
-    summable = False
-    fixed_size = True
     recommended_memory = "residual"
     recommended_communicator = "allgather"
+    extra_nbytes = 4
 
     def __init__(self):
         self._scratch = Scratch()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
+        ctx = self._context(tensor, layout)
         flat = tensor.reshape(-1)
+        packed, flags, zero = self._encode(flat, ctx)
+        spans = context_spans(ctx)
+        sent = flat.numel() - sum(spans[i][1] for i in zero)
         magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))
-        scale = magnitudes.sum(dtype=torch.float32) / max(1, flat.numel())
-        return (pack_signs(flat, self._scratch), scale.reshape(1)), Context(tensor.shape, tensor.dtype)
+        scale = magnitudes.sum(dtype=torch.float32) / max(1, sent)
+        return (packed, flags, scale.reshape(1)), ctx
 
     def decompress(self, payload, ctx):
-        packed, scale = payload
+        packed, flags, scale = payload
         # ±scale straight from the table: the same bits as ±1 times the scale, one pass.
         scale = scale.reshape(1).to(ctx.dtype)
-        return decode_values(packed, 1, ctx.numel, torch.cat([scale, -scale])).view(ctx.shape)
+        decoded = decode_values(packed, 1, ctx.numel, torch.cat([scale, -scale]))
+        return zero_flagged_views(decoded, flags, ctx).view(ctx.shape)

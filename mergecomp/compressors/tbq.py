@@ -9,7 +9,7 @@ import torch
 
 from . import register
 from .base import Compressor, Context
-from .packing import pack_bits, unpack_bits
+from .packing import pack_bits, packed_nbytes, unpack_bits
 
 
 @register("tbq")
@@ -28,6 +28,7 @@ class TBQCompressor(Compressor):
 
     summable = False
     fixed_size = True
+    unbiased = False
     recommended_memory = "residual"
     recommended_communicator = "allgather"
 
@@ -38,7 +39,7 @@ class TBQCompressor(Compressor):
                              f"pick it near the typical magnitude of a gradient element")
         self.threshold = threshold
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)
         codes = (flat > self.threshold).view(torch.uint8)
         codes.bitwise_or_((flat < -self.threshold).view(torch.uint8).bitwise_left_shift_(1))
@@ -48,8 +49,9 @@ class TBQCompressor(Compressor):
         values = ternary_values(unpack_bits(payload[0], 2, ctx.numel)).mul_(self.threshold)
         return values.to(ctx.dtype).view(ctx.shape)
 
-    def __repr__(self):
-        return f"TBQCompressor(threshold={self.threshold})"
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """One 2-bit code per element."""
+        return packed_nbytes(numel, 2)
 
 
 def ternary_values(codes: torch.Tensor) -> torch.Tensor:

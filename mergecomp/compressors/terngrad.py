@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 
 from . import native, register
-from .base import Compressor, Context
-from .buckets import bucket_parts, bucket_peaks, check_bucket_size, padded_fp32_buckets
-from .packing import Scratch
+from .base import Context
+from .buckets import bucket_parts, bucket_peaks, check_bucket_size, num_buckets, padded_fp32_buckets
+from .packing import Scratch, packed_nbytes
 from .quantize import dequantize_packed, quantize_packed
+from .streams import StochasticCompressor
 
 
 @register("terngrad")
-class TernGradCompressor(Compressor):
+class TernGradCompressor(StochasticCompressor):
     """Each element v of a bucket with scale S = max|v| becomes S·sign(v)·b, b ~ Bernoulli(|v|/S).
 
     Unbiased without clipping: E[S·sign(v)·b] = v (up to 2^-16 of S: the Bernoulli draw uses
@@ -23,17 +24,21 @@ class TernGradCompressor(Compressor):
     each bucket is first clipped to ±c·σ, σ its standard deviation, which lowers the
     variance at the price of a bias on the clipped outliers.  The ternary value travels as
     a 2-bit code (0 → −S, 1 → 0, 2 → +S); the scale is one fp32 per bucket (the paper uses
-    one per layer; a fused group spans several layers, hence the buckets).
+    one per layer; a fused group spans several layers, hence the buckets).  The Bernoulli
+    draws come from a private stream per group, seeded from ``seed`` and this process's
+    rank, saved in ``state_dict()`` and rewound by ``rollback()``.
 
     Wire for n elements: ⌈n/4⌉ bytes of codes + 4·⌈n/bucket_size⌉ bytes of fp32 scales.
     """
 
     summable = False
     fixed_size = True
+    unbiased = True  # per instance: False with clipping
     recommended_memory = "none"
     recommended_communicator = "allgather"
 
-    def __init__(self, bucket_size: int = 512, clip: float = None):
+    def __init__(self, bucket_size: int = 512, clip: float = None, seed: int = 0):
+        super().__init__(seed)
         self.bucket_size = check_bucket_size(bucket_size)
         if clip is not None:
             clip = float(clip)
@@ -41,9 +46,14 @@ class TernGradCompressor(Compressor):
                 raise ValueError(f"terngrad clip must be a positive multiple of σ or None, got {clip!r}; "
                                  f"the paper uses 2.5")
         self.clip = clip
+        self.unbiased = clip is None
         self._scratch = Scratch()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
+        if not tensor.numel():
+            empty = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            return (empty, torch.empty(0, dtype=torch.float32, device=tensor.device)), \
+                Context(tensor.shape, tensor.dtype)
         source = tensor
         if self.clip is not None:
             work = padded_fp32_buckets(tensor, self.bucket_size, self._scratch)
@@ -60,7 +70,8 @@ class TernGradCompressor(Compressor):
         # v/S ∈ [−1, 1] rounded stochastically and offset by 1: code 0 → −S, 1 → 0, 2 → +S,
         # +S with probability v/S for v > 0 and −S with probability |v|/S for v < 0.
         factors = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
-        packed = quantize_packed(source, self.bucket_size, factors, 1, 2, self._scratch, buckets)
+        packed = quantize_packed(source, self.bucket_size, factors, 1, 2, self._scratch, buckets,
+                                 key=self.streams.key(name, source.numel()))
         return (packed, scales), Context(tensor.shape, tensor.dtype)
 
     def _bucket_std(self, work, n):
@@ -79,10 +90,13 @@ class TernGradCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         packed, scales = payload
+        if not ctx.numel:
+            return torch.zeros(ctx.shape, dtype=ctx.dtype, device=packed.device)
         # Code c stands for c − 1 times the scale (code 3 is never sent; it decodes as 2·S).
         return dequantize_packed(packed, 2, ctx.numel, 1, scales, self.bucket_size, ctx.dtype,
                                  self._scratch).view(ctx.shape)
 
-    def __repr__(self):
-        return f"TernGradCompressor(bucket_size={self.bucket_size}, clip={self.clip})"
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """⌈n/4⌉ bytes of 2-bit codes + 4 bytes per bucket (whatever the input dtype)."""
+        return packed_nbytes(numel, 2) + 4 * num_buckets(numel, self.bucket_size)
 

@@ -18,9 +18,14 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
 
 
+def index_nbytes(numel: int) -> int:
+    """Bytes of one index of :func:`index_dtype`."""
+    return 4 if index_dtype(numel) == torch.int32 else 8
+
+
 def num_selected(numel: int, ratio: float) -> int:
-    """k for a ratio: at least one element, as in the reference implementations."""
-    return max(1, int(numel * ratio))
+    """k for a ratio: at least one element of a non-empty tensor, as in the reference implementations."""
+    return min(numel, max(1, int(numel * ratio)))
 
 
 def scatter_values(values: torch.Tensor, indices: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -73,12 +78,16 @@ class TopKCompressor(SparseCompressor):
     Exact (the same selection as ``torch.topk``, up to ties), found through block peaks
     (``selection.exact_top_k``) instead of a top-k over all n elements.
 
+    A NaN counts as larger than any number, as in ``torch.topk`` (the selection falls back
+    to ``torch.topk`` when a NaN hides the candidates); the reducer drops non-finite steps.
+
     Wire for n elements: k × (value bytes + 4) — the values in the input dtype and int32
     indices (int64 beyond 2^31 elements).  Payloads of different ranks index different
     coordinates, so they are not summable: use the allgather or PS communicator.
     """
 
     summable = False
+    unbiased = False
     recommended_memory = "residual"
     recommended_communicator = "allgather"
     fixed_size = True
@@ -87,12 +96,13 @@ class TopKCompressor(SparseCompressor):
         self.compress_ratio = check_ratio(compress_ratio)
         self._scratch = Scratch()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.compress_ratio)
         indices = exact_top_k(flat, k, self._scratch)
         values = flat[indices]
         return (values, indices.to(index_dtype(flat.numel()))), Context(tensor.shape, tensor.dtype)
 
-    def __repr__(self):
-        return f"TopKCompressor(compress_ratio={self.compress_ratio})"
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """k values in the input dtype and k indices."""
+        return num_selected(numel, self.compress_ratio) * (element_size + index_nbytes(numel))
