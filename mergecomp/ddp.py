@@ -117,6 +117,9 @@ class HookState:
         self.sends = list(sends) if sends is not None else None
         self.nonfinite = nonfinite
         self.names = _parameter_names(model) if model is not None else None
+        if model is not None:
+            compressors.check_dtypes(self.compressor, sorted(
+                {p.dtype for p in model.parameters() if p.requires_grad}, key=str))
         #: Steps whose buckets were exchanged (DDP's backward passes that reduced).
         self.steps = 0
         #: Steps dropped because a gradient was NaN or Inf.

@@ -166,6 +166,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check = getattr(component, "check_optimizer", None)
             if callable(check):
                 check(self.optimizer)
+        compressors.check_dtypes(self.compressor, sorted({p.dtype for _, p in params}, key=str))
 
     def _check_same_configuration(self, config: str) -> None:
         """Compressor, memory, communicator and scheduler (with their arguments and seeds)

@@ -414,3 +414,17 @@ def test_contradicting_schedule_arguments_are_refused():
     with pytest.raises(TypeError, match="schedule must be"):
         mergecomp.optimizer._resolve_schedule(2.5, None, None, None, None, "none")
     del model
+
+
+def test_a_dtype_the_compressor_cannot_carry_is_refused_at_construction():
+    model = nn.Linear(3, 2).to(torch.complex64)
+
+    class OneRank(mergecomp.backends.Backend):
+        rank, size = 0, 1
+
+        def allgather_object(self, obj):
+            return [obj]
+
+    with pytest.raises(ValueError, match="cannot carry complex64 gradients.*view_as_real"):
+        mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                       compressor="fp16", backend=OneRank())
