@@ -417,7 +417,9 @@ def test_contradicting_schedule_arguments_are_refused():
 
 
 def test_a_dtype_the_compressor_cannot_carry_is_refused_at_construction():
-    model = nn.Linear(3, 2).to(torch.complex64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: complex modules are experimental
+        model = nn.Linear(3, 2).to(torch.complex64)
 
     class OneRank(mergecomp.backends.Backend):
         rank, size = 0, 1
