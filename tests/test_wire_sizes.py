@@ -31,7 +31,7 @@ def atomo(n, size, compressor, payload):
     return 4 * payload[1].numel() * (rows + cols + 1)
 
 
-def powersgd(n, size, compressor, payload):
+def batched_powersgd(n, size, compressor, payload):
     rows, cols = matrix_shape(torch.Size([n]))
     return 4 * min(compressor.rank, rows, cols) * (rows + cols)
 
@@ -54,7 +54,10 @@ FORMULAS = {
     "qsgd": lambda n, size, c, p: ceil_div(n * math.ceil(math.log2(2 * c.levels + 1)), 8)
     + 4 * ceil_div(n, c.bucket_size),
     "atomo": atomo,
-    "powersgd": powersgd,
+    # Per layer: a 1-D tensor without a layout is one 1-D parameter, sent raw
+    # (tests/test_lowrank.py checks the bytes of layouts with matrices).
+    "powersgd": lambda n, size, c, p: n * size,
+    "batched_powersgd": batched_powersgd,
 }
 
 
