@@ -26,11 +26,6 @@ def dgc(n, size, compressor, payload):
     return values.numel() * (size + 4)
 
 
-def atomo(n, size, compressor, payload):
-    rows, cols = matrix_shape(torch.Size([n]))
-    return 4 * payload[1].numel() * (rows + cols + 1)
-
-
 def batched_powersgd(n, size, compressor, payload):
     rows, cols = matrix_shape(torch.Size([n]))
     return 4 * min(compressor.rank, rows, cols) * (rows + cols)
@@ -53,9 +48,9 @@ FORMULAS = {
     "terngrad": lambda n, size, c, p: ceil_div(n, 4) + 4 * ceil_div(n, c.bucket_size),
     "qsgd": lambda n, size, c, p: ceil_div(n * math.ceil(math.log2(2 * c.levels + 1)), 8)
     + 4 * ceil_div(n, c.bucket_size),
-    "atomo": atomo,
     # Per layer: a 1-D tensor without a layout is one 1-D parameter, sent raw
     # (tests/test_lowrank.py checks the bytes of layouts with matrices).
+    "atomo": lambda n, size, c, p: n * size,
     "powersgd": lambda n, size, c, p: n * size,
     "batched_powersgd": batched_powersgd,
 }
@@ -100,3 +95,44 @@ def test_sign_compressors_really_send_one_bit_per_element():
     for name in ("signsgd", "signum", "efsignsgd", "onebit"):
         payload, _ = compressors.create(name).compress(torch.randn(8000), "g")
         assert payload[0].numel() == 1000, f"{name} sends {payload[0].numel()} bytes of signs for 8000 elements"
+
+
+#: A group of a conv kernel, its bias, a linear weight, a matrix too small to factor and a
+#: piece of a sliced parameter, as the per-layer compressors see it.
+LAYERS = [("conv", (16, 3, 3, 3)), ("bias", (16,)), ("fc", (10, 144)), ("small", (3, 8)), ("piece", (7,))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["powersgd", "atomo"])
+def test_per_layer_bytes_match_the_formula(name, dtype):
+    from mergecomp.compressors.base import ParamView
+    layout, offset = [], 0
+    for view, shape in LAYERS:
+        layout.append(ParamView(view, torch.Size(shape), offset))
+        offset += math.prod(shape)
+    layout = tuple(layout)
+    torch.manual_seed(0)
+    tensor = torch.randn(offset, dtype=dtype)
+    compressor = compressors.create(name)
+    if name == "powersgd":
+        _, sent = run_locally(compressor, tensor, "g", layout=layout)
+        payload = None
+    else:
+        payload, _ = compressor.compress(tensor, "g", layout=layout)
+        sent = sum(t.numel() * t.element_size() for t in payload)
+    size, expected, matrix = tensor.element_size(), 0, 0
+    for view, shape in LAYERS:
+        rows, cols = shape[0], math.prod(shape[1:])
+        if name == "powersgd":  # factored when r·c > 2·k·(r + c), k = min(rank, r, c)
+            k = min(compressor.rank, rows, cols)
+            factored = len(shape) >= 2 and rows * cols > 2 * k * (rows + cols)
+            expected += 4 * k * (rows + cols) if factored else math.prod(shape) * size
+        else:  # factored when r·c > 2·budget·(r + c + 1); the atom count, then the atoms
+            factored = len(shape) >= 2 and rows * cols > 2 * compressor.budget * (rows + cols + 1)
+            if factored:
+                expected += 4 + 4 * int(payload[1][matrix]) * (rows + cols + 1)
+                matrix += 1
+            else:
+                expected += math.prod(shape) * size
+    assert sent == expected == compressor.wire_nbytes(offset, size, payload, layout=layout), \
+        f"{name} sends {sent} bytes for the layout, the format says {expected}"
