@@ -17,9 +17,11 @@ from .base import AllReduce, Compressor, GroupLayout, accepts_layout, payload_nb
 
 
 def _with_layout(method, tensor, name, layout):
-    if layout is not None and not accepts_layout(method):
-        raise TypeError(f"{method.__qualname__} takes no layout; call it without one")
-    return method(tensor, name, layout=layout) if layout is not None else method(tensor, name)
+    """``compress``/``rounds`` with the layout, as the communicators call it: compressors
+    that take none (elementwise ones, plugins written before layouts) without it."""
+    if layout is not None and accepts_layout(method):
+        return method(tensor, name, layout=layout)
+    return method(tensor, name)
 
 
 def run_locally(compressor: Compressor, tensor: torch.Tensor, name: str = "tensor",
