@@ -25,9 +25,10 @@ class BatchedPowerSGDCompressor(Compressor):
     r × c matrix M with r = ⌊√n⌋ (see :mod:`mergecomp.compressors.matrix`) and is
     approximated by P̂ Qᵀ in two allreduces, Algorithm 1 of the paper: P = M Q, allreduce P,
     P̂ = orthonormalize(ΣP); Q = Mᵀ P̂, allreduce Q; the decoded sum over ranks is P̂ (ΣQ)ᵀ.
-    One factorisation per group is cheaper than one per layer (``powersgd``), but the
-    layers laid end to end share no low-rank structure, so a rank-r approximation of the
-    buffer keeps less of the gradient and training reaches lower accuracy.
+    One factorisation per group sends fewer bytes than one per layer (``powersgd``) and
+    runs a few large products instead of many small ones, but the layers laid end to end
+    share no low-rank structure, so a rank-r approximation of the buffer keeps less of the
+    gradient and training reaches lower accuracy.
 
     ``warm_start``: Q starts from the previous step's ΣQ (the power iteration continues
     across steps); the first Q, and every Q without warm start, is a normal draw seeded by
