@@ -8,12 +8,8 @@ from mergecomp.compressors.testing import CHECKS, Report, check_compressor
 from mergecomp.compressors import testing as kit
 
 #: (compressor, check) pairs that fail for reasons outside the compressors fixed here.
-KNOWN = {
-    ("powersgd", "repr"): "PowerSGD's repr leaves out its seed",
-    ("powersgd", "non_finite"): "PowerSGD keeps its warm start and error feedback unstaged",
-    ("powersgd", "state"): "PowerSGD keeps its warm start and error feedback unstaged",
-    ("atomo", "non_finite"): "ATOMO's SVD raises LinAlgError (not ValueError) on a NaN",
-}
+#: (compressor, check) pairs known to fail, with the reason: none today.
+KNOWN = {}
 
 
 def cases():

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from mergecomp import compressors
-from mergecomp.compressors.matrix import matrix_shape
 from mergecomp.compressors.testing import make_input, run_step, several_views, wire_formula
 
 
@@ -21,13 +20,8 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-def atomo(n, size, payload=None, layout=None):
-    rows, cols = matrix_shape(torch.Size([n]))
-    return 4 * payload[1].numel() * (rows + cols + 1)
-
-
-#: Formulas of compressors whose class has no ``wire_nbytes`` (yet): (compressor) → formula.
-FALLBACK = {"atomo": lambda compressor: atomo}
+#: Formulas of compressors whose class has no ``wire_nbytes``: (compressor) → formula.
+FALLBACK = {}
 
 
 def formula_of(name, compressor):

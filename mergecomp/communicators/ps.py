@@ -29,8 +29,9 @@ Majority-vote compressors (``average = False``: signSGD, SIGNUM) send the vote b
 packed signs with ``signsgd``, as in Bernstein et al. (ICLR 2019): the vote is already a
 sign vector, and SIGNUM's momentum belongs to the workers, not to the vote.
 
-Non-summable compressors must have contexts that carry only shape and dtype (true for every
-built-in): workers decode the server's recompressed shard with their own shard context.
+Non-summable compressors must have contexts that carry only shape, dtype and the shard's
+layout (true for every built-in): workers decode the server's recompressed shard with their
+own shard context, and the server compresses its shard with the same clipped layout.
 
 Wire per rank for n elements, p(m) the payload bytes of m elements, s = ⌈n/N⌉:
 all-to-all (N−1)·p(s) plus N·8 bytes of sizes (plus a shape header per shard for
@@ -53,7 +54,7 @@ from . import register
 from .base import Communicator, Handle
 from ..backends.serialize import (MAX_DIMS, blob_size, check_blob_size, header_error, pack, payload_limit,
                                   unpack)
-from ..compressors.base import Compressor, Context, GroupLayout, clip_layout
+from ..compressors.base import Compressor, Context, GroupLayout, accepts_layout, clip_layout
 from ..memories.none import NoneMemory
 from ..staging import StagedDict
 
@@ -258,6 +259,8 @@ class PSCommunicator(Communicator):
         server = self.server_compressor
         if server is self.compressor:
             payload, server_ctx = self._encode(server.compress, aggregate, shard_name + "/server", layout)
+        elif layout is not None and accepts_layout(server.compress):  # the vote's signs, flagged per view
+            payload, server_ctx = server.compress(aggregate, shard_name + "/server", layout=layout)
         else:
             payload, server_ctx = server.compress(aggregate, shard_name + "/server")
         if self.server_residual:
@@ -324,8 +327,11 @@ def _names(payload) -> List[str]:
 
 def _check_plain_context(ctx: Context, compressor: Compressor) -> None:
     """Workers decode the server's recompressed shard with their own context: it must say
-    nothing but shape and dtype, or the server's context (made on one rank) would differ."""
-    extra = [f.name for f in dataclasses.fields(ctx) if f.name not in ("shape", "dtype")]
+    nothing but shape, dtype and layout (the shard's clipped views, which the server
+    compresses with too) and what follows from them (``Context.layout_fields``), or the
+    server's context (made on one rank) would differ."""
+    allowed = ("shape", "dtype", "layout") + tuple(getattr(ctx, "layout_fields", ()))
+    extra = [f.name for f in dataclasses.fields(ctx) if f.name not in allowed]
     if extra:
         raise ValueError(
             f"the PS communicator cannot recompress with {compressor.name!r}: its context carries "

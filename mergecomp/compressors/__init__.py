@@ -18,7 +18,7 @@ get = registry.get
 # Built-ins register themselves on import.
 from . import none, halfprecision, topk, randk  # noqa: E402,F401
 from . import (sign, onebit, qsgd, terngrad, dgc, graddrop, tbq, atomo,  # noqa: E402,F401
-               powersgd)
+               powersgd, batched_powersgd)
 
 __all__ = ["Compressor", "Context", "Payload", "AllReduce", "ParamView", "GroupLayout", "register",
            "create", "available", "get", "registry", "payload_nbytes", "check_ratio", "check_dtypes",

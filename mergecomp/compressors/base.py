@@ -70,10 +70,15 @@ class Context:
     Compressors that need more (shared random indices, a bucket layout) subclass this
     dataclass with named fields; a context never carries data that differs between
     ranks, so one rank's context decodes every rank's payload.
+
+    ``layout_fields`` names the fields that follow from shape, dtype and the group's layout
+    alone (never from the values or a random stream): a parameter server may decode its
+    recompressed shard with a worker's context only when every extra field is one of them.
     """
 
     shape: torch.Size
     dtype: torch.dtype
+    layout_fields = ()  # class attribute, not a field
 
     @property
     def numel(self) -> int:

@@ -1,42 +1,60 @@
-"""PowerSGD: rank-r compression by one step of subspace iteration, warm-started.
+"""PowerSGD per layer: rank-r compression of each layer's gradient matrix, warm-started.
 
 Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
-Optimization", NeurIPS 2019.
+Optimization", NeurIPS 2019; the semantics of PyTorch's ``powerSGD_hook``.
 """
 from __future__ import annotations
 
-import zlib
-from typing import Dict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import register
-from .base import AllReduce, Compressor
-from .matrix import as_matrix, from_matrix, matrix_shape
-
-
-def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
-    """Orthonormal basis of the columns of ``matrix`` (reduced QR; zero columns stay finite)."""
-    return torch.linalg.qr(matrix, mode="reduced").Q
+from ..staging import StagedDict
+from .base import AllReduce, Compressor, GroupLayout, ParamView, check_layout
+from .lowrank import check_flag, check_rank, check_rate, orthonormalize, seeded_normal
+from .matrix import (LayerMatrix, compute_dtype, factor_element_size, gather_raw, group_layout,
+                     layer_matrix, raw_numel, scatter_raw, split_layout)
 
 
 @register("powersgd")
 class PowerSGDCompressor(Compressor):
-    """Approximate the gradient matrix M (r × c) by P̂ Qᵀ of rank ``rank`` in two allreduces.
+    """Each layer's gradient matrix M (r × c) approximated by P̂ Qᵀ of rank ``rank``.
 
-    Algorithm 1 of the paper, run as two rounds through the communicator (``rounds``):
-    P = M Q, allreduce P, P̂ = orthonormalize(ΣP); Q = Mᵀ P̂, allreduce Q; the decoded sum
-    over ranks is P̂ (ΣQ)ᵀ.  Q is warm-started from the previous step's ΣQ (the power
-    iteration continues across steps) and starts from a normal draw seeded by the group
-    name, identical on every rank.  Error feedback is built in, as in the paper: each rank
-    keeps e = M − P̂ Qₗᵀ (Qₗ its local Q) and adds it to the next gradient, so use it with
-    the ``none`` memory.  Biased per step; the feedback makes up for it.
+    The group's layout (its per-parameter views) says what a layer is: a view of two or
+    more dimensions is the matrix shape[0] × rest (a conv kernel out × in·h·w); it is
+    factored when that gains enough, r·c > ``min_compression_rate``·k·(r + c) with
+    k = min(rank, r, c), and sent raw otherwise, as are 1-D views (biases, norms, pieces of
+    sliced parameters).  Without a layout the tensor is one parameter: a matrix if it has
+    two or more dimensions, raw if it is 1-D.
 
-    The matrix view is :mod:`mergecomp.compressors.matrix` (a flat fused buffer becomes a
-    near-square matrix); math and wire are fp32 whatever the input dtype (fp64 stays fp64).
+    Algorithm 1 of the paper, per matrix, in two allreduces for the whole group (the same
+    on every rank, driven by the communicator through :meth:`rounds`):
 
-    Wire for an r × c matrix: 4·rank·(r + c) bytes, in two allreduces (P, then Q).
-    PowerSGD has no one-shot form: :meth:`compress` and :meth:`decompress` raise, and
+    1. P = M Q for every matrix; allreduce one buffer holding the raw views and every P;
+    2. P̂ = orthonormalize(ΣP); Q = Mᵀ P̂; allreduce one buffer holding every Q;
+    3. the decoded sum over ranks is P̂ (ΣQ)ᵀ per matrix and the summed raw values.
+
+    ``warm_start``: Q starts from the previous step's ΣQ, orthonormalised (the power
+    iteration continues across steps); the first Q, and every Q without warm start, is a
+    normal draw seeded by ``seed``, the group and view names (and the step, without warm
+    start), identical on every rank.  ``use_error_feedback``: each rank keeps, per matrix,
+    e = M − P̂ Qₗᵀ (Qₗ its local Q: what this rank's share of the approximation missed)
+    and adds it to the next gradient, as in the paper; raw views are exact and keep
+    nothing.  Use it with the ``none`` memory.  Biased per step; the feedback makes up for
+    it.  Orthonormalisation is Householder QR, which needs no epsilon (see
+    :func:`~mergecomp.compressors.lowrank.orthonormalize`).
+
+    State (errors, warm-start queries, a step count) is kept per group and view, staged per
+    step: :meth:`commit` keeps it, :meth:`rollback` forgets it.  It is tied to the group's
+    layout: a group whose factored views changed (a new plan) raises ValueError.
+
+    Math and factors are fp32 whatever the gradient dtype (fp64 stays fp64); raw values
+    travel in the gradient's dtype (with fp16/bf16 gradients the first round then has two
+    tensors, the raw values and the P factors).  Wire per rank, both rounds:
+    (raw elements)·(element size) + 4·k·(r + c) per factored r × c matrix
+    (8·k·(r + c) for fp64); :meth:`wire_nbytes` computes it from a layout.  PowerSGD has no
+    one-shot form: :meth:`compress` and :meth:`decompress` raise, and
     ``mergecomp.compressors.loopback.run_locally`` drives :meth:`rounds` on one process.
     """
 
@@ -46,44 +64,122 @@ class PowerSGDCompressor(Compressor):
     recommended_memory = "none"
     recommended_communicator = "allreduce"
 
-    def __init__(self, rank: int = 2, seed: int = 0):
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"powersgd rank must be a positive integer, got {rank!r}; 1 to 4 is usual")
-        self.rank = rank
+    def __init__(self, rank: int = 2, min_compression_rate: float = 2.0, warm_start: bool = True,
+                 use_error_feedback: bool = True, seed: int = 0):
+        self.rank = check_rank(rank, "powersgd")
+        self.min_compression_rate = check_rate(min_compression_rate, "powersgd")
+        self.warm_start = check_flag(warm_start, "warm_start", "powersgd")
+        self.use_error_feedback = check_flag(use_error_feedback, "use_error_feedback", "powersgd")
         self.seed = int(seed)
-        self.queries: Dict[str, torch.Tensor] = {}
-        self.errors: Dict[str, torch.Tensor] = {}
+        self._queries = StagedDict()  # group → {view name: ΣQ of the last step}
+        self._errors = StagedDict()   # group → {view name: e}
+        self._steps = StagedDict()    # group → steps exchanged (seeds the draws without warm start)
 
-    def _query(self, name: str, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
-        query = self.queries.get(name)
-        if query is not None and query.shape == (cols, rank):
-            return query
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(cols, rank, generator=generator, dtype=like.dtype).to(like.device)
+    # -- which views are factored ----------------------------------------------------------
+    def matrix_rank(self, rows: int, cols: int) -> int:
+        """The rank k a rows × cols matrix is approximated with."""
+        return min(self.rank, rows, cols)
 
-    def rounds(self, tensor, name):
-        matrix = as_matrix(tensor)
-        error = self.errors.get(name)
-        if error is not None:
-            if error.shape != matrix.shape:
+    def factors(self, rows: int, cols: int) -> bool:
+        """Whether a rows × cols matrix gains enough to be factored (PyTorch's rule)."""
+        return rows * cols > self.min_compression_rate * self.matrix_rank(rows, cols) * (rows + cols)
+
+    def split(self, layout: GroupLayout) -> Tuple[Tuple[ParamView, ...], Tuple[LayerMatrix, ...]]:
+        """(views sent raw, views factored) of a group layout."""
+        return split_layout(layout, self.factors)
+
+    # -- the exchange ----------------------------------------------------------------------
+    def rounds(self, tensor, name, layout=None):
+        raw, matrices = self.split(group_layout(tensor, name, layout))
+        flat = tensor.reshape(-1)
+        dtype = compute_dtype(tensor.dtype)
+        queries, errors = self._checked_state(name, matrices)
+        step = self._steps.get(name, 0)
+
+        inputs = []  # M per matrix, the error added: a view of the gradient when there is none
+        for matrix in matrices:
+            m = layer_matrix(flat, matrix, dtype)
+            error = errors.get(matrix.view.name)
+            inputs.append(m if error is None else m + error.to(m.device))
+
+        n_raw = raw_numel(raw)
+        p_sizes = [matrix.rows * self.matrix_rank(matrix.rows, matrix.cols) for matrix in matrices]
+        one_buffer = tensor.dtype == dtype or not matrices or n_raw == 0
+        if one_buffer:  # one collective for the raw values and every P
+            buffer = torch.empty(n_raw + sum(p_sizes), dtype=dtype if matrices else tensor.dtype,
+                                 device=flat.device)
+            raw_part, p_part = buffer[:n_raw], buffer[n_raw:]
+            request = (buffer,)
+        else:  # fp16/bf16 raw values travel in their own dtype next to the fp32 factors
+            raw_part = torch.empty(n_raw, dtype=tensor.dtype, device=flat.device)
+            p_part = torch.empty(sum(p_sizes), dtype=dtype, device=flat.device)
+            request = (raw_part, p_part)
+        gather_raw(flat, raw, out=raw_part)
+        ps = _split_views(p_part, [(m.rows, self.matrix_rank(m.rows, m.cols)) for m in matrices])
+        for matrix, m, p in zip(matrices, inputs, ps):
+            torch.matmul(m, orthonormalize(self._start_query(name, matrix, queries, step, m)), out=p)
+
+        reply = yield AllReduce(request)
+        if one_buffer:
+            raw_sum, p_sum = reply[0][:n_raw], reply[0][n_raw:]
+        else:
+            raw_sum, p_sum = reply
+        out = torch.empty(flat.numel(), dtype=tensor.dtype, device=flat.device)
+        scatter_raw(raw_sum, raw, out)
+        if not matrices:
+            return out.view(tensor.shape)
+
+        p_hats = [orthonormalize(p) for p in _split_views(
+            p_sum, [(m.rows, self.matrix_rank(m.rows, m.cols)) for m in matrices])]
+        q_buffer = torch.empty(sum(m.cols * self.matrix_rank(m.rows, m.cols) for m in matrices),
+                               dtype=dtype, device=flat.device)
+        qs = _split_views(q_buffer, [(m.cols, self.matrix_rank(m.rows, m.cols)) for m in matrices])
+        new_errors: Dict[str, torch.Tensor] = {}
+        for matrix, m, p_hat, q in zip(matrices, inputs, p_hats, qs):
+            torch.matmul(m.t(), p_hat, out=q)
+            if self.use_error_feedback:  # before the allreduce sums into q in place
+                new_errors[matrix.view.name] = torch.addmm(m, p_hat, q.t(), alpha=-1)
+
+        (q_sum,) = yield AllReduce((q_buffer,))
+        q_sums = _split_views(q_sum, [(m.cols, self.matrix_rank(m.rows, m.cols)) for m in matrices])
+        for matrix, p_hat, q in zip(matrices, p_hats, q_sums):
+            out[matrix.start:matrix.stop].view(matrix.rows, matrix.cols).copy_(p_hat @ q.t())
+        if self.use_error_feedback:
+            self._errors[name] = new_errors
+        if self.warm_start:
+            self._queries[name] = {matrix.view.name: q for matrix, q in zip(matrices, q_sums)}
+        self._steps[name] = step + 1
+        return out.view(tensor.shape)
+
+    def _start_query(self, name: str, matrix: LayerMatrix, queries: Dict[str, torch.Tensor],
+                     step: int, like: torch.Tensor) -> torch.Tensor:
+        query = queries.get(matrix.view.name) if self.warm_start else None
+        if query is not None:
+            return query.to(device=like.device, dtype=like.dtype)
+        key = f"powersgd/{self.seed}/{name}/{matrix.view.name}/{0 if self.warm_start else step}"
+        return seeded_normal(key, matrix.cols, self.matrix_rank(matrix.rows, matrix.cols), like)
+
+    def _checked_state(self, name: str, matrices: Tuple[LayerMatrix, ...]):
+        """This group's queries and errors, after checking they fit its factored views."""
+        wanted = {m.view.name: m for m in matrices}
+        found = []
+        for kind, store, shape in (
+                ("warm-start queries", self._queries, lambda m: (m.cols, self.matrix_rank(m.rows, m.cols))),
+                ("errors", self._errors, lambda m: (m.rows, m.cols))):
+            stored: Dict[str, torch.Tensor] = store.get(name, {})
+            if stored and (set(stored) != set(wanted) or any(
+                    tuple(stored[v].shape) != shape(wanted[v]) for v in stored)):
+                have = {v: tuple(t.shape) for v, t in stored.items()}
+                want = {v: shape(m) for v, m in wanted.items()}
                 raise ValueError(
-                    f"powersgd error of group {name!r} has shape {tuple(error.shape)} but the "
-                    f"gradient is viewed as {tuple(matrix.shape)}: the plan changed; create a new compressor")
-            matrix.add_(error)
-        rows, cols = matrix.shape
-        rank = min(self.rank, rows, cols)
-        p = matrix @ self._query(name, cols, rank, matrix)
-        (p_sum,) = yield AllReduce((p,))
-        p_hat = orthonormalize(p_sum)
-        q_local = matrix.t() @ p_hat
-        error = matrix.sub_(p_hat @ q_local.t())
-        error.view(-1)[tensor.numel():].zero_()  # the padding is not part of the gradient
-        self.errors[name] = error
-        (q_sum,) = yield AllReduce((q_local,))
-        self.queries[name] = q_sum.clone()
-        return from_matrix(p_hat @ q_sum.t(), tensor.shape, tensor.dtype)
+                    f"powersgd {kind} of group {name!r} were made for views {have} but the group "
+                    f"now factors {want}: the plan (or rank) changed. Per-layer PowerSGD state "
+                    "cannot follow parameters into new groups; create a new compressor, or load "
+                    "a state_dict saved with this plan")
+            found.append(stored)
+        return found[0], found[1]
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, layout=None):
         raise TypeError("PowerSGD exchanges in two allreduce rounds and has no one-shot payload: "
                         "use it through a communicator (which drives rounds()), or "
                         "mergecomp.compressors.loopback.run_locally on a single process")
@@ -91,18 +187,75 @@ class PowerSGDCompressor(Compressor):
     def decompress(self, payload, ctx):
         self.compress(None, None)
 
-    def wire_nbytes(self, numel: int) -> int:
-        """Bytes one rank sends for a group of ``numel`` elements (both rounds)."""
-        rows, cols = matrix_shape(torch.Size([numel]))
-        return 4 * min(self.rank, rows, cols) * (rows + cols)
+    def wire_nbytes(self, numel: int, element_size: int = 4, payload=None,
+                    layout: Optional[GroupLayout] = None) -> int:
+        """Bytes one rank sends, both rounds, for a group of ``numel`` elements of
+        ``element_size`` bytes laid out as ``layout`` (None: one 1-D tensor, sent raw; pass
+        ``whole_layout(tensor)`` for a single matrix).  ``payload`` does not change it."""
+        if layout is None:
+            layout = (ParamView("tensor", torch.Size([numel]), 0),)
+        check_layout(layout, numel)
+        raw, matrices = self.split(layout)
+        factor_size = factor_element_size(element_size)
+        return raw_numel(raw) * element_size + sum(
+            factor_size * self.matrix_rank(m.rows, m.cols) * (m.rows + m.cols) for m in matrices)
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def queries(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """{group: {view: ΣQ}} as the next step will read it (this step's writes included)."""
+        return dict(self._queries)
+
+    @property
+    def errors(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """{group: {view: e}} as the next step will read it (this step's writes included)."""
+        return dict(self._errors)
+
+    def commit(self):
+        for store in (self._queries, self._errors, self._steps):
+            store.commit()
+
+    def rollback(self):
+        for store in (self._queries, self._errors, self._steps):
+            store.rollback()
 
     def state_dict(self):
-        return {"queries": {k: v.clone() for k, v in self.queries.items()},
-                "errors": {k: v.clone() for k, v in self.errors.items()}}
+        return {"queries": _clone_nested(self._queries.committed()),
+                "errors": _clone_nested(self._errors.committed()),
+                "steps": dict(self._steps.committed())}
 
     def load_state_dict(self, state):
-        self.queries = {k: v.clone() for k, v in state.get("queries", {}).items()}
-        self.errors = {k: v.clone() for k, v in state.get("errors", {}).items()}
+        unknown = sorted(set(state) - {"queries", "errors", "steps"})
+        if unknown:
+            raise ValueError(f"powersgd state has unknown keys {unknown}; expected 'queries', "
+                             "'errors', 'steps'")
+        for key in ("queries", "errors"):
+            for group, views in state.get(key, {}).items():
+                if not isinstance(views, dict) or not all(
+                        isinstance(t, torch.Tensor) for t in views.values()):
+                    raise ValueError(
+                        f"powersgd {key} of group {group!r} must be a dict of tensors per view, got "
+                        f"{type(views).__name__}; one tensor per group is the state of "
+                        "'batched_powersgd'")
+        self._queries.replace(_clone_nested(state.get("queries", {})))
+        self._errors.replace(_clone_nested(state.get("errors", {})))
+        self._steps.replace({group: int(n) for group, n in state.get("steps", {}).items()})
 
     def __repr__(self):
-        return f"PowerSGDCompressor(rank={self.rank})"
+        return (f"PowerSGDCompressor(rank={self.rank}, min_compression_rate="
+                f"{self.min_compression_rate}, warm_start={self.warm_start}, "
+                f"use_error_feedback={self.use_error_feedback}, seed={self.seed})")
+
+
+def _split_views(buffer: torch.Tensor, shapes: List[Tuple[int, int]]) -> List[torch.Tensor]:
+    """Consecutive matrices of ``shapes`` viewed in a flat ``buffer``."""
+    views, at = [], 0
+    for rows, cols in shapes:
+        views.append(buffer[at:at + rows * cols].view(rows, cols))
+        at += rows * cols
+    return views
+
+
+def _clone_nested(groups: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, Dict[str, torch.Tensor]]:
+    return {group: {view: t.detach().clone() for view, t in views.items()}
+            for group, views in groups.items()}

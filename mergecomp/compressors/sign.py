@@ -43,6 +43,7 @@ class SignContext(Context):
     (the same on every rank, like the layout they come from)."""
 
     spans: Spans
+    layout_fields = ("spans",)
 
 
 def pack_signs(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
