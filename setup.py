@@ -33,7 +33,7 @@ setup(
     extras_require={
         "horovod": ["horovod"],
         "plots": ["matplotlib"],
-        "test": ["pytest"],
+        "test": ["pytest", "scikit-learn"],  # scikit-learn: the digits dataset of the convergence benchmark
     },
     entry_points={
         # Third-party packages register components in these groups, e.g.

@@ -1,0 +1,421 @@
+#!/usr/bin/env python
+"""Convergence on real data: does each compressor train as well as dense SGD?
+
+Every registered compressor trains the same small CNN on scikit-learn's bundled digits
+(1,797 8×8 images, 10 classes; a fixed stratified 80/20 split) on N local workers (gloo),
+each worker on its own shard of the training set, through ``mergecomp.DistributedOptimizer``
+exactly as a training script would use it: the user's SGD wrapped, the compressor with its
+recommended memory and communicator, ``set_epoch`` at the start of every epoch.  Dense
+(FP32 allreduce, the ``none`` compressor) runs in the same invocation, and every row
+reports its test accuracy over several seeds (mean, sample standard deviation, range), its
+gap to dense in points, the runs that diverged (a non-finite loss), and the bytes each
+worker handed to the collectives per step (``backend.bytes_sent``) and transmitted under
+ring/direct algorithms (``backend.wire_bytes``).
+
+Components that apply momentum themselves (the ``dgc`` memory, ``signum``) refuse an
+optimizer with its own; such rows get SGD without momentum and keep the component's
+default momentum, as a user told so by the refusal would.
+
+    python benchmarks/convergence.py                                  # every compressor, 3 seeds
+    python benchmarks/convergence.py --compressors topk dgc:compress_ratio=0.01 --seeds 0
+    python benchmarks/convergence.py --compressors signsgd:lr_scale=0.02 --out results/signs
+
+A compressor spec is ``name`` or ``name:key=value:key=value``: keys are the compressor's
+constructor arguments, plus ``memory``, ``comm`` (override the recommendation) and
+``lr_scale`` (multiply ``--lr`` for this row).  Results go to ``--out`` as
+``convergence.json`` (every run, every epoch's test accuracy) and ``convergence.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mergecomp  # noqa: E402
+from mergecomp import compressors, launch, memories  # noqa: E402
+
+DENSE = "none"
+SPECIAL_KEYS = ("memory", "comm", "lr_scale")
+
+
+# ----------------------------------------------------------------------------- data, model
+
+def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0):
+    """scikit-learn's digits as float tensors in [0, 1], shape (n, 1, 8, 8), and int64 labels,
+    split once, stratified, by ``split_seed`` (the same split for every run)."""
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise ImportError("the convergence benchmark needs scikit-learn for its dataset: "
+                          "pip install scikit-learn (or pip install -e .[test])") from None
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.data, digits.target, test_size=test_fraction, random_state=split_seed,
+        stratify=digits.target)
+
+    def as_tensors(x, y):
+        return (torch.tensor(x, dtype=torch.float32).div_(16.0).view(-1, 1, 8, 8),
+                torch.tensor(y, dtype=torch.int64))
+
+    return as_tensors(x_train, y_train) + as_tensors(x_test, y_test)
+
+
+class DigitsCNN(nn.Module):
+    """Two 3×3 convolutions (16, 32 channels), a 2×2 max-pool, two linear layers (64, 10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def shard(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int):
+    """Rank ``rank``'s shard: every world_size-th sample after a fixed shuffle, all shards
+    the same size (the remainder is dropped), so every rank takes the same number of steps."""
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(12345))
+    size = len(x) // world_size
+    mine = order[rank::world_size][:size]
+    return x[mine], y[mine]
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    correct = (model(x).argmax(1) == y).sum().item()
+    model.train()
+    return correct / len(y)
+
+
+# ----------------------------------------------------------------------------- specs
+
+@dataclass
+class Spec:
+    """One row of the table: a compressor, its constructor arguments and overrides."""
+
+    label: str
+    name: str
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    memory: Optional[str] = None
+    comm: Optional[str] = None
+    lr_scale: Optional[float] = None
+
+
+def parse_spec(text: str) -> Spec:
+    """``name[:key=value...]`` → :class:`Spec`; values are Python literals (0.01, True, 'x')
+    or bare words."""
+    name, *pairs = text.split(":")
+    compressors.get(name)  # an unknown name raises with the closest match
+    spec = Spec(label=text, name=name)
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"compressor spec {text!r}: {pair!r} is not key=value; write e.g. "
+                             f"'topk:compress_ratio=0.1'")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        if key == "lr_scale":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"compressor spec {text!r}: lr_scale must be a positive number, "
+                                 f"got {raw!r}")
+            spec.lr_scale = float(value)
+        elif key in ("memory", "comm"):
+            setattr(spec, key, str(value))
+        else:
+            spec.kwargs[key] = value
+    return spec
+
+
+def default_specs() -> List[Spec]:
+    """Every registered compressor once (aliases of one class, like fp32 for none, skipped)."""
+    seen, specs = set(), []
+    for name in compressors.available():
+        cls = compressors.get(name)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        specs.append(Spec(label=name, name=name))
+    return specs
+
+
+# ----------------------------------------------------------------------------- one run
+
+@dataclass
+class Options:
+    epochs: int
+    lr: float
+    momentum: float
+    batch_size: int
+    fusion_num: int
+    seeds: Tuple[int, ...]
+
+
+def owns_momentum(compressor, memory) -> bool:
+    """True when the compressor or memory applies momentum itself and refuses an optimizer
+    that has its own (their ``check_optimizer`` raises on SGD with momentum)."""
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+    for component in (compressor, memory):
+        check = getattr(component, "check_optimizer", None)
+        if callable(check):
+            try:
+                check(probe)
+            except ValueError:
+                return True
+    return False
+
+
+def build(spec: Spec, options: Options, model: nn.Module):
+    """The user's SGD wrapped in DistributedOptimizer as ``spec`` says; returns
+    (optimizer, settings that describe the row)."""
+    compressor = compressors.create(spec.name, **spec.kwargs)
+    memory_name = spec.memory or compressor.recommended_memory
+    comm_name = spec.comm or compressor.recommended_communicator
+    memory = memories.create(memory_name)
+    lr_scale = spec.lr_scale if spec.lr_scale is not None else 1.0
+    momentum = 0.0 if owns_momentum(compressor, memory) else options.momentum
+    base = torch.optim.SGD(model.parameters(), lr=options.lr * lr_scale, momentum=momentum)
+    optimizer = mergecomp.DistributedOptimizer(
+        base, model.named_parameters(), compressor=compressor, memory=memory,
+        communicator=comm_name, fusion_num=options.fusion_num)
+    settings = {"compressor": repr(compressor), "memory": memory_name, "communicator": comm_name,
+                "lr": options.lr * lr_scale, "lr_scale": lr_scale,
+                "optimizer_momentum": momentum,
+                "momentum_in": "optimizer" if momentum else "compressor/memory"}
+    return optimizer, settings
+
+
+def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_size: int) -> dict:
+    """Train from seed ``seed`` (the same initial model on every rank); test accuracy and
+    bytes per step.  Stops at the end of the first epoch in which any rank saw a non-finite
+    loss (every rank learns it through one small allreduce outside the optimizer)."""
+    x_train, y_train, x_test, y_test = data
+    x_shard, y_shard = shard(x_train, y_train, rank, world_size)
+    torch.manual_seed(seed)
+    model = DigitsCNN()
+    optimizer, settings = build(spec, options, model)
+    backend = optimizer.backend
+    loss_fn = nn.CrossEntropyLoss()
+    steps_per_epoch = len(x_shard) // options.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"a shard of {len(x_shard)} samples holds no batch of "
+                         f"{options.batch_size}; use fewer workers or a smaller batch")
+    start_sent, start_wire = backend.bytes_sent, backend.wire_bytes
+    curve, losses, steps, diverged = [], [], 0, False
+    last_epoch = (0, 0)
+    began = time.perf_counter()
+    for epoch in range(options.epochs):
+        optimizer.set_epoch(epoch)
+        order = torch.randperm(len(x_shard), generator=torch.Generator().manual_seed(
+            seed * 1_000_003 + epoch * 1009 + rank))
+        epoch_sent, epoch_wire = backend.bytes_sent, backend.wire_bytes
+        nonfinite, total = 0, 0.0
+        for step in range(steps_per_epoch):
+            batch = order[step * options.batch_size:(step + 1) * options.batch_size]
+            optimizer.zero_grad()
+            loss = loss_fn(model(x_shard[batch]), y_shard[batch])
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            value = loss.item()
+            if math.isfinite(value):
+                total += value
+            else:
+                nonfinite += 1
+        last_epoch = ((backend.bytes_sent - epoch_sent) / steps_per_epoch,
+                      (backend.wire_bytes - epoch_wire) / steps_per_epoch)
+        losses.append(total / steps_per_epoch if not nonfinite else float("nan"))
+        curve.append(accuracy(model, x_test, y_test))
+        flag = torch.tensor([float(nonfinite)])
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            diverged = True
+            break
+    seconds = time.perf_counter() - began
+    optimizer.remove_hooks()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return dict(label=spec.label, seed=seed, rank=rank, epochs_run=len(curve),
+                steps=steps, test_accuracy=curve[-1], curve=curve, train_loss=losses,
+                diverged=diverged or not finite,
+                bytes_per_step=(backend.bytes_sent - start_sent) / max(1, steps),
+                wire_bytes_per_step=(backend.wire_bytes - start_wire) / max(1, steps),
+                last_epoch_bytes_per_step=last_epoch[0], last_epoch_wire_bytes_per_step=last_epoch[1],
+                seconds=seconds, **settings)
+
+
+def worker(specs: Sequence[Spec], options: Options) -> List[dict]:
+    """One rank: every (spec, seed) run in order, the same on every rank."""
+    info = launch.init_distributed(backend="gloo")
+    torch.set_num_threads(1)
+    data = load_digits_split()
+    runs = [train_one(spec, seed, options, data, info.rank, info.world_size)
+            for spec in specs for seed in options.seeds]
+    launch.shutdown()
+    return runs
+
+
+# ----------------------------------------------------------------------------- table
+
+def summarise(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
+    """One row per label: accuracy mean, sample std, min, max over seeds; gap to dense."""
+    rows, by_label = [], {}
+    for run in runs:
+        by_label.setdefault(run["label"], []).append(run)
+    dense = None
+    if dense_label in by_label:
+        dense = statistics.fmean(r["test_accuracy"] for r in by_label[dense_label])
+    for label, group in by_label.items():
+        accs = [r["test_accuracy"] for r in group]
+        first = group[0]
+        mean = statistics.fmean(accs)
+        rows.append(dict(
+            label=label, compressor=first["compressor"], memory=first["memory"],
+            communicator=first["communicator"], lr=first["lr"], lr_scale=first["lr_scale"],
+            momentum_in=first["momentum_in"], optimizer_momentum=first["optimizer_momentum"],
+            recipe=first.get("recipe"), seeds=[r["seed"] for r in group],
+            accuracy_mean=mean, accuracy_std=statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            accuracy_min=min(accs), accuracy_max=max(accs),
+            gap_to_dense_points=None if dense is None else 100.0 * (mean - dense),
+            diverged_runs=sum(r["diverged"] for r in group),
+            epochs=max(r["epochs_run"] for r in group),
+            bytes_per_step=statistics.fmean(r["bytes_per_step"] for r in group),
+            wire_bytes_per_step=statistics.fmean(r["wire_bytes_per_step"] for r in group),
+            last_epoch_bytes_per_step=statistics.fmean(r["last_epoch_bytes_per_step"] for r in group),
+            seconds_per_run=statistics.fmean(r["seconds"] for r in group)))
+    return rows
+
+
+def markdown(rows: List[dict], options: Options, workers: int) -> str:
+    dense_bytes = next((r["bytes_per_step"] for r in rows if r["label"] == DENSE), None)
+    lines = [
+        f"Digits CNN, {workers} workers (gloo), SGD lr {options.lr} momentum {options.momentum} "
+        f"(rows whose compressor or memory owns the momentum: SGD without), batch "
+        f"{options.batch_size} per worker, {options.epochs} epochs, seeds "
+        f"{', '.join(map(str, options.seeds))}; test accuracy over the seeds.",
+        "",
+        "| compressor | memory | communicator | lr | test accuracy % (mean ± std) | min–max | "
+        "gap to dense (points) | diverged | bytes/step/worker handed | on the wire | × less than dense |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        gap = "—" if r["gap_to_dense_points"] is None or r["label"] == DENSE \
+            else f"{r['gap_to_dense_points']:+.1f}"
+        less = "—" if not dense_bytes or not r["bytes_per_step"] \
+            else f"{dense_bytes / r['bytes_per_step']:.1f}"
+        lr = f"{r['lr']:g}" + ("" if r["momentum_in"] == "optimizer" else " (no SGD momentum)")
+        lines.append(
+            f"| {r['label']} | {r['memory']} | {r['communicator']} | {lr} | "
+            f"{100 * r['accuracy_mean']:.1f} ± {100 * r['accuracy_std']:.1f} | "
+            f"{100 * r['accuracy_min']:.1f}–{100 * r['accuracy_max']:.1f} | {gap} | "
+            f"{r['diverged_runs']}/{len(r['seeds'])} | {r['bytes_per_step']:,.0f} | "
+            f"{r['wire_bytes_per_step']:,.0f} | {less} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
+                  timeout_s: Optional[float] = None, log=print) -> Tuple[List[dict], List[dict]]:
+    """Spawn ``workers`` ranks once per spec; return (rank 0's runs, error rows).
+
+    A spec whose ranks fail (an exception, a crash) becomes an error row and the others go on.
+    """
+    runs, errors = [], []
+    for spec in specs:
+        began = time.perf_counter()
+        try:
+            results = launch.spawn(worker, workers, args=([spec], options), timeout_s=timeout_s)
+        except (launch.SpawnedProcessError, TimeoutError) as error:
+            message = str(error).strip().splitlines()
+            errors.append(dict(label=spec.label, error=message[-1] if message else repr(error)))
+            log(f"{spec.label}: FAILED: {errors[-1]['error']}")
+            continue
+        mine = results[0]
+        runs.extend(mine)
+        accs = ", ".join(f"{100 * r['test_accuracy']:.1f}" + ("(diverged)" if r["diverged"] else "")
+                         for r in mine)
+        log(f"{spec.label}: lr {mine[0]['lr']:g}, {mine[0]['memory']}/{mine[0]['communicator']}: "
+            f"test accuracy {accs} %; {mine[0]['bytes_per_step']:,.0f} bytes/step "
+            f"({time.perf_counter() - began:.0f} s)")
+    return runs, errors
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compressors", nargs="+", default=None, metavar="SPEC",
+                   help="compressor specs (default: every registered compressor); dense "
+                        "('none') is always run first")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.05, help="dense SGD learning rate (default 0.05)")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    p.add_argument("--fusion-num", type=int, default=1, help="DistributedOptimizer's fusion_num (default 1)")
+    p.add_argument("--out", default=None, help="folder for convergence.json and convergence.md")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per compressor before it is stopped")
+    args = p.parse_args(argv)
+    try:
+        args.seed_list = tuple(int(s) for s in args.seeds.split(","))
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers like 0,1,2, got {args.seeds!r}")
+    for flag in ("epochs", "workers", "batch_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
+    if not args.lr > 0 or not 0 <= args.momentum < 1:
+        p.error(f"--lr must be > 0 and --momentum in [0, 1), got {args.lr}, {args.momentum}")
+    try:
+        specs = default_specs() if args.compressors is None else [parse_spec(s) for s in args.compressors]
+    except ValueError as error:
+        p.error(str(error))
+    args.specs = [Spec(label=DENSE, name=DENSE)] + [s for s in specs if s.label != DENSE]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    options = Options(epochs=args.epochs, lr=args.lr, momentum=args.momentum,
+                      batch_size=args.batch_size, fusion_num=args.fusion_num, seeds=args.seed_list)
+    began = time.perf_counter()
+    runs, errors = run_benchmark(args.specs, options, args.workers, timeout_s=args.timeout)
+    rows = summarise(runs, DENSE)
+    table = markdown(rows, options, args.workers)
+    if errors:
+        table += "\nFailed: " + "; ".join(f"{e['label']}: {e['error']}" for e in errors) + "\n"
+    print()
+    print(table)
+    print(f"total {time.perf_counter() - began:.0f} s")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "convergence.md"), "w") as f:
+            f.write(table)
+        with open(os.path.join(args.out, "convergence.json"), "w") as f:
+            json.dump({"options": asdict(options), "workers": args.workers,
+                       "specs": [asdict(s) for s in args.specs], "rows": rows, "runs": runs,
+                       "errors": errors, "torch": torch.__version__, "python": platform.python_version(),
+                       "seconds": time.perf_counter() - began}, f, indent=1)
+        print(f"wrote {args.out}/convergence.json and convergence.md")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
