@@ -13,9 +13,9 @@ its own int64 header ``[blob bytes, part shapes padded with -1]``; the receiver 
 concatenation blob by blob.  Fixed-size payloads travel bare.  Bytes are counted as in the
 torch backend: everything this rank hands to Horovod, headers and split tables included.
 
-Installing Horovod: ``HOROVOD_WITH_PYTORCH=1 pip install --no-cache-dir horovod``.  Its last
-release, 0.28.1, does not build against PyTorch >= 2.1; with a newer PyTorch build Horovod
-from its source repository (``pip install git+https://github.com/horovod/horovod``).
+Installing Horovod: ``make horovod`` (``tools/build_horovod.sh``) builds its last release,
+0.28.1, against the installed PyTorch: that release asks for C++14, which PyTorch >= 2.1's
+headers do not compile with, and the script builds it as C++17 (see docs/horovod.md).
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from .base import Backend, Completed, Work
 from .serialize import blob_size, check_blob_size, header_error, pack, shape_header, shapes_from_header, unpack
 
 INSTALL_ADVICE = (
-    "Install Horovod with PyTorch support: 'HOROVOD_WITH_PYTORCH=1 pip install --no-cache-dir "
-    "horovod'. Horovod's last release, 0.28.1, does not build against PyTorch >= 2.1 (this is "
-    f"PyTorch {torch.__version__}); with a newer PyTorch build Horovod from its source "
-    "repository ('pip install git+https://github.com/horovod/horovod'). Or keep "
-    "torch.distributed under horovodrun with MERGECOMP_BACKEND=torch, or launch with torchrun.")
+    "Install Horovod for this PyTorch (" + torch.__version__ + ") with 'make horovod' in a "
+    "mergecomp checkout (or 'bash tools/build_horovod.sh <python>'): Horovod's last release, "
+    "0.28.1, does not build against PyTorch >= 2.1 as published, and the script builds it as "
+    "C++17 (docs/horovod.md). Or keep torch.distributed under horovodrun with "
+    "MERGECOMP_BACKEND=torch, or launch with torchrun.")
 
 
 def import_horovod(why: str):
