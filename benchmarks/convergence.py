@@ -5,7 +5,9 @@ Every registered compressor trains the same small CNN on scikit-learn's bundled 
 (1,797 8×8 images, 10 classes; a fixed stratified 80/20 split) on N local workers (gloo),
 each worker on its own shard of the training set, through ``mergecomp.DistributedOptimizer``
 exactly as a training script would use it: the user's SGD wrapped, the compressor with its
-recommended memory and communicator, ``set_epoch`` at the start of every epoch.  Dense
+recommended memory and communicator and its recipe (:mod:`mergecomp.compressors.recipes`:
+the learning rate scaled where dense SGD's does not suit it; ``--no-recipes`` turns that off),
+``set_epoch`` at the start of every epoch.  Dense
 (FP32 allreduce, the ``none`` compressor) runs in the same invocation, and every row
 reports its test accuracy over several seeds (mean, sample standard deviation, range), its
 gap to dense in points, the runs that diverged (a non-finite loss), and the bytes each
@@ -22,7 +24,7 @@ default momentum, as a user told so by the refusal would.
 
 A compressor spec is ``name`` or ``name:key=value:key=value``: keys are the compressor's
 constructor arguments, plus ``memory``, ``comm`` (override the recommendation) and
-``lr_scale`` (multiply ``--lr`` for this row).  Results go to ``--out`` as
+``lr_scale`` (multiply ``--lr`` for this row, in place of the recipe's).  Results go to ``--out`` as
 ``convergence.json`` (every run, every epoch's test accuracy) and ``convergence.md``.
 """
 from __future__ import annotations
@@ -47,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mergecomp  # noqa: E402
 from mergecomp import compressors, launch, memories  # noqa: E402
+from mergecomp.compressors import recipes  # noqa: E402
 
 DENSE = "none"
 SPECIAL_KEYS = ("memory", "comm", "lr_scale")
@@ -149,8 +152,9 @@ def parse_spec(text: str) -> Spec:
 
 
 def default_specs() -> List[Spec]:
-    """Every registered compressor once (aliases of one class, like fp32 for none, skipped)."""
-    seen, specs = set(), []
+    """Every registered compressor once: aliases of one class are skipped, and so is dense's
+    class (``none``, alias ``fp32``), which every invocation runs first anyway."""
+    seen, specs = {compressors.get(DENSE)}, []
     for name in compressors.available():
         cls = compressors.get(name)
         if cls in seen:
@@ -168,8 +172,9 @@ class Options:
     lr: float
     momentum: float
     batch_size: int
-    fusion_num: int
+    fusion_num: Optional[int]
     seeds: Tuple[int, ...]
+    use_recipes: bool = True
 
 
 def owns_momentum(compressor, memory) -> bool:
@@ -187,22 +192,30 @@ def owns_momentum(compressor, memory) -> bool:
 
 
 def build(spec: Spec, options: Options, model: nn.Module):
-    """The user's SGD wrapped in DistributedOptimizer as ``spec`` says; returns
-    (optimizer, settings that describe the row)."""
+    """The user's SGD wrapped in DistributedOptimizer as ``spec`` says, the compressor's
+    recipe applied (the dense learning rate × its ``lr_scale``, unless the spec sets its own
+    ``lr_scale`` or ``options.use_recipes`` is off); returns (optimizer, settings that describe
+    the row, the recipe's advice on them included)."""
     compressor = compressors.create(spec.name, **spec.kwargs)
+    recipe = recipes.recipe_of(compressor) if options.use_recipes else None
     memory_name = spec.memory or compressor.recommended_memory
     comm_name = spec.comm or compressor.recommended_communicator
     memory = memories.create(memory_name)
-    lr_scale = spec.lr_scale if spec.lr_scale is not None else 1.0
+    if spec.lr_scale is not None:
+        lr_scale = spec.lr_scale
+    else:
+        lr_scale = recipe.lr_scale if recipe is not None else 1.0
     momentum = 0.0 if owns_momentum(compressor, memory) else options.momentum
     base = torch.optim.SGD(model.parameters(), lr=options.lr * lr_scale, momentum=momentum)
+    advice = recipes.advice(compressor, base, memory)
     optimizer = mergecomp.DistributedOptimizer(
         base, model.named_parameters(), compressor=compressor, memory=memory,
-        communicator=comm_name, fusion_num=options.fusion_num)
+        communicator=comm_name, schedule=options.fusion_num)
     settings = {"compressor": repr(compressor), "memory": memory_name, "communicator": comm_name,
                 "lr": options.lr * lr_scale, "lr_scale": lr_scale,
                 "optimizer_momentum": momentum,
-                "momentum_in": "optimizer" if momentum else "compressor/memory"}
+                "momentum_in": "optimizer" if momentum else "compressor/memory",
+                "recipe": recipe.describe() if recipe is not None else None, "advice": advice}
     return optimizer, settings
 
 
@@ -293,7 +306,7 @@ def summarise(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
             label=label, compressor=first["compressor"], memory=first["memory"],
             communicator=first["communicator"], lr=first["lr"], lr_scale=first["lr_scale"],
             momentum_in=first["momentum_in"], optimizer_momentum=first["optimizer_momentum"],
-            recipe=first.get("recipe"), seeds=[r["seed"] for r in group],
+            recipe=first.get("recipe"), advice=first.get("advice"), seeds=[r["seed"] for r in group],
             accuracy_mean=mean, accuracy_std=statistics.stdev(accs) if len(accs) > 1 else 0.0,
             accuracy_min=min(accs), accuracy_max=max(accs),
             gap_to_dense_points=None if dense is None else 100.0 * (mean - dense),
@@ -311,7 +324,8 @@ def markdown(rows: List[dict], options: Options, workers: int) -> str:
     lines = [
         f"Digits CNN, {workers} workers (gloo), SGD lr {options.lr} momentum {options.momentum} "
         f"(rows whose compressor or memory owns the momentum: SGD without), batch "
-        f"{options.batch_size} per worker, {options.epochs} epochs, seeds "
+        f"{options.batch_size} per worker, {options.epochs} epochs, "
+        f"{'the optimizer’s default grouping' if options.fusion_num is None else f'fusion-num {options.fusion_num}'}, seeds "
         f"{', '.join(map(str, options.seeds))}; test accuracy over the seeds.",
         "",
         "| compressor | memory | communicator | lr | test accuracy % (mean ± std) | min–max | "
@@ -330,6 +344,12 @@ def markdown(rows: List[dict], options: Options, workers: int) -> str:
             f"{100 * r['accuracy_min']:.1f}–{100 * r['accuracy_max']:.1f} | {gap} | "
             f"{r['diverged_runs']}/{len(r['seeds'])} | {r['bytes_per_step']:,.0f} | "
             f"{r['wire_bytes_per_step']:,.0f} | {less} |")
+    used = [f"- {r['label']}: {r['recipe']}" for r in rows if r.get("recipe")]
+    if used:
+        lines += ["", "Recipes applied (the lr column is the dense lr × the recipe's lr_scale):", ""] + used
+    advised = [f"- {r['label']}: {r['advice']}" for r in rows if r.get("advice")]
+    if advised:
+        lines += ["", "Rows whose settings contradict their compressor's recipe:", ""] + advised
     return "\n".join(lines) + "\n"
 
 
@@ -353,9 +373,10 @@ def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
         runs.extend(mine)
         accs = ", ".join(f"{100 * r['test_accuracy']:.1f}" + ("(diverged)" if r["diverged"] else "")
                          for r in mine)
+        recipe = f"; recipe: {mine[0]['recipe']}" if mine[0].get("recipe") else ""
         log(f"{spec.label}: lr {mine[0]['lr']:g}, {mine[0]['memory']}/{mine[0]['communicator']}: "
             f"test accuracy {accs} %; {mine[0]['bytes_per_step']:,.0f} bytes/step "
-            f"({time.perf_counter() - began:.0f} s)")
+            f"({time.perf_counter() - began:.0f} s){recipe}")
     return runs, errors
 
 
@@ -370,7 +391,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05, help="dense SGD learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
-    p.add_argument("--fusion-num", type=int, default=1, help="DistributedOptimizer's fusion_num (default 1)")
+    p.add_argument("--no-recipes", action="store_true",
+                   help="train every compressor at the dense learning rate, ignoring its recipe")
+    p.add_argument("--fusion-num", type=int, default=None,
+                   help="groups of the exchange, DistributedOptimizer's schedule (default: its default)")
     p.add_argument("--out", default=None, help="folder for convergence.json and convergence.md")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per compressor before it is stopped")
     args = p.parse_args(argv)
@@ -394,7 +418,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     options = Options(epochs=args.epochs, lr=args.lr, momentum=args.momentum,
-                      batch_size=args.batch_size, fusion_num=args.fusion_num, seeds=args.seed_list)
+                      batch_size=args.batch_size, fusion_num=args.fusion_num, seeds=args.seed_list,
+                      use_recipes=not args.no_recipes)
     began = time.perf_counter()
     runs, errors = run_benchmark(args.specs, options, args.workers, timeout_s=args.timeout)
     rows = summarise(runs, DENSE)

@@ -124,7 +124,7 @@ class HookState:
         self.steps = 0
         #: Steps dropped because a gradient was NaN or Inf.
         self.skipped_steps = 0
-        self.epoch = 0
+        self.epoch: Optional[int] = None
         self.layouts: Dict[int, BucketKey] = {}
         self.loaded = ""
         self.process_group = process_group
@@ -319,7 +319,8 @@ class HookState:
                              f"this one {self.config}): build the same compressor, memory and communicator")
         self.communicator.load_state_dict(state.get("communicator", {}))
         self.steps = int(state.get("steps", 0))
-        self.set_epoch(int(state.get("epoch", 0)))
+        if state.get("epoch") is not None:
+            self.set_epoch(int(state["epoch"]))
         self.layouts = {int(i): tuple((n, int(k)) for n, k in key) for i, key in state.get("layouts", {}).items()}
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.loaded = config_digest(self.steps, self.config, sorted(self.layouts.items()))

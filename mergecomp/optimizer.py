@@ -24,6 +24,7 @@ from . import communicators, compressors, memories, schedulers
 from .agreement import RanksDisagree, describe_disagreement
 from .backends import Backend, default_backend
 from .communicators.base import Communicator
+from .compressors import recipes
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
@@ -167,6 +168,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if callable(check):
                 check(self.optimizer)
         compressors.check_dtypes(self.compressor, sorted({p.dtype for _, p in params}, key=str))
+        recipes.warn_if_contradicted(self.compressor, self.optimizer, self.memory, stacklevel=4)
 
     def _check_same_configuration(self, config: str) -> None:
         """Compressor, memory, communicator and scheduler (with their arguments and seeds)
@@ -418,7 +420,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if ours.get("plan") is not None:
                 reducer.install_plan(Plan.from_dict(ours["plan"]))
             self.communicator.load_state_dict(ours.get("communicator", {}))
-            if "epoch" in ours:
+            if ours.get("epoch") is not None:
                 reducer.set_epoch(int(ours["epoch"]))
         reducer.steps = int(ours.get("steps", 0))
         reducer.loaded = _state_digest(state_dict["optimizer"], ours.get("config"), ours.get("steps"))

@@ -181,8 +181,8 @@ class Reducer:
         self._in_step = False
         #: Steps applied (counted by the owner through :meth:`step_applied`).
         self.steps = 0
-        #: The epoch set by :meth:`set_epoch` (part of what ranks must agree on).
-        self.epoch = 0
+        #: The epoch set by :meth:`set_epoch`, None before (part of what ranks must agree on).
+        self.epoch: Optional[int] = None
         #: Digest of the last loaded state (ranks must have loaded alike).
         self.loaded = ""
         #: Steps dropped because a gradient was non-finite.

@@ -42,9 +42,13 @@ class DGCCompressor(SparseCompressor):
     Density: ``compress_ratio`` after warm-up.  ``warmup`` is either a number of epochs W
     (the density decays exponentially from 25% to ``compress_ratio`` over W epochs, the
     paper's 25% → 6.25% → 1.5625% → 0.4% → 0.1% for W = 4 and 0.1%) or an explicit list
-    of densities for epochs 0, 1, ...  Call :meth:`set_epoch` at the start of every epoch
-    (``optimizer.compressor.set_epoch(epoch)`` on the DistributedOptimizer); before any
-    call the epoch is 0.
+    of densities for epochs 0, 1, ...; never below ``compress_ratio``.  The default is the
+    paper's four epochs, because sparse updates early in training, while the weights change
+    fast, cost accuracy; ``warmup=0`` turns it off.  The warm-up follows the epochs the
+    training loop reports: call ``optimizer.set_epoch(epoch)`` at the start of every epoch
+    (the DistributedOptimizer and the DDP hook state pass it on).  A compressor never told an
+    epoch (a throughput benchmark, a loop without epochs) sends at ``compress_ratio`` from
+    the first step.
 
     The epoch is part of ``state_dict()`` (a resumed run keeps its density).  NaN
     elements are never selected (a NaN fails the threshold test) and do not disturb the
@@ -61,7 +65,7 @@ class DGCCompressor(SparseCompressor):
     recommended_memory = "dgc"
     recommended_communicator = "allgather"
 
-    def __init__(self, compress_ratio: float = 0.001, warmup=0, sample_ratio: float = 0.01,
+    def __init__(self, compress_ratio: float = 0.001, warmup=4, sample_ratio: float = 0.01,
                  min_samples: int = 1024, max_adjust: int = 10, fp16_values: bool = False,
                  index_bits: int = 32, sample_margin: float = 1.5):
         self.compress_ratio = check_ratio(compress_ratio)
@@ -81,7 +85,7 @@ class DGCCompressor(SparseCompressor):
         self.max_adjust = max_adjust
         self.fp16_values = bool(fp16_values)
         self.index_bits = index_bits
-        self.epoch = 0
+        self.epoch: Optional[int] = None  # None until set_epoch: no warm-up
         self._scratch = Scratch()
 
     def _check_warmup(self, warmup):
@@ -103,13 +107,16 @@ class DGCCompressor(SparseCompressor):
         self.epoch = epoch
 
     def density(self, epoch: Optional[int] = None) -> float:
-        """Fraction of elements sent in ``epoch`` (default: the current one)."""
+        """Fraction of elements sent in ``epoch`` (default: the current one; before any
+        :meth:`set_epoch`, ``compress_ratio``)."""
         epoch = self.epoch if epoch is None else epoch
+        if epoch is None:
+            return self.compress_ratio
         if isinstance(self.warmup, tuple):
             return self.warmup[epoch] if epoch < len(self.warmup) else self.compress_ratio
         if epoch >= self.warmup:
             return self.compress_ratio
-        return 0.25 * (self.compress_ratio / 0.25) ** (epoch / self.warmup)
+        return max(self.compress_ratio, 0.25 * (self.compress_ratio / 0.25) ** (epoch / self.warmup))
 
     def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)
@@ -162,5 +169,5 @@ class DGCCompressor(SparseCompressor):
         unknown = set(state) - {"epoch"}
         if unknown:
             raise ValueError(f"DGCCompressor state has unknown keys {sorted(unknown)}; expected 'epoch'")
-        if "epoch" in state:
+        if state.get("epoch") is not None:
             self.set_epoch(state["epoch"])

@@ -1,0 +1,143 @@
+"""Recipes: what a compressor needs that dense SGD's settings do not give it.
+
+Most compressors train at the learning rate tuned for dense SGD, with their recommended
+memory.  A few do not, and without being told a user sees a silent collapse (chance
+accuracy, a NaN) rather than an error:
+
+- the sign methods (signSGD, SIGNUM) move every coordinate by ±lr per step whatever the
+  gradient's size, so their learning rate lives on Adam's scale, not SGD's;
+- an unbiased sparsifier scales what it keeps by 1/ratio, so its steps are larger and
+  noisier than SGD's by that factor, and the learning rate must shrink;
+- error feedback over a random subset sends each coordinate about once every 1/ratio
+  steps, so at a small ratio the update is that many steps stale.
+
+A compressor declares this as a class attribute ``recipe`` (a :class:`Recipe`, or None
+when it trains at dense settings); an instance whose needs depend on its arguments sets
+its own.  :func:`advice` compares a recipe with the optimizer the compressor is about to
+drive and says, in one message, what contradicts it; :func:`warn_if_contradicted` issues
+that message as a :class:`RecipeWarning`.  ``benchmarks/convergence.py`` applies every
+recipe (the dense learning rate × ``lr_scale``) and its results are where the recipes'
+values come from.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+class RecipeWarning(UserWarning):
+    """A compressor's recipe contradicts the settings of the optimizer or memory it was given."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The settings a compressor needs beyond dense SGD's.
+
+    ``lr_scale``: multiply the learning rate tuned for dense SGD by this.
+    ``max_lr``: for compressors whose step size is absolute (±lr per coordinate), the
+    learning rate above which :func:`advice` flags the optimizer, whatever its dense value.
+    ``min_ratio``: the smallest ``compress_ratio`` at which it trains; :func:`advice` flags
+    a smaller one.
+    ``memory``: the memory it must be paired with; :func:`advice` flags another.
+    ``reason``: one sentence, why dense settings fail.  ``paper``: what the paper advises.
+    """
+
+    reason: str
+    paper: str = ""
+    lr_scale: float = 1.0
+    max_lr: Optional[float] = None
+    min_ratio: Optional[float] = None
+    memory: Optional[str] = None
+
+    def __post_init__(self):
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise ValueError("a recipe needs a reason: one sentence saying why dense settings fail")
+        if not (isinstance(self.lr_scale, (int, float)) and 0 < self.lr_scale < math.inf):
+            raise ValueError(f"recipe lr_scale must be a positive finite number, got {self.lr_scale!r}")
+        if self.max_lr is not None and not (isinstance(self.max_lr, (int, float)) and self.max_lr > 0):
+            raise ValueError(f"recipe max_lr must be a positive number or None, got {self.max_lr!r}")
+        if self.min_ratio is not None and not (isinstance(self.min_ratio, (int, float))
+                                               and 0 < self.min_ratio <= 1):
+            raise ValueError(f"recipe min_ratio must be in (0, 1] or None, got {self.min_ratio!r}")
+
+    def learning_rate(self, dense_lr: float) -> float:
+        """The learning rate to use where dense SGD uses ``dense_lr``."""
+        return dense_lr * self.lr_scale
+
+    def describe(self) -> str:
+        """One line: the settings, then the reason."""
+        parts = []
+        if self.lr_scale != 1.0:
+            parts.append(f"lr × {self.lr_scale:g}")
+        if self.max_lr is not None:
+            parts.append(f"lr ≤ {self.max_lr:g}")
+        if self.min_ratio is not None:
+            parts.append(f"compress_ratio ≥ {self.min_ratio:g}")
+        if self.memory is not None:
+            parts.append(f"memory {self.memory!r}")
+        return f"{', '.join(parts) or 'dense settings'}: {self.reason}"
+
+
+def recipe_of(compressor) -> Optional[Recipe]:
+    """The compressor's (or compressor class's) recipe, or None when it has none."""
+    recipe = getattr(compressor, "recipe", None)
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"{type(compressor).__name__}.recipe must be a "
+                        f"mergecomp.compressors.recipes.Recipe or None, got {type(recipe).__name__}")
+    return recipe
+
+
+def _memory_name(memory) -> Optional[str]:
+    if memory is None or isinstance(memory, str):
+        return memory
+    from .. import memories
+    for name in memories.available():
+        if type(memory) is memories.get(name):
+            return name
+    return getattr(memory, "name", type(memory).__name__)
+
+
+def advice(compressor, optimizer, memory=None) -> Optional[str]:
+    """What in ``optimizer``'s settings (and ``memory``, a name or instance, when given)
+    contradicts ``compressor``'s recipe, as one message with what to do; None when nothing
+    does or the compressor has no recipe.
+
+    A learning rate is judged only against an absolute bound (``max_lr``): how large the
+    dense learning rate of the user's model is, this function cannot know.
+    """
+    recipe = recipe_of(compressor)
+    if recipe is None:
+        return None
+    problems: List[str] = []
+    if recipe.max_lr is not None:
+        for index, group in enumerate(getattr(optimizer, "param_groups", [])):
+            lr = group.get("lr")
+            if isinstance(lr, (int, float)) and lr > recipe.max_lr:
+                problems.append(f"parameter group {index} of {type(optimizer).__name__} has "
+                                f"lr={lr:g}, above the {recipe.max_lr:g} this compressor trains "
+                                f"at; use lr ≤ {recipe.max_lr:g}")
+                break
+    ratio = getattr(compressor, "compress_ratio", None)
+    if recipe.min_ratio is not None and isinstance(ratio, (int, float)) and ratio < recipe.min_ratio:
+        problems.append(f"compress_ratio={ratio:g} is below the {recipe.min_ratio:g} it needs; "
+                        f"use compress_ratio ≥ {recipe.min_ratio:g} or a selecting compressor "
+                        f"(topk, dgc)")
+    paired = _memory_name(memory)
+    if recipe.memory is not None and paired is not None and paired != recipe.memory:
+        problems.append(f"it is paired with memory {paired!r}; use memory={recipe.memory!r}")
+    if not problems:
+        return None
+    advised = f" The paper: {recipe.paper}" if recipe.paper else ""
+    return f"{compressor!r}: {'; '.join(problems)}. Why: {recipe.reason}{advised}"
+
+
+def warn_if_contradicted(compressor, optimizer, memory=None, stacklevel: int = 3) -> Optional[str]:
+    """Issue :func:`advice`'s message as a :class:`RecipeWarning` (and return it) when there
+    is one.  ``stacklevel`` 3 points at the caller of the function that calls this one (the
+    user's line that builds the optimizer wrapper)."""
+    message = advice(compressor, optimizer, memory)
+    if message is not None:
+        warnings.warn(message, RecipeWarning, stacklevel=stacklevel)
+    return message
