@@ -31,9 +31,13 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy", "tqdm", "pyyaml"],
     extras_require={
-        "horovod": ["horovod"],
+        # Horovod's last release does not build against current PyTorch as published:
+        # `make horovod` builds it (docs/horovod.md), so there is no "horovod" extra.
         "plots": ["matplotlib"],
-        "test": ["pytest", "scikit-learn"],  # scikit-learn: the digits dataset of the convergence benchmark
+        "integrations": ["lightning>=2.1,<3", "accelerate>=0.26"],
+        # scikit-learn: the digits dataset of the convergence benchmark; Lightning and
+        # Accelerate: the integration tests.  None of them constrains torch below 2.1.
+        "test": ["pytest", "scikit-learn", "lightning>=2.1,<3", "accelerate>=0.26"],
     },
     entry_points={
         # Third-party packages register components in these groups, e.g.
