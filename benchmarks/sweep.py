@@ -11,7 +11,8 @@ The YAML file names the grid (see ``benchmarks/sweeps/default.yaml`` for every k
     fusion_num:  [0, 1, 2, 4]
     profiles:    [1gbit]                                      # benchmarks/profiles.py names
     workers:     [2]                                          # every count ≥ 2
-    baselines:   [{hook: fp32}, {hook: fp16}, {hook: powersgd, rank: 1, bucket_cap_mb: 1000}]
+    baselines:   [{hook: fp32}, {hook: fp16}, {hook: powersgd, rank: 1, bucket_cap_mb: 1000},
+                  {hook: mergecomp, compressor: dgc, groups: 4}]      # DDP with mergecomp's hook
     iterations:  {num_warmup_batches: 2, num_batches_per_iter: 2, num_iters: 3}
     threads_per_worker: 1
     timeout_s: 300
@@ -65,7 +66,7 @@ CONFIG_KEYS = {"models", "compressors", "fusion_num", "schedulers", "profiles", 
 #: ``fixed`` crosses ``fusion_num``; the adaptive schedulers choose their own plan (one cell).
 SCHEDULERS = ("fixed", "binary", "auto")
 ITERATION_KEYS = ("num_warmup_batches", "num_batches_per_iter", "num_iters")
-HOOKS = ("fp32", "fp16", "powersgd")
+HOOKS = ("fp32", "fp16", "powersgd", "mergecomp")
 SUMMARY_FIELDS = ["model", "kind", "label", "compressor", "compress_ratio", "memory", "comm",
                   "fusion_num", "scheduler", "groups", "compressed_groups", "search_steps", "hook", "powersgd_rank", "bucket_cap_mb", "profile", "workers",
                   "batch_size", "status", "rate_per_worker", "rate_per_worker_ci", "rate_total",
@@ -140,10 +141,24 @@ def validate(raw, source: str = "<config>") -> dict:
 
     for entry in raw.get("baselines") or []:
         entry = {"hook": entry} if isinstance(entry, str) else entry
-        if not isinstance(entry, dict) or entry.get("hook") not in HOOKS or \
-                set(entry) - {"hook", "rank", "bucket_cap_mb"}:
+        allowed = {"hook", "compressor", "memory", "comm", "groups"} if isinstance(entry, dict) and \
+            entry.get("hook") == "mergecomp" else {"hook", "rank", "bucket_cap_mb"}
+        if not isinstance(entry, dict) or entry.get("hook") not in HOOKS or set(entry) - allowed:
             raise ConfigError(f"{where}: a baseline is {{hook: one of {list(HOOKS)}, rank: R "
-                              f"(powersgd only), bucket_cap_mb: MB (optional)}}, got {entry!r}")
+                              f"(powersgd only), bucket_cap_mb: MB (optional)}} or {{hook: mergecomp, "
+                              f"compressor: NAME, memory, comm (optional), groups: N (default 4)}}, "
+                              f"got {entry!r}")
+        if entry["hook"] == "mergecomp":
+            compressor = entry.get("compressor")
+            if not isinstance(compressor, str):
+                raise ConfigError(f"{where}: a mergecomp baseline needs 'compressor' (a name), got {entry!r}")
+            _check_names(compressor, entry.get("memory"), entry.get("comm"), where)
+            groups = entry.get("groups", 4)
+            _positive_int(groups, f"{where}: mergecomp baseline 'groups'")
+            config["baselines"].append({"hook": "mergecomp", "compressor": compressor,
+                                        "memory": entry.get("memory"), "comm": entry.get("comm"),
+                                        "groups": groups})
+            continue
         cap = entry.get("bucket_cap_mb")
         if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
             raise ConfigError(f"{where}: baseline bucket_cap_mb must be a positive number of MB, "
@@ -199,6 +214,16 @@ def _compressor_entry(entry, where, compressors) -> dict:
     return {"name": entry["name"], "compress_ratio": ratio, "memory": memory, "comms": comms}
 
 
+def _check_names(compressor, memory, comm, where) -> None:
+    """Every name of a mergecomp baseline is registered (a ConfigError names the bad one)."""
+    from mergecomp import communicators, compressors, memories
+    _check(lambda: compressors.get(compressor), where)
+    if memory is not None:
+        _check(lambda: memories.get(memory), where)
+    if comm is not None:
+        _check(lambda: communicators.get(comm), where)
+
+
 def _check(thunk, where):
     try:
         return thunk()
@@ -226,6 +251,10 @@ def expand(config: dict) -> List[dict]:
             for workers in config["workers"]:
                 place = {"profile": profile, "workers": workers, **base}
                 for b in config["baselines"]:
+                    if b["hook"] == "mergecomp":
+                        cells.append({"kind": "ddp", "hook": "mergecomp", "compressor": b["compressor"],
+                                      "memory": b["memory"], "comm": b["comm"], "groups": b["groups"], **place})
+                        continue
                     cap = {"bucket_cap_mb": b["bucket_cap_mb"]} if b["bucket_cap_mb"] else {}
                     cells.append({"kind": "ddp", "hook": b["hook"], "powersgd_rank": b["rank"], **cap, **place})
                 for c in config["compressors"]:
@@ -253,6 +282,8 @@ def cell_key(cell: dict) -> str:
 
 def label(cell: dict) -> str:
     """Short name for progress bars and plots: 'topk', 'ddp-fp32', 'ddp-powersgd-r4', 'single'."""
+    if cell["kind"] == "ddp" and cell["hook"] == "mergecomp":
+        return f"ddp-mergecomp-{cell['compressor']}-g{cell['groups']}"
     if cell["kind"] == "ddp":
         return f"ddp-{cell['hook']}" + (f"-r{cell['powersgd_rank']}" if cell["hook"] == "powersgd" else "") \
             + (f"-b{cell['bucket_cap_mb']:g}" if cell.get("bucket_cap_mb") else "")
@@ -268,6 +299,9 @@ def command(cell: dict, json_path: str) -> List[str]:
               "--threads", str(cell["threads"]), "--no-cuda", "--json", json_path]
     if cell["kind"] == "ddp":
         extra = ["--hook", cell["hook"]]
+        if cell["hook"] == "mergecomp":
+            extra += ["--compressor", cell["compressor"], "--fusion-num", str(cell["groups"])]
+            extra += [f"--{k}={cell[k]}" for k in ("memory", "comm") if cell.get(k)]
         if cell["hook"] == "powersgd":
             extra += ["--powersgd-rank", str(cell["powersgd_rank"])]
         if cell.get("bucket_cap_mb"):

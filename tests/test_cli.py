@@ -148,10 +148,46 @@ def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):
     assert "SGD momentum 0.9" in done.stdout  # DDP applies the momentum the DGC memory applies
     table = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"),
                             "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
-    assert table.returncode == 0 and "| resnet20 | dgc | fixed | 2 (2) |" in table.stdout
+    assert table.returncode == 0 and "| resnet20 | dgc | optimizer | fixed | 2 (2) | 0 | fp16 |" in table.stdout
+    assert result["ddp_hook"] == "fp16"  # the 16-bit hook is the default baseline
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--rounds", "0"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "--rounds must be ≥ 1, got 0" in bad.stderr
+
+
+def test_versus_ddp_runs_mergecomps_hook_beside_ddps_own(tmp_path):
+    out = tmp_path / "hook.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--nproc", "2", "--threads", "1",
+         "--model", "resnet20", "--batch-size", "4", "--num-warmup-batches", "1", "--compress",
+         "--compressor", "topk", "--fusion-num", "2", "--rounds", "1", "--window", "1",
+         "--mergecomp-as", "ddp-hook", "--ddp-hook", "fp32", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["mergecomp_as"] == "ddp-hook" and result["ddp_hook"] == "fp32"
+    assert 0 < result["mergecomp_bytes_per_step"] < 0.1 * 4 * 269722  # top-k 1%, far below FP32
+    assert "DDP with mergecomp's hook" in done.stdout
+    adaptive = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--compress",
+                               "--compressor", "dgc", "--scheduler", "auto", "--mergecomp-as", "ddp-hook"],
+                              capture_output=True, text=True, cwd=ROOT)
+    assert adaptive.returncode == 2 and "DDP's fixed buckets" in adaptive.stderr
+
+
+def test_ddp_baseline_times_ddp_with_mergecomps_hook(tmp_path):
+    out = tmp_path / "hook.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "ddp_baseline.py"), "--nproc", "2", "--threads", "1",
+         "--model", "resnet20", "--batch-size", "4", "--num-warmup-batches", "1", "--num-iters", "1",
+         "--num-batches-per-iter", "1", "--hook", "mergecomp", "--compressor", "dgc", "--fusion-num", "2",
+         "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["compressor"] == "ddp-mergecomp-dgc" and result["groups"] == 2
+    assert result["compression_ratio"] > 100  # DGC's 0.1% of the gradient, plus its agreement bytes
+    missing = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ddp_baseline.py"),
+                              "--hook", "mergecomp"], capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "--hook mergecomp needs --compressor" in missing.stderr
 
 
 def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp_path):

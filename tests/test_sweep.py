@@ -122,6 +122,10 @@ def test_scaling_factor_on_hand_made_records():
     ({"compressors": [{"name": "topk", "ratio": 0.1}]}, "compress_ratio"),
     ({"baselines": [{"hook": "bf16"}]}, "hook"),
     ({"baselines": [{"hook": "powersgd"}]}, "rank"),
+    ({"baselines": [{"hook": "mergecomp"}]}, "needs 'compressor'"),
+    ({"baselines": [{"hook": "mergecomp", "compressor": "tpok"}]}, "topk"),
+    ({"baselines": [{"hook": "mergecomp", "compressor": "dgc", "groups": 0}]}, "groups"),
+    ({"baselines": [{"hook": "mergecomp", "compressor": "dgc", "rank": 2}]}, "hook: mergecomp"),
     ({"iterations": {"num_warmup_batches": 1}}, "num_warmup_batches ≥ 2"),
     ({"profiles": ["10 parsecs"]}, "10 parsecs"),
     ({"timeout": 5}, "unknown key"),
@@ -179,6 +183,16 @@ def test_baseline_bucket_size_is_part_of_the_cell():
     assert argv[argv.index("--bucket-cap-mb") + 1] == "1000"
     with pytest.raises(sweep.ConfigError, match="bucket_cap_mb"):
         config(baselines=[{"hook": "fp32", "bucket_cap_mb": 0}])
+
+
+def test_a_mergecomp_hook_baseline_runs_ddp_baseline_with_its_compressor():
+    cells = sweep.expand(config(baselines=[{"hook": "mergecomp", "compressor": "dgc", "groups": 4},
+                                           {"hook": "mergecomp", "compressor": "topk", "memory": "residual"}]))
+    ddp = [c for c in cells if c["kind"] == "ddp"]
+    assert [sweep.label(c) for c in ddp] == ["ddp-mergecomp-dgc-g4", "ddp-mergecomp-topk-g4"]
+    argv = sweep.command(ddp[1], "out.json")
+    assert argv[argv.index("--hook") + 1] == "mergecomp" and argv[argv.index("--compressor") + 1] == "topk"
+    assert "--memory=residual" in argv and argv[argv.index("--fusion-num") + 1] == "4"
 
 
 def test_rerun_measures_labelled_cells_again(tmp_path):
