@@ -52,12 +52,19 @@ def test_only_an_all_zero_view_abstains():
     assert decoded.tolist() == [1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 0, 0]
 
 
-def test_efsignsgd_leaves_a_zero_view_at_zero_and_out_of_its_scale():
+def test_efsignsgd_scales_each_view_by_its_own_mean_magnitude_and_leaves_a_zero_view_at_zero():
     ef = compressors.create("efsignsgd")
     g = group([[1, -2, 3], [-4, 5, -6]], [0, 0, 0, 0], [3, -3])
     decoded = ef.decompress(*ef.compress(g, "g", layout=VIEWS))
-    scale = (21 + 6) / 8  # the mean magnitude of the 8 elements whose signs are sent
-    assert decoded.tolist() == pytest.approx([scale, -scale, scale, -scale, scale, -scale, 0, 0, 0, 0, scale, -scale])
+    first, last = 21 / 6, 6 / 2  # each view's mean magnitude
+    assert decoded.tolist() == pytest.approx([first, -first, first, -first, first, -first, 0, 0, 0, 0, last, -last])
+
+
+def test_onebit_rebuilds_each_view_with_its_own_means():
+    onebit = compressors.create("onebit")
+    g = group([[1, -2, 3], [-4, 5, -6]], [0, 0, 0, 0], [3, -3])
+    decoded = onebit.decompress(*onebit.compress(g, "g", layout=VIEWS))
+    assert decoded.tolist() == pytest.approx([3, -4, 3, -4, 3, -4, 0, 0, 0, 0, 3, -3])
 
 
 def test_a_whole_zero_group_decodes_to_zero_without_a_layout():

@@ -90,9 +90,15 @@ def test_variable_size_formulas_check_the_payload_against_the_bound():
 
 def test_sign_flags_cost_one_bit_per_view():
     views = tuple(compressors.ParamView(f"p{i}", torch.Size([10]), 10 * i) for i in range(9))
-    for name, extra in (("signsgd", 0), ("signum", 0), ("efsignsgd", 4)):
+    for name, extra in (("signsgd", 0), ("signum", 0), ("efsignsgd", 4 * 9)):  # EF-SignSGD: a scale per view
         payload, _ = compressors.create(name).compress(torch.randn(90), "g", layout=views)
         assert sum(p.numel() * p.element_size() for p in payload) == ceil_div(90, 8) + ceil_div(9, 8) + extra
+
+
+def test_onebit_sends_two_means_per_view():
+    views = tuple(compressors.ParamView(f"p{i}", torch.Size([10]), 10 * i) for i in range(9))
+    payload, _ = compressors.create("onebit").compress(torch.randn(90), "g", layout=views)
+    assert sum(p.numel() * p.element_size() for p in payload) == ceil_div(90, 8) + 8 * 9
 
 
 @pytest.mark.parametrize("name, kwargs, bits", [("qsgd", dict(levels=1), 2), ("qsgd", dict(levels=3), 3),

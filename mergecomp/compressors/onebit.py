@@ -5,12 +5,27 @@ Distributed Training of Speech DNNs", Interspeech 2014.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import native, numpy_kernels, register
-from .base import Compressor, Context
+from .base import Compressor, Context, check_layout
 from .packing import Scratch, decode_values, pack_bits, packed_nbytes
 from .quantize import sign_bits
+from .sign import Spans, layout_spans, span_lengths
+
+#: 1-bit codes as 0 (clear: the non-negative side) and 1 (set: the negative side).
+_ZERO_ONE = torch.tensor([0.0, 1.0])
+
+
+@dataclass(frozen=True)
+class OneBitContext(Context):
+    """A 1-bit payload's context when the group has several parameter views: their spans,
+    which say whose two means decode each element (the same on every rank)."""
+
+    spans: Spans
+    layout_fields = ("spans",)
 
 
 @register("onebit")
@@ -20,10 +35,14 @@ class OneBitCompressor(Compressor):
     The receiver rebuilds a set bit as the mean of the negative elements and a clear bit
     as the mean of the non-negative ones (the bit is the IEEE sign bit, so −0.0 counts as
     negative and decodes to the negative mean), the reconstruction values of Seide et al.
-    (who keep them per column; here per fused group).  Biased: pair it with the
-    ``residual`` memory, the error feedback the paper introduced.
+    They keep the two means per column of each weight matrix; here they are kept per
+    parameter view of the group (the ``layout``), so a layer of small gradients is not
+    rebuilt with the means of a layer of large ones (the whole tensor is one view without a
+    layout).  A view that is all zero decodes to 0 (both its means are 0).  Biased: pair it
+    with the ``residual`` memory, the error feedback the paper introduced.
 
-    Wire for n elements: ⌈n/8⌉ bytes + 8 bytes for the two fp32 means.
+    Wire for n elements in v parameter views: ⌈n/8⌉ bytes + 8·v bytes for the two fp32
+    means of each view.
     """
 
     summable = False
@@ -36,6 +55,10 @@ class OneBitCompressor(Compressor):
         self._scratch = Scratch()
 
     def compress(self, tensor, name, layout=None):
+        if layout is not None and len(layout) > 1:
+            return self._compress_views(tensor, layout)
+        if layout is not None:
+            check_layout(layout, tensor.numel())
         if tensor.dtype == torch.float32 and native.usable(tensor):
             return self._compress_native(tensor)
         flat = tensor.reshape(-1)
@@ -55,6 +78,21 @@ class OneBitCompressor(Compressor):
                              (total - absolute) / 2 / num_negative.clamp(min=1)])
         return (pack_bits(negative, 1), means), Context(tensor.shape, tensor.dtype)
 
+    def _compress_views(self, tensor, layout):
+        """Per-view means: the side sums and counts of every view in three segment sums."""
+        flat = tensor.reshape(-1)
+        spans = layout_spans(tuple(layout), flat.numel())
+        lengths = span_lengths(spans, str(flat.device))
+        negative = sign_bits(flat, self._scratch)
+        values = flat.to(torch.float32)
+        total = torch.segment_reduce(values, "sum", lengths=lengths)
+        absolute = torch.segment_reduce(values.abs_(), "sum", lengths=lengths)
+        num_negative = torch.segment_reduce(negative.to(torch.float32), "sum", lengths=lengths)
+        num_positive = lengths - num_negative
+        means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
+                             (total - absolute) / 2 / num_negative.clamp(min=1)], dim=1).reshape(-1)
+        return (pack_bits(negative, 1), means), OneBitContext(tensor.shape, tensor.dtype, spans)
+
     def _compress_native(self, tensor):
         """One pass on the CPU: the sign bits and both sums (in double, so the means can
         differ from the torch path's fp32 sums in their last bits)."""
@@ -65,10 +103,22 @@ class OneBitCompressor(Compressor):
         return (packed, means), Context(tensor.shape, tensor.dtype)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """⌈n/8⌉ bytes of signs + the two fp32 means."""
-        return packed_nbytes(numel, 1) + 8
+        """⌈n/8⌉ bytes of signs + the two fp32 means of each view."""
+        views = 1 if layout is None else max(1, len(layout))
+        return packed_nbytes(numel, 1) + 8 * views
 
     def decompress(self, payload, ctx):
         packed, means = payload
-        # Clear bit → the non-negative mean, set bit → the negative one, copied bit for bit.
-        return decode_values(packed, 1, ctx.numel, means.to(ctx.dtype)).view(ctx.shape)
+        spans = getattr(ctx, "spans", None)
+        if spans is None:
+            # Clear bit → the non-negative mean, set bit → the negative one, copied bit for bit.
+            return decode_values(packed, 1, ctx.numel, means.to(ctx.dtype)).view(ctx.shape)
+        if means.numel() != 2 * len(spans):
+            raise ValueError(f"1-bit SGD payload has {means.numel()} means but its context has "
+                             f"{len(spans)} views (two means each): it was made with another layout")
+        lengths = span_lengths(spans, str(packed.device))
+        pairs = means.to(ctx.dtype).view(-1, 2)
+        negative = decode_values(packed, 1, ctx.numel, _ZERO_ONE.to(dtype=ctx.dtype, device=packed.device))
+        positive_mean = torch.repeat_interleave(pairs[:, 0], lengths, output_size=ctx.numel)
+        gap = torch.repeat_interleave(pairs[:, 1] - pairs[:, 0], lengths, output_size=ctx.numel)
+        return positive_mean.addcmul_(negative, gap).view(ctx.shape)

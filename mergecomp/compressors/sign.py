@@ -79,6 +79,12 @@ def layout_spans(layout: GroupLayout, numel: int) -> Spans:
 
 
 @functools.lru_cache(maxsize=256)
+def span_lengths(spans: Spans, device: str) -> torch.Tensor:
+    """The views' element counts as an int64 tensor on ``device`` (for segment sums)."""
+    return torch.tensor([size for _, size in spans], dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=256)
 def _first_elements(spans: Spans, device: str) -> Tuple[torch.Tensor, Tuple[int, ...]]:
     """(index of each non-empty view's first element, on ``device``; those views' positions)."""
     positions = tuple(i for i, (_, size) in enumerate(spans) if size)
@@ -298,20 +304,24 @@ class SignumCompressor(_MajorityVote):
 
 @register("efsignsgd")
 class EFSignSGDCompressor(_SignCompressor):
-    """EF-SignSGD: send (‖g‖₁/d)·sign(g), the scaled sign, and keep the error as residual.
+    """EF-SignSGD: send (‖g‖₁/d)·sign(g) per parameter, the scaled sign, and keep the error
+    as residual.
 
     Karimireddy et al. (ICML 2019): the scale makes the compressor a δ-approximate one, so
-    error feedback (the ``residual`` memory) restores SGD's convergence.  Biased.  d counts
-    the elements whose signs are sent: a parameter view that is all zero here decodes to 0
-    (module docstring) and is left out of the mean.
+    error feedback (the ``residual`` memory) restores SGD's convergence.  Biased.  The scale
+    is per parameter view of the group (the ``layout``), as the paper's experiments apply the
+    compressor layer by layer: one scale for a fused group would move a layer of small
+    gradients (a large classifier matrix) by the mean magnitude of another (a convolution),
+    and error feedback would then spend many steps undoing it.  Without a layout the whole
+    tensor has one scale.  A view that is all zero here has scale 0 and decodes to 0 (its
+    zero-view flag says so too, module docstring).
 
     Wire for n elements in v parameter views: ⌈n/8⌉ bytes of signs + ⌈v/8⌉ bytes of
-    zero-view flags + 4 bytes for the fp32 scale.
+    zero-view flags + 4·v bytes for the fp32 scales.
     """
 
     recommended_memory = "residual"
     recommended_communicator = "allgather"
-    extra_nbytes = 4
 
     def __init__(self):
         self._scratch = Scratch()
@@ -319,16 +329,34 @@ class EFSignSGDCompressor(_SignCompressor):
     def compress(self, tensor, name, layout=None):
         ctx = self._context(tensor, layout)
         flat = tensor.reshape(-1)
-        packed, flags, zero = self._encode(flat, ctx)
+        packed, flags, _ = self._encode(flat, ctx)
         spans = context_spans(ctx)
-        sent = flat.numel() - sum(spans[i][1] for i in zero)
         magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))
-        scale = magnitudes.sum(dtype=torch.float32) / max(1, sent)
-        return (packed, flags, scale.reshape(1)), ctx
+        if len(spans) == 1:
+            scales = (magnitudes.sum(dtype=torch.float32) / max(1, flat.numel())).reshape(1)
+        else:
+            lengths = span_lengths(spans, str(flat.device))
+            sums = torch.segment_reduce(magnitudes.to(torch.float32), "sum", lengths=lengths)
+            scales = sums / lengths.clamp(min=1)
+        return (packed, flags, scales), ctx
+
+    def wire_nbytes(self, numel, element_size, payload=None, layout=None):
+        """⌈n/8⌉ bytes of signs + ⌈v/8⌉ bytes of zero-view flags + 4 bytes per view's scale."""
+        views = 1 if layout is None else max(1, len(layout))
+        return packed_nbytes(numel, 1) + packed_nbytes(views, 1) + 4 * views
 
     def decompress(self, payload, ctx):
-        packed, flags, scale = payload
-        # ±scale straight from the table: the same bits as ±1 times the scale, one pass.
-        scale = scale.reshape(1).to(ctx.dtype)
-        decoded = decode_values(packed, 1, ctx.numel, torch.cat([scale, -scale]))
+        packed, flags, scales = payload
+        spans = context_spans(ctx)
+        if scales.numel() != len(spans):
+            raise ValueError(f"EF-SignSGD payload has {scales.numel()} scales but its context has "
+                             f"{len(spans)} views: the payload was made with another layout")
+        if len(spans) == 1:
+            # ±scale straight from the table: the same bits as ±1 times the scale, one pass.
+            scale = scales.reshape(1).to(ctx.dtype)
+            decoded = decode_values(packed, 1, ctx.numel, torch.cat([scale, -scale]))
+        else:
+            decoded = decode_values(packed, 1, ctx.numel, _plus_minus_one(ctx.dtype, str(packed.device)))
+            lengths = span_lengths(spans, str(packed.device))
+            decoded.mul_(torch.repeat_interleave(scales.to(ctx.dtype), lengths, output_size=ctx.numel))
         return zero_flagged_views(decoded, flags, ctx).view(ctx.shape)
