@@ -205,3 +205,11 @@ def test_graddrop_sends_close_to_the_ratio():
     small = compressors.create("graddrop", compress_ratio=0.01)
     (values, _), _ = small.compress(torch.randn(20_000, generator=torch.Generator().manual_seed(9)), "g")
     assert values.numel() == 200  # a sample as large as the tensor: the exact threshold
+
+
+def test_onebit_with_a_layout_leaves_its_input_alone():
+    onebit = compressors.create("onebit")
+    g = group([[1, -2, 3], [-4, 5, -6]], [0, 0, 0, 0], [3, -3])
+    before = g.clone()
+    onebit.compress(g, "g", layout=VIEWS)
+    assert torch.equal(g, before)

@@ -86,7 +86,7 @@ class OneBitCompressor(Compressor):
         negative = sign_bits(flat, self._scratch)
         values = flat.to(torch.float32)
         total = torch.segment_reduce(values, "sum", lengths=lengths)
-        absolute = torch.segment_reduce(values.abs_(), "sum", lengths=lengths)
+        absolute = torch.segment_reduce(values.abs(), "sum", lengths=lengths)  # not abs_: values may be the input
         num_negative = torch.segment_reduce(negative.to(torch.float32), "sum", lengths=lengths)
         num_positive = lengths - num_negative
         means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
