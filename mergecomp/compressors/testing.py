@@ -614,7 +614,8 @@ def check_unbiased(cls_or_instance, kwargs=None, device="cpu", samples: int = 20
 
 def check_layout(cls_or_instance, kwargs=None, device="cpu", seed: int = 0) -> List[str]:
     """Compressing a group with a layout of several parameter views (a 2-D weight, a bias,
-    a 1-D piece of a larger parameter) works and decodes to the group's shape and dtype."""
+    a 1-D piece of a larger parameter) works, leaves its input alone and decodes to the
+    group's shape and dtype."""
     subject = _subject(cls_or_instance, kwargs, device)
     compressor = subject.sample
     method = compressor.rounds if compressor.multi_round else compressor.compress
@@ -626,8 +627,10 @@ def check_layout(cls_or_instance, kwargs=None, device="cpu", seed: int = 0) -> L
         for kind in ("gaussian", "sparse"):
             made = make_input(kind, numel, torch.float32, subject.device, seed=numel)
             where = f"{made.description} with views {[v.name for v in layout]}"
+            original = made.tensor.clone()
             with _private_rng(seed, subject.device):
                 step = _guarded("layout", subject, where, lambda: run_step(subject.fresh(), made.tensor, layout=layout))
+            _expect(same_bits(made.tensor, original), "layout", subject, where, "modified its input")
             _expect(step.decoded.shape == made.tensor.shape and step.decoded.dtype == made.tensor.dtype,
                     "layout", subject, where,
                     f"decoded {step.decoded.dtype} of shape {tuple(step.decoded.shape)}, expected the group's")
