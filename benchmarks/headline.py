@@ -34,6 +34,14 @@ for collectives after backward, and decoding (decode, aggregate, average, write-
     python benchmarks/cluster.py --workers 2 --profile 1gbit -- \\
         python benchmarks/headline.py --model vgg16 --threads 1 --json cell.json
     python benchmarks/headline.py --table results/*.json
+    python benchmarks/headline.py --campaign DIR     # every cell below, resumable (needs root for links)
+
+The campaign runs, for each model of ``--campaign-models`` (vgg16, the LSTM LM and the
+transformer LM), each link of ``--campaign-links`` (1gbit and 10gbit on the emulated cluster,
+loopback unshaped) and each worker count of ``--campaign-workers`` (2 and 4), one cell:
+``benchmarks/cluster.py --workers N --profile LINK -- python benchmarks/headline.py ...``,
+its result in ``DIR/<model>-<link>-<N>.json`` and its log beside it; a cell whose result
+exists is skipped, so an interrupted campaign goes on where it stopped.
 """
 from __future__ import annotations
 
@@ -75,6 +83,12 @@ def parse_args(argv=None):
     p.add_argument("--powersgd-rank", type=int, default=1, help="DDP PowerSGD hook's rank (default 1)")
     p.add_argument("--link", default="loopback",
                    help="what the workers' links are, recorded in the result (e.g. the cluster's --profile)")
+    campaign = p.add_argument_group("campaign (every cell, each in its own emulated cluster)")
+    campaign.add_argument("--campaign", metavar="DIR", default=None, help="run every cell, results into DIR")
+    campaign.add_argument("--campaign-models", default="vgg16,lstm,transformer")
+    campaign.add_argument("--campaign-links", default="1gbit,10gbit,loopback")
+    campaign.add_argument("--campaign-workers", default="2,4")
+    campaign.add_argument("--cell-timeout", type=float, default=3600, help="seconds per cell (default 3600)")
     p.set_defaults(threads=1)
     args = compress_benchmark.parse_rounds_arguments(p, argv)
     if args.table:
@@ -305,11 +319,48 @@ def table(paths) -> str:
                                                                          "benchmarks/headline.py"))
 
 
+#: Per-worker batch of each model in the campaign: small, so communication is a visible
+#: share of a CPU step (the batch sizes of the project's earlier benchmark tables).
+CAMPAIGN_BATCH = {"vgg16": 8, "lstm": 8, "transformer": 8}
+
+
+def run_campaign(args) -> int:
+    """Every (model, link, workers) cell in its own cluster, skipping cells already measured."""
+    import subprocess
+    os.makedirs(args.campaign, exist_ok=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cells = [(model, link, int(workers)) for link in args.campaign_links.split(",")
+             for model in args.campaign_models.split(",") for workers in args.campaign_workers.split(",")]
+    for model, link, workers in cells:
+        stem = os.path.join(args.campaign, f"{model}-{link}-{workers}")
+        if os.path.exists(stem + ".json"):
+            print(f"{stem}.json exists: skipped", flush=True)
+            continue
+        cell = [sys.executable, os.path.join(root, "benchmarks", "headline.py"), "--model", model,
+                "--batch-size", str(args.batch_size or CAMPAIGN_BATCH.get(model, 8)), "--threads", "1",
+                "--link", link, "--rounds", str(args.rounds), "--window", str(args.window),
+                "--compressors", ",".join(args.compressors), "--hook-compressors", ",".join(args.hook_compressors),
+                "--json", stem + ".json"]
+        command = [sys.executable, os.path.join(root, "benchmarks", "cluster.py"), "--workers", str(workers),
+                   "--profile", link, "--timeout", str(args.cell_timeout), "--", *cell]
+        print(f"cell {model} {link} x{workers}: {' '.join(command)}", flush=True)
+        began = time.time()
+        with open(stem + ".log", "w") as log:
+            log.write(" ".join(command) + "\n")
+            log.flush()
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+        print(f"cell {model} {link} x{workers}: exit {done.returncode} after {time.time() - began:.0f} s",
+              flush=True)
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.table:
         print(table(args.table))
         return 0
+    if args.campaign:
+        return run_campaign(args)
     benchmarking.run_workers(worker, args)
     return 0
 
