@@ -438,8 +438,8 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
     for half in ("fp16", "bf16"):
         if half not in codecs:
             codecs[half] = measure_compression_cost(compressors.create(half), compression_sizes, device)
-    kinds = ["allreduce"] + {"allreduce": [], "allgather": ["allgather"],
-                             "ps": ["alltoall", "allgather"]}.get(communicator, [])
+    from .costmodel import priced_collectives
+    kinds = ["allreduce"] + [kind for kind in priced_collectives(communicator) if kind != "allreduce"]
     collectives = {kind: measure_collective_cost(backend, kind, collective_sizes) for kind in kinds}
     finish = {}
     if communicator_object is not None:
