@@ -56,6 +56,7 @@ ones (Thakur et al., 2005) also used by HiPress/SeCoPa (Bai et al., SOSP 2021) a
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -380,6 +381,38 @@ class Profile:
             return cls.from_json(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"profile {path!r} is not valid JSON: {error}") from None
+
+
+# ------------------------------------------------------------------------ compute speed
+def scaled_compute(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every processor-side time multiplied by ``factor``: forward, backward
+    and the gradients' ready times, codecs, copies, error-feedback memory, launch and finish
+    phases, the optimizer step.  The collectives (the network) stay as they are.
+
+    What-if questions ("a device twice as fast": 0.5), and calibration to the speed a
+    host actually ran at: on a shared machine the same host's compute speed drifts
+    between a profile and the minutes after it, which no network model can predict
+    (the ``auto`` scheduler compares its check's visits at one speed with it, the
+    simulator check rescales a profile to a timed window).
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"a compute scale must be a positive factor (0.5: twice as fast), got {factor!r}")
+    codecs = {name: dataclasses.replace(codec, encode=_scaled(codec.encode, factor),
+                                        decode=_scaled(codec.decode, factor),
+                                        add=None if codec.add is None else _scaled(codec.add, factor))
+              for name, codec in profile.codecs.items()}
+    return dataclasses.replace(
+        profile,
+        timeline=[dataclasses.replace(t, ready=t.ready * factor) for t in profile.timeline],
+        forward_time=profile.forward_time * factor, backward_time=profile.backward_time * factor,
+        codecs=codecs, copy=_scaled(profile.copy, factor), memory=_scaled(profile.memory, factor),
+        finish={k: _scaled(v, factor) for k, v in profile.finish.items()},
+        launch={k: _scaled(v, factor) for k, v in profile.launch.items()},
+        optimizer_step=profile.optimizer_step * factor)
+
+
+def _scaled(cost: LinearCost, factor: float) -> LinearCost:
+    return LinearCost(cost.intercept * factor, cost.slope * factor)
 
 
 # ------------------------------------------------------------------ fits of live samples
