@@ -1,6 +1,9 @@
 """Each communicator prices its own compressed groups; one that declares no formula is
 refused by the cost-model schedulers, never priced as another."""
 import pytest
+import torch
+import torch.nn as nn
+
 import mergecomp
 from mergecomp.communicators.allgather import AllgatherCommunicator
 from mergecomp.costmodel import (NoCostFormula, communicator_formula, predict, priced_collectives,
@@ -60,6 +63,17 @@ def plugin_worker(rank, world_size, name):
                 refusals.append(str(error))
         return (twice.collective == gather.collective + gather.collective, slower, refusals,
                 priced_collectives("twice-the-gather"), priced_collectives("unpriced"))
+    # The auto scheduler refuses at the end of the first step, on every rank alike.
+    model = nn.Linear(8, 2)
+    opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         compressor=mergecomp.compressors.create("topk", compress_ratio=0.5),
+                                         communicator="unpriced",
+                                         schedule=mergecomp.schedulers.create("auto", log=None))
+    model(torch.ones(4, 8)).sum().backward()
+    try:
+        opt.step()
+    except NoCostFormula as error:
+        return str(error)
     return None
 
 
@@ -71,3 +85,8 @@ def test_a_plugin_communicator_is_priced_by_its_own_formula_or_refused():
         assert "communicator 'unpriced'" in message and "declares no cost formula" in message
         assert "send_cost(cls, codec, profile)" in message and "'binary'" in message
     assert twice_kinds == ("allgather",) and unpriced_kinds == ()
+
+
+def test_auto_refuses_a_communicator_without_a_cost_formula_on_every_rank():
+    for message in run_ranks(plugin_worker, 2, "auto"):
+        assert message is not None and "communicator 'unpriced'" in message and "send_cost" in message
