@@ -41,10 +41,9 @@ which a "last group only" formula would miss.
 **Interference** (``profile.interference`` = k ≥ 1, measured on the live run by the ``auto``
 scheduler, 1.0 in older profiles).  A collective is not free for the processor: the
 communication library's threads and the kernel's network stack take CPU time and memory
-bandwidth from the thread that runs backward (on the emulated 1 Gbit/s cluster, 2 CPU
-cores, backward of vgg16 took 1.3–1.8× longer while a large allreduce ran).  So compute
-on the backward thread — backward itself and the encoding in the hooks — runs k times
-slower while the channel is busy.  Between two launches the channel is busy from the
+bandwidth from the thread that runs backward (on a CPU host, markedly so while a large
+allreduce runs).  So compute on the backward thread — backward itself and the encoding in
+the hooks — runs k times slower while the channel is busy.  Between two launches the channel is busy from the
 moment backward resumes (W) until its last collective ends (F), one contiguous interval,
 since every collective starts at its group's encode end or at the previous one's end; c
 seconds of compute therefore take ``c + stretch(c, F − W)`` with

@@ -18,8 +18,8 @@ and planned from on another (the probes that measure them are in :mod:`mergecomp
 * the **memory cost** per element: the error-feedback memory's ``compensate`` and
   ``update``, which every group (raw groups share the compressed groups' memory) runs in
   its hook before the collective — :func:`~mergecomp.probes.measure_memory_cost`.  DGC's
-  momentum correction makes several passes over the group, as much work as the
-  compression itself on a 2-core CPU; zero (the default, and old profiles) for no memory;
+  momentum correction makes several passes over the group, on a CPU comparable to the
+  compression itself; zero (the default, and old profiles) for no memory;
 * the **interference** factor k ≥ 1: how many times longer backward takes while a
   collective is in flight (the communication library's threads and the kernel's network
   stack compete with it for CPU time and memory bandwidth) — :func:`interference_factor`
@@ -42,7 +42,7 @@ and planned from on another (the probes that measure them are in :mod:`mergecomp
   (:func:`fit_live_costs`).  An isolated probe allocates fresh buffers and runs while the
   other ranks idle; in the training loop the allocator serves memory the process already
   holds and every rank competes for the same cores, so the probes misjudge both phases
-  (on the 2-core cluster the finish about 3× too high, the launch 1.6–7× too low).  A live
+  (the finish too high, the launch too low).  A live
   ``finish`` fit replaces the probed one; ``launch``, when present, replaces copy + memory
   + codec as a group's encode cost (empty, the default: priced from the probes);
 * the **collective slowdown** c ≥ 1: how many times longer a collective takes while
