@@ -121,11 +121,11 @@ class ComputeClock:
     def __call__(self) -> None:
         ready = {}
         start = time.perf_counter()
-        self.optimizer.ready_listener = lambda name: ready.setdefault(name, time.perf_counter() - start)
+        handle = self.optimizer.add_ready_listener(lambda name: ready.setdefault(name, time.perf_counter() - start))
         try:
             self.step()
         finally:
-            self.optimizer.ready_listener = None
+            handle.remove()
         self.rounds[-1].append(ready)
 
     def summaries(self, phases: List[dict], window: int) -> List[dict]:
