@@ -41,9 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.cluster import Cluster, parse_profile  # noqa: E402
 from mergecomp.costmodel import predict  # noqa: E402
 from mergecomp.plan import Plan  # noqa: E402
-from mergecomp.profile import Profile  # noqa: E402
+from mergecomp.profile import Profile, scaled_compute  # noqa: E402
 from mergecomp.schedulers.fixed import FixedScheduler  # noqa: E402
-from mergecomp.simulate import measured_link_efficiency, network_collectives, scaled_compute  # noqa: E402
+from mergecomp.simulate import measured_link_efficiency, network_collectives  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

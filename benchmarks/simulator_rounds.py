@@ -56,8 +56,8 @@ from benchmarks.phase_timing import Recorder, install  # noqa: E402
 from benchmarks.simulator_check import parse_plans, phase_table  # noqa: E402
 from mergecomp import benchmarking  # noqa: E402
 from mergecomp.costmodel import predict  # noqa: E402
-from mergecomp.profile import Profile  # noqa: E402
-from mergecomp.simulate import measured_link_efficiency, network_collectives, scaled_compute  # noqa: E402
+from mergecomp.profile import Profile, scaled_compute  # noqa: E402
+from mergecomp.simulate import measured_link_efficiency, network_collectives  # noqa: E402
 
 COMPUTE = "compute"  # the label of the compute window
 
@@ -121,11 +121,11 @@ class ComputeClock:
     def __call__(self) -> None:
         ready = {}
         start = time.perf_counter()
-        self.optimizer.ready_listener = lambda name: ready.setdefault(name, time.perf_counter() - start)
+        handle = self.optimizer.add_ready_listener(lambda name: ready.setdefault(name, time.perf_counter() - start))
         try:
             self.step()
         finally:
-            self.optimizer.ready_listener = None
+            handle.remove()
         self.rounds[-1].append(ready)
 
     def summaries(self, phases: List[dict], window: int) -> List[dict]:

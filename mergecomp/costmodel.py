@@ -41,10 +41,9 @@ which a "last group only" formula would miss.
 **Interference** (``profile.interference`` = k ≥ 1, measured on the live run by the ``auto``
 scheduler, 1.0 in older profiles).  A collective is not free for the processor: the
 communication library's threads and the kernel's network stack take CPU time and memory
-bandwidth from the thread that runs backward (on the emulated 1 Gbit/s cluster, 2 CPU
-cores, backward of vgg16 took 1.3–1.8× longer while a large allreduce ran).  So compute
-on the backward thread — backward itself and the encoding in the hooks — runs k times
-slower while the channel is busy.  Between two launches the channel is busy from the
+bandwidth from the thread that runs backward (on a CPU host, markedly so while a large
+allreduce runs).  So compute on the backward thread — backward itself and the encoding in
+the hooks — runs k times slower while the channel is busy.  Between two launches the channel is busy from the
 moment backward resumes (W) until its last collective ends (F), one contiguous interval,
 since every collective starts at its group's encode end or at the previous one's end; c
 seconds of compute therefore take ``c + stretch(c, F − W)`` with
@@ -155,13 +154,12 @@ def send_costs(profile: Profile) -> Dict[str, SendCost]:
 
     A send mode with a measured finish cost in ``profile.finish`` uses it for the whole
     finish phase; otherwise the phase is priced from the decode cost and copy passes.
-    Compressed payloads travel by the profile's communicator: allreduce (one decode),
-    allgather (N payloads decoded, then ``aggregate``: a copy of the first and N − 1
-    additions, N passes; a compressor that sums in place, with ``add`` in its codec cost,
-    pays one decode and N − 1 adds instead), or ``ps`` (alltoall of the payload
-    in N shards, then allgather of the recompressed 1/N shard; the servers' sum of N
-    payloads of their shard and re-encode of one are relay work on the channel; a dense
-    decode-then-aggregate's summation passes are not modelled).
+    Compressed payloads travel by the profile's communicator, priced by that
+    communicator's own formula (:func:`communicator_formula`): allreduce (one decode),
+    allgather (N payloads decoded, then aggregated), ``ps`` (two collectives, the
+    servers' work as relay on the channel), or a plugin's ``send_cost``.  A plugin
+    communicator that declares no formula is refused (:class:`NoCostFormula`), never
+    priced as another one.
 
     A send mode with a measured launch cost in ``profile.launch`` uses it as its encode
     cost (gather copy, memory and codec together).
@@ -173,7 +171,7 @@ def send_costs(profile: Profile) -> Dict[str, SendCost]:
 
 
 def _formula_costs(profile: Profile) -> Dict[str, SendCost]:
-    allreduce = _collective(profile, "allreduce", "raw groups travel by allreduce")
+    allreduce = collective_cost(profile, "allreduce", "raw groups travel by allreduce")
     costs = {"fp32": SendCost(LinearCost(), WireSize(None), allreduce)}
     for half in ("fp16", "bf16"):
         if half in profile.codecs:
@@ -185,39 +183,72 @@ def _formula_costs(profile: Profile) -> Dict[str, SendCost]:
         return costs
     if name not in profile.codecs:
         return costs
-    codec, world = profile.codecs[name], profile.world_size
-    if profile.communicator == "allreduce":
-        costs["compress"] = SendCost(codec.encode, codec.wire, allreduce, codec.decode)
-    elif profile.communicator == "allgather":
-        gather = _collective(profile, "allgather", "the allgather communicator")
-        if codec.add is None:
-            costs["compress"] = SendCost(codec.encode, codec.wire, gather,
-                                         codec.decode.scaled(world, world), aggregate_passes=world)
-        else:
-            costs["compress"] = SendCost(codec.encode, codec.wire, gather,
-                                         codec.decode + codec.add.scaled(world - 1, world - 1))
-    elif profile.communicator == "ps":
-        alltoall = _collective(profile, "alltoall", "the PS communicator's first phase")
-        allgather = _collective(profile, "allgather", "the PS communicator's second phase")
-        # A server sums N payloads of its n/N-element shard; workers decode N shards.
-        serve = codec.decode.scaled(world, 1) if codec.add is None else \
-            (codec.decode + codec.add.scaled(world - 1, world - 1)).scaled(1, 1 / world)
-        costs["compress"] = SendCost(
-            codec.encode, codec.wire, alltoall + allgather.scaled(1, 1 / world),
-            decode=codec.decode.scaled(world, 1),
-            relay=serve + codec.encode.scaled(1, 1 / world))
-    else:
-        raise ValueError(f"no cost formula for communicator {profile.communicator!r}; the cost "
-                         "model knows 'allreduce', 'allgather' and 'ps'")
+    costs["compress"] = communicator_formula(profile.communicator).send_cost(profile.codecs[name], profile)
     return costs
 
 
-def _collective(profile: Profile, kind: str, why: str) -> LinearCost:
+def collective_cost(profile: Profile, kind: str, why: str) -> LinearCost:
+    """The profile's measured cost of collective ``kind``; a clear error if it has none
+    (``why``: what needs it, for the message)."""
     if kind not in profile.collectives:
         raise ValueError(f"the profile has no {kind!r} cost ({why}); it measured "
                          f"{sorted(profile.collectives) or 'none'}. Re-profile with "
                          f"mergecomp.probes.measure_collective_cost(backend, {kind!r}, sizes)")
     return profile.collectives[kind]
+
+
+# --------------------------------------------------------------------- communicators' formulas
+class NoCostFormula(ValueError):
+    """A communicator declares no cost formula: the cost model cannot price its groups."""
+
+
+def communicator_formula(name: str) -> type:
+    """The registered communicator class ``name``, which prices its compressed groups.
+
+    A communicator owns its cost formula, beside its code: a classmethod
+    ``send_cost(codec, profile) -> SendCost`` (``codec``: the compressor's
+    :class:`~mergecomp.profile.CodecCost`; the profile gives the world size and the
+    collectives' measured costs, read with :func:`collective_cost`), the tuple
+    ``cost_collectives`` of the collective kinds the formula needs measured (the probes
+    measure them), and ``phases_are_local`` (see :func:`phases_are_local`).  ``ValueError``
+    for a name that is not registered; :class:`NoCostFormula` for a class without
+    ``send_cost``.
+    """
+    from . import communicators
+    cls = communicators.get(name)
+    if not callable(getattr(cls, "send_cost", None)):
+        raise NoCostFormula(
+            f"communicator {name!r} ({cls.__module__}.{cls.__qualname__}) declares no cost formula, so "
+            "the cost model cannot price its compressed groups. Give the class a classmethod "
+            "send_cost(cls, codec, profile) returning a mergecomp.costmodel.SendCost, and "
+            "cost_collectives naming the collectives it uses (see AllgatherCommunicator in "
+            "mergecomp/communicators/allgather.py); or use a schedule that needs no cost model "
+            "(a fusion-num, 'bucket' or 'binary').")
+    return cls
+
+
+def priced_collectives(name: str) -> Tuple[str, ...]:
+    """The collective kinds communicator ``name``'s formula needs measured (allreduce,
+    which raw groups use, always is); none for an unknown name or one without a formula."""
+    from . import communicators
+    try:
+        cls = communicators.get(name)
+    except ValueError:
+        return ()
+    return tuple(getattr(cls, "cost_collectives", ())) if callable(getattr(cls, "send_cost", None)) else ()
+
+
+def phases_are_local(name: str) -> bool:
+    """Whether communicator ``name`` declares (``phases_are_local = True``) that a group's
+    launch (``start``) and finish, as the optimizer times them, are local work that waits
+    on no collective: then lines fitted to those times in the live run may price its
+    compressed groups.  False for PS (``start`` waits for an alltoall), for an unknown name
+    and for a communicator that does not say."""
+    from . import communicators
+    try:
+        return bool(getattr(communicators.get(name), "phases_are_local", False))
+    except ValueError:
+        return False
 
 
 # ------------------------------------------------------------------------- the timeline step

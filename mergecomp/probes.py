@@ -346,7 +346,7 @@ def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12,
     ``repeats`` in the same order.  Each size is timed ``repeats`` times after one warm-up,
     each time starting from a barrier; a rank's time is its median, and the size's time
     is the maximum over ranks (the slowest rank decides when a collective is over).
-    The backend's byte counters are restored afterwards, so probes do not show up in the
+    The probe runs inside ``backend.uncounted()``, so it does not show up in the
     benchmark's bytes per iteration.
     """
     if kind not in COLLECTIVE_KINDS:
@@ -354,7 +354,16 @@ def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12,
     sizes = _check_sizes(sizes, "measure_collective_cost sizes")
     device = torch.device(device if device is not None else getattr(backend, "device", "cpu"))
     world = backend.size
-    counters = (backend.bytes_sent, backend.collectives)
+    with backend.uncounted():
+        local, actual = _time_collective(backend, kind, sizes, repeats, device, world)
+        everyone = backend.allgather_object(local)
+    slowest = [max(per_size) for per_size in zip(*everyone)]
+    return fit_linear(actual, slowest)
+
+
+def _time_collective(backend, kind: str, sizes: Sequence[int], repeats: int, device: torch.device,
+                     world: int) -> Tuple[List[float], List[int]]:
+    """This rank's median seconds of ``kind`` at each size, and the bytes each size handed."""
     local, actual = [], []
     for nbytes in sizes:
         if kind == "alltoall":
@@ -384,10 +393,7 @@ def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12,
             if attempt:
                 times.append(time.perf_counter() - start)
         local.append(statistics.median(times))
-    everyone = backend.allgather_object(local)
-    slowest = [max(per_size) for per_size in zip(*everyone)]
-    backend.bytes_sent, backend.collectives = counters
-    return fit_linear(actual, slowest)
+    return local, actual
 
 
 def assemble_profile(timer: BackwardTimer, compressor_name: str, compressor, backend,
@@ -432,8 +438,8 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
     for half in ("fp16", "bf16"):
         if half not in codecs:
             codecs[half] = measure_compression_cost(compressors.create(half), compression_sizes, device)
-    kinds = ["allreduce"] + {"allreduce": [], "allgather": ["allgather"],
-                             "ps": ["alltoall", "allgather"]}.get(communicator, [])
+    from .costmodel import priced_collectives
+    kinds = ["allreduce"] + [kind for kind in priced_collectives(communicator) if kind != "allreduce"]
     collectives = {kind: measure_collective_cost(backend, kind, collective_sizes) for kind in kinds}
     finish = {}
     if communicator_object is not None:

@@ -18,8 +18,8 @@ and planned from on another (the probes that measure them are in :mod:`mergecomp
 * the **memory cost** per element: the error-feedback memory's ``compensate`` and
   ``update``, which every group (raw groups share the compressed groups' memory) runs in
   its hook before the collective — :func:`~mergecomp.probes.measure_memory_cost`.  DGC's
-  momentum correction makes several passes over the group, as much work as the
-  compression itself on a 2-core CPU; zero (the default, and old profiles) for no memory;
+  momentum correction makes several passes over the group, on a CPU comparable to the
+  compression itself; zero (the default, and old profiles) for no memory;
 * the **interference** factor k ≥ 1: how many times longer backward takes while a
   collective is in flight (the communication library's threads and the kernel's network
   stack compete with it for CPU time and memory bandwidth) — :func:`interference_factor`
@@ -42,7 +42,7 @@ and planned from on another (the probes that measure them are in :mod:`mergecomp
   (:func:`fit_live_costs`).  An isolated probe allocates fresh buffers and runs while the
   other ranks idle; in the training loop the allocator serves memory the process already
   holds and every rank competes for the same cores, so the probes misjudge both phases
-  (on the 2-core cluster the finish about 3× too high, the launch 1.6–7× too low).  A live
+  (the finish too high, the launch too low).  A live
   ``finish`` fit replaces the probed one; ``launch``, when present, replaces copy + memory
   + codec as a group's encode cost (empty, the default: priced from the probes);
 * the **collective slowdown** c ≥ 1: how many times longer a collective takes while
@@ -56,6 +56,7 @@ ones (Thakur et al., 2005) also used by HiPress/SeCoPa (Bai et al., SOSP 2021) a
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -380,6 +381,38 @@ class Profile:
             return cls.from_json(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"profile {path!r} is not valid JSON: {error}") from None
+
+
+# ------------------------------------------------------------------------ compute speed
+def scaled_compute(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every processor-side time multiplied by ``factor``: forward, backward
+    and the gradients' ready times, codecs, copies, error-feedback memory, launch and finish
+    phases, the optimizer step.  The collectives (the network) stay as they are.
+
+    What-if questions ("a device twice as fast": 0.5), and calibration to the speed a
+    host actually ran at: on a shared machine the same host's compute speed drifts
+    between a profile and the minutes after it, which no network model can predict
+    (the ``auto`` scheduler compares its check's visits at one speed with it, the
+    simulator check rescales a profile to a timed window).
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"a compute scale must be a positive factor (0.5: twice as fast), got {factor!r}")
+    codecs = {name: dataclasses.replace(codec, encode=_scaled(codec.encode, factor),
+                                        decode=_scaled(codec.decode, factor),
+                                        add=None if codec.add is None else _scaled(codec.add, factor))
+              for name, codec in profile.codecs.items()}
+    return dataclasses.replace(
+        profile,
+        timeline=[dataclasses.replace(t, ready=t.ready * factor) for t in profile.timeline],
+        forward_time=profile.forward_time * factor, backward_time=profile.backward_time * factor,
+        codecs=codecs, copy=_scaled(profile.copy, factor), memory=_scaled(profile.memory, factor),
+        finish={k: _scaled(v, factor) for k, v in profile.finish.items()},
+        launch={k: _scaled(v, factor) for k, v in profile.launch.items()},
+        optimizer_step=profile.optimizer_step * factor)
+
+
+def _scaled(cost: LinearCost, factor: float) -> LinearCost:
+    return LinearCost(cost.intercept * factor, cost.slope * factor)
 
 
 # ------------------------------------------------------------------ fits of live samples

@@ -26,9 +26,8 @@ reductions on a busy CPU, reach less than the line rate: ``--link-efficiency e``
 the model at ``e × bandwidth`` (1.0, the default: line rate).  ``--link-efficiency
 profile`` takes e from the profile's own measured allreduce
 (:func:`measured_link_efficiency`: the line-rate per-byte cost at the profile's world size
-over the measured one), so a profile taken on the target network carries it; on the
-emulated 1 Gbit/s cluster of a 2-core host it measured about 0.9 at 2 workers and 0.5 at
-4, where the kernel's network stack competes with the workers for the cores.  The
+over the measured one), so a profile taken on the target network carries it; it falls
+with more workers on a host whose cores the kernel's network stack shares with them.  The
 profile's ``interference`` factor (how much a collective in flight slows backward) is used
 as measured; it belongs to the host, and a different network or worker count changes it.
 
@@ -45,7 +44,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .costmodel import send_costs
 from .probes import measure_compression_cost, measure_copy_cost
-from .profile import LinearCost, Profile, TensorTiming
+from .profile import LinearCost, Profile, TensorTiming, scaled_compute
 
 TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps"}
 DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64, 128, 256)
@@ -102,35 +101,6 @@ def model_profile(model_name: str, compute_time: float, forward_fraction: float 
                              backward * (k + 1) / len(params)) for k, (n, p) in enumerate(params)]
     return Profile(world_size=1, timeline=timeline, forward_time=compute_time * forward_fraction,
                    backward_time=backward)
-
-
-def _scaled(cost: LinearCost, factor: float) -> LinearCost:
-    return LinearCost(cost.intercept * factor, cost.slope * factor)
-
-
-def scaled_compute(profile: Profile, factor: float) -> Profile:
-    """``profile`` with every processor-side time multiplied by ``factor``: forward, backward
-    and the gradients' ready times, codecs, copies, error-feedback memory, launch and finish
-    phases, the optimizer step.  The collectives (the network) stay as they are.
-
-    What-if questions ("a device twice as fast": 0.5), and the simulator check's
-    calibration: the same host's compute speed can differ by 40% between a profile and a
-    timed window minutes later, which no network model can predict.
-    """
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise ValueError(f"a compute scale must be a positive factor (0.5: twice as fast), got {factor!r}")
-    codecs = {name: dataclasses.replace(codec, encode=_scaled(codec.encode, factor),
-                                        decode=_scaled(codec.decode, factor),
-                                        add=None if codec.add is None else _scaled(codec.add, factor))
-              for name, codec in profile.codecs.items()}
-    return dataclasses.replace(
-        profile,
-        timeline=[dataclasses.replace(t, ready=t.ready * factor) for t in profile.timeline],
-        forward_time=profile.forward_time * factor, backward_time=profile.backward_time * factor,
-        codecs=codecs, copy=_scaled(profile.copy, factor), memory=_scaled(profile.memory, factor),
-        finish={k: _scaled(v, factor) for k, v in profile.finish.items()},
-        launch={k: _scaled(v, factor) for k, v in profile.launch.items()},
-        optimizer_step=profile.optimizer_step * factor)
 
 
 def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:

@@ -4,6 +4,8 @@ import torch
 import torch.nn as nn
 
 import mergecomp
+from mergecomp.plan import Group, ParamInfo, Plan
+from mergecomp.regroup import CannotRegroup
 from tests.distributed import run_ranks
 
 
@@ -19,6 +21,14 @@ def adaptive_worker(rank, world_size, name):
         compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), scheduler=scheduler)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+    # The user's own listeners: the scheduler adds its own beside them, never replaces them.
+    finished, ready = [], []
+
+    def on_phase(phase, group, seconds):
+        if phase == "finish":
+            finished.append(group.index)
+    opt.phase_listener = on_phase
+    ready_handle = opt.add_ready_listener(ready.append)
     losses, steps = [], 0
     while not (steps > 1 and scheduler.settled) and steps < 60:
         opt.zero_grad()
@@ -31,6 +41,13 @@ def adaptive_worker(rank, world_size, name):
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+    total = steps + 5
+    assert opt.phase_listener is on_phase
+    assert finished.count(0) == total and len(ready) == total * len(list(model.parameters()))
+    # Once settled the scheduler has removed its listeners: the user's were the last.
+    opt.phase_listener = None
+    ready_handle.remove()
+    assert not opt.reducer.phase_listeners and not opt.reducer.ready_listeners
     report = [(label, measured) for label, _, _, measured in scheduler.report] if name == "auto" else []
     if name == "auto":  # the same candidates' figures as timed, before the speed correction
         assert set(scheduler.as_timed) == {label for label, _ in report}
@@ -69,79 +86,94 @@ def test_binary_scheduler_searches_and_settles_identically():
 
 
 def test_auto_check_rounds_keep_the_faster_half_and_the_close_ones():
-    scheduler = mergecomp.schedulers.create("auto", contender_margin=0.15, log=None)
+    from mergecomp.schedulers.auto.decisions import contenders, medians_as_timed
     # Visits: (step seconds, forward seconds); no forwards timed, so no speed correction.
-    scheduler._windows = {0: [([1.0, 1.2], None)], 1: [([1.1], None), ([1.3], None)], 2: [([2.0, 2.1], None)],
-                          3: []}
-    assert scheduler._contenders() == [0, 1]  # medians 1.1, 1.2 (within 15%), 2.05 out, 3 unmeasured
+    visits = {0: [([1.0, 1.2], None)], 1: [([1.1], None), ([1.3], None)], 2: [([2.0, 2.1], None)], 3: []}
+    medians = medians_as_timed(visits)
+    assert medians == pytest.approx({0: 1.1, 1: 1.2, 2: 2.05})  # 3 unmeasured
+    assert contenders(medians, margin=0.15) == [0, 1]  # 1.2 within 15% of 1.1, 2.05 out
     # Halving keeps a candidate that one bad visit put 30% behind, when it is in the faster half.
-    scheduler._windows = {i: [([t], None)] for i, t in enumerate([1.0, 1.3, 1.4, 1.5, 2.0])}
-    assert scheduler._contenders() == [0, 1, 2]
+    medians = dict(enumerate([1.0, 1.3, 1.4, 1.5, 2.0]))
+    assert contenders(medians, margin=0.15) == [0, 1, 2]
     # Only the candidates still in the race count, so the field shrinks round by round.
-    scheduler._race = [0, 1, 2]
-    assert scheduler._contenders() == [0, 1]
-    scheduler._windows = {}
-    assert scheduler._contenders() == []
+    assert contenders({i: medians[i] for i in (0, 1, 2)}, margin=0.15) == [0, 1]
+    # A margin keeps every candidate close to the fastest, beyond the faster half.
+    assert contenders(medians, margin=0.5) == [0, 1, 2, 3]
+    assert contenders({}, margin=0.15) == []
+
+
+def test_a_visit_takes_each_steps_slowest_rank_and_skips_untimed_steps():
+    from mergecomp.schedulers.auto.decisions import slowest_rank_visit
+    everyone = [([1.0, None, 3.0], [0.5, None, 0.4]), ([2.0, 2.0, 1.0], [0.1, 0.2, None])]
+    # Step 2 was untimed on rank 0 (restart_step_clock); forward 3 untimed on rank 1.
+    assert slowest_rank_visit(everyone) == ([2.0, 3.0], pytest.approx(0.5))
+    assert slowest_rank_visit([([None], [None]), ([1.0], [0.2])]) is None
 
 
 def test_auto_compares_visits_at_the_checks_median_compute_speed():
     import dataclasses
     from mergecomp.costmodel import predict
-    from mergecomp.plan import Group, Plan
-    from mergecomp.simulate import scaled_compute
+    from mergecomp.profile import scaled_compute
+    from mergecomp.schedulers.auto.decisions import medians_at_common_speed, medians_as_timed
+    from mergecomp.schedulers.auto.settings import AutoSettings
     from tests.test_costmodel import hand_profile
     profile = hand_profile()  # forward 1 s, backward 4 s, compute-bound
     split = Plan([Group(("a",), "compress"), Group(("b", "c"), "fp32")])
     whole = Plan([Group(("a", "b", "c"), "fp32")])
     at = lambda plan, factor: predict(plan, scaled_compute(profile, factor)).iteration_time  # noqa: E731
-    scheduler = mergecomp.schedulers.create("auto", log=None)
-    scheduler.profile = profile
-    scheduler._candidates = [("split", split, 0.0), ("whole", whole, 0.0)]
+    clamp = AutoSettings().speed_clamp
+    plans = {0: split, 1: whole, 2: whole, 3: whole}
     # "split" was visited while the host ran 1.5x slower (forward 1.5 s against the median
     # 1.0 s): its raw 7.0 s loses to "whole"'s 6.5 s, but the cost model says 1.5x slower
     # compute costs it at(1.5) - at(1.0) seconds, which are taken off.
-    scheduler._windows = {0: [([7.0, 7.0], 1.5)], 1: [([6.5, 6.5], 1.0), ([6.5], 1.0)]}
+    visits = {0: [([7.0, 7.0], 1.5)], 1: [([6.5, 6.5], 1.0), ([6.5], 1.0)]}
     shift = at(split, 1.5) - at(split, 1.0)
     assert shift > 0.5
-    figures = scheduler._at_check_speed()
+    figures = medians_at_common_speed(visits, plans, profile, clamp)
     assert figures == pytest.approx({0: 7.0 - shift, 1: 6.5})
     assert figures[0] < figures[1]
     # A visit without a timed forward is taken as measured; a forward pause is clamped.
-    scheduler._windows = {0: [([7.0], None)], 1: [([6.5], 1.0)]}
-    assert scheduler._at_check_speed() == pytest.approx({0: 7.0, 1: 6.5})
-    scheduler._windows = {0: [([7.0], 50.0)], 1: [([6.5], 1.0)], 2: [([6.4], 1.0)], 3: []}
-    scheduler._candidates += [("whole again", whole, 0.0), ("unvisited", whole, 0.0)]
-    clamped = at(split, scheduler.speed_clamp) - at(split, 1.0)
-    assert scheduler._at_check_speed() == pytest.approx({0: 7.0 - clamped, 1: 6.5, 2: 6.4})
+    assert medians_at_common_speed({0: [([7.0], None)], 1: [([6.5], 1.0)]}, plans, profile, clamp) == \
+        pytest.approx({0: 7.0, 1: 6.5})
+    clamped = at(split, clamp) - at(split, 1.0)
+    visits = {0: [([7.0], 50.0)], 1: [([6.5], 1.0)], 2: [([6.4], 1.0)], 3: []}
+    assert medians_at_common_speed(visits, plans, profile, clamp) == pytest.approx({0: 7.0 - clamped, 1: 6.5, 2: 6.4})
     # The reference is the visits' median forward (here 2x the profile's), not the profile's.
-    scheduler.profile = dataclasses.replace(profile, forward_time=0.5)
-    scheduler._windows = {0: [([7.0], 1.5)], 1: [([6.5], 1.0)], 2: [([6.0], 1.0)]}
-    half = scheduler.profile
+    half = dataclasses.replace(profile, forward_time=0.5)
+    visits = {0: [([7.0], 1.5)], 1: [([6.5], 1.0)], 2: [([6.0], 1.0)]}
     expected = 7.0 - (predict(split, scaled_compute(half, 3.0)).iteration_time
                       - predict(split, scaled_compute(half, 2.0)).iteration_time)
-    assert scheduler._at_check_speed() == pytest.approx({0: expected, 1: 6.5, 2: 6.0})
-    # Switched off: plain medians.
-    plain = mergecomp.schedulers.create("auto", log=None, speed_correction=False)
-    plain.profile, plain._candidates = profile, scheduler._candidates
-    plain._windows = {0: [([7.0, 7.0], 1.5)], 1: [([6.5], 1.0)]}
-    assert plain._at_check_speed() == {0: 7.0, 1: 6.5}
+    assert medians_at_common_speed(visits, plans, half, clamp) == pytest.approx({0: expected, 1: 6.5, 2: 6.0})
+    # No timed forward at all, or no profiled forward: the steps as timed.
+    untimed = {0: [([7.0, 7.0], None)], 1: [([6.5], None)]}
+    assert medians_at_common_speed(untimed, plans, profile, clamp) == medians_as_timed(untimed) == {0: 7.0, 1: 6.5}
+    no_forward = dataclasses.replace(profile, forward_time=0.0)
+    assert medians_at_common_speed({0: [([7.0, 7.0], 1.5)], 1: [([6.5], 1.0)]}, plans, no_forward, clamp) == \
+        {0: 7.0, 1: 6.5}
 
 
 def test_auto_keeps_fp32_unless_a_lossy_plan_is_clearly_faster():
-    from mergecomp.plan import Group, Plan
+    from mergecomp.schedulers.auto.decisions import winner
     raw = Plan([Group(("a",), "fp32"), Group(("b",), "fp32")])
     compressed = Plan([Group(("a", "b"), "compress")])
     half = Plan([Group(("a", "b"), "fp16")])
-    scheduler = mergecomp.schedulers.create("auto", compression_margin=0.05, log=None)
-    # 3% faster compressed: within the margin, FP32 is kept.
-    assert scheduler._winner([(0.97, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)])[1] == "DDP buckets"
-    assert scheduler._winner([(0.97, "fp16", half), (1.0, "DDP buckets", raw)])[1] == "DDP buckets"
+
+    def chosen(measured, margin=0.05):
+        return winner(measured, margin).chosen[1]
+
+    # 3% faster compressed: within the margin, FP32 is kept (and the choice says so).
+    choice = winner([(0.97, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)], 0.05)
+    assert choice.chosen[1] == "DDP buckets" and choice.fastest[1] == "fusion-num 1" and choice.kept_fp32
+    assert chosen([(0.97, "fp16", half), (1.0, "DDP buckets", raw)]) == "DDP buckets"
     # 10% faster: compression pays and is chosen; with no FP32 candidate the fastest wins.
-    assert scheduler._winner([(0.90, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)])[1] == "fusion-num 1"
-    assert scheduler._winner([(0.97, "fusion-num 1", compressed), (0.99, "fp16", half)])[1] == "fusion-num 1"
-    # A margin of 0 is the plain minimum.
-    plain = mergecomp.schedulers.create("auto", compression_margin=0.0, log=None)
-    assert plain._winner([(0.99, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)])[1] == "fusion-num 1"
+    assert chosen([(0.90, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)]) == "fusion-num 1"
+    assert chosen([(0.97, "fusion-num 1", compressed), (0.99, "fp16", half)]) == "fusion-num 1"
+    # A margin of 0 is the plain minimum; equals go to the first.
+    assert chosen([(0.99, "fusion-num 1", compressed), (1.0, "DDP buckets", raw)], 0.0) == "fusion-num 1"
+    assert not winner([(1.0, "a", raw), (1.0, "b", raw)], 0.05).kept_fp32
+    assert chosen([(1.0, "a", raw), (1.0, "b", raw)]) == "a"
+    with pytest.raises(ValueError, match="at least one"):
+        winner([], 0.05)
 
 
 def test_auto_scheduler_refuses_bad_check_settings():
@@ -169,23 +201,60 @@ class _OneRank:
             return [obj]
 
 
+def watching(watch_every=4, drift=0.25):
+    from mergecomp.schedulers.auto.phase import Findings, Search
+    from mergecomp.schedulers.auto.settings import AutoSettings
+    from mergecomp.schedulers.auto.watching import Watching
+    search = Search(AutoSettings(watch_every=watch_every, drift=drift), Findings(best=("optimal", None, 1.0)), None)
+    return Watching(search)
+
+
 def test_auto_watch_ignores_untimed_steps_and_a_single_pause():
-    scheduler = mergecomp.schedulers.create("auto", watch_every=4, drift=0.25, log=None)
-    scheduler.phase, scheduler.best, scheduler._strikes = "watch", ("optimal", None, 1.0), 0
+    from mergecomp.schedulers.auto.decisions import drifted, slowest_typical_step
+    phase = watching()
     # An untimed step (restart_step_clock) and one long pause in each window: the median of
     # the timed steps stays at 1.0 s, so no strike.
     for window in range(3):
         for seconds in (None, 1.0, 30.0, 1.0):
-            scheduler._watch(_OneRank, seconds)
-    assert scheduler._strikes == 0 and scheduler.phase == "watch"
+            assert phase.after_step(_OneRank, seconds) is phase
+    assert phase.strikes == 0
     # A window of only untimed steps is skipped, not counted as slow.
     for _ in range(4):
-        scheduler._watch(_OneRank, None)
-    assert scheduler._strikes == 0
+        phase.after_step(_OneRank, None)
+    assert phase.strikes == 0
     # Steps really slower than the drift allows do count.
     for seconds in (1.5, 1.6, 1.5, 1.4):
-        scheduler._watch(_OneRank, seconds)
-    assert scheduler._strikes == 1
+        phase.after_step(_OneRank, seconds)
+    assert phase.strikes == 1
+    assert slowest_typical_step([None, 1.2, 1.1]) == 1.2 and slowest_typical_step([None]) is None
+    assert drifted(1.26, 1.0, 0.25) and not drifted(1.25, 1.0, 0.25)
+
+
+class _CannotSwitch(_OneRank):
+    """A one-rank optimizer whose state cannot follow a new plan."""
+
+    class compressor:
+        name = "none"
+
+    plan = Plan([Group(("a",), "compress"), Group(("b",), "compress")])
+
+    @staticmethod
+    def param_infos(order):
+        return [ParamInfo(n, 4, "torch.float32", "cpu", 4) for n in order]
+
+    @staticmethod
+    def set_plan(plan):
+        raise CannotRegroup("PowerSGD's factors")
+
+
+def test_auto_watch_keeps_watching_when_the_plan_cannot_change():
+    said = []
+    phase = watching(watch_every=1)
+    phase.search.log = said.append
+    assert phase.after_step(_CannotSwitch, 2.0) is phase and phase.strikes == 1
+    assert phase.after_step(_CannotSwitch, 2.0) is phase  # no profiling phase half begun
+    assert phase.strikes == 0 and phase.settled
+    assert said == ["auto scheduler: steps drifted but the plan cannot change (PowerSGD's factors)"]
 
 
 def restart_worker(rank, world_size):

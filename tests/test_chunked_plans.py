@@ -135,16 +135,19 @@ def test_chunk_size_errors_say_what_to_do():
 
 
 def test_auto_offers_the_dp_plans_with_pieces():
-    auto = schedulers.create("auto", chunk_mb=8000 / 2 ** 20, log=None)
-    auto.profile = chunk_profile()
-    found = auto._plan_candidates(None)
+    from mergecomp.schedulers.auto.phase import Findings
+    from mergecomp.schedulers.auto.planning import plan_candidates
+    from mergecomp.schedulers.auto.settings import AutoSettings
+    from mergecomp.schedulers.online import describe_findings
+    found = plan_candidates(chunk_profile(), AutoSettings(chunk_mb=8000 / 2 ** 20), print)
     candidates = {label: plan for label, plan, _ in found}
     assert any(g.slices is not None for g in candidates["optimal"].groups)
     assert all(g.slices is None for g in candidates["fusion-num 1"].groups)
-    auto.report = [(label, plan, predicted, 0.05) for label, plan, predicted in found]
-    report = auto.describe().splitlines()
+    report = describe_findings(Findings(report=[(label, plan, predicted, 0.05) for label, plan, predicted in found]),
+                               steps=0).splitlines()
     assert "with pieces of tensors" in next(line for line in report if "optimal" in line)
     assert "pieces" not in next(line for line in report if "fusion-num 1" in line)
+    assert "  1 group  (1 compressed)" in next(line for line in report if "fusion-num 1" in line)
 
 
 # ------------------------------------------------------------------------- the optimizer

@@ -141,11 +141,18 @@ def _collective_probe(rank, world):
     backend = default_backend()
     costs = {kind: measure_collective_cost(backend, kind, sizes=(1024, 65536), repeats=2)
              for kind in ("allreduce", "allgather", "alltoall")}
-    return {k: (v.intercept, v.slope) for k, v in costs.items()}, backend.bytes_sent
+    probed = (backend.bytes_sent, backend.wire_bytes, backend.collectives)
+    with backend.uncounted():
+        backend.allreduce_async([torch.ones(8)]).wait()
+    backend.allreduce_async([torch.ones(4)]).wait()  # counted
+    return {k: (v.intercept, v.slope) for k, v in costs.items()}, probed, \
+        (backend.bytes_sent, backend.wire_bytes, backend.collectives)
 
 
 def test_collective_costs_agree_on_every_rank():
     results = run_ranks(_collective_probe, 2)
     assert results[0][0] == results[1][0]  # max over ranks: the same fit everywhere
     assert all(a >= 0 and b >= 0 for a, b in results[0][0].values())
-    assert results[0][1] == 0  # probes do not count as training traffic
+    # Probes (and anything inside backend.uncounted()) do not count as training traffic.
+    assert results[0][1] == (0, 0, 0)
+    assert results[0][2] == (16, 16, 1)  # 4 floats; a ring allreduce of 2 ranks sends them once

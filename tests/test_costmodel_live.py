@@ -179,34 +179,39 @@ def test_phase_listener_times_launch_and_finish_without_changing_the_step():
         assert all(torch.equal(a, b) for a, b in zip(mine, other))
 
 
-class _OneRank:
-    """Just enough of an optimizer for the auto scheduler's end-of-check bookkeeping."""
-
-    class backend:
-        rank = 0
-
-        @staticmethod
-        def allgather_object(obj):
-            return [obj, obj]  # two ranks that timed the same
-
-
 def test_auto_rescales_the_profile_to_the_speed_the_check_ran_at():
-    scheduler = mergecomp.schedulers.create("auto", log=None)
-    scheduler.profile = dataclasses.replace(hand_profile(), optimizer_step=0.5)
-    # The check's forward passes took 1.5 s (median) against the profile's 1.0 s: every
-    # processor-side time × 1.5, the network left alone; live finish lines still replace.
-    scheduler._forwards = [1.4, 1.5, 1.5, 9.0]
-    scheduler._live = {"launch": {}, "finish": {"fp32": [(100, 0.2), (300, 0.4)]}}
-    live = scheduler._live_costs(_OneRank)
+    from mergecomp.schedulers.auto.decisions import refit_profile
+    profile = dataclasses.replace(hand_profile(), optimizer_step=0.5)
+    # The check's forward passes took 1.5 s (median, pooled over two ranks that timed the
+    # same) against the profile's 1.0 s: every processor-side time × 1.5, the network left
+    # alone; live finish lines still replace.
+    samples = {"launch": {}, "finish": {"fp32": [(100, 0.2), (300, 0.4)]}}
+    refit = refit_profile(profile, [samples, samples], [1.4, 1.5, 1.5, 9.0] * 2, least_forwards=3,
+                          compressed_local=True)
+    live = refit.profile
+    assert refit.forward == pytest.approx(1.5)
     assert live.forward_time == pytest.approx(1.5) and live.backward_time == pytest.approx(6.0)
     assert [t.ready for t in live.timeline] == pytest.approx([1.5, 3.0, 4.5])
     assert live.optimizer_step == pytest.approx(0.75)
     assert live.codecs["toy"].encode == LinearCost(0.1, 0.001).scaled(1.5, 1.5)
     assert live.collectives == hand_profile().collectives
     assert live.finish["fp32"](100) == pytest.approx(0.2) and live.finish["fp32"](300) == pytest.approx(0.4)
-    assert scheduler._forwards == []
-    # Two timed forward passes (pooled over ranks), fewer than live_forward_samples: the
-    # profile keeps its speed.
-    scheduler.profile = hand_profile()
-    scheduler._forwards, scheduler._live = [2.0], {"launch": {}, "finish": {}}
-    assert scheduler._live_costs(_OneRank).forward_time == pytest.approx(1.0)
+    assert set(refit.fitted["finish"]) == {"fp32"} and refit.fitted["launch"] == {}
+    # Two timed forward passes (pooled over ranks), fewer than least_forwards: the profile
+    # keeps its speed.
+    kept = refit_profile(hand_profile(), [{"launch": {}, "finish": {}}], [2.0, 2.0], least_forwards=3,
+                         compressed_local=True)
+    assert kept.forward is None and kept.profile.forward_time == pytest.approx(1.0)
+
+
+def test_the_refit_leaves_out_compressed_samples_of_a_communicator_whose_phases_wait():
+    from mergecomp.costmodel import phases_are_local
+    from mergecomp.schedulers.auto.decisions import refit_profile
+    samples = {"launch": {"compress": [(100, 0.3)], "fp32": [(100, 0.1)]},
+               "finish": {"compress": [(100, 0.2), (200, 0.3)]}}
+    assert phases_are_local("allgather") and phases_are_local("allreduce") and not phases_are_local("ps")
+    local = refit_profile(hand_profile(), [samples], [], 3, compressed_local=True)
+    assert set(local.fitted["launch"]) == {"compress", "fp32"} and set(local.fitted["finish"]) == {"compress"}
+    waits = refit_profile(hand_profile(), [samples], [], 3, compressed_local=False)
+    assert set(waits.fitted["launch"]) == {"fp32"} and waits.fitted["finish"] == {}
+    assert "compress" not in waits.profile.finish

@@ -17,7 +17,8 @@ the result.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -142,6 +143,22 @@ class Backend:
         self.bytes_sent += handed
         self.wire_bytes += (self._nbytes(chunks) - self._nbytes([chunks[self.rank]])
                             + self._nbytes(extra) * (self.size - 1))
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Collectives issued inside this block are not counted: on exit the counters
+        (``bytes_sent``, ``wire_bytes``, ``collectives``) are what they were on entry.
+
+        For measurement traffic (probes, a scheduler's dummy collectives), which is no
+        part of what training sends.  Wrap only the probe's own calls: a training
+        collective issued inside the block, from this thread or another, would go
+        uncounted too.
+        """
+        counters = (self.bytes_sent, self.wire_bytes, self.collectives)
+        try:
+            yield
+        finally:
+            self.bytes_sent, self.wire_bytes, self.collectives = counters
 
     # -- collectives ------------------------------------------------------------------
     def allreduce_async(self, tensors: Sequence[torch.Tensor]) -> Work:

@@ -32,3 +32,23 @@ class AllgatherCommunicator(Communicator):
 
     def _combine(self, result, handle):
         return self.compressor.decompress_sum(result, handle.ctx)
+
+    # -- cost model (mergecomp.costmodel.communicator_formula) ---------------------------
+    #: The collectives the formula below prices with; the profile measures them.
+    cost_collectives = ("allgather",)
+    #: start() launches the allgather; finish() decodes and sums the payloads: the times of
+    #: both in the live run are local work (see costmodel.phases_are_local).
+    phases_are_local = True
+
+    @classmethod
+    def send_cost(cls, codec, profile):
+        """A compressed group: one allgather of the payload, then N payloads decoded and
+        aggregated (a copy of the first and N − 1 additions: N passes); a compressor that
+        sums in place (``add`` in its codec cost) pays one decode and N − 1 adds instead."""
+        from ..costmodel import SendCost, collective_cost
+        gather = collective_cost(profile, "allgather", "the allgather communicator")
+        world = profile.world_size
+        if codec.add is None:
+            return SendCost(codec.encode, codec.wire, gather, codec.decode.scaled(world, world),
+                            aggregate_passes=world)
+        return SendCost(codec.encode, codec.wire, gather, codec.decode + codec.add.scaled(world - 1, world - 1))

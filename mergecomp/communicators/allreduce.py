@@ -27,3 +27,17 @@ class AllreduceCommunicator(Communicator):
 
     def _combine(self, result, handle):
         return self.compressor.decompress(result, handle.ctx).reshape(-1)
+
+    # -- cost model (mergecomp.costmodel.communicator_formula) ---------------------------
+    #: The collectives the formula below prices with; the profile measures them.
+    cost_collectives = ("allreduce",)
+    #: start() launches the allreduce without waiting; finish() decodes the sum once: the
+    #: times of both in the live run are local work (see costmodel.phases_are_local).
+    phases_are_local = True
+
+    @classmethod
+    def send_cost(cls, codec, profile):
+        """A compressed group: one allreduce of the payload, then one decode of the sum."""
+        from ..costmodel import SendCost, collective_cost
+        allreduce = collective_cost(profile, "allreduce", "the allreduce communicator")
+        return SendCost(codec.encode, codec.wire, allreduce, codec.decode)

@@ -320,6 +320,29 @@ class PSCommunicator(Communicator):
         return (f"PSCommunicator({self.compressor!r}, {self.memory!r}, "
                 f"server_residual={self.server_residual})")
 
+    # -- cost model (mergecomp.costmodel.communicator_formula) ---------------------------
+    #: The collectives the formula below prices with; the profile measures them.
+    cost_collectives = ("alltoall", "allgather")
+    #: start() waits for the alltoall and serves a shard: its time in the live run holds a
+    #: collective, not only local work (see costmodel.phases_are_local).
+    phases_are_local = False
+
+    @classmethod
+    def send_cost(cls, codec, profile):
+        """A compressed group: an alltoall of the payload in N shards, then an allgather of
+        each server's recompressed 1/N shard.  A server sums N payloads of its shard and
+        encodes one (relay work on the channel, between the two collectives); a worker
+        decodes N shards.  A dense decode-then-aggregate's summation passes are not
+        modelled."""
+        from ..costmodel import SendCost, collective_cost
+        alltoall = collective_cost(profile, "alltoall", "the PS communicator's first phase")
+        allgather = collective_cost(profile, "allgather", "the PS communicator's second phase")
+        world = profile.world_size
+        serve = codec.decode.scaled(world, 1) if codec.add is None else \
+            (codec.decode + codec.add.scaled(world - 1, world - 1)).scaled(1, 1 / world)
+        return SendCost(codec.encode, codec.wire, alltoall + allgather.scaled(1, 1 / world),
+                        decode=codec.decode.scaled(world, 1), relay=serve + codec.encode.scaled(1, 1 / world))
+
 
 def _names(payload) -> List[str]:
     return [str(p.dtype).replace("torch.", "") for p in payload]

@@ -34,15 +34,18 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from . import register
-from .base import Scheduler, split_by_type
+from .base import AdaptiveScheduler, split_by_type
 from ..plan import Group, ParamInfo, Plan, SEND_MODES
 
 
 @register("binary")
-class BinarySearchScheduler(Scheduler):
-    """Two groups, split point by binary search on measured times (see the module docstring)."""
+class BinarySearchScheduler(AdaptiveScheduler):
+    """Two groups, split point by binary search on measured times (see the module docstring).
 
-    adaptive = True
+    An :class:`~mergecomp.schedulers.base.AdaptiveScheduler`: under
+    :class:`~mergecomp.optimizer.DistributedOptimizer` it reports each step's time (the
+    slowest rank's) and switches plans by itself; driven by hand, call ``report`` and
+    ``propose`` as in the module docstring."""
 
     def __init__(self, steps: int = 10, warmup: int = 1, send: str = "compress"):
         for what, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):

@@ -1,0 +1,74 @@
+"""The plans the ``auto`` scheduler's check runs, from the profile of the live run.
+
+Three plans from the DP (:class:`~mergecomp.schedulers.optimal.OptimalScheduler`) — the
+optimum, the best plan without compression, the best plan compressing every group, each
+free to send tensors over ``chunk_mb`` in pieces when that is set — MergeComp's fixed
+plans for each of ``fusion_candidates`` (by default the whole sweep a user would otherwise
+run by hand: the neighbours a cost model is most likely to misjudge), and DDP's plan (raw
+FP32 buckets of 25 MB), duplicates dropped.  Measuring them all means a mispredicting
+cost model cannot make training slower than the best uncompressed plan, DDP's buckets
+or the best fixed fusion-num.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+from ...costmodel import NoCostFormula, communicator_formula, predict
+from ...plan import ParamInfo, Plan
+from ...profile import Profile
+from ..bucket import BucketScheduler
+from ..fixed import FixedScheduler
+from ..optimal import OptimalScheduler
+from .phase import Candidate
+from .settings import AutoSettings
+
+
+def profiling_plan(params: Sequence[ParamInfo]) -> Plan:
+    """The plan the profile runs: the whole model, raw FP32, one group."""
+    return FixedScheduler(1, send="fp32").plan(params)
+
+
+def check_priceable(optimizer) -> None:
+    """Refuse, before any profiling step and on every rank alike, a communicator the cost
+    model cannot price (a plugin without a cost formula), with what to implement."""
+    if optimizer.compressor.name in ("none", "fp32"):
+        return  # compressed groups are raw: priced as FP32 allreduce
+    communicator = optimizer.communicator
+    try:
+        communicator_formula(communicator.name)
+    except NoCostFormula:
+        raise
+    except ValueError:
+        raise ValueError(
+            f"the auto scheduler prices plans with the cost model, which finds a communicator's cost "
+            f"formula by its registered name; {type(communicator).__qualname__} is not registered as "
+            f"{communicator.name!r}. Register it with @mergecomp.communicators.register(name) and give "
+            "it a send_cost classmethod (see mergecomp.costmodel.communicator_formula), or use a "
+            "schedule that needs no cost model (a fusion-num, 'bucket' or 'binary').") from None
+
+
+def plan_candidates(profile: Profile, settings: AutoSettings, say: Callable[[str], None]) -> List[Candidate]:
+    """The candidates, each with the cost model's step time, in the order the check visits
+    them (see the module docstring).  A DP plan the profile cannot price is left out, and
+    said."""
+    params = profile.params()
+    found: List[Candidate] = []
+
+    def add(label: str, plan: Plan) -> None:
+        if all(plan.digest() != candidate.plan.digest() for candidate in found):
+            found.append(Candidate(label, plan, predict(plan, profile).iteration_time))
+
+    for label, kwargs in (("optimal", {"allow_half": settings.allow_half}),
+                          ("no compression", {"allow_compress": False, "allow_half": settings.allow_half}),
+                          ("all compressed", {"sends": ("compress",)})):
+        try:
+            plan = OptimalScheduler(profile, chunk_mb=settings.chunk_mb, **kwargs).plan(params)
+        except ValueError as error:  # e.g. a send mode the profile cannot price
+            say(f"auto scheduler: no '{label}' candidate: {error}")
+            continue
+        add(label, plan)
+    fixed = [(f"fusion-num {groups}", FixedScheduler(groups, send="compress"))
+             for groups in settings.fusion_candidates]
+    for label, scheduler in fixed + [("DDP buckets", BucketScheduler(send="fp32"))]:
+        add(label, scheduler.plan(params))
+    return found

@@ -1,0 +1,225 @@
+"""Phase 1 of the ``auto`` scheduler: profile the live run.
+
+**Profiling** (``profile_steps`` steps).  The whole model goes raw in one FP32 group while
+the optimizer's ready listener timestamps every gradient.  Backward is taken to start when
+the first gradient arrives (the user owns the forward pass, so it cannot be timed apart);
+everything before it counts as forward.  The wrapped optimizer's ``step()`` is timed
+through torch's step hooks (the profile's ``optimizer_step``, median), and the optimizer's
+phase listener times groups' launch and finish (kept for the refit after the check).
+Codec, copy, collective and finish-phase probes (the last through the job's own
+communicator, up to the whole model's size) then complete a
+:class:`~mergecomp.profile.Profile` (saved with ``profile_out``).
+
+**Interference** (``interference_steps`` steps).  Each step launches a dummy allreduce at
+its first gradient, sized from the measured allreduce cost to outlast backward; the
+backward span (first to last gradient) of those steps against the profiled steps' gives
+the profile's ``interference`` factor (:func:`~mergecomp.profile.interference_factor`):
+how much a collective in flight slows backward on this machine, which the cost model
+cannot know from probes taken one at a time.  A thread waits on the dummy and notes when
+it completes; a step counts only if that was after its last gradient (the step's own
+group, queued behind the dummy, cannot tell).  The factor is the mean over ranks.
+
+**Slowdown** (as many steps).  Each step launches a *short* dummy allreduce at its first
+gradient (sized to a fraction of a backward span), counted when it was done before the
+last gradient, and the same allreduce is then timed alone between steps (after a
+barrier): the ratio of the two is the profile's ``collective_slowdown``
+(:func:`~mergecomp.profile.collective_slowdown_factor`), how much backward slows a
+collective.  Each rank's duration includes waiting for the ranks that launched later, so
+the shortest rank's median (the rank that waited least) is taken on both sides.
+
+The dummy allreduces are measurement, not training traffic: they run inside
+``backend.uncounted()``.  Every rank runs these steps in lockstep (the same collectives
+at the same steps); the last one hands over to the check
+(:class:`~mergecomp.schedulers.auto.racing.Checking`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import List
+
+import torch
+
+from ...profile import (LinearCost, Profile, TensorTiming, collective_slowdown_factor,
+                        interference_factor)
+from .instruments import DummyBesideBackward, OptimizerStepTimer, PhaseSamples, ReadyTimes
+from .phase import Phase, Search
+from .planning import check_priceable, profiling_plan
+
+
+class Profiling(Phase):
+    """Time the backward pass of the model in one raw FP32 group, then probe.
+
+    Building it switches to the profiling plan; a switch that would lose state raises
+    :class:`~mergecomp.regroup.CannotRegroup` before anything is attached."""
+
+    name = "profile"
+
+    def __init__(self, search: Search, optimizer):
+        super().__init__(search)
+        check_priceable(optimizer)
+        plan = optimizer.plan
+        if any(g.send != "fp32" for g in plan.groups) or len(plan) != 1:
+            optimizer.set_plan(profiling_plan(optimizer.param_infos(plan.order())))
+        self.ready = ReadyTimes().attach(optimizer)
+        self.optimizer_steps = OptimizerStepTimer().attach(optimizer.optimizer)
+        self.live = PhaseSamples().attach(optimizer)
+        self.steps = 0
+        self.ready.restart()
+
+    def after_step(self, optimizer, seconds) -> Phase:
+        self.ready.restart()
+        self.steps += 1
+        self.live.end_step(keep=self.steps > 1)
+        if self.steps < self.search.settings.profile_steps:
+            return self
+        self.ready.detach()
+        self.live.detach()
+        self.optimizer_steps.detach()
+        alone = self.ready.spans()
+        self.search.findings.profile = measure_profile(optimizer, self.ready, self.optimizer_steps.seconds)
+        if self.search.settings.interference_steps:
+            return Interference(self.search, optimizer, alone, self.live)
+        from .racing import Checking
+        return Checking.begin(self.search, optimizer, self.live)
+
+
+def measure_profile(optimizer, ready: ReadyTimes, optimizer_steps: List[float]) -> Profile:
+    """Median ready times (first pass dropped as warm-up) → timeline → the probes → a full
+    profile.  A collective: every rank calls it at the same step."""
+    from ...probes import profile_from_timeline
+    by_name = dict(optimizer.named_parameters())
+    medians = ready.medians()
+    order = sorted(medians, key=medians.get)
+    first = medians[order[0]] if order else 0.0
+    timeline = [TensorTiming(n, by_name[n].numel(), by_name[n].numel() * by_name[n].element_size(),
+                             str(by_name[n].dtype), str(by_name[n].device), medians[n] - first)
+                for n in order]
+    # Parameters without a gradient on this rank cannot be timed: they go last, at the end.
+    end = timeline[-1].ready if timeline else 0.0
+    timeline += [TensorTiming(n, p.numel(), p.numel() * p.element_size(), str(p.dtype),
+                              str(p.device), end) for n, p in optimizer.named_parameters() if n not in medians]
+    # Probe up to the whole model (a plan's largest group), at most 2**24 elements:
+    # costs of cache-sized buffers extrapolate badly to groups of tens of megabytes.
+    total = sum(t.numel for t in timeline)
+    largest = min(2 ** 24, max(2 ** 21, total))
+    sizes = (2 ** 12, 2 ** 16, 2 ** 20, largest)
+    # The finish phase allocates group-sized buffers: probe it at the model's own
+    # scale too, between 2**20 elements and the whole model.
+    finish_sizes = tuple(sorted({2 ** 12, 2 ** 16, 2 ** 20, max(2 ** 21, largest // 4), largest}))
+    steps = optimizer_steps[1:] or optimizer_steps
+    return profile_from_timeline(timeline, first, end, by_name[timeline[0].name].device,
+                                 optimizer.compressor.name, optimizer.compressor,
+                                 optimizer.backend, optimizer.communicator.name,
+                                 compression_sizes=sizes, memory=optimizer.communicator.memory,
+                                 copy_sizes=(2 ** 14, 2 ** 18, 2 ** 22, 4 * largest),
+                                 communicator_object=optimizer.communicator, finish_sizes=finish_sizes,
+                                 optimizer_step=statistics.median(steps) if steps else 0.0)
+
+
+def dummy_bytes(allreduce: LinearCost, seconds: float, least: int, most: int) -> int:
+    """Bytes whose allreduce lasts about ``seconds`` by the measured ``allreduce`` cost,
+    within [``least``, ``most``]."""
+    return int(min(most, max(least, (seconds - allreduce.intercept) / max(allreduce.slope, 1e-12))))
+
+
+def dummy_tensor(optimizer, profile: Profile, alone: List[float], spans: float, least: int,
+                 most: int) -> torch.Tensor:
+    """A zero tensor whose allreduce lasts about ``spans`` backward spans; rank 0 sizes it
+    and broadcasts the size, so every rank allocates the same."""
+    backend = optimizer.backend
+    nbytes = None
+    if backend.rank == 0:
+        nbytes = dummy_bytes(profile.collectives["allreduce"], spans * statistics.median(alone), least, most)
+    nbytes = backend.broadcast_object(nbytes, src=0)
+    return torch.zeros(max(1, nbytes // 4), device=optimizer.named_parameters()[0][1].device)
+
+
+class Interference(Phase):
+    """Steps with a long dummy allreduce beside backward: how much it slows backward."""
+
+    name = "interfere"
+
+    def __init__(self, search: Search, optimizer, alone: List[float], live: PhaseSamples):
+        super().__init__(search)
+        settings = search.settings
+        self.alone, self.live = alone, live
+        tensor = dummy_tensor(optimizer, search.findings.profile, alone, settings.interference_span,
+                              2 ** 20, settings.interference_max_bytes)
+        self.dummy = DummyBesideBackward(optimizer.backend, tensor).attach(optimizer)
+        self.overlapped: List[float] = []
+        self.steps = 0
+
+    def after_step(self, optimizer, seconds) -> Phase:
+        self.steps += 1
+        dummy = self.dummy
+        if dummy.join() and len(dummy.ready) > 1 and dummy.done and dummy.done[0] > dummy.ready[-1]:
+            self.overlapped.append(dummy.ready[-1] - dummy.ready[0])  # in flight to backward's end
+        if self.steps < self.search.settings.interference_steps:
+            dummy.new_step()
+            return self
+        dummy.detach()
+        mine = interference_factor(self.alone, self.overlapped) if self.overlapped else None
+        factors = [f for f in optimizer.backend.allgather_object(mine) if f is not None]
+        findings = self.search.findings
+        if factors:
+            findings.profile = dataclasses.replace(findings.profile, interference=statistics.mean(factors))
+        else:
+            self.search.say("auto scheduler: no interference step had its collective in flight to the "
+                            "end of backward; the profile keeps interference 1.0")
+        return Slowdown(self.search, optimizer, self.alone, self.live)
+
+
+class Slowdown(Phase):
+    """Steps with a short dummy allreduce under backward, then the same alone: how much
+    backward slows a collective."""
+
+    name = "slowdown"
+
+    #: How many times the dummy allreduce is timed alone.
+    alone_repeats = 3
+
+    def __init__(self, search: Search, optimizer, alone: List[float], live: PhaseSamples):
+        super().__init__(search)
+        settings = search.settings
+        self.live = live
+        tensor = dummy_tensor(optimizer, search.findings.profile, alone, settings.slowdown_span,
+                              2 ** 16, settings.interference_max_bytes)
+        self.dummy = DummyBesideBackward(optimizer.backend, tensor).attach(optimizer)
+        self.overlapped: List[float] = []
+        self.steps = 0
+
+    def after_step(self, optimizer, seconds) -> Phase:
+        self.steps += 1
+        dummy = self.dummy
+        if dummy.join() and len(dummy.ready) > 1 and dummy.done and dummy.done[0] < dummy.ready[-1]:
+            self.overlapped.append(dummy.done[0] - dummy.started)  # done under backward
+        if self.steps < self.search.settings.interference_steps:
+            dummy.new_step()
+            return self
+        dummy.detach()
+        backend = optimizer.backend
+        alone = []
+        with backend.uncounted():
+            for _ in range(self.alone_repeats):
+                backend.barrier()
+                began = time.perf_counter()
+                backend.allreduce_async([dummy.tensor]).wait()
+                alone.append(time.perf_counter() - began)
+        mine = (statistics.median(alone), statistics.median(self.overlapped) if self.overlapped else None)
+        everyone = backend.allgather_object(mine)
+        overlapped = [o for _, o in everyone if o is not None]
+        findings = self.search.findings
+        if overlapped:
+            shortest_alone = min(a for a, _ in everyone)
+            factor = collective_slowdown_factor([shortest_alone], [min(overlapped)])
+            findings.profile = dataclasses.replace(findings.profile, collective_slowdown=factor)
+            self.search.say(f"auto scheduler: a {dummy.nbytes / 1e6:.1f} MB allreduce took "
+                            f"{min(overlapped) * 1e3:.1f} ms under backward, {shortest_alone * 1e3:.1f} ms "
+                            f"alone: collective slowdown {factor:.2f}")
+        else:
+            self.search.say("auto scheduler: no slowdown step had its collective done before the end "
+                            "of backward; the profile keeps collective_slowdown 1.0")
+        from .racing import Checking
+        return Checking.begin(self.search, optimizer, self.live)

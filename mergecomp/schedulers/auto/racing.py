@@ -1,0 +1,176 @@
+"""Phase 2 of the ``auto`` scheduler: the measured check, in rounds of visits.
+
+Every candidate (:mod:`.planning`) is installed in turn and run for ``check_steps`` + 1
+steps (a *visit*; the first step after a switch is not counted: it allocates the new
+plan's buffers).  After each round the contenders (:func:`.decisions.contenders`) race
+again, for up to ``check_rounds`` rounds, so that a burst of load falls on one visit of a
+candidate, not on all of its samples, and clearly slower plans stop costing steps.  The
+visits are compared at one compute speed (:func:`.decisions.medians_at_common_speed`);
+the lowest median wins (:func:`.decisions.winner`).  A candidate whose switch would lose
+state (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and reported.
+
+During the counted steps the optimizer's phase listener times each group's finish and
+the launch of each step's first group, and the forward passes are timed; when the check
+is over the profile is refitted to them (:func:`.decisions.refit_profile`) and saved again
+(``profile_out``).  The plan is chosen by measurement, so the refit changes no decision;
+it makes the saved profile predict the run it came from.
+
+Times are agreed on at the end of every visit (``allgather_object``: each step the
+slowest rank's); rank 0 ranks the contenders and computes the figures (the speed
+correction runs the cost model on its own profile) and broadcasts them.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+from ...costmodel import phases_are_local
+from ...regroup import CannotRegroup
+from . import decisions
+from .instruments import ForwardTimer, PhaseSamples
+from .phase import Candidate, Phase, Search
+from .planning import plan_candidates
+
+
+class Checking(Phase):
+    """The check: visit every candidate, race the contenders, choose (module docstring)."""
+
+    name = "check"
+
+    @classmethod
+    def begin(cls, search: Search, optimizer, live: PhaseSamples) -> Phase:
+        """Start the check; it may end at once (every candidate skipped): the next phase."""
+        return cls(search, optimizer, live)._advance(optimizer)
+
+    def __init__(self, search: Search, optimizer, live: PhaseSamples):
+        super().__init__(search)
+        settings, findings = search.settings, search.findings
+        backend = optimizer.backend
+        if backend.rank == 0 and settings.profile_out:
+            findings.profile.save(settings.profile_out)
+        found = plan_candidates(findings.profile, settings, search.say) if backend.rank == 0 else None
+        self.candidates: List[Candidate] = backend.broadcast_object(found, src=0)
+        #: Candidates (indices) still to visit in this round, and this round's field.
+        self.queue: List[int] = list(range(len(self.candidates)))
+        self.racing: List[int] = list(self.queue)
+        #: Per candidate, its visits (see decisions.Visit).
+        self.visits: Dict[int, List[decisions.Visit]] = {index: [] for index in self.queue}
+        self.skipped: Dict[int, str] = {}
+        self.round = 0
+        findings.report = []
+        self.live = live.attach(optimizer)
+        self.forward = ForwardTimer().attach(optimizer)
+        #: This rank's timed forward seconds of every counted step (for the refit).
+        self.forwards: List[float] = []
+        #: This visit's step seconds (the first one not counted) and counted steps' forwards.
+        self.visit_steps: List[Optional[float]] = []
+        self.visit_forwards: List[Optional[float]] = []
+
+    # -- visits ---------------------------------------------------------------------------
+    def after_step(self, optimizer, seconds) -> Phase:
+        forward = self.forward.lap()
+        self.visit_steps.append(seconds)
+        counted = len(self.visit_steps) > 1
+        self.live.end_step(keep=counted)
+        if counted:
+            timed = seconds is not None and forward is not None
+            self.visit_forwards.append(forward if timed else None)
+            if timed:
+                self.forwards.append(forward)
+        if len(self.visit_steps) < self.search.settings.check_steps + 1:
+            return self
+        everyone = optimizer.backend.allgather_object((self.visit_steps[1:], self.visit_forwards))
+        visit = decisions.slowest_rank_visit(everyone)
+        index = self.queue.pop(0)
+        if visit is not None:
+            self.visits[index].append(visit)
+        return self._advance(optimizer)
+
+    def _advance(self, optimizer) -> Phase:
+        """Install the next candidate of this round; at a round's end keep the contenders;
+        after the last round, choose."""
+        backend = optimizer.backend
+        while True:
+            while self.queue:
+                index = self.queue[0]
+                try:
+                    optimizer.set_plan(self.candidates[index].plan)
+                except CannotRegroup as reason:
+                    self.skipped[index] = f"skipped: {reason}"
+                    self.queue.pop(0)
+                    continue
+                self.visit_steps, self.visit_forwards = [], []
+                return self
+            self.round += 1
+            field = self._contenders() if backend.rank == 0 else None
+            self.queue = backend.broadcast_object(field, src=0)
+            self.racing = list(self.queue)
+            if self.round >= self.search.settings.check_rounds or len(self.queue) <= 1:
+                return self._choose(optimizer)
+
+    def _medians(self, correct: bool) -> Dict[int, float]:
+        """{candidate: median step seconds} of the measured candidates, at the visits' median
+        compute speed when ``correct`` (and ``speed_correction``), else as timed."""
+        settings = self.search.settings
+        if correct and settings.speed_correction:
+            plans = {index: candidate.plan for index, candidate in enumerate(self.candidates)}
+            return decisions.medians_at_common_speed(self.visits, plans, self.search.findings.profile,
+                                                     settings.speed_clamp)
+        return decisions.medians_as_timed(self.visits)
+
+    def _contenders(self) -> List[int]:
+        medians = {index: seconds for index, seconds in self._medians(correct=True).items()
+                   if index in self.racing}
+        return decisions.contenders(medians, self.search.settings.contender_margin)
+
+    # -- the end ----------------------------------------------------------------------------
+    def _choose(self, optimizer) -> Phase:
+        from .watching import Watching
+        search, settings, findings = self.search, self.search.settings, self.search.findings
+        backend = optimizer.backend
+        lead = backend.rank == 0
+        figures, timed = backend.broadcast_object(
+            (self._medians(correct=True), self._medians(correct=False)) if lead else None, src=0)
+        forwards = sorted(decisions.visit_forwards(self.visits))
+        if forwards and settings.speed_correction:
+            search.say(f"auto scheduler: the check's visits ran forward passes of {forwards[0] * 1e3:.1f} to "
+                       f"{forwards[-1] * 1e3:.1f} ms; their steps are compared at the median, "
+                       f"{statistics.median(forwards) * 1e3:.1f} ms")
+        findings.report = [(label, plan, predicted, self.skipped.get(index) or figures[index])
+                           for index, (label, plan, predicted) in enumerate(self.candidates)
+                           if index in self.skipped or index in figures]
+        findings.as_timed = {self.candidates[index].label: seconds for index, seconds in timed.items()}
+        self.live.detach()
+        self.forward.detach()
+        findings.profile = self._refit(optimizer)
+        if lead and settings.profile_out:
+            findings.profile.save(settings.profile_out)
+        measured = [(m, label, plan) for label, plan, _, m in findings.report if isinstance(m, float)]
+        if measured:
+            choice = decisions.winner(measured, settings.compression_margin)
+            (seconds, label, plan), fastest = choice.chosen, choice.fastest
+            if choice.kept_fp32:
+                search.say(f"auto scheduler: {fastest[1]} measured {fastest[0] * 1e3:.1f} ms, within "
+                           f"{settings.compression_margin:.0%} of {label} ({seconds * 1e3:.1f} ms, all FP32): "
+                           f"keeping FP32")
+            optimizer.set_plan(plan)
+            findings.best = (label, plan, seconds)
+        return Watching(search)
+
+    def _refit(self, optimizer):
+        """The profile at the check's speed, with launch and finish lines timed in the run."""
+        search, profile = self.search, self.search.findings.profile
+        everyone = optimizer.backend.allgather_object((self.live.samples, self.forwards))
+        refit = decisions.refit_profile(profile, [samples for samples, _ in everyone],
+                                        [f for _, forwards in everyone for f in forwards],
+                                        search.settings.live_forward_samples,
+                                        compressed_local=phases_are_local(profile.communicator))
+        if refit.forward is not None:
+            search.say(f"auto scheduler: forward took {refit.forward * 1e3:.1f} ms in the check "
+                       f"against {profile.forward_time * 1e3:.1f} ms profiled: processor-side costs "
+                       f"scaled by {refit.forward / profile.forward_time:.2f}")
+        lines = [f"{phase} {send}: {c.intercept * 1e3:.2f} ms + {c.slope * 1e9:.2f} ns/element"
+                 for phase in refit.fitted for send, c in sorted(refit.fitted[phase].items())]
+        if lines:
+            search.say("auto scheduler: costs timed in the run: " + "; ".join(lines))
+        return refit.profile

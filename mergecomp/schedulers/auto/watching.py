@@ -1,0 +1,57 @@
+"""Phase 3 of the ``auto`` scheduler: run the chosen plan, watch for drift.
+
+Every ``watch_every`` steps the median step time (the slowest rank's) is compared with
+what the chosen plan measured in the check; after two windows in a row more than
+``drift`` slower, the search starts again from the profile.  Windows close by step count,
+never by valid samples, so every rank calls the window's allgather at the same step even
+when some steps were not timed (None: the first step, or one after
+``restart_step_clock()``).  The median ignores one slow step (an evaluation or a
+checkpoint the caller did not announce).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import List, Optional
+
+from ...regroup import CannotRegroup
+from . import decisions
+from .phase import Phase, Search
+
+
+class Watching(Phase):
+    """The chosen plan runs; two slow windows in a row start a new search."""
+
+    name = "watch"
+    settled = True
+
+    def __init__(self, search: Search):
+        super().__init__(search)
+        self.samples: List[Optional[float]] = []
+        self.strikes = 0
+
+    def after_step(self, optimizer, seconds) -> Phase:
+        best = self.search.findings.best
+        if best is None:  # no candidate could be measured: nothing to compare with
+            return self
+        self.samples.append(seconds)
+        if len(self.samples) < self.search.settings.watch_every:
+            return self
+        timed = [s for s in self.samples if s is not None]
+        self.samples = []
+        median = decisions.slowest_typical_step(
+            optimizer.backend.allgather_object(statistics.median(timed) if timed else None))
+        if median is None:
+            return self
+        self.strikes = self.strikes + 1 if decisions.drifted(median, best[2], self.search.settings.drift) else 0
+        if self.strikes < 2:
+            return self
+        from .profiling import Profiling
+        try:
+            following = Profiling(self.search, optimizer)
+        except CannotRegroup as reason:
+            self.search.say(f"auto scheduler: steps drifted but the plan cannot change ({reason})")
+            self.strikes = 0
+            return self
+        self.search.say(f"auto scheduler: steps take {median * 1e3:.1f} ms against {best[2] * 1e3:.1f} ms "
+                        "measured for the chosen plan; profiling again")
+        return following
