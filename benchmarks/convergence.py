@@ -16,7 +16,8 @@ ring/direct algorithms (``backend.wire_bytes``).
 
 Components that apply momentum themselves (the ``dgc`` memory, ``signum``) refuse an
 optimizer with its own; such rows get SGD without momentum and keep the component's
-default momentum, as a user told so by the refusal would.
+default momentum, as a user told so by the refusal would.  A recipe that folds the
+momentum into the learning rate gets SGD without momentum at lr·scale / (1 − m).
 
     python benchmarks/convergence.py                                  # every compressor, 3 seeds
     python benchmarks/convergence.py --compressors topk dgc:compress_ratio=0.01 --seeds 0
@@ -24,7 +25,8 @@ default momentum, as a user told so by the refusal would.
 
 A compressor spec is ``name`` or ``name:key=value:key=value``: keys are the compressor's
 constructor arguments, plus ``memory``, ``comm`` (override the recommendation) and
-``lr_scale`` (multiply ``--lr`` for this row, in place of the recipe's).  Results go to ``--out`` as
+``lr_scale`` (multiply ``--lr`` for this row, in place of the recipe's) and ``momentum`` (the
+optimizer's momentum for this row).  Results go to ``--out`` as
 ``convergence.json`` (every run, every epoch's test accuracy) and ``convergence.md``.
 """
 from __future__ import annotations
@@ -52,7 +54,7 @@ from mergecomp import compressors, launch, memories  # noqa: E402
 from mergecomp.compressors import recipes  # noqa: E402
 
 DENSE = "none"
-SPECIAL_KEYS = ("memory", "comm", "lr_scale")
+SPECIAL_KEYS = ("memory", "comm", "lr_scale", "momentum")
 
 
 # ----------------------------------------------------------------------------- data, model
@@ -122,6 +124,7 @@ class Spec:
     memory: Optional[str] = None
     comm: Optional[str] = None
     lr_scale: Optional[float] = None
+    momentum: Optional[float] = None
 
 
 def parse_spec(text: str) -> Spec:
@@ -144,6 +147,11 @@ def parse_spec(text: str) -> Spec:
                 raise ValueError(f"compressor spec {text!r}: lr_scale must be a positive number, "
                                  f"got {raw!r}")
             spec.lr_scale = float(value)
+        elif key == "momentum":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+                raise ValueError(f"compressor spec {text!r}: momentum must be a number in [0, 1), "
+                                 f"got {raw!r}")
+            spec.momentum = float(value)
         elif key in ("memory", "comm"):
             setattr(spec, key, str(value))
         else:
@@ -193,28 +201,41 @@ def owns_momentum(compressor, memory) -> bool:
 
 def build(spec: Spec, options: Options, model: nn.Module):
     """The user's SGD wrapped in DistributedOptimizer as ``spec`` says, the compressor's
-    recipe applied (the dense learning rate × its ``lr_scale``, unless the spec sets its own
-    ``lr_scale`` or ``options.use_recipes`` is off); returns (optimizer, settings that describe
-    the row, the recipe's advice on them included)."""
-    compressor = compressors.create(spec.name, **spec.kwargs)
+    recipe applied unless ``options.use_recipes`` is off: its smallest ratio where the spec
+    sets none, the dense learning rate × its ``lr_scale``, and the momentum folded into the
+    learning rate where it asks for that (a spec's own ``lr_scale`` or ``momentum`` wins).
+    Returns (optimizer, settings that describe the row, the recipe's advice on them)."""
+    compressor = built = compressors.create(spec.name, **spec.kwargs)
     recipe = recipes.recipe_of(compressor) if options.use_recipes else None
+    if (recipe is not None and recipe.min_ratio is not None and "compress_ratio" not in spec.kwargs
+            and getattr(compressor, "compress_ratio", 1.0) < recipe.min_ratio):
+        compressor = compressors.create(spec.name, **dict(spec.kwargs, compress_ratio=recipe.min_ratio))
+        recipe = recipes.recipe_of(compressor)
     memory_name = spec.memory or compressor.recommended_memory
     comm_name = spec.comm or compressor.recommended_communicator
     memory = memories.create(memory_name)
-    if spec.lr_scale is not None:
-        lr_scale = spec.lr_scale
+    lr_scale = spec.lr_scale if spec.lr_scale is not None else (recipe.lr_scale if recipe else 1.0)
+    lr = options.lr * lr_scale
+    if spec.momentum is not None:
+        momentum, momentum_in = spec.momentum, "optimizer" if spec.momentum else "none"
+    elif owns_momentum(compressor, memory):
+        momentum, momentum_in = 0.0, "compressor/memory"
+    elif recipe is not None and recipe.fold_momentum and options.momentum:
+        momentum, momentum_in = 0.0, "folded into lr"
+        if spec.lr_scale is None:
+            lr = recipe.learning_rate(options.lr, options.momentum)
     else:
-        lr_scale = recipe.lr_scale if recipe is not None else 1.0
-    momentum = 0.0 if owns_momentum(compressor, memory) else options.momentum
-    base = torch.optim.SGD(model.parameters(), lr=options.lr * lr_scale, momentum=momentum)
+        momentum, momentum_in = options.momentum, "optimizer"
+    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     advice = recipes.advice(compressor, base, memory)
     optimizer = mergecomp.DistributedOptimizer(
         base, model.named_parameters(), compressor=compressor, memory=memory,
         communicator=comm_name, schedule=options.fusion_num)
+    raised = {"compress_ratio": compressor.compress_ratio} if compressor is not built else {}
     settings = {"compressor": repr(compressor), "memory": memory_name, "communicator": comm_name,
-                "lr": options.lr * lr_scale, "lr_scale": lr_scale,
-                "optimizer_momentum": momentum,
-                "momentum_in": "optimizer" if momentum else "compressor/memory",
+                "recipe_arguments": raised,
+                "lr": lr, "lr_scale": lr / options.lr, "optimizer_momentum": momentum,
+                "momentum_in": momentum_in,
                 "recipe": recipe.describe() if recipe is not None else None, "advice": advice}
     return optimizer, settings
 
@@ -307,6 +328,7 @@ def summarise(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
             communicator=first["communicator"], lr=first["lr"], lr_scale=first["lr_scale"],
             momentum_in=first["momentum_in"], optimizer_momentum=first["optimizer_momentum"],
             recipe=first.get("recipe"), advice=first.get("advice"), seeds=[r["seed"] for r in group],
+            recipe_arguments=first.get("recipe_arguments") or {},
             accuracy_mean=mean, accuracy_std=statistics.stdev(accs) if len(accs) > 1 else 0.0,
             accuracy_min=min(accs), accuracy_max=max(accs),
             gap_to_dense_points=None if dense is None else 100.0 * (mean - dense),
@@ -319,11 +341,17 @@ def summarise(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
     return rows
 
 
+#: How the lr column says where the momentum went (nothing: the optimizer's, as dense).
+_MOMENTUM_NOTE = {"compressor/memory": " (momentum in the compressor or memory)",
+                  "folded into lr": " (momentum folded in)", "none": " (no momentum)"}
+
+
 def markdown(rows: List[dict], options: Options, workers: int) -> str:
     dense_bytes = next((r["bytes_per_step"] for r in rows if r["label"] == DENSE), None)
     lines = [
         f"Digits CNN, {workers} workers (gloo), SGD lr {options.lr} momentum {options.momentum} "
-        f"(rows whose compressor or memory owns the momentum: SGD without), batch "
+        f"(dense's settings; each row's lr column says where a recipe or a component changed "
+        f"them), batch "
         f"{options.batch_size} per worker, {options.epochs} epochs, "
         f"{'the optimizer’s default grouping' if options.fusion_num is None else f'fusion-num {options.fusion_num}'}, seeds "
         f"{', '.join(map(str, options.seeds))}; test accuracy over the seeds.",
@@ -337,16 +365,18 @@ def markdown(rows: List[dict], options: Options, workers: int) -> str:
             else f"{r['gap_to_dense_points']:+.1f}"
         less = "—" if not dense_bytes or not r["bytes_per_step"] \
             else f"{dense_bytes / r['bytes_per_step']:.1f}"
-        lr = f"{r['lr']:g}" + ("" if r["momentum_in"] == "optimizer" else " (no SGD momentum)")
+        lr = f"{r['lr']:g}" + _MOMENTUM_NOTE.get(r["momentum_in"], "")
+        label = r["label"] + "".join(f" ({k} {v:g} by its recipe)" for k, v in r["recipe_arguments"].items())
         lines.append(
-            f"| {r['label']} | {r['memory']} | {r['communicator']} | {lr} | "
+            f"| {label} | {r['memory']} | {r['communicator']} | {lr} | "
             f"{100 * r['accuracy_mean']:.1f} ± {100 * r['accuracy_std']:.1f} | "
             f"{100 * r['accuracy_min']:.1f}–{100 * r['accuracy_max']:.1f} | {gap} | "
             f"{r['diverged_runs']}/{len(r['seeds'])} | {r['bytes_per_step']:,.0f} | "
             f"{r['wire_bytes_per_step']:,.0f} | {less} |")
     used = [f"- {r['label']}: {r['recipe']}" for r in rows if r.get("recipe")]
     if used:
-        lines += ["", "Recipes applied (the lr column is the dense lr × the recipe's lr_scale):", ""] + used
+        lines += ["", "Recipes applied (the lr column is the dense lr × the recipe's lr_scale, "
+                      "÷ (1 − momentum) where the recipe folds the momentum in):", ""] + used
     advised = [f"- {r['label']}: {r['advice']}" for r in rows if r.get("advice")]
     if advised:
         lines += ["", "Rows whose settings contradict their compressor's recipe:", ""] + advised
@@ -354,29 +384,45 @@ def markdown(rows: List[dict], options: Options, workers: int) -> str:
 
 
 def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
-                  timeout_s: Optional[float] = None, log=print) -> Tuple[List[dict], List[dict]]:
-    """Spawn ``workers`` ranks once per spec; return (rank 0's runs, error rows).
+                  timeout_s: Optional[float] = None, log=print,
+                  jobs: int = 1) -> Tuple[List[dict], List[dict]]:
+    """Spawn ``workers`` ranks once per spec; return (rank 0's runs, error rows), in the
+    order of ``specs`` whatever order they finish in.
 
-    A spec whose ranks fail (an exception, a crash) becomes an error row and the others go on.
+    ``jobs`` specs train at once, each in its own group of ranks (its own port), so a host
+    with ``jobs × workers`` cores runs the table that many times faster; every run is
+    seeded the same way, so the accuracies do not depend on ``jobs``.  A spec whose ranks
+    fail (an exception, a crash) becomes an error row and the others go on.
     """
-    runs, errors = [], []
-    for spec in specs:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+
+    def one(spec: Spec):
         began = time.perf_counter()
         try:
             results = launch.spawn(worker, workers, args=([spec], options), timeout_s=timeout_s)
         except (launch.SpawnedProcessError, TimeoutError) as error:
             message = str(error).strip().splitlines()
-            errors.append(dict(label=spec.label, error=message[-1] if message else repr(error)))
-            log(f"{spec.label}: FAILED: {errors[-1]['error']}")
-            continue
+            error_row = dict(label=spec.label, error=message[-1] if message else repr(error))
+            log(f"{spec.label}: FAILED: {error_row['error']}")
+            return [], error_row
         mine = results[0]
-        runs.extend(mine)
         accs = ", ".join(f"{100 * r['test_accuracy']:.1f}" + ("(diverged)" if r["diverged"] else "")
                          for r in mine)
         recipe = f"; recipe: {mine[0]['recipe']}" if mine[0].get("recipe") else ""
         log(f"{spec.label}: lr {mine[0]['lr']:g}, {mine[0]['memory']}/{mine[0]['communicator']}: "
             f"test accuracy {accs} %; {mine[0]['bytes_per_step']:,.0f} bytes/step "
             f"({time.perf_counter() - began:.0f} s){recipe}")
+        return mine, None
+
+    if jobs == 1:
+        outcomes = [one(spec) for spec in specs]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            outcomes = list(pool.map(one, specs))
+    runs = [run for mine, _ in outcomes for run in mine]
+    errors = [error for _, error in outcomes if error is not None]
     return runs, errors
 
 
@@ -397,12 +443,15 @@ def parse_args(argv=None):
                    help="groups of the exchange, DistributedOptimizer's schedule (default: its default)")
     p.add_argument("--out", default=None, help="folder for convergence.json and convergence.md")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per compressor before it is stopped")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="compressors trained at once, each on its own --workers ranks (default 1; "
+                        "a host with jobs × workers cores runs the table jobs times faster)")
     args = p.parse_args(argv)
     try:
         args.seed_list = tuple(int(s) for s in args.seeds.split(","))
     except ValueError:
         p.error(f"--seeds takes comma-separated integers like 0,1,2, got {args.seeds!r}")
-    for flag in ("epochs", "workers", "batch_size"):
+    for flag in ("epochs", "workers", "batch_size", "jobs"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
     if not args.lr > 0 or not 0 <= args.momentum < 1:
@@ -421,7 +470,8 @@ def main(argv=None) -> int:
                       batch_size=args.batch_size, fusion_num=args.fusion_num, seeds=args.seed_list,
                       use_recipes=not args.no_recipes)
     began = time.perf_counter()
-    runs, errors = run_benchmark(args.specs, options, args.workers, timeout_s=args.timeout)
+    runs, errors = run_benchmark(args.specs, options, args.workers, timeout_s=args.timeout,
+                                  jobs=args.jobs)
     rows = summarise(runs, DENSE)
     table = markdown(rows, options, args.workers)
     if errors:
