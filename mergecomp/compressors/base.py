@@ -173,6 +173,9 @@ class Compressor:
     #: What to pair it with when the user does not say (allgather carries anything).
     recommended_memory = "none"
     recommended_communicator = "allgather"
+    #: What it needs beyond dense SGD's settings (a :class:`~mergecomp.compressors.recipes.Recipe`),
+    #: or None when it trains at them; the optimizer warns when its settings contradict it.
+    recipe = None
     #: This process's rank, set by the communicator (:meth:`set_process_rank`): compressors
     #: with a private random stream that must differ between ranks (stochastic rounding)
     #: derive it from their seed and this.

@@ -13,6 +13,7 @@ from . import native, numpy_kernels, register
 from .base import Compressor, Context, check_layout
 from .packing import Scratch, decode_values, pack_bits, packed_nbytes
 from .quantize import sign_bits
+from .recipes import Recipe
 from .sign import Spans, layout_spans, span_lengths
 
 #: 1-bit codes as 0 (clear: the non-negative side) and 1 (set: the negative side).
@@ -50,6 +51,11 @@ class OneBitCompressor(Compressor):
     unbiased = False
     recommended_memory = "residual"
     recommended_communicator = "allgather"
+    recipe = Recipe(
+        reason="the residual releases a coordinate's backlog in bursts of its side's mean, and "
+               "momentum applied after the exchange multiplies each burst; the same step without "
+               "it trains at parity",
+        fold_momentum=True, memory="residual")
 
     def __init__(self):
         self._scratch = Scratch()

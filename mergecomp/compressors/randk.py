@@ -14,6 +14,7 @@ import torch
 from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, check_ratio
+from .recipes import Recipe
 from .topk import num_selected
 
 
@@ -64,7 +65,26 @@ class RandKCompressor(Compressor):
         self.compress_ratio = check_ratio(compress_ratio)
         self.seed = int(seed)
         self.unbiased = bool(unbiased)
+        # Unbiased values need no error feedback: a residual of n/k-scaled values grows
+        # without bound (a loss of 1e11 in the first epoch was measured with that pairing).
+        self.recommended_memory = "none" if self.unbiased else "residual"
         self._steps = StagedDict()
+
+    @property
+    def recipe(self) -> Recipe:
+        """What rand-k needs at this instance's settings (:mod:`.recipes`)."""
+        if self.unbiased:
+            return Recipe(
+                reason="the kept values are scaled by 1/ratio, so each step's variance is 1/ratio "
+                       "times SGD's: the learning rate shrinks by the ratio, and below a quarter "
+                       "of the elements no learning rate keeps up with dense SGD",
+                lr_scale=self.compress_ratio, min_ratio=0.25, memory="none")
+        return Recipe(
+            reason="error feedback over a random subset sends each coordinate once every 1/ratio "
+                   "steps, so the update is that many steps stale; under 10% no step size keeps up, "
+                   "and momentum applied after the exchange multiplies the late sends",
+            paper="Mem-SGD (Stich et al., 2018, Algorithm 1) is plain SGD with memory",
+            min_ratio=0.1, fold_momentum=True, memory="residual")
 
     def _indices(self, name: str, numel: int, device) -> torch.Tensor:
         step = self._steps.get(name, 0)

@@ -9,7 +9,12 @@ accuracy, a NaN) rather than an error:
 - an unbiased sparsifier scales what it keeps by 1/ratio, so its steps are larger and
   noisier than SGD's by that factor, and the learning rate must shrink;
 - error feedback over a random subset sends each coordinate about once every 1/ratio
-  steps, so at a small ratio the update is that many steps stale.
+  steps, so at a small ratio the update is that many steps stale;
+- error feedback under the optimizer's momentum: the residual releases a coordinate's
+  backlog in bursts (a sign method's or a threshold's capped steps, a random subset's
+  late sends), and heavy-ball momentum applied *after* the exchange turns each burst into
+  ten steps' worth of movement at m = 0.9.  The same step size with the momentum folded
+  into the learning rate (SGD without momentum at lr / (1 − m)) trains at parity.
 
 A compressor declares this as a class attribute ``recipe`` (a :class:`Recipe`, or None
 when it trains at dense settings); an instance whose needs depend on its arguments sets
@@ -41,6 +46,9 @@ class Recipe:
     ``min_ratio``: the smallest ``compress_ratio`` at which it trains; :func:`advice` flags
     a smaller one.
     ``memory``: the memory it must be paired with; :func:`advice` flags another.
+    ``fold_momentum``: train with SGD without momentum at lr / (1 − m), the heavy-ball
+    momentum m folded into the learning rate (the same steady-state step); :func:`advice`
+    flags an optimizer with momentum.
     ``reason``: one sentence, why dense settings fail.  ``paper``: what the paper advises.
     """
 
@@ -50,6 +58,7 @@ class Recipe:
     max_lr: Optional[float] = None
     min_ratio: Optional[float] = None
     memory: Optional[str] = None
+    fold_momentum: bool = False
 
     def __post_init__(self):
         if not isinstance(self.reason, str) or not self.reason.strip():
@@ -62,9 +71,17 @@ class Recipe:
                                                and 0 < self.min_ratio <= 1):
             raise ValueError(f"recipe min_ratio must be in (0, 1] or None, got {self.min_ratio!r}")
 
-    def learning_rate(self, dense_lr: float) -> float:
-        """The learning rate to use where dense SGD uses ``dense_lr``."""
-        return dense_lr * self.lr_scale
+    def learning_rate(self, dense_lr: float, dense_momentum: float = 0.0) -> float:
+        """The learning rate to use where dense SGD uses ``dense_lr`` with momentum
+        ``dense_momentum`` (which :attr:`fold_momentum` folds in)."""
+        if not 0.0 <= dense_momentum < 1.0:
+            raise ValueError(f"dense_momentum must be in [0, 1), got {dense_momentum!r}")
+        lr = dense_lr * self.lr_scale
+        return lr / (1.0 - dense_momentum) if self.fold_momentum else lr
+
+    def momentum(self, dense_momentum: float) -> float:
+        """The optimizer momentum to use where dense SGD uses ``dense_momentum``."""
+        return 0.0 if self.fold_momentum else dense_momentum
 
     def describe(self) -> str:
         """One line: the settings, then the reason."""
@@ -77,6 +94,8 @@ class Recipe:
             parts.append(f"compress_ratio ≥ {self.min_ratio:g}")
         if self.memory is not None:
             parts.append(f"memory {self.memory!r}")
+        if self.fold_momentum:
+            parts.append("momentum folded into lr (SGD momentum 0, lr / (1 − m))")
         return f"{', '.join(parts) or 'dense settings'}: {self.reason}"
 
 
@@ -118,6 +137,15 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
                 problems.append(f"parameter group {index} of {type(optimizer).__name__} has "
                                 f"lr={lr:g}, above the {recipe.max_lr:g} this compressor trains "
                                 f"at; use lr ≤ {recipe.max_lr:g}")
+                break
+    if recipe.fold_momentum:
+        for index, group in enumerate(getattr(optimizer, "param_groups", [])):
+            momentum, lr = group.get("momentum"), group.get("lr")
+            if isinstance(momentum, (int, float)) and 0 < momentum < 1:
+                folded = f"{lr / (1 - momentum):g}" if isinstance(lr, (int, float)) else "lr / (1 − m)"
+                problems.append(f"parameter group {index} of {type(optimizer).__name__} has "
+                                f"momentum={momentum:g}; fold it into the learning rate: "
+                                f"momentum=0, lr={folded}")
                 break
     ratio = getattr(compressor, "compress_ratio", None)
     if recipe.min_ratio is not None and isinstance(ratio, (int, float)) and ratio < recipe.min_ratio:

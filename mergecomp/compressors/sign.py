@@ -32,6 +32,7 @@ from . import native, register
 from .base import Compressor, Context, GroupLayout, check_layout
 from .packing import Scratch, decode_values, pack_bits, packed_nbytes
 from .quantize import sign_bits
+from .recipes import Recipe
 
 #: (offset, numel) of each parameter view of a group, in buffer order.
 Spans = Tuple[Tuple[int, int], ...]
@@ -215,6 +216,11 @@ class SignSGDCompressor(_MajorityVote):
     layout).  ``average = False``: the vote is the update.
     """
 
+    recipe = Recipe(
+        reason="every coordinate moves by ±lr whatever its gradient's size, so the learning rate "
+               "lives on Adam's scale, not SGD's",
+        lr_scale=0.01, max_lr=1e-3)
+
     def __init__(self):
         self._scratch = Scratch()
 
@@ -238,6 +244,11 @@ class SignumCompressor(_MajorityVote):
 
     Wire for n elements in v parameter views: ⌈n/8⌉ + ⌈v/8⌉ bytes.  ``average = False``.
     """
+
+    recipe = Recipe(
+        reason="every coordinate moves by ±lr whatever its momentum's size, so the learning rate "
+               "lives on Adam's scale, not SGD's",
+        lr_scale=0.02, max_lr=2e-3)
 
     def check_optimizer(self, optimizer) -> None:
         """Refuse an optimizer with its own momentum: SIGNUM's momentum lives here."""
@@ -322,6 +333,12 @@ class EFSignSGDCompressor(_SignCompressor):
 
     recommended_memory = "residual"
     recommended_communicator = "allgather"
+    recipe = Recipe(
+        reason="the residual releases a coordinate's backlog in bursts of the view's mean magnitude, "
+               "and momentum applied after the exchange multiplies each burst; the same step "
+               "without it trains at parity",
+        paper="EF-SGD (Karimireddy et al., 2019, Algorithm 2) is plain SGD on the fed-back update",
+        fold_momentum=True, memory="residual")
 
     def __init__(self):
         self._scratch = Scratch()

@@ -9,6 +9,7 @@ import torch
 
 from . import register
 from .base import Compressor, Context
+from .recipes import Recipe
 from .packing import pack_bits, packed_nbytes, unpack_bits
 
 
@@ -31,6 +32,11 @@ class TBQCompressor(Compressor):
     unbiased = False
     recommended_memory = "residual"
     recommended_communicator = "allgather"
+    recipe = Recipe(
+        reason="an element moves by at most τ per step, so the residual of a large gradient holds a "
+               "backlog that keeps pushing after the gradient turned; momentum applied after the "
+               "exchange multiplies that overshoot, while the same step without it trains at parity",
+        fold_momentum=True)
 
     def __init__(self, threshold: float = 0.01):
         threshold = float(threshold)

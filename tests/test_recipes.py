@@ -1,0 +1,109 @@
+"""Recipes: what a compressor needs beyond dense SGD's settings, said where users meet it."""
+import warnings
+
+import pytest
+import torch
+
+import mergecomp
+from mergecomp import compressors
+from mergecomp.compressors import recipes
+from mergecomp.compressors.recipes import Recipe, RecipeWarning
+from tests.distributed import run_ranks
+
+
+def _sgd(lr=0.05, momentum=0.9):
+    return torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=lr, momentum=momentum)
+
+
+def test_a_recipe_needs_a_reason_and_sane_numbers():
+    with pytest.raises(ValueError, match="needs a reason"):
+        Recipe(reason=" ")
+    with pytest.raises(ValueError, match="lr_scale must be a positive finite number, got 0"):
+        Recipe(reason="x", lr_scale=0)
+    with pytest.raises(ValueError, match="min_ratio must be in \\(0, 1\\]"):
+        Recipe(reason="x", min_ratio=1.5)
+
+
+def test_folding_the_momentum_keeps_the_steady_state_step():
+    folded = Recipe(reason="x", fold_momentum=True)
+    assert folded.learning_rate(0.05, 0.9) == pytest.approx(0.5)
+    assert folded.momentum(0.9) == 0.0
+    scaled = Recipe(reason="x", lr_scale=0.01)
+    assert scaled.learning_rate(0.05, 0.9) == pytest.approx(0.0005) and scaled.momentum(0.9) == 0.9
+    with pytest.raises(ValueError, match="dense_momentum must be in \\[0, 1\\)"):
+        folded.learning_rate(0.05, 1.0)
+
+
+@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "tbq", "randk"])
+def test_the_compressors_that_need_other_settings_declare_them(name):
+    recipe = compressors.create(name).recipe
+    assert isinstance(recipe, Recipe) and recipe.reason
+    assert name not in ("efsignsgd", "onebit", "tbq", "randk") or recipe.fold_momentum
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "topk", "dgc", "qsgd", "terngrad", "graddrop",
+                                  "powersgd", "atomo"])
+def test_the_compressors_at_parity_with_dense_settings_declare_nothing(name):
+    assert compressors.create(name).recipe is None
+
+
+def test_advice_names_what_contradicts_the_recipe_and_what_to_do():
+    sign = recipes.advice(compressors.create("signsgd"), _sgd(lr=0.05, momentum=0.0))
+    assert "lr=0.05, above the 0.001" in sign and "use lr ≤ 0.001" in sign and "Adam's scale" in sign
+    tbq = recipes.advice(compressors.create("tbq"), _sgd(lr=0.05, momentum=0.9))
+    assert "momentum=0.9; fold it into the learning rate: momentum=0, lr=0.5" in tbq
+    randk = recipes.advice(compressors.create("randk"), _sgd(lr=0.5, momentum=0.0), "residual")
+    assert "compress_ratio=0.01 is below the 0.1 it needs" in randk
+    unbiased = recipes.advice(compressors.create("randk", unbiased=True, compress_ratio=0.25),
+                              _sgd(momentum=0.0), "residual")
+    assert "paired with memory 'residual'; use memory='none'" in unbiased
+    assert recipes.advice(compressors.create("efsignsgd"), _sgd(lr=0.5, momentum=0.0), "residual") is None
+    assert recipes.advice(compressors.create("topk"), _sgd()) is None
+
+
+def test_unbiased_randk_recommends_no_error_feedback():
+    assert compressors.create("randk", unbiased=True).recommended_memory == "none"
+    assert compressors.create("randk").recommended_memory == "residual"
+    recipe = compressors.create("randk", unbiased=True, compress_ratio=0.5).recipe
+    assert recipe.lr_scale == 0.5 and recipe.memory == "none" and not recipe.fold_momentum
+
+
+def _construct(rank, world_size, compressor, lr, momentum):
+    model = torch.nn.Linear(4, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = mergecomp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), model=model, compressor=compressor)
+    optimizer.remove_hooks()
+    return [(w.category.__name__, str(w.message), w.filename) for w in caught
+            if issubclass(w.category, RecipeWarning)]
+
+
+def test_the_optimizer_warns_at_construction_from_the_users_line():
+    caught = run_ranks(_construct, 1, "tbq", 0.05, 0.9)[0]
+    assert len(caught) == 1 and "fold it into the learning rate" in caught[0][1], caught
+    assert caught[0][2].endswith("test_recipes.py"), caught  # points at the line that built it
+    assert run_ranks(_construct, 1, "tbq", 0.5, 0.0)[0] == []
+
+
+def _benchmark_settings(rank, world_size, label):
+    from benchmarks import convergence
+    options = convergence.Options(epochs=1, lr=0.05, momentum=0.9, batch_size=32, fusion_num=None, seeds=(0,))
+    optimizer, settings = convergence.build(convergence.parse_spec(label), options, convergence.DigitsCNN())
+    group = optimizer.optimizer.param_groups[0]
+    optimizer.remove_hooks()
+    return settings, group["lr"], group["momentum"], optimizer.compressor.compress_ratio \
+        if hasattr(optimizer.compressor, "compress_ratio") else None
+
+
+def test_the_convergence_benchmark_applies_each_recipe():
+    pytest.importorskip("sklearn", reason="the convergence benchmark imports scikit-learn's digits")
+    settings, lr, momentum, ratio = run_ranks(_benchmark_settings, 1, "randk")[0]
+    assert (lr, momentum, ratio) == (pytest.approx(0.5), 0.0, 0.1)
+    assert settings["momentum_in"] == "folded into lr" and settings["recipe_arguments"] == {"compress_ratio": 0.1}
+    assert settings["advice"] is None
+    settings, lr, momentum, _ = run_ranks(_benchmark_settings, 1, "signsgd")[0]
+    assert (lr, momentum) == (pytest.approx(0.0005), 0.9)
+    settings, lr, momentum, ratio = run_ranks(_benchmark_settings, 1, "randk:compress_ratio=0.05:lr_scale=2")[0]
+    assert (lr, momentum, ratio) == (pytest.approx(0.1), 0.0, 0.05)  # the spec's own choices win
+    assert "compress_ratio=0.05 is below the 0.1" in settings["advice"]
