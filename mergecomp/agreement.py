@@ -140,6 +140,14 @@ class StepAgreement:
                            used=summed[size + 2:] if used is not None else None)
 
 
+def agreement_nbytes(world_size: int, parameters_mapped: int = 0) -> int:
+    """Bytes one rank hands to the collectives per step for the agreement: the preflight's
+    two float64 numbers and the outcome's float32 vector (a flag per rank, the averaged
+    gradient's flag, the active count, and one entry per parameter when the used-map is
+    exchanged)."""
+    return 2 * 8 + 4 * (world_size + 2 + parameters_mapped)
+
+
 def describe_disagreement(everyone: List[Mapping[str, Any]], where: str) -> str:
     """One message naming every fact on which ranks differ, with each rank's value."""
     keys = sorted({k for facts in everyone for k in facts})
