@@ -36,7 +36,6 @@ import ast
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mergecomp  # noqa: E402
 from mergecomp import compressors, launch, memories  # noqa: E402
 from mergecomp.compressors import recipes  # noqa: E402
+from benchmarks.provenance import provenance  # noqa: E402
 
 DENSE = "none"
 SPECIAL_KEYS = ("memory", "comm", "lr_scale", "momentum")
@@ -486,7 +486,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "convergence.json"), "w") as f:
             json.dump({"options": asdict(options), "workers": args.workers,
                        "specs": [asdict(s) for s in args.specs], "rows": rows, "runs": runs,
-                       "errors": errors, "torch": torch.__version__, "python": platform.python_version(),
+                       "errors": errors, "provenance": provenance(),
                        "seconds": time.perf_counter() - began}, f, indent=1)
         print(f"wrote {args.out}/convergence.json and convergence.md")
     return 1 if errors else 0
