@@ -7,8 +7,11 @@ sliced parameter has several) and the new groups' pieces are cut from them in th
 order (zeros for a parameter that had no state).  The sum of everything is unchanged, so
 error feedback stays exact across the switch.
 
-State that is not shaped like its group (PowerSGD's low-rank matrices, a parameter
-server's shard residuals held on other ranks) cannot move this way; :func:`regroup_state`
+State kept per parameter view of a group (per-layer PowerSGD's warm-start queries and
+errors, ``{group: {view: tensor}}``) follows each view into whichever new group holds the
+same view (the same parameter, or the same slice of it).  State that is neither
+(a flat low-rank matrix of a whole group, a parameter server's shard residuals held on
+other ranks, a view the new plan cuts differently) cannot move; :func:`regroup_state`
 raises :class:`CannotRegroup` naming it, and the caller keeps the current plan.
 """
 from __future__ import annotations
@@ -80,6 +83,42 @@ def _is_group_tensors(value: Any, old: Layout) -> bool:
             and all(isinstance(v, torch.Tensor) for v in value.values()))
 
 
+def _is_view_state(value: Any, old: Layout) -> bool:
+    return (isinstance(value, dict) and value and all(k in old for k in value)
+            and all(isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values())
+                    for v in value.values()))
+
+
+def _view_key(view: str, members: List[Tuple[str, int, int]]):
+    """The (parameter, start, stop) of ``members`` that a view named ``view`` stands for (a
+    parameter's name, or ``name[start:stop]`` for a slice), or None."""
+    for param, start, stop in members:
+        if view == param or view == f"{param}[{start}:{stop}]":
+            return param, start, stop
+    return None
+
+
+def regroup_views(state: Dict[str, Dict[str, torch.Tensor]], old: Layout, new: Layout,
+                  where: str = "state") -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{group: {view: tensor}}`` of ``old`` → the same tensors under the ``new`` group that
+    holds each view, unchanged; a view the new plan cuts differently raises CannotRegroup."""
+    holder = {}
+    for group, members in new.items():
+        for param, start, stop in members:
+            holder.setdefault(param, []).append((group, start, stop))
+    moved: Dict[str, Dict[str, torch.Tensor]] = {}
+    for group, views in state.items():
+        for view, tensor in views.items():
+            key = _view_key(view, old[group])
+            places = holder.get(key[0], []) if key else []
+            target = [g for g, start, stop in places if (key[0], start, stop) == key]
+            if key is None or not target or (view == key[0] and len(places) != 1):
+                raise CannotRegroup(f"{where} holds state of view {view!r} of group {group!r}, which the "
+                                    "new plan cuts differently")
+            moved.setdefault(target[0], {})[view] = tensor
+    return moved
+
+
 def regroup_state(state: Any, old: Layout, new: Layout, where: str = "state") -> Any:
     """Walk a state dict and regroup every {group name: tensor} mapping in it.
 
@@ -96,6 +135,8 @@ def regroup_state(state: Any, old: Layout, new: Layout, where: str = "state") ->
             raise CannotRegroup(f"{where} holds tensors for groups {wrong} that are not shaped like "
                                 "the group's gradient buffer")
         return regroup_tensors(state, old, new)
+    if _is_view_state(state, old):
+        return regroup_views(state, old, new, where)
     if state and all(k in old for k in state):
         if all(isinstance(v, int) for v in state.values()):
             return {}

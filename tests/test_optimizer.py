@@ -445,23 +445,38 @@ def set_plan_worker(rank, world_size):
     opt.step()
     drained = residual_mass > 0 and not opt.memory.residuals
 
-    power_model = make_model()
-    power = mergecomp.DistributedOptimizer(torch.optim.SGD(power_model.parameters(), lr=0.1),
-                                           power_model.named_parameters(), compressor="powersgd", schedule=1)
-    nn.functional.mse_loss(power_model(x), y).backward()
-    power.step()
-    try:
-        power.set_plan(mergecomp.schedulers.create("fixed", fusion_num=0).plan(
-            power.param_infos([n for g in power.plan.groups for n in g.names])))
-        refused = None
-    except CannotRegroup as error:
-        refused = str(error)
-    return same and drained, len(opt.plan), refused, len(power.plan)
+    # Per-layer PowerSGD keeps its state per parameter view: it follows each view into its
+    # new group.  The flat variant's state is one matrix per group: a switch is refused.
+    def powersgd_switch(name):
+        power_model = make_model()
+        power = mergecomp.DistributedOptimizer(torch.optim.SGD(power_model.parameters(), lr=0.1),
+                                               power_model.named_parameters(), compressor=name, schedule=1)
+        nn.functional.mse_loss(power_model(x), y).backward()
+        power.step()
+        views = lambda: {view: q for group in power.compressor.state_dict()["queries"].values()
+                         for view, q in (group.items() if isinstance(group, dict) else [])}
+        before = views()
+        try:
+            power.set_plan(mergecomp.schedulers.create("fixed", fusion_num=0).plan(
+                power.param_infos([n for g in power.plan.groups for n in g.names])))
+        except CannotRegroup as error:
+            return str(error), len(power.plan), None
+        after = views()
+        kept = bool(before) and before.keys() == after.keys() and all(torch.equal(before[v], after[v]) for v in before)
+        power.zero_grad()
+        nn.functional.mse_loss(power_model(x), y).backward()
+        power.step()  # the new plan runs with the moved state
+        return None, len(power.plan), kept
+
+    return same and drained, len(opt.plan), powersgd_switch("powersgd"), powersgd_switch("batched_powersgd")
 
 
 def test_set_plan_moves_error_feedback_state_or_refuses():
-    for same, groups, refused, power_groups in run_ranks(set_plan_worker, 2):
+    for same, groups, per_layer, batched in run_ranks(set_plan_worker, 2):
         assert same and groups == 1
+        refused, power_groups, kept = per_layer
+        assert refused is None and power_groups == 6 and kept  # one group per tensor
+        refused, power_groups, _ = batched
         assert refused and power_groups == 1
 
 
