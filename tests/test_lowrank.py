@@ -252,6 +252,19 @@ def test_committed_state_is_never_changed_in_place():
     assert all(torch.equal(committed["g"][v], copies[v]) for v in copies)
 
 
+def test_a_view_new_to_a_group_starts_afresh_beside_the_kept_ones():
+    power = compressors.create("powersgd")
+    run_locally(power, gradient(0), "g", layout=LAYOUT)
+    power.commit()
+    kept = {v: q.clone() for v, q in power.queries["g"].items()}
+    state = power.state_dict()  # as if fc.weight had joined the group in a plan switch
+    del state["queries"]["g"]["fc.weight"], state["errors"]["g"]["fc.weight"]
+    power.load_state_dict(state)
+    run_locally(power, gradient(1), "g", layout=LAYOUT)
+    assert set(power.queries["g"]) == set(MATRICES)
+    assert not torch.equal(power.queries["g"]["conv.weight"], kept["conv.weight"])  # warm start moved on
+
+
 def test_a_changed_layout_is_refused_and_bad_state_is_explained():
     power = compressors.create("powersgd")
     run_locally(power, gradient(0), "g", layout=LAYOUT)

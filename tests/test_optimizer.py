@@ -471,6 +471,30 @@ def set_plan_worker(rank, world_size):
     return same and drained, len(opt.plan), powersgd_switch("powersgd"), powersgd_switch("batched_powersgd")
 
 
+def powersgd_raw_to_compressed_worker(rank, world_size):
+    """A tensor sent raw in one plan and factored in the next starts its PowerSGD state afresh
+    beside the tensors whose state moved with them."""
+    model = make_model()
+    opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                         compressor="powersgd",
+                                         schedule=mergecomp.Plan([mergecomp.Group(("4.weight", "4.bias", "2.weight", "2.bias"), "compress"),
+                                                                  mergecomp.Group(("0.weight", "0.bias"), "fp32")]))
+    for step in range(3):
+        if step == 1:
+            opt.set_plan(mergecomp.Plan([mergecomp.Group(("4.weight", "4.bias"), "compress"),
+                                         mergecomp.Group(("2.weight", "2.bias", "0.weight", "0.bias"), "compress")]))
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return sorted(v for views in opt.compressor.state_dict()["queries"].values() for v in views)
+
+
+def test_powersgd_state_follows_a_plan_switch_that_compresses_a_raw_tensor():
+    for views in run_ranks(powersgd_raw_to_compressed_worker, 2):
+        assert views == ["0.weight", "2.weight"]  # 4.weight (3 × 8) is too small to factor
+
+
 def test_set_plan_moves_error_feedback_state_or_refuses():
     for same, groups, per_layer, batched in run_ranks(set_plan_worker, 2):
         assert same and groups == 1

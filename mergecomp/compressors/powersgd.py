@@ -46,8 +46,10 @@ class PowerSGDCompressor(Compressor):
     :func:`~mergecomp.compressors.lowrank.orthonormalize`).
 
     State (errors, warm-start queries, a step count) is kept per group and view, staged per
-    step: :meth:`commit` keeps it, :meth:`rollback` forgets it.  It is tied to the group's
-    layout: a group whose factored views changed (a new plan) raises ValueError.
+    step: :meth:`commit` keeps it, :meth:`rollback` forgets it.  It is keyed by view, so a
+    plan switch moves each view's state into its new group (``mergecomp.regroup``); a view
+    new to a group starts afresh, and state of a view the group does not factor (or of
+    another shape) raises ValueError.
 
     Math and factors are fp32 whatever the gradient dtype (fp64 stays fp64); raw values
     travel in the gradient's dtype (with fp16/bf16 gradients the first round then has two
@@ -167,14 +169,16 @@ class PowerSGDCompressor(Compressor):
                 ("warm-start queries", self._queries, lambda m: (m.cols, self.matrix_rank(m.rows, m.cols))),
                 ("errors", self._errors, lambda m: (m.rows, m.cols))):
             stored: Dict[str, torch.Tensor] = store.get(name, {})
-            if stored and (set(stored) != set(wanted) or any(
+            # A view without state starts afresh (it joined the group in a plan switch); a
+            # stored view the group no longer factors, or of another shape, is an error.
+            if stored and (not set(stored) <= set(wanted) or any(
                     tuple(stored[v].shape) != shape(wanted[v]) for v in stored)):
                 have = {v: tuple(t.shape) for v, t in stored.items()}
                 want = {v: shape(m) for v, m in wanted.items()}
                 raise ValueError(
                     f"powersgd {kind} of group {name!r} were made for views {have} but the group "
-                    f"now factors {want}: the plan (or rank) changed. Per-layer PowerSGD state "
-                    "cannot follow parameters into new groups; create a new compressor, or load "
+                    f"now factors {want}: the plan (or rank) changed without moving the state "
+                    "(DistributedOptimizer.set_plan moves it); create a new compressor, or load "
                     "a state_dict saved with this plan")
             found.append(stored)
         return found[0], found[1]
