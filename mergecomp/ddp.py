@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed
 
-from . import communicators, compressors, memories, schedulers
+from . import communicators, components, compressors, memories, schedulers
 from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
 from .backends import Backend
 from .communicators.base import Communicator, Handle
@@ -106,13 +106,7 @@ class HookState:
             raise TypeError("HookState takes the communicator by name (e.g. 'allgather', with "
                             "communicator_options=...), so that the state can be pickled with a "
                             "checkpoint and rebuilt")
-        self.compressor = compressors.create(compressor) if isinstance(compressor, str) else compressor
-        if memory is None or memory == "auto":
-            memory = self.compressor.recommended_memory
-        self.memory = memories.create(memory) if isinstance(memory, str) else memory
-        if communicator is None or communicator == "auto":
-            communicator = self.compressor.recommended_communicator
-        self.communicator_name = communicator
+        self.compressor, self.memory, self.communicator_name = components.resolve(compressor, memory, communicator)
         self.communicator_options = dict(communicator_options or {})
         self.sends = list(sends) if sends is not None else None
         self.nonfinite = nonfinite

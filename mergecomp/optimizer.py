@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from . import communicators, compressors, memories, schedulers
+from . import communicators, components, compressors, schedulers
 from .agreement import RanksDisagree, describe_disagreement
 from .backends import Backend, default_backend
 from .communicators.base import Communicator
@@ -114,12 +114,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params = _trainable_params(optimizer, named_parameters)
         self._check_same_model(params)
 
-        self.compressor = compressors.create(compressor) if isinstance(compressor, str) else compressor
-        if memory is None or memory == "auto":
-            memory = self.compressor.recommended_memory
-        self.memory = memories.create(memory) if isinstance(memory, str) else memory
-        if communicator is None or communicator == "auto":
-            communicator = self.compressor.recommended_communicator
+        self.compressor, self.memory, communicator = components.resolve(compressor, memory, communicator)
         self.communicator = communicator if isinstance(communicator, Communicator) else communicators.create(
             communicator, compressor=self.compressor, memory=self.memory, backend=self.backend)
         self._check_components(params)

@@ -55,6 +55,7 @@ state between steps (residuals, warm starts, random streams) stage the step's wr
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
@@ -82,10 +83,7 @@ class Context:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -100,10 +98,7 @@ class ParamView:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 #: The per-parameter views of a group buffer, in buffer order, covering it exactly.
@@ -228,11 +223,20 @@ class Compressor:
         """
         raise NotImplementedError(f"{type(self).__name__} is not a multi-round compressor")
 
+    #: Attributes holding this compressor's staged state (a ``StagedDict``, or anything with
+    #: ``commit()`` and ``rollback()``): the default :meth:`commit` and :meth:`rollback` act
+    #: on each, in this order.
+    staged_state: Tuple[str, ...] = ()
+
     def commit(self) -> None:
         """Keep the state this step wrote (see "Transactional state" above)."""
+        for name in self.staged_state:
+            getattr(self, name).commit()
 
     def rollback(self) -> None:
         """Forget the state this step wrote, as if the step had not happened."""
+        for name in self.staged_state:
+            getattr(self, name).rollback()
 
     def state_dict(self) -> Dict[str, Any]:
         return {}

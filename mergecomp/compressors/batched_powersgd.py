@@ -46,6 +46,7 @@ class BatchedPowerSGDCompressor(Compressor):
     summable = True
     fixed_size = True
     multi_round = True
+    staged_state = ("_queries", "_errors", "_steps")
     unbiased = False
     recommended_memory = "none"
     recommended_communicator = "allreduce"
@@ -120,14 +121,6 @@ class BatchedPowerSGDCompressor(Compressor):
     def errors(self) -> Dict[str, torch.Tensor]:
         """The error-feedback matrices per group, this step's included."""
         return dict(self._errors)
-
-    def commit(self):
-        for store in (self._queries, self._errors, self._steps):
-            store.commit()
-
-    def rollback(self):
-        for store in (self._queries, self._errors, self._steps):
-            store.rollback()
 
     def state_dict(self):
         return {"queries": {k: v.clone() for k, v in self._queries.committed().items()},

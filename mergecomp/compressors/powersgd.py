@@ -63,6 +63,7 @@ class PowerSGDCompressor(Compressor):
     summable = True
     fixed_size = True
     multi_round = True
+    staged_state = ("_queries", "_errors", "_steps")
     recommended_memory = "none"
     recommended_communicator = "allreduce"
 
@@ -214,14 +215,6 @@ class PowerSGDCompressor(Compressor):
     def errors(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """{group: {view: e}} as the next step will read it (this step's writes included)."""
         return dict(self._errors)
-
-    def commit(self):
-        for store in (self._queries, self._errors, self._steps):
-            store.commit()
-
-    def rollback(self):
-        for store in (self._queries, self._errors, self._steps):
-            store.rollback()
 
     def state_dict(self):
         return {"queries": _clone_nested(self._queries.committed()),

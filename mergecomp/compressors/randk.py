@@ -60,6 +60,7 @@ class RandKCompressor(Compressor):
     recommended_memory = "residual"
     recommended_communicator = "allreduce"
     fixed_size = True
+    staged_state = ("_steps",)
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
         self.compress_ratio = check_ratio(compress_ratio)
@@ -111,12 +112,6 @@ class RandKCompressor(Compressor):
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """k values in the input dtype; the indices are not sent."""
         return num_selected(numel, self.compress_ratio) * element_size
-
-    def commit(self):
-        self._steps.commit()
-
-    def rollback(self):
-        self._steps.rollback()
 
     def state_dict(self):
         return {"steps": self._steps.committed()}

@@ -80,6 +80,8 @@ class StochasticCompressor(Compressor):
     """Base of compressors that round stochastically: a private :class:`RandomStreams`
     seeded from ``seed`` and this process's rank, in the state and staged with the step."""
 
+    staged_state = ("streams",)
+
     def __init__(self, seed: int = 0):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
@@ -89,12 +91,6 @@ class StochasticCompressor(Compressor):
     def set_process_rank(self, rank: int) -> None:
         super().set_process_rank(rank)
         self.streams.set_rank(rank)
-
-    def commit(self) -> None:
-        self.streams.commit()
-
-    def rollback(self) -> None:
-        self.streams.rollback()
 
     def state_dict(self):
         return {"steps": self.streams.state_dict()}

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -136,17 +136,20 @@ def dummy_tensor(optimizer, profile: Profile, alone: List[float], spans: float, 
     return torch.zeros(max(1, nbytes // 4), device=optimizer.named_parameters()[0][1].device)
 
 
-class Interference(Phase):
-    """Steps with a long dummy allreduce beside backward: how much it slows backward."""
+class _DummyBesideBackwardPhase(Phase):
+    """Steps with a dummy allreduce launched beside backward: each step's sample comes from
+    :meth:`sample`, and after ``interference_steps`` steps :meth:`conclude` turns them into
+    the profile's figure and names the next phase."""
 
-    name = "interfere"
+    #: The settings field of the dummy's span (in backward spans) and its smallest size in bytes.
+    span_setting, min_bytes = "", 0
 
     def __init__(self, search: Search, optimizer, alone: List[float], live: PhaseSamples):
         super().__init__(search)
         settings = search.settings
         self.alone, self.live = alone, live
-        tensor = dummy_tensor(optimizer, search.findings.profile, alone, settings.interference_span,
-                              2 ** 20, settings.interference_max_bytes)
+        tensor = dummy_tensor(optimizer, search.findings.profile, alone, getattr(settings, self.span_setting),
+                              self.min_bytes, settings.interference_max_bytes)
         self.dummy = DummyBesideBackward(optimizer.backend, tensor).attach(optimizer)
         self.overlapped: List[float] = []
         self.steps = 0
@@ -154,12 +157,37 @@ class Interference(Phase):
     def after_step(self, optimizer, seconds) -> Phase:
         self.steps += 1
         dummy = self.dummy
-        if dummy.join() and len(dummy.ready) > 1 and dummy.done and dummy.done[0] > dummy.ready[-1]:
-            self.overlapped.append(dummy.ready[-1] - dummy.ready[0])  # in flight to backward's end
+        if dummy.join() and len(dummy.ready) > 1 and dummy.done:
+            sample = self.sample(dummy)
+            if sample is not None:
+                self.overlapped.append(sample)
         if self.steps < self.search.settings.interference_steps:
             dummy.new_step()
             return self
         dummy.detach()
+        return self.conclude(optimizer)
+
+    def sample(self, dummy: DummyBesideBackward) -> Optional[float]:
+        """This step's figure, or None when the dummy did not overlap backward as needed."""
+        raise NotImplementedError
+
+    def conclude(self, optimizer) -> Phase:
+        """Record the figure in the profile; return the next phase."""
+        raise NotImplementedError
+
+
+class Interference(_DummyBesideBackwardPhase):
+    """Steps with a long dummy allreduce beside backward: how much it slows backward."""
+
+    name = "interfere"
+    span_setting, min_bytes = "interference_span", 2 ** 20
+
+    def sample(self, dummy):
+        if dummy.done[0] > dummy.ready[-1]:
+            return dummy.ready[-1] - dummy.ready[0]  # in flight to backward's end
+        return None
+
+    def conclude(self, optimizer) -> Phase:
         mine = interference_factor(self.alone, self.overlapped) if self.overlapped else None
         factors = [f for f in optimizer.backend.allgather_object(mine) if f is not None]
         findings = self.search.findings
@@ -171,35 +199,23 @@ class Interference(Phase):
         return Slowdown(self.search, optimizer, self.alone, self.live)
 
 
-class Slowdown(Phase):
+class Slowdown(_DummyBesideBackwardPhase):
     """Steps with a short dummy allreduce under backward, then the same alone: how much
     backward slows a collective."""
 
     name = "slowdown"
+    span_setting, min_bytes = "slowdown_span", 2 ** 16
 
     #: How many times the dummy allreduce is timed alone.
     alone_repeats = 3
 
-    def __init__(self, search: Search, optimizer, alone: List[float], live: PhaseSamples):
-        super().__init__(search)
-        settings = search.settings
-        self.live = live
-        tensor = dummy_tensor(optimizer, search.findings.profile, alone, settings.slowdown_span,
-                              2 ** 16, settings.interference_max_bytes)
-        self.dummy = DummyBesideBackward(optimizer.backend, tensor).attach(optimizer)
-        self.overlapped: List[float] = []
-        self.steps = 0
+    def sample(self, dummy):
+        if dummy.done[0] < dummy.ready[-1]:
+            return dummy.done[0] - dummy.started  # done under backward
+        return None
 
-    def after_step(self, optimizer, seconds) -> Phase:
-        self.steps += 1
-        dummy = self.dummy
-        if dummy.join() and len(dummy.ready) > 1 and dummy.done and dummy.done[0] < dummy.ready[-1]:
-            self.overlapped.append(dummy.done[0] - dummy.started)  # done under backward
-        if self.steps < self.search.settings.interference_steps:
-            dummy.new_step()
-            return self
-        dummy.detach()
-        backend = optimizer.backend
+    def conclude(self, optimizer) -> Phase:
+        dummy, backend = self.dummy, optimizer.backend
         alone = []
         with backend.uncounted():
             for _ in range(self.alone_repeats):
