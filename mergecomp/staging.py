@@ -72,6 +72,11 @@ class StagedDict(MutableMapping):
         """True when this step wrote something not yet committed or rolled back."""
         return bool(self._pending)
 
+    def is_pending(self, key) -> bool:
+        """True when this step wrote ``key`` (a value no committed state holds)."""
+        value = self._pending.get(key, self._DELETED)
+        return value is not self._DELETED
+
     def commit(self) -> None:
         for key, value in self._pending.items():
             if value is self._DELETED:

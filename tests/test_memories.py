@@ -147,3 +147,46 @@ def test_dgc_memory_does_not_erase_a_dense_payload_that_is_its_velocity():
     payload, ctx = fp16.compress(velocity, "g")
     memory.update(velocity, "g", fp16, payload, ctx)
     assert velocity.tolist() == [1.5, -3.0, 4.5]  # what compensate returned is left alone
+
+
+class _AliasingSparsifier:
+    """A plugin-like sparsifier whose payload is a view of its input (the first k elements)."""
+
+    dense = lossless = False
+
+    def compress(self, tensor, name):
+        return (tensor.reshape(-1)[:2],), None
+
+    def decompress(self, payload, ctx):
+        out = torch.zeros(4)
+        out[:2] = payload[0]
+        return out
+
+
+@pytest.mark.parametrize("compressor", ["dgc", "topk", "aliasing"])
+def test_dgc_memory_follows_the_algorithm_and_rolls_back(compressor):
+    """u ← m·u + g, v ← v + u; the sent coordinates are zeroed in both (Lin et al., Alg. 1).
+    The zeroing happens in place on the step's own tensors, never on committed state or on a
+    payload that shares their memory."""
+    memory = memories.create("dgc", momentum=0.5)
+    sparsifier = _AliasingSparsifier() if compressor == "aliasing" else \
+        compressors.create(compressor, compress_ratio=0.5, **({"warmup": 0} if compressor == "dgc" else {}))
+    u, v = torch.zeros(4), torch.zeros(4)
+    for step, gradient in enumerate(([4.0, -1.0, 0.5, 2.0], [1.0, 3.0, -2.0, 0.25], [0.5, 0.5, 0.5, 0.5])):
+        g = torch.tensor(gradient)
+        velocity = memory.compensate(g, "g")
+        payload, ctx = sparsifier.compress(velocity, "g")
+        sent_before = [t.clone() for t in payload]
+        memory.update(velocity, "g", sparsifier, payload, ctx)
+        assert all(torch.equal(a, b) for a, b in zip(payload, sent_before))  # the payload is intact
+        sent = sparsifier.decompress(payload, ctx).reshape(-1) != 0
+        u = 0.5 * u + g
+        v = v + u
+        u, v = u.masked_fill(sent, 0), v.masked_fill(sent, 0)
+        if step < 2:
+            memory.commit()
+            assert torch.equal(memory.state_dict()["momenta"]["g"], u)
+            assert torch.equal(memory.state_dict()["velocities"]["g"], v)
+            kept = memory.state_dict()
+    memory.rollback()
+    assert all(torch.equal(memory.state_dict()[k]["g"], kept[k]["g"]) for k in ("momenta", "velocities"))

@@ -37,6 +37,12 @@ def check_optimizer(optimizer) -> None:
         "e.g. memories.create('dgc', momentum=0.9).")
 
 
+def _shares_memory(payload, tensors) -> bool:
+    """Whether any payload tensor lives in the storage of one of ``tensors``."""
+    owned = {t.untyped_storage().data_ptr() for t in tensors}
+    return any(isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() in owned for p in payload)
+
+
 @register("dgc")
 class DGCMemory(Memory):
     """Accumulate momentum-corrected velocity; zero what was sent, in velocity and momentum.
@@ -115,13 +121,24 @@ class DGCMemory(Memory):
             sent = compressor.decompress(payload, ctx).reshape(-1).to(flat_v.dtype)
             self.velocities[name] = (flat_v - sent).view_as(velocity)
             return
+        # Zeroed in place when this step's compensate() made both tensors (they are pending,
+        # so a rollback never sees them) and no payload tensor shares their memory (it may
+        # still be in flight): two passes over the group fewer than zeroing copies.
+        in_place = (self.momenta.is_pending(name) and self.velocities.is_pending(name)
+                    and not _shares_memory(payload, (velocity, momentum)))
         transmitted = getattr(compressor, "transmitted_indices", None)
         if transmitted is not None:
             indices = transmitted(payload, ctx)
-            flat_v, flat_u = flat_v.index_fill(0, indices, 0), flat_u.index_fill(0, indices, 0)
+            if in_place:
+                flat_v.index_fill_(0, indices, 0), flat_u.index_fill_(0, indices, 0)
+            else:
+                flat_v, flat_u = flat_v.index_fill(0, indices, 0), flat_u.index_fill(0, indices, 0)
         else:
             mask = compressor.decompress(payload, ctx).reshape(-1) != 0
-            flat_v, flat_u = flat_v.masked_fill(mask, 0), flat_u.masked_fill(mask, 0)
+            if in_place:
+                flat_v.masked_fill_(mask, 0), flat_u.masked_fill_(mask, 0)
+            else:
+                flat_v, flat_u = flat_v.masked_fill(mask, 0), flat_u.masked_fill(mask, 0)
         self.velocities[name] = flat_v.view_as(velocity)
         self.momenta[name] = flat_u.view_as(momentum)
 
