@@ -44,7 +44,7 @@ from . import communicators, compressors
 from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
 from .backends import Backend
 from .communicators.base import Communicator, Handle
-from .compressors.base import GroupLayout, ParamView
+from .compressors.base import GroupLayout, ParamView, accepts_keyword
 from .plan import Group, ParamInfo, Plan
 from .regroup import Layout, regroup_state
 from .schedulers.base import Scheduler
@@ -406,7 +406,11 @@ class Reducer:
             # fail, error feedback would keep it): flag it and send zeros; the step is dropped.
             group.local_nonfinite = nonfinite_flag(buffer)
             zero_if(buffer, group.local_nonfinite)
-        group.handle = self._communicator_for(group).start(buffer, group.name, group.layout)
+        communicator = self._communicator_for(group)
+        if accepts_keyword(communicator.start, "in_place"):  # the buffer is ours: lend it for the result
+            group.handle = communicator.start(buffer, group.name, group.layout, in_place=True)
+        else:
+            group.handle = communicator.start(buffer, group.name, group.layout)
         group.remaining = -1  # launched
         self._next_launch += 1
         if listening:
@@ -513,8 +517,10 @@ class Reducer:
         caller's ``zero_grad()`` then drops the views (or zeroes them, with
         ``set_to_none=False``, and backward accumulates into the buffer, which the gather
         recognises).  A gradient kept across steps without ``clone()`` sees the next step's
-        values, as under DDP's bucket views.  Decoded tensors of compressed groups come from
-        the compressor, which may keep them: they are copied.  A slice of a parameter is
+        values, as under DDP's bucket views.  A compressed group's average lands in its
+        buffer too: written there by the communicator when it can (the buffer is lent to
+        ``start``), else copied there (the compressor may keep the tensor it decoded), so
+        its parameters get views alike.  A slice of a parameter is
         copied into its part of ``p.grad`` (every group is gathered before the first is
         written back, so no group reads another's average).
         """
@@ -523,6 +529,13 @@ class Reducer:
         flat = averaged.reshape(-1)
         own_buffer = group.buffer is not None and flat.data_ptr() == group.buffer.data_ptr() \
             and flat.numel() == group.buffer.numel()
+        if (not own_buffer and group.buffer is not None and flat.numel() == group.buffer.numel()
+                and flat.dtype == group.buffer.dtype):
+            # A compressed group's average in a tensor of its own: into the group's buffer,
+            # which nothing needs after the launch, so p.grad gets views as for raw groups
+            # instead of a new tensor per parameter and step.
+            flat = group.buffer.copy_(flat)
+            own_buffer = True
         positions = used.tolist() if used is not None else None
         for (name, p, start, stop), offset in zip(group.members, group.offsets):
             if positions is not None and positions[self.position[name]] == 0:

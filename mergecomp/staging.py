@@ -99,3 +99,56 @@ class StagedDict(MutableMapping):
 
     def __repr__(self) -> str:
         return f"StagedDict(committed={sorted(self._committed)}, pending={sorted(self._pending)})"
+
+
+class Spares:
+    """Tensors a component made and no state holds any more, kept per name to be written
+    again (``out=``) instead of allocating a new tensor of the group's size every step.
+
+    On the CPU a fresh tensor of tens of megabytes costs page faults several times the
+    arithmetic that fills it (the allocator hands large blocks back to the system when
+    they are freed), so the memories recycle what a commit replaces and what a rollback
+    drops.  Only tensors the component itself made go in: a compressor must not keep its
+    input tensor past the call (the contract says so), which is what makes this safe.
+    """
+
+    def __init__(self):
+        self._free: Dict[Any, Any] = {}
+
+    def take(self, key, like):
+        """A spare of ``like``'s shape, dtype and device for ``key`` (then no longer spare),
+        or None."""
+        spare = self._free.pop(key, None)
+        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype \
+                and spare.device == like.device:
+            return spare
+        return None
+
+    def give(self, key, tensor) -> None:
+        self._free[key] = tensor
+
+    def clear(self) -> None:
+        self._free.clear()
+
+    def recycle_commit(self, store: "StagedDict", prefix: str = "") -> None:
+        """Commit ``store``, keeping as spares the committed tensors it replaced."""
+        before = store.committed()
+        store.commit()
+        after = store._committed
+        for key, old in before.items():
+            if after.get(key) is not old:
+                self.give(prefix + key, old)
+
+    def recycle_rollback(self, store: "StagedDict", prefix: str = "") -> None:
+        """Roll ``store`` back, keeping as spares the tensors this step wrote."""
+        for key, value in store._pending.items():
+            if value is not StagedDict._DELETED and value is not store._committed.get(key):
+                self.give(prefix + key, value)
+        store.rollback()
+
+
+def shares_memory(tensors, owned) -> bool:
+    """Whether any tensor of ``tensors`` lives in the storage of one of ``owned``."""
+    import torch
+    pointers = {t.untyped_storage().data_ptr() for t in owned}
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in pointers for t in tensors)

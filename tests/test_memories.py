@@ -190,3 +190,34 @@ def test_dgc_memory_follows_the_algorithm_and_rolls_back(compressor):
             kept = memory.state_dict()
     memory.rollback()
     assert all(torch.equal(memory.state_dict()[k]["g"], kept[k]["g"]) for k in ("momenta", "velocities"))
+
+
+@pytest.mark.parametrize("compressor", ["topk", "efsignsgd"])
+def test_residuals_reuse_their_tensors_yet_keep_the_invariant_and_roll_back(compressor):
+    """The tensors a step writes come from those earlier commits replaced; the invariant
+    (everything sent plus the residual equals the sum of the gradients) and a rollback to
+    the committed residual hold as with new tensors."""
+    memory = memories.create("residual")
+    codec = compressors.create(compressor, **({"compress_ratio": 0.25} if compressor == "topk" else {}))
+    generator = torch.Generator().manual_seed(4)
+    total_gradient, total_sent = torch.zeros(64), torch.zeros(64)
+    for step in range(6):
+        gradient = torch.randn(64, generator=generator)
+        compensated = memory.compensate(gradient, "g")
+        payload, ctx = codec.compress(compensated, "g")
+        memory.update(compensated, "g", codec, payload, ctx)
+        if step in (2, 4):  # dropped steps
+            memory.rollback()
+            continue
+        memory.commit()
+        total_gradient += gradient
+        total_sent += codec.decompress(payload, ctx)
+        residual = memory.state_dict()["residuals"]["g"]
+        assert torch.allclose(total_sent + residual, total_gradient, atol=1e-5)
+        if step == 3:  # a rollback leaves the committed residual as it was
+            before = residual.clone()
+            again = memory.compensate(torch.randn(64, generator=generator), "g")
+            p, c = codec.compress(again, "g")
+            memory.update(again, "g", codec, p, c)
+            memory.rollback()
+            assert torch.equal(memory.state_dict()["residuals"]["g"], before)

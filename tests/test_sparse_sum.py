@@ -69,3 +69,44 @@ def test_the_cost_model_prices_one_decode_and_an_add_per_further_payload():
     # then re-encodes its shard (0.1 s + 0.001/4 per element).
     assert ps.relay.intercept == pytest.approx(0.2 + 0.03 + 0.1)
     assert ps.relay.slope == pytest.approx(0.003 / 4 + 0.001 / 4)
+
+
+@pytest.mark.parametrize("name, kwargs", [("topk", {"compress_ratio": 0.05}),
+                                          ("dgc", {"compress_ratio": 0.05, "fp16_values": True})])
+def test_the_sum_into_a_lent_buffer_and_the_sent_values_subtracted_are_exact(name, kwargs):
+    compressor = compressors.create(name, **kwargs)
+    payloads = []
+    for rank in range(3):
+        gradient = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+        payload, ctx = compressor.compress(gradient, "g")
+        payloads.append(payload)
+    lent = torch.full((5000,), 7.0)
+    total = compressor.decompress_sum(payloads, ctx, out=lent)
+    assert total.data_ptr() == lent.data_ptr() and torch.equal(total, dense_sum(compressor, payloads, ctx))
+    residual = gradient.clone()
+    compressor.subtract_sent(residual, payload, ctx)
+    assert torch.equal(residual, gradient - compressor.decompress(payload, ctx))
+
+
+def test_a_communicator_writes_the_average_into_a_lent_buffer_only(monkeypatch):
+    from mergecomp import memories
+    from mergecomp.communicators.allgather import AllgatherCommunicator
+
+    class OneRank:  # a backend of one rank: the allgather hands back this rank's payload
+        rank, size = 0, 1
+
+        def allgather_async(self, tensors, same_shapes, bound=None, limit=None):
+            class Done:
+                def wait(self):
+                    return [tuple(t.clone() for t in tensors)]
+            return Done()
+
+    communicator = AllgatherCommunicator(compressors.create("topk", compress_ratio=0.1),
+                                         memories.create("none"), OneRank())
+    gradient = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    kept = gradient.clone()
+    averaged = communicator.finish(communicator.start(gradient, "g"))
+    assert torch.equal(gradient, kept) and averaged.data_ptr() != gradient.data_ptr()
+    lent = gradient.clone()
+    in_place = communicator.finish(communicator.start(lent, "g", in_place=True))
+    assert in_place.data_ptr() == lent.data_ptr() and torch.equal(in_place, averaged)

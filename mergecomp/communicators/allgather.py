@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from . import register
 from ..backends.serialize import payload_limit
+from ..compressors.base import accepts_keyword
 from .base import Communicator
 
 
@@ -31,7 +32,17 @@ class AllgatherCommunicator(Communicator):
                                             limit=payload_limit(ctx.numel, ctx.dtype))
 
     def _combine(self, result, handle):
+        if handle.output is not None and self._sums_into_output:
+            return self.compressor.decompress_sum(result, handle.ctx, out=handle.output)
         return self.compressor.decompress_sum(result, handle.ctx)
+
+    @property
+    def _sums_into_output(self) -> bool:
+        """Whether the compressor's ``decompress_sum`` can write into a lent buffer."""
+        known = self.__dict__.get("_sums_into")
+        if known is None:
+            known = self.__dict__["_sums_into"] = accepts_keyword(self.compressor.decompress_sum, "out")
+        return known
 
     # -- cost model (mergecomp.costmodel.communicator_formula) ---------------------------
     #: The collectives the formula below prices with; the profile measures them.

@@ -29,6 +29,8 @@ class Handle:
     ctx: Optional[Context] = None
     rounds: Optional[Generator] = None
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: The caller's tensor, when it lent it for the result (``start(..., in_place=True)``).
+    output: Optional[torch.Tensor] = None
 
     def future(self) -> "torch.futures.Future":
         """A ``torch.futures.Future`` of the group's (first) collective: ``.then`` chains on
@@ -56,11 +58,15 @@ class Communicator:
                                               else compressor.compress)
 
     # -- the pipeline ----------------------------------------------------------------
-    def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None) -> Handle:
+    def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None,
+              in_place: bool = False) -> Handle:
         """Compensate, compress, record the loss, and launch the collective (async).
 
         ``layout`` gives the per-parameter views of a fused ``tensor`` (see
         :class:`~mergecomp.compressors.base.ParamView`); None treats it as one tensor.
+        ``in_place``: the caller does not need ``tensor``'s values once this returns (its
+        own flat group buffer, as DDP's allreduce hook reuses its bucket), so
+        :meth:`finish` may write the average into it instead of a new tensor.
         """
         compensated = self.memory.compensate(tensor, name)
         if self.compressor.multi_round:
@@ -69,7 +75,8 @@ class Communicator:
             return Handle(name, tensor.shape, self._launch_request(request), rounds=rounds)
         payload, ctx = self._encode(self.compressor.compress, compensated, name, layout)
         self.memory.update(compensated, name, self.compressor, payload, ctx)
-        return Handle(name, tensor.shape, self._launch(payload, ctx, name), ctx=ctx)
+        output = tensor.view(-1) if in_place and tensor.is_contiguous() else None
+        return Handle(name, tensor.shape, self._launch(payload, ctx, name), ctx=ctx, output=output)
 
     def _encode(self, method, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout]):
         """``compress``/``rounds`` with the layout, for compressors that take one."""

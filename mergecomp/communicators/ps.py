@@ -165,7 +165,10 @@ class PSCommunicator(Communicator):
         return self._vote_compressor
 
     # -- start: workers compress, all-to-all, servers aggregate, allgather launched -----
-    def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None) -> Handle:
+    def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None,
+              in_place: bool = False) -> Handle:
+        """As :meth:`Communicator.start`; the result always comes in a new tensor (the
+        shards' replies are decoded per rank), so ``in_place`` changes nothing."""
         if self.compressor.multi_round:
             return super().start(tensor, name, layout)
         rank, size = self.backend.rank, self.backend.size

@@ -52,6 +52,11 @@ non-finite gradient on some rank, a shadow step nobody applies).  Components tha
 state between steps (residuals, warm starts, random streams) stage the step's writes
 (:class:`mergecomp.staging.StagedDict`) and keep them on :meth:`commit`, forget them on
 :meth:`rollback`; the reducer calls exactly one of the two per step, on every rank.
+
+Buffers are reused.  The tensor handed to ``compress``/``rounds`` belongs to the caller
+(a memory writes the next step's values into it, a communicator may write the average
+into the group's buffer): a compressor must not keep a reference to it past the call, and
+a payload that shares its memory is copied by the memories before they touch it.
 """
 from __future__ import annotations
 
@@ -269,16 +274,21 @@ def constructor_arguments(compressor) -> List[Tuple[str, Any]]:
     return found
 
 
-def accepts_layout(method) -> bool:
-    """Whether ``compress``/``rounds`` takes the ``layout`` keyword (plugins written before
-    layouts existed take ``(tensor, name)`` only and are called that way)."""
+def accepts_keyword(method, keyword: str) -> bool:
+    """Whether ``method`` takes ``keyword`` (by name, or through ``**kwargs``)."""
     import inspect
     try:
         parameters = inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
-    return "layout" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD
-                                         for p in parameters.values())
+    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                        for p in parameters.values())
+
+
+def accepts_layout(method) -> bool:
+    """Whether ``compress``/``rounds`` takes the ``layout`` keyword (plugins written before
+    layouts existed take ``(tensor, name)`` only and are called that way)."""
+    return accepts_keyword(method, "layout")
 
 
 def payload_nbytes(payload: Sequence[torch.Tensor]) -> int:

@@ -58,13 +58,29 @@ class SparseCompressor(Compressor):
         values, indices = payload
         return scatter_values(values, indices, ctx)
 
-    def decompress_sum(self, payloads, ctx):
+    def decompress_sum(self, payloads, ctx, out=None):
+        """The sum, scatter-added into one zeroed buffer: ``out`` (a flat tensor of the
+        group's size and dtype that the caller gives up, e.g. its group buffer, so no
+        buffer of the group's size is allocated per step) or a new one."""
         if not self.sums_in_place:
-            return super().decompress_sum(payloads, ctx)
-        total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payloads[0][0].device)
+            total = super().decompress_sum(payloads, ctx)
+            return total if out is None else out.copy_(total)
+        if out is not None and out.numel() == ctx.numel and out.dtype == ctx.dtype:
+            total = out.zero_()
+        else:
+            total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payloads[0][0].device)
         for values, indices in payloads:
             total.index_add_(0, indices.long(), values.to(ctx.dtype))
         return total
+
+    def subtract_sent(self, flat: torch.Tensor, payload, ctx) -> None:
+        """``flat`` minus what the payload decodes to, in place (error feedback's residual):
+        the values at their indices only, instead of a decoded tensor of the group's size."""
+        if not self.sums_in_place:  # a subclass decodes its own way
+            flat.sub_(self.decompress(payload, ctx).reshape(-1).to(flat.dtype))
+            return
+        values, indices = payload
+        flat.index_add_(0, indices.long(), values.to(flat.dtype), alpha=-1)
 
     def transmitted_indices(self, payload, ctx) -> torch.Tensor:
         """Flat indices of the coordinates this payload sent."""

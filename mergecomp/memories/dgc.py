@@ -21,7 +21,7 @@ import torch
 from ..momentum import refuse_optimizer_momentum
 from . import register
 from .base import Memory, check_flag, check_number
-from ..staging import StagedDict
+from ..staging import Spares, StagedDict, shares_memory
 
 
 def check_optimizer(optimizer) -> None:
@@ -35,12 +35,6 @@ def check_optimizer(optimizer) -> None:
         optimizer, "the dgc memory (momentum correction)",
         "Use plain SGD (momentum=0; weight decay is fine) and give the momentum to the memory, "
         "e.g. memories.create('dgc', momentum=0.9).")
-
-
-def _shares_memory(payload, tensors) -> bool:
-    """Whether any payload tensor lives in the storage of one of ``tensors``."""
-    owned = {t.untyped_storage().data_ptr() for t in tensors}
-    return any(isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() in owned for p in payload)
 
 
 @register("dgc")
@@ -71,6 +65,7 @@ class DGCMemory(Memory):
         self.clip_norm = clip_norm
         self.momenta = StagedDict()
         self.velocities = StagedDict()
+        self._spares = Spares()  # momenta and velocities no state holds, reused by compensate()
 
     @staticmethod
     def check_optimizer(optimizer) -> None:
@@ -93,14 +88,16 @@ class DGCMemory(Memory):
             if norm > self.clip_norm:
                 tensor = tensor * (self.clip_norm / float(norm))
         momentum, velocity = self._state(name, tensor)
-        # New tensors, never the committed ones changed in place: a step dropped after
-        # this (rollback) must find the previous step's state intact.
+        # Into other tensors (spares this memory made earlier, when it has them), never the
+        # committed ones changed in place: a step dropped after this (rollback) must find
+        # the previous step's state intact.
+        new_u, new_v = self._spares.take("u/" + name, tensor), self._spares.take("v/" + name, tensor)
         if self.nesterov:
-            momentum = (momentum + tensor).mul_(self.momentum)
-            velocity = (velocity + momentum).add_(tensor)
+            momentum = torch.add(momentum, tensor, out=new_u).mul_(self.momentum)
+            velocity = torch.add(velocity, momentum, out=new_v).add_(tensor)
         else:
-            momentum = torch.add(tensor, momentum, alpha=self.momentum)
-            velocity = velocity + momentum
+            momentum = torch.add(tensor, momentum, alpha=self.momentum, out=new_u)
+            velocity = torch.add(velocity, momentum, out=new_v)
         self.momenta[name], self.velocities[name] = momentum, velocity
         return velocity
 
@@ -125,7 +122,7 @@ class DGCMemory(Memory):
         # so a rollback never sees them) and no payload tensor shares their memory (it may
         # still be in flight): two passes over the group fewer than zeroing copies.
         in_place = (self.momenta.is_pending(name) and self.velocities.is_pending(name)
-                    and not _shares_memory(payload, (velocity, momentum)))
+                    and not shares_memory(payload, (velocity, momentum)))
         transmitted = getattr(compressor, "transmitted_indices", None)
         if transmitted is not None:
             indices = transmitted(payload, ctx)
@@ -143,18 +140,19 @@ class DGCMemory(Memory):
         self.momenta[name] = flat_u.view_as(momentum)
 
     def commit(self):
-        self.momenta.commit()
-        self.velocities.commit()
+        self._spares.recycle_commit(self.momenta, "u/")
+        self._spares.recycle_commit(self.velocities, "v/")
 
     def rollback(self):
-        self.momenta.rollback()
-        self.velocities.rollback()
+        self._spares.recycle_rollback(self.momenta, "u/")
+        self._spares.recycle_rollback(self.velocities, "v/")
 
     def state_dict(self):
         return {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},
                 "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()}}
 
     def load_state_dict(self, state):
+        self._spares.clear()
         self.momenta.replace({k: v.clone() for k, v in state.get("momenta", {}).items()})
         self.velocities.replace({k: v.clone() for k, v in state.get("velocities", {}).items()})
 

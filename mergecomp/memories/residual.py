@@ -9,7 +9,7 @@ import torch
 
 from . import register
 from .base import Memory, check_number
-from ..staging import StagedDict
+from ..staging import Spares, StagedDict, shares_memory
 
 
 @register("residual")
@@ -22,7 +22,9 @@ class ResidualMemory(Memory):
     learning rate as in EF-SGD.
 
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
-    the previous step's.  A residual is replaced by a new tensor, never changed in place.
+    the previous step's.  A committed residual is never changed in place; the tensors a
+    step writes come from the ones earlier commits replaced (page faults of a fresh
+    group-sized tensor per step cost more than the arithmetic on a CPU).
     """
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0):
@@ -34,35 +36,58 @@ class ResidualMemory(Memory):
                                   advice="1 is usual; 0 or less would send nothing or the "
                                          "opposite of the gradient.")
         self.residuals = StagedDict()
+        self._made = {}  # group → the tensor compensate() made this step (ours to reuse)
+        self._spares = Spares()  # residuals no state holds, reused by compensate() and update()
 
     def compensate(self, tensor, name):
         residual = self.residuals.get(name)
-        scaled = tensor if self.gamma == 1.0 else tensor * self.gamma
         if residual is None:
-            return scaled
+            self._made.pop(name, None)
+            return tensor if self.gamma == 1.0 else tensor * self.gamma
         if residual.shape != tensor.shape:
             raise ValueError(
                 f"residual of group {name!r} has shape {tuple(residual.shape)} but the gradient "
                 f"has shape {tuple(tensor.shape)}: the plan changed without resetting memory")
-        return scaled + (residual if self.beta == 1.0 else residual * self.beta)
+        out = self._spares.take(name, tensor)
+        if self.gamma == 1.0 and self.beta == 1.0:
+            compensated = torch.add(tensor, residual, out=out)
+        else:
+            scaled = tensor if self.gamma == 1.0 else tensor * self.gamma
+            compensated = torch.add(scaled, residual if self.beta == 1.0 else residual * self.beta, out=out)
+        self._made[name] = compensated
+        return compensated
 
     def update(self, tensor, name, compressor, payload, ctx):
+        made = self._made.pop(name, None)
         if compressor.lossless:  # everything was sent exactly: nothing to carry
             self.residuals.pop(name, None)
             return
-        sent = compressor.decompress(payload, ctx)
-        self.residuals[name] = tensor - sent.view_as(tensor)
+        if made is tensor and not shares_memory(payload, (tensor,)):
+            residual = tensor  # made by compensate() this step, sent already: it becomes the residual
+        else:
+            spare = self._spares.take(name, tensor)
+            residual = tensor.clone() if spare is None else spare.copy_(tensor)
+        subtract_sent = getattr(compressor, "subtract_sent", None)
+        if subtract_sent is not None:  # a sparse payload: subtract its values at their indices
+            subtract_sent(residual.view(-1), payload, ctx)
+        else:
+            residual.sub_(compressor.decompress(payload, ctx).view_as(residual))
+        self.residuals[name] = residual
 
     def commit(self):
-        self.residuals.commit()
+        self._made.clear()
+        self._spares.recycle_commit(self.residuals)
 
     def rollback(self):
-        self.residuals.rollback()
+        self._made.clear()
+        self._spares.recycle_rollback(self.residuals)
 
     def state_dict(self):
         return {"residuals": {k: v.detach().clone() for k, v in self.residuals.committed().items()}}
 
     def load_state_dict(self, state):
+        self._made.clear()
+        self._spares.clear()
         self.residuals.replace({k: v.clone() for k, v in state.get("residuals", {}).items()})
 
     def __repr__(self):
