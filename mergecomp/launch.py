@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import socket
 import sys
 import time
@@ -431,10 +432,12 @@ def _run_child(fn, args, env, sender) -> None:
     except BaseException:  # report everything, SystemExit and KeyboardInterrupt included
         message = ("error", traceback.format_exc(), time.time())
     try:
-        sender.send(message)
+        # Plain pickle, by value: multiprocessing's own pickler would pass tensors as
+        # shared-memory handles, which die with this process before the parent opens them.
+        sender.send_bytes(pickle.dumps(message))
     except Exception:  # the result could not be pickled: report that instead
         message = ("error", traceback.format_exc(), time.time())
-        sender.send(message)
+        sender.send_bytes(pickle.dumps(message))
     sender.close()
     if message[0] == "error":
         os._exit(1)  # skip interpreter teardown, which can block on a broken collective
@@ -491,7 +494,7 @@ def _collect(processes, pipes, timeout_s, settle_s: float = 1.0) -> List[Any]:
             if ready in waiting:
                 rank = waiting.pop(ready)
                 try:
-                    message = ready.recv()
+                    message = pickle.loads(ready.recv_bytes())
                 except EOFError:  # closed without a message: the exit code tells what happened
                     continue
                 if message[0] == "ok":

@@ -429,6 +429,7 @@ class Reducer:
             return self.last_outcome
         started = time.perf_counter()
         self._in_step = True
+        dropped = None
         try:
             if self._preflight is None and not self._preflight_checked:  # no backward launched it
                 self._start_preflight()
@@ -449,7 +450,7 @@ class Reducer:
                 for communicator in self.communicators():
                     communicator.rollback()
                 if not outcome.finite:
-                    self._drop_step(outcome)
+                    dropped = self._drop_step(outcome)
         finally:
             self._in_step = False
             self._preflight = None
@@ -459,6 +460,10 @@ class Reducer:
         self._awaiting_step = True
         self.last_outcome = outcome
         self.last_sync_time = time.perf_counter() - started
+        if dropped is not None:
+            # Raised once the step is closed: a caller that catches it can zero_grad() and
+            # go on, as after a warning.
+            raise dropped
         return outcome
 
     def _finish_groups(self) -> List[torch.Tensor]:
@@ -490,9 +495,10 @@ class Reducer:
         used = torch.tensor([p.grad is not None for _, p in self.params], dtype=torch.float32)
         return used.to(self.device)
 
-    def _drop_step(self, outcome: StepOutcome) -> None:
+    def _drop_step(self, outcome: StepOutcome) -> Optional[NonFiniteGradient]:
         """Every rank: ``p.grad`` becomes NaN (so GradScaler and the caller see the step is
-        bad), the count goes up, and the policy warns or raises."""
+        bad), the count goes up, and the policy warns or returns the error to raise once
+        the step is closed."""
         self.skipped_steps += 1
         for group in self.groups:
             for name, p, _, _ in group.members:
@@ -504,9 +510,10 @@ class Reducer:
         message = (f"step {self.steps}: {outcome.describe()}; the step was dropped on every rank "
                    f"(p.grad is NaN, compressor and error-feedback state are as before the step)")
         if self.nonfinite == "raise":
-            raise NonFiniteGradient(message)
+            return NonFiniteGradient(message + "; call zero_grad() before the next backward to go on")
         warnings.warn(f"mergecomp: {message}; {self.skipped_steps} step(s) dropped so far "
                       "(nonfinite='raise' stops instead)", RuntimeWarning, stacklevel=3)
+        return None
 
     def _write_back(self, group: GroupState, averaged: torch.Tensor, used: Optional[torch.Tensor]) -> None:
         """Hand the averaged gradient to the parameters.

@@ -137,6 +137,16 @@ def _allreduce_rank_plus_one():
     return info.launcher, info.rank, info.world_size, again == info, value.item()
 
 
+def _many_tensors(count):
+    return [torch.full((16, 6), float(i)) for i in range(count)]
+
+
+def test_spawn_returns_results_holding_many_tensors():
+    results = launch.spawn(_many_tensors, 2, args=(100,), timeout_s=120)
+    assert [len(r) for r in results] == [100, 100]
+    assert all(torch.equal(t, torch.full((16, 6), float(i))) for i, t in enumerate(results[1]))
+
+
 def test_spawn_runs_a_real_gloo_allreduce():
     results = launch.spawn(_allreduce_rank_plus_one, 2, timeout_s=120)
     assert results == [("spawn", 0, 2, True, 3.0), ("spawn", 1, 2, True, 3.0)]

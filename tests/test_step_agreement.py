@@ -170,8 +170,10 @@ def nonfinite_worker(rank, world_size, compressor, memory, communicator, bad, po
             try:
                 nn.functional.mse_loss(model(x), y).backward()
             except mergecomp.agreement.NonFiniteGradient as error:
-                caught.append(str(error))
-                return caught, None, None, None, None
+                caught.append(str(error))  # the step is closed: the loop goes on
+                unchanged_state = state() == before_state
+                unchanged_params = all(torch.equal(b, p) for b, p in zip(before_params, model.parameters()))
+                continue
             opt.step()
             if step == 2:
                 unchanged_state = state() == before_state
@@ -180,7 +182,7 @@ def nonfinite_worker(rank, world_size, compressor, memory, communicator, bad, po
     finite = all(torch.isfinite(p).all() for p in params) and all(
         torch.isfinite(t).all() for t in _tensors(opt.communicator.state_dict()))
     return (opt.skipped_steps, unchanged_state and unchanged_params, finite, params,
-            [str(w.message) for w in warned if issubclass(w.category, RuntimeWarning)])
+            [str(w.message) for w in warned if issubclass(w.category, RuntimeWarning)], caught)
 
 
 def _tensors(value):
@@ -208,7 +210,7 @@ CONFIGURATIONS = [_recommended(name) for name in mergecomp.compressors.available
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_nonfinite_gradient_on_one_rank_drops_the_step_everywhere(compressor, memory, communicator, bad):
     results = run_ranks(nonfinite_worker, 2, compressor, memory, communicator, bad, "skip")
-    (skipped0, unchanged0, finite0, params0, warned0), (skipped1, unchanged1, finite1, params1, _) = results
+    (skipped0, unchanged0, finite0, params0, warned0, _), (skipped1, unchanged1, finite1, params1, _, _) = results
     assert skipped0 == skipped1 == 1
     assert unchanged0 and unchanged1, "the dropped step changed compressor/memory state or parameters"
     assert finite0 and finite1
@@ -217,10 +219,12 @@ def test_a_nonfinite_gradient_on_one_rank_drops_the_step_everywhere(compressor, 
     assert any("rank(s) [1]" in w and "dropped" in w for w in warned0)
 
 
-def test_nonfinite_raise_policy_raises_on_every_rank():
+def test_nonfinite_raise_policy_raises_on_every_rank_and_training_can_go_on():
     results = run_ranks(nonfinite_worker, 2, "topk", "residual", "allgather", float("nan"), "raise")
-    for caught, *_ in results:
-        assert caught and "rank(s) [1]" in caught[0]
+    for skipped, unchanged, finite, params, warned, caught in results:
+        assert len(caught) == 1 and "rank(s) [1]" in caught[0] and "call zero_grad()" in caught[0]
+        assert skipped == 1 and unchanged and finite and not warned
+    assert all(torch.equal(a, b) for a, b in zip(results[0][3], results[1][3]))
 
 
 def overflow_worker(rank, world_size):
