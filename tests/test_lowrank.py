@@ -40,9 +40,9 @@ def gradient(step, rank=0, dtype=torch.float32):
     return torch.randn(NUMEL, generator=g).to(dtype)
 
 
-def drive(compressor, tensor, name="g", layout=LAYOUT):
+def drive(compressor, tensor, name="g", layout=LAYOUT, **options):
     """Run rounds() on one rank; return (decoded, [the tensors of each request])."""
-    exchange = compressor.rounds(tensor, name, layout=layout)
+    exchange = compressor.rounds(tensor, name, layout=layout, **options)
     requests, reply = [], None
     try:
         while True:
@@ -52,6 +52,18 @@ def drive(compressor, tensor, name="g", layout=LAYOUT):
             reply = tuple(t.clone() for t in request.tensors)
     except StopIteration as done:
         return done.value, requests
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_powersgd_decodes_into_a_lent_buffer_even_its_own_input(dtype):
+    plain, lent = compressors.create("powersgd"), compressors.create("powersgd")
+    for step in range(2):  # the second step warm-starts and adds the first one's errors
+        expected, _ = drive(plain, gradient(step, dtype=dtype))
+        own = gradient(step, dtype=dtype)
+        decoded, _ = drive(lent, own, out=own)
+        assert decoded.data_ptr() == own.data_ptr() and torch.equal(decoded, expected)
+        plain.commit()
+        lent.commit()
 
 
 # ---------------------------------------------------------------------- what is sent

@@ -15,7 +15,7 @@ from typing import Any, Dict, Generator, Optional
 import torch
 
 from ..backends.base import Backend, Work
-from ..compressors.base import AllReduce, Compressor, Context, GroupLayout, accepts_layout
+from ..compressors.base import AllReduce, Compressor, Context, GroupLayout, accepts_keyword, accepts_layout
 from ..memories.base import Memory
 
 
@@ -70,7 +70,9 @@ class Communicator:
         """
         compensated = self.memory.compensate(tensor, name)
         if self.compressor.multi_round:
-            rounds = self._encode(self.compressor.rounds, compensated, name, layout)
+            lent = in_place and tensor.is_contiguous() and accepts_keyword(self.compressor.rounds, "out")
+            rounds = self._encode(self.compressor.rounds, compensated, name, layout,
+                                  **({"out": tensor.view(-1)} if lent else {}))
             request = next(rounds)
             return Handle(name, tensor.shape, self._launch_request(request), rounds=rounds)
         payload, ctx = self._encode(self.compressor.compress, compensated, name, layout)
@@ -78,11 +80,11 @@ class Communicator:
         output = tensor.view(-1) if in_place and tensor.is_contiguous() else None
         return Handle(name, tensor.shape, self._launch(payload, ctx, name), ctx=ctx, output=output)
 
-    def _encode(self, method, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout]):
+    def _encode(self, method, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout], **options):
         """``compress``/``rounds`` with the layout, for compressors that take one."""
         if self._layout_keyword:
-            return method(tensor, name, layout=layout)
-        return method(tensor, name)
+            return method(tensor, name, layout=layout, **options)
+        return method(tensor, name, **options)
 
     def finish(self, handle: Handle) -> torch.Tensor:
         """Wait for the group and return the average of all ranks' gradients."""

@@ -92,7 +92,11 @@ class PowerSGDCompressor(Compressor):
         return split_layout(layout, self.factors)
 
     # -- the exchange ----------------------------------------------------------------------
-    def rounds(self, tensor, name, layout=None):
+    def rounds(self, tensor, name, layout=None, out=None):
+        """The two rounds; the decoded sum goes into ``out`` when given (a flat tensor of the
+        group's size and dtype the caller lends: raw views are written after the first
+        round, matrices only once their inputs are no longer read, so ``out`` may even be
+        ``tensor`` itself), else into a new tensor."""
         raw, matrices = self.split(group_layout(tensor, name, layout))
         flat = tensor.reshape(-1)
         dtype = compute_dtype(tensor.dtype)
@@ -127,7 +131,8 @@ class PowerSGDCompressor(Compressor):
             raw_sum, p_sum = reply[0][:n_raw], reply[0][n_raw:]
         else:
             raw_sum, p_sum = reply
-        out = torch.empty(flat.numel(), dtype=tensor.dtype, device=flat.device)
+        if out is None or out.numel() != flat.numel() or out.dtype != tensor.dtype:
+            out = torch.empty(flat.numel(), dtype=tensor.dtype, device=flat.device)
         scatter_raw(raw_sum, raw, out)
         if not matrices:
             return out.view(tensor.shape)
