@@ -407,10 +407,9 @@ class Reducer:
             group.local_nonfinite = nonfinite_flag(buffer)
             zero_if(buffer, group.local_nonfinite)
         communicator = self._communicator_for(group)
-        if accepts_keyword(communicator.start, "in_place"):  # the buffer is ours: lend it for the result
-            group.handle = communicator.start(buffer, group.name, group.layout, in_place=True)
-        else:
-            group.handle = communicator.start(buffer, group.name, group.layout)
+        # The buffer is ours and not read after the launch: lend it for the result.
+        lend = {"in_place": True} if accepts_keyword(communicator.start, "in_place") else {}
+        group.handle = communicator.start(buffer, group.name, group.layout, **lend)
         group.remaining = -1  # launched
         self._next_launch += 1
         if listening:
