@@ -51,7 +51,7 @@ from . import communicators, components, compressors, memories, schedulers
 from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
 from .backends import Backend
 from .communicators.base import Communicator, Handle
-from .compressors.base import Compressor, GroupLayout, ParamView, accepts_keyword
+from .compressors.base import Compressor, GroupLayout, ParamView
 from .memories.base import Memory
 from .plan import ParamInfo
 from .reducer import NONFINITE_POLICIES, config_digest
@@ -189,9 +189,7 @@ class HookState:
         if communicator is self.communicator and self.nonfinite != "off":
             local = nonfinite_flag(buffer)
             zero_if(buffer, local)
-        # DDP's bucket is lent for the result, as its own allreduce hook reduces in place.
-        lend = {"in_place": True} if accepts_keyword(communicator.start, "in_place") else {}
-        handle = communicator.start(buffer, f"group{index}", layout, **lend)
+        handle = communicator.start(buffer, f"group{index}", layout)
         future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
         self._pending.append(_Pending(index, buffer, communicator, handle, future, local))
         if bucket.is_last():
