@@ -19,6 +19,7 @@ loss and the bytes mergecomp's hook handed to its collectives per step.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -88,6 +89,12 @@ def main(argv=None) -> int:
                           f"mergecomp's hook ({state.compressor!r}; FP32 allreduce: {fp32:,}), "
                           f"{state.steps} hook steps so far on {accelerator.num_processes} processes")
     accelerator.end_training()
+    # Accelerate leaves the process group up, and DDP holds it: drop both before the
+    # interpreter's teardown, which otherwise destroys gloo's threads while they run.
+    del model, optimizer, accelerator
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 

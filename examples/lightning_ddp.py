@@ -110,6 +110,10 @@ def main(argv=None) -> int:
                         callbacks=[Traffic(strategy)], enable_progress_bar=False, enable_model_summary=False,
                         logger=False, enable_checkpointing=False)
     trainer.fit(model, DataLoader(clusters(4096, 32, 10, seed=0), batch_size=args.batch_size, shuffle=True))
+    # Lightning leaves the process group up; tearing it down before the interpreter does
+    # keeps gloo's threads from being destroyed while they still run.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
