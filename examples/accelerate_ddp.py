@@ -71,7 +71,8 @@ def main(argv=None) -> int:
         p.error("run it on several processes: accelerate launch --multi_gpu --num_processes 2 ... "
                 "(or torchrun --nproc_per_node 2 ...)")
     # prepare() wrapped the model in DistributedDataParallel: compress its buckets.
-    state = mergecomp.ddp.register(model, compressor=compressor, memory=memory, communicator=args.comm)
+    state = mergecomp.ddp.register(model, compressor=compressor, memory=memory, communicator=args.comm,
+                                   optimizer=optimizer)
     fp32 = 4 * sum(p.numel() for p in model.parameters())
     sent = steps = 0
     for epoch in range(args.epochs):

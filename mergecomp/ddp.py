@@ -51,6 +51,7 @@ from . import communicators, components, compressors, memories, schedulers
 from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
 from .backends import Backend
 from .communicators.base import Communicator, Handle
+from .compressors import recipes
 from .compressors.base import Compressor, GroupLayout, ParamView
 from .memories.base import Memory
 from .plan import ParamInfo
@@ -89,6 +90,10 @@ class HookState:
             DDP a dropped step's buckets are NaN on every rank (what an allreduce of a NaN
             gives), so the caller's ``GradScaler`` or NaN check skips it.
         process_group: the process group DDP uses (default: the default group).
+        optimizer: the optimizer that will step on the averaged gradients, if known now:
+            checked as the wrapper checks its own (:meth:`check_optimizer`).  It is not kept
+            (the state pickles without it); frameworks that build it later call
+            :meth:`check_optimizer` then.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None,
@@ -99,7 +104,8 @@ class HookState:
                  communicator_options: Optional[Dict[str, Any]] = None,
                  sends: Optional[Sequence[str]] = None,
                  nonfinite: str = "skip",
-                 process_group: Optional[Any] = None):
+                 process_group: Optional[Any] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         if isinstance(communicator, Communicator):
@@ -123,6 +129,26 @@ class HookState:
         self.loaded = ""
         self.process_group = process_group
         self._connect(process_group)
+        self._advised: Optional[str] = None  # the recipe advice already given, not repeated
+        if optimizer is not None:
+            self.check_optimizer(optimizer)
+        else:  # what can be judged without the optimizer: the memory and the ratio
+            self._advised = recipes.warn_if_contradicted(self.compressor, None, self.memory)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
+        """Vet the optimizer that steps on this hook's averages, as ``DistributedOptimizer``
+        vets the one it wraps: components that own the momentum (the ``dgc`` memory, SIGNUM)
+        refuse one with its own (ValueError), and a setting that contradicts the compressor's
+        recipe warns (:class:`~mergecomp.compressors.recipes.RecipeWarning`).  Returns the
+        recipe's advice, or None."""
+        for component in (self.compressor, self.memory):
+            check = getattr(component, "check_optimizer", None)
+            if callable(check):
+                check(optimizer)
+        message = recipes.advice(self.compressor, optimizer, self.memory)
+        if message is not None and message != self._advised:
+            self._advised = recipes.warn_if_contradicted(self.compressor, optimizer, self.memory)
+        return message
 
     # -- the process-local half (rebuilt after unpickling) -------------------------------------
     def _connect(self, process_group) -> None:
@@ -333,6 +359,7 @@ class HookState:
         state = kept.pop("state")
         self.__dict__.update(kept)
         self.process_group = None
+        self._advised = None
         self._connect(None)
         self.communicator.load_state_dict(state)
 

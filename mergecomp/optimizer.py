@@ -163,7 +163,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if callable(check):
                 check(self.optimizer)
         compressors.check_dtypes(self.compressor, sorted({p.dtype for _, p in params}, key=str))
-        recipes.warn_if_contradicted(self.compressor, self.optimizer, self.memory, stacklevel=4)
+        recipes.warn_if_contradicted(self.compressor, self.optimizer, self.memory)
 
     def _check_same_configuration(self, config: str) -> None:
         """Compressor, memory, communicator and scheduler (with their arguments and seeds)

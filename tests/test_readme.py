@@ -45,13 +45,13 @@ def ddp_worker(rank, world_size, code):
     from torch.nn.parallel import DistributedDataParallel
     import mergecomp
     import mergecomp.ddp
-    names = dict(_user_names(rank), DistributedDataParallel=DistributedDataParallel, mergecomp=mergecomp)
+    names = dict(_user_names(rank), DistributedDataParallel=DistributedDataParallel, mergecomp=mergecomp,
+                 torch=torch)
     names["model"] = names["build_model"]()
     lines = [line for line in code.splitlines() if line.strip()]
     ddp_lines = lines[:lines.index(next(l for l in lines if l.startswith("# Lightning")))]
     exec("\n".join(ddp_lines), names)
-    ddp, state = names["ddp"], names["state"]
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp, state, optimizer = names["ddp"], names["state"], names["optimizer"]
     for inputs, targets in names["loader"]:
         optimizer.zero_grad()
         nn.functional.mse_loss(ddp(inputs), targets).backward()

@@ -86,6 +86,32 @@ def test_the_optimizer_warns_at_construction_from_the_users_line():
     assert run_ranks(_construct, 1, "tbq", 0.5, 0.0)[0] == []
 
 
+def _hook_warnings(rank, world_size, compressor, momentum, later):
+    import mergecomp.ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if later:  # as a framework does: the hook first, the optimizer after
+            state = mergecomp.ddp.register(model, compressor=compressor)
+            state.check_optimizer(optimizer)
+        else:
+            mergecomp.ddp.register(model, compressor=compressor, optimizer=optimizer)
+    return [(str(w.message), w.filename) for w in caught if issubclass(w.category, RecipeWarning)]
+
+
+def test_the_ddp_hook_checks_the_optimizer_it_is_given_or_shown_later():
+    for later in (False, True):
+        caught = run_ranks(_hook_warnings, 1, "tbq", 0.9, later)[0]
+        assert len(caught) == 1 and "fold it into the learning rate" in caught[0][0], caught
+        assert caught[0][1].endswith("test_recipes.py"), caught
+    assert run_ranks(_hook_warnings, 1, "tbq", 0.0, False)[0] == []
+    # Without an optimizer, what can be judged alone: the ratio (and the memory).
+    caught = run_ranks(_hook_warnings, 1, "randk", 0.0, True)[0]
+    assert len(caught) == 1 and "compress_ratio=0.01 is below the 0.1" in caught[0][0], caught
+
+
 def _benchmark_settings(rank, world_size, label):
     from benchmarks import convergence
     options = convergence.Options(epochs=1, lr=0.05, momentum=0.9, batch_size=32, fusion_num=None, seeds=(0,))

@@ -27,6 +27,8 @@ values come from.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional
@@ -161,11 +163,22 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
     return f"{compressor!r}: {'; '.join(problems)}. Why: {recipe.reason}{advised}"
 
 
-def warn_if_contradicted(compressor, optimizer, memory=None, stacklevel: int = 3) -> Optional[str]:
+def warn_if_contradicted(compressor, optimizer, memory=None, stacklevel: Optional[int] = None) -> Optional[str]:
     """Issue :func:`advice`'s message as a :class:`RecipeWarning` (and return it) when there
-    is one.  ``stacklevel`` 3 points at the caller of the function that calls this one (the
-    user's line that builds the optimizer wrapper)."""
+    is one.  The warning points at the first caller outside mergecomp (the user's line that
+    built the wrapper or registered the hook) unless ``stacklevel`` says otherwise."""
     message = advice(compressor, optimizer, memory)
     if message is not None:
-        warnings.warn(message, RecipeWarning, stacklevel=stacklevel)
+        warnings.warn(message, RecipeWarning,
+                      stacklevel=stacklevel if stacklevel is not None else _first_level_outside_package())
     return message
+
+
+def _first_level_outside_package() -> int:
+    """``warnings.warn``'s stacklevel, counted from its caller here, of the first frame whose
+    code is not in the mergecomp package."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1  # warn_if_contradicted
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -66,6 +66,12 @@ class MergecompDDPStrategy(DDPStrategy):
             self._ddp_kwargs["bucket_cap_mb_list"] = ddp.bucket_caps(model, self._schedule)
         return super()._setup_model(model)
 
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if self.hook_state is not None:  # the optimizers exist only now, after the hook
+            for optimizer in self.optimizers:
+                self.hook_state.check_optimizer(optimizer)
+
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         if self.hook_state is None:
