@@ -34,6 +34,7 @@ for collectives after backward, and decoding (decode, aggregate, average, write-
     python benchmarks/cluster.py --workers 2 --profile 1gbit -- \\
         python benchmarks/headline.py --model vgg16 --threads 1 --json cell.json
     python benchmarks/headline.py --table results/*.json
+    python benchmarks/headline.py --summary results/*.json [--ours auto-dgc]
     python benchmarks/headline.py --campaign DIR     # every cell below, resumable (needs root for links)
 
 The campaign runs, for each model of ``--campaign-models`` (vgg16, the LSTM LM and the
@@ -83,6 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--powersgd-rank", type=int, default=1, help="DDP PowerSGD hook's rank (default 1)")
     p.add_argument("--link", default="loopback",
                    help="what the workers' links are, recorded in the result (e.g. the cluster's --profile)")
+    p.add_argument("--summary", nargs="+", default=None, metavar="JSON",
+                   help="print one row per saved cell (--ours against the bound and DDP) and exit")
+    p.add_argument("--ours", default="auto-dgc",
+                   help="the mergecomp configuration --summary reports (default auto-dgc)")
     campaign = p.add_argument_group("campaign (every cell, each in its own emulated cluster)")
     campaign.add_argument("--campaign", metavar="DIR", default=None, help="run every cell, results into DIR")
     campaign.add_argument("--campaign-models", default="vgg16,lstm,transformer")
@@ -90,6 +95,10 @@ def parse_args(argv=None):
     campaign.add_argument("--campaign-workers", default="2,4")
     campaign.add_argument("--cell-timeout", type=float, default=3600, help="seconds per cell (default 3600)")
     p.set_defaults(threads=1)
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--summary" in argv:  # only reads files: none of the run's checks apply
+        return p.parse_args(argv)
     args = compress_benchmark.parse_rounds_arguments(p, argv)
     if args.table:
         return args
@@ -302,12 +311,7 @@ def table_of(result: Dict[str, Any]) -> str:
         if name == "solo":
             lines.append(f"| solo (one worker alone) | {entry['step_s'] * 1e3:.0f} | | | | | | |")
             continue
-        phases = entry.get("phases_s")
-        phase_text = ""
-        if phases:
-            wait = max(0.0, phases.get("sync", 0.0) - phases.get("finish", 0.0))
-            phase_text = (f"{phases.get('launch', 0) * 1e3:.0f} / {wait * 1e3:.0f} / "
-                          f"{phases.get('finish', 0) * 1e3:.0f}")
+        phase_text = _phase_text(entry.get("phases_s"))
         lines.append(f"| {name} | {entry['step_s'] * 1e3:.0f} | {entry['throughput']:.1f} | "
                      f"{entry['scaling_vs_one_worker']:.2f} | {entry['scaling_vs_bound']:.2f} | "
                      f"{entry['versus_ddp_fp16']:.2f} | {entry['bytes_per_step'] / 1e3:,.1f} | {phase_text} |")
@@ -317,6 +321,43 @@ def table_of(result: Dict[str, Any]) -> str:
 def table(paths) -> str:
     return "\n\n".join(table_of(r) for r in benchmarking.saved_results(paths, "configurations",
                                                                          "benchmarks/headline.py"))
+
+
+def summary(paths, ours: str) -> str:
+    """One row per cell: ``ours`` against DDP's 16-bit hook, the zero-cost bound and the
+    fastest DDP configuration of the cell (each a median of per-round ratios, the rounds
+    interleaved), with DDP fp16 against the bound for scale and ``ours``' phases."""
+    lines = ["| model | link | workers | × ddp-fp16 | × bound | × best DDP (which) | ddp-fp16 × bound "
+             "| compress / wait / decode ms |",
+             "|---|---|---:|---:|---:|---|---:|---|"]
+    results = list(benchmarking.saved_results(paths, "configurations", "benchmarks/headline.py"))
+    links, models = ["1gbit", "10gbit", "loopback"], ["vgg16", "lstm", "transformer"]
+    results.sort(key=lambda r: (links.index(r["link"]) if r["link"] in links else len(links), r["link"],
+                                models.index(r["model"]) if r["model"] in models else len(models),
+                                r["model"], r["workers"]))
+    for result in results:
+        cell = f"{result['model']}, {result['link']}, {result['workers']} workers"
+        configurations = result["configurations"]
+        if ours not in configurations:
+            raise ValueError(f"{cell} has no configuration {ours!r}; it has {', '.join(configurations)} "
+                             f"(pass one of them as --ours)")
+        entry = configurations[ours]
+        ddps = {name: c for name, c in configurations.items() if name.startswith("ddp-")}
+        best = min(ddps, key=lambda name: ddps[name]["step_s"])
+        versus_best = statistics.median(b / s for b, s in zip(ddps[best]["step_s_rounds"], entry["step_s_rounds"]))
+        lines.append(f"| {result['model']} | {result['link']} | {result['workers']} | "
+                     f"{entry['versus_ddp_fp16']:.2f} | {entry['scaling_vs_bound']:.2f} | "
+                     f"{versus_best:.2f} ({best}) | {configurations[BASELINE]['scaling_vs_bound']:.2f} | "
+                     f"{_phase_text(entry.get('phases_s'))} |")
+    return "\n".join(lines)
+
+
+def _phase_text(phases) -> str:
+    """Compress (launch) / wait for collectives after backward / decode (finish), in ms."""
+    if not phases:
+        return ""
+    wait = max(0.0, phases.get("sync", 0.0) - phases.get("finish", 0.0))
+    return f"{phases.get('launch', 0) * 1e3:.0f} / {wait * 1e3:.0f} / {phases.get('finish', 0) * 1e3:.0f}"
 
 
 #: Per-worker batch of each model in the campaign: small, so communication is a visible
@@ -358,6 +399,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.table:
         print(table(args.table))
+        return 0
+    if args.summary:
+        print(summary(args.summary, args.ours))
         return 0
     if args.campaign:
         return run_campaign(args)
