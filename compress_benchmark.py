@@ -103,8 +103,13 @@ def parse_rounds_arguments(p: argparse.ArgumentParser, argv):
 
 def parse_args(argv=None):
     p = build_parser()
+    p.add_argument("--op-profile", type=int, default=0, metavar="N",
+                   help="after the timed iterations, profile N more steps and print the operators "
+                        "a step spends its time in, on rank 0 (default 0: off)")
     args = p.parse_args(argv)
     check_arguments(p, args)
+    if args.op_profile < 0:
+        p.error(f"--op-profile must be ≥ 0 (the steps to profile; 0 is off), got {args.op_profile}")
     return args
 
 
@@ -197,6 +202,8 @@ def worker(args):
 
     series = benchmarking.run_iterations(
         timed, work, args, lambda: {"bytes_sent": backend.bytes_sent, "wire_bytes": backend.wire_bytes})
+    if args.op_profile:  # every rank steps (the collectives need them), rank 0 reports
+        work.log(benchmarking.operator_profile(timed, args.op_profile, work.device))
     result = benchmarking.report(work, series, backend.allgather_object, {
         "compress": args.compress, "compressor": args.compressor if args.compress else "none",
         "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",

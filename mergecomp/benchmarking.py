@@ -46,6 +46,7 @@ def check_workload_arguments(p, args) -> None:
     """``p.error`` (exit 2, with the value) on a workload flag out of range."""
     if args.num_warmup_batches < 0:
         p.error(f"--num-warmup-batches must be ≥ 0, got {args.num_warmup_batches}")
+
     for name in ("num_batches_per_iter", "num_iters", "batch_size", "nproc", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -123,6 +124,35 @@ def make_timer(step: Callable[[], None], device: torch.device) -> Callable[[int]
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
     return timed
+
+
+def operator_profile(timed: Callable[[int], float], steps: int, device: torch.device, rows: int = 25) -> str:
+    """A table of the operators ``steps`` more steps spend their time in, per step.
+
+    Where the phases say *that* a step is slow, this says *in what*: torch's profiler
+    around ``timed(steps)``, operators sorted by their own time (their children's
+    excluded: on CUDA the device's, else the CPU's), so a compressor's elementwise passes
+    show up beside the model's convolutions.  Collectives appear as the time this rank
+    spends starting and waiting for them.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        timed(steps)
+
+    def own(event) -> float:  # ms per step
+        return (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / steps / 1e3
+
+    events = sorted(prof.key_averages(), key=own, reverse=True)
+    total = sum(own(e) for e in events)
+    where = "device" if on_cuda else "CPU"
+    lines = [f"Operators over {steps} step(s), by own {where} time per step (all operators: {total:.1f} ms):",
+             f"| operator | calls per step | own {where} ms | share |", "|---|---:|---:|---:|"]
+    for event in events[:rows]:
+        lines.append(f"| {event.key} | {event.count / steps:g} | {own(event):.2f} | "
+                     f"{own(event) / total if total else 0:.1%} |")
+    return "\n".join(lines)
 
 
 def interleaved_windows(steps: Dict[str, Callable[[], None]], rounds: int, window: int,

@@ -36,6 +36,17 @@ def test_two_workers_report_bytes_counted_at_the_backend(tmp_path):
     assert 0.98 * expected + agreement <= result["bytes_per_step"] <= expected + 8 * result["groups"] + agreement
 
 
+def test_op_profile_prints_the_operators_of_a_step():
+    done = run("--nproc", "2", "--threads", "1", "--compress", "--compressor", "dgc", "--model", "resnet20",
+               "--batch-size", "4", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
+               "--num-iters", "1", "--op-profile", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Operators over 2 step(s), by own CPU time per step" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| aten::")]
+    assert any(line.startswith("| aten::convolution_backward |") for line in rows), done.stdout
+    assert done.stdout.count("Operators over") == 1  # rank 0 reports, every rank stepped
+
+
 def test_bad_flags_exit_with_a_clear_message():
     unknown = run("--compress", "--compressor", "topkk")
     assert unknown.returncode == 2 and "did you mean 'topk'" in unknown.stderr
@@ -45,6 +56,8 @@ def test_bad_flags_exit_with_a_clear_message():
     assert chunk.returncode == 2 and "--chunk-mb must be a size in MB > 0" in chunk.stderr
     chunk = run("--chunk-mb", "4")
     assert chunk.returncode == 2 and "not 'fixed'" in chunk.stderr
+    profile = run("--op-profile", "-1")
+    assert profile.returncode == 2 and "--op-profile must be ≥ 0" in profile.stderr and "got -1" in profile.stderr
     import compress_benchmark
     with pytest.raises(ValueError, match="available memories are"):
         compress_benchmark.main(["--compress", "--memory", "residul"])
