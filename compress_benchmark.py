@@ -92,7 +92,7 @@ def parse_rounds_arguments(p: argparse.ArgumentParser, argv):
     """Parse; unless ``--table`` was given, check the benchmark's flags and that
     ``--rounds`` and ``--window`` are ≥ 1 (``p.error`` otherwise)."""
     args = p.parse_args(argv)
-    if args.table:
+    if args.table or getattr(args, "summary", None):  # only reads saved results
         return args
     check_arguments(p, args)
     for name in ("rounds", "window"):

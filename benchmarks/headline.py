@@ -69,6 +69,8 @@ from benchmarks.ddp_baseline import AllreduceCounter  # noqa: E402
 from mergecomp import benchmarking  # noqa: E402
 
 DDP_BUCKET_CAP_MB = 25
+CAMPAIGN_MODELS = ("vgg16", "lstm", "transformer")
+CAMPAIGN_LINKS = ("1gbit", "10gbit", "loopback")
 BASELINE = "ddp-fp16"
 MOMENTUM = 0.9
 
@@ -90,17 +92,13 @@ def parse_args(argv=None):
                    help="the mergecomp configuration --summary reports (default auto-dgc)")
     campaign = p.add_argument_group("campaign (every cell, each in its own emulated cluster)")
     campaign.add_argument("--campaign", metavar="DIR", default=None, help="run every cell, results into DIR")
-    campaign.add_argument("--campaign-models", default="vgg16,lstm,transformer")
-    campaign.add_argument("--campaign-links", default="1gbit,10gbit,loopback")
+    campaign.add_argument("--campaign-models", default=",".join(CAMPAIGN_MODELS))
+    campaign.add_argument("--campaign-links", default=",".join(CAMPAIGN_LINKS))
     campaign.add_argument("--campaign-workers", default="2,4")
     campaign.add_argument("--cell-timeout", type=float, default=3600, help="seconds per cell (default 3600)")
     p.set_defaults(threads=1)
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--summary" in argv:  # only reads files: none of the run's checks apply
-        return p.parse_args(argv)
     args = compress_benchmark.parse_rounds_arguments(p, argv)
-    if args.table:
+    if args.table or args.summary:
         return args
     args.compressors = [c for c in args.compressors.split(",") if c]
     args.hook_compressors = [c for c in args.hook_compressors.split(",") if c]
@@ -331,10 +329,10 @@ def summary(paths, ours: str) -> str:
              "| compress / wait / decode ms |",
              "|---|---|---:|---:|---:|---|---:|---|"]
     results = list(benchmarking.saved_results(paths, "configurations", "benchmarks/headline.py"))
-    links, models = ["1gbit", "10gbit", "loopback"], ["vgg16", "lstm", "transformer"]
-    results.sort(key=lambda r: (links.index(r["link"]) if r["link"] in links else len(links), r["link"],
-                                models.index(r["model"]) if r["model"] in models else len(models),
-                                r["model"], r["workers"]))
+    def rank(value, known):  # the campaign's order first, anything else after it by name
+        return (known.index(value) if value in known else len(known), value)
+
+    results.sort(key=lambda r: (rank(r["link"], CAMPAIGN_LINKS), rank(r["model"], CAMPAIGN_MODELS), r["workers"]))
     for result in results:
         cell = f"{result['model']}, {result['link']}, {result['workers']} workers"
         configurations = result["configurations"]

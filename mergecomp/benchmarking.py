@@ -46,7 +46,6 @@ def check_workload_arguments(p, args) -> None:
     """``p.error`` (exit 2, with the value) on a workload flag out of range."""
     if args.num_warmup_batches < 0:
         p.error(f"--num-warmup-batches must be ≥ 0, got {args.num_warmup_batches}")
-
     for name in ("num_batches_per_iter", "num_iters", "batch_size", "nproc", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Tuple, Union
 
+import torch
+
 from . import compressors, memories
 from .communicators.base import Communicator
 from .compressors.base import Compressor
@@ -25,3 +27,12 @@ def resolve(compressor: Union[str, Compressor], memory: Union[None, str, Memory]
     if communicator is None or communicator == "auto":
         communicator = compressor.recommended_communicator
     return compressor, memory, communicator
+
+
+def vet_optimizer(optimizer: torch.optim.Optimizer, compressor: Compressor, memory: Memory) -> None:
+    """Let the components that own part of the update (the ``dgc`` memory's or SIGNUM's
+    momentum) refuse an optimizer that would apply it again (their ``check_optimizer``)."""
+    for component in (compressor, memory):
+        check = getattr(component, "check_optimizer", None)
+        if callable(check):
+            check(optimizer)

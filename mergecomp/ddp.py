@@ -141,13 +141,11 @@ class HookState:
         refuse one with its own (ValueError), and a setting that contradicts the compressor's
         recipe warns (:class:`~mergecomp.compressors.recipes.RecipeWarning`).  Returns the
         recipe's advice, or None."""
-        for component in (self.compressor, self.memory):
-            check = getattr(component, "check_optimizer", None)
-            if callable(check):
-                check(optimizer)
+        components.vet_optimizer(optimizer, self.compressor, self.memory)
         message = recipes.advice(self.compressor, optimizer, self.memory)
         if message is not None and message != self._advised:
-            self._advised = recipes.warn_if_contradicted(self.compressor, optimizer, self.memory)
+            recipes.warn(message)
+            self._advised = message
         return message
 
     # -- the process-local half (rebuilt after unpickling) -------------------------------------

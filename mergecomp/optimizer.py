@@ -158,10 +158,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _check_components(self, params) -> None:
         """Components that own part of the update (DGC's or SIGNUM's momentum) vet the
         optimizer; the compressor must carry the parameters' dtypes; its recipe may warn."""
-        for component in (self.compressor, self.memory):
-            check = getattr(component, "check_optimizer", None)
-            if callable(check):
-                check(self.optimizer)
+        components.vet_optimizer(self.optimizer, self.compressor, self.memory)
         compressors.check_dtypes(self.compressor, sorted({p.dtype for _, p in params}, key=str))
         recipes.warn_if_contradicted(self.compressor, self.optimizer, self.memory)
 

@@ -169,16 +169,22 @@ def warn_if_contradicted(compressor, optimizer, memory=None, stacklevel: Optiona
     built the wrapper or registered the hook) unless ``stacklevel`` says otherwise."""
     message = advice(compressor, optimizer, memory)
     if message is not None:
-        warnings.warn(message, RecipeWarning,
-                      stacklevel=stacklevel if stacklevel is not None else _first_level_outside_package())
+        warn(message, stacklevel=stacklevel)
     return message
+
+
+def warn(message: str, stacklevel: Optional[int] = None) -> None:
+    """Issue ``message`` (an :func:`advice`) as a :class:`RecipeWarning` pointing at the first
+    caller outside mergecomp, unless ``stacklevel`` says otherwise."""
+    warnings.warn(message, RecipeWarning,
+                  stacklevel=stacklevel if stacklevel is not None else _first_level_outside_package())
 
 
 def _first_level_outside_package() -> int:
     """``warnings.warn``'s stacklevel, counted from its caller here, of the first frame whose
     code is not in the mergecomp package."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1  # warn_if_contradicted
+    frame, level = sys._getframe(1), 1  # warn
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level
