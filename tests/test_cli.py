@@ -14,6 +14,20 @@ def run(*flags, timeout=300):
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+def refusal(main, argv, capsys):
+    """What a script says to bad flags, run in this process (a subprocess costs an interpreter
+    and torch's import): argparse's message, or the ValueError that ``exit_with`` prints as
+    one line.  The end-to-end path through ``exit_with`` is covered by :func:`error_line`."""
+    try:
+        main(argv)
+    except SystemExit as exited:
+        assert exited.code == 2, exited.code
+        return capsys.readouterr().err
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"{argv} was accepted")
+
+
 def test_two_workers_report_bytes_counted_at_the_backend(tmp_path):
     out = tmp_path / "result.json"
     done = run("--nproc", "2", "--compress", "--compressor", "topk", "--compress-ratio", "0.01",
@@ -47,18 +61,16 @@ def test_op_profile_prints_the_operators_of_a_step():
     assert done.stdout.count("Operators over") == 1  # rank 0 reports, every rank stepped
 
 
-def test_bad_flags_exit_with_a_clear_message():
-    unknown = run("--compress", "--compressor", "topkk")
-    assert unknown.returncode == 2 and "did you mean 'topk'" in unknown.stderr
-    optimal = run("--scheduler", "optimal")
-    assert optimal.returncode == 2 and "--profile-in" in optimal.stderr
-    chunk = run("--scheduler", "auto", "--chunk-mb", "0")
-    assert chunk.returncode == 2 and "--chunk-mb must be a size in MB > 0" in chunk.stderr
-    chunk = run("--chunk-mb", "4")
-    assert chunk.returncode == 2 and "not 'fixed'" in chunk.stderr
-    profile = run("--op-profile", "-1")
-    assert profile.returncode == 2 and "--op-profile must be ≥ 0" in profile.stderr and "got -1" in profile.stderr
+def test_bad_flags_exit_with_a_clear_message(capsys):
     import compress_benchmark
+    unknown = run("--compress", "--compressor", "topkk")  # once through the script, as a user runs it
+    assert unknown.returncode == 2 and "did you mean 'topk'" in unknown.stderr
+    main = compress_benchmark.main
+    assert "--profile-in" in refusal(main, ["--scheduler", "optimal"], capsys)
+    assert "--chunk-mb must be a size in MB > 0" in refusal(main, ["--scheduler", "auto", "--chunk-mb", "0"], capsys)
+    assert "not 'fixed'" in refusal(main, ["--chunk-mb", "4"], capsys)
+    profile = refusal(main, ["--op-profile", "-1"], capsys)
+    assert "--op-profile must be ≥ 0" in profile and "got -1" in profile
     with pytest.raises(ValueError, match="available memories are"):
         compress_benchmark.main(["--compress", "--memory", "residul"])
 
@@ -145,7 +157,7 @@ def test_a_plan_file_that_is_not_a_plan_names_the_file_and_the_format(tmp_path):
     assert "from a run of --model resnet20" in str(raised.value)
 
 
-def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):
+def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path, capsys):
     out = tmp_path / "versus.json"
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--nproc", "2", "--threads", "1",
@@ -159,16 +171,14 @@ def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path):
     assert len(result["ddp_again_step_s"]) == 2 and result["ddp_versus_ddp_again"] > 0  # the noise control
     assert "DDP / DDP again: median" in done.stdout
     assert "SGD momentum 0.9" in done.stdout  # DDP applies the momentum the DGC memory applies
-    table = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"),
-                            "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
-    assert table.returncode == 0 and "| resnet20 | dgc | optimizer | fixed | 2 (2) | 0 | fp16 |" in table.stdout
+    from benchmarks import versus_ddp
+    assert versus_ddp.main(["--table", str(out)]) in (0, None)
+    assert "| resnet20 | dgc | optimizer | fixed | 2 (2) | 0 | fp16 |" in capsys.readouterr().out
     assert result["ddp_hook"] == "fp16"  # the 16-bit hook is the default baseline
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--rounds", "0"],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "--rounds must be ≥ 1, got 0" in bad.stderr
+    assert "--rounds must be ≥ 1, got 0" in refusal(versus_ddp.main, ["--rounds", "0"], capsys)
 
 
-def test_versus_ddp_runs_mergecomps_hook_beside_ddps_own(tmp_path):
+def test_versus_ddp_runs_mergecomps_hook_beside_ddps_own(tmp_path, capsys):
     out = tmp_path / "hook.json"
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--nproc", "2", "--threads", "1",
@@ -181,13 +191,13 @@ def test_versus_ddp_runs_mergecomps_hook_beside_ddps_own(tmp_path):
     assert result["mergecomp_as"] == "ddp-hook" and result["ddp_hook"] == "fp32"
     assert 0 < result["mergecomp_bytes_per_step"] < 0.1 * 4 * 269722  # top-k 1%, far below FP32
     assert "DDP with mergecomp's hook" in done.stdout
-    adaptive = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--compress",
-                               "--compressor", "dgc", "--scheduler", "auto", "--mergecomp-as", "ddp-hook"],
-                              capture_output=True, text=True, cwd=ROOT)
-    assert adaptive.returncode == 2 and "DDP's fixed buckets" in adaptive.stderr
+    from benchmarks import versus_ddp
+    adaptive = refusal(versus_ddp.main, ["--compress", "--compressor", "dgc", "--scheduler", "auto",
+                                         "--mergecomp-as", "ddp-hook"], capsys)
+    assert "DDP's fixed buckets" in adaptive
 
 
-def test_ddp_baseline_times_ddp_with_mergecomps_hook(tmp_path):
+def test_ddp_baseline_times_ddp_with_mergecomps_hook(tmp_path, capsys):
     out = tmp_path / "hook.json"
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "ddp_baseline.py"), "--nproc", "2", "--threads", "1",
@@ -198,12 +208,11 @@ def test_ddp_baseline_times_ddp_with_mergecomps_hook(tmp_path):
     result = json.loads(out.read_text())
     assert result["compressor"] == "ddp-mergecomp-dgc" and result["groups"] == 2
     assert result["compression_ratio"] > 100  # DGC's 0.1% of the gradient, plus its agreement bytes
-    missing = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ddp_baseline.py"),
-                              "--hook", "mergecomp"], capture_output=True, text=True, cwd=ROOT)
-    assert missing.returncode == 2 and "--hook mergecomp needs --compressor" in missing.stderr
+    from benchmarks import ddp_baseline
+    assert "--hook mergecomp needs --compressor" in refusal(ddp_baseline.main, ["--hook", "mergecomp"], capsys)
 
 
-def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp_path):
+def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp_path, capsys):
     saved, out = tmp_path / "two.json", tmp_path / "plans.json"
     common = ["--nproc", "2", "--threads", "1", "--model", "resnet20", "--batch-size", "4",
               "--num-warmup-batches", "1", "--compress", "--compressor", "efsignsgd"]
@@ -222,16 +231,16 @@ def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp
     assert all(len(p["step_s"]) == 2 for p in result["plans"].values())
     assert len(result["repeat"]["step_s"]) == 2 and result["repeat"]["versus"] > 0  # the noise control
     assert all(p["same_as"] is None for p in result["plans"].values())
-    table = subprocess.run([sys.executable, script, "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
-    assert table.returncode == 0 and "| resnet20 | efsignsgd | 1 (1) |" in table.stdout
-    missing = subprocess.run([sys.executable, script, "--plans", str(tmp_path / "nope.json")],
-                             capture_output=True, text=True, cwd=ROOT)
-    assert missing.returncode == 2 and "no such file" in missing.stderr
+    from benchmarks import interleaved_plans
+    capsys.readouterr()
+    assert interleaved_plans.main(["--table", str(out)]) in (0, None)
+    assert "| resnet20 | efsignsgd | 1 (1) |" in capsys.readouterr().out
+    assert "no such file" in refusal(interleaved_plans.main, ["--plans", str(tmp_path / "nope.json")], capsys)
     repeat = tmp_path / "repeat.json"
     repeat.write_text(saved.read_text())
     for clash in ([str(saved), str(saved)], [str(repeat)]):
-        taken = subprocess.run([sys.executable, script, "--plans", *clash], capture_output=True, text=True, cwd=ROOT)
-        assert taken.returncode == 2 and "rename the file" in taken.stderr, taken.stderr
+        taken = refusal(interleaved_plans.main, ["--plans", *clash], capsys)
+        assert "rename the file" in taken, taken
 
 
 def test_compressor_benchmark_prints_a_row_per_compressor_and_dgc_against_topk():
@@ -244,14 +253,14 @@ def test_compressor_benchmark_prints_a_row_per_compressor_and_dgc_against_topk()
     assert "dgc selects" in rows[0] and "torch.topk" in rows[0]
 
 
-def test_result_tables_name_a_file_that_is_not_a_result(tmp_path):
+def test_result_tables_name_a_file_that_is_not_a_result(tmp_path, capsys):
+    from benchmarks import interleaved_plans, versus_ddp
     plan = tmp_path / "saved.plan.json"
     plan.write_text('{"groups": []}')
-    for script in ("versus_ddp.py", "interleaved_plans.py"):
+    for script in (versus_ddp, interleaved_plans):
         for path, message in ((plan, "is not a result of"), (tmp_path / "missing.json", "cannot read")):
-            done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--table", str(path)],
-                                  capture_output=True, text=True, cwd=ROOT, timeout=60)
-            assert done.returncode == 2 and message in done.stderr and str(path) in done.stderr, done.stderr
+            said = refusal(script.main, ["--table", str(path)], capsys)
+            assert message in said and str(path) in said, said
 
 
 def test_interleaved_table_names_the_fixed_plan_that_is_the_schedulers_own(tmp_path):
@@ -302,7 +311,7 @@ def test_interleaved_plans_run_each_distinct_plan_once():
     assert distinct_plans(plans) == {"fusion-num 1": "auto", "fusion-num 3": "fusion-num 2", "binary": "auto"}
 
 
-def test_simulator_rounds_predicts_each_plan_from_the_compute_of_its_round(tmp_path):
+def test_simulator_rounds_predicts_each_plan_from_the_compute_of_its_round(tmp_path, capsys):
     out = tmp_path / "rounds.json"
     script = os.path.join(ROOT, "benchmarks", "simulator_rounds.py")
     done = subprocess.run([sys.executable, script, "--nproc", "2", "--threads", "1", "--model", "resnet20",
@@ -319,24 +328,24 @@ def test_simulator_rounds_predicts_each_plan_from_the_compute_of_its_round(tmp_p
         assert len(row["measured_s"]) == len(row["predicted_s"]) == 2
         assert all(t > 0 for t in row["measured_s"] + row["predicted_s"]) and row["saved_profile_s"] > 0
         assert len(row["plan"]["groups"]) == row["groups"] and len(row["phases"]) == 2  # per rank
-    table = subprocess.run([sys.executable, script, "--table", str(out)], capture_output=True, text=True, cwd=ROOT)
-    assert table.returncode == 0 and "| 2 | compress-2 | 2 (2) |" in table.stdout
+    from benchmarks import simulator_rounds
+    capsys.readouterr()
+    assert simulator_rounds.main(["--table", str(out)]) in (0, None)
+    assert "| 2 | compress-2 | 2 (2) |" in capsys.readouterr().out
     for flags, message in ((["--rounds", "0"], "--rounds must be ≥ 1, got 0"),
                            (["--plans", "fp32-x"], "neither 'auto' nor SEND-K"),
                            (["--net-profile", "loopback"], "is not rate-limited"),
                            (["--scheduler", "fixed"], "--scheduler must be auto"),
                            (["--link-efficiency", "2"], "a fraction in (0, 1]")):
-        bad = subprocess.run([sys.executable, script, "--net-profile", "1gbit", *flags], capture_output=True,
-                             text=True, cwd=ROOT, timeout=60)
-        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        bad = refusal(simulator_rounds.main, ["--net-profile", "1gbit", *flags], capsys)
+        assert message in bad, bad
 
 
-def test_sparse_sum_benchmark_prints_a_row_per_cell_and_refuses_dense_compressors():
+def test_sparse_sum_benchmark_prints_a_row_per_cell_and_refuses_dense_compressors(capsys):
     script = os.path.join(ROOT, "benchmarks", "sparse_sum.py")
     done = subprocess.run([sys.executable, script, "--sizes", "10K", "--ranks", "2,3", "--reps", "1",
                            "--compressors", "dgc"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [line.split("|")[3].strip() for line in done.stdout.splitlines() if line.startswith("| dgc |")] == ["2", "3"]
-    dense = subprocess.run([sys.executable, script, "--compressors", "qsgd"], capture_output=True, text=True,
-                           timeout=120, cwd=ROOT)
-    assert dense.returncode == 2 and "does not sum in place" in dense.stderr
+    from benchmarks import sparse_sum
+    assert "does not sum in place" in refusal(sparse_sum.main, ["--compressors", "qsgd"], capsys)
