@@ -51,7 +51,7 @@ COLUMNS = ("step", "skipped", "skipped_total", "bytes_sent", "fp32_bytes", "comp
 TENSORBOARD_INSTALL = "pip install tensorboard   (or: pip install 'mergecomp[tensorboard]')"
 
 
-def _summary_writer():
+def tensorboard_writer():
     """torch's SummaryWriter class, or ImportError saying what to install."""
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -97,7 +97,7 @@ class StepLog:
         self.log_dir = str(log_dir)
         self.every = every
         self._want_csv, self._want_tensorboard = csv, tensorboard
-        self._writer_class = _summary_writer() if tensorboard else None  # fail before training
+        self._writer_class = tensorboard_writer() if tensorboard else None  # fail before training
         self._csv_file = self._csv = self._tensorboard = None
         self._source = None
         self._reset_window()

@@ -15,7 +15,7 @@ from mergecomp import steplog
 from tests.distributed import run_ranks
 
 try:
-    steplog._summary_writer()
+    steplog.tensorboard_writer()
     HAVE_TENSORBOARD = True
 except ImportError:
     HAVE_TENSORBOARD = False
