@@ -1,6 +1,7 @@
 # make demo   set up (if needed) and run a 2-worker compressed training benchmark on CPU
 # make test   set up (if needed) and run the test suite
 # make bench  the default benchmark sweep (see benchmarks/)
+# make plots  redraw the figures docs/results.md shows from the committed results
 # make horovod  build Horovod 0.28.1 for the installed torch and install it (docs/horovod.md)
 #
 # Set-up: an active virtual environment is used as it is; otherwise .venv is created
@@ -18,7 +19,7 @@ PY := $(CURDIR)/.venv/bin/python
 endif
 STAMP := $(dir $(PY)).mergecomp-installed
 
-.PHONY: setup demo test bench horovod clean
+.PHONY: setup demo test bench plots horovod clean
 
 setup: $(STAMP)
 
@@ -39,6 +40,9 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/sweep.py benchmarks/sweeps/default.yaml
+
+plots: setup
+	$(PY) benchmarks/plot.py results
 
 horovod: setup
 	bash tools/build_horovod.sh $(PY)

@@ -8,9 +8,13 @@ The flags are MergeComp's (and Horovod's synthetic benchmark's), e.g.
     python compress_benchmark.py --nproc 2 --compress --compressor topk --comm allgather \
         --memory residual --model resnet20
 
-Per iteration it prints the throughput per worker, then mean ± 1.96σ, the total for all
-workers, and the bytes each worker handed to the collective backend per training step
-(counted from the payloads, not estimated) with the compression ratio against FP32.
+A timed iteration is --num-batches-per-iter training steps (a step: forward, backward,
+exchange, optimizer step).  After each iteration it prints the throughput per worker; at the
+end the mean ± 1.96σ, the total for all workers, and the bytes each worker handed to the
+collective backend per training step (counted from the payloads, not estimated) with the
+compression ratio against FP32.  --log-dir DIR writes one row per training step of what
+compression did (bytes, density, compression and wait time, dropped steps, error-feedback
+norm) to DIR/steps.csv, and with --tensorboard to TensorBoard event files.
 """
 from __future__ import annotations
 
@@ -106,8 +110,20 @@ def parse_args(argv=None):
     p.add_argument("--op-profile", type=int, default=0, metavar="N",
                    help="after the timed iterations, profile N more steps and print the operators "
                         "a step spends its time in, on rank 0 (default 0: off)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="write a row per training step (rank 0) to DIR/steps.csv: bytes sent, "
+                        "density, compression and wait time, dropped steps, error-feedback norm")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="with --log-dir: TensorBoard event files too (needs: pip install tensorboard)")
     args = p.parse_args(argv)
     check_arguments(p, args)
+    if args.tensorboard:
+        if not args.log_dir:
+            p.error("--tensorboard writes into --log-dir: add --log-dir DIR")
+        try:
+            mergecomp.steplog.tensorboard_writer()
+        except ImportError as error:
+            p.error(str(error))
     if args.op_profile < 0:
         p.error(f"--op-profile must be ≥ 0 (the steps to profile; 0 is off), got {args.op_profile}")
     return args
@@ -169,9 +185,11 @@ def warm_up_and_settle(optimizer, timed, args, work) -> int:
 
     Returns the search steps taken beyond the warm-up (0 for a fixed plan).
     """
+    work.progress.phase("warm-up", max(1, args.num_warmup_batches))
     timed(max(1, args.num_warmup_batches))  # at least one step: it records the plan
     search_steps = 0
     scheduler = optimizer.scheduler
+    work.progress.phase(f"{args.scheduler} scheduler search")
     while getattr(scheduler, "adaptive", False) and not scheduler.settled:
         if search_steps >= 1000:
             raise RuntimeError(f"the {args.scheduler} scheduler did not settle within 1000 steps")
@@ -190,6 +208,9 @@ def worker(args):
     work = benchmarking.prepare(args)
     optimizer = build_optimizer(args, work)
     backend = optimizer.backend
+    log = mergecomp.StepLog(args.log_dir, tensorboard=args.tensorboard) if args.log_dir else None
+    if log is not None:
+        optimizer.add_step_log(log)
 
     timed = benchmarking.make_timer(benchmarking.training_step(work, work.model, optimizer), work.device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
@@ -203,6 +224,7 @@ def worker(args):
     series = benchmarking.run_iterations(
         timed, work, args, lambda: {"bytes_sent": backend.bytes_sent, "wire_bytes": backend.wire_bytes})
     if args.op_profile:  # every rank steps (the collectives need them), rank 0 reports
+        work.progress.phase("operator profile", args.op_profile)
         work.log(benchmarking.operator_profile(timed, args.op_profile, work.device))
     result = benchmarking.report(work, series, backend.allgather_object, {
         "compress": args.compress, "compressor": args.compressor if args.compress else "none",
@@ -211,6 +233,9 @@ def worker(args):
         "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
         "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
         "plan": optimizer.plan.digest()})
+    if log is not None:
+        log.close()
+        work.log(f"Step log: {log.log_dir}")
     return benchmarking.finish(result, args.json, work)
 
 

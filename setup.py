@@ -34,6 +34,8 @@ setup(
         # Horovod's last release does not build against current PyTorch as published:
         # `make horovod` builds it (docs/horovod.md), so there is no "horovod" extra.
         "plots": ["matplotlib"],
+        # TensorBoard event files of mergecomp.StepLog(tensorboard=True); its CSV needs nothing.
+        "tensorboard": ["tensorboard"],
         "integrations": ["lightning>=2.1,<3", "accelerate>=0.26"],
         # scikit-learn: the digits dataset of the convergence benchmark; Lightning and
         # Accelerate: the integration tests.  None of them constrains torch below 2.1.

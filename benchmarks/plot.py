@@ -1,17 +1,28 @@
 #!/usr/bin/env python
-"""Figures from a sweep's summary.csv, in the style of MergeComp's.
+"""Figures from saved results: a sweep's summary.csv, a headline run, a convergence run.
 
-    python benchmarks/plot.py benchmarks/results/<run>/summary.csv --out benchmarks/results/<run>
+    .venv/bin/python benchmarks/plot.py results     # every figure docs/results.md shows, from the
+                                                    # committed data, written beside that data
+    .venv/bin/python benchmarks/plot.py benchmarks/results/<headline run>      # headline.png
+    .venv/bin/python benchmarks/plot.py benchmarks/results/<convergence run>   # accuracy.png
+    .venv/bin/python benchmarks/plot.py benchmarks/results/<sweep>/summary.csv [--out DIR]
 
-Per network profile it writes two PNGs, one row of panels per model and one column per worker
-count:
+A headline run's folder (``benchmarks/headline.py``'s JSON, one per model, link and worker
+count) gives ``headline.png``: per link, one group of bars per model, mergecomp's speed
+against DDP's 16-bit hook and against the zero-cost bound, at each worker count (> 1 is
+faster).  A convergence run's folder (``convergence.json`` of ``benchmarks/convergence.py``)
+gives ``accuracy.png``: test accuracy per epoch of every compressor (mean of the seeds), and
+the final accuracy with its spread, dense SGD's marked.
+
+A sweep's summary.csv gives, per network profile, two PNGs with one row of panels per model
+and one column per worker count, in the style of MergeComp's figures:
 
 - ``scaling_<profile>.png``: the scaling factor of every compressor, layer-wise (fusion-num 0)
   next to the best fused setting (the fusion-num > 0 with the highest scaling factor, written
   above its bar), PyTorch DDP PowerSGD bars at the right, DDP FP32 as a dashed line and DDP
   FP16 as a dotted line.  A cell that failed is marked "failed" where its bar would be.
-- ``itertime_<profile>.png``: iteration time (one training step) against fusion-num, one
-  line per compressor, with DDP FP32 dashed.
+- ``itertime_<profile>.png``: seconds per training step against fusion-num, one line per
+  compressor, with DDP FP32 dashed.
 
 Needs matplotlib (``pip install matplotlib``, the ``plots`` extra); it draws with the Agg
 backend, so no display is needed.
@@ -20,9 +31,20 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
+import json
 import os
+import statistics
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``mergecomp`` importable
+    sys.path.insert(0, ROOT)
+
+#: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
+#: results`` redraws their figures.  A new headline or convergence run replaces its entry.
+SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
@@ -150,19 +172,175 @@ def _itertime_panel(ax, rows: List[dict], title: str) -> None:
     ax.set_xticks(range(len(fusions)))
     ax.set_xticklabels([f"{f}\n(layer-wise)" if f == 0 else str(f) for f in fusions], fontsize=8)
     ax.set_xlabel("fusion-num (groups)")
-    ax.set_ylabel("iteration time (s)")
+    ax.set_ylabel("seconds per training step")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside: lines cross
 
 
+# -- a headline run ------------------------------------------------------------------------------
+MODEL_NAMES = {"lstm": "LSTM LM", "transformer": "transformer LM"}
+LINK_NAMES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
+
+
+def render_headline(folder: str, out: Optional[str] = None, ours: str = "auto-dgc") -> str:
+    """``headline.png`` of a headline run's folder: ``ours`` against DDP's 16-bit hook and
+    the zero-cost bound, per link, model and worker count; returns its path."""
+    from benchmarks.headline import BASELINE, CAMPAIGN_LINKS, CAMPAIGN_MODELS
+    from mergecomp.benchmarking import saved_results
+    paths = sorted(glob.glob(os.path.join(folder, "*.json")))
+    if not paths:
+        raise ValueError(f"{folder} holds no JSON results of benchmarks/headline.py")
+    cells: Dict[tuple, dict] = {}
+    for result in saved_results(paths, "configurations", "benchmarks/headline.py"):
+        if ours not in result["configurations"]:
+            raise ValueError(f"{result['model']}, {result['link']}, {result['workers']} workers has no "
+                             f"configuration {ours!r}; it has {', '.join(result['configurations'])}")
+        cells[(result["link"], result["model"], result["workers"])] = result["configurations"][ours]
+
+    def ordered(values, known):
+        return sorted(set(values), key=lambda v: (known.index(v) if v in known else len(known), v))
+    links = ordered((k[0] for k in cells), CAMPAIGN_LINKS)
+    models = ordered((k[1] for k in cells), CAMPAIGN_MODELS)
+    workers = sorted({k[2] for k in cells})
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(links), squeeze=False, sharey=True, figsize=(3.3 * len(links) + 0.6, 3.3))
+    bars = [(f"× DDP {BASELINE.split('-')[-1]}, {n} workers", "versus_ddp_fp16", n) for n in workers] + \
+           [(f"× zero-cost bound, {n} workers", "scaling_vs_bound", n) for n in workers]
+    colors = ["#1f77b4", "#9ecae1", "#ff7f0e", "#fdd0a2"][:len(bars)] if len(workers) == 2 else None
+    width = 0.8 / len(bars)
+    for ax, link in zip(axes[0], links):
+        for b, (label, key, n) in enumerate(bars):
+            xs = [m + (b - (len(bars) - 1) / 2) * width for m in range(len(models))]
+            values = [cells.get((link, model, n), {}).get(key, float("nan")) for model in models]
+            ax.bar(xs, values, width, label=label, color=colors[b] if colors else None)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels([MODEL_NAMES.get(m, m) for m in models], fontsize=8)
+        ax.set_title(LINK_NAMES.get(link, link), fontsize=9)
+    axes[0][0].set_ylabel(f"speed of mergecomp ({ours}), ×")
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.suptitle("mergecomp against DDP's 16-bit hook and the zero-cost bound (> 1: faster)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "headline.png"))
+
+
+# -- a convergence run -----------------------------------------------------------------------------
+def _pretty(label: str) -> str:
+    """A convergence spec's label as the README names it: "dgc:compress_ratio=0.01" → "dgc 1%"."""
+    name, _, options = label.partition(":")
+    words = [name]
+    for option in filter(None, options.split(",")):
+        key, _, value = option.partition("=")
+        if key == "compress_ratio":
+            words.append(f"{float(value) * 100:g}%")
+        else:
+            words.append(key if value == "True" else f"{key} {value}")
+    return " ".join(words)
+
+
+def render_accuracy(folder: str, out: Optional[str] = None) -> str:
+    """``accuracy.png`` of a convergence run's folder: test accuracy per epoch of every
+    compressor (mean of its seeds), and the final accuracy, mean ± one standard deviation,
+    against dense SGD's; returns its path."""
+    path = os.path.join(folder, "convergence.json")
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}; is {folder} a run of "
+                         f"benchmarks/convergence.py?") from None
+    if not isinstance(result, dict) or not {"rows", "runs"} <= set(result):
+        raise ValueError(f"{path} has no 'rows' and 'runs': it is no result of benchmarks/convergence.py")
+    curves: Dict[str, List[List[float]]] = {}
+    for run in result["runs"]:
+        if run.get("curve"):
+            curves.setdefault(run["label"], []).append(run["curve"])
+    rows = sorted(result["rows"], key=lambda r: r["accuracy_mean"])
+    dense = next((r for r in rows if r["label"] == "none"), None)
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1.1, 1]})
+    # a compressor a point or more behind dense SGD gets a colour of its own, in both panels
+    failing_colors = iter(["tab:red", "tab:purple", "tab:brown", "tab:olive", "tab:cyan"] * 10)
+    failing = {r["label"]: next(failing_colors) for r in rows if r["gap_to_dense_points"] <= -1.0}
+    for label, runs in sorted(curves.items()):
+        mean = [statistics.mean(epoch) * 100 for epoch in zip(*runs)]
+        epochs = range(1, len(mean) + 1)
+        if label == "none":
+            left.plot(epochs, mean, color="black", linewidth=2, label="dense SGD", zorder=3)
+        elif label in failing:
+            left.plot(epochs, mean, color=failing[label], linewidth=1.6, label=_pretty(label), zorder=2)
+        else:
+            left.plot(epochs, mean, color="tab:gray", linewidth=0.7, alpha=0.6, zorder=1)
+    left.plot([], [], color="tab:gray", linewidth=0.7, label="every other compressor")
+    left.set_xlabel("epoch")
+    left.set_ylabel("test accuracy % (mean of seeds)")
+    left.set_ylim(0, 100)
+    left.legend(fontsize=7, loc="lower right")
+    left.set_title("accuracy per epoch", fontsize=9)
+    names = [_pretty(r["label"]) if r["label"] != "none" else "none (dense)" for r in rows]
+    means = [r["accuracy_mean"] * 100 for r in rows]
+    spread = [r["accuracy_std"] * 100 for r in rows]
+    colors = ["black" if r["label"] == "none" else failing.get(r["label"], "tab:blue") for r in rows]
+    right.barh(range(len(rows)), means, xerr=spread, color=colors, height=0.7)
+    right.set_yticks(range(len(rows)))
+    right.set_yticklabels(names, fontsize=7)
+    if dense is not None:
+        right.axvline(dense["accuracy_mean"] * 100, color="black", linestyle=":", linewidth=1)
+    low = min(means[i] for i, r in enumerate(rows) if r["label"] not in failing)
+    right.set_xlim(max(0.0, low - 5), min(100.0, max(m + s for m, s in zip(means, spread)) + 0.5))
+    for i, (r, value) in enumerate(zip(rows, means)):
+        if value < low - 5:  # off the axis: say where it is
+            right.text(low - 4.8, i, f"{value:.1f}% ←", va="center", fontsize=7, color=failing[r["label"]])
+    right.set_xlabel("final test accuracy % (mean ± std of seeds)")
+    right.set_title("final accuracy; dotted: dense SGD", fontsize=9)
+    options = result.get("options", {})
+    fig.suptitle(f"{result.get('workers', '?')} workers, {options.get('epochs', '?')} epochs, "
+                 f"{len(options.get('seeds', [])) or '?'} seeds (benchmarks/convergence.py)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "accuracy.png"))
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: str) -> str:
+    """Save without the date matplotlib would write into the file, so redrawing the same data
+    gives the same bytes (a figure in git changes only when its data or code does)."""
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    _pyplot().close(fig)
+    return path
+
+
+def render_any(path: str, out: Optional[str] = None) -> List[str]:
+    """The figures of ``path``: a sweep's summary.csv, a headline or convergence run's folder,
+    or ``results`` (every run docs/results.md shows, from benchmarks/results)."""
+    if path == "results":
+        if out:
+            raise ValueError("'results' writes each figure beside its data; drop --out")
+        return [p for run in SHOWN_RUNS for p in render_any(os.path.join(ROOT, "benchmarks", "results", run))]
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "convergence.json")):
+            return [render_accuracy(path, out)]
+        return [render_headline(path, out)]
+    if not os.path.exists(path):
+        raise ValueError(f"{path!r} does not exist: pass 'results', a run's folder under "
+                         "benchmarks/results, or a sweep's summary.csv")
+    return render(path, out or os.path.dirname(os.path.abspath(path)))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("summary", help="summary.csv written by benchmarks/sweep.py")
-    p.add_argument("--out", default=None, help="folder for the PNGs (default: the CSV's folder)")
+    p.add_argument("source", help="'results', a headline or convergence run's folder, or a summary.csv "
+                                  "written by benchmarks/sweep.py")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default: beside the data)")
     args = p.parse_args(argv)
     try:
-        paths = render(args.summary, args.out or os.path.dirname(os.path.abspath(args.summary)))
+        paths = render_any(args.source, args.out)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

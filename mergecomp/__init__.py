@@ -12,8 +12,9 @@ Components are looked up by name in four registries (``mergecomp.compressors``,
 from . import backends, communicators, compressors, memories, schedulers
 from .optimizer import DistributedOptimizer
 from .plan import Group, ParamInfo, Plan
+from .steplog import StepLog
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedOptimizer", "Plan", "Group", "ParamInfo", "compressors", "memories",
+__all__ = ["DistributedOptimizer", "StepLog", "Plan", "Group", "ParamInfo", "compressors", "memories",
            "communicators", "schedulers", "backends", "__version__"]

@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -40,6 +40,9 @@ def add_workload_arguments(p) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON to this path (rank 0)")
     p.add_argument("--seed", type=int, default=42,
                    help="seed of the model's initial weights and of the synthetic batches (default 42)")
+    p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
+                   help="when output is not a terminal (a log file, a pipe), print a progress line "
+                        "this often during warm-up and timing (default 10; 0: off)")
 
 
 def check_workload_arguments(p, args) -> None:
@@ -50,6 +53,41 @@ def check_workload_arguments(p, args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
+    if not 0 <= args.progress_every < float("inf"):
+        p.error(f"--progress-every must be a number of seconds ≥ 0 (0: off), got {args.progress_every}")
+
+
+class Progress:
+    """Plain progress lines for output that is not a terminal.
+
+    On a terminal the timed iterations get a progress bar.  Redirected to a log file or a
+    pipe, a bar's carriage returns garble the lines, and without one a long warm-up (minutes
+    for a large model on CPUs) prints nothing at all.  So there, rank 0 counts the steps and
+    prints a line such as ``warm-up: step 4 of 10, 41 s`` at most once per ``every_s``
+    seconds; :meth:`phase` names what the steps are for.
+    """
+
+    def __init__(self, show: bool = False, every_s: float = 10.0):
+        self.show = show and every_s > 0
+        self.every_s = every_s
+        self._name, self._total, self._done = "steps", None, 0
+        self._started = self._last = time.perf_counter()
+
+    def phase(self, name: str, total: Optional[int] = None) -> None:
+        """The steps from now on are ``name`` (``total`` of them, when known)."""
+        self._name, self._total, self._done = name, total, 0
+        self._started = self._last = time.perf_counter()
+
+    def step(self) -> None:
+        """One step done; print a line if ``every_s`` passed since the last."""
+        if not self.show:
+            return
+        self._done += 1
+        now = time.perf_counter()
+        if now - self._last >= self.every_s:
+            self._last = now
+            of = f" of {self._total}" if self._total else ""
+            print(f"{self._name}: step {self._done}{of}, {now - self._started:.0f} s", flush=True)
 
 
 @dataclass
@@ -64,6 +102,8 @@ class Workload:
     inputs: torch.Tensor
     targets: torch.Tensor
     num_params: int
+    #: Progress lines on rank 0 when stdout is not a terminal (see :class:`Progress`).
+    progress: Progress = field(default_factory=Progress)
 
     @property
     def rank(self) -> int:
@@ -98,16 +138,20 @@ def prepare(args) -> Workload:
     generator = torch.Generator(device=device).manual_seed(args.seed + info.rank)
     inputs, targets = spec.batch(batch_size, device=device, generator=generator)
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return Workload(info, device, spec, batch_size, model, inputs, targets, num_params)
+    progress = Progress(show=info.rank == 0 and not sys.stdout.isatty(),
+                        every_s=getattr(args, "progress_every", 10.0))
+    return Workload(info, device, spec, batch_size, model, inputs, targets, num_params, progress)
 
 
 def training_step(work: Workload, model: torch.nn.Module, optimizer) -> Callable[[], None]:
     """One synthetic training step of ``model`` on ``work``'s batch: zero_grad, forward, loss,
-    backward, ``optimizer.step()`` — the step every benchmark times."""
+    backward, ``optimizer.step()`` — the step every benchmark times (counted for
+    ``work.progress``)."""
     def step() -> None:
         optimizer.zero_grad()
         work.spec.loss(model(work.inputs), work.targets).backward()
         optimizer.step()
+        work.progress.step()
     return step
 
 
@@ -182,12 +226,14 @@ def interleaved_windows(steps: Dict[str, Callable[[], None]], rounds: int, windo
 
 
 def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str, float]]) -> Dict[str, List[float]]:
-    """``num_iters`` timed iterations of ``num_batches_per_iter`` steps each.
+    """``num_iters`` timed iterations of ``num_batches_per_iter`` training steps each.
 
-    Returns per-iteration lists: ``rates`` (samples/s), ``step_times`` (s), and for each
-    key of ``counters()`` its increase per step (bytes sent, ...).
+    Returns one entry per iteration in each list: ``rates`` (samples/s), ``step_times``
+    (seconds per training step), and for each key of ``counters()`` its increase per
+    training step (bytes sent, ...).
     """
     series: Dict[str, List[float]] = {"rates": [], "step_times": []}
+    work.progress.phase("timed", args.num_iters * args.num_batches_per_iter)
     iterations, write = _progress(args.num_iters, show=work.rank == 0 and sys.stderr.isatty())
     for i in iterations:
         before = counters()
@@ -242,6 +288,7 @@ def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any
         "workers": size, "launcher": work.info.launcher, "device": str(work.device),
         "batch_size": work.batch_size, "num_params": work.num_params,
         "rate_per_worker": mean, "rate_per_worker_ci": conf, "rate_total": total,
+        # seconds per training step (MergeComp's "iteration time"; the sweeps read this key)
         "iteration_time_s": statistics.mean(series["step_times"]),
         "bytes_per_step": sent, "fp32_bytes_per_step": fp32_bytes,
         "compression_ratio": fp32_bytes / sent if sent else math.inf,
@@ -251,10 +298,10 @@ def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any
     unit = work.spec.unit
     work.log(f"{unit.capitalize()}/sec per worker: {mean:.1f} +-{conf:.1f}")
     work.log(f"Total {unit}/sec on {size} worker{'s' if size != 1 else ''}: {total:.1f} +-{conf * size:.1f}")
-    work.log(f"Bytes sent per worker per iteration: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
+    work.log(f"Bytes sent per worker per training step: {sent:,.0f} ({sent / 1e6:.3f} MB); FP32 gradient: "
              f"{fp32_bytes:,} bytes; compression ratio {result['compression_ratio']:.1f}x")
     if size > 1:
-        work.log(f"On the wire per worker per iteration (ring/direct algorithms): {wire:,.0f} bytes; "
+        work.log(f"On the wire per worker per training step (ring/direct algorithms): {wire:,.0f} bytes; "
                  f"FP32 ring allreduce: {fp32_wire:,} bytes ({fp32_wire / wire if wire else math.inf:.1f}x)")
     return result
 

@@ -41,6 +41,7 @@ groups in an order of mergecomp's own; parameter slices.  Use
 """
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -55,7 +56,7 @@ from .compressors import recipes
 from .compressors.base import Compressor, GroupLayout, ParamView
 from .memories.base import Memory
 from .plan import ParamInfo
-from .reducer import NONFINITE_POLICIES, config_digest
+from .reducer import NONFINITE_POLICIES, _Listeners, config_digest
 from .regroup import CannotRegroup, regroup_state
 
 __all__ = ["HookState", "hook", "register", "bucket_caps"]
@@ -71,6 +72,7 @@ class _Pending:
                  future: torch.futures.Future, local_nonfinite: Optional[torch.Tensor]):
         self.index, self.buffer, self.communicator = index, buffer, communicator
         self.handle, self.future, self.local_nonfinite = handle, future, local_nonfinite
+        self.numel, self.wait_seconds, self.send = buffer.numel(), 0.0, "compress"  # for listeners
 
 
 class HookState:
@@ -163,6 +165,21 @@ class HookState:
         self._preflight = None
         self._pending: List[_Pending] = []
         self._new_layouts: Dict[int, BucketKey] = {}
+        self.phase_listeners, self.step_listeners = _Listeners(), _Listeners()
+
+    def add_phase_listener(self, callback):
+        """As the wrapper's (:meth:`mergecomp.reducer.Reducer.add_phase_listener`): the
+        ``"launch"`` of each bucket and its ``"finish"`` (waits timed apart)."""
+        return self.phase_listeners.add(callback)
+
+    def add_step_listener(self, callback):
+        """As the wrapper's (:meth:`mergecomp.reducer.Reducer.add_step_listener`)."""
+        return self.step_listeners.add(callback)
+
+    def add_step_log(self, log):
+        """Record every step's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
+        handle whose ``remove()`` detaches it.  Not kept when the state is pickled."""
+        return log.attach(self)
 
     def _raw_communicator(self, send: str) -> Communicator:
         if send not in self._raw:
@@ -191,6 +208,7 @@ class HookState:
     # -- one bucket ------------------------------------------------------------------------------
     def exchange(self, bucket) -> torch.futures.Future:
         """Start ``bucket``'s exchange; at the last bucket, finish the step (see the module)."""
+        started = time.perf_counter() if self.phase_listeners else 0.0
         buffer = bucket.buffer()
         index = bucket.index()
         if not self._pending:
@@ -216,6 +234,9 @@ class HookState:
         handle = communicator.start(buffer, f"group{index}", layout)
         future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
         self._pending.append(_Pending(index, buffer, communicator, handle, future, local))
+        self._pending[-1].send = "fp32" if changed else send
+        if self.phase_listeners:
+            self.phase_listeners("launch", self._pending[-1], time.perf_counter() - started)
         if bucket.is_last():
             self._finish_step()
         return future
@@ -255,7 +276,7 @@ class HookState:
     # -- the end of the step -------------------------------------------------------------------
     def _finish_step(self) -> None:
         pending, self._pending = self._pending, []
-        averages = [p.communicator.finish(p.handle).reshape(-1) for p in pending]
+        averages = [self._finish_bucket(p) for p in pending]
         if self.nonfinite == "off":
             outcome = StepOutcome([], False, self.backend.size)
         else:
@@ -276,6 +297,8 @@ class HookState:
         if self._new_layouts:
             self._follow_layouts()
         self.steps += 1
+        if self.step_listeners:
+            self.step_listeners(self.steps - 1, outcome)
         for p, average in zip(pending, averages):
             p.future.set_result(average.view_as(p.buffer))
         if not outcome.finite:
@@ -285,6 +308,20 @@ class HookState:
                 raise NonFiniteGradient(message)
             warnings.warn(f"mergecomp: {message}; {self.skipped_steps} step(s) dropped so far",
                           RuntimeWarning, stacklevel=3)
+
+    def _finish_bucket(self, pending: _Pending) -> torch.Tensor:
+        """The bucket's average; timed for phase listeners (the wait for a single-round
+        collective apart from decoding)."""
+        if not self.phase_listeners:
+            return pending.communicator.finish(pending.handle).reshape(-1)
+        started = time.perf_counter()
+        if pending.handle.rounds is None:
+            pending.handle.work.wait()
+            pending.wait_seconds = time.perf_counter() - started
+            started = time.perf_counter()
+        average = pending.communicator.finish(pending.handle).reshape(-1)
+        self.phase_listeners("finish", pending, time.perf_counter() - started)
+        return average
 
     def _follow_layouts(self) -> None:
         """DDP changed buckets: move per-bucket state to the new buckets by parameter."""

@@ -242,6 +242,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """See :meth:`mergecomp.reducer.Reducer.add_phase_listener`."""
         return self.reducer.add_phase_listener(callback)
 
+    def add_step_listener(self, callback):
+        """See :meth:`mergecomp.reducer.Reducer.add_step_listener`."""
+        return self.reducer.add_step_listener(callback)
+
+    def add_step_log(self, log):
+        """Record every step's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
+        handle whose ``remove()`` detaches it."""
+        return log.attach(self.reducer)
+
     def set_plan(self, plan: Plan) -> None:
         """See :meth:`mergecomp.reducer.Reducer.set_plan`."""
         self.reducer.set_plan(plan)

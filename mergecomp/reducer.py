@@ -194,6 +194,7 @@ class Reducer:
         self.last_sync_time = 0.0
         self.ready_listeners = _Listeners()
         self.phase_listeners = _Listeners()
+        self.step_listeners = _Listeners()
         if plan is not None:
             self.install_plan(plan, check_ranks=True)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
@@ -220,6 +221,12 @@ class Reducer:
         write-back, after the collective is done); ``group`` has ``index``, ``send``,
         ``numel``.  Timing only."""
         return self.phase_listeners.add(callback)
+
+    def add_step_listener(self, callback: Callable[[int, StepOutcome], None]) -> RemovableHandle:
+        """Call ``callback(step, outcome)`` when a step's exchange is settled (committed or
+        dropped, before a ``NonFiniteGradient`` is raised); with phase listeners attached,
+        each group also has ``wait_seconds`` (blocked on its collective) by then."""
+        return self.step_listeners.add(callback)
 
     def communicators(self) -> List[Communicator]:
         """Every communicator this reducer sends with (compressed, then raw widths)."""
@@ -459,6 +466,8 @@ class Reducer:
         self._awaiting_step = True
         self.last_outcome = outcome
         self.last_sync_time = time.perf_counter() - started
+        if self.step_listeners:
+            self.step_listeners(self.steps, outcome)
         if dropped is not None:
             # Raised once the step is closed: a caller that catches it can zero_grad() and
             # go on, as after a warning.
@@ -469,9 +478,11 @@ class Reducer:
         averages = []
         listening = bool(self.phase_listeners)
         for group in self.groups:
+            finishing = time.perf_counter() if listening else 0.0
             if listening and group.handle.rounds is None:
                 group.handle.work.wait()  # timing only: finish() would wait here anyway
-            finishing = time.perf_counter() if listening else 0.0
+                group.wait_seconds = time.perf_counter() - finishing
+                finishing = time.perf_counter()
             averages.append(self._communicator_for(group).finish(group.handle))
             if listening:
                 group.finish_seconds = time.perf_counter() - finishing

@@ -32,3 +32,40 @@ def test_wrong_csv_is_a_clear_error(tmp_path, capsys):
     assert "lacks the column" in capsys.readouterr().err
     with pytest.raises(ValueError, match="cannot read"):
         plot.read_summary(str(tmp_path / "missing.csv"))
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "results")
+
+
+def _is_png(path):
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shown_runs_draw_from_the_committed_data(tmp_path):
+    # what `plot.py results` draws, into tmp_path instead of beside the data
+    for run, name in zip(plot.SHOWN_RUNS, ("headline.png", "accuracy.png")):
+        folder = os.path.join(RESULTS, run)
+        assert os.path.exists(os.path.join(folder, name)), f"{run} has no committed {name}"
+        out = tmp_path / run
+        out.mkdir()
+        [path] = plot.render_any(folder, str(out))
+        assert os.path.basename(path) == name and _is_png(path) and os.path.getsize(path) > 20_000
+
+
+def test_compressor_labels_read_as_in_the_readme():
+    assert plot._pretty("dgc:compress_ratio=0.01") == "dgc 1%"
+    assert plot._pretty("randk:unbiased=True") == "randk unbiased"
+    assert plot._pretty("topk") == "topk"
+
+
+def test_wrong_folders_are_clear_errors(tmp_path, capsys):
+    assert plot.main([str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert plot.main([str(tmp_path)]) == 2  # an empty folder: no headline JSON
+    assert "no JSON results of benchmarks/headline.py" in capsys.readouterr().err
+    (tmp_path / "convergence.json").write_text("[]")
+    assert plot.main([str(tmp_path)]) == 2
+    assert "no result of benchmarks/convergence.py" in capsys.readouterr().err
+    assert plot.main(["results", "--out", str(tmp_path)]) == 2
+    assert "beside its data" in capsys.readouterr().err

@@ -31,6 +31,9 @@ class Handle:
     extra: Dict[str, Any] = field(default_factory=dict)
     #: The caller's tensor, when it lent it for the result (``start(..., in_place=True)``).
     output: Optional[torch.Tensor] = None
+    #: What was sent (single-round exchanges), until ``finish``: the step log counts the
+    #: coordinates a sparse payload carries.
+    payload: Optional[tuple] = None
 
     def future(self) -> "torch.futures.Future":
         """A ``torch.futures.Future`` of the group's (first) collective: ``.then`` chains on
@@ -78,7 +81,8 @@ class Communicator:
         payload, ctx = self._encode(self.compressor.compress, compensated, name, layout)
         self.memory.update(compensated, name, self.compressor, payload, ctx)
         output = tensor.view(-1) if in_place and tensor.is_contiguous() else None
-        return Handle(name, tensor.shape, self._launch(payload, ctx, name), ctx=ctx, output=output)
+        return Handle(name, tensor.shape, self._launch(payload, ctx, name), ctx=ctx, output=output,
+                      payload=payload)
 
     def _encode(self, method, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout], **options):
         """``compress``/``rounds`` with the layout, for compressors that take one."""
@@ -88,6 +92,7 @@ class Communicator:
 
     def finish(self, handle: Handle) -> torch.Tensor:
         """Wait for the group and return the average of all ranks' gradients."""
+        handle.payload = None  # the handle outlives the step; the payload need not
         if handle.rounds is not None:
             total = self._run_rounds(handle)
         else:

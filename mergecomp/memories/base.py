@@ -38,6 +38,13 @@ class Memory:
     def rollback(self) -> None:
         """Forget the state this step wrote, as if the step had not happened."""
 
+    def error_norm(self):
+        """The L2 norm of what this memory holds back for later steps (every group's
+        committed state together), or None for a memory that holds nothing.  Read by the
+        step log (:class:`mergecomp.steplog.StepLog`) on the steps it records, so it costs
+        nothing otherwise."""
+        return None
+
     def state_dict(self) -> Dict[str, Any]:
         return {}
 
@@ -47,6 +54,12 @@ class Memory:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def norm_of(tensors) -> float:
+    """The L2 norm of several tensors taken as one vector (0.0 for none)."""
+    total = sum(float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2 for t in tensors)
+    return math.sqrt(total)
 
 
 def check_number(value, what: str, low: float, high: float, low_open: bool = False,

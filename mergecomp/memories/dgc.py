@@ -20,7 +20,7 @@ import torch
 
 from ..momentum import refuse_optimizer_momentum
 from . import register
-from .base import Memory, check_flag, check_number
+from .base import Memory, check_flag, check_number, norm_of
 from ..staging import Spares, StagedDict, shares_memory
 
 
@@ -146,6 +146,10 @@ class DGCMemory(Memory):
     def rollback(self):
         self._spares.recycle_rollback(self.momenta, "u/")
         self._spares.recycle_rollback(self.velocities, "v/")
+
+    def error_norm(self):
+        """The norm of the velocities: accumulated updates not yet sent."""
+        return norm_of(self.velocities.committed().values())
 
     def state_dict(self):
         return {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},

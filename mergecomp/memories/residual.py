@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import register
-from .base import Memory, check_number
+from .base import Memory, check_number, norm_of
 from ..staging import Spares, StagedDict, shares_memory
 
 
@@ -81,6 +81,10 @@ class ResidualMemory(Memory):
     def rollback(self):
         self._made.clear()
         self._spares.recycle_rollback(self.residuals)
+
+    def error_norm(self):
+        """The norm of the residuals: what was computed but not yet sent."""
+        return norm_of(self.residuals.committed().values())
 
     def state_dict(self):
         return {"residuals": {k: v.detach().clone() for k, v in self.residuals.committed().items()}}
