@@ -281,10 +281,10 @@ def check_exchange(args) -> None:
     """Build the compressor, memory and communicator every rank will build, here, with no
     process group (:class:`~mergecomp.benchmarking.NoProcessGroup`): their construction
     checks raise before any rank is spawned."""
-    compressor = build_compressor(args)
-    memory = mergecomp.memories.create(args.memory or compressor.recommended_memory)
-    mergecomp.communicators.create(args.comm or compressor.recommended_communicator, compressor=compressor,
-                                   memory=memory, backend=benchmarking.NoProcessGroup(args.nproc or 1))
+    from mergecomp import components  # the checks the wrapper makes: types, memory pairing
+    compressor, memory, comm = components.resolve(build_compressor(args), args.memory, args.comm)
+    mergecomp.communicators.create(comm, compressor=compressor, memory=memory,
+                                   backend=benchmarking.NoProcessGroup(args.nproc or 1))
 
 
 def check_plan(args) -> None:

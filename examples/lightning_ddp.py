@@ -89,9 +89,9 @@ def main(argv=None) -> int:
     p.add_argument("--comm", default="auto", help="communicator (default: the compressor's recommendation)")
     p.add_argument("--fusion-num", type=int, default=None,
                    help="DDP buckets from a mergecomp fusion-num (default: DDP's bucket_cap_mb)")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
     p.add_argument("--batch-size", type=int, default=64, help="per process (default 64)")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     args = p.parse_args(argv)
     if args.devices < 1 or args.epochs < 1 or args.batch_size < 1:
         p.error("--devices, --epochs and --batch-size must be ≥ 1")

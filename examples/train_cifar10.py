@@ -235,15 +235,18 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", required=True,
                    help="folder with cifar-10-batches-py/ or its data_batch_*, test_batch, batches.meta")
     p.add_argument("--depth", type=int, default=20, help="ResNet depth 6n+2: 20, 32, 44, 56, 110")
-    p.add_argument("--epochs", type=int, default=200)
+    p.add_argument("--epochs", type=int, default=200, help="passes over the training set (default 200)")
     p.add_argument("--batch-size", type=int, default=128, help="per worker (default 128)")
-    p.add_argument("--eval-batch-size", type=int, default=1000)
+    p.add_argument("--eval-batch-size", type=int, default=1000,
+                   help="images per worker when testing (default 1000)")
     p.add_argument("--lr", type=float, default=0.1,
                    help="learning rate of one worker; the job's peak is lr × workers (default 0.1)")
     p.add_argument("--lr-warmup-epochs", type=float, default=5.0,
                    help="epochs to rise from --lr to --lr × workers (default 5)")
-    p.add_argument("--weight-decay", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--weight-decay", type=float, default=1e-4,
+                   help="the paper's weight decay, applied after the exchange (default 1e-4)")
+    p.add_argument("--seed", type=int, default=42,
+                   help="seeds the model, the sampler and the augmentation (default 42)")
     p.add_argument("--checkpoint", nargs="?", const=DEFAULT_CHECKPOINT, default=None, metavar="DIR",
                    help="save one file per rank here after every epoch and resume from it when "
                         "it holds one (alone: runs/cifar10 in the repository, which git ignores)")

@@ -111,11 +111,13 @@ def evaluate(model, dataset) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compressor", default="topk", help=f"one of {', '.join(mergecomp.compressors.available())}")
-    p.add_argument("--compress-ratio", type=float, default=0.01)
-    p.add_argument("--fusion-num", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--compress-ratio", type=float, default=0.01,
+                   help="fraction of the elements a sparsifier sends (default 0.01)")
+    p.add_argument("--fusion-num", type=int, default=2,
+                   help="groups the gradients are fused into; 0: one per tensor (default 2)")
+    p.add_argument("--epochs", type=int, default=4, help="passes over the data (default 4)")
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     p.add_argument("--checkpoint", nargs="?", const=DEFAULT_CHECKPOINT, default=None, metavar="DIR",
                    help="folder for per-rank checkpoints (alone: runs/train_classifier in the "
                         "repository, which git ignores)")

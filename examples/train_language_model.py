@@ -149,16 +149,17 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", required=True,
                    help="folder with wiki.{train,valid,test}.tokens (or wikitext-2/ holding them)")
     p.add_argument("--hidden-size", type=int, default=650, help="LSTM and embedding width (default 650)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dropout", type=float, default=0.5)
+    p.add_argument("--layers", type=int, default=2, help="LSTM layers (default 2)")
+    p.add_argument("--dropout", type=float, default=0.5, help="dropout probability (default 0.5)")
     p.add_argument("--tie-weights", action="store_true", help="share embedding and decoder weights")
-    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--epochs", type=int, default=40, help="passes over the training text (default 40)")
     p.add_argument("--batch-size", type=int, default=20, help="rows per worker (default 20)")
     p.add_argument("--eval-batch-size", type=int, default=10, help="rows per worker when evaluating")
     p.add_argument("--bptt", type=int, default=35, help="tokens per window (default 35)")
-    p.add_argument("--lr", type=float, default=20.0)
+    p.add_argument("--lr", type=float, default=20.0,
+                   help="SGD learning rate, divided by 4 after an epoch that does not improve (default 20)")
     p.add_argument("--clip", type=float, default=0.25, help="gradient norm limit; 0 turns clipping off")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="seeds the initial model, the same on every rank (default 42)")
     exchange.add_exchange_arguments(p, compressor="topk", compress_ratio=0.01, momentum=0.0)
     args = p.parse_args(argv)
     for name in ("hidden_size", "layers", "epochs", "batch_size", "eval_batch_size", "bptt"):

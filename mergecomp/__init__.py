@@ -2,19 +2,23 @@
 
     import mergecomp
     optimizer = mergecomp.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        model.named_parameters(),
-        compressor="topk", memory="residual", communicator="allgather", schedule=2)
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
+        compressor=mergecomp.compressors.create("topk", compress_ratio=0.01),
+        memory="residual", communicator="allgather", schedule=2)
+    # or, keeping DistributedDataParallel: mergecomp.ddp.register(ddp_model, compressor="topk")
 
 Components are looked up by name in four registries (``mergecomp.compressors``,
 ``.memories``, ``.communicators``, ``.schedulers``), each open to plugins.
 """
 from . import backends, communicators, compressors, memories, schedulers
 from .optimizer import DistributedOptimizer
+# The DDP hook is part of the public face (``mergecomp.ddp.register`` after ``import
+# mergecomp``); it imports nothing the optimizer does not already, so it costs little.
+from . import ddp  # noqa: E402
 from .plan import Group, ParamInfo, Plan
 from .steplog import StepLog
 
 __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "StepLog", "Plan", "Group", "ParamInfo", "compressors", "memories",
-           "communicators", "schedulers", "backends", "__version__"]
+           "communicators", "schedulers", "backends", "ddp", "__version__"]

@@ -3,6 +3,13 @@
 Both entry points (the optimizer wrapper and the DDP hook state) accept a registered name or
 an instance for each, and ``"auto"`` (or None) for the memory and the communicator: the
 compressor's own recommendation (``recommended_memory``, ``recommended_communicator``).
+A compressor's arguments travel in the instance: ``compressors.create("topk",
+compress_ratio=0.01)`` (or the class itself) is accepted wherever ``"topk"`` is.
+
+Everything is checked here, once, so the wrapper, the DDP hook and the benchmark CLI refuse
+the same things with the same words: a value of the wrong type (TypeError naming the
+argument, the value and what it accepts), and a memory the compressor cannot be paired with
+(ValueError saying why and what to pass instead).
 """
 from __future__ import annotations
 
@@ -14,19 +21,62 @@ from . import compressors, memories
 from .communicators.base import Communicator
 from .compressors.base import Compressor
 from .memories.base import Memory
+from .memories.none import NoneMemory
+
+AUTO = (None, "auto")
 
 
 def resolve(compressor: Union[str, Compressor], memory: Union[None, str, Memory],
             communicator: Union[None, str, Communicator]) -> Tuple[Compressor, Memory, Union[str, Communicator]]:
     """(compressor instance, memory instance, communicator name or instance), with "auto"
-    resolved from the compressor's recommendations."""
-    compressor = compressors.create(compressor) if isinstance(compressor, str) else compressor
-    if memory is None or memory == "auto":
-        memory = compressor.recommended_memory
-    memory = memories.create(memory) if isinstance(memory, str) else memory
-    if communicator is None or communicator == "auto":
+    resolved from the compressor's recommendations and the pairing checked
+    (:func:`check_pairing`)."""
+    compressor = _compressor(compressor)
+    memory = _memory(compressor.recommended_memory if memory in AUTO else memory)
+    check_pairing(compressor, memory)
+    if communicator in AUTO:
         communicator = compressor.recommended_communicator
+    elif not isinstance(communicator, (str, Communicator)):
+        raise TypeError(_wrong("communicator", communicator,
+                               "a registered name (allreduce, allgather, ps, or a plugin's), a "
+                               "mergecomp.communicators.Communicator instance, or 'auto' (the "
+                               "compressor's recommendation)"))
     return compressor, memory, communicator
+
+
+def check_pairing(compressor: Compressor, memory: Memory) -> None:
+    """Refuse (ValueError) a memory that would do nothing, or harm, around ``compressor``.
+
+    A memory works through :meth:`Memory.update`, which sees one-shot payloads only: a
+    multi-round compressor (PowerSGD) exchanges in ``rounds()``, which no memory sees, so a
+    memory there would silently do nothing (or, the ``dgc`` memory, accumulate without ever
+    being emptied).  A compressor that keeps its own error feedback (its
+    ``error_feedback`` flag) would, besides, feed every error back twice.
+    """
+    if isinstance(memory, NoneMemory):
+        return
+    if getattr(compressor, "error_feedback", False):
+        raise ValueError(
+            f"{compressor!r} keeps its own error feedback, so the {_name(memory)} memory would feed each "
+            f"error back a second time: pass memory='none' or 'auto' (its recommendation, "
+            f"{compressor.recommended_memory!r}); to use a memory's error feedback instead, turn "
+            f"the compressor's own off where it has that option (use_error_feedback=False)")
+    if getattr(compressor, "multi_round", False):
+        raise ValueError(
+            f"{compressor!r} exchanges in several rounds, which a memory never sees, so "
+            f"the {_name(memory)} memory would silently do nothing: pass memory='none' or 'auto'"
+            + (" (PowerSGD's own error feedback is use_error_feedback=True)"
+               if hasattr(compressor, "use_error_feedback") else ""))
+
+
+def check_schedule(schedule, accepted: str, plan: bool = True) -> None:
+    """TypeError naming the value unless ``schedule`` is an int (not a bool), a str, a
+    Scheduler or (when ``plan``) a Plan; ``accepted`` says so in the caller's words."""
+    from .plan import Plan
+    from .schedulers.base import Scheduler
+    kinds = (int, str, Scheduler) + ((Plan,) if plan else ())
+    if isinstance(schedule, bool) or not isinstance(schedule, kinds):
+        raise TypeError(_wrong("schedule", schedule, accepted))
 
 
 def vet_optimizer(optimizer: torch.optim.Optimizer, compressor: Compressor, memory: Memory) -> None:
@@ -36,3 +86,39 @@ def vet_optimizer(optimizer: torch.optim.Optimizer, compressor: Compressor, memo
         check = getattr(component, "check_optimizer", None)
         if callable(check):
             check(optimizer)
+
+
+def _compressor(value) -> Compressor:
+    if isinstance(value, str):
+        return compressors.create(value)
+    if isinstance(value, Compressor):
+        return value
+    if isinstance(value, type) and issubclass(value, Compressor):
+        raise TypeError(f"compressor={value.__name__} is a class: pass an instance "
+                        f"({value.__name__}(...), with its arguments) or a registered name")
+    raise TypeError(_wrong("compressor", value,
+                           "a registered name (e.g. 'topk'; mergecomp.compressors.available() "
+                           "lists them) or a mergecomp.compressors.Compressor instance, e.g. "
+                           "mergecomp.compressors.create('topk', compress_ratio=0.01)"))
+
+
+def _memory(value) -> Memory:
+    if isinstance(value, str):
+        return memories.create(value)
+    if isinstance(value, Memory):
+        return value
+    if isinstance(value, type) and issubclass(value, Memory):
+        raise TypeError(f"memory={value.__name__} is a class: pass an instance "
+                        f"({value.__name__}(...)) or a registered name")
+    raise TypeError(_wrong("memory", value,
+                           "'auto' (the compressor's recommendation), a registered name (none, "
+                           "residual, dgc, or a plugin's) or a mergecomp.memories.Memory instance, "
+                           "e.g. mergecomp.memories.create('residual', beta=0.9)"))
+
+
+def _name(memory: Memory) -> str:
+    return repr(getattr(type(memory), "name", None) or type(memory).__name__)
+
+
+def _wrong(argument: str, value, accepted: str) -> str:
+    return f"{argument} must be {accepted}; got {value!r} ({type(value).__name__})"

@@ -437,6 +437,7 @@ def bucket_caps(model: torch.nn.Module, schedule: Union[int, str, schedulers.Sch
     where the group ends.  After its first iteration DDP re-buckets in the real backward
     order with the same caps.
     """
+    components.check_schedule(schedule, "a fusion-num (int), a scheduler name or a Scheduler", plan=False)
     if isinstance(schedule, int):
         schedule = schedulers.create("fixed", fusion_num=schedule)
     elif isinstance(schedule, str):

@@ -160,3 +160,35 @@ def test_classifier_checkpoints_default_to_an_ignored_folder():
     assert module.DEFAULT_CHECKPOINT == os.path.join(ROOT, "runs", "train_classifier")
     with open(os.path.join(ROOT, ".gitignore")) as f:
         assert "/runs/" in f.read().split()
+
+
+# ----------------------------------------------------------------------------- --help
+
+class _Parsed(Exception):
+    """Raised in place of parsing: the parser a script built, caught before it runs."""
+
+
+def test_every_flag_of_every_example_says_what_it_does(monkeypatch):
+    """``--help`` of each example describes every flag (an argparse action without help)."""
+    import argparse
+    import runpy
+    parsers = {}
+
+    def capture(parser, args=None, namespace=None):
+        parsers[script] = parser
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    for script in sorted(os.listdir(EXAMPLES)):
+        if not script.endswith(".py"):
+            continue
+        monkeypatch.setattr(sys, "argv", [script])
+        try:
+            runpy.run_path(os.path.join(EXAMPLES, script), run_name="__main__")
+        except _Parsed:
+            pass
+    assert {"train_classifier.py", "train_cifar10.py", "train_language_model.py", "accelerate_ddp.py",
+            "lightning_ddp.py"} <= set(parsers)
+    silent = {script: [a.option_strings or a.dest for a in parser._actions if a.help is None]
+              for script, parser in parsers.items()}
+    assert not any(silent.values()), f"flags without a description in --help: {silent}"

@@ -1,21 +1,54 @@
-"""The README's code runs as written: its training-script and DDP snippets on two gloo ranks,
-with the names it leaves to the user (a model, a loader) filled in."""
+"""The README and docs/ run as written.
+
+Python blocks run in a fresh namespace that holds only what the text leaves to the user (a
+model, a loader, an optimizer), never ``mergecomp`` or ``torch``: a snippet that forgets an
+import fails here as it would for a reader.  Blocks that need ranks run on two gloo ranks.
+This module imports no ``mergecomp`` submodule either, so the ranks (which import it to run
+the workers) see the package as ``import mergecomp`` leaves it.  Shell blocks must call
+``.venv/bin/python`` (bare ``python`` or ``torchrun`` fails unless the environment is
+activated), and the scripts they name answer ``--help``.
+"""
+import glob
 import os
 import re
+import subprocess
+import sys
 
 import torch
 import torch.nn as nn
 
 from tests.distributed import run_ranks
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+DOCS = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
-def python_blocks(heading: str):
-    """The ```python blocks under the README's ``## heading``."""
-    text = open(README, encoding="utf-8").read()
-    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+def fenced(path, languages):
+    """(heading, code) of every fenced block of ``path`` in one of ``languages``."""
+    text = open(path, encoding="utf-8").read()
+    found, heading = [], ""
+    for match in re.finditer(r"^(#+ [^\n]*)$|^```(\w*)\n(.*?)^```", text, flags=re.S | re.M):
+        if match.group(1):
+            heading = match.group(1).lstrip("# ")
+        elif match.group(2) in languages:
+            found.append((heading, match.group(3)))
+    return found
+
+
+def python_block(path, heading):
+    (code,) = [code for h, code in fenced(path, {"python"}) if h == heading]
+    return code
+
+
+def parts(code):
+    """A block of alternatives (``# DDP: ...``, ``# Lightning: ...``): {name: the block's
+    leading lines plus that part}."""
+    lines = code.splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"# \w+: ", line)]
+    head = lines[:starts[0]]
+    return {lines[s][2:].split(":")[0]: "\n".join(head + lines[s:e])
+            for s, e in zip(starts, starts[1:] + [len(lines)])}
 
 
 def _user_names(rank):
@@ -26,41 +59,167 @@ def _user_names(rank):
             "loader": data, "epochs": 2, "loss_fn": nn.functional.mse_loss}
 
 
+def _train(model, optimizer, loader):
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+
+
+# ------------------------------------------------------------------------- the README's code
+
 def training_script_worker(rank, world_size, code):
     names = _user_names(rank)
     exec(code, names)
     model, optimizer = names["model"], names["optimizer"]
-    return [p.detach().clone() for p in model.parameters()], optimizer.compressor.__class__.__name__
+    return [p.detach().clone() for p in model.parameters()], repr(optimizer.compressor)
 
 
 def test_the_training_script_snippet_trains_one_model_on_every_rank():
-    (code,) = python_blocks("Use it in your training script")
-    ranks = run_ranks(training_script_worker, 2, code)
-    (params0, name), (params1, _) = ranks
-    assert name == "TopKCompressor"
+    code = python_block(README, "Use it in your training script")
+    (params0, compressor), (params1, _) = run_ranks(training_script_worker, 2, code)
+    assert compressor == "TopKCompressor(compress_ratio=0.01)"
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
 
 
-def ddp_worker(rank, world_size, code):
-    from torch.nn.parallel import DistributedDataParallel
-    import mergecomp
-    import mergecomp.ddp
-    names = dict(_user_names(rank), DistributedDataParallel=DistributedDataParallel, mergecomp=mergecomp,
-                 torch=torch)
-    names["model"] = names["build_model"]()
-    lines = [line for line in code.splitlines() if line.strip()]
-    ddp_lines = lines[:lines.index(next(l for l in lines if l.startswith("# Lightning")))]
-    exec("\n".join(ddp_lines), names)
-    ddp, state, optimizer = names["ddp"], names["state"], names["optimizer"]
-    for inputs, targets in names["loader"]:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(inputs), targets).backward()
-        optimizer.step()
-    return type(state.compressor).__name__, [p.detach().clone() for p in ddp.parameters()]
+def frameworks_worker(rank, world_size, snippets):
+    """The DDP part and the Accelerate part, each in a namespace of its own."""
+    results = {}
+    names = {"model": _user_names(rank)["build_model"]()}
+    exec(snippets["DDP"], names)
+    _train(names["ddp"], names["optimizer"], _user_names(rank)["loader"])
+    results["DDP"] = (type(names["state"].compressor).__name__, [p.detach().clone() for p in names["ddp"].parameters()])
+    from accelerate import Accelerator
+    model = _user_names(rank)["build_model"]()
+    names = {"accelerator": Accelerator(cpu=True), "model": model, "loader": _user_names(rank)["loader"],
+             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    exec(snippets["Accelerate"], names)
+    _train(names["model"], names["optimizer"], names["loader"])
+    results["Accelerate"] = (type(names["state"].compressor).__name__, [p.detach().clone() for p in names["model"].parameters()])
+    return results
 
 
-def test_the_ddp_snippet_registers_the_hook_on_ddps_buckets():
-    (code,) = python_blocks("Use it with DDP, Lightning, Accelerate, Horovod")
-    (name, params0), (_, params1) = run_ranks(ddp_worker, 2, code)
-    assert name == "DGCCompressor"
-    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+def test_the_ddp_and_accelerate_snippets_register_the_hook_as_written():
+    snippets = parts(python_block(README, "Use it with DDP, Lightning, Accelerate, Horovod"))
+    assert set(snippets) == {"DDP", "Lightning", "Accelerate"}
+    first, second = run_ranks(frameworks_worker, 2, snippets)
+    for part, compressor in (("DDP", "DGCCompressor"), ("Accelerate", "TopKCompressor")):
+        assert first[part][0] == second[part][0] == compressor
+        assert all(torch.equal(a, b) for a, b in zip(first[part][1], second[part][1])), part
+
+
+def test_the_lightning_snippet_builds_its_trainer_as_written():
+    code = parts(python_block(README, "Use it with DDP, Lightning, Accelerate, Horovod"))["Lightning"]
+    names = {}
+    exec(code, names)
+    assert type(names["trainer"].strategy).__name__ == "MergecompDDPStrategy"
+
+
+def plugin_worker(rank, world_size, code):
+    model = _user_names(rank)["build_model"]()
+    names = {"model": model, "base_optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    exec(code, names)
+    _train(model, names["opt"], _user_names(rank)["loader"])
+    return type(names["opt"].compressor).__name__, [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_plugin_snippet_trains_with_its_compressor():
+    (name, params0), (_, params1) = run_ranks(plugin_worker, 2, python_block(README, "Write a plugin"))
+    assert name == "HalfSign" and all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+# ------------------------------------------------------------------- the conformance kit's page
+
+def test_the_kit_page_runs_and_prints_what_it_says():
+    kit = os.path.join(ROOT, "docs", "compressor-kit.md")
+    running, checks, declaring = [code for _, code in fenced(kit, {"python"})]
+    # The reader's package: the page's own HalfSign with the ``width`` argument the page passes.
+    program = f"""
+import sys, types
+names = {{}}
+exec({declaring!r}, names)
+class MySketchCompressor(names["HalfSign"]):
+    def __init__(self, width=64):
+        self.width = width
+sys.modules["my_package"] = types.SimpleNamespace(MySketchCompressor=MySketchCompressor)
+exec({running!r}, names)
+names["test_my_compressor_keeps_the_contract"]()
+exec({checks!r}, dict(MySketchCompressor=MySketchCompressor))
+exec("print(check_compressor(HalfSign))", names)
+"""
+    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    promised = re.search(r"`print\(check_compressor\(HalfSign\)\)` then says\s+`([^`]*)`",
+                         open(kit, encoding="utf-8").read()).group(1)
+    assert promised in out.stdout
+
+
+# ------------------------------------------------------------------ names after `import mergecomp`
+
+def test_every_mergecomp_name_the_docs_use_exists_after_a_plain_import():
+    """``mergecomp.a.b`` in a code block must resolve after ``import mergecomp`` alone, in a
+    fresh interpreter (a submodule the package does not import is an AttributeError)."""
+    dotted = set()
+    for path in DOCS:
+        for _, code in fenced(path, {"python"}):
+            used = re.sub(r"^\s*(from|import) .*$", "", code, flags=re.M)  # imports load what they name
+            dotted |= set(re.findall(r"\bmergecomp(?:\.\w+)+", used))
+    program = ("import mergecomp, functools\n"
+               f"for name in {sorted(dotted)!r}:\n"
+               "    functools.reduce(getattr, name.split('.')[1:], mergecomp)\n")
+    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "mergecomp.ddp.bucket_caps" in dotted and "mergecomp.compressors.create" in dotted
+
+
+# ------------------------------------------------------------------------------ shell commands
+
+def command_texts(path):
+    """The shell a reader copies: bash blocks, indented code lines, inline code spans."""
+    text = open(path, encoding="utf-8").read()
+    blocks = [code for _, code in fenced(path, {"bash", "sh", "shell"})]
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    indented = [line for line in prose.splitlines() if line.startswith("    ")]
+    spans = re.findall(r"`([^`\n]+)`", prose)
+    return blocks + indented + spans
+
+
+def test_every_command_calls_the_environments_python():
+    bare = []
+    for path in DOCS:
+        for line in (line for text in command_texts(path) for line in text.splitlines()):
+            text = re.sub(r"(^|\s)#.*", "", line)  # a shell comment may speak of torchrun
+            for match in re.finditer(r"(?<![\w/.-])(python3?|torchrun|pytest)(?= )", text):
+                if not re.match(r"\S*\.py\b|-m |-c |-X ", text[match.end() + 1:]) and match.group(1) == "python":
+                    continue  # "python version": prose in a code span, not a command
+                bare.append(f"{os.path.relpath(path, ROOT)}: {text.strip()[:100]}")
+    assert not bare, "call .venv/bin/python (a bare python or torchrun needs an activated environment):\n" + \
+        "\n".join(bare)
+
+
+def test_the_scripts_the_commands_name_answer_help_and_list():
+    """Every repository script a shell block runs, with ``--help``, in one interpreter."""
+    scripts = set()
+    for path in DOCS:
+        for text in command_texts(path):
+            for script in re.findall(r"\.venv/bin/python (\S+\.py)", text):
+                if script != "train.py":  # the reader's own
+                    scripts.add(script)
+    missing = [s for s in scripts if not os.path.exists(os.path.join(ROOT, s))]
+    assert not missing, f"the docs run scripts that do not exist: {missing}"
+    program = ("import runpy, sys, contextlib, io\n"
+               f"for script, flag in {sorted((s, '--help') for s in scripts) + [('compress_benchmark.py', '--list')]!r}:\n"
+               "    sys.argv = [script, flag]\n"
+               "    out = io.StringIO()\n"
+               "    try:\n"
+               "        with contextlib.redirect_stdout(out):\n"
+               "            runpy.run_path(script, run_name='__main__')\n"
+               "        code = 0\n"
+               "    except SystemExit as stop:\n"
+               "        code = stop.code or 0\n"
+               "    print(script, flag, code, len(out.getvalue()))\n")
+    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    results = [line.split() for line in out.stdout.splitlines()]
+    assert "compress_benchmark.py" in scripts and len(results) == len(scripts) + 1
+    assert all(code == "0" and int(size) > 0 for _, _, code, size in results), out.stdout

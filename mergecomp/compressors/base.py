@@ -30,6 +30,11 @@ Capabilities are class attributes the communicators rely on:
 ``unbiased``
     E[decode(compress(g))] = g over the compressor's randomness (True/False; None when a
     plugin does not say).  An instance may refine it (rand-k's depends on its options).
+``error_feedback``
+    the compressor keeps its own error feedback (PowerSGD's per-layer error, Vogels et al.
+    2019): a memory around it would feed each error back twice, so it pairs with the
+    ``none`` memory only (``mergecomp.components.check_pairing`` refuses others).  An
+    instance may refine it (PowerSGD's ``use_error_feedback=False``).
 ``supported_dtypes``
     the gradient dtypes it carries (:func:`check_dtypes` refuses the others up front).
 
@@ -168,6 +173,8 @@ class Compressor:
     sums_in_place = False
     #: E[decode(compress(g))] = g (None: not declared; the conformance kit says so).
     unbiased: Optional[bool] = None
+    #: It keeps its own error feedback: no memory may be put around it (see above).
+    error_feedback = False
     #: The gradient dtypes this compressor carries; :func:`check_dtypes` refuses others.
     supported_dtypes: Tuple[torch.dtype, ...] = REAL_FLOATS
     #: What to pair it with when the user does not say (allgather carries anything).

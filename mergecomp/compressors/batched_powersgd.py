@@ -46,6 +46,7 @@ class BatchedPowerSGDCompressor(Compressor):
     summable = True
     fixed_size = True
     multi_round = True
+    error_feedback = True  # the paper's, per rank; False for an instance without it
     staged_state = ("_queries", "_errors", "_steps")
     unbiased = False
     recommended_memory = "none"
@@ -57,6 +58,7 @@ class BatchedPowerSGDCompressor(Compressor):
         self.seed = int(seed)
         self.warm_start = check_flag(warm_start, "warm_start", "batched_powersgd")
         self.use_error_feedback = check_flag(use_error_feedback, "use_error_feedback", "batched_powersgd")
+        self.error_feedback = self.use_error_feedback
         self._queries = StagedDict()
         self._errors = StagedDict()
         self._steps = StagedDict()

@@ -63,6 +63,7 @@ class PowerSGDCompressor(Compressor):
     summable = True
     fixed_size = True
     multi_round = True
+    error_feedback = True  # the paper's, per rank; False for an instance without it
     staged_state = ("_queries", "_errors", "_steps")
     recommended_memory = "none"
     recommended_communicator = "allreduce"
@@ -73,6 +74,7 @@ class PowerSGDCompressor(Compressor):
         self.min_compression_rate = check_rate(min_compression_rate, "powersgd")
         self.warm_start = check_flag(warm_start, "warm_start", "powersgd")
         self.use_error_feedback = check_flag(use_error_feedback, "use_error_feedback", "powersgd")
+        self.error_feedback = self.use_error_feedback
         self.seed = int(seed)
         self._queries = StagedDict()  # group → {view name: ΣQ of the last step}
         self._errors = StagedDict()   # group → {view name: e}
