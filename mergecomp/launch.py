@@ -35,7 +35,9 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import re
 import socket
+import stat
 import sys
 import time
 import traceback
@@ -203,8 +205,10 @@ TIMEOUT_VARIABLE = watchdog.TIMEOUT_VARIABLE
 #: NCCL sets its communicators up lazily, at the first collective, which takes longer at
 #: scale, and a NCCL timeout aborts the process rather than raising.
 DEFAULT_TIMEOUT_S = {"gloo": 60.0, "mpi": 60.0, "nccl": 300.0}
-#: Ranks meet at start-up under a separate, longer limit: processes of one job can start
-#: minutes apart (containers pulled on several machines, a slow shared file system).
+#: Ranks meet at start-up under a separate, longer limit when no timeout is configured:
+#: processes of one job can start minutes apart (containers pulled on several machines, a
+#: slow shared file system).  A timeout given as ``timeout_s=`` or MERGECOMP_TIMEOUT bounds
+#: the start-up too, so that a job started with too few processes fails as soon as asked.
 RENDEZVOUS_TIMEOUT_S = 300.0
 #: How long :func:`shutdown` on the rank that hosts the rendezvous store (rank 0) keeps the
 #: store up for ranks still reading it (their own shutdown, the progress of the ranks when
@@ -251,9 +255,12 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     :func:`collective_timeout`: default from MERGECOMP_TIMEOUT, else
     :data:`DEFAULT_TIMEOUT_S`); a collective that runs out of it raises
     :class:`mergecomp.watchdog.CollectiveTimeout` naming the ranks behind.  The start-up
-    rendezvous waits :data:`RENDEZVOUS_TIMEOUT_S` (or ``timeout_s`` if longer).
-    :func:`shutdown` is registered to run at interpreter exit, so a rank whose script ends
-    leaves the group at once and the others fail within seconds instead of waiting.
+    rendezvous waits as long when ``timeout_s`` or MERGECOMP_TIMEOUT is given, else
+    :data:`RENDEZVOUS_TIMEOUT_S`; ranks that do not all meet in that time raise
+    :class:`RendezvousError`, saying how many joined.  :func:`shutdown` is registered to
+    run at interpreter exit, so a rank whose script ends leaves the group at once and the
+    others fail within seconds instead of waiting; an exception that ends the script is
+    recorded first (:func:`record_uncaught`), so their errors name it.
     """
     global _initialised_info
     if dist.is_initialized() and _initialised_info is not None:
@@ -268,6 +275,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
         return info
     backend = _choose_backend(backend, device, info)
     timeout = collective_timeout(timeout_s, backend)
+    configured = timeout_s is not None or bool(os.environ.get(TIMEOUT_VARIABLE, "").strip())
     if info.master_addr is None or info.master_port is None:  # only a single process
         info = LaunchInfo(info.launcher, info.rank, info.world_size, info.local_rank,
                           info.local_world_size, LOOPBACK, free_port())
@@ -276,19 +284,143 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
                       LOCAL_RANK=str(info.local_rank),
                       LOCAL_WORLD_SIZE=str(info.local_world_size))
     # torch.distributed has one timeout for the rendezvous and the collectives; where it
-    # can change the collectives' afterwards (gloo and NCCL groups), the rendezvous gets
-    # the longer one.
+    # can change the collectives' afterwards (gloo and NCCL groups) and no timeout was
+    # configured, the rendezvous gets the longer default.
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     separate = set_timeout is not None and backend in ("gloo", "nccl")
-    rendezvous = max(timeout, RENDEZVOUS_TIMEOUT_S) if separate else timeout
-    dist.init_process_group(backend, init_method="env://", rank=info.rank,
-                            world_size=info.world_size, timeout=timedelta(seconds=rendezvous))
+    rendezvous = max(timeout, RENDEZVOUS_TIMEOUT_S) if separate and not configured else timeout
+    sockets_before = _open_sockets()
+    try:
+        dist.init_process_group(backend, init_method="env://", rank=info.rank,
+                                world_size=info.world_size, timeout=timedelta(seconds=rendezvous))
+    except Exception as error:
+        clearer = _rendezvous_error(error, info, rendezvous, configured)
+        if clearer is None:
+            raise
+        raise clearer from error
     if rendezvous != timeout:
         set_timeout(timedelta(seconds=timeout))
+    _collective_sockets[:] = _peer_sockets(_open_sockets() - sockets_before, info.master_port)
     watchdog.configured_timeout_s = timeout
     _initialised_info = info
     _register_exit_handler()
     return info
+
+
+class RendezvousError(RuntimeError):
+    """The ranks did not all meet when the job started.
+
+    ``joined`` is how many ranks reached the rendezvous (None when this rank could not
+    tell: it did not reach the rendezvous itself), ``expected`` the world size.
+    """
+
+    def __init__(self, message: str, joined: Optional[int], expected: int):
+        super().__init__(message)
+        self.joined, self.expected = joined, expected
+
+
+def _rendezvous_error(error: BaseException, info: LaunchInfo, waited_s: float,
+                      configured: bool) -> Optional[RendezvousError]:
+    """What a failed ``init_process_group`` means when not every rank came: how many joined,
+    and how to start the job right (None for other errors)."""
+    text = str(error)
+    if not re.search(r"timed? ?out|timeout|joined|connect", text, re.IGNORECASE):
+        return None
+    where = f"{info.master_addr}:{info.master_port}"
+    count = re.search(r"(\d+)\s*/\s*(\d+) clients joined", text)
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+    fix = (f"Start WORLD_SIZE={info.world_size} processes, RANK 0 to {info.world_size - 1} "
+           f"once each with the same MASTER_ADDR and MASTER_PORT (e.g. python -m "
+           f"torch.distributed.run --nproc_per_node {info.world_size} {script}), or set "
+           f"WORLD_SIZE to the number of processes started.")
+    if count is not None:
+        joined = int(count.group(1))
+        head = (f"{joined} of the {info.world_size} ranks the job expects (WORLD_SIZE="
+                f"{info.world_size}) joined the rendezvous at {where} within {waited_s:g}s.")
+    else:
+        joined = None
+        head = (f"rank {info.rank} of {info.world_size} did not meet the other ranks at {where} "
+                f"within {waited_s:g}s: the rank hosting the rendezvous (rank 0) or some other "
+                f"rank did not start, or was given another MASTER_ADDR, MASTER_PORT or "
+                f"WORLD_SIZE.")
+    if configured:
+        waited = (f"The wait was the configured timeout ({TIMEOUT_VARIABLE} or timeout_s=); "
+                  f"raise it if the ranks start far apart.")
+    else:
+        waited = (f"The wait was the start-up default (mergecomp.launch.RENDEZVOUS_TIMEOUT_S); "
+                  f"set {TIMEOUT_VARIABLE}=<seconds> or init_distributed(timeout_s=...) to "
+                  f"fail sooner.")
+    first_line = text.strip().splitlines()[0] if text.strip() else "-"
+    return RendezvousError(f"{head} {fix} {waited} ({type(error).__name__} from torch."
+                           f"distributed: {first_line})", joined, info.world_size)
+
+
+# ----------------------------------------------------------------------------- leaving
+
+#: This process's connections to the other ranks' collectives (file descriptor, inode),
+#: found when init_distributed made the group.  :func:`shutdown` closes them: objects that
+#: still hold the process group (a DDP model, an exception's traceback) keep them open
+#: otherwise, and peers waiting on them would not learn that this rank left.
+_collective_sockets: List[tuple] = []
+
+
+def _open_sockets() -> set:
+    """(descriptor, inode) of every socket this process has open; empty where the system
+    does not list a process's descriptors."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        found = set()
+        for name in names:
+            try:
+                status = os.fstat(int(name))
+            except (OSError, ValueError):
+                continue
+            if stat.S_ISSOCK(status.st_mode):
+                found.add((int(name), status.st_ino))
+        return found
+    return set()
+
+
+def _peer_sockets(candidates: set, store_port: Optional[int]) -> List[tuple]:
+    """The TCP connections among ``candidates`` that lead to another process, except the
+    rendezvous store's (at ``store_port``): the collectives' connections."""
+    kept = []
+    for fd, inode in sorted(candidates):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                local, peer = sock.getsockname()[1], sock.getpeername()[1]
+        except OSError:  # closed meanwhile, or listening (no peer)
+            continue
+        if store_port not in (local, peer):
+            kept.append((fd, inode))
+    return kept
+
+
+def _close_collective_sockets() -> None:
+    """Shut the collectives' connections down, so that peers waiting on them fail at once."""
+    for fd, inode in _collective_sockets:
+        try:
+            if os.fstat(fd).st_ino != inode:
+                continue  # the descriptor was closed and reused for something else
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            continue
+    _collective_sockets.clear()
+
+
+def record_uncaught(error: BaseException) -> None:
+    """Record in this rank's progress beacon that ``error`` ends its script, so that the
+    ranks whose collectives then fail say "rank 1 raised ValueError('...')" instead of
+    "rank 1 left".  Run by the exception hook :func:`init_distributed` installs, and by
+    :func:`spawn`'s processes."""
+    for beacon in watchdog.beacons():
+        beacon.raised(error)
 
 
 _initialised_info: Optional[LaunchInfo] = None  # what init_distributed set up, for repeat calls
@@ -296,9 +428,19 @@ _exit_handler_registered = False
 
 
 def _register_exit_handler() -> None:
+    """Leave the job when the script ends: at interpreter exit, and, for an exception that
+    ends it, right after its traceback is printed, having recorded the exception first."""
     global _exit_handler_registered
     if not _exit_handler_registered:
         atexit.register(shutdown)
+        previous = sys.excepthook
+
+        def leave_on_uncaught(kind, error, trace):
+            record_uncaught(error)
+            previous(kind, error, trace)
+            shutdown()
+
+        sys.excepthook = leave_on_uncaught
         _exit_handler_registered = True
 
 
@@ -328,6 +470,7 @@ def shutdown(linger_s: float = SHUTDOWN_LINGER_S) -> None:
                        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
         world_size = dist.get_world_size()
         dist.destroy_process_group()
+        _close_collective_sockets()
         if hosts_store and world_size > 1 and beacons:
             deadline = time.monotonic() + linger_s
             while time.monotonic() < deadline and not all(_everyone_left(b) for b in beacons):
@@ -429,11 +572,14 @@ def _run_child(fn, args, env, sender) -> None:
     os.environ.update(env)
     try:
         message = ("ok", fn(*args))
-    except BaseException:  # report everything, SystemExit and KeyboardInterrupt included
+    except BaseException as error:  # report everything, SystemExit and KeyboardInterrupt included
+        record_uncaught(error)
         message = ("error", traceback.format_exc(), time.time())
     try:
         # Plain pickle, by value: multiprocessing's own pickler would pass tensors as
         # shared-memory handles, which die with this process before the parent opens them.
+        # Pickle is safe here: the pipe joins this process to the parent that started it,
+        # on the same machine; nothing from another rank or machine is ever unpickled.
         sender.send_bytes(pickle.dumps(message))
     except Exception:  # the result could not be pickled: report that instead
         message = ("error", traceback.format_exc(), time.time())

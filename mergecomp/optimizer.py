@@ -141,7 +141,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ construction --
     def _check_same_model(self, params: List[Tuple[str, torch.nn.Parameter]]) -> None:
         """Every rank must hold the same trainable parameters, or collectives would hang."""
-        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in params]
+        signature = [[n, list(p.shape), str(p.dtype)] for n, p in params]  # JSON: lists
         everyone = self.backend.allgather_object(signature)
         for rank, theirs in enumerate(everyone):
             if theirs != signature:

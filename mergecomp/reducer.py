@@ -264,7 +264,8 @@ class Reducer:
             # (the order backward usually produces).
             order = self._ready_order + [n for n, _ in reversed(self.params) if n not in seen]
             plan = self.scheduler.plan(self.param_infos(order))
-        return self.backend.broadcast_object(plan, src=0)
+        sent = self.backend.broadcast_object(plan.to_dict() if plan is not None else None, src=0)
+        return Plan.from_dict(sent)
 
     def install_plan(self, plan: Plan, check_ranks: bool = False) -> None:
         """Check the plan against the model (and, with ``check_ranks``, across ranks by

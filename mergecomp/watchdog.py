@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional
 KEY_PREFIX = "mergecomp/progress"
 TIMEOUT_VARIABLE = "MERGECOMP_TIMEOUT"
 
-RUNNING, LEFT, FAILED = "running", "left", "failed"
+RUNNING, LEFT, FAILED, RAISED = "running", "left", "failed", "raised"
 
 # What gloo (and the TCP store) say when a wait ran out of time, and when a peer went away.
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
@@ -75,13 +75,13 @@ class Progress:
     """What one rank last wrote into its beacon."""
 
     rank: int
-    state: str                 # RUNNING, LEFT or FAILED
+    state: str                 # RUNNING, LEFT, FAILED, or RAISED (an uncaught exception)
     step: Optional[int]        # the last step it started (None: none marked yet)
     collectives: int           # collectives it had issued when it marked that step
     time: float                # its wall clock when it wrote this
     host: str = ""
     pid: int = 0
-    note: str = ""             # why it failed
+    note: str = ""             # why it failed; for RAISED, the exception
 
     def describe(self, now: float) -> str:
         where = "before its first step" if self.step is None else f"at step {self.step}"
@@ -90,6 +90,9 @@ class Progress:
         if self.state == LEFT:
             what = (f"left the job {where}{ago}: its script ended or called "
                     f"mergecomp.launch.shutdown()")
+        elif self.state == RAISED:
+            what = (f"raised {self.note} {where}{ago}, which ended its script (its log has "
+                    f"the traceback)")
         elif self.state == FAILED:
             what = f"failed {where}{ago}: {self.note}"
         else:
@@ -130,6 +133,13 @@ class Beacon:
             self.state, self.note = FAILED, note.strip().splitlines()[0][:300] if note.strip() else ""
             self._write()
 
+    def raised(self, error: BaseException) -> None:
+        """Record that an exception ends this rank's script, e.g. ``ValueError('bad batch')``
+        (kept unless the rank already failed or left: then ``error`` came after that)."""
+        if self.state == RUNNING:
+            self.state, self.note = RAISED, describe_exception(error)
+            self._write()
+
     def leave(self) -> None:
         """Record that this rank leaves the job (a failed rank stays failed) and count it."""
         if self.state == RUNNING:
@@ -168,6 +178,13 @@ class Beacon:
         else:  # some rank never wrote: read the others one by one, without blocking
             values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
         return {r: None if raw is None else _parse(r, raw) for r, raw in enumerate(values)}
+
+
+def describe_exception(error: BaseException, limit: int = 300) -> str:
+    """``ValueError('bad batch')``: the type and the first line of the message, short."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}({lines[0] if lines else ''!r})"
+    return text if len(text) <= limit else text[:limit - 4] + "...)"
 
 
 def _parse(rank: int, raw) -> Optional[Progress]:
@@ -263,7 +280,7 @@ def _behind(progress: Dict[int, Optional[Progress]], rank: int, step: Optional[i
                                                                 or record.step < step)
         if record is None or record.state == LEFT or earlier:
             behind.append(r)
-        elif record.state == FAILED and not _is_consequence(record):
+        elif record.state in (FAILED, RAISED) and not _is_consequence(record):
             behind.append(r)
     return behind
 
@@ -271,15 +288,19 @@ def _behind(progress: Dict[int, Optional[Progress]], rank: int, step: Optional[i
 def _advice(kind, progress, behind, rank, step, timeout) -> str:
     records = {r: p for r, p in progress.items() if p is not None and r != rank}
     left = [r for r in behind if r in records and records[r].state == LEFT]
+    raised = [r for r in behind if r in records and records[r].state == RAISED]
     failed = [r for r in behind if r in records and records[r].state == FAILED
               and not _is_consequence(records[r])]
     silent = [r for r in behind if r not in records]
-    lagging = [r for r in behind if r not in left and r not in failed and r not in silent]
+    lagging = [r for r in behind if r not in left + raised + failed + silent]
     advice = []
     if left:
         advice.append(f"Ranks {left} left while this rank was still training: every rank must "
                       f"run the same number of steps (the same number of batches: shard the "
                       f"data evenly, e.g. DistributedSampler with drop_last=True).")
+    if raised:
+        advice.append(f"Ranks {raised} raised an exception that ended their script: the "
+                      f"traceback in their log is the cause; this rank's failure follows from it.")
     if failed:
         advice.append(f"Ranks {failed} failed first: their logs give the cause; this rank's "
                       f"failure follows from theirs.")

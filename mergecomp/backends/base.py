@@ -18,11 +18,17 @@ the result.
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 Tensors = Tuple[torch.Tensor, ...]
+
+#: The most bytes one rank's value may take in :meth:`Backend.allgather_object` and
+#: :meth:`Backend.broadcast_object`: a length from a peer beyond it is refused before
+#: anything is allocated.  Plans, digests and timings take kilobytes.
+JSON_LIMIT = 64 << 20
 
 
 class Work:
@@ -195,11 +201,100 @@ class Backend:
         """Overwrite ``tensor`` with rank ``src``'s, in place (blocking); returns it."""
         raise NotImplementedError
 
+    # -- small values: JSON in byte tensors, never pickle ----------------------------------
+    @property
+    def json_device(self) -> torch.device:
+        """Where the JSON bytes travel: the backend's device (NCCL takes CUDA tensors only)."""
+        return torch.device(getattr(self, "device", None) or "cpu")
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        raise NotImplementedError
+        """Rank ``src``'s ``obj`` on every rank.
+
+        ``obj`` travels as JSON (UTF-8 bytes in a uint8 tensor, after an int64 length), so
+        it must be made of dicts with string keys, lists, tuples (they come back as lists),
+        strings, finite or non-finite floats, ints, booleans and None; anything else raises
+        TypeError on every rank, after the same two collectives.  Nothing a peer sends is
+        unpickled.  Uncounted: not part of what training sends.
+        """
+        payload = _encode(obj, "broadcast_object", self.rank) if self.rank == src else b""
+        with self.uncounted():
+            length = torch.tensor([len(payload)], dtype=torch.int64, device=self.json_device)
+            self.broadcast(length, src=src)
+            size = _checked_length(int(length.item()), src)
+            data = (_bytes_tensor(payload, self.json_device) if self.rank == src else
+                    torch.empty(size, dtype=torch.uint8, device=self.json_device))
+            self.broadcast(data, src=src)
+        return _decode(data, src, "broadcast_object")
 
     def allgather_object(self, obj: Any) -> List[Any]:
-        raise NotImplementedError
+        """Every rank's ``obj``, in rank order; JSON as in :meth:`broadcast_object`."""
+        payload = _encode(obj, "allgather_object", self.rank)
+        data = _bytes_tensor(payload, self.json_device)
+        with self.uncounted():
+            gathered = self.allgather_async([data], same_shapes=False, limit=JSON_LIMIT).wait()
+        return [_decode(parts[0], source, "allgather_object")
+                for source, parts in enumerate(gathered)]
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+
+def _encode(obj: Any, op: str, rank: int) -> bytes:
+    """``["ok", obj]`` as JSON bytes, or ``["error", why]`` when ``obj`` is not JSON: the
+    other ranks then raise too instead of waiting for a collective this rank skipped."""
+    problem = _not_json(obj, "the value")
+    if problem is None:
+        return json.dumps(["ok", obj], separators=(",", ":")).encode()
+    why = (f"{op}: rank {rank} passed a value that JSON cannot carry: {problem}; values exchanged between ranks travel as JSON, so "
+           f"pass dicts with string keys, lists, strings, numbers, booleans or None (e.g. "
+           f"plan.to_dict() for a Plan)")
+    return json.dumps(["error", why]).encode()
+
+
+def _not_json(value: Any, where: str) -> Optional[str]:
+    """What in ``value`` JSON cannot carry faithfully (None: all of it can)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None  # NaN and infinities too: Python's json writes and reads them
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            problem = _not_json(item, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return (f"{where} has the key {key!r} of type {type(key).__name__}: JSON keys are "
+                        f"strings (send a list of [key, value] pairs)")
+            problem = _not_json(item, f"{where}[{key!r}]")
+            if problem:
+                return problem
+        return None
+    shown = repr(value).splitlines()[0][:80] if repr(value) else ""
+    return f"{where} is of type {type(value).__name__} ({shown}), which is not JSON-serialisable"
+
+
+def _bytes_tensor(payload: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+
+
+def _checked_length(size: int, source: int) -> int:
+    from .serialize import header_error
+    if not 0 <= size <= JSON_LIMIT:
+        raise header_error(source, f"it announces a {size}-byte JSON value; at most {JSON_LIMIT} "
+                                   f"bytes are allowed")
+    return size
+
+
+def _decode(data: torch.Tensor, source: int, op: str) -> Any:
+    """The value rank ``source`` sent; TypeError if it could not send one."""
+    from .serialize import header_error
+    try:
+        tag, value = json.loads(data.cpu().numpy().tobytes().decode("utf-8"))
+    except (ValueError, TypeError):
+        raise header_error(source, f"its {op} bytes are not a JSON value") from None
+    if tag == "error":
+        raise TypeError(value)
+    if tag != "ok":
+        raise header_error(source, f"its {op} bytes are not a JSON value")
+    return value

@@ -3,8 +3,10 @@
 Written against Horovod's documented ``horovod.torch`` API (0.28.1 and its main branch):
 ``allreduce_async_(tensor, name=, op=hvd.Sum)``, ``allgather_async(tensor, name=)`` (first
 dimensions may differ per rank), ``alltoall_async(tensor, splits=, name=)`` whose
-``synchronize`` gives ``(output, received_splits)``, ``broadcast_object``,
-``allgather_object`` and ``barrier``.  Horovod matches collectives across ranks by name, so
+``synchronize`` gives ``(output, received_splits)``, ``broadcast_`` and ``barrier``.
+Small values (``broadcast_object``, ``allgather_object``) travel as JSON through these
+tensor collectives (:class:`~mergecomp.backends.base.Backend`), never through Horovod's
+pickling ``*_object`` calls.  Horovod matches collectives across ranks by name, so
 every call gets a name from a per-backend counter: the same on every rank, because every
 rank issues the same collectives in the same order.
 
@@ -150,12 +152,6 @@ class HorovodBackend(Backend):
             self.bytes_sent += tensor.numel() * tensor.element_size()
         self.hvd.broadcast_(tensor, root_rank=src, name=self._name("broadcast"))
         return tensor
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=src, name=self._name("broadcast_object"))
-
-    def allgather_object(self, obj: Any) -> List[Any]:
-        return self.hvd.allgather_object(obj, name=self._name("allgather_object"))
 
     def barrier(self) -> None:
         self.hvd.barrier()

@@ -182,18 +182,6 @@ class TorchDistributedBackend(Backend):
                                        f"more than the {limit} bytes a chunk of this group may take")
         return size
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        box = [obj]
-        with self._guard("broadcast_object"):
-            dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
-        return box[0]
-
-    def allgather_object(self, obj: Any) -> List[Any]:
-        out: List[Any] = [None] * self._size
-        with self._guard("allgather_object"):
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     def barrier(self) -> None:
         with self._guard("barrier"):
             dist.barrier(group=self.group)

@@ -34,7 +34,8 @@ class AdaptiveScheduler(Scheduler):
 
     * **Decide alike on every rank.**  Times differ per rank; agree on them through
       ``optimizer.backend.allgather_object`` (e.g. the slowest rank's) at steps fixed in
-      advance, or let rank 0 decide and ``broadcast_object`` the decision.  Any collective
+      advance, or let rank 0 decide and ``broadcast_object`` the decision (both carry JSON
+      values: ``plan.to_dict()``, not the Plan; lists of pairs, not int-keyed dicts).  Any collective
       it runs must run on every rank at the same step, in the same order.
     * **Use the optimizer's public surface only**: ``plan``, ``set_plan(plan)`` (between
       steps; it may raise :class:`~mergecomp.regroup.CannotRegroup`, on every rank alike),

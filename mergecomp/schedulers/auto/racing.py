@@ -25,6 +25,7 @@ import statistics
 from typing import Dict, List, Optional
 
 from ...costmodel import phases_are_local
+from ...plan import Plan
 from ...regroup import CannotRegroup
 from . import decisions
 from .instruments import ForwardTimer, PhaseSamples
@@ -49,7 +50,10 @@ class Checking(Phase):
         if backend.rank == 0 and settings.profile_out:
             findings.profile.save(settings.profile_out)
         found = plan_candidates(findings.profile, settings, search.say) if backend.rank == 0 else None
-        self.candidates: List[Candidate] = backend.broadcast_object(found, src=0)
+        sent = backend.broadcast_object(
+            None if found is None else [[c.label, c.plan.to_dict(), c.predicted] for c in found], src=0)
+        self.candidates: List[Candidate] = [Candidate(label, Plan.from_dict(plan), predicted)
+                                            for label, plan, predicted in sent]
         #: Candidates (indices) still to visit in this round, and this round's field.
         self.queue: List[int] = list(range(len(self.candidates)))
         self.racing: List[int] = list(self.queue)
@@ -129,8 +133,10 @@ class Checking(Phase):
         search, settings, findings = self.search, self.search.settings, self.search.findings
         backend = optimizer.backend
         lead = backend.rank == 0
-        figures, timed = backend.broadcast_object(
-            (self._medians(correct=True), self._medians(correct=False)) if lead else None, src=0)
+        pairs = backend.broadcast_object(  # JSON keys are strings: the indices go as pairs
+            [list(self._medians(correct=True).items()), list(self._medians(correct=False).items())]
+            if lead else None, src=0)
+        figures, timed = ({int(index): seconds for index, seconds in sent} for sent in pairs)
         forwards = sorted(decisions.visit_forwards(self.visits))
         if forwards and settings.speed_correction:
             search.say(f"auto scheduler: the check's visits ran forward passes of {forwards[0] * 1e3:.1f} to "

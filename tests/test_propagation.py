@@ -1,0 +1,178 @@
+"""Faults that cross ranks: an exception on one rank reaches the others at once and by name,
+a job started with the wrong number of ranks fails within the configured timeout, and the
+small values ranks exchange travel as JSON, never pickle."""
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mergecomp import launch
+from mergecomp.backends.torch_dist import TorchDistributedBackend
+
+from .distributed import run_ranks
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RAISING_SCRIPT = """
+import os, sys, time, torch, mergecomp, mergecomp.ddp
+from mergecomp import launch
+entry, bad = sys.argv[1], int(sys.argv[2])
+info = launch.init_distributed()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+if entry == "wrapper":
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               model=model, compressor="topk", schedule=2)
+    net = model
+else:
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    mergecomp.ddp.register(net, compressor="topk", optimizer=optimizer)
+try:
+    for step in range(5):
+        optimizer.zero_grad()
+        loss = net(torch.randn(4, 8)).sum()
+        if info.rank == bad and step == 2:
+            print(f"RAISED {time.time():.3f}", flush=True)
+            raise ValueError("bad batch 17")
+        loss.backward()
+        optimizer.step()
+except Exception as error:
+    if info.rank != bad:
+        print(f"FAILED {time.time():.3f}", flush=True)
+    raise
+"""  # the exception is not caught on the rank that raises: it ends the script
+
+
+def _environment(launcher, rank, world_size, port):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "MERGECOMP_LAUNCHER", "TORCHELASTIC_RUN_ID", "MERGECOMP_TIMEOUT"):
+        env.pop(name, None)
+    if launcher == "env":  # torchrun's variables, set by hand
+        env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size))
+    else:  # what mpirun gives its processes
+        env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(world_size),
+                   OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+                   OMPI_COMM_WORLD_LOCAL_SIZE=str(world_size))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return env
+
+
+def _seconds_to_fail(outputs, bad):
+    raised = float(re.search(r"RAISED ([\d.]+)", outputs[bad]).group(1))
+    return [float(re.search(r"FAILED ([\d.]+)", out).group(1)) - raised
+            for rank, out in enumerate(outputs) if rank != bad]
+
+
+@pytest.mark.parametrize("entry, bad, launcher", [("wrapper", 1, "env"), ("ddp", 0, "mpirun")])
+def test_an_exception_on_one_rank_reaches_the_others_at_once_by_name(tmp_path, entry, bad,
+                                                                      launcher):
+    script = tmp_path / "raising.py"
+    script.write_text(RAISING_SCRIPT)
+    port = launch.free_port()
+    processes = [subprocess.Popen([sys.executable, str(script), entry, str(bad)],
+                                  env=_environment(launcher, rank, 2, port), cwd=REPO_ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in range(2)]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    other = outputs[1 - bad]
+    assert all(p.returncode != 0 for p in processes), outputs
+    assert "ValueError: bad batch 17" in outputs[bad], outputs[bad]
+    assert "mergecomp.watchdog.PeerLost" in other, other
+    assert re.search(rf"rank {bad} \(.*\) raised ValueError\('bad batch 17'\) at step 1", other), other
+    assert f"Ranks [{bad}] raised an exception that ended their script" in other, other
+    assert "its script ended or called" not in other and "shard the data" not in other, other
+    assert max(_seconds_to_fail(outputs, bad)) < 2.0, outputs
+
+
+def test_under_torchrun_an_exception_on_rank_0_reaches_the_others_at_once(tmp_path):
+    script = tmp_path / "raising.py"
+    script.write_text(RAISING_SCRIPT)
+    env = _environment("env", 0, 2, 0)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):
+        env.pop(name)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(launch.free_port()), str(script), "ddp", "0"]
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=150)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert re.search(r"rank 0 \(.*\) raised ValueError\('bad batch 17'\)", output), output
+    assert max(_seconds_to_fail([output, output], 0)) < 2.0, output
+
+
+def test_a_job_started_with_too_few_ranks_fails_within_the_timeout_saying_so(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text("from mergecomp import launch\nlaunch.init_distributed()\n")
+    env = _environment("env", 0, 2, launch.free_port())
+    env["MERGECOMP_TIMEOUT"] = "2"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    assert "mergecomp.launch.RendezvousError: 1 of the 2 ranks the job expects (WORLD_SIZE=2) " \
+           "joined the rendezvous" in done.stderr, done.stderr
+    assert "--nproc_per_node 2 alone.py" in done.stderr and "set WORLD_SIZE to the number of " \
+           "processes started" in done.stderr, done.stderr
+    assert elapsed < 2 + 15, "the rendezvous did not end at the configured timeout"
+
+
+def test_the_default_rendezvous_wait_is_named_in_the_message():
+    info = launch.LaunchInfo("env", 0, 2, 0, 2, "127.0.0.1", 4000)
+    error = RuntimeError("Timed out after 301 seconds waiting for clients. 1/2 clients joined.")
+    message = str(launch._rendezvous_error(error, info, 300.0, configured=False))
+    assert "1 of the 2 ranks" in message and "within 300s" in message
+    assert "start-up default" in message and "MERGECOMP_TIMEOUT=<seconds>" in message
+    assert launch._rendezvous_error(ValueError("bad rank"), info, 300.0, False) is None
+
+
+# ----------------------------------------------------------------------------- JSON, not pickle
+
+def _refuse_pickle(*args, **kwargs):
+    raise AssertionError("a value from a peer was unpickled")
+
+
+def exchange_worker(rank, world_size):
+    pickle.loads = _refuse_pickle
+    dist.all_gather_object = dist.broadcast_object_list = _refuse_pickle
+    backend = TorchDistributedBackend()
+    gathered = backend.allgather_object({"rank": rank, "times": [0.5, float("inf")], "digest": "ab"})
+    sent = backend.broadcast_object({"plan": [["w", "b"]], "rank": rank}, src=1)
+    before = backend.collectives, backend.bytes_sent
+    errors = []
+    for value in ({0: "int key"} if rank == 1 else {"ok": 1}, torch.ones(1) if rank == 0 else 1):
+        try:
+            backend.allgather_object(value)
+        except TypeError as error:
+            errors.append(str(error))
+    try:
+        backend.broadcast_object(object(), src=0)
+    except TypeError as error:
+        errors.append(str(error))
+    return gathered, sent, (backend.collectives, backend.bytes_sent) == before, errors
+
+
+def test_values_between_ranks_travel_as_json_and_anything_else_fails_on_every_rank():
+    for rank, (gathered, sent, uncounted, errors) in enumerate(run_ranks(exchange_worker, 2)):
+        assert gathered == [{"rank": r, "times": [0.5, float("inf")], "digest": "ab"}
+                            for r in range(2)]
+        assert sent == {"plan": [["w", "b"]], "rank": 1} and uncounted
+        assert len(errors) == 3, errors  # every rank raises alike, none waits for the others
+        assert "rank 1 passed a value that JSON cannot carry: the value has the key 0 of type int: JSON keys are strings" in errors[0]
+        assert "rank 0 passed a value that JSON cannot carry: the value is of type Tensor" in errors[1] and "travel as JSON" in errors[1]
+        assert "the value is of type object" in errors[2]
