@@ -330,7 +330,7 @@ def _rendezvous_error(error: BaseException, info: LaunchInfo, waited_s: float,
     count = re.search(r"(\d+)\s*/\s*(\d+) clients joined", text)
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
     fix = (f"Start WORLD_SIZE={info.world_size} processes, RANK 0 to {info.world_size - 1} "
-           f"once each with the same MASTER_ADDR and MASTER_PORT (e.g. python -m "
+           f"once each with the same MASTER_ADDR and MASTER_PORT (e.g. {_interpreter()} -m "
            f"torch.distributed.run --nproc_per_node {info.world_size} {script}), or set "
            f"WORLD_SIZE to the number of processes started.")
     if count is not None:
@@ -353,6 +353,16 @@ def _rendezvous_error(error: BaseException, info: LaunchInfo, waited_s: float,
     first_line = text.strip().splitlines()[0] if text.strip() else "-"
     return RendezvousError(f"{head} {fix} {waited} ({type(error).__name__} from torch."
                            f"distributed: {first_line})", joined, info.world_size)
+
+
+def _interpreter() -> str:
+    """This Python as a user would type it: relative to the working directory when it lives
+    below it (``.venv/bin/python``), else its full path."""
+    executable = sys.executable or "python"
+    relative = os.path.relpath(executable) if os.path.isabs(executable) else executable
+    if relative.startswith(os.pardir):
+        return executable
+    return relative if os.sep in relative else os.path.join(os.curdir, relative)
 
 
 # ----------------------------------------------------------------------------- leaving
