@@ -42,7 +42,9 @@ setup(
         # pytest within the releases the suite is run on: a new minor release may refuse
         # what an older one accepted (9.2 refuses nested pytest.approx), so it is let in
         # once the suite passes on it.
-        "test": ["pytest>=9.0,<9.3", "scikit-learn>=1.3,<2", "lightning>=2.1,<3", "accelerate>=0.26,<2"],
+        # tensorboard: the step log's event files are read back by the tests.
+        "test": ["pytest>=9.0,<9.3", "scikit-learn>=1.3,<2", "lightning>=2.1,<3", "accelerate>=0.26,<2",
+                 "tensorboard"],
     },
     entry_points={
         # Third-party packages register components in these groups, e.g.
