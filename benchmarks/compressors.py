@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mergecomp import compressors  # noqa: E402
-from mergecomp.compressors import native  # noqa: E402
+from mergecomp.compressors.kernels import native  # noqa: E402
 from mergecomp.compressors.loopback import run_locally  # noqa: E402
 
 

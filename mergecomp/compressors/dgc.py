@@ -13,9 +13,8 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from .packing import Scratch
-from .selection import BlockPeaks, sampled_threshold
-from .topk import SparseCompressor, index_dtype, num_selected
+from .kernels import BlockPeaks, Scratch, sampled_threshold
+from .sparsifier import SparseCompressor, index_dtype, num_selected
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)

@@ -8,9 +8,8 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from .packing import Scratch
-from .selection import BlockPeaks, sampled_threshold
-from .topk import SparseCompressor, index_dtype, index_nbytes, num_selected
+from .kernels import BlockPeaks, Scratch, sampled_threshold
+from .sparsifier import SparseCompressor, index_dtype, index_nbytes, num_selected
 
 
 @register("graddrop")

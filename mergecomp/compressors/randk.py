@@ -15,7 +15,7 @@ from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, check_ratio
 from .recipes import Recipe
-from .topk import num_selected
+from .sparsifier import num_selected
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from . import register
 from .base import Compressor, Context
 from .recipes import Recipe
-from .packing import pack_bits, packed_nbytes, unpack_bits
+from .kernels import pack_bits, packed_nbytes, unpack_bits
 
 
 @register("tbq")

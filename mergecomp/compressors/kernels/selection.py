@@ -1,14 +1,17 @@
 """Threshold selection for the sparsifiers (DGC, GradDrop): which |g| pass a threshold, fast.
 
 The plain way — ``(g.abs() >= t).nonzero()`` — writes an n-element |g| and an n-element
-bool mask and reads the mask twice (nonzero counts, then writes), about 3 ns per element on
-one CPU core, several times a ``clone()``.  When only a small fraction passes (DGC sends
+bool mask and reads the mask twice (nonzero counts, then writes): several times a
+``clone()``.  When only a small fraction passes (DGC sends
 0.1%), almost all of that work is on elements that are then dropped.  Here the tensor is
 first read once as blocks of :data:`BLOCK` elements, keeping each block's peak |g|
 (two plain reductions, no temporary); only the blocks whose peak passes are gathered and
 tested element by element.  At 0.1% density about 6% of the blocks pass for i.i.d.
 gradients (fewer for real ones, whose large values cluster by layer); when more than a
 half pass the full-pass way is cheaper and is used instead.
+
+The block peaks of fp32 CPU tensors come from one native pass where the kernels are built,
+else from two torch reductions on the tensor's device; the selection itself is torch.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import math
 import torch
 
 from . import native
-from .packing import Scratch
+from .scratch import Scratch
 
 #: Elements per block: short enough that few blocks pass at sparse densities, long enough
 #: for the per-block reductions to run at memory speed (16 is several times slower).
