@@ -2,6 +2,12 @@
 
 Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient Quantization and
 Encoding", NeurIPS 2017.
+
+    per bucket v of ``bucket_size`` elements:  ℓ_i = stochastic rounding of s·|v_i|/‖v‖₂
+    (⌊·⌋ + Bernoulli of the fraction);  decode: v̂_i = ‖v‖₂·sign(v_i)·ℓ_i/s.
+
+On the wire: the codes ℓ_i·sign(v_i) + s in ⌈log₂(2s+1)⌉ bits each, packed, then one fp32
+norm per bucket.  The rounding and packing are kernels (``kernels.quantize_packed``).
 """
 from __future__ import annotations
 

@@ -2,6 +2,12 @@
 
 Stich et al., "Sparsified SGD with Memory", NeurIPS 2018; Wangni et al., "Gradient
 Sparsification for Communication-Efficient Distributed Optimization", NeurIPS 2018.
+
+    I = k indices drawn uniformly without replacement (the same on every rank);
+    send g_I (× n/k when unbiased);   decode: ĝ_i = the sent value for i ∈ I, else 0.
+
+On the wire: k values in the gradient's dtype; the indices are derived, not sent.
+See ``tests/reference_compressors.py`` for the plain version.
 """
 from __future__ import annotations
 
@@ -29,9 +35,9 @@ def uniform_subset(numel: int, k: int, generator: torch.Generator) -> torch.Tens
 
     numpy's ``Generator.choice(numel, k, replace=False)`` (Floyd's sampling with a hash set
     when k is small against n, a partial shuffle otherwise), seeded by one draw from
-    ``generator``, so every rank with the same generator state gets the same indices.  At
-    1% of 1M elements it costs about half of drawing with replacement, sorting, dropping
-    duplicates and permuting in torch.  For dense selections a full permutation is cheaper.
+    ``generator``, so every rank with the same generator state gets the same indices: cheaper
+    than drawing with replacement, sorting, dropping duplicates and permuting in torch.  For
+    dense selections a full permutation is cheaper.
     """
     if 4 * k > numel:
         return torch.randperm(numel, generator=generator)[:k]

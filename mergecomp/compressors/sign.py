@@ -5,6 +5,10 @@ Bernstein et al., "signSGD with Majority Vote is Communication Efficient and Fau
 Tolerant", ICLR 2019; Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
 Compression Schemes", ICML 2019.
 
+    signSGD:     send sign(g);   the update is the majority vote sign(Σ_ranks sign(g_r)).
+    SIGNUM:      m ← β·m + (1 − β)·g;   send sign(m);   majority vote as signSGD.
+    EF-SignSGD:  send (‖g‖₁/d)·sign(g) per parameter view;   the residual memory keeps the rest.
+
 Signs travel as a packed bit mask (bit set = negative), so n elements cost ⌈n/8⌉ bytes.
 What travels is the IEEE sign bit: +0.0 is sent as +1, as in the reference implementations,
 and −0.0 as −1 (reading the bit is one integer pass; ``x < 0`` costs several times more).

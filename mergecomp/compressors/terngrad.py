@@ -2,6 +2,11 @@
 
 Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep
 Learning", NeurIPS 2017.
+
+    per bucket v:  S = max|v_i|;  decode: v̂_i = S·sign(v_i)·b_i,  b_i ~ Bernoulli(|v_i|/S)
+    (each bucket first clipped to ±c·σ with ``clip=c``).
+
+On the wire: one 2-bit code per element (−S, 0, +S), packed, then one fp32 S per bucket.
 """
 from __future__ import annotations
 
