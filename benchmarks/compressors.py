@@ -72,7 +72,7 @@ def paired_median_ms(fn, reference, device: torch.device, reps: int):
     return statistics.median(fn_times), statistics.median(reference_times)
 
 
-#: Compressors with fused native CPU kernels (``mergecomp/compressors/native_kernels.c``).
+#: Compressors with fused native CPU kernels (``mergecomp/compressors/kernels/native_kernels.c``).
 NATIVE_KERNELS = ("signsgd", "efsignsgd", "signum", "onebit", "terngrad", "qsgd")
 
 
