@@ -14,12 +14,12 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, check_ratio
+from .kernels import uniform_subset
 from .recipes import Recipe
 from .sparsifier import num_selected
 
@@ -28,21 +28,6 @@ from .sparsifier import num_selected
 class RandKContext(Context):
     indices: torch.Tensor
     scale: float
-
-
-def uniform_subset(numel: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """k distinct indices drawn uniformly from range(numel), in O(k) when k ≪ n.
-
-    numpy's ``Generator.choice(numel, k, replace=False)`` (Floyd's sampling with a hash set
-    when k is small against n, a partial shuffle otherwise), seeded by one draw from
-    ``generator``, so every rank with the same generator state gets the same indices: cheaper
-    than drawing with replacement, sorting, dropping duplicates and permuting in torch.  For
-    dense selections a full permutation is cheaper.
-    """
-    if 4 * k > numel:
-        return torch.randperm(numel, generator=generator)[:k]
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
-    return torch.from_numpy(np.random.default_rng(seed).choice(numel, k, replace=False))
 
 
 @register("randk")

@@ -26,7 +26,8 @@ buckets                ``bucket_norms``, ``bucket_peaks`` (one fp32 per bucket),
 quantize               ``quantize_packed`` (stochastic rounding to integer levels, packed),
                        ``dequantize_packed``, ``random_int16``, ``random_key``
 selection              ``exact_top_k``, ``sampled_threshold``, ``BlockPeaks`` (indices of
-                       the elements at or above a threshold)
+                       the elements at or above a threshold), ``uniform_subset`` (k random
+                       indices, the same for the same generator state)
 scratch                ``Scratch``: per-thread reusable work buffers
 =====================  ====================================================================
 """
@@ -34,11 +35,11 @@ from .buckets import bucket_norms, bucket_peaks, check_bucket_size, num_buckets,
 from .packing import bits_for, decode_values, pack_bits, packed_nbytes, unpack_bits
 from .quantize import dequantize_packed, quantize_packed, random_int16, random_key
 from .scratch import Scratch
-from .selection import BlockPeaks, exact_top_k, sampled_threshold
+from .selection import BlockPeaks, exact_top_k, sampled_threshold, uniform_subset
 from .signs import pack_signs, sign_bits, signs_and_side_means, unpack_signs
 
 __all__ = ["Scratch", "bits_for", "packed_nbytes", "pack_bits", "unpack_bits", "decode_values",
            "sign_bits", "pack_signs", "unpack_signs", "signs_and_side_means",
            "bucket_norms", "bucket_peaks", "padded_fp32_buckets", "check_bucket_size", "num_buckets",
            "quantize_packed", "dequantize_packed", "random_int16", "random_key",
-           "exact_top_k", "sampled_threshold", "BlockPeaks"]
+           "exact_top_k", "sampled_threshold", "BlockPeaks", "uniform_subset"]
