@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mergecomp import compressors  # noqa: E402
-from mergecomp.compressors import native  # noqa: E402
+from mergecomp.compressors.kernels import native  # noqa: E402
 from mergecomp.compressors.loopback import run_locally  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def paired_median_ms(fn, reference, device: torch.device, reps: int):
     return statistics.median(fn_times), statistics.median(reference_times)
 
 
-#: Compressors with fused native CPU kernels (``mergecomp/compressors/native_kernels.c``).
+#: Compressors with fused native CPU kernels (``mergecomp/compressors/kernels/native_kernels.c``).
 NATIVE_KERNELS = ("signsgd", "efsignsgd", "signum", "onebit", "terngrad", "qsgd")
 
 

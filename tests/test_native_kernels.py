@@ -1,4 +1,4 @@
-"""The fused C kernels (mergecomp/compressors/native_kernels.c) against the torch/numpy paths.
+"""The fused C kernels (mergecomp/compressors/kernels/native_kernels.c) against the torch/numpy paths.
 
 Both paths must put the same bits on the wire and decode to the same bits, so that ranks
 with and without a compiled library interoperate and results do not depend on the build.
@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from mergecomp import compressors
-from mergecomp.compressors import native
-from mergecomp.compressors.packing import Scratch, pack_bits, unpack_bits
-from mergecomp.compressors.quantize import dequantize, random_key, stochastic_codes
-from mergecomp.compressors.buckets import bucket_parts
+from mergecomp.compressors.kernels import Scratch, native, pack_bits, random_key, unpack_bits
+from mergecomp.compressors.kernels.buckets import bucket_parts
+from mergecomp.compressors.kernels.quantize import dequantize, stochastic_codes
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels: {native.status()}")
 
@@ -154,7 +153,7 @@ def test_a_stale_build_or_the_switch_falls_back_with_a_reason(monkeypatch):
 
 @pytest.mark.parametrize("n", [64, 65, 64 * 333 + 5])
 def test_block_peaks_of_the_sparsifiers_match_the_torch_reductions(n, monkeypatch):
-    from mergecomp.compressors.selection import BlockPeaks
+    from mergecomp.compressors.kernels.selection import BlockPeaks
     flat = _gradient(n)
     native_peaks = BlockPeaks(flat, Scratch()).peaks
     monkeypatch.setattr(native, "usable", lambda tensor: False)

@@ -9,7 +9,7 @@ from mergecomp import communicators, compressors, memories
 from mergecomp.backends.torch_dist import TorchDistributedBackend
 from mergecomp.communicators.ps import decode, encode, shard_sizes
 from mergecomp.compressors.base import Compressor, Context
-from mergecomp.compressors.topk import index_dtype, scatter_values
+from mergecomp.compressors.sparsifier import index_dtype, scatter_values
 from tests.distributed import run_ranks
 
 LENGTHS = (1, 2, 3, 7, 10, 1001)  # shorter than the world (empty shards) and not divisible by it

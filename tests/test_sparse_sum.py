@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mergecomp import compressors
-from mergecomp.compressors.topk import TopKCompressor, scatter_values
+from mergecomp.compressors.sparsifier import scatter_values
+from mergecomp.compressors.topk import TopKCompressor
 from mergecomp.costmodel import send_costs
 from mergecomp.probes import measure_compression_cost
 from mergecomp.profile import CodecCost, LinearCost

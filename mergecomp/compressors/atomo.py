@@ -2,6 +2,12 @@
 
 Wang et al., "ATOMO: Communication-efficient Learning via Atomic Sparsification",
 NeurIPS 2018.
+
+    per layer matrix M = Σ σ_i u_i v_iᵀ:  keep atom i with probability p_i (Σ p_i = budget,
+    p_i ∝ σ_i capped at 1);  decode: M̂ = Σ_kept (σ_i/p_i) u_i v_iᵀ, so E[M̂] = M.
+
+On the wire: the kept (u_i, σ_i/p_i, v_i) of every matrix in fp32, an int32 count per
+matrix, and the views not factored as they are.
 """
 from __future__ import annotations
 

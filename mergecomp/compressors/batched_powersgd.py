@@ -2,6 +2,11 @@
 
 Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
 Optimization", NeurIPS 2019; PyTorch ships the same idea as ``batched_powerSGD_hook``.
+
+    M = the buffer as one r × c matrix;  P = M·Q;  allreduce P;  P̂ = orthonormalise(ΣP);
+    Q = Mᵀ·P̂;  allreduce Q;  decode: P̂·(ΣQ)ᵀ.
+
+On the wire: 4·k·(r + c) bytes in two allreduces.
 """
 from __future__ import annotations
 

@@ -4,6 +4,12 @@ Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
 Distributed Training", ICLR 2018.  Momentum correction, momentum factor masking and
 local gradient clipping are the ``dgc`` memory's job (mergecomp.memories.dgc); this file
 is the selection and the wire format.
+
+    t = the k-th largest |g| of a strided sample (scaled to the sample);
+    while |{i : |g_i| ≥ t}| < 0.8k: t ← 0.8·t;   I = those i (the top k of them if more);
+    send (g_I, I);   decode: ĝ_i = g_i for i ∈ I, else 0.
+
+On the wire: c ≤ k values (gradient dtype, or fp16) and c int32 indices.
 """
 from __future__ import annotations
 
@@ -13,9 +19,8 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from .packing import Scratch
-from .selection import BlockPeaks, sampled_threshold
-from .topk import SparseCompressor, index_dtype, num_selected
+from .kernels import BlockPeaks, Scratch, sampled_threshold
+from .sparsifier import SparseCompressor, index_dtype, num_selected
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)

@@ -1,6 +1,11 @@
 """Gradient dropping.
 
 Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017.
+
+    t = the (1 − R) quantile of |g| over a strided sample;   I = {i : |g_i| ≥ t};
+    send (g_I, I);   decode: ĝ_i = g_i for i ∈ I, else 0.
+
+On the wire: c values (about R·n, varying) in the gradient's dtype and c int32 indices.
 """
 from __future__ import annotations
 
@@ -8,9 +13,8 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from .packing import Scratch
-from .selection import BlockPeaks, sampled_threshold
-from .topk import SparseCompressor, index_dtype, index_nbytes, num_selected
+from .kernels import BlockPeaks, Scratch, sampled_threshold
+from .sparsifier import SparseCompressor, index_dtype, index_nbytes, num_selected
 
 
 @register("graddrop")

@@ -2,6 +2,8 @@
 
 Micikevicius et al., "Mixed Precision Training", ICLR 2018 (FP16);
 Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", 2019 (BF16).
+
+    ĝ = cast(cast(g, 16-bit), dtype of g), rounding to nearest.   On the wire: 2n bytes.
 """
 from __future__ import annotations
 

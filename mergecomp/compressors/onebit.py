@@ -1,7 +1,12 @@
-"""1-bit SGD.
+"""1-bit SGD: one bit per element, decoded with the mean of its side.
 
 Seide et al., "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel
 Distributed Training of Speech DNNs", Interspeech 2014.
+
+    b_i = [g_i < 0];   μ⁺ = mean{g_i : b_i = 0},   μ⁻ = mean{g_i : b_i = 1};
+    decode: ĝ_i = μ⁻ if b_i else μ⁺.
+
+On the wire: the packed bits (⌈n/8⌉ bytes) and the two fp32 means of each parameter view.
 """
 from __future__ import annotations
 
@@ -9,12 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native, numpy_kernels, register
+from . import register
 from .base import Compressor, Context, check_layout
-from .packing import Scratch, decode_values, pack_bits, packed_nbytes
-from .quantize import sign_bits
+from .kernels import Scratch, decode_values, pack_bits, packed_nbytes, sign_bits, signs_and_side_means
 from .recipes import Recipe
-from .sign import Spans, layout_spans, span_lengths
+from .views import Spans, layout_spans, span_lengths
 
 #: 1-bit codes as 0 (clear: the non-negative side) and 1 (set: the negative side).
 _ZERO_ONE = torch.tensor([0.0, 1.0])
@@ -65,24 +69,8 @@ class OneBitCompressor(Compressor):
             return self._compress_views(tensor, layout)
         if layout is not None:
             check_layout(layout, tensor.numel())
-        if tensor.dtype == torch.float32 and native.usable(tensor):
-            return self._compress_native(tensor)
-        flat = tensor.reshape(-1)
-        negative = sign_bits(flat, self._scratch)  # 1 where the sign bit is set
-        # Both side sums from two reductions: sum(g⁺) = (Σg + Σ|g|)/2, sum(g⁻) = (Σg − Σ|g|)/2.
-        total = flat.sum(dtype=torch.float32)
-        magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))
-        absolute = magnitudes.sum(dtype=torch.float32)
-        if numpy_kernels.on_cpu(negative):  # numpy counts bytes several times faster
-            num_negative = torch.tensor(numpy_kernels.count_nonzero(negative))
-        elif flat.numel() < 2 ** 31:  # faster than count_nonzero
-            num_negative = negative.sum(dtype=torch.int32)
-        else:
-            num_negative = torch.count_nonzero(negative)
-        num_positive = flat.numel() - num_negative
-        means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
-                             (total - absolute) / 2 / num_negative.clamp(min=1)])
-        return (pack_bits(negative, 1), means), Context(tensor.shape, tensor.dtype)
+        packed, means = signs_and_side_means(tensor, self._scratch)
+        return (packed, means), Context(tensor.shape, tensor.dtype)
 
     def _compress_views(self, tensor, layout):
         """Per-view means: the side sums and counts of every view in three segment sums."""
@@ -98,15 +86,6 @@ class OneBitCompressor(Compressor):
         means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
                              (total - absolute) / 2 / num_negative.clamp(min=1)], dim=1).reshape(-1)
         return (pack_bits(negative, 1), means), OneBitContext(tensor.shape, tensor.dtype, spans)
-
-    def _compress_native(self, tensor):
-        """One pass on the CPU: the sign bits and both sums (in double, so the means can
-        differ from the torch path's fp32 sums in their last bits)."""
-        packed, total, absolute, num_negative = native.onebit_encode(tensor)
-        num_positive = tensor.numel() - num_negative
-        means = torch.tensor([(total + absolute) / 2 / max(num_positive, 1),
-                              (total - absolute) / 2 / max(num_negative, 1)], dtype=torch.float32)
-        return (packed, means), Context(tensor.shape, tensor.dtype)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """⌈n/8⌉ bytes of signs + the two fp32 means of each view."""

@@ -2,6 +2,12 @@
 
 Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
 Optimization", NeurIPS 2019; the semantics of PyTorch's ``powerSGD_hook``.
+
+    per layer matrix M (r × c):  P = M·Q;  allreduce P;  P̂ = orthonormalise(ΣP);
+    Q = Mᵀ·P̂;  allreduce Q;  decode: P̂·(ΣQ)ᵀ;  Q is kept for the next step.
+
+On the wire: 4·k·(r + c) bytes per factored matrix (k = rank) in two allreduces, and the
+views not factored as they are.
 """
 from __future__ import annotations
 

@@ -2,16 +2,21 @@
 
 Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient Quantization and
 Encoding", NeurIPS 2017.
+
+    per bucket v of ``bucket_size`` elements:  ℓ_i = stochastic rounding of s·|v_i|/‖v‖₂
+    (⌊·⌋ + Bernoulli of the fraction);  decode: v̂_i = ‖v‖₂·sign(v_i)·ℓ_i/s.
+
+On the wire: the codes ℓ_i·sign(v_i) + s in ⌈log₂(2s+1)⌉ bits each, packed, then one fp32
+norm per bucket.  The rounding and packing are kernels (``kernels.quantize_packed``).
 """
 from __future__ import annotations
 
 import torch
 
-from . import native, register
+from . import register
 from .base import Context
-from .buckets import bucket_norms, bucket_parts, check_bucket_size, num_buckets
-from .packing import Scratch, bits_for, packed_nbytes
-from .quantize import dequantize_packed, quantize_packed
+from .kernels import (Scratch, bits_for, bucket_norms, check_bucket_size, dequantize_packed, num_buckets,
+                      packed_nbytes, quantize_packed)
 from .streams import StochasticCompressor
 
 
@@ -22,7 +27,7 @@ class QSGDCompressor(StochasticCompressor):
 
     Unbiased: E[decode(encode(v))] = v, with variance at most min(d/s², √d/s)·‖v‖² per
     bucket of d elements (Lemma 3.1); the rounding draws 16 random bits per element, so
-    the mean is exact up to 2^-16 of a level (see ``quantize.stochastic_codes``).  The signed level ℓ·sign(v) ∈ [−s, s] travels as the
+    the mean is exact up to 2^-16 of a level (see ``kernels.quantize.stochastic_codes``).  The signed level ℓ·sign(v) ∈ [−s, s] travels as the
     code ℓ·sign(v) + s in the fewest bits that hold 2s + 1 values, b = ⌈log₂(2s+1)⌉
     (4 bits for the default s = 7, 8 bits for s = 127); the paper's Elias coding of the
     levels is not used, to keep payloads fixed-size.
@@ -55,16 +60,11 @@ class QSGDCompressor(StochasticCompressor):
             empty = torch.empty(0, dtype=torch.uint8, device=tensor.device)
             return (empty, torch.empty(0, dtype=torch.float32, device=tensor.device)), \
                 Context(tensor.shape, tensor.dtype)
-        buckets = None  # the torch path's bucket views, made only where it runs
-        if tensor.dtype == torch.float32 and native.usable(tensor):
-            norms = native.bucket_norms(tensor, self.bucket_size)  # one pass, no rescue needed
-        else:
-            buckets = bucket_parts(tensor, self.bucket_size, self._scratch)
-            norms = bucket_norms(buckets)
+        norms = bucket_norms(tensor, self.bucket_size, self._scratch)
         s = self.levels
         # Signed level s·v/‖v‖ ∈ [−s, s], rounded stochastically and offset by s: the code.
         factors = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        packed = quantize_packed(tensor, self.bucket_size, factors, s, self.bits, self._scratch, buckets,
+        packed = quantize_packed(tensor, self.bucket_size, factors, s, self.bits, self._scratch,
                                  key=self.streams.key(name, tensor.numel()))
         return (packed, norms), Context(tensor.shape, tensor.dtype)
 

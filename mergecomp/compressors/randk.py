@@ -2,41 +2,32 @@
 
 Stich et al., "Sparsified SGD with Memory", NeurIPS 2018; Wangni et al., "Gradient
 Sparsification for Communication-Efficient Distributed Optimization", NeurIPS 2018.
+
+    I = k indices drawn uniformly without replacement (the same on every rank);
+    send g_I (× n/k when unbiased);   decode: ĝ_i = the sent value for i ∈ I, else 0.
+
+On the wire: k values in the gradient's dtype; the indices are derived, not sent.
+See ``tests/reference_compressors.py`` for the plain version.
 """
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, check_ratio
+from .kernels import uniform_subset
 from .recipes import Recipe
-from .topk import num_selected
+from .sparsifier import num_selected
 
 
 @dataclass(frozen=True)
 class RandKContext(Context):
     indices: torch.Tensor
     scale: float
-
-
-def uniform_subset(numel: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """k distinct indices drawn uniformly from range(numel), in O(k) when k ≪ n.
-
-    numpy's ``Generator.choice(numel, k, replace=False)`` (Floyd's sampling with a hash set
-    when k is small against n, a partial shuffle otherwise), seeded by one draw from
-    ``generator``, so every rank with the same generator state gets the same indices.  At
-    1% of 1M elements it costs about half of drawing with replacement, sorting, dropping
-    duplicates and permuting in torch.  For dense selections a full permutation is cheaper.
-    """
-    if 4 * k > numel:
-        return torch.randperm(numel, generator=generator)[:k]
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
-    return torch.from_numpy(np.random.default_rng(seed).choice(numel, k, replace=False))
 
 
 @register("randk")

@@ -5,6 +5,10 @@ Bernstein et al., "signSGD with Majority Vote is Communication Efficient and Fau
 Tolerant", ICLR 2019; Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
 Compression Schemes", ICML 2019.
 
+    signSGD:     send sign(g);   the update is the majority vote sign(Σ_ranks sign(g_r)).
+    SIGNUM:      m ← β·m + (1 − β)·g;   send sign(m);   majority vote as signSGD.
+    EF-SignSGD:  send (‖g‖₁/d)·sign(g) per parameter view;   the residual memory keeps the rest.
+
 Signs travel as a packed bit mask (bit set = negative), so n elements cost ⌈n/8⌉ bytes.
 What travels is the IEEE sign bit: +0.0 is sent as +1, as in the reference implementations,
 and −0.0 as −1 (reading the bit is one integer pass; ``x < 0`` costs several times more).
@@ -28,15 +32,12 @@ import torch
 
 from ..momentum import refuse_optimizer_momentum
 from ..staging import StagedDict
-from . import native, register
+from . import register
 from .base import Compressor, Context, GroupLayout, check_layout
-from .packing import Scratch, decode_values, pack_bits, packed_nbytes
-from .quantize import sign_bits
+from .kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
+from .kernels.signs import plus_minus_one
 from .recipes import Recipe
-
-#: (offset, numel) of each parameter view of a group, in buffer order.
-Spans = Tuple[Tuple[int, int], ...]
-
+from .views import Spans, layout_spans, span_lengths
 
 @dataclass(frozen=True)
 class SignContext(Context):
@@ -45,44 +46,6 @@ class SignContext(Context):
 
     spans: Spans
     layout_fields = ("spans",)
-
-
-def pack_signs(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-    """⌈n/8⌉ bytes: bit i is set where element i has its sign bit set (is negative, or −0.0).
-
-    One native pass on the CPU (read the sign bits, pack them); elsewhere a flag pass and
-    a packing pass.
-    """
-    if native.usable(tensor):
-        return native.pack_signs(tensor)
-    return pack_bits(sign_bits(tensor, scratch), 1)
-
-
-@functools.lru_cache(maxsize=16)
-def _plus_minus_one(dtype: torch.dtype, device: str) -> torch.Tensor:
-    return torch.tensor([1, -1], dtype=dtype, device=device)
-
-
-def unpack_signs(packed: torch.Tensor, ctx: Context) -> torch.Tensor:
-    """New ±1 tensor of ``ctx``'s shape and dtype from :func:`pack_signs`' bytes.
-
-    One table gather writes the output: a clear bit becomes +1, a set bit −1, already in
-    ``ctx.dtype``.
-    """
-    return decode_values(packed, 1, ctx.numel, _plus_minus_one(ctx.dtype, str(packed.device))).view(ctx.shape)
-
-
-@functools.lru_cache(maxsize=256)
-def layout_spans(layout: GroupLayout, numel: int) -> Spans:
-    """The (offset, numel) spans of ``layout``'s views, checked to tile ``numel`` elements."""
-    check_layout(layout, numel)
-    return tuple((view.offset, view.numel) for view in layout)
-
-
-@functools.lru_cache(maxsize=256)
-def span_lengths(spans: Spans, device: str) -> torch.Tensor:
-    """The views' element counts as an int64 tensor on ``device`` (for segment sums)."""
-    return torch.tensor([size for _, size in spans], dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,7 +158,7 @@ class _MajorityVote(_SignCompressor):
 
     def decompress(self, payload, ctx):
         packed, flags = payload
-        decoded = unpack_signs(packed, ctx)
+        decoded = unpack_signs(packed, ctx.numel, ctx.dtype).view(ctx.shape)
         zero_flagged_views(decoded.view(-1), flags, ctx)
         return decoded
 
@@ -373,7 +336,7 @@ class EFSignSGDCompressor(_SignCompressor):
             scale = scales.reshape(1).to(ctx.dtype)
             decoded = decode_values(packed, 1, ctx.numel, torch.cat([scale, -scale]))
         else:
-            decoded = decode_values(packed, 1, ctx.numel, _plus_minus_one(ctx.dtype, str(packed.device)))
+            decoded = decode_values(packed, 1, ctx.numel, plus_minus_one(ctx.dtype, str(packed.device)))
             lengths = span_lengths(spans, str(packed.device))
             decoded.mul_(torch.repeat_interleave(scales.to(ctx.dtype), lengths, output_size=ctx.numel))
         return zero_flagged_views(decoded, flags, ctx).view(ctx.shape)

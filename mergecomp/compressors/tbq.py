@@ -2,6 +2,10 @@
 
 Strom, "Scalable Distributed DNN Training Using Commodity GPU Cloud Computing",
 Interspeech 2015.
+
+    ĝ_i = +τ if g_i > τ,  −τ if g_i < −τ,  else 0   (τ shared by all ranks, not sent).
+
+On the wire: one 2-bit code per element (0 → 0, 1 → +τ, 2 → −τ), ⌈n/4⌉ bytes.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 from . import register
 from .base import Compressor, Context
 from .recipes import Recipe
-from .packing import pack_bits, packed_nbytes, unpack_bits
+from .kernels import pack_bits, packed_nbytes, unpack_bits
 
 
 @register("tbq")

@@ -2,16 +2,20 @@
 
 Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep
 Learning", NeurIPS 2017.
+
+    per bucket v:  S = max|v_i|;  decode: v̂_i = S·sign(v_i)·b_i,  b_i ~ Bernoulli(|v_i|/S)
+    (each bucket first clipped to ±c·σ with ``clip=c``).
+
+On the wire: one 2-bit code per element (−S, 0, +S), packed, then one fp32 S per bucket.
 """
 from __future__ import annotations
 
 import torch
 
-from . import native, register
+from . import register
 from .base import Context
-from .buckets import bucket_parts, bucket_peaks, check_bucket_size, num_buckets, padded_fp32_buckets
-from .packing import Scratch, packed_nbytes
-from .quantize import dequantize_packed, quantize_packed
+from .kernels import (Scratch, bucket_peaks, check_bucket_size, dequantize_packed, num_buckets, packed_nbytes,
+                      padded_fp32_buckets, quantize_packed)
 from .streams import StochasticCompressor
 
 
@@ -20,7 +24,7 @@ class TernGradCompressor(StochasticCompressor):
     """Each element v of a bucket with scale S = max|v| becomes S·sign(v)·b, b ~ Bernoulli(|v|/S).
 
     Unbiased without clipping: E[S·sign(v)·b] = v (up to 2^-16 of S: the Bernoulli draw uses
-    16 random bits, see ``quantize.stochastic_codes``).  With ``clip=c`` (the paper uses 2.5)
+    16 random bits, see ``kernels.quantize.stochastic_codes``).  With ``clip=c`` (the paper uses 2.5)
     each bucket is first clipped to ±c·σ, σ its standard deviation, which lowers the
     variance at the price of a bias on the clipped outliers.  The ternary value travels as
     a 2-bit code (0 → −S, 1 → 0, 2 → +S); the scale is one fp32 per bucket (the paper uses
@@ -61,16 +65,11 @@ class TernGradCompressor(StochasticCompressor):
             torch.maximum(work, -bound, out=work)
             torch.minimum(work, bound, out=work)
             source = work.view(-1)[: tensor.numel()]
-        buckets = None  # the torch path's bucket views, made only where it runs
-        if source.dtype == torch.float32 and native.usable(source):
-            scales = native.bucket_peaks(source, self.bucket_size)  # one pass instead of two
-        else:
-            buckets = bucket_parts(source, self.bucket_size, self._scratch)
-            scales = bucket_peaks(buckets)
+        scales = bucket_peaks(source, self.bucket_size, self._scratch)
         # v/S ∈ [−1, 1] rounded stochastically and offset by 1: code 0 → −S, 1 → 0, 2 → +S,
         # +S with probability v/S for v > 0 and −S with probability |v|/S for v < 0.
         factors = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
-        packed = quantize_packed(source, self.bucket_size, factors, 1, 2, self._scratch, buckets,
+        packed = quantize_packed(source, self.bucket_size, factors, 1, 2, self._scratch,
                                  key=self.streams.key(name, source.numel()))
         return (packed, scales), Context(tensor.shape, tensor.dtype)
 

@@ -7,21 +7,21 @@ most significant bits) and :func:`unpack_bits` undoes it.  Both are vectorised t
 on the input's device: the only Python loops run over the ≤ 8 code positions in a byte,
 never over elements.  Widths that do not divide 8 (3, 5, 6, 7 bits) are packed as
 bit-planes through the 1-bit path, so they also cost exactly ⌈n·b/8⌉ bytes.
-
-:class:`Scratch` hands out reusable work buffers so the hot path of a compressor does not
-allocate (and page-fault) a fresh n-element tensor on every step.
+On the CPU, 1-bit packing and unpacking go through numpy's packbits/unpackbits and the
+1-bit table decode through the native kernel where it is built (:mod:`.native`); the
+torch ops here serve every other device and width, with the same bits.
 """
 from __future__ import annotations
 
 import functools
 import math
 import sys
-import threading
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 
-from . import native, numpy_kernels
+from . import native, numpy_cpu
+from .scratch import Scratch
 
 
 def bits_for(num_codes: int) -> int:
@@ -87,7 +87,7 @@ def _pack_lanes(flat: torch.Tensor, bits: int, out: torch.Tensor) -> None:
         out.copy_(product.bitwise_right_shift_(8 * (per_byte - 1)))
 
 
-def _unpack_lanes(packed: torch.Tensor, bits: int, scratch: Optional["Scratch"] = None) -> torch.Tensor:
+def _unpack_lanes(packed: torch.Tensor, bits: int, scratch: Optional[Scratch] = None) -> torch.Tensor:
     """Inverse of :func:`_pack_lanes`: 8/bits codes per packed byte, as flat uint8.
 
     The lane word is wide enough for every bit that matters: copy j of the byte (shifted
@@ -105,7 +105,7 @@ def _unpack_lanes(packed: torch.Tensor, bits: int, scratch: Optional["Scratch"] 
     return lanes.view(torch.uint8)
 
 
-def _buffer(scratch: Optional["Scratch"], tag: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _buffer(scratch: Optional[Scratch], tag: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     if scratch is None:
         return torch.empty(numel, dtype=dtype, device=device)
     return scratch.get(tag, numel, dtype, device)
@@ -140,8 +140,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if 8 % bits:
         planes = _bit_planes(flat, bits)
         return pack_bits(planes, 1)
-    if bits == 1 and numpy_kernels.on_cpu(flat):
-        return numpy_kernels.pack_flags(flat)
+    if bits == 1 and numpy_cpu.on_cpu(flat):
+        return numpy_cpu.pack_flags(flat)
     per_byte = 8 // bits
     full, rest = divmod(n, per_byte)
     out = torch.empty(full + (1 if rest else 0), dtype=torch.uint8, device=flat.device)
@@ -163,7 +163,7 @@ def _bit_planes(flat: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.bitwise_and(flat.unsqueeze(1) >> shifts, 1).view(-1)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, numel: int, scratch: Optional["Scratch"] = None) -> torch.Tensor:
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int, scratch: Optional[Scratch] = None) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``numel`` codes, as a flat uint8 tensor.
 
     With a ``scratch``, the codes (and the work buffers) live in it, so the hot path does
@@ -183,8 +183,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, scratch: Optional["
         for j in range(1, bits):
             codes.bitwise_left_shift_(1).bitwise_or_(planes[:, j])
         return codes
-    if bits == 1 and numpy_kernels.on_cpu(packed):
-        return numpy_kernels.unpack_flags(packed[:need], numel)
+    if bits == 1 and numpy_cpu.on_cpu(packed):
+        return numpy_cpu.unpack_flags(packed[:need], numel)
     if _LITTLE_ENDIAN:
         return _unpack_lanes(packed[:need], bits, scratch)[:numel]
     per_byte = 8 // bits
@@ -227,53 +227,9 @@ def decode_values(packed: torch.Tensor, bits: int, numel: int, values: torch.Ten
     if 8 % bits:
         return values[unpack_bits(packed, bits, numel).long()]
     table = values[_codes_of_bytes(bits, str(values.device))]
-    if (numpy_kernels.on_cpu(packed) and numpy_kernels.on_cpu(table)
-            and table[0].numel() * table.element_size() >= numpy_kernels.MIN_TAKE_ROW_BYTES):
-        rows = numpy_kernels.take_rows(table, packed)
+    if (numpy_cpu.on_cpu(packed) and numpy_cpu.on_cpu(table)
+            and table[0].numel() * table.element_size() >= numpy_cpu.MIN_TAKE_ROW_BYTES):
+        rows = numpy_cpu.take_rows(table, packed)
     else:
         rows = table.index_select(0, packed.to(device=table.device, dtype=torch.int64))
     return rows.view(-1)[:numel]
-
-
-class Scratch:
-    """Per-thread reusable work buffers, keyed by a purpose tag, dtype and device.
-
-    ``get("rand", n, torch.float32, device)`` returns an n-element tensor whose contents
-    are garbage; it is reused (grown when needed) by later calls with the same tag, so a
-    compressor pays the allocation once instead of on every step.  Buffers are per thread
-    because communicators may compress groups from several threads at once.  Never put a
-    scratch buffer in a payload or context: the next call overwrites it.
-    """
-
-    def __init__(self):
-        self._local = threading.local()
-
-    def get(self, tag: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        buffers: Dict[Tuple[str, torch.dtype, torch.device], torch.Tensor] = \
-            self._local.__dict__.setdefault("buffers", {})
-        key = (tag, dtype, torch.device(device))
-        buf = buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            buffers[key] = buf
-        return buf[:numel]
-
-    def counter(self, numel: int, device) -> torch.Tensor:
-        """0, 1, ..., numel − 1 as int32, kept (and grown) between calls: read it, never write it."""
-        buffers = self._local.__dict__.setdefault("counters", {})
-        device = torch.device(device)
-        count = buffers.get(device)
-        if count is None or count.numel() < numel:
-            count = buffers[device] = torch.arange(max(numel, 1), dtype=torch.int32, device=device)
-        return count[:numel]
-
-    def __getstate__(self):
-        return {}  # buffers are a cache: copies and pickles start empty
-
-    def __setstate__(self, state):
-        self._local = threading.local()
-
-    def clear(self) -> None:
-        """Free this thread's buffers (e.g. after the plan changed to smaller groups)."""
-        self._local.__dict__.pop("buffers", None)
-        self._local.__dict__.pop("counters", None)

@@ -1,22 +1,15 @@
-"""CPU fast paths through numpy's vectorised loops, for the quantisers' elementwise work.
+"""The numpy backend: CPU fast paths through numpy's vectorised loops.
 
-Why numpy: on one CPU core, some of torch's kernels cost 1–3 ns per element where numpy's
-SIMD loops do the same work in 0.1–0.4 ns.  Measured here on 1M fp32 elements, one thread:
-
-- sign test of the float's bits into bool: ``torch.lt`` 1.27 ms, ``numpy.less`` 0.19 ms;
-- 8 flags into 1 byte, first flag in the top bit: torch lane multiply 0.36 ms,
-  ``numpy.packbits`` 0.13 ms;
-- 256-row table to 1M fp32 values (1-bit decode): ``torch.index_select`` 1.0 ms,
-  ``numpy.take`` 0.4–0.7 ms.
-
-Where torch is as fast or faster (broadcast products, conversions, clamps, 2- and 4-bit
-lane packing) the callers keep torch.  At 1M elements the tensor stays in cache and a
-``clone()`` costs 0.2–0.6 ms, so those ns per element decide whether a compressor costs 3×
-or 10× a clone.  A CPU tensor and its ``.numpy()`` share memory, so the functions here read
-torch tensors and return torch tensors without copies; the callers (``packing``,
-``quantize``, ``onebit``) use them for CPU tensors and keep their torch ops, one kernel each
-on a GPU, on every other device.  Both paths give the same bits (tests compare them on the
-CPU).  bfloat16, which numpy lacks, is handled as raw bytes or int16 bits.
+Why numpy: on the CPU some of torch's elementwise kernels cost several times numpy's SIMD
+loops for the same work: a sign test of the float's bits into bool (``numpy.less``), 8
+flags into 1 byte (``numpy.packbits``), a 256-row table lookup (``numpy.take``), the
+integer hash of the random lanes, a count of set bytes.  Where torch is as fast (broadcast
+products, conversions, clamps, 2- and 4-bit lane packing) the kernels keep torch.  A CPU
+tensor and its ``.numpy()`` share memory, so the functions here read torch tensors and
+return torch tensors without copies.  The ops of :mod:`mergecomp.compressors.kernels` call
+them for CPU tensors only and keep their torch ops on every other device; both paths give
+the same bits (``tests/test_fast_paths.py`` compares them).  bfloat16, which numpy lacks,
+is handled as raw bytes or int16 bits.
 """
 from __future__ import annotations
 
@@ -56,8 +49,8 @@ def unpack_flags(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 #: Table rows narrower than this go through torch's gather: numpy's take handles rows of
-#: 16 and 32 bytes (4 or 8 fp32) in one move each, but 8-byte items take a path ~10×
-#: slower here, which also page-faults its output.
+#: 16 and 32 bytes (4 or 8 fp32) in one move each, but 8-byte items take a much slower
+#: path, which also page-faults its output.
 MIN_TAKE_ROW_BYTES = 16
 
 
@@ -67,7 +60,7 @@ def take_rows(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     ``table`` is read as raw bytes, so any dtype works (bfloat16 too) and the values are
     copied bit for bit.  Each row is one numpy element of ``MIN_TAKE_ROW_BYTES`` or more
     bytes, and the output is allocated by torch (numpy's take into its own new array is
-    about 3× slower on the same rows).
+    slower on the same rows).
     """
     table = table.contiguous()
     row_bytes = table.shape[1] * table.element_size()

@@ -1,14 +1,17 @@
-"""Elementwise building blocks of the quantisers: sign bits, random bits, stochastic rounding.
+"""Elementwise building blocks of the quantisers: random bits, stochastic rounding.
 
 They exist because the obvious torch expressions are slow on the CPU for what they do:
-``x < 0`` and ``torch.where`` go through bool tensors (about 1 ns and 6 ns per element on
-one core, against 0.1–0.3 ns for an integer op), and ``torch.rand`` draws 32 random bits
-per element through the Mersenne Twister (about 8 ns per element; even full-range int64
-words cost 1.5 ns per 16 bits).  The versions here are a handful of vectorised passes over
-the input's own device and dtype (random bits from a counter hash under a key: the
-caller's, or one drawn from torch's generator), and write into reusable
-:class:`~mergecomp.compressors.packing.Scratch` buffers instead of allocating n-element
-temporaries on every step.
+``torch.rand`` draws 32 random bits per element, one at a time, through the
+Mersenne Twister.  The versions here are a handful of vectorised passes over the input's
+own device and dtype (random bits from a counter hash under a key: the caller's, or one
+drawn from torch's generator), and write into reusable
+:class:`~mergecomp.compressors.kernels.scratch.Scratch` buffers instead of allocating
+n-element temporaries on every step.
+
+:func:`quantize_packed` and :func:`dequantize_packed` are the quantisers' two ops: fp32 on
+the CPU goes through one fused native pass where the kernels are built, everything else
+through the torch ops below on the tensor's device (numpy for the CPU's integer hash); both
+give the same bits.
 """
 from __future__ import annotations
 
@@ -16,62 +19,14 @@ from typing import List, Optional
 
 import torch
 
-from . import native, numpy_kernels
+from . import native, numpy_cpu
 from .buckets import bucket_parts
-from .packing import Scratch, decode_values, pack_bits, unpack_bits
-
-#: The integer type that has the same bytes as each floating type (for sign-bit tricks).
-_SAME_WIDTH = {torch.float32: torch.int32, torch.float16: torch.int16,
-               torch.bfloat16: torch.int16, torch.float64: torch.int64}
+from .packing import decode_values, pack_bits, unpack_bits
+from .scratch import Scratch
 
 #: Stochastic rounding works on levels scaled by 2^16 in fp32, exact below 2^24.
 ROUNDING_BITS = 16
 MAX_ROUNDED_LEVEL = 255
-
-
-def same_width_int(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype whose elements have the bytes of ``dtype``'s (float32 → int32)."""
-    try:
-        return _SAME_WIDTH[dtype]
-    except KeyError:
-        raise TypeError(f"expected a floating tensor (float16, bfloat16, float32 or float64), "
-                        f"got {dtype}") from None
-
-
-def sign_mask(tensor: torch.Tensor, scratch: Scratch, tag: str = "sign") -> torch.Tensor:
-    """Flat integer tensor, −1 where the IEEE sign bit of ``tensor`` is set, 0 elsewhere.
-
-    The arithmetic right shift of the float's bits by (width − 1): one integer pass.  Note
-    that −0.0 has its sign bit set (``x < 0`` would say no); the sign compressors and 1-bit
-    SGD, which send this bit, say so in their docstrings.
-    """
-    flat = tensor.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    bits = flat.view(same_width_int(flat.dtype))
-    out = scratch.get(tag, flat.numel(), bits.dtype, flat.device)
-    return torch.bitwise_right_shift(bits, bits.element_size() * 8 - 1, out=out)
-
-
-def sign_bits(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-    """Flat uint8 tensor, 1 where the sign bit of ``tensor`` is set (negative, or −0.0), else 0.
-
-    The float's bits read as a same-width integer are negative exactly when the sign bit
-    is set: one integer comparison into a bool buffer, whose bytes are already 0/1, read as
-    uint8 (a shift then a narrowing copy and a mask took three passes; a float ``x < 0``
-    misses −0.0).  The comparison must write bool: asked for uint8 directly, torch computes
-    a bool temporary and casts it, five times slower at 25M elements.
-    """
-    flat = tensor.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    bits = flat.view(same_width_int(flat.dtype))
-    negative = scratch.get("sign_bits", flat.numel(), torch.bool, flat.device)
-    if numpy_kernels.on_cpu(bits):
-        numpy_kernels.negative_flags(bits, negative)
-    else:
-        torch.lt(bits, 0, out=negative)
-    return negative.view(torch.uint8)
 
 
 #: Constants of the integer hash behind :func:`random_int16` (C. Wellons' "lowbias32").
@@ -94,8 +49,8 @@ def random_int16(numel: int, device, scratch: Scratch, key: Optional[int] = None
     """``numel`` int16 values, each uniform over all 65536 values, from ``key`` (a
     :func:`random_key`; drawn from torch's default generator when None).
 
-    torch's CPU generator (the Mersenne Twister) costs about 3 ns per 32 random bits, one at
-    a time: more than all the arithmetic of a quantiser.  Here each call draws one 31-bit
+    torch's CPU generator (the Mersenne Twister) draws 32 random bits at a time, one word
+    after another: it costs more than all the arithmetic of a quantiser.  Here each call draws one 31-bit
     key k from the default generator (so ``torch.manual_seed`` makes the result
     reproducible, as with ``torch.rand``), or takes the caller's (a compressor's private
     stream, :mod:`~mergecomp.compressors.streams`), and hashes the counters k, k + 1, ... with an
@@ -111,8 +66,8 @@ def random_int16(numel: int, device, scratch: Scratch, key: Optional[int] = None
     words = torch.add(scratch.counter(count, device), key,
                       out=scratch.get("random_words", count, torch.int32, device))
     spare = scratch.get("random_spare", count, torch.int32, device)
-    if numpy_kernels.on_cpu(words):
-        numpy_kernels.hash_words(words, _HASH_MULTIPLIERS, spare)
+    if numpy_cpu.on_cpu(words):
+        numpy_cpu.hash_words(words, _HASH_MULTIPLIERS, spare)
         return words.view(torch.int16)[:numel]
     for multiplier in _HASH_MULTIPLIERS:
         words.mul_(multiplier)
@@ -124,7 +79,7 @@ def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: i
                      scratch: Scratch, key: Optional[int] = None) -> torch.Tensor:
     """uint8 codes c = ⌊offset + f_b·v + u⌋ for each element v of bucket b, u uniform in [0, 1).
 
-    ``parts`` are the buckets (:func:`~mergecomp.compressors.buckets.bucket_parts`),
+    ``parts`` are the buckets (:func:`~mergecomp.compressors.kernels.buckets.bucket_parts`),
     ``factors`` one fp32 f_b per bucket with |f_b·v| ≤ offset, so c ∈ [0, 2·offset] (clamped
     there against fp32 rounding).  Stochastic rounding is unbiased, E⌊L + u⌋ = L for any
     real L, so E[c] − offset = f_b·v: a signed level rounds to either neighbour with the
@@ -165,7 +120,7 @@ def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: i
 def scale_levels(levels: torch.Tensor, scales: torch.Tensor, bucket_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Tensor of ``dtype``: ℓ·scale_b for each signed integer level ℓ of bucket b.
 
-    ``levels`` are small integers, as fp32 (from :func:`~mergecomp.compressors.packing.decode_values`,
+    ``levels`` are small integers, as fp32 (from :func:`~mergecomp.compressors.kernels.packing.decode_values`,
     then scaled in place and returned when ``dtype`` is fp32) or an integer type (converted
     exactly), so each value is rounded once, by the product.
     """
@@ -190,22 +145,19 @@ def dequantize(codes: torch.Tensor, offset: int, scales: torch.Tensor, bucket_si
 
 
 def quantize_packed(tensor: torch.Tensor, bucket_size: int, factors: torch.Tensor, offset: int, bits: int,
-                    scratch: Scratch, parts: Optional[List[torch.Tensor]] = None,
-                    key: Optional[int] = None) -> torch.Tensor:
+                    scratch: Scratch, key: Optional[int] = None) -> torch.Tensor:
     """``pack_bits(stochastic_codes(parts, factors, offset, ...), bits)``: the packed codes.
 
     fp32 CPU tensors go through the fused native kernel (one pass, the same bits, the
     same random lanes for the same generator state), everything else through the torch
-    ops on ``tensor``'s buckets (``parts``, from
-    :func:`~mergecomp.compressors.buckets.bucket_parts`, made here when not given).  Both
-    use the random lanes of ``key`` (one drawn from torch's default generator when None).
+    ops on ``tensor``'s buckets (:func:`~mergecomp.compressors.kernels.buckets.bucket_parts`).
+    Both use the random lanes of ``key`` (one drawn from torch's default generator when None).
     """
     if key is None:
         key = random_key(tensor.numel())
     if tensor.dtype == torch.float32 and native.usable(tensor):
         return native.stochastic_codes(tensor, bucket_size, factors, offset, key, bits)
-    if parts is None:
-        parts = bucket_parts(tensor, bucket_size, scratch)
+    parts = bucket_parts(tensor, bucket_size, scratch)
     return pack_bits(stochastic_codes(parts, factors, offset, tensor.numel(), scratch, key), bits)
 
 

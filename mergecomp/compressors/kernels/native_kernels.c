@@ -1,7 +1,7 @@
 /* Fused CPU kernels of the quantising compressors (signSGD family, 1-bit SGD, QSGD, TernGrad).
  *
- * Why C: on one CPU core each pass over a 1M-element gradient costs 0.1-0.3 ms, about
- * half of a clone(), and the torch/numpy versions of these compressors take 6 to 12
+ * Why C: each pass over a gradient costs a good fraction of a clone(), and the
+ * torch/numpy versions of these compressors take 6 to 12
  * passes (sign test, packing, random bits, product, offset, rounding, conversion, clamp,
  * unpacking, scaling).  Each kernel here reads its input once and writes its output
  * once, working through the data in chunks that stay in the L1 cache.
@@ -12,7 +12,7 @@
  * 1-bit SGD's two means, which are sums: they are accumulated here in a different order
  * (fp32 lanes flushed into double every 4096 elements), like any two reductions.
  *
- * Wire layout shared with mergecomp/compressors/packing.py: n codes of b bits form one
+ * Wire layout shared with packing.py (this folder): n codes of b bits form one
  * bit stream, most significant bit first (byte 0 holds code 0 in its top b bits when b
  * divides 8), zero-padded to ceil(n*b/8) bytes.
  *

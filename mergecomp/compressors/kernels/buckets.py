@@ -4,6 +4,10 @@ A fused buffer mixes layers whose gradients differ by orders of magnitude; one s
 bucket of ``bucket_size`` consecutive elements keeps the quantisation error of each
 bucket proportional to its own magnitude.  The last bucket may be short: it is padded with
 zeros, which change neither a norm nor a maximum.
+
+:func:`bucket_norms` and :func:`bucket_peaks` take the whole tensor and pick the backend:
+one native pass for fp32 on the CPU where the kernels are built, else torch reductions over
+the buckets as (rows × bucket_size) views (:func:`bucket_parts`), on the tensor's device.
 """
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from typing import List
 
 import torch
 
-from .packing import Scratch
+from . import native
+from .scratch import Scratch
 
 
 def check_bucket_size(bucket_size) -> int:
@@ -66,7 +71,22 @@ def per_bucket(parts: List[torch.Tensor], statistic) -> torch.Tensor:
     return values[0] if len(values) == 1 else torch.cat(values)
 
 
-def bucket_peaks(parts: List[torch.Tensor]) -> torch.Tensor:
+def bucket_peaks(tensor: torch.Tensor, bucket_size: int, scratch: Scratch) -> torch.Tensor:
+    """max |v| of each bucket of ``bucket_size`` elements of ``tensor``, as fp32."""
+    if tensor.dtype == torch.float32 and native.usable(tensor):
+        return native.bucket_peaks(tensor, bucket_size)  # one pass instead of two
+    return peaks_of_parts(bucket_parts(tensor, bucket_size, scratch))
+
+
+def bucket_norms(tensor: torch.Tensor, bucket_size: int, scratch: Scratch) -> torch.Tensor:
+    """‖v‖₂ of each bucket of ``bucket_size`` elements of ``tensor``, as fp32, without
+    overflow for |v| ~ 1e30 or underflow for 1e-30."""
+    if tensor.dtype == torch.float32 and native.usable(tensor):
+        return native.bucket_norms(tensor, bucket_size)  # one pass, no rescue needed
+    return norms_of_parts(bucket_parts(tensor, bucket_size, scratch))
+
+
+def peaks_of_parts(parts: List[torch.Tensor]) -> torch.Tensor:
     """max |v| of each bucket, in fp32 (two plain reductions: no |v| temporary).
 
     A bucket of zeros gives +0.0 whatever the signs of its zeros (adding +0.0 turns −0.0
@@ -83,7 +103,7 @@ def _fp32_row_norms(rows: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
 
 
-def bucket_norms(parts: List[torch.Tensor]) -> torch.Tensor:
+def norms_of_parts(parts: List[torch.Tensor]) -> torch.Tensor:
     """‖v‖₂ of each bucket in fp32, without overflow for |v| ~ 1e30 or underflow for 1e-30.
 
     The plain fp32 norm squares the values, so it overflows above ~1e19 and loses buckets

@@ -1,0 +1,45 @@
+"""The compressors' kernels: one function per operation, each picking its backend itself.
+
+A compressor file states its algorithm in terms of these operations and never chooses how
+they run.  Each operation picks, per call, from the tensor it is given:
+
+* the native C kernels (:mod:`.native`, ``native_kernels.c`` built with the package) for a
+  CPU tensor of a dtype they take (fp32; any float for the sign bits), where the library
+  is built and not switched off (``MERGECOMP_NATIVE=0``, :func:`native.disabled`);
+* numpy's vectorised loops (:mod:`.numpy_cpu`) for the CPU work torch does slowly there
+  (1-bit packing, the sign test, the random-bit hash, table lookups);
+* torch ops on the tensor's own device otherwise: the CUDA path, and the fallback on the
+  CPU.
+
+Every backend gives the same bits for the same inputs and random key
+(``tests/test_native_kernels.py`` and ``tests/test_fast_paths.py`` compare them); the one
+exception is 1-bit SGD's two side means, sums whose last bits depend on the order of
+addition.
+
+=====================  ====================================================================
+packing                ``pack_bits``, ``unpack_bits``, ``decode_values`` (a 256-row table
+                       gather), ``bits_for``, ``packed_nbytes``
+signs                  ``sign_bits``, ``pack_signs``, ``unpack_signs``,
+                       ``signs_and_side_means`` (1-bit SGD's encoder)
+buckets                ``bucket_norms``, ``bucket_peaks`` (one fp32 per bucket),
+                       ``padded_fp32_buckets``, ``check_bucket_size``, ``num_buckets``
+quantize               ``quantize_packed`` (stochastic rounding to integer levels, packed),
+                       ``dequantize_packed``, ``random_int16``, ``random_key``
+selection              ``exact_top_k``, ``sampled_threshold``, ``BlockPeaks`` (indices of
+                       the elements at or above a threshold), ``uniform_subset`` (k random
+                       indices, the same for the same generator state)
+scratch                ``Scratch``: per-thread reusable work buffers
+=====================  ====================================================================
+"""
+from .buckets import bucket_norms, bucket_peaks, check_bucket_size, num_buckets, padded_fp32_buckets
+from .packing import bits_for, decode_values, pack_bits, packed_nbytes, unpack_bits
+from .quantize import dequantize_packed, quantize_packed, random_int16, random_key
+from .scratch import Scratch
+from .selection import BlockPeaks, exact_top_k, sampled_threshold, uniform_subset
+from .signs import pack_signs, sign_bits, signs_and_side_means, unpack_signs
+
+__all__ = ["Scratch", "bits_for", "packed_nbytes", "pack_bits", "unpack_bits", "decode_values",
+           "sign_bits", "pack_signs", "unpack_signs", "signs_and_side_means",
+           "bucket_norms", "bucket_peaks", "padded_fp32_buckets", "check_bucket_size", "num_buckets",
+           "quantize_packed", "dequantize_packed", "random_int16", "random_key",
+           "exact_top_k", "sampled_threshold", "BlockPeaks", "uniform_subset"]

@@ -1,0 +1,86 @@
+"""What the sparsifiers share: a payload of (values, indices) and its decoding.
+
+Top-k, DGC and GradDrop differ only in which coordinates they pick; each sends the picked
+values in the gradient's dtype (DGC optionally fp16) and their flat indices, int32 while
+the group has fewer than 2^31 elements.  Decoding scatters the values into zeros, and a sum
+of several ranks' payloads is scatter-added into one buffer.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor, Context
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 indices whenever they fit: half the index bytes of int64."""
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def index_nbytes(numel: int) -> int:
+    """Bytes of one index of :func:`index_dtype`."""
+    return 4 if index_dtype(numel) == torch.int32 else 8
+
+
+def num_selected(numel: int, ratio: float) -> int:
+    """k for a ratio: at least one element of a non-empty tensor, as in the reference implementations."""
+    return min(numel, max(1, int(numel * ratio)))
+
+
+def scatter_values(values: torch.Tensor, indices: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Dense tensor of ``ctx``'s shape with ``values`` at ``indices``, zero elsewhere."""
+    dense = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+    dense[indices.long()] = values.to(ctx.dtype)
+    return dense.view(ctx.shape)
+
+
+class SparseCompressor(Compressor):
+    """Base of sparsifiers whose payload is ``(values, indices)``: top-k, DGC, GradDrop.
+
+    Decoding scatters the values into zeros; :meth:`transmitted_indices` tells the DGC
+    memory exactly which coordinates went out (for momentum factor masking).
+
+    The sum of N ranks' payloads (:meth:`decompress_sum`) is one zero buffer and N
+    scatter-adds of k values, in rank order: n + N·k elements touched instead of the N
+    dense n-element decodes and N passes of decode-then-add, with the same floating-point
+    result (each coordinate gets the same additions in the same order, starting from 0).
+    """
+
+    summable = False
+
+    @property
+    def sums_in_place(self) -> bool:  # unless a subclass decodes or combines its own way
+        cls = type(self)
+        return cls.decompress is SparseCompressor.decompress and cls.aggregate is Compressor.aggregate
+
+    def decompress(self, payload, ctx):
+        values, indices = payload
+        return scatter_values(values, indices, ctx)
+
+    def decompress_sum(self, payloads, ctx, out=None):
+        """The sum, scatter-added into one zeroed buffer: ``out`` (a flat tensor of the
+        group's size and dtype that the caller gives up, e.g. its group buffer, so no
+        buffer of the group's size is allocated per step) or a new one."""
+        if not self.sums_in_place:
+            total = super().decompress_sum(payloads, ctx)
+            return total if out is None else out.copy_(total)
+        if out is not None and out.numel() == ctx.numel and out.dtype == ctx.dtype:
+            total = out.zero_()
+        else:
+            total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payloads[0][0].device)
+        for values, indices in payloads:
+            total.index_add_(0, indices.long(), values.to(ctx.dtype))
+        return total
+
+    def subtract_sent(self, flat: torch.Tensor, payload, ctx) -> None:
+        """``flat`` minus what the payload decodes to, in place (error feedback's residual):
+        the values at their indices only, instead of a decoded tensor of the group's size."""
+        if not self.sums_in_place:  # a subclass decodes its own way
+            flat.sub_(self.decompress(payload, ctx).reshape(-1).to(flat.dtype))
+            return
+        values, indices = payload
+        flat.index_add_(0, indices.long(), values.to(flat.dtype), alpha=-1)
+
+    def transmitted_indices(self, payload, ctx) -> torch.Tensor:
+        """Flat indices of the coordinates this payload sent."""
+        return payload[1].long()
