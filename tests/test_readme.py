@@ -132,7 +132,7 @@ def test_the_plugin_snippet_trains_with_its_compressor():
 
 def test_the_kit_page_runs_and_prints_what_it_says():
     kit = os.path.join(ROOT, "docs", "compressor-kit.md")
-    running, checks, declaring = [code for _, code in fenced(kit, {"python"})]
+    running, checks, reference, declaring = [code for _, code in fenced(kit, {"python"})]
     # The reader's package: the page's own HalfSign with the ``width`` argument the page passes.
     program = f"""
 import sys, types
@@ -146,6 +146,7 @@ exec({running!r}, names)
 names["test_my_compressor_keeps_the_contract"]()
 exec({checks!r}, dict(MySketchCompressor=MySketchCompressor))
 exec("print(check_compressor(HalfSign))", names)
+exec({reference!r}, names)
 """
     out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
