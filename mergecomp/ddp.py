@@ -120,6 +120,7 @@ class HookState:
         self.names = _parameter_names(model) if model is not None else None
         #: Parameters frozen when the state was built: DDP does not reduce them (see _check_frozen).
         self._frozen = _frozen_parameters(model)
+        self._conversion_check = _watch_conversion(model)
         if model is not None:
             _refuse_sparse_gradients(model)
             compressors.check_dtypes(self.compressor, sorted(
@@ -461,6 +462,7 @@ class HookState:
         self.process_group = None
         self._advised = None
         self._frozen = []
+        self._conversion_check = None
         self._connect(None)
         self.communicator.load_state_dict(state)
 
@@ -468,6 +470,9 @@ class HookState:
         """Name the parameters after unpickling (ids do not survive a restart); returns self."""
         self.names = _parameter_names(model)
         self._frozen = _frozen_parameters(model)
+        if self._conversion_check is not None:
+            self._conversion_check.remove()
+        self._conversion_check = _watch_conversion(model)
         return self
 
     def __repr__(self) -> str:
@@ -525,6 +530,14 @@ def _parameter_names(model: torch.nn.Module) -> Dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
+def _watch_conversion(model: Optional[torch.nn.Module]):
+    """Register a :class:`_ConversionCheck` on the module DDP wraps; returns its handle."""
+    if model is None:
+        return None
+    module = getattr(model, "module", model)
+    return module.register_forward_pre_hook(_ConversionCheck(module))
+
+
 def _frozen_parameters(model: Optional[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
     if model is None:
         return []
@@ -544,6 +557,32 @@ def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
             f"parameter(s) {sparse} get sparse gradients (nn.Embedding/EmbeddingBag with sparse=True), "
             "which the mergecomp hook cannot compress: build those layers with sparse=False, or keep "
             "DDP's own allreduce (no hook) for such a model")
+
+
+class _ConversionCheck:
+    """A forward pre-hook: refuse a model converted or moved after DDP was built.
+
+    ``model.to(torch.float64)`` (or to another device) after ``DistributedDataParallel`` gives
+    the parameters new storage, and DDP's gradient hooks stay with the old: no bucket is
+    reduced any more, the hook is never called, and each rank trains on its own gradients
+    without a word.  Conversions act on the whole model, so the first and the last parameter
+    are enough to see one, at two comparisons per forward.  A plain object, so a module
+    that holds it still pickles.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.watched = [(n, p, p.dtype, p.device) for n, p in (named[:1] + named[-1:])]
+
+    def __call__(self, module, args) -> None:
+        for name, param, dtype, device in self.watched:
+            if param.dtype != dtype or param.device != device:
+                raise RuntimeError(
+                    f"parameter {name!r} is now {param.dtype} on {param.device}, but it was {dtype} on "
+                    f"{device} when DistributedDataParallel and the mergecomp hook were built: the model "
+                    "was converted or moved (model.to(...)) afterwards, and DDP no longer sees its "
+                    "gradients, so each rank would train on its own. Convert or move the model first, "
+                    "then build DistributedDataParallel and register the hook.")
 
 
 def _registration_marker(dtype: torch.dtype, size: int) -> float:
