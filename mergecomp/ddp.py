@@ -293,13 +293,17 @@ class HookState:
         which = (f"rank(s) {missing}" if missing is not None
                  else f"{size - count} of the {size} ranks (which ones cannot be told: the first bucket "
                       f"has fewer elements than there are ranks)")
-        raise RuntimeError(
+        error = RuntimeError(
             f"the mergecomp DDP communication hook is not registered on {which} (this is rank {rank} of "
             f"{size}): those ranks run DDP's own allreduce while this one compresses, so their "
             "collectives cannot meet. Register the hook on every rank, with the same arguments "
             "(mergecomp.ddp.register(ddp_model, ...) or ddp_model.register_comm_hook(state, "
             "mergecomp.ddp.hook)), before the first backward. The ranks without it received this "
             "check's markers as their first bucket's gradient and fail at their next collective.")
+        beacon = getattr(self.backend, "beacon", None)
+        if beacon is not None:  # the progress records then say why this rank stopped
+            beacon.fail(str(error))
+        raise error
 
     def _check_frozen(self) -> None:
         """A parameter frozen when the state was built must not start training unseen: DDP
