@@ -32,9 +32,14 @@ into ``p.grad`` when backward ends.  Here each bucket is one mergecomp group:
 DDP decides the buckets, not mergecomp: their sizes come from ``bucket_cap_mb`` or, with the
 installed torch, per bucket from ``bucket_cap_mb_list`` (:func:`bucket_caps` turns a
 mergecomp schedule into that list), and their order is DDP's.  DDP rebuilds its buckets
-after the first iteration; a bucket whose parameters changed is sent raw (FP32 allreduce,
-exact, its residual untouched) in that step, and at the step's end the state follows its
-parameters into the new buckets.  What DDP cannot carry: the adaptive schedulers (``auto``,
+after the first iteration; in a step whose buckets changed, the buckets wait for the last
+one, the state follows its parameters into the new buckets, and then all are sent as
+configured, so every step is compressed (that step does not overlap the exchange with
+backward).  Two cases go exact FP32 instead: the fresh first step with the ``ps``
+communicator (its shard residuals cannot move), and buckets that change after an earlier
+bucket of the same step was sent (their state moves at the step's end).  The first
+exchange also checks, once, that every rank registered the hook (see
+``_check_every_rank_registered``).  What DDP cannot carry: the adaptive schedulers (``auto``,
 ``binary``) re-plan between steps, and DDP's buckets are fixed at construction; launching
 groups in an order of mergecomp's own; parameter slices.  Use
 :class:`~mergecomp.optimizer.DistributedOptimizer` for those.
