@@ -36,7 +36,8 @@ after the first iteration; in a step whose buckets changed, the buckets wait for
 one, the state follows its parameters into the new buckets, and then all are sent as
 configured, so every step is compressed (that step does not overlap the exchange with
 backward).  Two cases go exact FP32 instead: the fresh first step with the ``ps``
-communicator (its shard residuals cannot move), and buckets that change after an earlier
+communicator (its shard residuals cannot move) or without the model (no names for the
+state to follow), and buckets that change after an earlier
 bucket of the same step was sent (their state moves at the step's end).  The first
 exchange also checks, once, that every rank registered the hook (see
 ``_check_every_rank_registered``).  What DDP cannot carry: the adaptive schedulers (``auto``,
@@ -170,7 +171,8 @@ class HookState:
         self._bypass = communicators.create("allreduce", compressor=compressors.create("none"),
                                             memory=memories.create("none"), backend=self.backend)
         #: Whether per-bucket state can move to DDP's rebuilt buckets; a parameter server's
-        #: shard residuals cannot (servers hold them), so its first, fresh step goes exact.
+        #: shard residuals cannot (servers hold them), nor can state without parameter names:
+        #: then the fresh first step goes exact.
         self._state_follows_buckets = not isinstance(self.communicator, PSCommunicator)
         self._agreement: Optional[StepAgreement] = None
         self._preflight = None
@@ -216,7 +218,8 @@ class HookState:
         self._step_keys[index] = key
         changed = self.layouts.get(index) != key
         future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
-        if self._held or (changed and self.layouts and not self._pending):
+        follows = self._state_follows_buckets and self.names is not None
+        if self._held or (changed and self.layouts and not self._pending and follows):
             # DDP's buckets changed (its rebuild after the first iteration, a new DDP around
             # this state): hold the step's buckets until the last one shows the new layout,
             # move the state to it, then send them all as configured.
@@ -227,8 +230,7 @@ class HookState:
                     self._start(*held, changed=False)
                 self._held = []
         else:
-            self._start(index, buffer, layout, future, changed=changed and (
-                bool(self.layouts) or not self._state_follows_buckets))
+            self._start(index, buffer, layout, future, changed=changed and (bool(self.layouts) or not follows))
         if bucket.is_last():
             self._finish_step()
         return future
@@ -407,6 +409,9 @@ class HookState:
             return
         state = self.communicator.state_dict()
         try:
+            if self.names is None:
+                raise CannotRegroup("the parameters have no names: build the HookState with the model, "
+                                    "or call attach(model) after unpickling it")
             moved = regroup_state(state, old, new)
         except (CannotRegroup, KeyError, ValueError) as error:
             if any(_holds_tensors(v) for v in state.values()):

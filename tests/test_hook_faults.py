@@ -63,6 +63,25 @@ def test_the_hook_compresses_from_the_first_step_while_ddp_rebuilds_its_buckets(
         assert torch.equal(a, b)
 
 
+def unnamed_worker(rank, world_size):
+    model = make_model()
+    ddp = _ddp(model)
+    state = mergecomp.ddp.HookState(None, "topk", "residual")  # buckets only: no names to follow
+    ddp.register_comm_hook(state, mergecomp.ddp.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the state is empty when DDP rebuilds: nothing is lost
+        for step in range(3):
+            _step(ddp, opt, step, rank)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_hook_state_without_the_model_sends_its_changed_buckets_exact():
+    params0, params1 = run_ranks(unnamed_worker, 2)
+    for a, b in zip(params0, params1):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
 # -- sparse gradients ------------------------------------------------------------------------
 class Embedded(nn.Module):
     def __init__(self):
