@@ -219,7 +219,7 @@ class HookState:
         changed = self.layouts.get(index) != key
         future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
         follows = self._state_follows_buckets and self.names is not None
-        if self._held or (changed and self.layouts and not self._pending and follows):
+        if self._held or (changed and self.layouts and not self._pending and self.names is not None):
             # DDP's buckets changed (its rebuild after the first iteration, a new DDP around
             # this state): hold the step's buckets until the last one shows the new layout,
             # move the state to it, then send them all as configured.
