@@ -47,6 +47,7 @@ _ADVICE = {
     "state": "every rank must load its own checkpoint of the same run (the files differ in their "
              "optimizer state or configuration)",
     "layout": "every rank must hold the same model and bucket layout",
+    "added": "unfreeze the same layers and add the same param groups on every rank, between the same steps",
 }
 
 

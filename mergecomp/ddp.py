@@ -32,9 +32,15 @@ into ``p.grad`` when backward ends.  Here each bucket is one mergecomp group:
 DDP decides the buckets, not mergecomp: their sizes come from ``bucket_cap_mb`` or, with the
 installed torch, per bucket from ``bucket_cap_mb_list`` (:func:`bucket_caps` turns a
 mergecomp schedule into that list), and their order is DDP's.  DDP rebuilds its buckets
-after the first iteration; a bucket whose parameters changed is sent raw (FP32 allreduce,
-exact, its residual untouched) in that step, and at the step's end the state follows its
-parameters into the new buckets.  What DDP cannot carry: the adaptive schedulers (``auto``,
+after the first iteration; in a step whose buckets changed, the buckets wait for the last
+one, the state follows its parameters into the new buckets, and then all are sent as
+configured, so every step is compressed (that step does not overlap the exchange with
+backward).  Two cases go exact FP32 instead: the fresh first step with the ``ps``
+communicator (its shard residuals cannot move) or without the model (no names for the
+state to follow), and buckets that change after an earlier
+bucket of the same step was sent (their state moves at the step's end).  The first
+exchange also checks, once, that every rank registered the hook (see
+``_check_every_rank_registered``).  What DDP cannot carry: the adaptive schedulers (``auto``,
 ``binary``) re-plan between steps, and DDP's buckets are fixed at construction; launching
 groups in an order of mergecomp's own; parameter slices.  Use
 :class:`~mergecomp.optimizer.DistributedOptimizer` for those.
@@ -52,6 +58,7 @@ from . import communicators, components, compressors, memories, schedulers
 from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
 from .backends import Backend
 from .communicators.base import Communicator, Handle
+from .communicators.ps import PSCommunicator
 from .compressors import recipes
 from .compressors.base import Compressor, GroupLayout, ParamView
 from .memories.base import Memory
@@ -119,7 +126,11 @@ class HookState:
         self.sends = list(sends) if sends is not None else None
         self.nonfinite = nonfinite
         self.names = _parameter_names(model) if model is not None else None
+        #: Parameters frozen when the state was built: DDP does not reduce them (see _check_frozen).
+        self._frozen = _frozen_parameters(model)
+        self._conversion_check = _watch_conversion(model)
         if model is not None:
+            _refuse_sparse_gradients(model)
             compressors.check_dtypes(self.compressor, sorted(
                 {p.dtype for p in model.parameters() if p.requires_grad}, key=str))
         #: Steps whose buckets were exchanged (DDP's backward passes that reduced).
@@ -161,10 +172,16 @@ class HookState:
         self._raw: Dict[str, Communicator] = {}
         self._bypass = communicators.create("allreduce", compressor=compressors.create("none"),
                                             memory=memories.create("none"), backend=self.backend)
+        #: Whether per-bucket state can move to DDP's rebuilt buckets; a parameter server's
+        #: shard residuals cannot (servers hold them), nor can state without parameter names:
+        #: then the fresh first step goes exact.
+        self._state_follows_buckets = not isinstance(self.communicator, PSCommunicator)
         self._agreement: Optional[StepAgreement] = None
         self._preflight = None
         self._pending: List[_Pending] = []
-        self._new_layouts: Dict[int, BucketKey] = {}
+        #: The buckets seen so far this step, and those held back while the layout changes.
+        self._step_keys: Dict[int, BucketKey] = {}
+        self._held: List[Tuple[int, torch.Tensor, GroupLayout, torch.futures.Future]] = []
         self.phase_listeners, self.step_listeners = _Listeners(), _Listeners()
 
     def add_phase_listener(self, callback):
@@ -208,21 +225,47 @@ class HookState:
     # -- one bucket ------------------------------------------------------------------------------
     def exchange(self, bucket) -> torch.futures.Future:
         """Start ``bucket``'s exchange; at the last bucket, finish the step (see the module)."""
-        started = time.perf_counter() if self.phase_listeners else 0.0
         buffer = bucket.buffer()
+        if buffer.is_sparse:
+            raise self._sparse_error(bucket)
         index = bucket.index()
-        if not self._pending:
-            self._begin_step(buffer.device)
+        if not self._pending and not self._held:
+            self._begin_step(buffer)
         layout, key = self._layout(bucket)
+        self._step_keys[index] = key
         changed = self.layouts.get(index) != key
-        if changed:
-            self._new_layouts[index] = key
+        future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
+        follows = self._state_follows_buckets and self.names is not None
+        if self._held or (changed and self.layouts and not self._pending and self.names is not None):
+            # DDP's buckets changed (its rebuild after the first iteration, a new DDP around
+            # this state): hold the step's buckets until the last one shows the new layout,
+            # move the state to it, then send them all as configured.
+            self._held.append((index, buffer, layout, future))
+            if bucket.is_last():
+                self._move_state(self._step_keys)
+                for held in self._held:
+                    self._start(*held, changed=False)
+                self._held = []
+        else:
+            self._start(index, buffer, layout, future, changed=changed and (bool(self.layouts) or not follows))
+        if bucket.is_last():
+            self._finish_step()
+        return future
+
+    def _start(self, index: int, buffer: torch.Tensor, layout: GroupLayout, future: torch.futures.Future,
+               changed: bool) -> None:
+        """Launch one bucket: compressed (or at its raw width) unless ``changed``.
+
+        A bucket whose parameters changed after an earlier bucket of the same step was
+        already sent goes raw (exact, through a communicator without memory, so its residual
+        stays where the state's move at the step's end finds it)."""
+        started = time.perf_counter() if self.phase_listeners else 0.0
         if self._preflight is not None:
             work, self._preflight = self._preflight, None
             self._agreement.check(work, self.facts(), f"at step {self.steps}")
         send = self._send_mode(index)
         if changed:
-            communicator = self._bypass  # exact, and leaves the residual where regrouping finds it
+            communicator = self._bypass
         elif send == "compress":
             communicator = self.communicator
         else:
@@ -232,21 +275,87 @@ class HookState:
             local = nonfinite_flag(buffer)
             zero_if(buffer, local)
         handle = communicator.start(buffer, f"group{index}", layout)
-        future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
         self._pending.append(_Pending(index, buffer, communicator, handle, future, local))
         self._pending[-1].send = "fp32" if changed else send
         if self.phase_listeners:
             self.phase_listeners("launch", self._pending[-1], time.perf_counter() - started)
-        if bucket.is_last():
-            self._finish_step()
-        return future
 
-    def _begin_step(self, device: torch.device) -> None:
+    def _begin_step(self, buffer: torch.Tensor) -> None:
+        self._check_frozen()
         if self._agreement is None:
-            self._agreement = StepAgreement(self.backend, device)
+            self._agreement = StepAgreement(self.backend, buffer.device)
+            self._check_every_rank_registered(buffer)
         self.backend.mark_step(self.steps)
         self._preflight = self._agreement.preflight(self.facts())
-        self._new_layouts = {}
+        self._step_keys = {}
+
+    def _check_every_rank_registered(self, first: torch.Tensor) -> None:
+        """Once, before the first exchange: fail clearly if some rank runs DDP without this hook.
+
+        A rank without the hook sends DDP's own allreduce of its first bucket, where this
+        rank would send the preflight: collectives of different sizes, which gloo answers by
+        aborting one process and resetting the others' connections.  So the first collective
+        of a hook rank is shaped exactly like that allreduce (the first bucket's size and
+        dtype) and pairs with it: each hook rank writes a large marker into its own element,
+        and an element without its marker names a rank that did not register (a rank's
+        gradient is far below the marker).  It runs once per state, so the steps cost the
+        same as before.
+        """
+        size, rank = self.backend.size, self.backend.rank
+        if size == 1 or first.numel() == 0:
+            return
+        marker = _registration_marker(first.dtype, size)
+        probe = torch.zeros(first.numel(), dtype=first.dtype, device=first.device)
+        slots = first.numel() >= size
+        probe[rank if slots else 0] = marker
+        (total,) = self.backend.allreduce_async([probe]).wait()
+        seen = total[:size if slots else 1].real if total.is_complex() else total[:size if slots else 1]
+        seen = seen.double().tolist()
+        if slots:
+            missing = [r for r, value in enumerate(seen) if not value > marker / 2]
+        else:
+            count = round(seen[0] / marker) if seen[0] == seen[0] else 0
+            missing = [] if count == size else None
+        if missing == []:
+            return
+        which = (f"rank(s) {missing}" if missing is not None
+                 else f"{size - count} of the {size} ranks (which ones cannot be told: the first bucket "
+                      f"has fewer elements than there are ranks)")
+        error = RuntimeError(
+            f"the mergecomp DDP communication hook is not registered on {which} (this is rank {rank} of "
+            f"{size}): those ranks run DDP's own allreduce while this one compresses, so their "
+            "collectives cannot meet. Register the hook on every rank, with the same arguments "
+            "(mergecomp.ddp.register(ddp_model, ...) or ddp_model.register_comm_hook(state, "
+            "mergecomp.ddp.hook)), before the first backward. The ranks without it received this "
+            "check's markers as their first bucket's gradient and fail at their next collective.")
+        beacon = getattr(self.backend, "beacon", None)
+        if beacon is not None:  # the progress records then say why this rank stopped
+            beacon.fail(str(error))
+        raise error
+
+    def _check_frozen(self) -> None:
+        """A parameter frozen when the state was built must not start training unseen: DDP
+        reduces only the parameters that required gradients when it was built, so each rank
+        would apply its own gradient to it and the ranks' models would drift apart."""
+        if not any(p.requires_grad for _, p in self._frozen):
+            return
+        names = [n for n, p in self._frozen if p.requires_grad]
+        raise RuntimeError(
+            f"parameter(s) {names[:5]}{'...' if len(names) > 5 else ''} were frozen (requires_grad="
+            "False) when DDP and its mergecomp hook state were built and now require gradients: DDP "
+            "does not reduce them, so every rank would apply its own gradient and the ranks' models "
+            "would drift apart. Build DistributedDataParallel and register the hook again after "
+            "changing requires_grad (a new HookState, or this one's state_dict() loaded into it), or "
+            "use mergecomp.DistributedOptimizer, which takes parameters unfrozen during training into "
+            "its exchange.")
+
+    def _sparse_error(self, bucket) -> ValueError:
+        names = [self._name(param, bucket.index(), position)
+                 for position, param in enumerate(bucket.parameters())]
+        return ValueError(
+            f"DDP's bucket {bucket.index()} holds sparse gradients (parameter(s) {names}, e.g. "
+            "nn.Embedding(sparse=True)), which the mergecomp hook cannot compress: build those "
+            "layers with sparse=False, or keep DDP's own allreduce (no hook) for such a model")
 
     def _send_mode(self, index: int) -> str:
         if self.sends is None:
@@ -264,14 +373,16 @@ class HookState:
         size = buffer.element_size()
         views, key = [], []
         for position, (param, grad) in enumerate(zip(bucket.parameters(), bucket.gradients())):
-            name = self.names.get(id(param)) if self.names is not None else None
-            if name is None:
-                name = f"bucket{bucket.index()}.{position}"
+            name = self._name(param, bucket.index(), position)
             offset = (grad.data_ptr() - base) // size if grad.numel() else (
                 views[-1].offset + views[-1].numel if views else 0)
             views.append(ParamView(name, param.shape, offset))
             key.append((name, param.numel()))
         return tuple(views), tuple(key)
+
+    def _name(self, param, index: int, position: int) -> str:
+        name = self.names.get(id(param)) if self.names is not None else None
+        return name if name is not None else f"bucket{index}.{position}"
 
     # -- the end of the step -------------------------------------------------------------------
     def _finish_step(self) -> None:
@@ -294,8 +405,8 @@ class HookState:
             self.skipped_steps += 1
             for average in averages:
                 average.fill_(float("nan"))
-        if self._new_layouts:
-            self._follow_layouts()
+        if self._step_keys != self.layouts:
+            self._move_state(self._step_keys)
         self.steps += 1
         if self.step_listeners:
             self.step_listeners(self.steps - 1, outcome)
@@ -323,22 +434,28 @@ class HookState:
         self.phase_listeners("finish", pending, time.perf_counter() - started)
         return average
 
-    def _follow_layouts(self) -> None:
-        """DDP changed buckets: move per-bucket state to the new buckets by parameter."""
+    def _move_state(self, keys: Dict[int, BucketKey]) -> None:
+        """DDP changed buckets: move per-bucket state to the new buckets by parameter.
+
+        Runs between the steps' exchanges (at the end of a step, or before the first bucket
+        of a held step is sent), when the state holds no step's uncommitted writes."""
         old = {f"group{i}": _pieces(key) for i, key in self.layouts.items()}
-        merged = dict(self.layouts)
-        merged.update(self._new_layouts)
-        new = {f"group{i}": _pieces(key) for i, key in merged.items()}
+        new = {f"group{i}": _pieces(key) for i, key in keys.items()}
+        if not self.layouts:  # nothing was kept per bucket yet
+            self.layouts = dict(keys)
+            return
         state = self.communicator.state_dict()
         try:
+            if self.names is None:
+                raise CannotRegroup("the parameters have no names: build the HookState with the model, "
+                                    "or call attach(model) after unpickling it")
             moved = regroup_state(state, old, new)
         except (CannotRegroup, KeyError, ValueError) as error:
             if any(_holds_tensors(v) for v in state.values()):
                 warnings.warn(f"mergecomp: DDP changed its buckets and the compression state could not "
                               f"follow the parameters ({error}); it starts afresh", RuntimeWarning)
             moved = None
-        self.layouts = merged
-        self._new_layouts = {}
+        self.layouts = dict(keys)
         self._connect_state(moved)
 
     def _connect_state(self, moved: Optional[Dict[str, Any]]) -> None:
@@ -395,12 +512,18 @@ class HookState:
         self.__dict__.update(kept)
         self.process_group = None
         self._advised = None
+        self._frozen = []
+        self._conversion_check = None
         self._connect(None)
         self.communicator.load_state_dict(state)
 
     def attach(self, model: torch.nn.Module) -> "HookState":
         """Name the parameters after unpickling (ids do not survive a restart); returns self."""
         self.names = _parameter_names(model)
+        self._frozen = _frozen_parameters(model)
+        if self._conversion_check is not None:
+            self._conversion_check.remove()
+        self._conversion_check = _watch_conversion(model)
         return self
 
     def __repr__(self) -> str:
@@ -457,6 +580,67 @@ def bucket_caps(model: torch.nn.Module, schedule: Union[int, str, schedulers.Sch
 def _parameter_names(model: torch.nn.Module) -> Dict[int, str]:
     module = getattr(model, "module", model)
     return {id(p): name for name, p in module.named_parameters()}
+
+
+def _watch_conversion(model: Optional[torch.nn.Module]):
+    """Register a :class:`_ConversionCheck` on the module DDP wraps; returns its handle."""
+    if model is None:
+        return None
+    module = getattr(model, "module", model)
+    return module.register_forward_pre_hook(_ConversionCheck(module))
+
+
+def _frozen_parameters(model: Optional[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
+    if model is None:
+        return []
+    module = getattr(model, "module", model)
+    return [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+
+
+def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
+    """Embeddings built with ``sparse=True`` make sparse gradients, which DDP puts in a bucket
+    of their own and which no mergecomp compressor carries: say so before the first step."""
+    module = getattr(model, "module", model)
+    sparse = [f"{name}.weight" if name else "weight" for name, m in module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+              and m.weight.requires_grad]
+    if sparse:
+        raise ValueError(
+            f"parameter(s) {sparse} get sparse gradients (nn.Embedding/EmbeddingBag with sparse=True), "
+            "which the mergecomp hook cannot compress: build those layers with sparse=False, or keep "
+            "DDP's own allreduce (no hook) for such a model")
+
+
+class _ConversionCheck:
+    """A forward pre-hook: refuse a model converted or moved after DDP was built.
+
+    ``model.to(torch.float64)`` (or to another device) after ``DistributedDataParallel`` gives
+    the parameters new storage, and DDP's gradient hooks stay with the old: no bucket is
+    reduced any more, the hook is never called, and each rank trains on its own gradients
+    without a word.  Conversions act on the whole model, so the first and the last parameter
+    are enough to see one, at two comparisons per forward.  A plain object, so a module
+    that holds it still pickles.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.watched = [(n, p, p.dtype, p.device) for n, p in (named[:1] + named[-1:])]
+
+    def __call__(self, module, args) -> None:
+        for name, param, dtype, device in self.watched:
+            if param.dtype != dtype or param.device != device:
+                raise RuntimeError(
+                    f"parameter {name!r} is now {param.dtype} on {param.device}, but it was {dtype} on "
+                    f"{device} when DistributedDataParallel and the mergecomp hook were built: the model "
+                    "was converted or moved (model.to(...)) afterwards, and DDP no longer sees its "
+                    "gradients, so each rank would train on its own. Convert or move the model first, "
+                    "then build DistributedDataParallel and register the hook.")
+
+
+def _registration_marker(dtype: torch.dtype, size: int) -> float:
+    """A value far above any gradient that ``size`` ranks can sum without overflow."""
+    real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
+    return float(torch.finfo(real).max) / (4 * size) if real.is_floating_point else 1.0
 
 
 def _pieces(key: BucketKey):

@@ -111,8 +111,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backend = backend if backend is not None else default_backend()
         if named_parameters is None and model is not None:
             named_parameters = model.named_parameters()
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
         params = _trainable_params(optimizer, named_parameters)
         self._check_same_model(params)
+        # What is watched for parameters that join the training later (_take_in_new_parameters).
+        self._model = model
+        self._given_names = {id(p): n for n, p in named_parameters or ()}
+        self._frozen = _frozen_params(optimizer, named_parameters)
+        self._group_count = len(optimizer.param_groups)
 
         self.compressor, self.memory, communicator = components.resolve(compressor, memory, communicator)
         self.communicator = communicator if isinstance(communicator, Communicator) else communicators.create(
@@ -129,7 +136,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         config = config_digest(self.compressor, self.memory, self.communicator, self.scheduler,
                                backward_passes_per_step, bool(find_unused_parameters), nonfinite)
         self._check_same_configuration(config)
-        self._sync_initial_state(params, model, initial_sync)
+        # Frozen parameters too: equal everywhere, they can be unfrozen later.
+        self._sync_initial_state(params + self._frozen, model, initial_sync)
         self.reducer = Reducer(params, self.communicator, self.backend, self.scheduler, plan=fixed_plan,
                                backward_passes_per_step=backward_passes_per_step,
                                find_unused_parameters=bool(find_unused_parameters),
@@ -296,6 +304,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         outcome = self.reducer.synchronize()
+        self._drop_unexchanged(self._take_in_new_parameters())
         applied = outcome.finite and outcome.active_ranks > 0
         if applied:
             self.optimizer.step()
@@ -350,10 +359,58 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=True)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group to the wrapped optimizer; its trainable parameters are exchanged
+        from the next backward on.  Call it on every rank alike, between steps."""
         if not hasattr(self, "optimizer"):  # torch.optim.Optimizer.__init__ building the groups
             return super().add_param_group(param_group)
-        raise RuntimeError("parameters added after wrapping would get no gradient exchange: add the "
-                           "param group to the optimizer before wrapping it in DistributedOptimizer")
+        if self.reducer._in_iteration():
+            raise RuntimeError("add_param_group() must be called between steps, not during backward")
+        self.optimizer.add_param_group(param_group)
+        self._take_in_new_parameters()
+
+    def _take_in_new_parameters(self) -> List[str]:
+        """Parameters the optimizer steps but the exchange does not know yet join the exchange.
+
+        A layer unfrozen during training (``requires_grad_(True)``) or a param group added to
+        the wrapped optimizer would otherwise be stepped with each rank's own gradient, and
+        the ranks' models would drift apart.  The usual case costs one length and one flag
+        per frozen parameter: only when the optimizer's groups or a frozen parameter changed
+        are the parameters walked.  Returns the names taken in.
+        """
+        if len(self.optimizer.param_groups) == self._group_count and \
+                not any(p.requires_grad for _, p in self._frozen):
+            return []
+        self._group_count = len(self.optimizer.param_groups)
+        known = {id(p) for _, p in self.reducer.params}
+        names = dict(self._given_names)
+        if self._model is not None:
+            names.update((id(p), n) for n, p in self._model.named_parameters())
+        new, frozen = [], []
+        for name, p in _named_in_optimizer(self.optimizer, names):
+            if id(p) not in known:
+                (new if p.requires_grad else frozen).append((name, p))
+        self._frozen = frozen
+        if new:
+            compressors.check_dtypes(self.compressor, sorted({p.dtype for _, p in new}, key=str))
+            self.reducer.add_params(new)
+        return [n for n, _ in new]
+
+    def _drop_unexchanged(self, names: List[str]) -> None:
+        """Parameters that joined after this step's backward began hold a gradient no other
+        rank saw: it is not applied (``grad = None``, which the optimizer skips); they are
+        exchanged from the next step on."""
+        by_name = dict(self.reducer.params)
+        dropped = [n for n in names if by_name[n].grad is not None]
+        for name in dropped:
+            by_name[name].grad = None
+        if dropped:
+            warnings.warn(
+                f"mergecomp: parameter(s) {dropped[:5]}{'...' if len(dropped) > 5 else ''} started "
+                "requiring gradients (or were added to the optimizer) after this step's backward began: "
+                "their gradients were not averaged over ranks, so this step does not apply them; from "
+                "the next step on they are exchanged. Unfreeze layers or add param groups before "
+                "zero_grad() (between step() and the next backward) to lose no step.",
+                RuntimeWarning, stacklevel=3)
 
     def set_epoch(self, epoch: int) -> None:
         """Tell epoch-scheduled components (DGC's density warm-up) the current epoch.
@@ -365,6 +422,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.reducer.zero_grad_called()
+        if not self.reducer._in_iteration():
+            self._take_in_new_parameters()
 
     # -------------------------------------------------------------------------- state --
     def state_dict(self) -> Dict[str, Any]:
@@ -482,6 +541,19 @@ def _trainable_params(optimizer, named_parameters) -> List[Tuple[str, torch.nn.P
         wanted = {id(p) for p in in_optimizer}
         named = [(n, p) for n, p in named if id(p) in wanted]
     return [(n, p) for n, p in named if p.requires_grad]
+
+
+def _frozen_params(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
+    """The optimizer's parameters that do not require gradients now (they may later)."""
+    names = {id(p): n for n, p in named_parameters or ()}
+    return [(n, p) for n, p in _named_in_optimizer(optimizer, names) if not p.requires_grad]
+
+
+def _named_in_optimizer(optimizer, names: Dict[int, str]) -> List[Tuple[str, torch.nn.Parameter]]:
+    """The optimizer's parameters in order, named from ``names``, else ``param.<i>`` by
+    position (as the wrapper names them without ``named_parameters``)."""
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    return [(names.get(id(p), f"param.{i}"), p) for i, p in enumerate(in_optimizer)]
 
 
 def _resolve_schedule(schedule, fusion_num, scheduler, plan, compress, compressor):

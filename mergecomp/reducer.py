@@ -94,11 +94,25 @@ class GroupState:
             elif p.grad.is_sparse:
                 raise ValueError(f"parameter {name!r} has a sparse gradient, which mergecomp does "
                                  "not compress; build the layer with sparse=False")
+            elif p.grad.data_ptr() == part.data_ptr():  # the grad is already this part
+                continue
+            elif p.grad.dtype != part.dtype or p.grad.device != part.device:
+                raise self._moved_error(name, p, part)
             elif stop - start < p.numel():  # a slice: its elements of the flattened gradient
                 part.copy_(p.grad.reshape(-1)[start:stop])
-            elif p.grad.data_ptr() != part.data_ptr():  # equal: the grad is already this part
+            else:
                 part.copy_(p.grad.reshape(-1))
         return self.buffer
+
+    def _moved_error(self, name: str, p: torch.nn.Parameter, part: torch.Tensor) -> RuntimeError:
+        """A parameter converted after the plan was made (``model.to(torch.float64)``, a move
+        to another device): its group's buffer and error-feedback state are of the old kind,
+        and its gradient would be cast to it without a word."""
+        return RuntimeError(
+            f"parameter {name!r} is now {p.grad.dtype} on {p.grad.device}, but it was {part.dtype} on "
+            f"{part.device} when the exchange was planned (group {self.index}): the model was converted "
+            "or moved after DistributedOptimizer was built. Convert or move the model first "
+            "(model.to(...)), then build the optimizer and DistributedOptimizer around it.")
 
 
 class _Listeners:
@@ -185,6 +199,8 @@ class Reducer:
         self.epoch: Optional[int] = None
         #: Digest of the last loaded state (ranks must have loaded alike).
         self.loaded = ""
+        #: Parameters taken in after construction (:meth:`add_params`), in order.
+        self.added: List[str] = []
         #: Steps dropped because a gradient was non-finite.
         self.skipped_steps = 0
         #: Inside ``join()`` (on every rank): each step says how many ranks still train.
@@ -234,8 +250,38 @@ class Reducer:
 
     def facts(self) -> Dict[str, Any]:
         """What every rank must agree on before a step's exchange (see mergecomp.agreement)."""
-        return {"plan": self.plan.digest() if self.plan is not None else None, "steps": self.steps,
-                "epoch": self.epoch, "config": self.config, "state": self.loaded}
+        facts = {"plan": self.plan.digest() if self.plan is not None else None, "steps": self.steps,
+                 "epoch": self.epoch, "config": self.config, "state": self.loaded}
+        if self.added:
+            facts["added"] = self.added
+        return facts
+
+    def add_params(self, named_params: Sequence[Tuple[str, torch.nn.Parameter]]) -> None:
+        """Exchange these parameters too, from the next backward on (between steps only).
+
+        For a layer unfrozen during training or a param group added to the optimizer: left
+        out, each rank would apply its own gradient to them.  Once a plan exists, the new
+        parameters get groups of their own after the planned ones (one per dtype and
+        device), so the planned groups and their error-feedback state stay as they are;
+        the next step's preflight checks that every rank took in the same parameters.
+        """
+        if self._in_iteration():
+            raise RuntimeError("parameters can be added between steps only, not during backward")
+        named = [(n, p) for n, p in named_params if n not in self.position]
+        if not named:
+            return
+        for name, p in named:
+            self.position[name] = len(self.params)
+            self.params.append((name, p))
+            self.numels[name] = p.numel()
+            self._passes[name] = 0
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(name)))
+        self.added = self.added + [n for n, _ in named]
+        if self.plan is not None:
+            kinds: Dict[Tuple[str, str], List[str]] = collections.OrderedDict()
+            for name, p in reversed(named):  # backward usually reaches later layers first
+                kinds.setdefault((str(p.dtype), str(p.device)), []).append(name)
+            self.install_plan(Plan(list(self.plan.groups) + [Group(tuple(names)) for names in kinds.values()]))
 
     # ------------------------------------------------------------------------ planning --
     def raw_communicator(self, send: str) -> Communicator:

@@ -524,15 +524,13 @@ def lr_schedule_worker(rank, world_size):
     resumed.load_state_dict(saved["opt"])
     resumed_schedule.load_state_dict(saved["schedule"])
     resumed_schedule.step()
-    try:
-        resumed.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
-        refused = False
-    except RuntimeError:
-        refused = True
-    return resumed.optimizer.param_groups[0]["lr"], resumed.param_groups[0]["lr"], refused
+    # A group added to the wrapper lands in the wrapped optimizer and joins the exchange.
+    resumed.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    return (resumed.optimizer.param_groups[0]["lr"], resumed.param_groups[0]["lr"],
+            len(resumed.optimizer.param_groups), resumed.reducer.added)
 
 
 def test_lr_scheduler_drives_the_wrapped_optimizer_after_load_state_dict():
-    for inner_lr, wrapper_lr, refused in run_ranks(lr_schedule_worker, 2):
+    for inner_lr, wrapper_lr, groups, added in run_ranks(lr_schedule_worker, 2):
         assert inner_lr == wrapper_lr == pytest.approx(0.1 * 0.5 ** 3)
-        assert refused
+        assert groups == 2 and added == ["param.6"]
