@@ -123,9 +123,9 @@ def test_ddp_hook_writes_rows_every_two_steps(tmp_path):
     run_ranks(hook_worker, 2, str(tmp_path))
     rows = _rows(str(tmp_path))
     assert [int(r["step"]) for r in rows] == [1, 3, 5]
-    # DDP's first steps send buckets new to the hook raw (FP32): density 1 until it rebuilds
-    assert float(rows[0]["density"]) > 0.5
-    _check_plausible(rows[-1], 0.1)
+    # the hook compresses from DDP's first step on, its bucket rebuild included
+    for row in rows:
+        _check_plausible(row, 0.1)
 
 
 def test_bad_arguments_are_clear_errors(tmp_path):
