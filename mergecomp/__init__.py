@@ -9,11 +9,12 @@
 Components are looked up by name in four registries (``mergecomp.compressors``,
 ``.memories``, ``.communicators``, ``.schedulers``), each open to plugins.
 """
-from . import backends, communicators, compressors, memories, schedulers
+from . import backends, checkpoint, communicators, compressors, memories, schedulers
+from .checkpoint import load, save
 from .optimizer import DistributedOptimizer
 from .plan import Group, ParamInfo, Plan
 
 __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "Plan", "Group", "ParamInfo", "compressors", "memories",
-           "communicators", "schedulers", "backends", "__version__"]
+           "communicators", "schedulers", "backends", "checkpoint", "save", "load", "__version__"]

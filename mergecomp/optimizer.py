@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from . import communicators, components, compressors, schedulers
+from . import checkpoint, communicators, components, compressors, schedulers
 from .agreement import RanksDisagree, describe_disagreement
 from .backends import Backend, default_backend
 from .communicators.base import Communicator
@@ -28,7 +28,7 @@ from .compressors import recipes
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
-from .reducer import NONFINITE_POLICIES, Reducer, broadcast_tensors, config_digest
+from .reducer import NONFINITE_POLICIES, GroupState, Reducer, broadcast_tensors, config_digest
 from .schedulers.base import Scheduler
 from .schedulers.fixed import FixedScheduler
 
@@ -363,12 +363,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Memories hold per-rank residuals: save one file per rank.  The state records the
         rank, the world size and the configuration it belongs to, and
-        :meth:`load_state_dict` refuses a file of another.
+        :meth:`load_state_dict` refuses a file of another.  The ``"mergecomp"`` part is
+        sealed with a checksum (:mod:`mergecomp.checkpoint`) that loading verifies.
         """
         reducer = self.reducer
         return {
             "optimizer": self.optimizer.state_dict(),
-            "mergecomp": {
+            "mergecomp": checkpoint.seal({
                 "format": STATE_FORMAT,
                 "plan": reducer.plan.to_dict() if reducer.plan is not None else None,
                 "communicator": self.communicator.state_dict(),  # raw groups share its memory
@@ -377,7 +378,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "rank": self.backend.rank,
                 "world_size": self.backend.size,
                 "config": reducer.config,
-            },
+            }),
         }
 
     def _share_inner(self) -> None:
@@ -394,6 +395,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         number of ranks (residuals are per rank), pass ``restore_compression=False``: the
         wrapped optimizer's state and the step count are restored, compression state starts
         afresh (error feedback restarts from zero, which is safe).
+
+        Compression state is checked before anything is loaded (:mod:`mergecomp.checkpoint`):
+        its checksum, finite values, and the shapes and dtypes this run's groups need; a
+        refusal (:class:`~mergecomp.checkpoint.CheckpointError`) names the tensor and the
+        file (when read with :func:`mergecomp.load`), and leaves this optimizer as it was.
         """
         reducer = self.reducer
         if reducer._in_iteration():
@@ -404,19 +410,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
             reducer.loaded = _state_digest(self.optimizer.state_dict())
             return
         ours = state_dict["mergecomp"]
+        plan = None
         if restore_compression:
-            self._check_state_belongs_here(ours)
+            plan = self._checked_compression_state(ours)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._share_inner()
         if restore_compression:
-            if ours.get("plan") is not None:
-                reducer.install_plan(Plan.from_dict(ours["plan"]))
+            if plan is not None:
+                reducer.install_plan(plan)
             self.communicator.load_state_dict(ours.get("communicator", {}))
             if ours.get("epoch") is not None:
                 reducer.set_epoch(int(ours["epoch"]))
         reducer.steps = int(ours.get("steps", 0))
         reducer.loaded = _state_digest(state_dict["optimizer"], ours.get("config"), ours.get("steps"))
         reducer.synchronized = False
+
+    def _checked_compression_state(self, ours: Dict[str, Any]) -> Optional[Plan]:
+        """Every check of the checkpoint's compression state, before anything changes:
+        checksum, rank/world size/configuration, the plan against this model, values and
+        shapes.  Returns the checkpoint's plan (None if it was saved before the first step)."""
+        source = ours.get(checkpoint.SOURCE)
+        checkpoint.verify(ours, "compression state", source)
+        self._check_state_belongs_here(ours)
+        plan = self.reducer.plan
+        if ours.get("plan") is not None:
+            try:
+                plan = Plan.from_dict(ours["plan"])
+                plan.validate((n for n, _ in self.reducer.params), self.reducer.numels)
+            except ValueError as error:
+                raise checkpoint.CheckpointError(
+                    f"{checkpoint.describe_source(source)}: its plan does not fit this model: {error}") from None
+        by_name = dict(self.reducer.params)
+        groups = {}
+        for index, group in enumerate(plan.groups if plan is not None else ()):
+            state = GroupState(index, group, by_name)
+            groups[state.name] = checkpoint.GroupSpec(state.numel, state.params[0][1].dtype, state.layout)
+        checkpoint.check_state(self.communicator, ours.get("communicator", {}), groups, source)
+        return plan if ours.get("plan") is not None else None
 
     def _check_state_belongs_here(self, ours: Dict[str, Any]) -> None:
         rank, size = self.backend.rank, self.backend.size
