@@ -107,9 +107,11 @@ def seal(state: Dict[str, Any]) -> Dict[str, Any]:
     return state
 
 
-def verify(state: Dict[str, Any], what: str, source: Optional[str]) -> bool:
+def verify(state: Dict[str, Any], what: str, source: Optional[str],
+           groups: Optional[Dict[str, GroupSpec]] = None) -> bool:
     """Raise :class:`CheckpointError` if ``state`` changed since it was sealed, naming each
-    tensor that did; return False (after a warning) when it was never sealed."""
+    tensor that did (and, given this run's ``groups``, the parameter of its largest or first
+    non-finite value); return False (after a warning) when it was never sealed."""
     recorded = state.get(CHECKSUM)
     where = describe_source(source)
     if recorded is None:
@@ -131,7 +133,7 @@ def verify(state: Dict[str, Any], what: str, source: Optional[str]) -> bool:
             problems.append(f"{path} is missing (saved as {saved})")
         elif tensors[path] != saved:
             problems.append(f"{path} changed: saved as {saved}, now {tensors[path]}; "
-                            f"{summarize(values[path])}")
+                            f"{summarize(values[path], group_of(path, groups or {}))}")
     problems += [f"{path} ({tensors[path]}) was not in the saved state"
                  for path in tensors if path not in recorded["tensors"]]
     if not problems:
@@ -143,8 +145,8 @@ def verify(state: Dict[str, Any], what: str, source: Optional[str]) -> bool:
 
 
 _ADVICE = ("Nothing was loaded. Load an earlier checkpoint, or resume without the compression "
-           "state (error feedback restarts from zero): DistributedOptimizer.load_state_dict(state, "
-           "restore_compression=False) or HookState.load_state_dict(state, restore_compression=False)")
+           "state: load_state_dict(state, restore_compression=False) restores the rest, and error "
+           "feedback restarts from zero")
 
 
 # -- values --------------------------------------------------------------------------------
@@ -186,9 +188,10 @@ def group_of(path: str, groups: Dict[str, GroupSpec]) -> Optional[GroupSpec]:
 
 
 def check_finite(state: Dict[str, Any], what: str, source: Optional[str],
-                 groups: Dict[str, GroupSpec]) -> None:
-    """Raise :class:`CheckpointError` naming the first tensor of ``state`` with a NaN or Inf."""
-    for path, tensor in _tensors(state):
+                 groups: Dict[str, GroupSpec], prefix: str = "") -> None:
+    """Raise :class:`CheckpointError` naming the first tensor of ``state`` with a NaN or Inf
+    (by its path in the checkpoint: ``prefix`` and its keys)."""
+    for path, tensor in _tensors(state, prefix):
         if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(
                 f"{describe_source(source)}: {what} {path} holds non-finite values: "
@@ -249,7 +252,7 @@ def check_state(communicator, state: Dict[str, Any], groups: Dict[str, GroupSpec
     if not isinstance(state, dict):
         raise CheckpointError(f"{describe_source(source)}: its communicator state is a "
                               f"{type(state).__name__}, not a dict. {_ADVICE}")
-    check_finite(state, "compression state", source, groups)
+    check_finite(state, "compression state", source, groups, "communicator")
     check_shapes(communicator.memory, state.get("memory", {}), groups, f"the {communicator.memory!r} state", source)
     check_shapes(communicator.compressor, state.get("compressor", {}), groups,
                  f"the {communicator.compressor!r} state", source)

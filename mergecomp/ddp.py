@@ -439,11 +439,15 @@ class HookState:
         where = checkpoint.describe_source(source)
         layouts: Dict[int, BucketKey] = {}
         if restore_compression:
-            checkpoint.verify(state, "hook state", source)
+            try:
+                layouts = _read_layouts(state.get("layouts", {}), where)
+            except checkpoint.CheckpointError:
+                checkpoint.verify(state, "hook state", source)  # names the damage, if sealed
+                raise
+            groups = self._group_specs(layouts)
+            checkpoint.verify(state, "hook state", source, groups)
             self._check_state_belongs_here(state, where)
-            layouts = _read_layouts(state.get("layouts", {}), where)
-            checkpoint.check_state(self.communicator, state.get("communicator", {}),
-                                   self._group_specs(layouts), source)
+            checkpoint.check_state(self.communicator, state.get("communicator", {}), groups, source)
             self.communicator.load_state_dict(state.get("communicator", {}))
         else:
             self._connect_state(None)

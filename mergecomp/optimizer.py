@@ -430,21 +430,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         checksum, rank/world size/configuration, the plan against this model, values and
         shapes.  Returns the checkpoint's plan (None if it was saved before the first step)."""
         source = ours.get(checkpoint.SOURCE)
-        checkpoint.verify(ours, "compression state", source)
-        self._check_state_belongs_here(ours)
-        plan = self.reducer.plan
+        plan, problem = self.reducer.plan, None
         if ours.get("plan") is not None:
             try:
                 plan = Plan.from_dict(ours["plan"])
                 plan.validate((n for n, _ in self.reducer.params), self.reducer.numels)
             except ValueError as error:
-                raise checkpoint.CheckpointError(
-                    f"{checkpoint.describe_source(source)}: its plan does not fit this model: {error}") from None
+                plan, problem = None, error
         by_name = dict(self.reducer.params)
         groups = {}
         for index, group in enumerate(plan.groups if plan is not None else ()):
             state = GroupState(index, group, by_name)
             groups[state.name] = checkpoint.GroupSpec(state.numel, state.params[0][1].dtype, state.layout)
+        checkpoint.verify(ours, "compression state", source, groups)
+        self._check_state_belongs_here(ours)
+        if problem is not None:
+            raise checkpoint.CheckpointError(
+                f"{checkpoint.describe_source(source)}: its plan does not fit this model: {problem}")
         checkpoint.check_state(self.communicator, ours.get("communicator", {}), groups, source)
         return plan if ours.get("plan") is not None else None
 
