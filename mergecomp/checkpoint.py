@@ -108,12 +108,12 @@ def seal(state: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def verify(state: Dict[str, Any], what: str, source: Optional[str],
-           groups: Optional[Dict[str, GroupSpec]] = None) -> bool:
+           groups: Optional[Dict[str, GroupSpec]] = None, where: Optional[str] = None) -> bool:
     """Raise :class:`CheckpointError` if ``state`` changed since it was sealed, naming each
     tensor that did (and, given this run's ``groups``, the parameter of its largest or first
     non-finite value); return False (after a warning) when it was never sealed."""
     recorded = state.get(CHECKSUM)
-    where = describe_source(source)
+    where = where or describe_source(source)
     if recorded is None:
         warnings.warn(f"mergecomp: {where} holds {what} saved without a checksum (by an older "
                       "mergecomp): it is checked for non-finite values and shapes only; save it "
@@ -188,13 +188,13 @@ def group_of(path: str, groups: Dict[str, GroupSpec]) -> Optional[GroupSpec]:
 
 
 def check_finite(state: Dict[str, Any], what: str, source: Optional[str],
-                 groups: Dict[str, GroupSpec], prefix: str = "") -> None:
+                 groups: Dict[str, GroupSpec], prefix: str = "", where: Optional[str] = None) -> None:
     """Raise :class:`CheckpointError` naming the first tensor of ``state`` with a NaN or Inf
     (by its path in the checkpoint: ``prefix`` and its keys)."""
     for path, tensor in _tensors(state, prefix):
         if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(
-                f"{describe_source(source)}: {what} {path} holds non-finite values: "
+                f"{where or describe_source(source)}: {what} {path} holds non-finite values: "
                 f"{summarize(tensor, group_of(path, groups))}. No finished step leaves NaN or Inf in "
                 f"compression state (such a step is rolled back), so the file is damaged. {_ADVICE}")
 

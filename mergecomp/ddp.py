@@ -34,7 +34,9 @@ installed torch, per bucket from ``bucket_cap_mb_list`` (:func:`bucket_caps` tur
 mergecomp schedule into that list), and their order is DDP's.  DDP rebuilds its buckets
 after the first iteration; a bucket whose parameters changed is sent raw (FP32 allreduce,
 exact, its residual untouched) in that step, and at the step's end the state follows its
-parameters into the new buckets.  What DDP cannot carry: the adaptive schedulers (``auto``,
+parameters into the new buckets.  A restarted job's DDP starts again from definition-order
+buckets: a hook state that holds groups (loaded, unpickled) exchanges that first iteration
+in its own groups instead, so a resumed run continues bit for bit.  What DDP cannot carry: the adaptive schedulers (``auto``,
 ``binary``) re-plan between steps, and DDP's buckets are fixed at construction; launching
 groups in an order of mergecomp's own; parameter slices.  Use
 :class:`~mergecomp.optimizer.DistributedOptimizer` for those.
@@ -494,12 +496,18 @@ class HookState:
         kept = {k: v for k, v in self.__dict__.items()
                 if k in ("compressor", "memory", "communicator_name", "communicator_options", "sends",
                          "nonfinite", "steps", "skipped_steps", "epoch", "layouts", "loaded")}
-        kept["state"] = self.communicator.state_dict()
+        kept["state"] = checkpoint.seal(self.communicator.state_dict())
         kept["names"] = None  # ids of parameters mean nothing in another process
         return kept
 
     def __setstate__(self, kept: Dict[str, Any]) -> None:
+        """Checks the compression state (checksum, finite values; its shapes are checked
+        against the buckets when they arrive) before anything is rebuilt."""
         state = kept.pop("state")
+        where = "the pickled HookState"
+        checkpoint.verify(state, "compression state", None, where=where)
+        checkpoint.check_finite(state, "compression state", None, {}, "communicator", where=where)
+        state = {k: v for k, v in state.items() if k != checkpoint.CHECKSUM}
         self.__dict__.update(kept)
         self.process_group = None
         self._advised = None

@@ -226,3 +226,48 @@ def test_components_check_their_state_against_the_groups_of_this_run():
         dgc.check_state({"momenta": {"group0": torch.zeros(800)}, "velocities": {}}, groups)
     with pytest.raises(ValueError, match="dgc velocity of group 'group0' has shape \\(799,\\)"):
         dgc.check_state({"momenta": {"group0": torch.zeros(800)}, "velocities": {"group0": torch.zeros(799)}}, groups)
+
+
+def pickle_worker(rank, world_size):
+    import pickle
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb_list=mergecomp.ddp.bucket_caps(model, 2))
+    state = mergecomp.ddp.register(ddp, compressor="topk", memory="residual")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(loss):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+
+    train(ddp, step, 3, rank)
+    kept = state.__getstate__()
+    kept["state"]["memory"]["residuals"]["group1"][0] = float("inf")
+    broken = HookStateBlob(kept)
+    try:
+        pickle.loads(pickle.dumps(broken))
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+class HookStateBlob:
+    """Pickles as a HookState whose saved state is ``kept``."""
+
+    def __init__(self, kept):
+        self.kept = kept
+
+    def __reduce__(self):
+        return (_rebuild, (self.kept,))
+
+
+def _rebuild(kept):
+    state = mergecomp.ddp.HookState.__new__(mergecomp.ddp.HookState)
+    state.__setstate__(kept)
+    return state
+
+
+def test_an_unpickled_hook_state_is_checked_too():
+    for message in run_ranks(pickle_worker, 2):
+        assert message and message.startswith("the pickled HookState: its compression state does not match")
+        assert "memory.residuals.group1 changed" in message and "first inf at element 0" in message
