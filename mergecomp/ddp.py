@@ -36,9 +36,9 @@ after the first iteration; a bucket whose parameters changed is sent raw (FP32 a
 exact, its residual untouched) in that step, and at the step's end the state follows its
 parameters into the new buckets.  A restarted job's DDP starts again from definition-order
 buckets: a hook state that holds groups (loaded, unpickled) exchanges that first iteration
-in its own groups instead, so a resumed run continues bit for bit.  What DDP cannot carry: the adaptive schedulers (``auto``,
-``binary``) re-plan between steps, and DDP's buckets are fixed at construction; launching
-groups in an order of mergecomp's own; parameter slices.  Use
+in its own groups instead, so a resumed run continues bit for bit.  What DDP cannot carry:
+the adaptive schedulers (``auto``, ``binary``) re-plan between steps, and DDP's buckets are
+fixed at construction; launching groups in an order of mergecomp's own; parameter slices.  Use
 :class:`~mergecomp.optimizer.DistributedOptimizer` for those.
 """
 from __future__ import annotations
@@ -437,8 +437,13 @@ class HookState:
         """
         if self._pending or self._deferred:
             raise RuntimeError("load_state_dict() must be called between steps, not during backward")
-        source = state.get(checkpoint.SOURCE)
+        source = state.get(checkpoint.SOURCE) if isinstance(state, dict) else None
         where = checkpoint.describe_source(source)
+        if not isinstance(state, dict) or not {"communicator", checkpoint.CHECKSUM} & set(state):
+            keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+            raise checkpoint.CheckpointError(
+                f"{where}: this is not a hook state (it has {keys}); pass what HookState.state_dict() "
+                "returned, e.g. checkpoint['hook'] of a file saved as {'model': ..., 'hook': state.state_dict()}")
         layouts: Dict[int, BucketKey] = {}
         if restore_compression:
             try:
@@ -465,13 +470,13 @@ class HookState:
         rank, size = self.backend.rank, self.backend.size
         fix = "or pass restore_compression=False to restore only the step count"
         if state.get("world_size", size) != size:
-            raise ValueError(f"{where}: this hook state was saved by a run of {state['world_size']} ranks, "
+            raise ValueError(f"{where}: it was saved by a run of {state['world_size']} ranks, "
                              f"this run has {size}: error-feedback state is per rank; {fix}")
         if state.get("rank", rank) != rank:
-            raise ValueError(f"{where}: this hook state was saved by rank {state['rank']}, and rank {rank} is "
+            raise ValueError(f"{where}: it was saved by rank {state['rank']}, and rank {rank} is "
                              f"loading it: every rank must load the state it saved; {fix}")
         if state.get("config", self.config) != self.config:
-            raise ValueError(f"{where}: this hook state belongs to another configuration (digest "
+            raise ValueError(f"{where}: it belongs to another configuration (digest "
                              f"{state['config']}, this one {self.config}): build the same compressor, "
                              f"memory and communicator, {fix}")
 

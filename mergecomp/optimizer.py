@@ -443,32 +443,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
             state = GroupState(index, group, by_name)
             groups[state.name] = checkpoint.GroupSpec(state.numel, state.params[0][1].dtype, state.layout)
         checkpoint.verify(ours, "compression state", source, groups)
-        self._check_state_belongs_here(ours)
+        self._check_state_belongs_here(ours, checkpoint.describe_source(source))
         if problem is not None:
             raise checkpoint.CheckpointError(
                 f"{checkpoint.describe_source(source)}: its plan does not fit this model: {problem}")
         checkpoint.check_state(self.communicator, ours.get("communicator", {}), groups, source)
         return plan if ours.get("plan") is not None else None
 
-    def _check_state_belongs_here(self, ours: Dict[str, Any]) -> None:
+    def _check_state_belongs_here(self, ours: Dict[str, Any], where: str) -> None:
         rank, size = self.backend.rank, self.backend.size
         if ours.get("format", 1) > STATE_FORMAT:
-            raise ValueError(f"this checkpoint has state format {ours['format']}, newer than this "
+            raise ValueError(f"{where}: it has state format {ours['format']}, newer than this "
                              f"mergecomp reads ({STATE_FORMAT}): upgrade mergecomp")
         if "world_size" in ours and ours["world_size"] != size:
             raise ValueError(
-                f"this checkpoint was saved by a run of {ours['world_size']} ranks, this run has {size}: "
+                f"{where}: it was saved by a run of {ours['world_size']} ranks, this run has {size}: "
                 "error-feedback state is per rank and cannot be split or merged. Resume with "
                 "load_state_dict(state, restore_compression=False) to keep the optimizer's state and "
                 "restart compression state from zero.")
         if "rank" in ours and ours["rank"] != rank:
             raise ValueError(
-                f"this checkpoint was saved by rank {ours['rank']}, and rank {rank} is loading it: "
+                f"{where}: it was saved by rank {ours['rank']}, and rank {rank} is loading it: "
                 "residuals are per rank, so every rank must load the file it saved (e.g. "
                 "f'ckpt.rank{rank}.pt'), or pass restore_compression=False.")
         if "config" in ours and ours["config"] != self.reducer.config:
             raise ValueError(
-                f"this checkpoint belongs to another configuration (digest {ours['config']}, this run "
+                f"{where}: it belongs to another configuration (digest {ours['config']}, this run "
                 f"{self.reducer.config}: compressor {self.compressor!r}, memory {self.memory!r}, "
                 f"communicator {type(self.communicator).__name__}, scheduler {self.scheduler!r}): its "
                 "compression state would be misread. Build the same configuration, or pass "

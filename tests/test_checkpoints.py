@@ -151,6 +151,10 @@ def hook_worker(rank, world_size, folder):
         lambda saved: state.load_state_dict(saved["hook"]), path,
         lambda saved: saved["hook"]["communicator"]["memory"]["residuals"],
         lambda saved: mergecomp.checkpoint.seal(saved["hook"]), model, state.state_dict)
+    try:
+        state.load_state_dict(mergecomp.load(path))  # the whole file, not its "hook" entry
+    except CheckpointError as error:
+        messages["whole file"] = str(error)
     damaged = mergecomp.load(path)
     damaged["hook"]["communicator"]["memory"]["residuals"]["group0"][5] = float("nan")
     state.load_state_dict(damaged["hook"], restore_compression=False)
@@ -189,6 +193,7 @@ def test_the_wrapper_refuses_damaged_compression_state_and_keeps_its_own(tmp_pat
 def test_the_hook_refuses_damaged_compression_state_and_keeps_its_own(tmp_path):
     for rank, (messages, untouched, steps, skipped) in enumerate(run_ranks(hook_worker, 2, str(tmp_path))):
         check_messages(messages, f"{tmp_path}/hook.rank{rank}.pt")
+        assert "this is not a hook state (it has ['hook', 'model'])" in messages["whole file"]
         assert untouched
         assert steps == 4 and skipped == 0
 
