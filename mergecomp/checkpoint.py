@@ -1,9 +1,9 @@
 """Checkpoints of compression state: sealed when saved, checked before they are used.
 
 Error-feedback residuals, DGC velocities and PowerSGD's matrices are added to the next
-step's gradient, so one wrong number in a checkpoint goes straight into every parameter: a
-flipped exponent bit sends them to ~1e34 at the next step, a NaN makes every later step
-non-finite (each is dropped, forever).  Nothing legitimate saves such state (a non-finite
+step's gradient, so one wrong number in a checkpoint goes straight into the parameters: a
+flipped exponent bit turns a small residual into a huge one, which the next step applies;
+a NaN makes every later step non-finite (each is dropped, forever).  Nothing legitimate saves such state (a non-finite
 step is rolled back before it reaches the state), so the loaders refuse it, before any of
 it reaches a component:
 
@@ -15,9 +15,9 @@ it reaches a component:
    run will exchange (:meth:`Memory.check_state`, :meth:`Compressor.check_state`).
 
 A state saved without a checksum (by an older mergecomp) is accepted with a warning after
-checks 2 and 3.  :func:`save` and :func:`load` are ``torch.save``/``torch.load`` that also
-name the file in these errors (``load`` notes the path in the states it finds) and write
-the file atomically, so a crash while saving leaves the previous checkpoint whole.
+checks 2 and 3.  :func:`save` is ``torch.save`` written atomically (a crash while saving
+leaves the previous file whole); :func:`load` is ``torch.load(weights_only=True)`` that
+notes the path in the states it finds, so that these errors name the file.
 """
 from __future__ import annotations
 
