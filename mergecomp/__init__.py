@@ -10,7 +10,8 @@
 Components are looked up by name in four registries (``mergecomp.compressors``,
 ``.memories``, ``.communicators``, ``.schedulers``), each open to plugins.
 """
-from . import backends, communicators, compressors, memories, schedulers
+from . import backends, checkpoint, communicators, compressors, memories, schedulers
+from .checkpoint import load, save
 from .optimizer import DistributedOptimizer
 # The DDP hook is part of the public face (``mergecomp.ddp.register`` after ``import
 # mergecomp``); it imports nothing the optimizer does not already, so it costs little.
@@ -21,4 +22,4 @@ from .steplog import StepLog
 __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "StepLog", "Plan", "Group", "ParamInfo", "compressors", "memories",
-           "communicators", "schedulers", "backends", "ddp", "__version__"]
+           "communicators", "schedulers", "backends", "ddp", "checkpoint", "save", "load", "__version__"]

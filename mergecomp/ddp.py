@@ -35,26 +35,29 @@ mergecomp schedule into that list), and their order is DDP's.  DDP rebuilds its 
 after the first iteration; in a step whose buckets changed, the buckets wait for the last
 one, the state follows its parameters into the new buckets, and then all are sent as
 configured, so every step is compressed (that step does not overlap the exchange with
-backward).  Two cases go exact FP32 instead: the fresh first step with the ``ps``
-communicator (its shard residuals cannot move) or without the model (no names for the
-state to follow), and buckets that change after an earlier
-bucket of the same step was sent (their state moves at the step's end).  The first
-exchange also checks, once, that every rank registered the hook (see
-``_check_every_rank_registered``).  What DDP cannot carry: the adaptive schedulers (``auto``,
-``binary``) re-plan between steps, and DDP's buckets are fixed at construction; launching
-groups in an order of mergecomp's own; parameter slices.  Use
+backward).  A restarted job's DDP starts again from definition-order buckets: a hook state
+that holds groups (loaded, unpickled) exchanges that first iteration in its own groups
+instead, so a resumed run continues bit for bit.  Two cases go exact FP32: the fresh first
+step with the ``ps`` communicator (its shard residuals cannot move) or without the model (no
+names for the state to follow), and buckets that change after an earlier bucket of the same
+step was sent (their state moves at the step's end).  The first exchange also checks, once,
+that every rank registered the hook (see ``_check_every_rank_registered``).  What DDP cannot
+carry: the adaptive schedulers (``auto``, ``binary``) re-plan between steps, and DDP's
+buckets are fixed at construction; launching groups in an order of mergecomp's own;
+parameter slices.  Use
 :class:`~mergecomp.optimizer.DistributedOptimizer` for those.
 """
 from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed
 
-from . import communicators, components, compressors, memories, schedulers
+from . import checkpoint, communicators, components, compressors, memories, schedulers
 from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
 from .backends import Backend
 from .communicators.base import Communicator, Handle
@@ -76,10 +79,21 @@ class _Pending:
     """One bucket in flight within a step."""
 
     def __init__(self, index: int, buffer: torch.Tensor, communicator: Communicator, handle: Handle,
-                 future: torch.futures.Future, local_nonfinite: Optional[torch.Tensor]):
+                 future: Optional[torch.futures.Future], local_nonfinite: Optional[torch.Tensor],
+                 pieces: Sequence[Tuple[torch.Tensor, int, int, int]] = ()):
         self.index, self.buffer, self.communicator = index, buffer, communicator
         self.handle, self.future, self.local_nonfinite = handle, future, local_nonfinite
         self.numel, self.wait_seconds, self.send = buffer.numel(), 0.0, "compress"  # for listeners
+        #: A group gathered from DDP's buckets (see ``HookState._gather_held_groups``):
+        #: (bucket buffer, offset there, offset here, elements) per parameter.
+        self.pieces = pieces
+
+
+class _Deferred:
+    """A bucket of DDP's first iteration, exchanged inside the groups the state holds."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, layout: GroupLayout, future: torch.futures.Future):
+        self.index, self.buffer, self.layout, self.future = index, buffer, layout, future
 
 
 class HookState:
@@ -129,6 +143,7 @@ class HookState:
         #: Parameters frozen when the state was built: DDP does not reduce them (see _check_frozen).
         self._frozen = _frozen_parameters(model)
         self._conversion_check = _watch_conversion(model)
+        self._know(model)
         if model is not None:
             _refuse_sparse_gradients(model)
             compressors.check_dtypes(self.compressor, sorted(
@@ -182,6 +197,9 @@ class HookState:
         #: The buckets seen so far this step, and those held back while the layout changes.
         self._step_keys: Dict[int, BucketKey] = {}
         self._held: List[Tuple[int, torch.Tensor, GroupLayout, torch.futures.Future]] = []
+        self._deferred: List[_Deferred] = []
+        self._regather = False  # this step's buckets are DDP's first iteration's (see exchange)
+        self._steps_here = 0  # steps since this state was built, unpickled or loaded
         self.phase_listeners, self.step_listeners = _Listeners(), _Listeners()
 
     def add_phase_listener(self, callback):
@@ -197,6 +215,15 @@ class HookState:
         """Record every step's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
         handle whose ``remove()`` detaches it.  Not kept when the state is pickled."""
         return log.attach(self)
+
+    def _know(self, model: Optional[torch.nn.Module]) -> None:
+        """Remember the model's parameter shapes and dtypes by name (to check a checkpoint's
+        state against them) and the DDP wrapper, weakly (to tell its first iteration)."""
+        from torch.nn.parallel import DistributedDataParallel
+        module = getattr(model, "module", model)
+        self._shapes = ({n: (p.shape, p.dtype) for n, p in module.named_parameters()}
+                        if module is not None else {})
+        self._ddp = weakref.ref(model) if isinstance(model, DistributedDataParallel) else None
 
     def _raw_communicator(self, send: str) -> Communicator:
         if send not in self._raw:
@@ -229,17 +256,23 @@ class HookState:
         if buffer.is_sparse:
             raise self._sparse_error(bucket)
         index = bucket.index()
-        if not self._pending and not self._held:
+        if not self._pending and not self._held and not self._deferred:  # the step's first bucket
             self._begin_step(buffer)
         layout, key = self._layout(bucket)
         self._step_keys[index] = key
         changed = self.layouts.get(index) != key
+        if self._preflight is not None:
+            work, self._preflight = self._preflight, None
+            self._agreement.check(work, self.facts(), f"at step {self.steps}")
         future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
         follows = self._state_follows_buckets and self.names is not None
-        if self._held or (changed and self.layouts and not self._pending and self.names is not None):
-            # DDP's buckets changed (its rebuild after the first iteration, a new DDP around
-            # this state): hold the step's buckets until the last one shows the new layout,
-            # move the state to it, then send them all as configured.
+        if changed and self._regather:
+            # A restarted job's first iteration: exchanged in the groups the state holds.
+            self._deferred.append(_Deferred(index, buffer, layout, future))
+        elif self._held or (changed and self.layouts and not self._pending and self.names is not None):
+            # DDP's buckets changed (its rebuild after the first iteration): hold the step's
+            # buckets until the last one shows the new layout, move the state to it, then
+            # send them all as configured.
             self._held.append((index, buffer, layout, future))
             if bucket.is_last():
                 self._move_state(self._step_keys)
@@ -260,9 +293,6 @@ class HookState:
         already sent goes raw (exact, through a communicator without memory, so its residual
         stays where the state's move at the step's end finds it)."""
         started = time.perf_counter() if self.phase_listeners else 0.0
-        if self._preflight is not None:
-            work, self._preflight = self._preflight, None
-            self._agreement.check(work, self.facts(), f"at step {self.steps}")
         send = self._send_mode(index)
         if changed:
             communicator = self._bypass
@@ -288,6 +318,8 @@ class HookState:
         self.backend.mark_step(self.steps)
         self._preflight = self._agreement.preflight(self.facts())
         self._step_keys = {}
+        self._deferred = []
+        self._regather = bool(self.layouts) and self._ddp_first_iteration()
 
     def _check_every_rank_registered(self, first: torch.Tensor) -> None:
         """Once, before the first exchange: fail clearly if some rank runs DDP without this hook.
@@ -357,6 +389,63 @@ class HookState:
             "nn.Embedding(sparse=True)), which the mergecomp hook cannot compress: build those "
             "layers with sparse=False, or keep DDP's own allreduce (no hook) for such a model")
 
+    def _ddp_first_iteration(self) -> bool:
+        """Whether DDP is in its first iteration, whose buckets (in definition order) it
+        rebuilds afterwards (in backward order).  Known from the DDP wrapper the state was
+        built with (or attached to); otherwise taken to be the first step since this state
+        was built, unpickled or loaded."""
+        ddp = self._ddp() if self._ddp is not None else None
+        if ddp is None:
+            return self._steps_here == 0
+        rebuilds = getattr(ddp, "static_graph", False) or not getattr(ddp, "find_unused_parameters", False)
+        return rebuilds and not getattr(ddp, "_has_rebuilt_buckets", True)
+
+    def _gather_held_groups(self) -> None:
+        """Exchange the step's deferred buckets as the groups the state holds.
+
+        A restarted job's DDP buckets its first iteration in definition order and only then
+        in backward order, the order whose buckets the saved state belongs to.  Sending those
+        first buckets raw (as for buckets that changed for good) would make the resumed run
+        differ from one that never stopped; instead each held group is gathered from the
+        buckets by parameter, exchanged under its own name with its state, and the averages
+        are copied back into the buckets at the step's end.  If the deferred buckets do not
+        hold exactly the held groups' parameters, they are sent raw after all.
+        """
+        deferred, self._deferred = self._deferred, []
+        started = {p.index for p in self._pending}
+        held = {i: key for i, key in sorted(self.layouts.items()) if i not in started}
+        where = {view.name: (d.buffer, view.offset, view.numel) for d in deferred for view in d.layout}
+        wanted = {name: numel for key in held.values() for name, numel in key}
+        fits = wanted == {name: numel for name, (_, _, numel) in where.items()} and len(
+            {where[name][0].dtype for name in wanted}) <= 1
+        if not fits:
+            for d in deferred:  # as for buckets that changed for good (their state moves at the step's end)
+                handle = self._bypass.start(d.buffer, f"group{d.index}", d.layout)
+                self._pending.append(_Pending(d.index, d.buffer, self._bypass, handle, d.future, None))
+            return
+        for index, key in held.items():
+            first = where[key[0][0]][0]
+            buffer = torch.empty(sum(numel for _, numel in key), dtype=first.dtype, device=first.device)
+            views, pieces, offset = [], [], 0
+            for name, numel in key:
+                source, at, _ = where[name]
+                buffer.narrow(0, offset, numel).copy_(source.narrow(0, at, numel))
+                shape = self._shapes.get(name, (None,))[0]
+                views.append(ParamView(name, shape if shape is not None and shape.numel() == numel
+                                       else torch.Size([numel]), offset))
+                pieces.append((source, at, offset, numel))
+                offset += numel
+            send = self._send_mode(index)
+            communicator = self.communicator if send == "compress" else self._raw_communicator(send)
+            local = None
+            if communicator is self.communicator and self.nonfinite != "off":
+                local = nonfinite_flag(buffer)
+                zero_if(buffer, local)
+            handle = communicator.start(buffer, f"group{index}", tuple(views))
+            self._pending.append(_Pending(index, buffer, communicator, handle, None, local, pieces))
+        self._deferred = deferred  # their futures complete with the step
+        self._step_keys = dict(self.layouts)  # the state stays in its groups: nothing moves
+
     def _send_mode(self, index: int) -> str:
         if self.sends is None:
             return "compress"
@@ -386,7 +475,10 @@ class HookState:
 
     # -- the end of the step -------------------------------------------------------------------
     def _finish_step(self) -> None:
+        if self._deferred:
+            self._gather_held_groups()
         pending, self._pending = self._pending, []
+        deferred, self._deferred = self._deferred, []
         averages = [self._finish_bucket(p) for p in pending]
         if self.nonfinite == "off":
             outcome = StepOutcome([], False, self.backend.size)
@@ -408,10 +500,16 @@ class HookState:
         if self._step_keys != self.layouts:
             self._move_state(self._step_keys)
         self.steps += 1
+        self._steps_here += 1
         if self.step_listeners:
             self.step_listeners(self.steps - 1, outcome)
         for p, average in zip(pending, averages):
-            p.future.set_result(average.view_as(p.buffer))
+            for bucket, at, offset, numel in p.pieces:
+                bucket.narrow(0, at, numel).copy_(average.narrow(0, offset, numel))
+            if p.future is not None:
+                p.future.set_result(average.view_as(p.buffer))
+        for d in deferred:
+            d.future.set_result(d.buffer)
         if not outcome.finite:
             message = (f"step {self.steps - 1}: {outcome.describe()}; the step's buckets are NaN on every "
                        "rank and compressor/error-feedback state is as before the step")
@@ -470,32 +568,83 @@ class HookState:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Tensors and plain data only (``torch.load(weights_only=True)`` reads it back)."""
-        return {"communicator": self.communicator.state_dict(), "steps": self.steps, "epoch": self.epoch,
-                "layouts": {i: [list(p) for p in key] for i, key in self.layouts.items()},
-                "skipped_steps": self.skipped_steps, "config": self.config,
-                "rank": self.backend.rank, "world_size": self.backend.size}
+        """Tensors and plain data only (``torch.load(weights_only=True)`` reads it back),
+        sealed with a checksum that :meth:`load_state_dict` verifies."""
+        return checkpoint.seal({
+            "communicator": self.communicator.state_dict(), "steps": self.steps, "epoch": self.epoch,
+            "layouts": {i: [list(p) for p in key] for i, key in self.layouts.items()},
+            "skipped_steps": self.skipped_steps, "config": self.config,
+            "rank": self.backend.rank, "world_size": self.backend.size})
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if self._pending:
+    def load_state_dict(self, state: Dict[str, Any], restore_compression: bool = True) -> None:
+        """Restore a state saved by :meth:`state_dict` on this rank of a run like this one.
+
+        Everything is checked before anything changes: the checksum, the rank, world size and
+        configuration, finite values, and the shapes and dtypes of this model's buckets
+        (:mod:`mergecomp.checkpoint`); a refusal names the tensor and the file (when read
+        with :func:`mergecomp.load`).  With ``restore_compression=False`` only the step and
+        epoch counts are restored and compression state starts from zero (another number
+        of ranks, or a damaged compression state).
+        """
+        if self._pending or self._deferred:
             raise RuntimeError("load_state_dict() must be called between steps, not during backward")
-        rank, size = self.backend.rank, self.backend.size
-        if state.get("world_size", size) != size:
-            raise ValueError(f"this hook state was saved by a run of {state['world_size']} ranks, this run "
-                             f"has {size}: error-feedback state is per rank; build a fresh HookState")
-        if state.get("rank", rank) != rank:
-            raise ValueError(f"this hook state was saved by rank {state['rank']}, and rank {rank} is "
-                             "loading it: every rank must load the state it saved")
-        if state.get("config", self.config) != self.config:
-            raise ValueError(f"this hook state belongs to another configuration (digest {state['config']}, "
-                             f"this one {self.config}): build the same compressor, memory and communicator")
-        self.communicator.load_state_dict(state.get("communicator", {}))
+        source = state.get(checkpoint.SOURCE) if isinstance(state, dict) else None
+        where = checkpoint.describe_source(source)
+        if not isinstance(state, dict) or not {"communicator", checkpoint.CHECKSUM} & set(state):
+            keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+            raise checkpoint.CheckpointError(
+                f"{where}: this is not a hook state (it has {keys}); pass what HookState.state_dict() "
+                "returned, e.g. checkpoint['hook'] of a file saved as {'model': ..., 'hook': state.state_dict()}")
+        layouts: Dict[int, BucketKey] = {}
+        if restore_compression:
+            try:
+                layouts = _read_layouts(state.get("layouts", {}), where)
+            except checkpoint.CheckpointError:
+                checkpoint.verify(state, "hook state", source)  # names the damage, if sealed
+                raise
+            groups = self._group_specs(layouts)
+            checkpoint.verify(state, "hook state", source, groups)
+            self._check_state_belongs_here(state, where)
+            checkpoint.check_state(self.communicator, state.get("communicator", {}), groups, source)
+            self.communicator.load_state_dict(state.get("communicator", {}))
+        else:
+            self._connect_state(None)
         self.steps = int(state.get("steps", 0))
         if state.get("epoch") is not None:
             self.set_epoch(int(state["epoch"]))
-        self.layouts = {int(i): tuple((n, int(k)) for n, k in key) for i, key in state.get("layouts", {}).items()}
+        self.layouts = layouts
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.loaded = config_digest(self.steps, self.config, sorted(self.layouts.items()))
+        self._steps_here = 0
+
+    def _check_state_belongs_here(self, state: Dict[str, Any], where: str) -> None:
+        rank, size = self.backend.rank, self.backend.size
+        fix = "or pass restore_compression=False to restore only the step count"
+        if state.get("world_size", size) != size:
+            raise ValueError(f"{where}: it was saved by a run of {state['world_size']} ranks, "
+                             f"this run has {size}: error-feedback state is per rank; {fix}")
+        if state.get("rank", rank) != rank:
+            raise ValueError(f"{where}: it was saved by rank {state['rank']}, and rank {rank} is "
+                             f"loading it: every rank must load the state it saved; {fix}")
+        if state.get("config", self.config) != self.config:
+            raise ValueError(f"{where}: it belongs to another configuration (digest "
+                             f"{state['config']}, this one {self.config}): build the same compressor, "
+                             f"memory and communicator, {fix}")
+
+    def _group_specs(self, layouts: Dict[int, BucketKey]) -> Dict[str, checkpoint.GroupSpec]:
+        """What each held bucket exchanges, from the model's parameters when they are known."""
+        specs = {}
+        for index, key in layouts.items():
+            known = [self._shapes.get(name) for name, _ in key]
+            whole = all(k is not None and k[0].numel() == numel for k, (_, numel) in zip(known, key))
+            views, offset = [], 0
+            for (name, numel), k in zip(key, known):
+                views.append(ParamView(name, k[0] if whole else torch.Size([numel]), offset))
+                offset += numel
+            dtypes = {k[1] for k in known if k is not None}
+            specs[f"group{index}"] = checkpoint.GroupSpec(
+                offset, dtypes.pop() if whole and len(dtypes) == 1 else None, tuple(views) if whole else None)
+        return specs
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickled with a checkpoint like PyTorch's ``PowerSGDState``: the configuration and
@@ -503,17 +652,24 @@ class HookState:
         kept = {k: v for k, v in self.__dict__.items()
                 if k in ("compressor", "memory", "communicator_name", "communicator_options", "sends",
                          "nonfinite", "steps", "skipped_steps", "epoch", "layouts", "loaded")}
-        kept["state"] = self.communicator.state_dict()
+        kept["state"] = checkpoint.seal(self.communicator.state_dict())
         kept["names"] = None  # ids of parameters mean nothing in another process
         return kept
 
     def __setstate__(self, kept: Dict[str, Any]) -> None:
+        """Checks the compression state (checksum, finite values; its shapes are checked
+        against the buckets when they arrive) before anything is rebuilt."""
         state = kept.pop("state")
+        where = "the pickled HookState"
+        checkpoint.verify(state, "compression state", None, where=where)
+        checkpoint.check_finite(state, "compression state", None, {}, "communicator", where=where)
+        state = {k: v for k, v in state.items() if k != checkpoint.CHECKSUM}
         self.__dict__.update(kept)
         self.process_group = None
         self._advised = None
         self._frozen = []
         self._conversion_check = None
+        self._know(None)
         self._connect(None)
         self.communicator.load_state_dict(state)
 
@@ -524,6 +680,7 @@ class HookState:
         if self._conversion_check is not None:
             self._conversion_check.remove()
         self._conversion_check = _watch_conversion(model)
+        self._know(model)
         return self
 
     def __repr__(self) -> str:
@@ -641,6 +798,16 @@ def _registration_marker(dtype: torch.dtype, size: int) -> float:
     """A value far above any gradient that ``size`` ranks can sum without overflow."""
     real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
     return float(torch.finfo(real).max) / (4 * size) if real.is_floating_point else 1.0
+
+
+def _read_layouts(saved: Any, where: str) -> Dict[int, BucketKey]:
+    """The ``"layouts"`` of a saved hook state, or CheckpointError saying what is wrong."""
+    try:
+        return {int(i): tuple((str(n), int(k)) for n, k in key) for i, key in saved.items()}
+    except (AttributeError, TypeError, ValueError) as error:
+        raise checkpoint.CheckpointError(
+            f"{where}: its bucket layouts are not {{bucket: [[parameter, elements], ...]}} ({error}); "
+            "the file is damaged") from None
 
 
 def _pieces(key: BucketKey):

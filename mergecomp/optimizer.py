@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from . import communicators, components, compressors, schedulers
+from . import checkpoint, communicators, components, compressors, schedulers
 from .agreement import RanksDisagree, describe_disagreement
 from .backends import Backend, default_backend
 from .communicators.base import Communicator
@@ -28,7 +28,7 @@ from .compressors import recipes
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
-from .reducer import NONFINITE_POLICIES, Reducer, broadcast_tensors, config_digest
+from .reducer import NONFINITE_POLICIES, GroupState, Reducer, broadcast_tensors, config_digest
 from .schedulers.base import Scheduler
 from .schedulers.fixed import FixedScheduler
 
@@ -431,12 +431,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Memories hold per-rank residuals: save one file per rank.  The state records the
         rank, the world size and the configuration it belongs to, and
-        :meth:`load_state_dict` refuses a file of another.
+        :meth:`load_state_dict` refuses a file of another.  The ``"mergecomp"`` part is
+        sealed with a checksum (:mod:`mergecomp.checkpoint`) that loading verifies.
         """
         reducer = self.reducer
         return {
             "optimizer": self.optimizer.state_dict(),
-            "mergecomp": {
+            "mergecomp": checkpoint.seal({
                 "format": STATE_FORMAT,
                 "plan": reducer.plan.to_dict() if reducer.plan is not None else None,
                 "communicator": self.communicator.state_dict(),  # raw groups share its memory
@@ -445,7 +446,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "rank": self.backend.rank,
                 "world_size": self.backend.size,
                 "config": reducer.config,
-            },
+            }),
         }
 
     def _share_inner(self) -> None:
@@ -462,6 +463,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         number of ranks (residuals are per rank), pass ``restore_compression=False``: the
         wrapped optimizer's state and the step count are restored, compression state starts
         afresh (error feedback restarts from zero, which is safe).
+
+        Compression state is checked before anything is loaded (:mod:`mergecomp.checkpoint`):
+        its checksum, finite values, and the shapes and dtypes this run's groups need; a
+        refusal (:class:`~mergecomp.checkpoint.CheckpointError`) names the tensor and the
+        file (when read with :func:`mergecomp.load`), and leaves this optimizer as it was.
         """
         reducer = self.reducer
         if reducer._in_iteration():
@@ -472,13 +478,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             reducer.loaded = _state_digest(self.optimizer.state_dict())
             return
         ours = state_dict["mergecomp"]
+        plan = None
         if restore_compression:
-            self._check_state_belongs_here(ours)
+            plan = self._checked_compression_state(ours)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._share_inner()
         if restore_compression:
-            if ours.get("plan") is not None:
-                reducer.install_plan(Plan.from_dict(ours["plan"]))
+            if plan is not None:
+                reducer.install_plan(plan)
             self.communicator.load_state_dict(ours.get("communicator", {}))
             if ours.get("epoch") is not None:
                 reducer.set_epoch(int(ours["epoch"]))
@@ -486,25 +493,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reducer.loaded = _state_digest(state_dict["optimizer"], ours.get("config"), ours.get("steps"))
         reducer.synchronized = False
 
-    def _check_state_belongs_here(self, ours: Dict[str, Any]) -> None:
+    def _checked_compression_state(self, ours: Dict[str, Any]) -> Optional[Plan]:
+        """Every check of the checkpoint's compression state, before anything changes:
+        checksum, rank/world size/configuration, the plan against this model, values and
+        shapes.  Returns the checkpoint's plan (None if it was saved before the first step)."""
+        source = ours.get(checkpoint.SOURCE)
+        plan, problem = self.reducer.plan, None
+        if ours.get("plan") is not None:
+            try:
+                plan = Plan.from_dict(ours["plan"])
+                plan.validate((n for n, _ in self.reducer.params), self.reducer.numels)
+            except ValueError as error:
+                plan, problem = None, error
+        by_name = dict(self.reducer.params)
+        groups = {}
+        for index, group in enumerate(plan.groups if plan is not None else ()):
+            state = GroupState(index, group, by_name)
+            groups[state.name] = checkpoint.GroupSpec(state.numel, state.params[0][1].dtype, state.layout)
+        checkpoint.verify(ours, "compression state", source, groups)
+        self._check_state_belongs_here(ours, checkpoint.describe_source(source))
+        if problem is not None:
+            raise checkpoint.CheckpointError(
+                f"{checkpoint.describe_source(source)}: its plan does not fit this model: {problem}")
+        checkpoint.check_state(self.communicator, ours.get("communicator", {}), groups, source)
+        return plan if ours.get("plan") is not None else None
+
+    def _check_state_belongs_here(self, ours: Dict[str, Any], where: str) -> None:
         rank, size = self.backend.rank, self.backend.size
         if ours.get("format", 1) > STATE_FORMAT:
-            raise ValueError(f"this checkpoint has state format {ours['format']}, newer than this "
+            raise ValueError(f"{where}: it has state format {ours['format']}, newer than this "
                              f"mergecomp reads ({STATE_FORMAT}): upgrade mergecomp")
         if "world_size" in ours and ours["world_size"] != size:
             raise ValueError(
-                f"this checkpoint was saved by a run of {ours['world_size']} ranks, this run has {size}: "
+                f"{where}: it was saved by a run of {ours['world_size']} ranks, this run has {size}: "
                 "error-feedback state is per rank and cannot be split or merged. Resume with "
                 "load_state_dict(state, restore_compression=False) to keep the optimizer's state and "
                 "restart compression state from zero.")
         if "rank" in ours and ours["rank"] != rank:
             raise ValueError(
-                f"this checkpoint was saved by rank {ours['rank']}, and rank {rank} is loading it: "
+                f"{where}: it was saved by rank {ours['rank']}, and rank {rank} is loading it: "
                 "residuals are per rank, so every rank must load the file it saved (e.g. "
                 "f'ckpt.rank{rank}.pt'), or pass restore_compression=False.")
         if "config" in ours and ours["config"] != self.reducer.config:
             raise ValueError(
-                f"this checkpoint belongs to another configuration (digest {ours['config']}, this run "
+                f"{where}: it belongs to another configuration (digest {ours['config']}, this run "
                 f"{self.reducer.config}: compressor {self.compressor!r}, memory {self.memory!r}, "
                 f"communicator {type(self.communicator).__name__}, scheduler {self.scheduler!r}): its "
                 "compression state would be misread. Build the same configuration, or pass "

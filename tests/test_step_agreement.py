@@ -337,7 +337,8 @@ def checkpoint_worker(rank, world_size):
         other.load_state_dict(mine)
     except ValueError as error:
         errors["config"] = str(error)
-    grown = dict(mine, mergecomp=dict(mine["mergecomp"], world_size=4))
+    # A file of a 4-rank run (sealed as that run would have sealed it).
+    grown = dict(mine, mergecomp=mergecomp.checkpoint.seal(dict(mine["mergecomp"], world_size=4)))
     try:
         resumed.load_state_dict(grown)
     except ValueError as error:

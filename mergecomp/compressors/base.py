@@ -257,6 +257,14 @@ class Compressor:
         if state:
             raise ValueError(f"{type(self).__name__} has no state but was given keys {sorted(state)}")
 
+    def check_state(self, state: Dict[str, Any], groups) -> None:
+        """Raise ValueError if ``state`` (from :meth:`state_dict`) does not fit the groups this
+        run exchanges (``groups``: name → :class:`~mergecomp.checkpoint.GroupSpec`, whose
+        ``layout`` may be None when the parameters' shapes are unknown), naming the group,
+        the tensor and the shape found.  Called on a checkpoint before anything is loaded,
+        so a wrong shape is refused instead of failing in the middle of a step; the default
+        accepts what :meth:`load_state_dict` accepts."""
+
     def __repr__(self) -> str:
         """``Name(arg=value, ...)`` for every constructor argument kept as an attribute of
         the same name.  The reducer compares ``repr`` across ranks, so every argument that

@@ -234,6 +234,28 @@ class PowerSGDCompressor(Compressor):
                 "errors": _clone_nested(self._errors.committed()),
                 "steps": dict(self._steps.committed())}
 
+    def check_state(self, state, groups):
+        """Each group's errors are rows × cols per factored view, its queries cols × k."""
+        for kind, shape in (("warm-start queries", lambda m: (m.cols, self.matrix_rank(m.rows, m.cols))),
+                            ("errors", lambda m: (m.rows, m.cols))):
+            for group, views in state.get("queries" if kind != "errors" else "errors", {}).items():
+                if group not in groups:
+                    raise ValueError(f"powersgd {kind} are kept for group {group!r}, which this run does "
+                                     f"not exchange (it has {sorted(groups)}): saved with another plan")
+                layout = groups[group].layout
+                if layout is None or not isinstance(views, dict):
+                    continue  # shapes unknown here; load_state_dict checks the structure
+                wanted = {m.view.name: shape(m) for m in self.split(layout)[1]}
+                for view, tensor in views.items():
+                    if not isinstance(tensor, torch.Tensor):
+                        continue
+                    if view not in wanted:
+                        raise ValueError(f"powersgd {kind} of group {group!r} has view {view!r}, which "
+                                         f"the group does not factor (it factors {sorted(wanted)})")
+                    if tuple(tensor.shape) != wanted[view]:
+                        raise ValueError(f"powersgd {kind} of group {group!r} view {view!r} has shape "
+                                         f"{tuple(tensor.shape)}, expected {wanted[view]}")
+
     def load_state_dict(self, state):
         unknown = sorted(set(state) - {"queries", "errors", "steps"})
         if unknown:

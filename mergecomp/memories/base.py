@@ -52,6 +52,12 @@ class Memory:
         if state:
             raise ValueError(f"{type(self).__name__} has no state but was given keys {sorted(state)}")
 
+    def check_state(self, state: Dict[str, Any], groups) -> None:
+        """Raise ValueError if ``state`` (from :meth:`state_dict`) does not fit the groups this
+        run exchanges (``groups``: name → :class:`~mergecomp.checkpoint.GroupSpec`), naming
+        the group and the shape or dtype found.  Called on a checkpoint before anything is
+        loaded; the default accepts what :meth:`load_state_dict` accepts."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

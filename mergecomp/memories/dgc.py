@@ -21,6 +21,7 @@ import torch
 from ..momentum import refuse_optimizer_momentum
 from . import register
 from .base import Memory, check_flag, check_number, norm_of
+from ..checkpoint import check_group_tensors
 from ..staging import Spares, StagedDict, shares_memory
 
 
@@ -154,6 +155,19 @@ class DGCMemory(Memory):
     def state_dict(self):
         return {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},
                 "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()}}
+
+    def check_state(self, state, groups):
+        """Momenta and velocities are flat tensors of their group's size and dtype, one of
+        each per group."""
+        unknown = sorted(set(state) - {"momenta", "velocities"})
+        if unknown:
+            raise ValueError(f"dgc memory state has unknown keys {unknown}; expected 'momenta', 'velocities'")
+        momenta, velocities = state.get("momenta", {}), state.get("velocities", {})
+        check_group_tensors("dgc momentum", momenta, groups)
+        check_group_tensors("dgc velocity", velocities, groups)
+        if set(momenta) != set(velocities):
+            raise ValueError(f"dgc memory state has momenta for groups {sorted(momenta)} but velocities "
+                             f"for {sorted(velocities)}: one of each per group")
 
     def load_state_dict(self, state):
         self._spares.clear()

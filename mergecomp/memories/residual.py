@@ -9,6 +9,7 @@ import torch
 
 from . import register
 from .base import Memory, check_number, norm_of
+from ..checkpoint import check_group_tensors
 from ..staging import Spares, StagedDict, shares_memory
 
 
@@ -88,6 +89,13 @@ class ResidualMemory(Memory):
 
     def state_dict(self):
         return {"residuals": {k: v.detach().clone() for k, v in self.residuals.committed().items()}}
+
+    def check_state(self, state, groups):
+        """Residuals are flat tensors of their group's size and dtype."""
+        unknown = sorted(set(state) - {"residuals"})
+        if unknown:
+            raise ValueError(f"residual memory state has unknown keys {unknown}; expected 'residuals'")
+        check_group_tensors("residual", state.get("residuals", {}), groups)
 
     def load_state_dict(self, state):
         self._made.clear()
