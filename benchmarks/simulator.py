@@ -29,7 +29,6 @@ import tempfile
 import time
 from typing import Dict, List
 
-import torch
 
 import mergecomp
 from mergecomp import benchmarking

@@ -7,9 +7,13 @@ count, same iterations, same statistics, same JSON keys.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import math
 import os
+import platform
+import shlex
+import subprocess
 import statistics
 import sys
 import time
@@ -455,6 +459,37 @@ class NoProcessGroup(Backend):
     broadcast_object = allgather_object = barrier = _refuse
 
 
+# ------------------------------------------------------------------------ DDP baselines --
+
+#: The headline's reference, the cells of its campaign (``benchmarks/headline.py``), which
+#: its figure (``benchmarks/plot.py``) draws in this order.
+HEADLINE_BASELINE = "ddp-fp16"
+HEADLINE_MODELS = ("vgg16", "lstm", "transformer")
+HEADLINE_LINKS = ("1gbit", "10gbit", "loopback")
+
+
+class AllreduceCounter:
+    """Counts the bytes of every tensor handed to ``torch.distributed.all_reduce``.
+
+    The DDP hooks call ``torch.distributed.all_reduce`` through the module attribute, also from the
+    callbacks of their futures (PowerSGD's Q step), so replacing the attribute sees them all.
+    """
+
+    def __init__(self):
+        self.bytes_sent = 0
+        self._original = torch.distributed.all_reduce
+
+    def __enter__(self):
+        def counting_all_reduce(tensor, *args, **kwargs):
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+            return self._original(tensor, *args, **kwargs)
+        torch.distributed.all_reduce = counting_all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        torch.distributed.all_reduce = self._original
+
+
 # ------------------------------------------------------------------ mergecomp's own flags --
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -659,3 +694,34 @@ def check_plan(args) -> None:
     except ValueError as error:
         raise ValueError(f"--plan-in {args.plan_in}: {error}; was it saved (--plan-out) from a run "
                          f"of --model {args.model}?") from None
+
+
+# --------------------------------------------------------------------------- provenance --
+
+#: The checkout the benchmarks run from (its commit is part of a result's provenance).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def provenance(argv=None) -> Dict[str, Any]:
+    """The command as typed (relative to the checkout), the commit and whether tracked files
+    differed from it, the UTC date, torch, Python, and the host's processor count and
+    architecture (never its name or paths)."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv and os.path.isabs(argv[0]):
+        argv[0] = os.path.relpath(argv[0], ROOT)
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"command": "python " + " ".join(shlex.quote(a) for a in argv),
+            "commit": _git("rev-parse", "--short", "HEAD"),
+            "uncommitted_changes": None if status is None else bool(status),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                     "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
