@@ -344,6 +344,9 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except ImportError as err:  # matplotlib is the optional 'plots' extra
+        print(f"no plots ({err}); pip install matplotlib, then run benchmarks/plot.py again", file=sys.stderr)
+        return 2
     for path in paths:
         print(path)
     return 0

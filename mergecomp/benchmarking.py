@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 
@@ -457,6 +457,27 @@ class NoProcessGroup(Backend):
 
     allreduce_async = allgather_async = alltoall = _refuse
     broadcast_object = allgather_object = barrier = _refuse
+
+
+# ------------------------------------------------------------------------ sweep records --
+
+def read_records(path: str) -> List[dict]:
+    """Every record of a sweep's results.jsonl (``benchmarks/sweep.py``) (a truncated last line, from a killed sweep, is skipped)."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(__import__('json').loads(line))
+            except ValueError:
+                continue
+    return records
+
+
+def latest(records: Iterable[dict]) -> Dict[str, dict]:
+    """The last record of every cell key."""
+    return {r["key"]: r for r in records}
 
 
 # ------------------------------------------------------------------------ DDP baselines --
