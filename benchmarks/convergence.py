@@ -46,12 +46,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mergecomp  # noqa: E402
-from mergecomp import compressors, launch, memories  # noqa: E402
-from mergecomp.compressors import recipes  # noqa: E402
-from benchmarks.provenance import provenance  # noqa: E402
+import mergecomp
+from mergecomp import compressors, launch, memories
+from mergecomp.benchmarking import provenance
+from mergecomp.compressors import recipes
 
 DENSE = "none"
 SPECIAL_KEYS = ("memory", "comm", "lr_scale", "momentum")

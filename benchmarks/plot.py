@@ -39,8 +39,6 @@ import sys
 from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``mergecomp`` importable
-    sys.path.insert(0, ROOT)
 
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
@@ -186,7 +184,9 @@ LINK_NAMES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
 def render_headline(folder: str, out: Optional[str] = None, ours: str = "auto-dgc") -> str:
     """``headline.png`` of a headline run's folder: ``ours`` against DDP's 16-bit hook and
     the zero-cost bound, per link, model and worker count; returns its path."""
-    from benchmarks.headline import BASELINE, CAMPAIGN_LINKS, CAMPAIGN_MODELS
+    from mergecomp.benchmarking import HEADLINE_BASELINE as BASELINE
+    from mergecomp.benchmarking import HEADLINE_LINKS as CAMPAIGN_LINKS
+    from mergecomp.benchmarking import HEADLINE_MODELS as CAMPAIGN_MODELS
     from mergecomp.benchmarking import saved_results
     paths = sorted(glob.glob(os.path.join(folder, "*.json")))
     if not paths:
@@ -343,6 +343,9 @@ def main(argv=None) -> int:
         paths = render_any(args.source, args.out)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # matplotlib is the optional 'plots' extra
+        print(f"no plots ({err}); pip install matplotlib, then run benchmarks/plot.py again", file=sys.stderr)
         return 2
     for path in paths:
         print(path)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark sweeps: a grid of compress_benchmark.py / ddp_baseline.py runs on the emulated cluster.
+"""Benchmark sweeps: a grid of compress_benchmark.py / ``headline.py ddp`` runs on the emulated cluster.
 
     python benchmarks/sweep.py benchmarks/sweeps/default.yaml [--out DIR] [--dry-run] [--retry-failed]
                                [--rerun LABEL ...]
@@ -9,7 +9,7 @@ The YAML file names the grid (see ``benchmarks/sweeps/default.yaml`` for every k
     models:      [{name: vgg16, batch_size: 8}, lstm]         # name, optional batch_size
     compressors: [none, fp16, {name: topk, compress_ratio: 0.01, comm: [allgather]}]
     fusion_num:  [0, 1, 2, 4]
-    profiles:    [1gbit]                                      # benchmarks/profiles.py names
+    profiles:    [1gbit]                                      # mergecomp/bench/profiles.py names
     workers:     [2]                                          # every count ≥ 2
     baselines:   [{hook: fp32}, {hook: fp16}, {hook: powersgd, rank: 1, bucket_cap_mb: 1000},
                   {hook: mergecomp, compressor: dgc, groups: 4}]      # DDP with mergecomp's hook
@@ -19,7 +19,7 @@ The YAML file names the grid (see ``benchmarks/sweeps/default.yaml`` for every k
 
 Cells: every model × compressor entry × its communicators × fusion_num × profile × workers
 (``compress_benchmark.py --compress``), every model × baseline × profile × workers
-(``ddp_baseline.py``), and one single-worker reference per model (``compress_benchmark.py
+(``headline.py ddp``), and one single-worker reference per model (``compress_benchmark.py
 --nproc 1`` without compression, on this host, no network).  A compressor entry without
 ``memory``/``comm`` takes the compressor's ``recommended_memory``/``recommended_communicator``
 (or, where a compressor lacks them, none/allreduce if it is summable, else residual/allgather).
@@ -53,12 +53,11 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
-if __package__ in (None, ""):  # run as a script: make ``benchmarks``/``mergecomp`` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import yaml
 
-import yaml  # noqa: E402
+from mergecomp.benchmarking import latest, read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_KEYS = {"models", "compressors", "fusion_num", "schedulers", "profiles", "workers", "baselines",
@@ -95,7 +94,7 @@ def load_config(path: str) -> dict:
 def validate(raw, source: str = "<config>") -> dict:
     """Check every key of a parsed sweep file and fill in defaults."""
     from mergecomp import compressors, models
-    from benchmarks.profiles import parse_profile
+    from mergecomp.bench.profiles import parse_profile
 
     where = f"sweep file {source!r}"
     if not isinstance(raw, dict):
@@ -306,7 +305,7 @@ def command(cell: dict, json_path: str) -> List[str]:
             extra += ["--powersgd-rank", str(cell["powersgd_rank"])]
         if cell.get("bucket_cap_mb"):
             extra += ["--bucket-cap-mb", f"{cell['bucket_cap_mb']:g}"]
-        return [sys.executable, os.path.join(ROOT, "benchmarks", "ddp_baseline.py"), *common, *extra]
+        return [sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "ddp", *common, *extra]
     script = [sys.executable, os.path.join(ROOT, "compress_benchmark.py"), *common]
     if cell["kind"] == "single":
         return script + ["--nproc", "1"]
@@ -332,7 +331,7 @@ def run_cell(cell: dict, timeout_s: float) -> dict:
         if cell["workers"] == 1:
             failure, stderr = _run_local(argv, timeout_s)
         else:
-            from benchmarks.cluster import Cluster
+            from mergecomp.bench.cluster import Cluster
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -377,25 +376,6 @@ def error_tail(stderr: str, lines: int = 6, chars: int = 1200) -> str:
             if line.strip() and "it/s]" not in line and "s/it]" not in line
             and not _C10D_WARNING.match(line.strip())]
     return " | ".join(kept[-lines:])[-chars:] or "(no error output)"
-
-
-def read_records(path: str) -> List[dict]:
-    """Every record of a results.jsonl (a truncated last line, from a killed sweep, is skipped)."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
-
-
-def latest(records: Iterable[dict]) -> Dict[str, dict]:
-    """The last record of every cell key."""
-    return {r["key"]: r for r in records}
 
 
 def run_sweep(cells: List[dict], out: str, timeout_s: float, retry_failed: bool = False,
@@ -515,13 +495,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     failed = sum(r["status"] != "ok" for r in records)
     print(f"{len(records) - failed} cells ok, {failed} failed; summary: {os.path.join(out, 'summary.csv')}")
     if not args.no_plot:
-        try:
-            from benchmarks import plot
-        except ImportError as err:  # matplotlib is the optional 'plots' extra
-            print(f"no plots ({err}); pip install matplotlib, then run benchmarks/plot.py", file=sys.stderr)
-        else:
-            for path in plot.render(os.path.join(out, "summary.csv"), out):
-                print(f"figure: {path}")
+        # the figures in plot.py's own process: matplotlib is the optional 'plots' extra, and
+        # plot.py says what to install when it is missing
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"),
+                        os.path.join(out, "summary.csv"), "--out", out])
     return 0
 
 

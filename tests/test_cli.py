@@ -157,10 +157,10 @@ def test_a_plan_file_that_is_not_a_plan_names_the_file_and_the_format(tmp_path):
     assert "from a run of --model resnet20" in str(raised.value)
 
 
-def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path, capsys):
+def test_headline_pair_interleaves_windows_and_reports_a_ratio(tmp_path, capsys):
     out = tmp_path / "versus.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--nproc", "2", "--threads", "1",
+        [sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "pair", "--nproc", "2", "--threads", "1",
          "--model", "resnet20", "--batch-size", "4", "--num-warmup-batches", "1", "--compress",
          "--compressor", "dgc", "--compress-ratio", "0.01", "--fusion-num", "2", "--rounds", "2",
          "--window", "1", "--json", str(out)],
@@ -171,17 +171,17 @@ def test_versus_ddp_interleaves_windows_and_reports_a_ratio(tmp_path, capsys):
     assert len(result["ddp_again_step_s"]) == 2 and result["ddp_versus_ddp_again"] > 0  # the noise control
     assert "DDP / DDP again: median" in done.stdout
     assert "SGD momentum 0.9" in done.stdout  # DDP applies the momentum the DGC memory applies
-    from benchmarks import versus_ddp
-    assert versus_ddp.main(["--table", str(out)]) in (0, None)
+    from benchmarks import headline
+    assert headline.main(["pair", "--table", str(out)]) in (0, None)
     assert "| resnet20 | dgc | optimizer | fixed | 2 (2) | 0 | fp16 |" in capsys.readouterr().out
     assert result["ddp_hook"] == "fp16"  # the 16-bit hook is the default baseline
-    assert "--rounds must be ≥ 1, got 0" in refusal(versus_ddp.main, ["--rounds", "0"], capsys)
+    assert "--rounds must be ≥ 1, got 0" in refusal(headline.main, ["pair", "--rounds", "0"], capsys)
 
 
-def test_versus_ddp_runs_mergecomps_hook_beside_ddps_own(tmp_path, capsys):
+def test_headline_pair_runs_mergecomps_hook_beside_ddps_own(tmp_path, capsys):
     out = tmp_path / "hook.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "versus_ddp.py"), "--nproc", "2", "--threads", "1",
+        [sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "pair", "--nproc", "2", "--threads", "1",
          "--model", "resnet20", "--batch-size", "4", "--num-warmup-batches", "1", "--compress",
          "--compressor", "topk", "--fusion-num", "2", "--rounds", "1", "--window", "1",
          "--mergecomp-as", "ddp-hook", "--ddp-hook", "fp32", "--json", str(out)],
@@ -191,16 +191,16 @@ def test_versus_ddp_runs_mergecomps_hook_beside_ddps_own(tmp_path, capsys):
     assert result["mergecomp_as"] == "ddp-hook" and result["ddp_hook"] == "fp32"
     assert 0 < result["mergecomp_bytes_per_step"] < 0.1 * 4 * 269722  # top-k 1%, far below FP32
     assert "DDP with mergecomp's hook" in done.stdout
-    from benchmarks import versus_ddp
-    adaptive = refusal(versus_ddp.main, ["--compress", "--compressor", "dgc", "--scheduler", "auto",
+    from benchmarks import headline
+    adaptive = refusal(headline.main, ["pair", "--compress", "--compressor", "dgc", "--scheduler", "auto",
                                          "--mergecomp-as", "ddp-hook"], capsys)
     assert "DDP's fixed buckets" in adaptive
 
 
-def test_ddp_baseline_times_ddp_with_mergecomps_hook(tmp_path, capsys):
+def test_headline_ddp_times_ddp_with_mergecomps_hook(tmp_path, capsys):
     out = tmp_path / "hook.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "ddp_baseline.py"), "--nproc", "2", "--threads", "1",
+        [sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "ddp", "--nproc", "2", "--threads", "1",
          "--model", "resnet20", "--batch-size", "4", "--num-warmup-batches", "1", "--num-iters", "1",
          "--num-batches-per-iter", "1", "--hook", "mergecomp", "--compressor", "dgc", "--fusion-num", "2",
          "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -208,18 +208,18 @@ def test_ddp_baseline_times_ddp_with_mergecomps_hook(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["compressor"] == "ddp-mergecomp-dgc" and result["groups"] == 2
     assert result["compression_ratio"] > 100  # DGC's 0.1% of the gradient, plus its agreement bytes
-    from benchmarks import ddp_baseline
-    assert "--hook mergecomp needs --compressor" in refusal(ddp_baseline.main, ["--hook", "mergecomp"], capsys)
+    from benchmarks import headline
+    assert "--hook mergecomp needs --compressor" in refusal(headline.main, ["ddp", "--hook", "mergecomp"], capsys)
 
 
-def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp_path, capsys):
+def test_scheduler_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp_path, capsys):
     saved, out = tmp_path / "two.json", tmp_path / "plans.json"
     common = ["--nproc", "2", "--threads", "1", "--model", "resnet20", "--batch-size", "4",
               "--num-warmup-batches", "1", "--compress", "--compressor", "efsignsgd"]
     done = run(*common, "--fusion-num", "2", "--num-iters", "1", "--num-batches-per-iter", "1",
                "--plan-out", str(saved))
     assert done.returncode == 0, done.stderr[-2000:]
-    script = os.path.join(ROOT, "benchmarks", "interleaved_plans.py")
+    script = os.path.join(ROOT, "benchmarks", "scheduler.py")
     done = subprocess.run([sys.executable, script, *common, "--scheduler", "fixed", "--fusion-num", "1",
                            "--fusion-nums", "0,3", "--plans", str(saved), "--rounds", "2", "--window", "1",
                            "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -231,15 +231,15 @@ def test_interleaved_plans_compares_the_scheduler_with_fixed_and_saved_plans(tmp
     assert all(len(p["step_s"]) == 2 for p in result["plans"].values())
     assert len(result["repeat"]["step_s"]) == 2 and result["repeat"]["versus"] > 0  # the noise control
     assert all(p["same_as"] is None for p in result["plans"].values())
-    from benchmarks import interleaved_plans
+    from benchmarks import scheduler
     capsys.readouterr()
-    assert interleaved_plans.main(["--table", str(out)]) in (0, None)
+    assert scheduler.main(["--table", str(out)]) in (0, None)
     assert "| resnet20 | efsignsgd | 1 (1) |" in capsys.readouterr().out
-    assert "no such file" in refusal(interleaved_plans.main, ["--plans", str(tmp_path / "nope.json")], capsys)
+    assert "no such file" in refusal(scheduler.main, ["--plans", str(tmp_path / "nope.json")], capsys)
     repeat = tmp_path / "repeat.json"
     repeat.write_text(saved.read_text())
     for clash in ([str(saved), str(saved)], [str(repeat)]):
-        taken = refusal(interleaved_plans.main, ["--plans", *clash], capsys)
+        taken = refusal(scheduler.main, ["--plans", *clash], capsys)
         assert "rename the file" in taken, taken
 
 
@@ -254,17 +254,18 @@ def test_compressor_benchmark_prints_a_row_per_compressor_and_dgc_against_topk()
 
 
 def test_result_tables_name_a_file_that_is_not_a_result(tmp_path, capsys):
-    from benchmarks import interleaved_plans, versus_ddp
+    from benchmarks import headline, scheduler
     plan = tmp_path / "saved.plan.json"
     plan.write_text('{"groups": []}')
-    for script in (versus_ddp, interleaved_plans):
+    for mode in (["pair"], ["plans"], []):  # scheduler.py's plain form is its plans mode
+        main = headline.main if mode == ["pair"] else scheduler.main
         for path, message in ((plan, "is not a result of"), (tmp_path / "missing.json", "cannot read")):
-            said = refusal(script.main, ["--table", str(path)], capsys)
+            said = refusal(main, [*mode, "--table", str(path)], capsys)
             assert message in said and str(path) in said, said
 
 
 def test_interleaved_table_names_the_fixed_plan_that_is_the_schedulers_own(tmp_path):
-    from benchmarks.interleaved_plans import same_plans, table
+    from benchmarks.scheduler import same_plans, table
     plans = {"auto": {"groups": 7, "compressed": 7, "digest": "aa", "step_s": [1.0], "median_s": 1.0},
              "fusion-num 2": {"groups": 2, "compressed": 2, "digest": "bb", "step_s": [1.1], "median_s": 1.1},
              "fusion-num 8": {"groups": 7, "compressed": 7, "digest": "aa", "step_s": [0.9], "median_s": 0.9}}
@@ -284,7 +285,7 @@ def test_interleaved_table_names_the_fixed_plan_that_is_the_schedulers_own(tmp_p
 
 
 def test_selection_floor_scores_a_selector_on_held_out_rounds():
-    from benchmarks.interleaved_plans import selection_floor
+    from benchmarks.scheduler import selection_floor
 
     def result(**times):
         return {"plans": {label.replace("fusion_num_", "fusion-num "): {"digest": label[-1] if label != "auto" else "8", "step_s": t}
@@ -304,17 +305,17 @@ def test_selection_floor_scores_a_selector_on_held_out_rounds():
 
 
 def test_interleaved_plans_run_each_distinct_plan_once():
-    from benchmarks.interleaved_plans import distinct_plans
+    from benchmarks.scheduler import distinct_plans
     from mergecomp.plan import Group, Plan
     seven, two = Plan([Group(("a", "b"), "compress")]), Plan([Group(("a",), "compress"), Group(("b",), "compress")])
     plans = {"auto": seven, "fusion-num 1": seven, "fusion-num 2": two, "fusion-num 3": two, "binary": seven}
     assert distinct_plans(plans) == {"fusion-num 1": "auto", "fusion-num 3": "fusion-num 2", "binary": "auto"}
 
 
-def test_simulator_rounds_predicts_each_plan_from_the_compute_of_its_round(tmp_path, capsys):
+def test_simulator_rounds_mode_predicts_each_plan_from_the_compute_of_its_round(tmp_path, capsys):
     out = tmp_path / "rounds.json"
-    script = os.path.join(ROOT, "benchmarks", "simulator_rounds.py")
-    done = subprocess.run([sys.executable, script, "--nproc", "2", "--threads", "1", "--model", "resnet20",
+    script = os.path.join(ROOT, "benchmarks", "simulator.py")
+    done = subprocess.run([sys.executable, script, "rounds", "--nproc", "2", "--threads", "1", "--model", "resnet20",
                            "--batch-size", "4", "--num-warmup-batches", "1", "--compressor", "efsignsgd",
                            "--net-profile", "1gbit", "--link-efficiency", "0.9", "--plans", "auto,compress-2",
                            "--rounds", "2",
@@ -328,24 +329,32 @@ def test_simulator_rounds_predicts_each_plan_from_the_compute_of_its_round(tmp_p
         assert len(row["measured_s"]) == len(row["predicted_s"]) == 2
         assert all(t > 0 for t in row["measured_s"] + row["predicted_s"]) and row["saved_profile_s"] > 0
         assert len(row["plan"]["groups"]) == row["groups"] and len(row["phases"]) == 2  # per rank
-    from benchmarks import simulator_rounds
+    from benchmarks import simulator
     capsys.readouterr()
-    assert simulator_rounds.main(["--table", str(out)]) in (0, None)
+    assert simulator.main(["rounds", "--table", str(out)]) in (0, None)
     assert "| 2 | compress-2 | 2 (2) |" in capsys.readouterr().out
     for flags, message in ((["--rounds", "0"], "--rounds must be ≥ 1, got 0"),
                            (["--plans", "fp32-x"], "neither 'auto' nor SEND-K"),
                            (["--net-profile", "loopback"], "is not rate-limited"),
                            (["--scheduler", "fixed"], "--scheduler must be auto"),
                            (["--link-efficiency", "2"], "a fraction in (0, 1]")):
-        bad = refusal(simulator_rounds.main, ["--net-profile", "1gbit", *flags], capsys)
+        bad = refusal(simulator.main, ["rounds", "--net-profile", "1gbit", *flags], capsys)
         assert message in bad, bad
 
 
-def test_sparse_sum_benchmark_prints_a_row_per_cell_and_refuses_dense_compressors(capsys):
-    script = os.path.join(ROOT, "benchmarks", "sparse_sum.py")
-    done = subprocess.run([sys.executable, script, "--sizes", "10K", "--ranks", "2,3", "--reps", "1",
-                           "--compressors", "dgc"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert [line.split("|")[3].strip() for line in done.stdout.splitlines() if line.startswith("| dgc |")] == ["2", "3"]
-    from benchmarks import sparse_sum
-    assert "does not sum in place" in refusal(sparse_sum.main, ["--compressors", "qsgd"], capsys)
+def test_compressors_sparse_sum_mode_prints_a_row_per_cell_and_refuses_dense_compressors(capsys):
+    from benchmarks import compressors
+    assert compressors.main(["sparse-sum", "--sizes", "10K", "--ranks", "2,3", "--reps", "1",
+                             "--compressors", "dgc"]) in (0, None)
+    out = capsys.readouterr().out
+    assert [line.split("|")[3].strip() for line in out.splitlines() if line.startswith("| dgc |")] == ["2", "3"]
+    assert "does not sum in place" in refusal(compressors.main, ["sparse-sum", "--compressors", "qsgd"], capsys)
+
+
+def test_benchmark_tools_run_as_scripts_and_as_modules_and_name_an_unknown_mode(capsys):
+    for argv in (["benchmarks/simulator.py", "rounds", "--help"], ["-m", "benchmarks.headline", "pair", "--help"]):
+        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+    from benchmarks import simulator
+    said = refusal(simulator.main, ["rund"], capsys)
+    assert "unknown mode 'rund'" in said and "check, rounds, phases" in said, said

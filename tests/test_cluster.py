@@ -14,9 +14,9 @@ import warnings
 
 import pytest
 
-from benchmarks import cluster as cl
-from benchmarks.cluster import Cluster, check_allreduce, cleanup_leftovers, netns_support
-from benchmarks.profiles import PROFILES, load_profiles, parse_delay, parse_profile, parse_rate
+from mergecomp.bench import cluster as cl
+from mergecomp.bench.cluster import Cluster, check_allreduce, cleanup_leftovers, netns_support
+from mergecomp.bench.profiles import PROFILES, load_profiles, parse_delay, parse_profile, parse_rate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NETNS_REASON = netns_support()

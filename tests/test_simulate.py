@@ -88,7 +88,7 @@ def test_command_line_compute_scale(tmp_path, capsys):
 
 
 def test_simulator_check_calibrates_with_the_window_forward_time():
-    from benchmarks.simulator_check import window_compute_factor
+    from benchmarks.simulator import window_compute_factor
     phases = [[{"forward": 0.030}, {"forward": 0.040}, {"forward": 0.050}],  # rank 0: median 40 ms
               [{"forward": 0.060}, {"forward": 0.060}]]                       # rank 1: median 60 ms
     assert window_compute_factor(one_tensor_profile(), phases) == pytest.approx(0.050 / 0.025)
@@ -112,7 +112,7 @@ def test_the_optimal_row_may_send_the_tensor_in_pieces(tmp_path, capsys):
 
 
 def test_a_rounds_compute_is_the_median_ranks_and_scales_the_codecs():
-    from benchmarks.simulator_rounds import round_profile
+    from benchmarks.simulator import round_profile
     timeline = [TensorTiming("b", 10, 40, "torch.float32", "cpu", 0.0),
                 TensorTiming("a", 10, 40, "torch.float32", "cpu", 0.05)]
     toy = CodecCost(LinearCost(1e-3, 1e-9), LinearCost(2e-3, 1e-9), WireSize(0.1, 0))

@@ -56,7 +56,7 @@ def test_command_flags():
     assert "--nproc" in single and "--compress" not in single
     psgd = next(c for c in cells if c.get("hook") == "powersgd")
     argv = sweep.command(psgd, "out.json")
-    assert argv[1].endswith("ddp_baseline.py") and argv[argv.index("--powersgd-rank") + 1] == "1"
+    assert argv[1].endswith("headline.py") and argv[2] == "ddp" and argv[argv.index("--powersgd-rank") + 1] == "1"
 
 
 def test_resume_skips_finished_cells_and_keeps_failures(tmp_path):
@@ -185,7 +185,7 @@ def test_baseline_bucket_size_is_part_of_the_cell():
         config(baselines=[{"hook": "fp32", "bucket_cap_mb": 0}])
 
 
-def test_a_mergecomp_hook_baseline_runs_ddp_baseline_with_its_compressor():
+def test_a_mergecomp_hook_baseline_runs_headline_ddp_with_its_compressor():
     cells = sweep.expand(config(baselines=[{"hook": "mergecomp", "compressor": "dgc", "groups": 4},
                                            {"hook": "mergecomp", "compressor": "topk", "memory": "residual"}]))
     ddp = [c for c in cells if c["kind"] == "ddp"]

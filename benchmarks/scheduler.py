@@ -4,11 +4,11 @@
 Is ``auto`` within 5% of the best fixed fusion-num?  Separate runs cannot say: on a shared
 machine the same configuration drifts by ±15% between runs, and the best of seven noisy
 cells is biased upwards.  Here one training run does it all: the scheduler (``--scheduler
-auto`` by default, configured by the flags of ``compress_benchmark.py``) searches and
+auto`` by default, configured by the flags of ``benchmarking.py``) searches and
 settles as usual, its search steps are reported; then the run is detached from it and
 rounds of windows of ``--window`` steps switch between its plan, the plans of
 ``--fusion-nums`` (MergeComp's fixed groups, compressing every group) and any saved plans
-(``--plans binary.json``, e.g. written by ``compress_benchmark.py --scheduler binary
+(``--plans binary.json``, e.g. written by ``benchmarking.py --scheduler binary
 --plan-out binary.json``), the order rotated each round.  Switching goes through
 ``set_plan``, so error-feedback state follows the parameters and the model keeps training.
 Every window starts with one untimed step; a window's time is its slowest rank's.
@@ -29,42 +29,43 @@ noisy medians is itself biased low, so the run also reports its *selection floor
 rounds scores on the other half, on average and how often under 0.95.  ``--table`` also names
 the fixed plans that are the scheduler's own plan.
 
-    python benchmarks/cluster.py --workers 2 --profile 1gbit -- python benchmarks/interleaved_plans.py \\
+    python benchmarks/cluster.py --workers 2 --profile 1gbit -- python benchmarks/scheduler.py \\
         --threads 1 --model vgg16 --batch-size 8 --compress --compressor dgc --compress-ratio 0.01 \\
         --scheduler auto --plans binary.json --rounds 6 --window 3 --json vgg16-dgc.json
-    python benchmarks/interleaved_plans.py --table *.json
+    python benchmarks/scheduler.py --table *.json
+
+``scheduler.py report results.jsonl ...`` reads a sweep instead (see ``scheduler.py report
+--help``): auto against the best fixed fusion-num and binary, cell by cell.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
+from collections import defaultdict
 import math
 import os
 import random
 import statistics
-import sys
+
 import time
-from typing import Optional
+from typing import Dict, List, Optional
 
 
-if __package__ in (None, ""):  # run as a script: make ``mergecomp`` importable from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import compress_benchmark  # noqa: E402
-import mergecomp  # noqa: E402
-from mergecomp import benchmarking  # noqa: E402
+import mergecomp
+from mergecomp import benchmarking
 
 DEFAULT_FUSION_NUMS = "0,1,2,3,4,6,8"  # the sweep the scheduler is measured against
 REPEAT = "repeat"  # the label of the scheduler's plan's second window in every round
 
 
 def parse_args(argv=None):
-    p = compress_benchmark.build_parser(__doc__)
+    p = benchmarking.build_parser(__doc__)
     p.set_defaults(scheduler="auto", compress=True)
     p.add_argument("--fusion-nums", default=DEFAULT_FUSION_NUMS,
                    help=f"fixed fusion-nums to compare with (default {DEFAULT_FUSION_NUMS})")
     p.add_argument("--plans", nargs="*", default=[], metavar="JSON", help="saved plans to compare with")
-    compress_benchmark.add_rounds_arguments(p, 6, "one window per plan")
-    args = compress_benchmark.parse_rounds_arguments(p, argv)
+    benchmarking.add_rounds_arguments(p, 6, "one window per plan")
+    args = benchmarking.parse_rounds_arguments(p, argv)
     if args.table:
         return args
     try:
@@ -76,7 +77,7 @@ def parse_args(argv=None):
     taken = {args.scheduler, REPEAT}
     for path in args.plans:
         if not os.path.isfile(path):
-            p.error(f"--plans: no such file {path!r}; save one with compress_benchmark.py --plan-out")
+            p.error(f"--plans: no such file {path!r}; save one with benchmarking.py --plan-out")
         label = plan_label(path)
         if label in taken or label.startswith("fusion-num "):
             p.error(f"--plans: {path!r} would be labelled {label!r}, which another plan of this run already "
@@ -115,12 +116,12 @@ def distinct_plans(plans) -> dict:
 
 def worker(args):
     work = benchmarking.prepare(args)
-    optimizer = compress_benchmark.build_optimizer(args, work)
+    optimizer = benchmarking.build_optimizer(args, work)
 
     timed = benchmarking.make_timer(benchmarking.training_step(work, work.model, optimizer), work.device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker, {work.size} workers; exchange {optimizer.communicator!r}")
-    search_steps = compress_benchmark.warm_up_and_settle(optimizer, timed, args, work)
+    search_steps = benchmarking.warm_up_and_settle(optimizer, timed, args, work)
     plans = candidate_plans(optimizer, args)
     # From here the benchmark switches plans itself: an adaptive scheduler would take the
     # other plans' steps for drift and search again.
@@ -239,7 +240,7 @@ def table(paths) -> str:
              "scheduler / best fixed | same plan as | scheduler / repeat | selection floor (under 0.95) | "
              "scheduler / saved plans |",
              "|---|---|---|---:|---|---:|---|---:|---|---|"]
-    for r in benchmarking.saved_results(paths, "plans", "benchmarks/interleaved_plans.py"):
+    for r in benchmarking.saved_results(paths, "plans", "benchmarks/scheduler.py"):
         mine = r["plans"][r["scheduler"]]
         saved = ", ".join(f"{label} {value:.3f}" for label, value in r["versus"].items()
                           if not label.startswith("fusion-num "))
@@ -254,8 +255,82 @@ def table(paths) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    return compress_benchmark.run_or_table(parse_args(argv), worker, table)
+def plans_main(argv) -> int:
+    return benchmarking.run_or_table(parse_args(argv), worker, table)
+
+
+# ------------------------------------------------------------------------------ report --
+
+REPORT_DOC = """The scheduler benchmark's table: ``auto`` vs the best fixed fusion-num vs ``binary``.
+
+    python benchmarks/scheduler.py report benchmarks/results/<dir>/results.jsonl [more.jsonl ...]
+
+For every model, profile and compressor: the throughput of each fixed fusion-num cell, the
+best of them, ``binary`` and ``auto`` (with the groups it chose, how many are compressed,
+and the search cost in steps), and the ratios auto / best fixed and auto / binary.  When a
+DDP FP32 cell of the same model and profile is present, auto / DDP FP32 too — on a fast
+link that is the check that auto declines compression when it does not pay.
+"""
+
+
+def report_table(records: List[dict]) -> str:
+    ok = [r for r in benchmarking.latest(records).values() if r["status"] == "ok"]
+    ddp: Dict[tuple, float] = {}
+    cells: Dict[tuple, dict] = defaultdict(lambda: {"fixed": {}})
+    for r in ok:
+        cell, rate = r["cell"], r["result"]["rate_total"]
+        place = (cell["model"], cell.get("profile"), cell.get("workers"))
+        if cell["kind"] == "ddp" and cell["hook"] == "fp32":
+            ddp[place] = rate
+        if cell["kind"] != "mergecomp":
+            continue
+        row = cells[place + (cell["compressor"],)]
+        scheduler = cell.get("scheduler", "fixed")
+        if scheduler == "fixed":
+            row["fixed"][cell["fusion_num"]] = rate
+        else:
+            row[scheduler] = r["result"]
+    lines = ["| model | link | compressor | best fixed (fusion-num) | binary | auto | auto groups (compressed) | "
+             "search steps | auto / best fixed | auto / binary | auto / DDP FP32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, profile, workers, compressor), row in sorted(cells.items()):
+        best = max(row["fixed"].items(), key=lambda kv: kv[1]) if row["fixed"] else None
+        auto, binary = row.get("auto"), row.get("binary")
+        fp32 = ddp.get((model, profile, workers))
+
+        def ratio(a, b):
+            return f"{a / b:.3f}" if a and b else "—"
+
+        auto_rate = auto["rate_total"] if auto else None
+        binary_rate = binary["rate_total"] if binary else None
+        cells_text = [
+            f"{best[1]:.1f} ({best[0]})" if best else "—",
+            f"{binary_rate:.1f}" if binary else "—",
+            f"{auto_rate:.1f}" if auto else "—",
+            f"{auto['groups']} ({auto['compressed_groups']})" if auto else "—",
+            str(auto.get("search_steps", "—")) if auto else "—",
+            ratio(auto_rate, best[1] if best else None), ratio(auto_rate, binary_rate),
+            ratio(auto_rate, fp32)]
+        lines.append(f"| {model} | {profile} ×{workers} | {compressor} | " + " | ".join(cells_text) + " |")
+    return "\n".join(lines)
+
+
+def report_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="scheduler.py report", description=REPORT_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help="results.jsonl files written by benchmarks/sweep.py")
+    args = p.parse_args(argv)
+    records = []
+    for path in args.results:
+        if not os.path.exists(path):
+            p.error(f"no such results file: {path}")
+        records += benchmarking.read_records(path)
+    print(report_table(records))
+    return 0
+
+
+def main(argv=None) -> int:
+    return benchmarking.run_mode("scheduler.py", __doc__, {"plans": plans_main, "report": report_main}, argv,
+                                 default="plans")
 
 
 if __name__ == "__main__":
