@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mergecomp import compressors  # noqa: E402
 from mergecomp.compressors.kernels import native  # noqa: E402
-from mergecomp.compressors.loopback import run_locally  # noqa: E402
+from mergecomp.compressors.single_process import run_locally  # noqa: E402
 
 
 def parse_size(text: str) -> int:

@@ -48,5 +48,5 @@ def collective_cost(profile: Profile, kind: str, why: str) -> LinearCost:
     if kind not in profile.collectives:
         raise ValueError(f"the profile has no {kind!r} cost ({why}); it measured "
                          f"{sorted(profile.collectives) or 'none'}. Re-profile with "
-                         f"mergecomp.probes.measure_collective_cost(backend, {kind!r}, sizes)")
+                         f"mergecomp.measure.measure_collective_cost(backend, {kind!r}, sizes)")
     return profile.collectives[kind]

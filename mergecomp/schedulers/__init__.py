@@ -8,6 +8,6 @@ create = registry.create
 available = registry.available
 get = registry.get
 
-from . import fixed, bucket, optimal, binary, online  # noqa: E402,F401
+from . import fixed, bucket, optimal, binary, auto  # noqa: E402,F401
 
 __all__ = ["Scheduler", "AdaptiveScheduler", "register", "create", "available", "get", "registry", "split_by_type"]

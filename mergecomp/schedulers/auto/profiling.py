@@ -88,7 +88,7 @@ class Profiling(Phase):
 def measure_profile(optimizer, ready: ReadyTimes, optimizer_steps: List[float]) -> Profile:
     """Median ready times (first pass dropped as warm-up) → timeline → the probes → a full
     profile.  A collective: every rank calls it at the same step."""
-    from ...probes import profile_from_timeline
+    from ...measure import profile_from_timeline
     by_name = dict(optimizer.named_parameters())
     medians = ready.medians()
     order = sorted(medians, key=medians.get)

@@ -1,6 +1,6 @@
 """The ``auto`` scheduler: profile the real run, plan by DP, keep what measures fastest.
 
-It drives the optimizer between steps (:meth:`~OnlineOptimalScheduler.after_step`), in
+It drives the optimizer between steps (:meth:`~AutoScheduler.after_step`), in
 three phases that every rank runs in lockstep — the same step counts, collectives at the
 same steps, rank 0 deciding and broadcasting.  Each phase is an object in
 :mod:`mergecomp.schedulers.auto` that returns the phase of the next step:
@@ -40,17 +40,17 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import register
-from .auto.phase import Findings, Phase, ReportRow, Search, Starting
-from .auto.planning import profiling_plan
-from .auto.settings import AutoSettings
-from .base import AdaptiveScheduler
-from ..plan import Plan
-from ..profile import Profile
+from .. import register
+from ..base import AdaptiveScheduler
+from ...plan import Plan
+from ...profile import Profile
+from .phase import Findings, Phase, ReportRow, Search, Starting
+from .planning import profiling_plan
+from .settings import AutoSettings
 
 
 @register("auto")
-class OnlineOptimalScheduler(AdaptiveScheduler):
+class AutoScheduler(AdaptiveScheduler):
     """Profile → DP → measured check → watch (see the module docstring).
 
     Args:
@@ -145,7 +145,7 @@ class OnlineOptimalScheduler(AdaptiveScheduler):
 
     def __repr__(self):
         s = self.settings
-        return (f"OnlineOptimalScheduler(profile_steps={s.profile_steps}, check_steps={s.check_steps}, "
+        return (f"AutoScheduler(profile_steps={s.profile_steps}, check_steps={s.check_steps}, "
                 f"check_rounds={s.check_rounds}, fusion_candidates={s.fusion_candidates}, "
                 f"watch_every={s.watch_every}, drift={s.drift})")
 
