@@ -29,7 +29,7 @@ from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
 from .reducer import NONFINITE_POLICIES, GroupState, Reducer, broadcast_tensors, config_digest
-from .schedulers.base import Scheduler
+from .schedulers.base import Scheduler, SchedulerContext
 from .schedulers.fixed import FixedScheduler
 
 #: How the groups are formed when the caller does not say: four groups balanced by bytes
@@ -142,6 +142,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                backward_passes_per_step=backward_passes_per_step,
                                find_unused_parameters=bool(find_unused_parameters),
                                nonfinite=nonfinite, config=config)
+        # What an adaptive scheduler sees of this job, in place of the optimizer itself.
+        self._scheduler_context = SchedulerContext(self.reducer, self.optimizer, self.backend, self.compressor,
+                                                   self.communicator.memory, self.communicator)
         self._last_step_end: Optional[float] = None
         self._legacy_listeners: Dict[str, Any] = {}
         self._joined = False
@@ -318,7 +321,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         now = time.perf_counter()
         seconds = None if self._last_step_end is None else now - self._last_step_end
-        self.scheduler.after_step(self, seconds)
+        self.scheduler.after_step(self._scheduler_context, seconds)
         self._last_step_end = time.perf_counter()
 
     def restart_step_clock(self) -> None:
