@@ -19,14 +19,14 @@ norm) to DIR/steps.csv, and with --tensorboard to TensorBoard event files.
 from __future__ import annotations
 
 import mergecomp
-from mergecomp import benchmarking, models
-from mergecomp.benchmarking import (build_optimizer, check_arguments, check_names,
+from mergecomp.bench import harness, models
+from mergecomp.bench.harness import (build_optimizer, check_arguments, check_names,
                                     warm_up_and_settle)
 
 
 def build_parser():
     """The flags, with this script's description."""
-    return benchmarking.build_parser(__doc__)
+    return harness.build_parser(__doc__)
 
 
 def parse_args(argv=None):
@@ -54,14 +54,14 @@ def parse_args(argv=None):
 
 
 def worker(args):
-    work = benchmarking.prepare(args)
+    work = harness.prepare(args)
     optimizer = build_optimizer(args, work)
     backend = optimizer.backend
     log = mergecomp.StepLog(args.log_dir, tensorboard=args.tensorboard) if args.log_dir else None
     if log is not None:
         optimizer.add_step_log(log)
 
-    timed = benchmarking.make_timer(benchmarking.training_step(work, work.model, optimizer), work.device)
+    timed = harness.make_timer(harness.training_step(work, work.model, optimizer), work.device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker")
     work.log(f"Workers: {work.size} ({work.info.launcher}), device: {work.device}, backend: "
@@ -70,12 +70,12 @@ def worker(args):
              else "Exchange: FP32 allreduce (no compression)")
     search_steps = warm_up_and_settle(optimizer, timed, args, work)
 
-    series = benchmarking.run_iterations(
+    series = harness.run_iterations(
         timed, work, args, lambda: {"bytes_sent": backend.bytes_sent, "wire_bytes": backend.wire_bytes})
     if args.op_profile:  # every rank steps (the collectives need them), rank 0 reports
         work.progress.phase("operator profile", args.op_profile)
-        work.log(benchmarking.operator_profile(timed, args.op_profile, work.device))
-    result = benchmarking.report(work, series, backend.allgather_object, {
+        work.log(harness.operator_profile(timed, args.op_profile, work.device))
+    result = harness.report(work, series, backend.allgather_object, {
         "compress": args.compress, "compressor": args.compressor if args.compress else "none",
         "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
         "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
@@ -85,7 +85,7 @@ def worker(args):
     if log is not None:
         log.close()
         work.log(f"Step log: {log.log_dir}")
-    return benchmarking.finish(result, args.json, work)
+    return harness.finish(result, args.json, work)
 
 
 def main(argv=None):
@@ -98,9 +98,9 @@ def main(argv=None):
         print("schedulers:    ", ", ".join(mergecomp.schedulers.available()))
         return 0
     check_names(args)
-    benchmarking.run_workers(worker, args)
+    harness.run_workers(worker, args)
     return 0
 
 
 if __name__ == "__main__":
-    benchmarking.exit_with(main)
+    harness.exit_with(main)

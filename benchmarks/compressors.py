@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from mergecomp import benchmarking, compressors
+from mergecomp.bench import harness
+from mergecomp import compressors
 from mergecomp.compressors.kernels import native
 from mergecomp.compressors.single_process import run_locally
 
@@ -219,7 +220,7 @@ def sparse_sum_main(argv) -> int:
 
 
 def main(argv=None) -> int:
-    return benchmarking.run_mode("compressors.py", __doc__, {"speed": speed_main, "sparse-sum": sparse_sum_main},
+    return harness.run_mode("compressors.py", __doc__, {"speed": speed_main, "sparse-sum": sparse_sum_main},
                                  argv, default="speed")
 
 

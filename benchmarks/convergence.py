@@ -48,7 +48,7 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp import compressors, launch, memories
-from mergecomp.benchmarking import provenance
+from mergecomp.bench.harness import provenance
 from mergecomp.compressors import recipes
 
 DENSE = "none"

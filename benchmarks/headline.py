@@ -70,8 +70,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mergecomp
 import mergecomp.ddp
-from mergecomp import benchmarking, models
-from mergecomp.benchmarking import (AllreduceCounter, HEADLINE_BASELINE as BASELINE,
+from mergecomp.bench import harness, models
+from mergecomp.bench.harness import (AllreduceCounter, HEADLINE_BASELINE as BASELINE,
                                     HEADLINE_LINKS as CAMPAIGN_LINKS, HEADLINE_MODELS as CAMPAIGN_MODELS)
 
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
@@ -79,8 +79,8 @@ MOMENTUM = 0.9
 
 
 def parse_matrix(argv):
-    p = benchmarking.build_parser(__doc__)
-    benchmarking.add_rounds_arguments(p, 8, "one window of every configuration")
+    p = harness.build_parser(__doc__)
+    harness.add_rounds_arguments(p, 8, "one window of every configuration")
     p.add_argument("--compressors", default="fp16,dgc,efsignsgd,powersgd",
                    help="compressors of the auto-scheduled mergecomp optimizer, comma-separated")
     p.add_argument("--hook-compressors", default="fp16,dgc",
@@ -100,7 +100,7 @@ def parse_matrix(argv):
     campaign.add_argument("--campaign-workers", default="2,4")
     campaign.add_argument("--cell-timeout", type=float, default=3600, help="seconds per cell (default 3600)")
     p.set_defaults(threads=1)
-    args = benchmarking.parse_rounds_arguments(p, argv)
+    args = harness.parse_rounds_arguments(p, argv)
     if args.table or args.summary:
         return args
     args.compressors = [c for c in args.compressors.split(",") if c]
@@ -266,7 +266,7 @@ def timed_rounds(configurations: Dict[str, Configuration], args):
 
 
 def matrix_worker(args):
-    work = benchmarking.prepare(args)
+    work = harness.prepare(args)
     warnings.simplefilter("ignore", UserWarning)
     configurations = build_configurations(args, work)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size {work.batch_size} "
@@ -300,7 +300,7 @@ def matrix_worker(args):
             entry["compressed_groups"] = sum(g.send == "compress" for g in optimizer.plan.groups)
         result["configurations"][name] = entry
     work.log(table_of(result))
-    return benchmarking.finish(result, args.json, work)
+    return harness.finish(result, args.json, work)
 
 
 def table_of(result: Dict[str, Any]) -> str:
@@ -320,7 +320,7 @@ def table_of(result: Dict[str, Any]) -> str:
 
 
 def matrix_table(paths) -> str:
-    return "\n\n".join(table_of(r) for r in benchmarking.saved_results(paths, "configurations",
+    return "\n\n".join(table_of(r) for r in harness.saved_results(paths, "configurations",
                                                                          "benchmarks/headline.py"))
 
 
@@ -331,7 +331,7 @@ def summary(paths, ours: str) -> str:
     lines = ["| model | link | workers | × ddp-fp16 | × bound | × best DDP (which) | ddp-fp16 × bound "
              "| compress / wait / decode ms |",
              "|---|---|---:|---:|---:|---|---:|---|"]
-    results = list(benchmarking.saved_results(paths, "configurations", "benchmarks/headline.py"))
+    results = list(harness.saved_results(paths, "configurations", "benchmarks/headline.py"))
     def rank(value, known):  # the campaign's order first, anything else after it by name
         return (known.index(value) if value in known else len(known), value)
 
@@ -406,7 +406,7 @@ def matrix_main(argv) -> int:
         return 0
     if args.campaign:
         return run_campaign(args)
-    benchmarking.run_workers(matrix_worker, args)
+    harness.run_workers(matrix_worker, args)
     return 0
 
 
@@ -459,9 +459,9 @@ DDP_AGAIN = "ddp again"  # the label of DDP's second window in every round: the 
 PAIR_DDP_HOOKS = ("fp16", "bf16", "fp32", "powersgd")
 
 def parse_pair(argv):
-    p = benchmarking.build_parser(PAIR_DOC)
+    p = harness.build_parser(PAIR_DOC)
     p.prog = "headline.py pair"
-    benchmarking.add_rounds_arguments(p, 8, "one DDP and one mergecomp window")
+    harness.add_rounds_arguments(p, 8, "one DDP and one mergecomp window")
     p.add_argument("--bucket-cap-mb", type=float, default=DDP_BUCKET_CAP_MB,
                    help=f"DDP's bucket size in MB (default {DDP_BUCKET_CAP_MB}, DDP's own)")
     p.add_argument("--ddp-hook", choices=PAIR_DDP_HOOKS, default="fp16",
@@ -471,7 +471,7 @@ def parse_pair(argv):
     p.add_argument("--mergecomp-as", choices=("optimizer", "ddp-hook"), default="optimizer",
                    help="mergecomp's DistributedOptimizer, or DDP with mergecomp's communication hook "
                         "(buckets from --fusion-num; an adaptive --scheduler needs the optimizer)")
-    args = benchmarking.parse_rounds_arguments(p, argv)
+    args = harness.parse_rounds_arguments(p, argv)
     if args.table:
         return args
     if args.bucket_cap_mb <= 0:
@@ -515,11 +515,11 @@ def mergecomp_side(args, work):
     """mergecomp's configuration from the flags: (model to call, optimizer, description,
     the optimizer facade or None for the hook, the memory, bytes counter)."""
     if args.mergecomp_as == "optimizer":
-        optimizer = benchmarking.build_optimizer(args, work)
+        optimizer = harness.build_optimizer(args, work)
         text = (f"{optimizer.communicator!r}" if args.compress else "FP32 allreduce (no compression)") \
             + f", scheduler {args.scheduler}"
         return work.model, optimizer, text, optimizer, optimizer.memory, lambda: optimizer.backend.bytes_sent
-    compressor = benchmarking.build_compressor(args)
+    compressor = harness.build_compressor(args)
     memory = mergecomp.memories.create(args.memory or compressor.recommended_memory) if args.compress \
         else mergecomp.memories.create("none")
     model = DistributedDataParallel(work.model, device_ids=[work.device.index] if work.device.type == "cuda" else None,
@@ -533,15 +533,15 @@ def mergecomp_side(args, work):
 
 
 def pair_worker(args):
-    work = benchmarking.prepare(args)
+    work = harness.prepare(args)
     device = work.device
     twin = copy.deepcopy(work.model)  # same initial weights, trained by DDP
     model, optimizer, mergecomp_text, facade, memory, mergecomp_bytes = mergecomp_side(args, work)
     ddp, ddp_text = ddp_with_own_hook(args, twin, device)
     ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=momentum_of(memory))
 
-    ddp_step = benchmarking.training_step(work, ddp, ddp_optimizer)
-    mergecomp_step = benchmarking.training_step(work, model, optimizer)
+    ddp_step = harness.training_step(work, ddp, ddp_optimizer)
+    mergecomp_step = harness.training_step(work, model, optimizer)
 
     def synchronised(step):
         def run():
@@ -553,18 +553,18 @@ def pair_worker(args):
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker, {work.size} workers, device {device}")
     work.log(f"Baseline: {ddp_text}, SGD momentum {ddp_optimizer.defaults['momentum']:g}; mergecomp: {mergecomp_text}")
-    timed_ddp = benchmarking.make_timer(ddp_step, device)
+    timed_ddp = harness.make_timer(ddp_step, device)
     timed_ddp(max(3, args.num_warmup_batches))
     if facade is not None:
-        search_steps = benchmarking.warm_up_and_settle(
-            facade, benchmarking.make_timer(mergecomp_step, device), args, work)
+        search_steps = harness.warm_up_and_settle(
+            facade, harness.make_timer(mergecomp_step, device), args, work)
     else:
-        benchmarking.make_timer(mergecomp_step, device)(max(3, args.num_warmup_batches))
+        harness.make_timer(mergecomp_step, device)(max(3, args.num_warmup_batches))
         search_steps = 0
 
     bytes_before = mergecomp_bytes()
     before = {"mergecomp": facade.restart_step_clock} if facade is not None else None
-    mine = benchmarking.interleaved_windows({"ddp": synchronised(ddp_step), "mergecomp": synchronised(mergecomp_step),
+    mine = harness.interleaved_windows({"ddp": synchronised(ddp_step), "mergecomp": synchronised(mergecomp_step),
                                              DDP_AGAIN: synchronised(ddp_step)},
                                             args.rounds, args.window, before=before)
     bytes_per_step = (mergecomp_bytes() - bytes_before) / (args.rounds * (args.window + 1))
@@ -596,7 +596,7 @@ def pair_worker(args):
     work.log(f"DDP ({args.ddp_hook}) / mergecomp step time: median {result['ratio_median']:.3f} over {args.rounds} "
              f"rounds (min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}); > 1: mergecomp faster")
     work.log(f"DDP / DDP again: median {noise:.3f} (the same configuration twice: this measure's noise)")
-    return benchmarking.finish(result, args.json, work)
+    return harness.finish(result, args.json, work)
 
 
 def pair_table(paths) -> str:
@@ -604,7 +604,7 @@ def pair_table(paths) -> str:
     lines = ["| model | compressor | mergecomp as | scheduler | groups (compressed) | search steps | "
              "DDP baseline | DDP ms/step | mergecomp ms/step | DDP / mergecomp (median, min–max) | DDP / DDP again |",
              "|---|---|---|---|---|---:|---|---:|---:|---|---:|"]
-    for r in benchmarking.saved_results(paths, "ratios", "benchmarks/headline.py pair"):
+    for r in harness.saved_results(paths, "ratios", "benchmarks/headline.py pair"):
         # results written before the baseline could be chosen ran DDP without a hook (FP32)
         lines.append(f"| {r['model']} | {r['compressor']} | {r.get('mergecomp_as', 'optimizer')} | "
                      f"{r['scheduler']} | {r['groups']} "
@@ -617,7 +617,7 @@ def pair_table(paths) -> str:
 
 
 def pair_main(argv) -> int:
-    return benchmarking.run_or_table(parse_pair(argv), pair_worker, pair_table)
+    return harness.run_or_table(parse_pair(argv), pair_worker, pair_table)
 
 
 # --------------------------------------------------------------------------------- ddp --
@@ -661,7 +661,7 @@ DDP_HOOKS = ("fp32", "fp16", "powersgd", "mergecomp")
 def parse_ddp(argv):
     p = argparse.ArgumentParser(prog="headline.py ddp", description=DDP_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchmarking.add_workload_arguments(p)
+    harness.add_workload_arguments(p)
     p.add_argument("--hook", default="fp32", choices=DDP_HOOKS, help="DDP communication hook")
     p.add_argument("--powersgd-rank", type=int, default=1, help="PowerSGD matrix approximation rank")
     p.add_argument("--powersgd-start-iter", type=int, default=2,
@@ -675,7 +675,7 @@ def parse_ddp(argv):
     hook.add_argument("--fusion-num", type=int, default=4,
                       help="DDP buckets from this mergecomp fusion-num (default 4)")
     args = p.parse_args(argv)
-    benchmarking.check_workload_arguments(p, args)
+    harness.check_workload_arguments(p, args)
     if args.hook == "mergecomp":
         if not args.compressor:
             p.error("--hook mergecomp needs --compressor (e.g. dgc, topk, fp16)")
@@ -742,7 +742,7 @@ def register_hook(model: DistributedDataParallel, args):
 
 
 def ddp_worker(args):
-    work = benchmarking.prepare(args)
+    work = harness.prepare(args)
     device = work.device
     buckets = ({"bucket_cap_mb_list": mergecomp.ddp.bucket_caps(work.model, args.fusion_num)}
                if args.hook == "mergecomp" else {"bucket_cap_mb": args.bucket_cap_mb})
@@ -751,7 +751,7 @@ def ddp_worker(args):
     exchange, buckets, state = register_hook(model, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
-    timed = benchmarking.make_timer(benchmarking.training_step(work, model, optimizer), device)
+    timed = harness.make_timer(harness.training_step(work, model, optimizer), device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker")
     work.log(f"Workers: {work.size} ({work.info.launcher}), device: {device}, backend: {dist.get_backend()}")
@@ -767,7 +767,7 @@ def ddp_worker(args):
         else:
             def counters():
                 return {"bytes_sent": counter.bytes_sent, "wire_bytes": counter.bytes_sent * ring}
-        series = benchmarking.run_iterations(timed, work, args, counters)
+        series = harness.run_iterations(timed, work, args, counters)
         groups = (buckets.calls - calls_before) // (args.num_iters * args.num_batches_per_iter)
 
     def gather(obj):
@@ -777,7 +777,7 @@ def ddp_worker(args):
 
     label = f"ddp-{args.hook}" + (f"-r{args.powersgd_rank}" if args.hook == "powersgd" else "") \
         + (f"-{args.compressor}" if args.hook == "mergecomp" else "")
-    result = benchmarking.report(work, series, gather, {
+    result = harness.report(work, series, gather, {
         "compress": args.hook != "fp32", "compressor": label, "compress_ratio": None,
         "memory": "ddp", "comm": "ddp-allreduce", "fusion_num": None, "scheduler": "ddp-buckets",
         "groups": groups, "plan": None, "hook": args.hook,
@@ -785,13 +785,13 @@ def ddp_worker(args):
         "bucket_cap_mb": args.bucket_cap_mb if state is None else None,
         "hook_compressor": args.compressor if state is not None else None,
         "hook_fusion_num": args.fusion_num if state is not None else None})
-    return benchmarking.finish(result, args.json, work)
+    return harness.finish(result, args.json, work)
 
 
 def ddp_main(argv) -> int:
     args = parse_ddp(argv)
     models.get(args.model)  # fail fast on an unknown name, before any process starts
-    benchmarking.run_workers(ddp_worker, args)
+    harness.run_workers(ddp_worker, args)
     return 0
 
 
@@ -799,8 +799,8 @@ MODES = {"matrix": matrix_main, "pair": pair_main, "ddp": ddp_main}
 
 
 def main(argv=None) -> int:
-    return benchmarking.run_mode("headline.py", __doc__, MODES, argv, default="matrix")
+    return harness.run_mode("headline.py", __doc__, MODES, argv, default="matrix")
 
 
 if __name__ == "__main__":
-    benchmarking.exit_with(main)
+    harness.exit_with(main)

@@ -184,10 +184,10 @@ LINK_NAMES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
 def render_headline(folder: str, out: Optional[str] = None, ours: str = "auto-dgc") -> str:
     """``headline.png`` of a headline run's folder: ``ours`` against DDP's 16-bit hook and
     the zero-cost bound, per link, model and worker count; returns its path."""
-    from mergecomp.benchmarking import HEADLINE_BASELINE as BASELINE
-    from mergecomp.benchmarking import HEADLINE_LINKS as CAMPAIGN_LINKS
-    from mergecomp.benchmarking import HEADLINE_MODELS as CAMPAIGN_MODELS
-    from mergecomp.benchmarking import saved_results
+    from mergecomp.bench.harness import HEADLINE_BASELINE as BASELINE
+    from mergecomp.bench.harness import HEADLINE_LINKS as CAMPAIGN_LINKS
+    from mergecomp.bench.harness import HEADLINE_MODELS as CAMPAIGN_MODELS
+    from mergecomp.bench.harness import saved_results
     paths = sorted(glob.glob(os.path.join(folder, "*.json")))
     if not paths:
         raise ValueError(f"{folder} holds no JSON results of benchmarks/headline.py")

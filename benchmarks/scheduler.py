@@ -4,11 +4,11 @@
 Is ``auto`` within 5% of the best fixed fusion-num?  Separate runs cannot say: on a shared
 machine the same configuration drifts by ±15% between runs, and the best of seven noisy
 cells is biased upwards.  Here one training run does it all: the scheduler (``--scheduler
-auto`` by default, configured by the flags of ``benchmarking.py``) searches and
+auto`` by default, configured by the flags of ``harness.py``) searches and
 settles as usual, its search steps are reported; then the run is detached from it and
 rounds of windows of ``--window`` steps switch between its plan, the plans of
 ``--fusion-nums`` (MergeComp's fixed groups, compressing every group) and any saved plans
-(``--plans binary.json``, e.g. written by ``benchmarking.py --scheduler binary
+(``--plans binary.json``, e.g. written by ``harness.py --scheduler binary
 --plan-out binary.json``), the order rotated each round.  Switching goes through
 ``set_plan``, so error-feedback state follows the parameters and the model keeps training.
 Every window starts with one untimed step; a window's time is its slowest rank's.
@@ -52,20 +52,20 @@ from typing import Dict, List, Optional
 
 
 import mergecomp
-from mergecomp import benchmarking
+from mergecomp.bench import harness
 
 DEFAULT_FUSION_NUMS = "0,1,2,3,4,6,8"  # the sweep the scheduler is measured against
 REPEAT = "repeat"  # the label of the scheduler's plan's second window in every round
 
 
 def parse_args(argv=None):
-    p = benchmarking.build_parser(__doc__)
+    p = harness.build_parser(__doc__)
     p.set_defaults(scheduler="auto", compress=True)
     p.add_argument("--fusion-nums", default=DEFAULT_FUSION_NUMS,
                    help=f"fixed fusion-nums to compare with (default {DEFAULT_FUSION_NUMS})")
     p.add_argument("--plans", nargs="*", default=[], metavar="JSON", help="saved plans to compare with")
-    benchmarking.add_rounds_arguments(p, 6, "one window per plan")
-    args = benchmarking.parse_rounds_arguments(p, argv)
+    harness.add_rounds_arguments(p, 6, "one window per plan")
+    args = harness.parse_rounds_arguments(p, argv)
     if args.table:
         return args
     try:
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     taken = {args.scheduler, REPEAT}
     for path in args.plans:
         if not os.path.isfile(path):
-            p.error(f"--plans: no such file {path!r}; save one with benchmarking.py --plan-out")
+            p.error(f"--plans: no such file {path!r}; save one with harness.py --plan-out")
         label = plan_label(path)
         if label in taken or label.startswith("fusion-num "):
             p.error(f"--plans: {path!r} would be labelled {label!r}, which another plan of this run already "
@@ -115,13 +115,13 @@ def distinct_plans(plans) -> dict:
 
 
 def worker(args):
-    work = benchmarking.prepare(args)
-    optimizer = benchmarking.build_optimizer(args, work)
+    work = harness.prepare(args)
+    optimizer = harness.build_optimizer(args, work)
 
-    timed = benchmarking.make_timer(benchmarking.training_step(work, work.model, optimizer), work.device)
+    timed = harness.make_timer(harness.training_step(work, work.model, optimizer), work.device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker, {work.size} workers; exchange {optimizer.communicator!r}")
-    search_steps = benchmarking.warm_up_and_settle(optimizer, timed, args, work)
+    search_steps = harness.warm_up_and_settle(optimizer, timed, args, work)
     plans = candidate_plans(optimizer, args)
     # From here the benchmark switches plans itself: an adaptive scheduler would take the
     # other plans' steps for drift and search again.
@@ -133,7 +133,7 @@ def worker(args):
     same = distinct_plans(plans)
     runs = {label: plan for label, plan in plans.items() if label not in same}
     runs[REPEAT] = plans[args.scheduler]
-    mine = benchmarking.interleaved_windows({label: lambda: timed(1) for label in runs}, args.rounds,
+    mine = harness.interleaved_windows({label: lambda: timed(1) for label in runs}, args.rounds,
                                             args.window, before={label: switch_to(plan) for label, plan in runs.items()})
     everyone = optimizer.backend.allgather_object(mine)
     slowest = {label: [max(r[label][i] for r in everyone) for i in range(args.rounds)] for label in runs}
@@ -178,7 +178,7 @@ def worker(args):
         floor = result["selection_floor"]
         work.log(f"a selector timing every fixed plan in half the rounds scores {floor['mean']:.3f} on the other "
                  f"half, under 0.95 in {floor['misses']:.0%} of {floor['splits']} splits (this measure's floor)")
-    return benchmarking.finish(result, args.json, work)
+    return harness.finish(result, args.json, work)
 
 
 def selection_floor(result: dict, most_splits: int = 2000) -> Optional[dict]:
@@ -240,7 +240,7 @@ def table(paths) -> str:
              "scheduler / best fixed | same plan as | scheduler / repeat | selection floor (under 0.95) | "
              "scheduler / saved plans |",
              "|---|---|---|---:|---|---:|---|---:|---|---|"]
-    for r in benchmarking.saved_results(paths, "plans", "benchmarks/scheduler.py"):
+    for r in harness.saved_results(paths, "plans", "benchmarks/scheduler.py"):
         mine = r["plans"][r["scheduler"]]
         saved = ", ".join(f"{label} {value:.3f}" for label, value in r["versus"].items()
                           if not label.startswith("fusion-num "))
@@ -256,7 +256,7 @@ def table(paths) -> str:
 
 
 def plans_main(argv) -> int:
-    return benchmarking.run_or_table(parse_args(argv), worker, table)
+    return harness.run_or_table(parse_args(argv), worker, table)
 
 
 # ------------------------------------------------------------------------------ report --
@@ -274,7 +274,7 @@ link that is the check that auto declines compression when it does not pay.
 
 
 def report_table(records: List[dict]) -> str:
-    ok = [r for r in benchmarking.latest(records).values() if r["status"] == "ok"]
+    ok = [r for r in harness.latest(records).values() if r["status"] == "ok"]
     ddp: Dict[tuple, float] = {}
     cells: Dict[tuple, dict] = defaultdict(lambda: {"fixed": {}})
     for r in ok:
@@ -323,15 +323,15 @@ def report_main(argv) -> int:
     for path in args.results:
         if not os.path.exists(path):
             p.error(f"no such results file: {path}")
-        records += benchmarking.read_records(path)
+        records += harness.read_records(path)
     print(report_table(records))
     return 0
 
 
 def main(argv=None) -> int:
-    return benchmarking.run_mode("scheduler.py", __doc__, {"plans": plans_main, "report": report_main}, argv,
+    return harness.run_mode("scheduler.py", __doc__, {"plans": plans_main, "report": report_main}, argv,
                                  default="plans")
 
 
 if __name__ == "__main__":
-    benchmarking.exit_with(main)
+    harness.exit_with(main)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The simulator against the emulated cluster: predicted against measured step times.
 
-Three modes, one question (is :mod:`mergecomp.simulate`'s prediction right?):
+Three modes, one question (is :mod:`mergecomp.planning.simulate`'s prediction right?):
 
     python benchmarks/simulator.py check --workers 2,3,4 --profile 1gbit --model vgg16 --compressor dgc
     python benchmarks/cluster.py --workers 4 --profile 1gbit -- python benchmarks/simulator.py rounds \\
@@ -31,13 +31,13 @@ from typing import Dict, List
 
 
 import mergecomp
-from mergecomp import benchmarking
+from mergecomp.bench import harness
 from mergecomp.bench.cluster import Cluster, parse_profile
-from mergecomp.costmodel import predict
+from mergecomp.planning.costmodel import predict
 from mergecomp.plan import Plan
-from mergecomp.profile import Profile, scaled_compute
+from mergecomp.planning.profile import Profile, scaled_compute
 from mergecomp.schedulers.fixed import FixedScheduler
-from mergecomp.simulate import measured_link_efficiency, network_collectives
+from mergecomp.planning.simulate import measured_link_efficiency, network_collectives
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -121,7 +121,7 @@ class PhaseRecorder:
             self._record["optimizer_step"] = time.perf_counter() - self._inner_began
 
     def training_step(self, work, model):
-        """``benchmarking.training_step`` of ``model``, recording each settled step."""
+        """``harness.training_step`` of ``model``, recording each settled step."""
         def step() -> None:
             record = {"first": None, "last": None, "encode": [], "wait": [], "finish": [],
                       "optimizer_step": None, "synchronized": None} if self._settled() else None
@@ -146,16 +146,16 @@ class PhaseRecorder:
 
 def phases_worker(args):
     """``compress_benchmark.py``'s run, timed step by step; writes this rank's phases."""
-    work = benchmarking.prepare(args)
-    optimizer = benchmarking.build_optimizer(args, work)
+    work = harness.prepare(args)
+    optimizer = harness.build_optimizer(args, work)
     recorder = PhaseRecorder(optimizer)
     backend = optimizer.backend
-    timed = benchmarking.make_timer(recorder.training_step(work, work.model), work.device)
+    timed = harness.make_timer(recorder.training_step(work, work.model), work.device)
     work.log(f"Model: {args.model}, {work.size} workers, exchange {optimizer.communicator!r}")
-    search_steps = benchmarking.warm_up_and_settle(optimizer, timed, args, work)
-    series = benchmarking.run_iterations(
+    search_steps = harness.warm_up_and_settle(optimizer, timed, args, work)
+    series = harness.run_iterations(
         timed, work, args, lambda: {"bytes_sent": backend.bytes_sent, "wire_bytes": backend.wire_bytes})
-    result = benchmarking.report(work, series, backend.allgather_object, {
+    result = harness.report(work, series, backend.allgather_object, {
         "compress": args.compress, "compressor": args.compressor if args.compress else "none",
         "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
         "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
@@ -165,19 +165,19 @@ def phases_worker(args):
     os.makedirs(args.phases_out, exist_ok=True)
     with open(os.path.join(args.phases_out, f"phases_{work.rank}.json"), "w") as f:
         json.dump(recorder.steps, f)
-    return benchmarking.finish(result, args.json, work)
+    return harness.finish(result, args.json, work)
 
 
 def phases_main(argv) -> int:
-    p = benchmarking.build_parser(PHASES_DOC)
+    p = harness.build_parser(PHASES_DOC)
     p.prog = "simulator.py phases"
     p.add_argument("--phases-out", required=True, metavar="DIR",
                    help="folder for each rank's phases_<rank>.json")
     args = p.parse_args(argv)
-    benchmarking.check_arguments(p, args)
+    harness.check_arguments(p, args)
     args.phases_out = os.path.abspath(args.phases_out)
-    benchmarking.check_names(args)
-    benchmarking.run_workers(phases_worker, args)
+    harness.check_names(args)
+    harness.run_workers(phases_worker, args)
     return 0
 
 
@@ -191,7 +191,7 @@ For each worker count N it runs ``compress_benchmark.py --scheduler auto`` on N 
 behind the shaped links, which profiles the run (``--profile-out``) and executes a plan
 (``--plan-out``), measuring its step time.  The simulator's model — the profile's compute
 timeline and codec costs, with the collectives replaced by the α-β network model at the
-link's rate (:func:`mergecomp.simulate.network_collectives`) — then predicts that same
+link's rate (:func:`mergecomp.planning.simulate.network_collectives`) — then predicts that same
 plan, and the table compares the two.  What it validates is the network and overlap model;
 the compute side comes from the run itself (on a 2-core machine, 3 or 4 workers share the
 cores, which a profile taken at N = 2 could not know), and so do the interference factor
@@ -441,7 +441,7 @@ timed beside the steps it predicts:
 
 1. ``--scheduler auto`` profiles the live run and settles as usual; its profile, with the
    collectives replaced by the α-β model at the link's rate
-   (:func:`mergecomp.simulate.network_collectives`, link efficiency from the profile's
+   (:func:`mergecomp.planning.simulate.network_collectives`, link efficiency from the profile's
    allreduce probe), is the simulator's input — the *saved-profile* prediction.
 2. Then ``--rounds`` rounds run one window of ``--window`` steps of every plan of
    ``--plans`` (``auto``: the plan the scheduler chose; ``fp32-K`` / ``compress-K``: K
@@ -466,13 +466,13 @@ with every round's numbers, the profile and each round's compute (to predict aga
 
 
 def parse_rounds(argv):
-    p = benchmarking.build_parser(ROUNDS_DOC)
+    p = harness.build_parser(ROUNDS_DOC)
     p.prog = "simulator.py rounds"
     p.set_defaults(scheduler="auto", compress=True)
     p.add_argument("--plans", default="auto,fp32-4,compress-4",
                    help="plans to predict and time: auto (the scheduler's choice), fp32-K, fp16-K, "
                         "bf16-K, compress-K (default auto,fp32-4,compress-4)")
-    benchmarking.add_rounds_arguments(p, 8, "one window per plan and a compute window")
+    harness.add_rounds_arguments(p, 8, "one window per plan and a compute window")
     p.add_argument("--net-profile", default=os.environ.get("MERGECOMP_NET_PROFILE"),
                    help="the network profile of the links (default: the one benchmarks/cluster.py "
                         "runs this worker behind)")
@@ -481,7 +481,7 @@ def parse_rounds(argv):
     p.add_argument("--link-efficiency", default="profile",
                    help="fraction of the line rate the simulated collectives reach, or 'profile' "
                         "(default): the fraction the run's own allreduce probe reached")
-    args = benchmarking.parse_rounds_arguments(p, argv)
+    args = harness.parse_rounds_arguments(p, argv)
     if args.table:
         return args
     if args.scheduler != "auto":
@@ -600,15 +600,15 @@ def window_phases(recorder: PhaseRecorder, marks) -> Dict[str, List[dict]]:
 
 
 def rounds_worker(args):
-    work = benchmarking.prepare(args)
-    optimizer = benchmarking.build_optimizer(args, work)
+    work = harness.prepare(args)
+    optimizer = harness.build_optimizer(args, work)
     recorder = PhaseRecorder(optimizer)
     step = recorder.training_step(work, work.model)
-    timed = benchmarking.make_timer(step, work.device)
+    timed = harness.make_timer(step, work.device)
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
              f"{work.batch_size} per worker, {work.size} workers on {args.net_profile} links; "
              f"exchange {optimizer.communicator!r}")
-    search_steps = benchmarking.warm_up_and_settle(optimizer, timed, args, work)
+    search_steps = harness.warm_up_and_settle(optimizer, timed, args, work)
     profile = optimizer.scheduler.profile
     efficiency = optimizer.backend.broadcast_object(link_efficiency(profile, args) if work.rank == 0 else None, src=0)
     if isinstance(efficiency, str):  # every rank stops with rank 0's reason, none waits for the others
@@ -627,13 +627,13 @@ def rounds_worker(args):
         return switch
 
     steps = {label: (clock if label == COMPUTE else (lambda: timed(1))) for label in plans}
-    mine = benchmarking.interleaved_windows(steps, args.rounds, args.window,
+    mine = harness.interleaved_windows(steps, args.rounds, args.window,
                                             before={label: before(label) for label in plans})
     phases = window_phases(recorder, marks)
     everyone = optimizer.backend.allgather_object(
         (mine, clock.summaries(phases.get(COMPUTE, []), args.window), phases))
     if work.rank != 0:  # rank 0 predicts, from its profile
-        return benchmarking.finish({}, None, work)
+        return harness.finish({}, None, work)
     measured = {label: [max(times[label][r] for times, _, _ in everyone) for r in range(args.rounds)]
                 for label in plans}
     modelled = dataclasses.replace(profile, collectives=network_collectives(
@@ -674,14 +674,14 @@ def rounds_worker(args):
                  f"profile {saved * 1e3:.1f} ms ({row['saved_profile_error']:+.1%})\n"
                  f"{label}'s phases, predicted from round {typical}'s compute (its median prediction):\n"
                  + phase_table(predict(plan, rounds[typical]), row["phases"]))
-    return benchmarking.finish(result, args.json, work)
+    return harness.finish(result, args.json, work)
 
 
 def rounds_table(paths) -> str:
     lines = ["| workers | plan | groups (compressed) | measured ms | predicted ms, same rounds | error | "
              "rounds within 15% | saved profile ms | saved-profile error | compute × profile |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    results = sorted(benchmarking.saved_results(paths, "plans", "benchmarks/simulator.py rounds"),
+    results = sorted(harness.saved_results(paths, "plans", "benchmarks/simulator.py rounds"),
                      key=lambda r: r["workers"])
     for r in results:
         speeds = [c["speed"] for c in r["compute"]]
@@ -696,15 +696,15 @@ def rounds_table(paths) -> str:
 
 
 def rounds_main(argv) -> int:
-    return benchmarking.run_or_table(parse_rounds(argv), rounds_worker, rounds_table)
+    return harness.run_or_table(parse_rounds(argv), rounds_worker, rounds_table)
 
 
 MODES = {"check": check_main, "rounds": rounds_main, "phases": phases_main}
 
 
 def main(argv=None) -> int:
-    return benchmarking.run_mode("simulator.py", __doc__, MODES, argv)
+    return harness.run_mode("simulator.py", __doc__, MODES, argv)
 
 
 if __name__ == "__main__":
-    benchmarking.exit_with(main)
+    harness.exit_with(main)

@@ -57,7 +57,7 @@ from typing import Callable, Iterable, List, Optional
 
 import yaml
 
-from mergecomp.benchmarking import latest, read_records
+from mergecomp.bench.harness import latest, read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_KEYS = {"models", "compressors", "fusion_num", "schedulers", "profiles", "workers", "baselines",
@@ -93,7 +93,8 @@ def load_config(path: str) -> dict:
 
 def validate(raw, source: str = "<config>") -> dict:
     """Check every key of a parsed sweep file and fill in defaults."""
-    from mergecomp import compressors, models
+    from mergecomp import compressors
+    from mergecomp.bench import models
     from mergecomp.bench.profiles import parse_profile
 
     where = f"sweep file {source!r}"

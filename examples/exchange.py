@@ -27,7 +27,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mergecomp  # noqa: E402
-from mergecomp import benchmarking, launch  # noqa: E402
+from mergecomp.bench import harness  # noqa: E402
+from mergecomp import launch
 
 #: The density warm-up of DGC's paper: 25% → 6.25% → 1.5625% → 0.4% → the final density.
 PAPER_DENSITY_WARMUP_EPOCHS = 4
@@ -187,7 +188,7 @@ def traffic_line(handed_per_step: float, wire_per_step: float, num_params: int,
 
 def run(train, args) -> None:
     """``train(args)`` on every rank: spawn ``--nproc`` local ones, or run as launched."""
-    benchmarking.run_workers(train, args)
+    harness.run_workers(train, args)
 
 
 def density_text(optimizer) -> str:

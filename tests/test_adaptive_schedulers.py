@@ -117,8 +117,8 @@ def test_a_visit_takes_each_steps_slowest_rank_and_skips_untimed_steps():
 
 def test_auto_compares_visits_at_the_checks_median_compute_speed():
     import dataclasses
-    from mergecomp.costmodel import predict
-    from mergecomp.profile import scaled_compute
+    from mergecomp.planning.costmodel import predict
+    from mergecomp.planning.profile import scaled_compute
     from mergecomp.schedulers.auto.decisions import medians_at_common_speed, medians_as_timed
     from mergecomp.schedulers.auto.settings import AutoSettings
     from tests.test_costmodel import hand_profile

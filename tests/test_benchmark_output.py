@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mergecomp.benchmarking import Progress
+from mergecomp.bench.harness import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

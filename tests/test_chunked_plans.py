@@ -7,9 +7,9 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp import schedulers
-from mergecomp.costmodel import predict
+from mergecomp.planning.costmodel import predict
 from mergecomp.plan import Group, Plan
-from mergecomp.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
+from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
 from mergecomp.regroup import regroup_tensors
 from mergecomp.schedulers.optimal import OptimalScheduler
 from tests.distributed import run_ranks

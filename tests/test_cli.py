@@ -98,18 +98,18 @@ def _bad_input_on_every_rank(args):
 
 def test_a_value_error_in_a_spawned_rank_comes_back_as_one_message():
     import argparse
-    from mergecomp import benchmarking
+    from mergecomp.bench import harness
     with pytest.raises(ValueError) as raised:
-        benchmarking.run_workers(_bad_input_on_every_rank, argparse.Namespace(nproc=1, num_iters=3))
+        harness.run_workers(_bad_input_on_every_rank, argparse.Namespace(nproc=1, num_iters=3))
     assert str(raised.value) == "rank 0: --num-iters 3 is not what this rank expected"
-    message = benchmarking.value_error_message(
+    message = harness.value_error_message(
         'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
         'ValueError: two\nlines\n')
     assert message == "two\nlines"
     chained = ('Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: first\n\n'
                'During handling of the above exception, another exception occurred:\n\n'
                'Traceback (most recent call last):\n  File "x.py", line 3, in g\nKeyError: 1\n')
-    assert benchmarking.value_error_message(chained) is None  # a bug, not bad input: keep the traceback
+    assert harness.value_error_message(chained) is None  # a bug, not bad input: keep the traceback
 
 
 def test_compression_flags_without_compress_are_refused(capsys):

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp.communicators.allgather import AllgatherCommunicator
-from mergecomp.costmodel import (NoCostFormula, communicator_formula, predict, priced_collectives,
+from mergecomp.planning.costmodel import (NoCostFormula, communicator_formula, predict, priced_collectives,
                                  send_costs)
 from tests.distributed import run_ranks
 from mergecomp.plan import Group, Plan
@@ -93,7 +93,7 @@ def test_auto_refuses_a_communicator_without_a_cost_formula_on_every_rank():
 
 
 def test_communicators_and_the_cost_model_share_a_leaf_not_each_other():
-    """Communicators build their SendCost from mergecomp.sendcost; the cost model looks
+    """Communicators build their SendCost from mergecomp.planning.sendcost; the cost model looks
     communicators up.  Neither half is imported back: each imports alone, in either order."""
     import ast
     import pathlib
@@ -101,11 +101,11 @@ def test_communicators_and_the_cost_model_share_a_leaf_not_each_other():
     import sys
 
     root = pathlib.Path(mergecomp.__file__).parent
-    for path in [root / "sendcost.py", *sorted((root / "communicators").glob("*.py"))]:
+    for path in [root / "planning" / "sendcost.py", *sorted((root / "communicators").glob("*.py"))]:
         imported = {node.module or "" for node in ast.walk(ast.parse(path.read_text()))
                     if isinstance(node, ast.ImportFrom)}
         assert not any(m.endswith("costmodel") for m in imported), f"{path.name} imports the cost model"
         if path.name == "sendcost.py":
             assert not any("communicators" in m for m in imported), "sendcost imports the communicators"
-    for first in ("mergecomp.communicators", "mergecomp.costmodel", "mergecomp.sendcost"):
-        subprocess.run([sys.executable, "-c", f"import {first}; import mergecomp.costmodel"], check=True)
+    for first in ("mergecomp.communicators", "mergecomp.planning.costmodel", "mergecomp.planning.sendcost"):
+        subprocess.run([sys.executable, "-c", f"import {first}; import mergecomp.planning.costmodel"], check=True)

@@ -5,11 +5,11 @@ import random
 import pytest
 
 from mergecomp import communicators, compressors, memories
-from mergecomp.costmodel import predict, send_costs
-from mergecomp.measure import measure_finish_cost, measure_finish_costs
-from mergecomp.profile import CodecCost, LinearCost, Profile, WireSize, fit_linear
+from mergecomp.planning.costmodel import predict, send_costs
+from mergecomp.planning.measure import measure_finish_cost, measure_finish_costs
+from mergecomp.planning.profile import CodecCost, LinearCost, Profile, WireSize, fit_linear
 from mergecomp.schedulers.optimal import OptimalScheduler
-from mergecomp.simulate import simulate
+from mergecomp.planning.simulate import simulate
 from tests.test_costmodel import MIXED, hand_profile
 from tests.test_optimal import brute_force, random_profile
 

@@ -9,12 +9,12 @@ import random
 import pytest
 
 from mergecomp import compressors, memories
-from mergecomp.costmodel import GroupCost, advance, finish_time, predict, stretch
+from mergecomp.planning.costmodel import GroupCost, advance, finish_time, predict, stretch
 from mergecomp.plan import Group, Plan
-from mergecomp.measure import measure_memory_cost
-from mergecomp.profile import LinearCost, Profile, interference_factor
+from mergecomp.planning.measure import measure_memory_cost
+from mergecomp.planning.profile import LinearCost, Profile, interference_factor
 from mergecomp.schedulers.optimal import OptimalScheduler
-from mergecomp.simulate import measured_link_efficiency, network_collectives
+from mergecomp.planning.simulate import measured_link_efficiency, network_collectives
 from tests.test_costmodel import hand_profile
 from tests.test_optimal import brute_force, random_profile
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 import mergecomp
-from mergecomp.costmodel import GroupCost, advance, finish_time, predict, send_costs
+from mergecomp.planning.costmodel import GroupCost, advance, finish_time, predict, send_costs
 from mergecomp.plan import Group, Plan
-from mergecomp.profile import LinearCost, Profile, collective_slowdown_factor, fit_live_costs
+from mergecomp.planning.profile import LinearCost, Profile, collective_slowdown_factor, fit_live_costs
 from mergecomp.schedulers.optimal import OptimalScheduler
 from tests.distributed import run_ranks
 from tests.test_costmodel import hand_profile
@@ -205,7 +205,7 @@ def test_auto_rescales_the_profile_to_the_speed_the_check_ran_at():
 
 
 def test_the_refit_leaves_out_compressed_samples_of_a_communicator_whose_phases_wait():
-    from mergecomp.costmodel import phases_are_local
+    from mergecomp.planning.costmodel import phases_are_local
     from mergecomp.schedulers.auto.decisions import refit_profile
     samples = {"launch": {"compress": [(100, 0.3)], "fp32": [(100, 0.1)]},
                "finish": {"compress": [(100, 0.2), (200, 0.3)]}}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergecomp.data import cifar, wikitext
+from mergecomp.bench.data import cifar, wikitext
 from tests.dataset_files import LABEL_NAMES, WIKI_WORDS, dump_like_the_originals, write_cifar, write_wikitext
 
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from mergecomp import models
-from mergecomp.models import count_parameters
+from mergecomp.bench import models
+from mergecomp.bench.models import count_parameters
 
 
 def test_available_lists_every_model():

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from mergecomp import schedulers
-from mergecomp.costmodel import predict
+from mergecomp.planning.costmodel import predict
 from mergecomp.plan import Group, ParamInfo, Plan
-from mergecomp.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
+from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
 from mergecomp.schedulers.binary import BinarySearchScheduler
 from mergecomp.schedulers.optimal import OptimalScheduler
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from mergecomp import simulate
-from mergecomp.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
+from mergecomp.planning import simulate
+from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
 
 
 def test_alpha_beta_formulas():

@@ -8,9 +8,9 @@ import torch
 from mergecomp import compressors
 from mergecomp.compressors.sparsifier import scatter_values
 from mergecomp.compressors.topk import TopKCompressor
-from mergecomp.costmodel import send_costs
-from mergecomp.measure import measure_compression_cost
-from mergecomp.profile import CodecCost, LinearCost
+from mergecomp.planning.costmodel import send_costs
+from mergecomp.planning.measure import measure_compression_cost
+from mergecomp.planning.profile import CodecCost, LinearCost
 from tests.test_costmodel import hand_profile
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from . import register
 from ..backends.serialize import payload_limit
 from ..compressors.base import accepts_keyword
-from ..sendcost import SendCost, collective_cost
+from ..planning.sendcost import SendCost, collective_cost
 from .base import Communicator
 
 
@@ -45,7 +45,7 @@ class AllgatherCommunicator(Communicator):
             known = self.__dict__["_sums_into"] = accepts_keyword(self.compressor.decompress_sum, "out")
         return known
 
-    # -- cost model (mergecomp.costmodel.communicator_formula) ---------------------------
+    # -- cost model (mergecomp.planning.costmodel.communicator_formula) ---------------------------
     #: The collectives the formula below prices with; the profile measures them.
     cost_collectives = ("allgather",)
     #: start() launches the allgather; finish() decodes and sums the payloads: the times of

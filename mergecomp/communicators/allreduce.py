@@ -6,7 +6,7 @@ compressors whose payloads add up: FP32/FP16/BF16, shared-index rand-k, PowerSGD
 from __future__ import annotations
 
 from . import register
-from ..sendcost import SendCost, collective_cost
+from ..planning.sendcost import SendCost, collective_cost
 from .base import Communicator
 
 
@@ -29,7 +29,7 @@ class AllreduceCommunicator(Communicator):
     def _combine(self, result, handle):
         return self.compressor.decompress(result, handle.ctx).reshape(-1)
 
-    # -- cost model (mergecomp.costmodel.communicator_formula) ---------------------------
+    # -- cost model (mergecomp.planning.costmodel.communicator_formula) ---------------------------
     #: The collectives the formula below prices with; the profile measures them.
     cost_collectives = ("allreduce",)
     #: start() launches the allreduce without waiting; finish() decodes the sum once: the

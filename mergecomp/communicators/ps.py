@@ -51,7 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import register
-from ..sendcost import SendCost, collective_cost
+from ..planning.sendcost import SendCost, collective_cost
 from .base import Communicator, Handle
 from ..backends.serialize import (MAX_DIMS, blob_size, check_blob_size, header_error, pack, payload_limit,
                                   unpack)
@@ -324,7 +324,7 @@ class PSCommunicator(Communicator):
         return (f"PSCommunicator({self.compressor!r}, {self.memory!r}, "
                 f"server_residual={self.server_residual})")
 
-    # -- cost model (mergecomp.costmodel.communicator_formula) ---------------------------
+    # -- cost model (mergecomp.planning.costmodel.communicator_formula) ---------------------------
     #: The collectives the formula below prices with; the profile measures them.
     cost_collectives = ("alltoall", "allgather")
     #: start() waits for the alltoall and serves a shard: its time in the live run holds a

@@ -1,8 +1,8 @@
 """The ``optimal`` scheduler: the exact best partition and send choice under the cost model.
 
-Given a :class:`~mergecomp.profile.Profile`, it chooses how to cut the backward-ordered
+Given a :class:`~mergecomp.planning.profile.Profile`, it chooses how to cut the backward-ordered
 gradients into contiguous groups *and* how each group travels — compressed, or raw in
-FP32 (FP16/BF16 with ``allow_half``) — so that :func:`mergecomp.costmodel.predict` is
+FP32 (FP16/BF16 with ``allow_half``) — so that :func:`mergecomp.planning.costmodel.predict` is
 minimal.  This joins MergeComp's merging (Wang et al., 2021) with selective compression
 as in HiPress's SeCoPa (Bai et al., SOSP 2021) and Espresso (Wang et al., EuroSys 2023):
 small groups, whose compression overhead outweighs the bytes it saves, and groups whose
@@ -11,12 +11,12 @@ worth compressing, the plan compresses nothing.
 
 **The dynamic program.**  Let prefix j be the first j tensors in backward order.  A plan
 for the prefix is a sequence of groups; launching them leaves the state
-``(A, F, Q, H)`` of :func:`mergecomp.costmodel.advance` (backward delay or worker-free
+``(A, F, Q, H)`` of :func:`mergecomp.planning.costmodel.advance` (backward delay or worker-free
 time, channel-free time, finish-loop time, Σ finish).  The next group ``[j, k)`` with send
 mode m maps the state through ``advance`` with costs that depend only on (j, k, m) and
 with ``since`` = the ready time of tensor j − 1 (its previous launch), and the iteration
 time is ``forward + max(backward end + H, Q) + optimizer step`` of the final state
-(:func:`mergecomp.costmodel.finish_time`; backward end = T_b + A + the interference
+(:func:`mergecomp.planning.costmodel.finish_time`; backward end = T_b + A + the interference
 stretch of backward's tail on compute, T_b off compute).
 
 *Why the DP is exact.*  ``advance`` is built from +, max, constants and the interference
@@ -70,10 +70,9 @@ import numpy as np
 
 from . import register
 from .base import Scheduler, split_by_type
-from ..costmodel import (_OFF_COMPUTE_INTERFERENCE, SendCost, START, advance, finish_time,
-                         group_cost, send_costs)
+from ..planning.costmodel import _OFF_COMPUTE_INTERFERENCE, SendCost, START, advance, finish_time, group_cost, send_costs
 from ..plan import Group, ParamInfo, Plan, SEND_MODES
-from ..profile import Profile, TensorTiming
+from ..planning.profile import Profile, TensorTiming
 
 
 def checked_chunk_mb(value, who: str = "chunk_mb") -> Optional[float]:
@@ -105,8 +104,8 @@ class OptimalScheduler(Scheduler):
         allow_half: also consider raw FP16 / BF16 sends (lossy casts; needs their codecs
             in the profile).
         allow_compress: consider the configured compressor (False: plan raw sends only).
-        compression_on_compute: where encoding runs; see :mod:`mergecomp.costmodel`.
-        costs: send costs to use instead of :func:`~mergecomp.costmodel.send_costs`
+        compression_on_compute: where encoding runs; see :mod:`mergecomp.planning.costmodel`.
+        costs: send costs to use instead of :func:`~mergecomp.planning.costmodel.send_costs`
             of the profile (the simulator passes network-model costs here).
         sends: the send modes to choose from, overriding ``allow_half``/``allow_compress``
             (e.g. ``("fp16",)`` for the best all-FP16 plan).
@@ -313,7 +312,7 @@ class OptimalScheduler(Scheduler):
         return (best_value, best_groups), exact
 
     def _final_times(self, states: np.ndarray) -> np.ndarray:
-        """:func:`mergecomp.costmodel.finish_time` of every row of complete-plan ``states``."""
+        """:func:`mergecomp.planning.costmodel.finish_time` of every row of complete-plan ``states``."""
         first, channel, finish_loop, finished = states.T
         backward = self.profile.backward_time
         if not self.compression_on_compute:
@@ -422,7 +421,7 @@ class OptimalScheduler(Scheduler):
 
 
 def _stretch_all(work, busy, interference: float):
-    """:func:`mergecomp.costmodel.stretch` elementwise (same operations, same order)."""
+    """:func:`mergecomp.planning.costmodel.stretch` elementwise (same operations, same order)."""
     if interference == 1.0:
         return np.zeros(np.broadcast(work, busy).shape)
     return np.minimum((interference - 1.0) * work, (1.0 - 1.0 / interference) * np.maximum(busy, 0.0))
@@ -431,7 +430,7 @@ def _stretch_all(work, busy, interference: float):
 def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communicate: np.ndarray,
                  finish: np.ndarray, on_compute: bool, interference: float = 1.0,
                  since=0.0, slowdown: float = 1.0, backward: float = 0.0) -> np.ndarray:
-    """:func:`mergecomp.costmodel.advance` on every row of ``states`` at once (row-wise costs
+    """:func:`mergecomp.planning.costmodel.advance` on every row of ``states`` at once (row-wise costs
     and row-wise ``since``, the ready time of each row's previous launch)."""
     first, channel, finish_loop, finished = states.T
     if on_compute:

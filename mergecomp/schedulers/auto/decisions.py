@@ -14,7 +14,7 @@ drifts within a minute, and a visit that fell in a slow minute would lose to its
 visited in a fast one.  Each visit's forward passes (which no collective of the step
 overlaps, whatever the plan) give the host's speed during that visit; against the median
 of all visits' forwards, the cost model says how much of the plan's step time moves with
-that speed (:func:`~mergecomp.profile.scaled_compute`: processor-side costs scale,
+that speed (:func:`~mergecomp.planning.profile.scaled_compute`: processor-side costs scale,
 collectives do not), and that is taken off the visit's steps.  A visit's forward far from
 the median is a pause in that one forward pass (a collection, a page fault), not the
 host's speed, and is clamped.
@@ -27,7 +27,7 @@ compression that does not clearly pay should not be bought with accuracy.
 **The refitted profile** (:func:`refit_profile`).  After the check, the profile is
 rescaled to the speed the processor ran at during the check (the median forward over
 ranks against the profiled one), and lines fitted to the launch and finish phases timed
-in the run replace the probes' (see :mod:`mergecomp.costmodel`).
+in the run replace the probes' (see :mod:`mergecomp.planning.costmodel`).
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ import dataclasses
 import statistics
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ...costmodel import predict
+from ...planning.costmodel import predict
 from ...plan import Plan
-from ...profile import LinearCost, Profile, fit_live_costs, scaled_compute
+from ...planning.profile import LinearCost, Profile, fit_live_costs, scaled_compute
 
 #: One visit of a candidate: its counted step seconds (each the slowest rank's) and the
 #: median forward seconds of those steps (None: no forward was timed).

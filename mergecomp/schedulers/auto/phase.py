@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from ...plan import Plan
-from ...profile import Profile
+from ...planning.profile import Profile
 from .settings import AutoSettings
 
 

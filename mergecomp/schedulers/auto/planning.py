@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence
 
-from ...costmodel import NoCostFormula, communicator_formula, predict
+from ...planning.costmodel import NoCostFormula, communicator_formula, predict
 from ...plan import ParamInfo, Plan
-from ...profile import Profile
+from ...planning.profile import Profile
 from ..bucket import BucketScheduler
 from ..fixed import FixedScheduler
 from ..optimal import OptimalScheduler
@@ -43,7 +43,7 @@ def check_priceable(context) -> None:
             f"the auto scheduler prices plans with the cost model, which finds a communicator's cost "
             f"formula by its registered name; {type(communicator).__qualname__} is not registered as "
             f"{communicator.name!r}. Register it with @mergecomp.communicators.register(name) and give "
-            "it a send_cost classmethod (see mergecomp.costmodel.communicator_formula), or use a "
+            "it a send_cost classmethod (see mergecomp.planning.costmodel.communicator_formula), or use a "
             "schedule that needs no cost model (a fusion-num, 'bucket' or 'binary').") from None
 
 

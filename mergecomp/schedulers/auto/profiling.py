@@ -8,12 +8,12 @@ everything before it counts as forward.  The wrapped optimizer's ``step()`` is t
 phase listener times groups' launch and finish (kept for the refit after the check).
 Codec, copy, collective and finish-phase probes (the last through the job's own
 communicator, up to the whole model's size) then complete a
-:class:`~mergecomp.profile.Profile` (saved with ``profile_out``).
+:class:`~mergecomp.planning.profile.Profile` (saved with ``profile_out``).
 
 **Interference** (``interference_steps`` steps).  Each step launches a dummy allreduce at
 its first gradient, sized from the measured allreduce cost to outlast backward; the
 backward span (first to last gradient) of those steps against the profiled steps' gives
-the profile's ``interference`` factor (:func:`~mergecomp.profile.interference_factor`):
+the profile's ``interference`` factor (:func:`~mergecomp.planning.profile.interference_factor`):
 how much a collective in flight slows backward on this machine, which the cost model
 cannot know from probes taken one at a time.  A thread waits on the dummy and notes when
 it completes; a step counts only if that was after its last gradient (the step's own
@@ -23,7 +23,7 @@ group, queued behind the dummy, cannot tell).  The factor is the mean over ranks
 gradient (sized to a fraction of a backward span), counted when it was done before the
 last gradient, and the same allreduce is then timed alone between steps (after a
 barrier): the ratio of the two is the profile's ``collective_slowdown``
-(:func:`~mergecomp.profile.collective_slowdown_factor`), how much backward slows a
+(:func:`~mergecomp.planning.profile.collective_slowdown_factor`), how much backward slows a
 collective.  Each rank's duration includes waiting for the ranks that launched later, so
 the shortest rank's median (the rank that waited least) is taken on both sides.
 
@@ -41,8 +41,7 @@ from typing import List, Optional
 
 import torch
 
-from ...profile import (LinearCost, Profile, TensorTiming, collective_slowdown_factor,
-                        interference_factor)
+from ...planning.profile import LinearCost, Profile, TensorTiming, collective_slowdown_factor, interference_factor
 from .instruments import DummyBesideBackward, PhaseSamples, ReadyTimes
 from .phase import Phase, Search
 from .planning import check_priceable, profiling_plan
@@ -88,7 +87,7 @@ class Profiling(Phase):
 def measure_profile(context, ready: ReadyTimes, optimizer_steps: List[float]) -> Profile:
     """Median ready times (first pass dropped as warm-up) → timeline → the probes → a full
     profile.  A collective: every rank calls it at the same step."""
-    from ...measure import profile_from_timeline
+    from ...planning.measure import profile_from_timeline
     by_name = dict(context.named_parameters())
     medians = ready.medians()
     order = sorted(medians, key=medians.get)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Optional
 
-from ...costmodel import phases_are_local
+from ...planning.costmodel import phases_are_local
 from ...plan import Plan
 from ...regroup import CannotRegroup
 from . import decisions

@@ -9,7 +9,7 @@ same steps, rank 0 deciding and broadcasting.  Each phase is an object in
    the whole model raw in one FP32 group while ready listeners timestamp every
    gradient, then probes, then ``interference_steps`` steps twice with a dummy allreduce
    beside backward (how much a collective slows backward, and backward a collective).
-   The result is a :class:`~mergecomp.profile.Profile` (saved with ``profile_out``).
+   The result is a :class:`~mergecomp.planning.profile.Profile` (saved with ``profile_out``).
 2. **check** (:mod:`~mergecomp.schedulers.auto.racing`): the DP's plans, MergeComp's fixed
    plans for each of ``fusion_candidates`` and DDP's buckets
    (:mod:`~mergecomp.schedulers.auto.planning`), each run for real for ``check_steps``
@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .. import register
 from ..base import AdaptiveScheduler, SchedulerContext
 from ...plan import Plan
-from ...profile import Profile
+from ...planning.profile import Profile
 from .phase import Findings, Phase, ReportRow, Search, Starting
 from .planning import profiling_plan
 from .settings import AutoSettings

@@ -19,8 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .spec import (SEQUENCE_UNIT, ModelSpec, check_positive_int, check_probability,
-                   language_model_loss, register, token_batch)
+from .spec import SEQUENCE_UNIT, ModelSpec, check_positive_int, check_probability, language_model_loss, register, token_batch
 
 PTB_VOCAB_SIZE = 10000
 PTB_SEQ_LEN = 35

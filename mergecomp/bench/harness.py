@@ -24,8 +24,9 @@ import torch
 
 import mergecomp
 
-from . import launch, models
-from .backends.base import Backend
+from .. import launch
+from . import models
+from ..backends.base import Backend
 
 
 def add_workload_arguments(p) -> None:

@@ -4,8 +4,8 @@ Nothing here downloads: each reader takes a local directory in the dataset's sta
 layout, checks it and says what is missing and where to get it.  torch and numpy only
 (no torchvision), so the examples run wherever mergecomp runs.
 
-* :mod:`mergecomp.data.cifar`: CIFAR-10 "python version" batches, augmentation and
+* :mod:`mergecomp.bench.data.cifar`: CIFAR-10 "python version" batches, augmentation and
   normalisation as tensor operations on whole batches.
-* :mod:`mergecomp.data.wikitext`: WikiText word-level token files, vocabulary, batched
+* :mod:`mergecomp.bench.data.wikitext`: WikiText word-level token files, vocabulary, batched
   streams and BPTT windows.
 """

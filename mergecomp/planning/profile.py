@@ -1,23 +1,23 @@
 """Profile: what the compression scheduler knows about one training job, as plain data.
 
-The cost model (:mod:`mergecomp.costmodel`) predicts the iteration time of a Plan from
+The cost model (:mod:`mergecomp.planning.costmodel`) predicts the iteration time of a Plan from
 four kinds of measurement, all plain data here so that a profile can be saved on one run
-and planned from on another (the probes that measure them are in :mod:`mergecomp.measure`):
+and planned from on another (the probes that measure them are in :mod:`mergecomp.planning.measure`):
 
 * the **backward timeline**: for each gradient, in backward order, when it became ready
   (seconds after backward started), plus the forward and backward totals — measured by
-  :class:`~mergecomp.measure.BackwardTimer`;
+  :class:`~mergecomp.planning.measure.BackwardTimer`;
 * the **codec costs**: compress and decompress time of each compressor as ``a + b·n`` for n
   elements, and the bytes it puts on the wire for n elements (``header + per_element·n``),
-  counted from real payloads — :func:`~mergecomp.measure.measure_compression_cost`;
+  counted from real payloads — :func:`~mergecomp.planning.measure.measure_compression_cost`;
 * the **collective costs** at this world size, ``α + β·bytes`` per collective kind
   (allreduce, allgather, alltoall), timed through the backend on all ranks —
-  :func:`~mergecomp.measure.measure_collective_cost`;
+  :func:`~mergecomp.planning.measure.measure_collective_cost`;
 * the **copy cost** per byte (gathering gradients into a fused buffer, writing them back) —
-  :func:`~mergecomp.measure.measure_copy_cost`;
+  :func:`~mergecomp.planning.measure.measure_copy_cost`;
 * the **memory cost** per element: the error-feedback memory's ``compensate`` and
   ``update``, which every group (raw groups share the compressed groups' memory) runs in
-  its hook before the collective — :func:`~mergecomp.measure.measure_memory_cost`.  DGC's
+  its hook before the collective — :func:`~mergecomp.planning.measure.measure_memory_cost`.  DGC's
   momentum correction makes several passes over the group, on a CPU comparable to the
   compression itself; zero (the default, and old profiles) for no memory;
 * the **interference** factor k ≥ 1: how many times longer backward takes while a
@@ -30,7 +30,7 @@ and planned from on another (the probes that measure them are in :mod:`mergecomp
   collective — decode, aggregate, average and the write-back into ``p.grad`` — run through
   the job's own communicator on payloads of the world size (allgather: N payloads decoded,
   summed) at sizes up to the model's largest group —
-  :func:`~mergecomp.measure.measure_finish_cost`.  On a CPU this phase allocates and
+  :func:`~mergecomp.planning.measure.measure_finish_cost`.  On a CPU this phase allocates and
   touches fresh buffers of the group's size for every payload, which probes of a few
   megabytes do not see; profiles without it (the default, empty) fall back to the codec's
   decode cost plus copy passes;
@@ -62,7 +62,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .plan import ParamInfo
+from ..plan import ParamInfo
 
 FORMAT = "mergecomp-profile/1"
 COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
@@ -252,7 +252,7 @@ class Profile:
     copy: LinearCost = field(default_factory=LinearCost)
     device: str = "cpu"
     #: Backward runs this many times slower while a collective is in flight (≥ 1; 1.0: no
-    #: interference).  See :func:`interference_factor` and :mod:`mergecomp.costmodel`.
+    #: interference).  See :func:`interference_factor` and :mod:`mergecomp.planning.costmodel`.
     interference: float = 1.0
     #: Seconds of the error-feedback memory's compensate + update for n elements, per group.
     memory: LinearCost = field(default_factory=LinearCost)
@@ -423,7 +423,7 @@ def interference_factor(alone: Sequence[float], overlapped: Sequence[float]) -> 
     passes during which a collective was in flight from start to end.  The factor is the
     ratio of the medians (medians: a pass hit by an unrelated stall must not decide it),
     at least 1.0 — noise can make the overlapped passes faster, but a collective does not
-    speed compute up, and the cost model needs k ≥ 1 (see :mod:`mergecomp.costmodel`).
+    speed compute up, and the cost model needs k ≥ 1 (see :mod:`mergecomp.planning.costmodel`).
     """
     alone, overlapped = [float(x) for x in alone], [float(x) for x in overlapped]
     if not alone or not overlapped:

@@ -1,7 +1,7 @@
 """What a communicator's cost formula returns: the price of one way of sending a group.
 
 Communicators own their cost formula (a ``send_cost(codec, profile)`` classmethod beside
-their code), and the cost model (:mod:`mergecomp.costmodel`) looks communicators up by
+their code), and the cost model (:mod:`mergecomp.planning.costmodel`) looks communicators up by
 name to call it.  What both sides need — the :class:`SendCost` a formula builds and
 :func:`collective_cost`, which reads a measured collective from the profile — lives here,
 so that communicators import this module and the cost model, and neither imports the
@@ -48,5 +48,5 @@ def collective_cost(profile: Profile, kind: str, why: str) -> LinearCost:
     if kind not in profile.collectives:
         raise ValueError(f"the profile has no {kind!r} cost ({why}); it measured "
                          f"{sorted(profile.collectives) or 'none'}. Re-profile with "
-                         f"mergecomp.measure.measure_collective_cost(backend, {kind!r}, sizes)")
+                         f"mergecomp.planning.measure.measure_collective_cost(backend, {kind!r}, sizes)")
     return profile.collectives[kind]

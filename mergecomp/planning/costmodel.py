@@ -1,7 +1,7 @@
 """Predict the iteration time of a Plan from a Profile.
 
 The model follows what :class:`~mergecomp.optimizer.DistributedOptimizer` does, step by
-step, with the linear costs of :mod:`mergecomp.profile`:
+step, with the linear costs of :mod:`mergecomp.planning.profile`:
 
 1. **Launch.**  A group launches from the hook of the gradient that completes it, in plan
    order (a complete group waits for the groups before it).  Launching copies the group's
@@ -83,8 +83,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from . import communicators
-from .plan import Plan
+from .. import communicators
+from ..plan import Plan
 from .profile import LinearCost, Profile, WireSize
 from .sendcost import SendCost, collective_cost
 
@@ -173,7 +173,7 @@ def communicator_formula(name: str) -> type:
 
     A communicator owns its cost formula, beside its code: a classmethod
     ``send_cost(codec, profile) -> SendCost`` (``codec``: the compressor's
-    :class:`~mergecomp.profile.CodecCost`; the profile gives the world size and the
+    :class:`~mergecomp.planning.profile.CodecCost`; the profile gives the world size and the
     collectives' measured costs, read with :func:`collective_cost`), the tuple
     ``cost_collectives`` of the collective kinds the formula needs measured (the probes
     measure them), and ``phases_are_local`` (see :func:`phases_are_local`).  ``ValueError``
@@ -185,7 +185,7 @@ def communicator_formula(name: str) -> type:
         raise NoCostFormula(
             f"communicator {name!r} ({cls.__module__}.{cls.__qualname__}) declares no cost formula, so "
             "the cost model cannot price its compressed groups. Give the class a classmethod "
-            "send_cost(cls, codec, profile) returning a mergecomp.sendcost.SendCost, and "
+            "send_cost(cls, codec, profile) returning a mergecomp.planning.sendcost.SendCost, and "
             "cost_collectives naming the collectives it uses (see AllgatherCommunicator in "
             "mergecomp/communicators/allgather.py); or use a schedule that needs no cost model "
             "(a fusion-num, 'bucket' or 'binary').")

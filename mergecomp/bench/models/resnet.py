@@ -17,8 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .spec import (IMAGE_UNIT, ModelSpec, check_positive_int, classification_loss,
-                   image_batch, register)
+from .spec import IMAGE_UNIT, ModelSpec, check_positive_int, classification_loss, image_batch, register
 
 
 class PaddingShortcut(nn.Module):

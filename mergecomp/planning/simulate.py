@@ -1,11 +1,11 @@
 """Predict iteration time and scaling of FP32, FP16 and the optimal plan on an assumed network.
 
-    python -m mergecomp.simulate --model vgg16 --compute-time 0.1 --compressor topk \\
+    python -m mergecomp.planning.simulate --model vgg16 --compute-time 0.1 --compressor topk \\
         --compressor-arg compress_ratio=0.01 --topology allgather --bandwidth 10 --latency 50
-    python -m mergecomp.simulate --profile job.json --topology ring --json
+    python -m mergecomp.planning.simulate --profile job.json --topology ring --json
 
-The computation side comes from a saved :class:`~mergecomp.profile.Profile` (its backward
-timeline, codec and copy costs), or from a model of :mod:`mergecomp.models` with an
+The computation side comes from a saved :class:`~mergecomp.planning.profile.Profile` (its backward
+timeline, codec and copy costs), or from a model of :mod:`mergecomp.bench.models` with an
 assumed compute time: forward takes ``--forward-fraction`` of it (1/3 by default, since
 backward costs about twice forward) and the gradients become ready evenly spaced over
 backward, in reverse definition order — an assumption; profile the model for a real
@@ -87,8 +87,8 @@ def measured_link_efficiency(profile: Profile, bandwidth: float) -> float:
 
 
 def model_profile(model_name: str, compute_time: float, forward_fraction: float = 1 / 3) -> Profile:
-    """A profile skeleton (timeline only) for a model of :mod:`mergecomp.models`."""
-    from . import models
+    """A profile skeleton (timeline only) for a model of :mod:`mergecomp.bench.models`."""
+    from ..bench import models
     if not compute_time > 0:
         raise ValueError(f"--compute-time must be > 0 seconds (forward + backward of one "
                          f"iteration), got {compute_time!r}")
@@ -105,7 +105,7 @@ def model_profile(model_name: str, compute_time: float, forward_fraction: float 
 
 def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
     """``profile`` with the compressor's, FP16's and the copy costs, measured where missing."""
-    from . import compressors
+    from .. import compressors
     codecs = dict(profile.codecs)
     for name, make in ((compressor_name, lambda: compressor), ("fp16", lambda: compressors.create("fp16"))):
         if name not in codecs and name not in ("none", "fp32"):
@@ -124,7 +124,7 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
     of the bandwidth the collectives reach; ``chunk_mb`` lets the optimal plan send large
     tensors in pieces (:class:`~mergecomp.schedulers.optimal.OptimalScheduler`).
     """
-    from .schedulers.optimal import OptimalScheduler
+    from ..schedulers.optimal import OptimalScheduler
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose one of {sorted(TOPOLOGIES)}")
     if topology == "ring" and not summable:
@@ -177,10 +177,10 @@ def format_table(rows: List[dict]) -> str:
 
 
 def _parse_args(argv: Optional[Sequence[str]]):
-    parser = argparse.ArgumentParser(prog="python -m mergecomp.simulate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mergecomp.planning.simulate", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", help="a profile saved by the benchmark (--profile-out)")
-    source.add_argument("--model", help="a model of mergecomp.models (with --compute-time)")
+    source.add_argument("--model", help="a model of mergecomp.bench.models (with --compute-time)")
     parser.add_argument("--compute-time", type=float, help="seconds of forward + backward per iteration (with --model)")
     parser.add_argument("--forward-fraction", type=float, default=1 / 3)
     parser.add_argument("--compressor", default=None, help="compressor name (default: the profile's, or topk)")
@@ -218,7 +218,7 @@ def _compressor_kwargs(pairs: Sequence[str]) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from . import compressors
+    from .. import compressors
     args = _parse_args(argv)
     try:
         workers = [int(w) for w in args.workers.split(",") if w.strip()]

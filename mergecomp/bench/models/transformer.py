@@ -14,8 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .spec import (SEQUENCE_UNIT, ModelSpec, check_positive_int, check_probability,
-                   language_model_loss, register, token_batch)
+from .spec import SEQUENCE_UNIT, ModelSpec, check_positive_int, check_probability, language_model_loss, register, token_batch
 
 DEFAULT_VOCAB_SIZE = 10000
 DEFAULT_SEQ_LEN = 64

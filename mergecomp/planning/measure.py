@@ -1,6 +1,6 @@
-"""Measure a :class:`~mergecomp.profile.Profile` on the machine the job runs on.
+"""Measure a :class:`~mergecomp.planning.profile.Profile` on the machine the job runs on.
 
-:mod:`mergecomp.profile` holds the data (what the cost model knows about one job, plain
+:mod:`mergecomp.planning.profile` holds the data (what the cost model knows about one job, plain
 JSON); this module takes the measurements — timers and probes — that fill it in:
 
 * :class:`BackwardTimer` — when each gradient becomes ready during backward, with its own
@@ -15,7 +15,7 @@ JSON); this module takes the measurements — timers and probes — that fill it
 * :func:`measure_collective_cost` — ``α + β·bytes`` of each collective at this world size,
   timed on every rank (a collective call: every rank must make it, in the same order);
 * :func:`profile_from_timeline` / :func:`assemble_profile` — all of the above around a
-  measured timeline, as one :class:`~mergecomp.profile.Profile`.
+  measured timeline, as one :class:`~mergecomp.planning.profile.Profile`.
 
 Local probes take the fastest of a few repeats (noise on a shared machine only adds
 time); collective probes take the slowest rank's median (a collective ends when its last
@@ -182,7 +182,7 @@ def _encode_once(compressor, tensor: torch.Tensor):
     A multi-round compressor (PowerSGD) is driven through its rounds on this rank alone,
     each request summed over one rank (itself); its wire bytes are those of every round.
     """
-    from .compressors.base import payload_nbytes
+    from ..compressors.base import payload_nbytes
     if compressor.multi_round:
         rounds = compressor.rounds(tensor, "profile")
         wire = 0
@@ -301,8 +301,8 @@ def measure_finish_cost(communicator, sizes: Sequence[int], device="cpu", repeat
     Local work only (no collective).  Communicators whose finish phase runs collectives
     (``ps``'s second phase, multi-round compressors) cannot be probed this way.
     """
-    from .backends.base import Completed
-    from .communicators.base import Handle
+    from ..backends.base import Completed
+    from ..communicators.base import Handle
     sizes = _check_sizes(sizes, "measure_finish_cost sizes")
     kind = getattr(communicator, "name", None)
     if kind not in ("allreduce", "allgather"):
@@ -432,7 +432,7 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
     ``finish_sizes``, by default ``compression_sizes``).  ``optimizer_step``: the wrapped
     optimizer's measured step seconds, stored as they are.
     """
-    from . import compressors
+    from .. import compressors
     device = torch.device(device)
     codecs = {compressor_name: measure_compression_cost(compressor, compression_sizes, device)}
     for half in ("fp16", "bf16"):
@@ -459,7 +459,7 @@ def measure_finish_costs(communicator, compressor_name: str, sizes: Sequence[int
     """:func:`measure_finish_cost` of every send mode the cost model prices: raw FP32,
     FP16 and BF16 groups (an allreduce communicator with the cast, as the optimizer builds
     for raw groups) and, when ``communicator`` can be probed locally, compressed groups."""
-    from . import communicators, compressors, memories
+    from .. import communicators, compressors, memories
     costs = {}
     for send in ("fp32", "fp16", "bf16"):
         raw = communicators.create("allreduce", compressor=compressors.create("none" if send == "fp32" else send),
