@@ -30,7 +30,7 @@ import torch
 
 from mergecomp import benchmarking, compressors
 from mergecomp.compressors.kernels import native
-from mergecomp.compressors.loopback import run_locally
+from mergecomp.compressors.single_process import run_locally
 
 
 def parse_size(text: str) -> int:

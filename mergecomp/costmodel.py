@@ -83,40 +83,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from . import communicators
 from .plan import Plan
 from .profile import LinearCost, Profile, WireSize
+from .sendcost import SendCost, collective_cost
 
 #: Elementwise passes over a group after decoding: the division by the world size, and the
 #: copy of each slice into ``p.grad``.
 WRITE_BACK_PASSES = 2
 
 RAW_SENDS = ("fp32", "fp16", "bf16")
-
-
-@dataclass(frozen=True)
-class SendCost:
-    """How one way of sending a group costs, as functions of its elements n.
-
-    ``encode``: compression (or cast) seconds, not counting the gather copy.
-    ``wire``: bytes one rank hands to the collective.  ``collective``: seconds for those
-    bytes.  ``relay``: seconds of work between the collective's phases (PS servers),
-    occupying the channel.  ``decode``: all the decoding one rank does for the group.
-    ``aggregate_passes``: elementwise passes of the aggregation after decoding (allgather:
-    the copy of the first decoded payload and N − 1 additions, N in all).
-    ``finish``: the measured seconds of the whole finish phase (decode, aggregate, average,
-    write-back) for n elements; when set it replaces ``decode`` and the copy passes.
-    ``launch``: the measured seconds of the whole hook-side launch (gather copy, memory,
-    codec, collective start) for n elements; when set it replaces copy + memory + encode.
-    """
-
-    encode: LinearCost
-    wire: WireSize
-    collective: LinearCost
-    decode: LinearCost = field(default_factory=LinearCost)
-    relay: LinearCost = field(default_factory=LinearCost)
-    aggregate_passes: int = 0
-    finish: Optional[LinearCost] = None
-    launch: Optional[LinearCost] = None
 
 
 @dataclass(frozen=True)
@@ -187,16 +163,6 @@ def _formula_costs(profile: Profile) -> Dict[str, SendCost]:
     return costs
 
 
-def collective_cost(profile: Profile, kind: str, why: str) -> LinearCost:
-    """The profile's measured cost of collective ``kind``; a clear error if it has none
-    (``why``: what needs it, for the message)."""
-    if kind not in profile.collectives:
-        raise ValueError(f"the profile has no {kind!r} cost ({why}); it measured "
-                         f"{sorted(profile.collectives) or 'none'}. Re-profile with "
-                         f"mergecomp.probes.measure_collective_cost(backend, {kind!r}, sizes)")
-    return profile.collectives[kind]
-
-
 # --------------------------------------------------------------------- communicators' formulas
 class NoCostFormula(ValueError):
     """A communicator declares no cost formula: the cost model cannot price its groups."""
@@ -214,13 +180,12 @@ def communicator_formula(name: str) -> type:
     for a name that is not registered; :class:`NoCostFormula` for a class without
     ``send_cost``.
     """
-    from . import communicators
     cls = communicators.get(name)
     if not callable(getattr(cls, "send_cost", None)):
         raise NoCostFormula(
             f"communicator {name!r} ({cls.__module__}.{cls.__qualname__}) declares no cost formula, so "
             "the cost model cannot price its compressed groups. Give the class a classmethod "
-            "send_cost(cls, codec, profile) returning a mergecomp.costmodel.SendCost, and "
+            "send_cost(cls, codec, profile) returning a mergecomp.sendcost.SendCost, and "
             "cost_collectives naming the collectives it uses (see AllgatherCommunicator in "
             "mergecomp/communicators/allgather.py); or use a schedule that needs no cost model "
             "(a fusion-num, 'bucket' or 'binary').")
@@ -230,7 +195,6 @@ def communicator_formula(name: str) -> type:
 def priced_collectives(name: str) -> Tuple[str, ...]:
     """The collective kinds communicator ``name``'s formula needs measured (allreduce,
     which raw groups use, always is); none for an unknown name or one without a formula."""
-    from . import communicators
     try:
         cls = communicators.get(name)
     except ValueError:
@@ -244,7 +208,6 @@ def phases_are_local(name: str) -> bool:
     on no collective: then lines fitted to those times in the live run may price its
     compressed groups.  False for PS (``start`` waits for an alltoall), for an unknown name
     and for a communicator that does not say."""
-    from . import communicators
     try:
         return bool(getattr(communicators.get(name), "phases_are_local", False))
     except ValueError:

@@ -31,7 +31,7 @@ from .memories.base import Memory
 from .plan import ParamInfo, Plan
 from .reducer import GroupState, Reducer, broadcast_tensors, config_digest
 from .runtime.step import check_nonfinite_policy
-from .schedulers.base import Scheduler
+from .schedulers.base import Scheduler, SchedulerContext
 from .schedulers.fixed import FixedScheduler
 
 #: How the groups are formed when the caller does not say: four groups balanced by bytes
@@ -137,6 +137,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                backward_passes_per_step=backward_passes_per_step,
                                find_unused_parameters=bool(find_unused_parameters),
                                nonfinite=nonfinite, config=config)
+        # What an adaptive scheduler sees of this job, in place of the optimizer itself.
+        self._scheduler_context = SchedulerContext(self.reducer, self.optimizer, self.backend, self.compressor,
+                                                   self.communicator.memory, self.communicator)
         self._last_step_end: Optional[float] = None
 
     # ------------------------------------------------------------------ construction --
@@ -290,7 +293,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         now = time.perf_counter()
         seconds = None if self._last_step_end is None else now - self._last_step_end
-        self.scheduler.after_step(self, seconds)
+        self.scheduler.after_step(self._scheduler_context, seconds)
         self._last_step_end = time.perf_counter()
 
     def restart_step_clock(self) -> None:

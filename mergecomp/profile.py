@@ -2,22 +2,22 @@
 
 The cost model (:mod:`mergecomp.costmodel`) predicts the iteration time of a Plan from
 four kinds of measurement, all plain data here so that a profile can be saved on one run
-and planned from on another (the probes that measure them are in :mod:`mergecomp.probes`):
+and planned from on another (the probes that measure them are in :mod:`mergecomp.measure`):
 
 * the **backward timeline**: for each gradient, in backward order, when it became ready
   (seconds after backward started), plus the forward and backward totals — measured by
-  :class:`~mergecomp.probes.BackwardTimer`;
+  :class:`~mergecomp.measure.BackwardTimer`;
 * the **codec costs**: compress and decompress time of each compressor as ``a + b·n`` for n
   elements, and the bytes it puts on the wire for n elements (``header + per_element·n``),
-  counted from real payloads — :func:`~mergecomp.probes.measure_compression_cost`;
+  counted from real payloads — :func:`~mergecomp.measure.measure_compression_cost`;
 * the **collective costs** at this world size, ``α + β·bytes`` per collective kind
   (allreduce, allgather, alltoall), timed through the backend on all ranks —
-  :func:`~mergecomp.probes.measure_collective_cost`;
+  :func:`~mergecomp.measure.measure_collective_cost`;
 * the **copy cost** per byte (gathering gradients into a fused buffer, writing them back) —
-  :func:`~mergecomp.probes.measure_copy_cost`;
+  :func:`~mergecomp.measure.measure_copy_cost`;
 * the **memory cost** per element: the error-feedback memory's ``compensate`` and
   ``update``, which every group (raw groups share the compressed groups' memory) runs in
-  its hook before the collective — :func:`~mergecomp.probes.measure_memory_cost`.  DGC's
+  its hook before the collective — :func:`~mergecomp.measure.measure_memory_cost`.  DGC's
   momentum correction makes several passes over the group, on a CPU comparable to the
   compression itself; zero (the default, and old profiles) for no memory;
 * the **interference** factor k ≥ 1: how many times longer backward takes while a
@@ -30,7 +30,7 @@ and planned from on another (the probes that measure them are in :mod:`mergecomp
   collective — decode, aggregate, average and the write-back into ``p.grad`` — run through
   the job's own communicator on payloads of the world size (allgather: N payloads decoded,
   summed) at sizes up to the model's largest group —
-  :func:`~mergecomp.probes.measure_finish_cost`.  On a CPU this phase allocates and
+  :func:`~mergecomp.measure.measure_finish_cost`.  On a CPU this phase allocates and
   touches fresh buffers of the group's size for every payload, which probes of a few
   megabytes do not see; profiles without it (the default, empty) fall back to the codec's
   decode cost plus copy passes;

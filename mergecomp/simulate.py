@@ -43,7 +43,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from .costmodel import send_costs
-from .probes import measure_compression_cost, measure_copy_cost
+from .measure import measure_compression_cost, measure_copy_cost
 from .profile import LinearCost, Profile, TensorTiming, scaled_compute
 
 TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps"}

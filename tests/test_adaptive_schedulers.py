@@ -1,4 +1,8 @@
 """The auto and binary schedulers driving a real 2-rank run: they settle on the same plan."""
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn as nn
@@ -6,6 +10,7 @@ import torch.nn as nn
 import mergecomp
 from mergecomp.plan import Group, ParamInfo, Plan
 from mergecomp.regroup import CannotRegroup
+from mergecomp.schedulers.fixed import FixedScheduler
 from tests.distributed import run_ranks
 
 
@@ -190,7 +195,7 @@ def test_auto_scheduler_refuses_bad_check_settings():
 
 
 class _OneRank:
-    """Just enough of a DistributedOptimizer for the watch phase of a single rank."""
+    """Just enough of a SchedulerContext for the watch phase of a single rank."""
 
     class backend:
         rank = 0
@@ -230,7 +235,7 @@ def test_auto_watch_ignores_untimed_steps_and_a_single_pause():
 
 
 class _CannotSwitch(_OneRank):
-    """A one-rank optimizer whose state cannot follow a new plan."""
+    """A one-rank context whose job's state cannot follow a new plan."""
 
     class compressor:
         name = "none"
@@ -266,7 +271,7 @@ def restart_worker(rank, world_size):
             super().__init__(1)
             self.seen = []
 
-        def after_step(self, optimizer, seconds):
+        def after_step(self, context, seconds):
             self.seen.append(seconds)
 
     model = nn.Linear(3, 1)
@@ -285,3 +290,113 @@ def restart_worker(rank, world_size):
 def test_restart_step_clock_hands_the_scheduler_an_untimed_step():
     for seen in run_ranks(restart_worker, 2):
         assert seen[0] is None and seen[1] > 0 and seen[2] is None and seen[3] > 0
+
+
+# ------------------------------------------------------------------ the scheduler's surface
+SURFACE = {"param_infos", "named_parameters", "plan", "set_plan", "add_ready_listener", "add_phase_listener",
+           "add_step_listener", "time_optimizer_steps", "backend", "compressor", "memory", "communicator"}
+
+
+class EveryOtherStep(mergecomp.schedulers.AdaptiveScheduler):
+    """A plugin adaptive scheduler written against the documented surface only: it
+    alternates one group and layer-wise groups, timing the wrapped optimizer's steps."""
+
+    def __init__(self):
+        self.contexts, self.optimizer_steps, self.switches, self.timer = [], [], 0, None
+
+    def plan(self, params):
+        return FixedScheduler(1).plan(params)
+
+    def after_step(self, context, seconds):
+        self.contexts.append(context)
+        if self.timer is None:
+            self.timer = context.time_optimizer_steps()
+            return
+        fusion = 0 if len(context.plan) == 1 else 1
+        agreed = context.backend.allgather_object(context.plan.digest())
+        assert len(set(agreed)) == 1
+        context.set_plan(FixedScheduler(fusion).plan(
+            context.param_infos(context.plan.order())))
+        self.switches += 1
+
+    @property
+    def settled(self):
+        return self.switches >= 3
+
+
+def plugin_scheduler_worker(rank, world_size):
+    mergecomp.schedulers.register("every-other-step")(EveryOtherStep)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                         schedule="every-other-step")
+    scheduler, plans = opt.scheduler, []
+    while not scheduler.settled:
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        plans.append(len(opt.plan))
+    scheduler.timer.detach()
+    context = scheduler.contexts[0]
+    public = {name for name in dir(context) if not name.startswith("_")}
+    read_only = []
+    for fact in ("backend", "compressor", "memory", "communicator"):
+        try:
+            setattr(context, fact, None)
+        except AttributeError:
+            read_only.append(fact)
+    return (all(c is context for c in scheduler.contexts), isinstance(context, mergecomp.schedulers.SchedulerContext),
+            public, read_only, hasattr(context, "optimizer"), plans, len(scheduler.timer.seconds),
+            context.compressor is opt.compressor and context.communicator is opt.communicator)
+
+
+def test_a_plugin_adaptive_scheduler_sees_the_declared_surface_and_nothing_else():
+    for same, declared, public, read_only, optimizer, plans, timed, facts in run_ranks(plugin_scheduler_worker, 2):
+        assert same and declared and public == SURFACE and not optimizer and facts
+        assert read_only == ["backend", "compressor", "memory", "communicator"]
+        # The plan after each step: it switched between steps; the three steps after the first timed.
+        assert plans == [1, 4, 1, 4] and timed == 3
+
+
+def test_an_entry_point_scheduler_gets_the_context(tmp_path):
+    """The ``mergecomp.schedulers`` entry-point group: a third-party adaptive scheduler is
+    found by name and driven with the SchedulerContext, as the registered ones are."""
+    package = tmp_path / "mc_sched_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(textwrap.dedent('''
+        from mergecomp.schedulers import AdaptiveScheduler
+        from mergecomp.schedulers.fixed import FixedScheduler
+
+        class OneGroupThenLayerwise(AdaptiveScheduler):
+            seen = []
+            def plan(self, params):
+                return FixedScheduler(1).plan(params)
+            def after_step(self, context, seconds):
+                self.seen.append(type(context).__name__)
+                context.set_plan(FixedScheduler(0).plan(context.param_infos()))
+            @property
+            def settled(self):
+                return bool(self.seen)
+    '''))
+    dist_info = tmp_path / "mc_sched_pkg-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: mc-sched-pkg\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(
+        "[mergecomp.schedulers]\nonce-then-layerwise = mc_sched_pkg:OneGroupThenLayerwise\n")
+    script = textwrap.dedent(f'''
+        import torch, mergecomp
+        torch.distributed.init_process_group("gloo", init_method="file://{tmp_path / 'rendezvous'}",
+                                             rank=0, world_size=1)
+        model = torch.nn.Linear(3, 2)
+        opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             model.named_parameters(), schedule="once-then-layerwise")
+        for _ in range(2):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        print(opt.scheduler.seen, len(opt.plan))
+    ''')
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(tmp_path), "PATH": ""}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['SchedulerContext', 'SchedulerContext'] 2"

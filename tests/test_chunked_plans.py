@@ -138,7 +138,7 @@ def test_auto_offers_the_dp_plans_with_pieces():
     from mergecomp.schedulers.auto.phase import Findings
     from mergecomp.schedulers.auto.planning import plan_candidates
     from mergecomp.schedulers.auto.settings import AutoSettings
-    from mergecomp.schedulers.online import describe_findings
+    from mergecomp.schedulers.auto import describe_findings
     found = plan_candidates(chunk_profile(), AutoSettings(chunk_mb=8000 / 2 ** 20), print)
     candidates = {label: plan for label, plan, _ in found}
     assert any(g.slices is not None for g in candidates["optimal"].groups)

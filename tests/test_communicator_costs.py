@@ -90,3 +90,22 @@ def test_a_plugin_communicator_is_priced_by_its_own_formula_or_refused():
 def test_auto_refuses_a_communicator_without_a_cost_formula_on_every_rank():
     for message in run_ranks(plugin_worker, 2, "auto"):
         assert message is not None and "communicator 'unpriced'" in message and "send_cost" in message
+
+
+def test_communicators_and_the_cost_model_share_a_leaf_not_each_other():
+    """Communicators build their SendCost from mergecomp.sendcost; the cost model looks
+    communicators up.  Neither half is imported back: each imports alone, in either order."""
+    import ast
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(mergecomp.__file__).parent
+    for path in [root / "sendcost.py", *sorted((root / "communicators").glob("*.py"))]:
+        imported = {node.module or "" for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ImportFrom)}
+        assert not any(m.endswith("costmodel") for m in imported), f"{path.name} imports the cost model"
+        if path.name == "sendcost.py":
+            assert not any("communicators" in m for m in imported), "sendcost imports the communicators"
+    for first in ("mergecomp.communicators", "mergecomp.costmodel", "mergecomp.sendcost"):
+        subprocess.run([sys.executable, "-c", f"import {first}; import mergecomp.costmodel"], check=True)

@@ -5,7 +5,7 @@ import torch
 
 from mergecomp import communicators, compressors, memories
 from mergecomp.compressors.base import ParamView
-from mergecomp.compressors.loopback import run_locally
+from mergecomp.compressors.single_process import run_locally
 from mergecomp.compressors.sign import SignContext
 from tests.distributed import run_ranks
 

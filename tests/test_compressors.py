@@ -6,7 +6,7 @@ import torch
 
 from mergecomp import compressors
 from mergecomp.compressors.atomo import atomo_probabilities
-from mergecomp.compressors.loopback import run_locally
+from mergecomp.compressors.single_process import run_locally
 
 NAMES = compressors.available()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

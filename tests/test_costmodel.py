@@ -5,7 +5,7 @@ import torch
 from mergecomp import compressors
 from mergecomp.costmodel import predict, send_costs
 from mergecomp.plan import Group, Plan
-from mergecomp.probes import BackwardTimer, measure_collective_cost, measure_compression_cost, measure_copy_cost
+from mergecomp.measure import BackwardTimer, measure_collective_cost, measure_compression_cost, measure_copy_cost
 from mergecomp.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize, fit_linear
 from tests.distributed import run_ranks
 

@@ -6,7 +6,7 @@ import pytest
 
 from mergecomp import communicators, compressors, memories
 from mergecomp.costmodel import predict, send_costs
-from mergecomp.probes import measure_finish_cost, measure_finish_costs
+from mergecomp.measure import measure_finish_cost, measure_finish_costs
 from mergecomp.profile import CodecCost, LinearCost, Profile, WireSize, fit_linear
 from mergecomp.schedulers.optimal import OptimalScheduler
 from mergecomp.simulate import simulate

@@ -11,7 +11,7 @@ import pytest
 from mergecomp import compressors, memories
 from mergecomp.costmodel import GroupCost, advance, finish_time, predict, stretch
 from mergecomp.plan import Group, Plan
-from mergecomp.probes import measure_memory_cost
+from mergecomp.measure import measure_memory_cost
 from mergecomp.profile import LinearCost, Profile, interference_factor
 from mergecomp.schedulers.optimal import OptimalScheduler
 from mergecomp.simulate import measured_link_efficiency, network_collectives

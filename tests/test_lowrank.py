@@ -7,7 +7,7 @@ import torch
 
 from mergecomp import compressors
 from mergecomp.compressors.base import AllReduce, ParamView, payload_nbytes, whole_layout
-from mergecomp.compressors.loopback import run_locally, run_workers
+from mergecomp.compressors.single_process import run_locally, run_workers
 from tests.distributed import run_ranks
 
 #: A conv weight, its bias, a linear weight and a piece of a sliced parameter.

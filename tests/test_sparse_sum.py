@@ -9,7 +9,7 @@ from mergecomp import compressors
 from mergecomp.compressors.sparsifier import scatter_values
 from mergecomp.compressors.topk import TopKCompressor
 from mergecomp.costmodel import send_costs
-from mergecomp.probes import measure_compression_cost
+from mergecomp.measure import measure_compression_cost
 from mergecomp.profile import CodecCost, LinearCost
 from tests.test_costmodel import hand_profile
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from . import register
 from ..backends.serialize import payload_limit
 from ..compressors.base import accepts_keyword
+from ..sendcost import SendCost, collective_cost
 from .base import Communicator
 
 
@@ -56,7 +57,6 @@ class AllgatherCommunicator(Communicator):
         """A compressed group: one allgather of the payload, then N payloads decoded and
         aggregated (a copy of the first and N − 1 additions: N passes); a compressor that
         sums in place (``add`` in its codec cost) pays one decode and N − 1 adds instead."""
-        from ..costmodel import SendCost, collective_cost
         gather = collective_cost(profile, "allgather", "the allgather communicator")
         world = profile.world_size
         if codec.add is None:

@@ -6,6 +6,7 @@ compressors whose payloads add up: FP32/FP16/BF16, shared-index rand-k, PowerSGD
 from __future__ import annotations
 
 from . import register
+from ..sendcost import SendCost, collective_cost
 from .base import Communicator
 
 
@@ -38,6 +39,5 @@ class AllreduceCommunicator(Communicator):
     @classmethod
     def send_cost(cls, codec, profile):
         """A compressed group: one allreduce of the payload, then one decode of the sum."""
-        from ..costmodel import SendCost, collective_cost
         allreduce = collective_cost(profile, "allreduce", "the allreduce communicator")
         return SendCost(codec.encode, codec.wire, allreduce, codec.decode)

@@ -51,6 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import register
+from ..sendcost import SendCost, collective_cost
 from .base import Communicator, Handle
 from ..backends.serialize import (MAX_DIMS, blob_size, check_blob_size, header_error, pack, payload_limit,
                                   unpack)
@@ -337,7 +338,6 @@ class PSCommunicator(Communicator):
         encodes one (relay work on the channel, between the two collectives); a worker
         decodes N shards.  A dense decode-then-aggregate's summation passes are not
         modelled."""
-        from ..costmodel import SendCost, collective_cost
         alltoall = collective_cost(profile, "alltoall", "the PS communicator's first phase")
         allgather = collective_cost(profile, "allgather", "the PS communicator's second phase")
         world = profile.world_size

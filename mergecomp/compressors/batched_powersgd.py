@@ -45,7 +45,7 @@ class BatchedPowerSGDCompressor(Compressor):
     Math and wire are fp32 whatever the input dtype (fp64 stays fp64).
     Wire for n elements, r × c as above: 4·rank·(r + c) bytes, in two allreduces (P, then
     Q).  It has no one-shot form: :meth:`compress` and :meth:`decompress` raise, and
-    ``mergecomp.compressors.loopback.run_locally`` drives :meth:`rounds` on one process.
+    ``mergecomp.compressors.single_process.run_locally`` drives :meth:`rounds` on one process.
     """
 
     summable = True
@@ -107,7 +107,7 @@ class BatchedPowerSGDCompressor(Compressor):
     def compress(self, tensor, name, layout=None):
         raise TypeError("PowerSGD exchanges in two allreduce rounds and has no one-shot payload: "
                         "use it through a communicator (which drives rounds()), or "
-                        "mergecomp.compressors.loopback.run_locally on a single process")
+                        "mergecomp.compressors.single_process.run_locally on a single process")
 
     def decompress(self, payload, ctx):
         self.compress(None, None)

@@ -63,7 +63,7 @@ class PowerSGDCompressor(Compressor):
     (raw elements)·(element size) + 4·k·(r + c) per factored r × c matrix
     (8·k·(r + c) for fp64); :meth:`wire_nbytes` computes it from a layout.  PowerSGD has no
     one-shot form: :meth:`compress` and :meth:`decompress` raise, and
-    ``mergecomp.compressors.loopback.run_locally`` drives :meth:`rounds` on one process.
+    ``mergecomp.compressors.single_process.run_locally`` drives :meth:`rounds` on one process.
     """
 
     summable = True
@@ -200,7 +200,7 @@ class PowerSGDCompressor(Compressor):
     def compress(self, tensor, name, layout=None):
         raise TypeError("PowerSGD exchanges in two allreduce rounds and has no one-shot payload: "
                         "use it through a communicator (which drives rounds()), or "
-                        "mergecomp.compressors.loopback.run_locally on a single process")
+                        "mergecomp.compressors.single_process.run_locally on a single process")
 
     def decompress(self, payload, ctx):
         self.compress(None, None)

@@ -33,7 +33,7 @@ one.  The built-in compressors' references are in the project's
 ``tests/reference_compressors.py``.
 
 Multi-round compressors (``multi_round = True``) are run through
-:func:`~mergecomp.compressors.loopback.run_locally` wherever one-shot ``compress`` does not
+:func:`~mergecomp.compressors.single_process.run_locally` wherever one-shot ``compress`` does not
 apply.  The kit uses only the public contract of :mod:`mergecomp.compressors.base`, runs
 on the CPU unless told ``device=``, and leaves torch's global random state as it found it
 (compressors that draw from it see a fixed seed, so every check is deterministic).
@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .base import AllReduce, Compressor, ParamView, accepts_layout, payload_nbytes
-from .loopback import run_locally
+from .single_process import run_locally
 
 #: The real floating dtypes the kit tries (those a compressor declares in ``supported_dtypes``).
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -209,7 +209,7 @@ def run_step(compressor: Compressor, tensor: torch.Tensor, name: str = "group", 
 
 def round_shapes(compressor: Compressor, tensor: torch.Tensor, name: str = "group") -> List[List[torch.Size]]:
     """The shapes of every tensor a multi-round compressor sends, round by round (identity
-    allreduces, as :func:`~mergecomp.compressors.loopback.run_locally`)."""
+    allreduces, as :func:`~mergecomp.compressors.single_process.run_locally`)."""
     exchange = compressor.rounds(tensor, name)
     shapes, reply = [], None
     try:

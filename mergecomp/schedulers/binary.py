@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from . import register
-from .base import AdaptiveScheduler, split_by_type
+from .base import AdaptiveScheduler, SchedulerContext, split_by_type
 from ..plan import Group, ParamInfo, Plan, SEND_MODES
 
 
@@ -65,7 +65,7 @@ class BinarySearchScheduler(AdaptiveScheduler):
         return bool(self._params) and self.done
 
     # --------------------------------------------------------------- optimizer driving --
-    def after_step(self, optimizer, seconds) -> None:
+    def after_step(self, context: SchedulerContext, seconds) -> None:
         """Driven by DistributedOptimizer after each step, on every rank (see the module docstring).
 
         Only rank 0 ran :meth:`plan`; the other ranks start their (deterministic) copy of
@@ -74,13 +74,13 @@ class BinarySearchScheduler(AdaptiveScheduler):
         if seconds is None:
             return
         if not self._params:
-            self.plan(optimizer.param_infos(optimizer.plan.order()))
+            self.plan(context.param_infos(context.plan.order()))
         if self.done:
             return
-        self.report(optimizer.plan, max(optimizer.backend.allgather_object(seconds)))
+        self.report(context.plan, max(context.backend.allgather_object(seconds)))
         following = self.best if self.done else self.propose()
-        if following.digest() != optimizer.plan.digest():
-            optimizer.set_plan(following)
+        if following.digest() != context.plan.digest():
+            context.set_plan(following)
 
     # ------------------------------------------------------------------------- search --
     def plan(self, params: Sequence[ParamInfo]) -> Plan:

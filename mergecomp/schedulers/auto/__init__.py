@@ -1,7 +1,9 @@
-"""The parts of the ``auto`` scheduler (:mod:`mergecomp.schedulers.online` assembles them).
+"""The ``auto`` scheduler: :class:`AutoScheduler` (in :mod:`.scheduler`) and its parts.
 
 Read in this order:
 
+* :mod:`.scheduler` — :class:`AutoScheduler`, registered as ``auto``: the phases in
+  sequence, and what the search found;
 * :mod:`.settings` — what a user can set, checked once;
 * :mod:`.phase` — the phase protocol and what a search has found (:class:`Findings`);
 * :mod:`.instruments` — timers attached through the optimizer's public listeners and
@@ -14,3 +16,6 @@ Read in this order:
   correction, the winner, the refitted profile), tested without a process group;
 * :mod:`.watching` — phase 3: watch for drift, profile again.
 """
+from .scheduler import AutoScheduler, describe_findings
+
+__all__ = ["AutoScheduler", "describe_findings"]

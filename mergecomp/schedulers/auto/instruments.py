@@ -1,9 +1,10 @@
-"""Timers the ``auto`` scheduler attaches to a running job, through public hooks only.
+"""Timers the ``auto`` scheduler attaches to a running job, through its context's listeners.
 
-Each one is attached with ``attach(...)`` (it returns itself) and removed with
-``detach()``: the optimizer's ``add_ready_listener``/``add_phase_listener`` handles and
-torch's optimizer step hooks, so nothing the user set is replaced, and nothing stays
-attached once a phase has handed over.  Times are ``time.perf_counter()`` seconds; a step's
+Each one is attached with ``attach(context)`` (it returns itself; ``context``: the
+:class:`~mergecomp.schedulers.base.SchedulerContext`) and removed with ``detach()``, which
+removes its ``add_ready_listener``/``add_phase_listener`` handle, so nothing the user set
+is replaced, and nothing stays attached once a phase has handed over.  (The wrapped
+optimizer's own ``step()`` is timed by the context: ``time_optimizer_steps()``.)  Times are ``time.perf_counter()`` seconds; a step's
 clock is restarted by the phase at the end of every ``step()`` (between steps: the
 forward pass of the next step is what runs until its first gradient).
 """
@@ -26,8 +27,8 @@ class ReadyTimes:
         self._started = time.perf_counter()
         self._handle = None
 
-    def attach(self, optimizer) -> "ReadyTimes":
-        self._handle = optimizer.add_ready_listener(self._on_ready)
+    def attach(self, context) -> "ReadyTimes":
+        self._handle = context.add_ready_listener(self._on_ready)
         return self
 
     def restart(self) -> None:
@@ -63,8 +64,8 @@ class ForwardTimer:
         self._first: Optional[float] = None
         self._handle = None
 
-    def attach(self, optimizer) -> "ForwardTimer":
-        self._handle = optimizer.add_ready_listener(self._on_ready)
+    def attach(self, context) -> "ForwardTimer":
+        self._handle = context.add_ready_listener(self._on_ready)
         self.lap()
         return self
 
@@ -100,9 +101,9 @@ class PhaseSamples:
         self._pending: List[Tuple[str, str, int, float]] = []
         self._handle = None
 
-    def attach(self, optimizer) -> "PhaseSamples":
+    def attach(self, context) -> "PhaseSamples":
         self._pending = []
-        self._handle = optimizer.add_phase_listener(self._on_phase)
+        self._handle = context.add_phase_listener(self._on_phase)
         return self
 
     def _on_phase(self, phase: str, group, seconds: float) -> None:
@@ -121,26 +122,6 @@ class PhaseSamples:
             self._handle.remove()
             self._handle = None
         self._pending = []
-
-
-class OptimizerStepTimer:
-    """Seconds of the wrapped torch optimizer's own ``step()``, through torch's step hooks."""
-
-    def __init__(self):
-        self.seconds: List[float] = []
-        self._handles = []
-
-    def attach(self, inner: torch.optim.Optimizer) -> "OptimizerStepTimer":
-        began: List[float] = []
-        self._handles = [
-            inner.register_step_pre_hook(lambda *_: began.append(time.perf_counter())),
-            inner.register_step_post_hook(lambda *_: self.seconds.append(time.perf_counter() - began.pop()))]
-        return self
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
 
 class DummyBesideBackward:
@@ -165,9 +146,9 @@ class DummyBesideBackward:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
-    def attach(self, optimizer) -> "DummyBesideBackward":
+    def attach(self, context) -> "DummyBesideBackward":
         self.new_step()
-        self._handle = optimizer.add_ready_listener(self._on_ready)
+        self._handle = context.add_ready_listener(self._on_ready)
         return self
 
     def new_step(self) -> None:

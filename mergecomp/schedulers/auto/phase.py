@@ -1,6 +1,6 @@
 """The phases of the ``auto`` scheduler, and what a search has found.
 
-A phase is an object with ``after_step(optimizer, seconds)``, called on every rank after
+A phase is an object with ``after_step(context, seconds)``, called on every rank after
 every step, which returns the phase for the next step: itself, or the next one it built.
 Every rank runs the same phase at the same step, so the collectives a phase runs (to
 agree on times, to hand rank 0's decisions over) happen at the same steps everywhere.
@@ -77,7 +77,7 @@ class Phase:
     def __init__(self, search: Search):
         self.search = search
 
-    def after_step(self, optimizer, seconds: Optional[float]) -> "Phase":
+    def after_step(self, context, seconds: Optional[float]) -> "Phase":
         raise NotImplementedError(f"{type(self).__name__} must implement after_step()")
 
 
@@ -86,6 +86,6 @@ class Starting(Phase):
 
     name = "start"
 
-    def after_step(self, optimizer, seconds):
+    def after_step(self, context, seconds):
         from .profiling import Profiling
-        return Profiling(self.search, optimizer)
+        return Profiling(self.search, context)

@@ -28,12 +28,12 @@ def profiling_plan(params: Sequence[ParamInfo]) -> Plan:
     return FixedScheduler(1, send="fp32").plan(params)
 
 
-def check_priceable(optimizer) -> None:
+def check_priceable(context) -> None:
     """Refuse, before any profiling step and on every rank alike, a communicator the cost
     model cannot price (a plugin without a cost formula), with what to implement."""
-    if optimizer.compressor.name in ("none", "fp32"):
+    if context.compressor.name in ("none", "fp32"):
         return  # compressed groups are raw: priced as FP32 allreduce
-    communicator = optimizer.communicator
+    communicator = context.communicator
     try:
         communicator_formula(communicator.name)
     except NoCostFormula:

@@ -1,10 +1,10 @@
 """Phase 1 of the ``auto`` scheduler: profile the live run.
 
 **Profiling** (``profile_steps`` steps).  The whole model goes raw in one FP32 group while
-the optimizer's ready listener timestamps every gradient.  Backward is taken to start when
+a ready listener timestamps every gradient.  Backward is taken to start when
 the first gradient arrives (the user owns the forward pass, so it cannot be timed apart);
 everything before it counts as forward.  The wrapped optimizer's ``step()`` is timed
-through torch's step hooks (the profile's ``optimizer_step``, median), and the optimizer's
+(``context.time_optimizer_steps()``: the profile's ``optimizer_step``, median), and a
 phase listener times groups' launch and finish (kept for the refit after the check).
 Codec, copy, collective and finish-phase probes (the last through the job's own
 communicator, up to the whole model's size) then complete a
@@ -43,7 +43,7 @@ import torch
 
 from ...profile import (LinearCost, Profile, TensorTiming, collective_slowdown_factor,
                         interference_factor)
-from .instruments import DummyBesideBackward, OptimizerStepTimer, PhaseSamples, ReadyTimes
+from .instruments import DummyBesideBackward, PhaseSamples, ReadyTimes
 from .phase import Phase, Search
 from .planning import check_priceable, profiling_plan
 
@@ -56,19 +56,19 @@ class Profiling(Phase):
 
     name = "profile"
 
-    def __init__(self, search: Search, optimizer):
+    def __init__(self, search: Search, context):
         super().__init__(search)
-        check_priceable(optimizer)
-        plan = optimizer.plan
+        check_priceable(context)
+        plan = context.plan
         if any(g.send != "fp32" for g in plan.groups) or len(plan) != 1:
-            optimizer.set_plan(profiling_plan(optimizer.param_infos(plan.order())))
-        self.ready = ReadyTimes().attach(optimizer)
-        self.optimizer_steps = OptimizerStepTimer().attach(optimizer.optimizer)
-        self.live = PhaseSamples().attach(optimizer)
+            context.set_plan(profiling_plan(context.param_infos(plan.order())))
+        self.ready = ReadyTimes().attach(context)
+        self.optimizer_steps = context.time_optimizer_steps()
+        self.live = PhaseSamples().attach(context)
         self.steps = 0
         self.ready.restart()
 
-    def after_step(self, optimizer, seconds) -> Phase:
+    def after_step(self, context, seconds) -> Phase:
         self.ready.restart()
         self.steps += 1
         self.live.end_step(keep=self.steps > 1)
@@ -78,18 +78,18 @@ class Profiling(Phase):
         self.live.detach()
         self.optimizer_steps.detach()
         alone = self.ready.spans()
-        self.search.findings.profile = measure_profile(optimizer, self.ready, self.optimizer_steps.seconds)
+        self.search.findings.profile = measure_profile(context, self.ready, self.optimizer_steps.seconds)
         if self.search.settings.interference_steps:
-            return Interference(self.search, optimizer, alone, self.live)
+            return Interference(self.search, context, alone, self.live)
         from .racing import Checking
-        return Checking.begin(self.search, optimizer, self.live)
+        return Checking.begin(self.search, context, self.live)
 
 
-def measure_profile(optimizer, ready: ReadyTimes, optimizer_steps: List[float]) -> Profile:
+def measure_profile(context, ready: ReadyTimes, optimizer_steps: List[float]) -> Profile:
     """Median ready times (first pass dropped as warm-up) → timeline → the probes → a full
     profile.  A collective: every rank calls it at the same step."""
-    from ...probes import profile_from_timeline
-    by_name = dict(optimizer.named_parameters())
+    from ...measure import profile_from_timeline
+    by_name = dict(context.named_parameters())
     medians = ready.medians()
     order = sorted(medians, key=medians.get)
     first = medians[order[0]] if order else 0.0
@@ -99,7 +99,7 @@ def measure_profile(optimizer, ready: ReadyTimes, optimizer_steps: List[float]) 
     # Parameters without a gradient on this rank cannot be timed: they go last, at the end.
     end = timeline[-1].ready if timeline else 0.0
     timeline += [TensorTiming(n, p.numel(), p.numel() * p.element_size(), str(p.dtype),
-                              str(p.device), end) for n, p in optimizer.named_parameters() if n not in medians]
+                              str(p.device), end) for n, p in context.named_parameters() if n not in medians]
     # Probe up to the whole model (a plan's largest group), at most 2**24 elements:
     # costs of cache-sized buffers extrapolate badly to groups of tens of megabytes.
     total = sum(t.numel for t in timeline)
@@ -110,11 +110,11 @@ def measure_profile(optimizer, ready: ReadyTimes, optimizer_steps: List[float]) 
     finish_sizes = tuple(sorted({2 ** 12, 2 ** 16, 2 ** 20, max(2 ** 21, largest // 4), largest}))
     steps = optimizer_steps[1:] or optimizer_steps
     return profile_from_timeline(timeline, first, end, by_name[timeline[0].name].device,
-                                 optimizer.compressor.name, optimizer.compressor,
-                                 optimizer.backend, optimizer.communicator.name,
-                                 compression_sizes=sizes, memory=optimizer.communicator.memory,
+                                 context.compressor.name, context.compressor,
+                                 context.backend, context.communicator.name,
+                                 compression_sizes=sizes, memory=context.memory,
                                  copy_sizes=(2 ** 14, 2 ** 18, 2 ** 22, 4 * largest),
-                                 communicator_object=optimizer.communicator, finish_sizes=finish_sizes,
+                                 communicator_object=context.communicator, finish_sizes=finish_sizes,
                                  optimizer_step=statistics.median(steps) if steps else 0.0)
 
 
@@ -124,16 +124,16 @@ def dummy_bytes(allreduce: LinearCost, seconds: float, least: int, most: int) ->
     return int(min(most, max(least, (seconds - allreduce.intercept) / max(allreduce.slope, 1e-12))))
 
 
-def dummy_tensor(optimizer, profile: Profile, alone: List[float], spans: float, least: int,
+def dummy_tensor(context, profile: Profile, alone: List[float], spans: float, least: int,
                  most: int) -> torch.Tensor:
     """A zero tensor whose allreduce lasts about ``spans`` backward spans; rank 0 sizes it
     and broadcasts the size, so every rank allocates the same."""
-    backend = optimizer.backend
+    backend = context.backend
     nbytes = None
     if backend.rank == 0:
         nbytes = dummy_bytes(profile.collectives["allreduce"], spans * statistics.median(alone), least, most)
     nbytes = backend.broadcast_object(nbytes, src=0)
-    return torch.zeros(max(1, nbytes // 4), device=optimizer.named_parameters()[0][1].device)
+    return torch.zeros(max(1, nbytes // 4), device=context.named_parameters()[0][1].device)
 
 
 class _DummyBesideBackwardPhase(Phase):
@@ -144,17 +144,17 @@ class _DummyBesideBackwardPhase(Phase):
     #: The settings field of the dummy's span (in backward spans) and its smallest size in bytes.
     span_setting, min_bytes = "", 0
 
-    def __init__(self, search: Search, optimizer, alone: List[float], live: PhaseSamples):
+    def __init__(self, search: Search, context, alone: List[float], live: PhaseSamples):
         super().__init__(search)
         settings = search.settings
         self.alone, self.live = alone, live
-        tensor = dummy_tensor(optimizer, search.findings.profile, alone, getattr(settings, self.span_setting),
+        tensor = dummy_tensor(context, search.findings.profile, alone, getattr(settings, self.span_setting),
                               self.min_bytes, settings.interference_max_bytes)
-        self.dummy = DummyBesideBackward(optimizer.backend, tensor).attach(optimizer)
+        self.dummy = DummyBesideBackward(context.backend, tensor).attach(context)
         self.overlapped: List[float] = []
         self.steps = 0
 
-    def after_step(self, optimizer, seconds) -> Phase:
+    def after_step(self, context, seconds) -> Phase:
         self.steps += 1
         dummy = self.dummy
         if dummy.join() and len(dummy.ready) > 1 and dummy.done:
@@ -165,13 +165,13 @@ class _DummyBesideBackwardPhase(Phase):
             dummy.new_step()
             return self
         dummy.detach()
-        return self.conclude(optimizer)
+        return self.conclude(context)
 
     def sample(self, dummy: DummyBesideBackward) -> Optional[float]:
         """This step's figure, or None when the dummy did not overlap backward as needed."""
         raise NotImplementedError
 
-    def conclude(self, optimizer) -> Phase:
+    def conclude(self, context) -> Phase:
         """Record the figure in the profile; return the next phase."""
         raise NotImplementedError
 
@@ -187,16 +187,16 @@ class Interference(_DummyBesideBackwardPhase):
             return dummy.ready[-1] - dummy.ready[0]  # in flight to backward's end
         return None
 
-    def conclude(self, optimizer) -> Phase:
+    def conclude(self, context) -> Phase:
         mine = interference_factor(self.alone, self.overlapped) if self.overlapped else None
-        factors = [f for f in optimizer.backend.allgather_object(mine) if f is not None]
+        factors = [f for f in context.backend.allgather_object(mine) if f is not None]
         findings = self.search.findings
         if factors:
             findings.profile = dataclasses.replace(findings.profile, interference=statistics.mean(factors))
         else:
             self.search.say("auto scheduler: no interference step had its collective in flight to the "
                             "end of backward; the profile keeps interference 1.0")
-        return Slowdown(self.search, optimizer, self.alone, self.live)
+        return Slowdown(self.search, context, self.alone, self.live)
 
 
 class Slowdown(_DummyBesideBackwardPhase):
@@ -214,8 +214,8 @@ class Slowdown(_DummyBesideBackwardPhase):
             return dummy.done[0] - dummy.started  # done under backward
         return None
 
-    def conclude(self, optimizer) -> Phase:
-        dummy, backend = self.dummy, optimizer.backend
+    def conclude(self, context) -> Phase:
+        dummy, backend = self.dummy, context.backend
         alone = []
         with backend.uncounted():
             for _ in range(self.alone_repeats):
@@ -238,4 +238,4 @@ class Slowdown(_DummyBesideBackwardPhase):
             self.search.say("auto scheduler: no slowdown step had its collective done before the end "
                             "of backward; the profile keeps collective_slowdown 1.0")
         from .racing import Checking
-        return Checking.begin(self.search, optimizer, self.live)
+        return Checking.begin(self.search, context, self.live)

@@ -39,14 +39,14 @@ class Checking(Phase):
     name = "check"
 
     @classmethod
-    def begin(cls, search: Search, optimizer, live: PhaseSamples) -> Phase:
+    def begin(cls, search: Search, context, live: PhaseSamples) -> Phase:
         """Start the check; it may end at once (every candidate skipped): the next phase."""
-        return cls(search, optimizer, live)._advance(optimizer)
+        return cls(search, context, live)._advance(context)
 
-    def __init__(self, search: Search, optimizer, live: PhaseSamples):
+    def __init__(self, search: Search, context, live: PhaseSamples):
         super().__init__(search)
         settings, findings = search.settings, search.findings
-        backend = optimizer.backend
+        backend = context.backend
         if backend.rank == 0 and settings.profile_out:
             findings.profile.save(settings.profile_out)
         found = plan_candidates(findings.profile, settings, search.say) if backend.rank == 0 else None
@@ -62,8 +62,8 @@ class Checking(Phase):
         self.skipped: Dict[int, str] = {}
         self.round = 0
         findings.report = []
-        self.live = live.attach(optimizer)
-        self.forward = ForwardTimer().attach(optimizer)
+        self.live = live.attach(context)
+        self.forward = ForwardTimer().attach(context)
         #: This rank's timed forward seconds of every counted step (for the refit).
         self.forwards: List[float] = []
         #: This visit's step seconds (the first one not counted) and counted steps' forwards.
@@ -71,7 +71,7 @@ class Checking(Phase):
         self.visit_forwards: List[Optional[float]] = []
 
     # -- visits ---------------------------------------------------------------------------
-    def after_step(self, optimizer, seconds) -> Phase:
+    def after_step(self, context, seconds) -> Phase:
         forward = self.forward.lap()
         self.visit_steps.append(seconds)
         counted = len(self.visit_steps) > 1
@@ -83,22 +83,22 @@ class Checking(Phase):
                 self.forwards.append(forward)
         if len(self.visit_steps) < self.search.settings.check_steps + 1:
             return self
-        everyone = optimizer.backend.allgather_object((self.visit_steps[1:], self.visit_forwards))
+        everyone = context.backend.allgather_object((self.visit_steps[1:], self.visit_forwards))
         visit = decisions.slowest_rank_visit(everyone)
         index = self.queue.pop(0)
         if visit is not None:
             self.visits[index].append(visit)
-        return self._advance(optimizer)
+        return self._advance(context)
 
-    def _advance(self, optimizer) -> Phase:
+    def _advance(self, context) -> Phase:
         """Install the next candidate of this round; at a round's end keep the contenders;
         after the last round, choose."""
-        backend = optimizer.backend
+        backend = context.backend
         while True:
             while self.queue:
                 index = self.queue[0]
                 try:
-                    optimizer.set_plan(self.candidates[index].plan)
+                    context.set_plan(self.candidates[index].plan)
                 except CannotRegroup as reason:
                     self.skipped[index] = f"skipped: {reason}"
                     self.queue.pop(0)
@@ -110,7 +110,7 @@ class Checking(Phase):
             self.queue = backend.broadcast_object(field, src=0)
             self.racing = list(self.queue)
             if self.round >= self.search.settings.check_rounds or len(self.queue) <= 1:
-                return self._choose(optimizer)
+                return self._choose(context)
 
     def _medians(self, correct: bool) -> Dict[int, float]:
         """{candidate: median step seconds} of the measured candidates, at the visits' median
@@ -128,10 +128,10 @@ class Checking(Phase):
         return decisions.contenders(medians, self.search.settings.contender_margin)
 
     # -- the end ----------------------------------------------------------------------------
-    def _choose(self, optimizer) -> Phase:
+    def _choose(self, context) -> Phase:
         from .watching import Watching
         search, settings, findings = self.search, self.search.settings, self.search.findings
-        backend = optimizer.backend
+        backend = context.backend
         lead = backend.rank == 0
         pairs = backend.broadcast_object(  # JSON keys are strings: the indices go as pairs
             [list(self._medians(correct=True).items()), list(self._medians(correct=False).items())]
@@ -148,7 +148,7 @@ class Checking(Phase):
         findings.as_timed = {self.candidates[index].label: seconds for index, seconds in timed.items()}
         self.live.detach()
         self.forward.detach()
-        findings.profile = self._refit(optimizer)
+        findings.profile = self._refit(context)
         if lead and settings.profile_out:
             findings.profile.save(settings.profile_out)
         measured = [(m, label, plan) for label, plan, _, m in findings.report if isinstance(m, float)]
@@ -159,14 +159,14 @@ class Checking(Phase):
                 search.say(f"auto scheduler: {fastest[1]} measured {fastest[0] * 1e3:.1f} ms, within "
                            f"{settings.compression_margin:.0%} of {label} ({seconds * 1e3:.1f} ms, all FP32): "
                            f"keeping FP32")
-            optimizer.set_plan(plan)
+            context.set_plan(plan)
             findings.best = (label, plan, seconds)
         return Watching(search)
 
-    def _refit(self, optimizer):
+    def _refit(self, context):
         """The profile at the check's speed, with launch and finish lines timed in the run."""
         search, profile = self.search, self.search.findings.profile
-        everyone = optimizer.backend.allgather_object((self.live.samples, self.forwards))
+        everyone = context.backend.allgather_object((self.live.samples, self.forwards))
         refit = decisions.refit_profile(profile, [samples for samples, _ in everyone],
                                         [f for _, forwards in everyone for f in forwards],
                                         search.settings.live_forward_samples,

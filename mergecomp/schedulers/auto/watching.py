@@ -29,7 +29,7 @@ class Watching(Phase):
         self.samples: List[Optional[float]] = []
         self.strikes = 0
 
-    def after_step(self, optimizer, seconds) -> Phase:
+    def after_step(self, context, seconds) -> Phase:
         best = self.search.findings.best
         if best is None:  # no candidate could be measured: nothing to compare with
             return self
@@ -39,7 +39,7 @@ class Watching(Phase):
         timed = [s for s in self.samples if s is not None]
         self.samples = []
         median = decisions.slowest_typical_step(
-            optimizer.backend.allgather_object(statistics.median(timed) if timed else None))
+            context.backend.allgather_object(statistics.median(timed) if timed else None))
         if median is None:
             return self
         self.strikes = self.strikes + 1 if decisions.drifted(median, best[2], self.search.settings.drift) else 0
@@ -47,7 +47,7 @@ class Watching(Phase):
             return self
         from .profiling import Profiling
         try:
-            following = Profiling(self.search, optimizer)
+            following = Profiling(self.search, context)
         except CannotRegroup as reason:
             self.search.say(f"auto scheduler: steps drifted but the plan cannot change ({reason})")
             self.strikes = 0

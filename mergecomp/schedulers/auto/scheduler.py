@@ -1,12 +1,12 @@
 """The ``auto`` scheduler: profile the real run, plan by DP, keep what measures fastest.
 
-It drives the optimizer between steps (:meth:`~OnlineOptimalScheduler.after_step`), in
+It changes the plan between steps (:meth:`~AutoScheduler.after_step`), in
 three phases that every rank runs in lockstep — the same step counts, collectives at the
 same steps, rank 0 deciding and broadcasting.  Each phase is an object in
 :mod:`mergecomp.schedulers.auto` that returns the phase of the next step:
 
 1. **profile** (:mod:`~mergecomp.schedulers.auto.profiling`): ``profile_steps`` steps with
-   the whole model raw in one FP32 group while the optimizer's listeners timestamp every
+   the whole model raw in one FP32 group while ready listeners timestamp every
    gradient, then probes, then ``interference_steps`` steps twice with a dummy allreduce
    beside backward (how much a collective slows backward, and backward a collective).
    The result is a :class:`~mergecomp.profile.Profile` (saved with ``profile_out``).
@@ -31,8 +31,8 @@ search costs ``profile_steps + 2·interference_steps`` steps plus ``check_steps 
 visit: one per candidate in the first round (at most 11) and one per contender in each
 later one (about half as many each round), plus the probes.
 
-The scheduler uses the optimizer's public surface only (see
-:class:`~mergecomp.schedulers.base.AdaptiveScheduler`); a communicator the cost model
+The scheduler sees the job through its
+:class:`~mergecomp.schedulers.base.SchedulerContext` only; a communicator the cost model
 cannot price (a plugin without a cost formula) is refused at the first step, on every
 rank, with what to implement.
 """
@@ -40,17 +40,17 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import register
-from .auto.phase import Findings, Phase, ReportRow, Search, Starting
-from .auto.planning import profiling_plan
-from .auto.settings import AutoSettings
-from .base import AdaptiveScheduler
-from ..plan import Plan
-from ..profile import Profile
+from .. import register
+from ..base import AdaptiveScheduler, SchedulerContext
+from ...plan import Plan
+from ...profile import Profile
+from .phase import Findings, Phase, ReportRow, Search, Starting
+from .planning import profiling_plan
+from .settings import AutoSettings
 
 
 @register("auto")
-class OnlineOptimalScheduler(AdaptiveScheduler):
+class AutoScheduler(AdaptiveScheduler):
     """Profile → DP → measured check → watch (see the module docstring).
 
     Args:
@@ -128,24 +128,24 @@ class OnlineOptimalScheduler(AdaptiveScheduler):
         """The profiling plan: the whole model, raw FP32, one group."""
         return profiling_plan(params)
 
-    def after_step(self, optimizer, seconds: Optional[float]) -> None:
-        """Called by the optimizer after every ``step()`` on every rank: the current phase
+    def after_step(self, context: SchedulerContext, seconds: Optional[float]) -> None:
+        """Called by the wrapper after every ``step()`` on every rank: the current phase
         measures the step and says which phase runs the next one."""
         self.steps += 1
-        self._search.rank = optimizer.backend.rank
+        self._search.rank = context.backend.rank
         settled = self._phase.settled
-        self._phase = self._phase.after_step(optimizer, seconds)
+        self._phase = self._phase.after_step(context, seconds)
         if self._phase.settled and not settled:
             self._search.say(self.describe())
 
     # -- reporting ----------------------------------------------------------------------------
-    def describe(self, optimizer=None) -> str:
+    def describe(self) -> str:
         """The last check's candidates and the plan chosen, as the scheduler logs them."""
         return describe_findings(self._search.findings, self.steps, self.settings.speed_correction)
 
     def __repr__(self):
         s = self.settings
-        return (f"OnlineOptimalScheduler(profile_steps={s.profile_steps}, check_steps={s.check_steps}, "
+        return (f"AutoScheduler(profile_steps={s.profile_steps}, check_steps={s.check_steps}, "
                 f"check_rounds={s.check_rounds}, fusion_candidates={s.fusion_candidates}, "
                 f"watch_every={s.watch_every}, drift={s.drift})")
 

@@ -1,7 +1,7 @@
-"""Probes: how the numbers of a :class:`~mergecomp.profile.Profile` are measured.
+"""Measure a :class:`~mergecomp.profile.Profile` on the machine the job runs on.
 
 :mod:`mergecomp.profile` holds the data (what the cost model knows about one job, plain
-JSON); this module measures it on the machine the job runs on:
+JSON); this module takes the measurements — timers and probes — that fill it in:
 
 * :class:`BackwardTimer` — when each gradient becomes ready during backward, with its own
   hooks, plus forward and backward totals (the ``auto`` scheduler records the same
