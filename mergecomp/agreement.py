@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 import torch
 
@@ -189,8 +189,3 @@ def zero_if(tensor: torch.Tensor, flag: torch.Tensor) -> None:
             tensor.zero_()
     else:
         tensor.masked_fill_(flag, 0)
-
-
-def summarize_facts(facts: Dict[str, Any]) -> Dict[str, Any]:
-    """Facts as plain JSON values (what the preflight hashes and an error prints)."""
-    return json.loads(json.dumps(facts, sort_keys=True, default=str))

@@ -12,7 +12,9 @@ ddp_comm_hook=...)``)::
 
 DDP fills a bucket during backward and calls the hook with it (buckets in order, the last one
 flagged); the hook returns a ``torch.futures.Future`` of the averaged bucket, which DDP writes
-into ``p.grad`` when backward ends.  Here each bucket is one mergecomp group:
+into ``p.grad`` when backward ends.  Here each bucket is one mergecomp group of the step
+lifecycle the wrapper uses too (:mod:`mergecomp.runtime.step`); this module holds only what
+DDP's buckets make different:
 
 - the bucket's per-parameter views (``GradBucket.gradients()``) are the group's layout, so
   low-rank compressors factor each layer's own matrix;
@@ -20,14 +22,11 @@ into ``p.grad`` when backward ends.  Here each bucket is one mergecomp group:
   optimizer names its groups), transactional:
   a step is committed or rolled back as a whole;
 - every bucket's exchange starts in the hook (compression, collective in flight while
-  backward goes on); at the last bucket all of them are finished in bucket order on the
-  hook's thread — multi-round compressors (PowerSGD) run their later rounds there, so every
-  rank issues the same collectives in the same order — then one small allreduce settles
-  whether any rank's gradient was NaN/Inf (the step's buckets then become NaN on every rank,
-  as an allreduce would make them, state rolls back, ``GradScaler`` skips) and the futures
-  are completed;
-- before the first bucket's collective a tiny preflight allreduce checks that the ranks
-  agree on the step, the epoch and the configuration (see :mod:`mergecomp.agreement`).
+  backward goes on); at the last bucket the lifecycle ends the step on the hook's thread
+  (finishing in bucket order, so multi-round compressors issue their later rounds in the
+  same order on every rank; the outcome; commit or rollback; a dropped step's buckets are
+  NaN on every rank, as an allreduce would make them, and ``GradScaler`` skips) and the
+  futures are completed.
 
 DDP decides the buckets, not mergecomp: their sizes come from ``bucket_cap_mb`` or, with the
 installed torch, per bucket from ``bucket_cap_mb_list`` (:func:`bucket_caps` turns a
@@ -49,7 +48,6 @@ parameter slices.  Use
 """
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -57,17 +55,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed
 
-from . import checkpoint, communicators, components, compressors, memories, schedulers
-from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
+from . import checkpoint, communicators, components, compressors, schedulers
+from .agreement import StepOutcome
 from .backends import Backend
-from .communicators.base import Communicator, Handle
+from .communicators.base import Communicator
 from .communicators.ps import PSCommunicator
 from .compressors import recipes
 from .compressors.base import Compressor, GroupLayout, ParamView
 from .memories.base import Memory
 from .plan import ParamInfo
-from .reducer import NONFINITE_POLICIES, _Listeners, config_digest
+from .reducer import config_digest
 from .regroup import CannotRegroup, regroup_state
+from .runtime.step import InFlight, StepLifecycle, check_nonfinite_policy
 
 __all__ = ["HookState", "hook", "register", "bucket_caps"]
 
@@ -75,18 +74,15 @@ __all__ = ["HookState", "hook", "register", "bucket_caps"]
 BucketKey = Tuple[Tuple[str, int], ...]
 
 
-class _Pending:
-    """One bucket in flight within a step."""
+class _Bucket:
+    """What the hook does with one group's average: complete DDP's ``future`` (None for a
+    group gathered from several buckets) and copy ``pieces`` back into DDP's buckets: (bucket
+    buffer, offset there, offset in the group, elements) per parameter of a gathered group
+    (see ``HookState._gather_held_groups``)."""
 
-    def __init__(self, index: int, buffer: torch.Tensor, communicator: Communicator, handle: Handle,
-                 future: Optional[torch.futures.Future], local_nonfinite: Optional[torch.Tensor],
+    def __init__(self, future: Optional[torch.futures.Future],
                  pieces: Sequence[Tuple[torch.Tensor, int, int, int]] = ()):
-        self.index, self.buffer, self.communicator = index, buffer, communicator
-        self.handle, self.future, self.local_nonfinite = handle, future, local_nonfinite
-        self.numel, self.wait_seconds, self.send = buffer.numel(), 0.0, "compress"  # for listeners
-        #: A group gathered from DDP's buckets (see ``HookState._gather_held_groups``):
-        #: (bucket buffer, offset there, offset here, elements) per parameter.
-        self.pieces = pieces
+        self.future, self.pieces = future, pieces
 
 
 class _Deferred:
@@ -129,8 +125,7 @@ class HookState:
                  nonfinite: str = "skip",
                  process_group: Optional[Any] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None):
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        check_nonfinite_policy(nonfinite)  # before anything is built
         if isinstance(communicator, Communicator):
             raise TypeError("HookState takes the communicator by name (e.g. 'allgather', with "
                             "communicator_options=...), so that the state can be pickled with a "
@@ -150,8 +145,6 @@ class HookState:
                 {p.dtype for p in model.parameters() if p.requires_grad}, key=str))
         #: Steps whose buckets were exchanged (DDP's backward passes that reduced).
         self.steps = 0
-        #: Steps dropped because a gradient was NaN or Inf.
-        self.skipped_steps = 0
         self.epoch: Optional[int] = None
         self.layouts: Dict[int, BucketKey] = {}
         self.loaded = ""
@@ -184,32 +177,33 @@ class HookState:
                                                  memory=self.memory, backend=self.backend,
                                                  **self.communicator_options)
         self.config = config_digest(self.compressor, self.memory, self.communicator, self.sends, self.nonfinite)
-        self._raw: Dict[str, Communicator] = {}
-        self._bypass = communicators.create("allreduce", compressor=compressors.create("none"),
-                                            memory=memories.create("none"), backend=self.backend)
+        self.lifecycle = StepLifecycle(self.communicator, self.backend, self.facts, self.nonfinite)
+        self._registration_checked = False
         #: Whether per-bucket state can move to DDP's rebuilt buckets; a parameter server's
         #: shard residuals cannot (servers hold them), nor can state without parameter names:
         #: then the fresh first step goes exact.
         self._state_follows_buckets = not isinstance(self.communicator, PSCommunicator)
-        self._agreement: Optional[StepAgreement] = None
-        self._preflight = None
-        self._pending: List[_Pending] = []
         #: The buckets seen so far this step, and those held back while the layout changes.
         self._step_keys: Dict[int, BucketKey] = {}
+        self._started: set = set()  # indices of the buckets launched this step
         self._held: List[Tuple[int, torch.Tensor, GroupLayout, torch.futures.Future]] = []
         self._deferred: List[_Deferred] = []
         self._regather = False  # this step's buckets are DDP's first iteration's (see exchange)
         self._steps_here = 0  # steps since this state was built, unpickled or loaded
-        self.phase_listeners, self.step_listeners = _Listeners(), _Listeners()
 
     def add_phase_listener(self, callback):
         """As the wrapper's (:meth:`mergecomp.reducer.Reducer.add_phase_listener`): the
         ``"launch"`` of each bucket and its ``"finish"`` (waits timed apart)."""
-        return self.phase_listeners.add(callback)
+        return self.lifecycle.phase_listeners.add(callback)
 
     def add_step_listener(self, callback):
         """As the wrapper's (:meth:`mergecomp.reducer.Reducer.add_step_listener`)."""
-        return self.step_listeners.add(callback)
+        return self.lifecycle.step_listeners.add(callback)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped because a gradient was NaN or Inf."""
+        return self.lifecycle.skipped_steps
 
     def add_step_log(self, log):
         """Record every step's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
@@ -225,15 +219,9 @@ class HookState:
                         if module is not None else {})
         self._ddp = weakref.ref(model) if isinstance(model, DistributedDataParallel) else None
 
-    def _raw_communicator(self, send: str) -> Communicator:
-        if send not in self._raw:
-            self._raw[send] = communicators.create(
-                "allreduce", compressor=compressors.create("none" if send == "fp32" else send),
-                memory=self.memory, backend=self.backend)
-        return self._raw[send]
-
     def communicators(self) -> List[Communicator]:
-        return [self.communicator] + list(self._raw.values())
+        """Every communicator the hook sends with (compressed first)."""
+        return self.lifecycle.communicators()
 
     def facts(self) -> Dict[str, Any]:
         return {"steps": self.steps, "epoch": self.epoch, "config": self.config, "state": self.loaded}
@@ -242,7 +230,7 @@ class HookState:
         """Tell epoch-scheduled components (DGC's density warm-up) the epoch; on every rank."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        if self._pending:
+        if self.lifecycle.in_step:
             raise RuntimeError("set_epoch() must be called between steps, not during backward")
         self.epoch = epoch
         for component in (self.compressor, self.memory):
@@ -256,20 +244,18 @@ class HookState:
         if buffer.is_sparse:
             raise self._sparse_error(bucket)
         index = bucket.index()
-        if not self._pending and not self._held and not self._deferred:  # the step's first bucket
+        if not self.lifecycle.in_step:  # the step's first bucket
             self._begin_step(buffer)
         layout, key = self._layout(bucket)
         self._step_keys[index] = key
         changed = self.layouts.get(index) != key
-        if self._preflight is not None:
-            work, self._preflight = self._preflight, None
-            self._agreement.check(work, self.facts(), f"at step {self.steps}")
+        self.lifecycle.check_preflight()
         future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
         follows = self._state_follows_buckets and self.names is not None
         if changed and self._regather:
             # A restarted job's first iteration: exchanged in the groups the state holds.
             self._deferred.append(_Deferred(index, buffer, layout, future))
-        elif self._held or (changed and self.layouts and not self._pending and self.names is not None):
+        elif self._held or (changed and self.layouts and not self._started and self.names is not None):
             # DDP's buckets changed (its rebuild after the first iteration): hold the step's
             # buckets until the last one shows the new layout, move the state to it, then
             # send them all as configured.
@@ -290,34 +276,20 @@ class HookState:
         """Launch one bucket: compressed (or at its raw width) unless ``changed``.
 
         A bucket whose parameters changed after an earlier bucket of the same step was
-        already sent goes raw (exact, through a communicator without memory, so its residual
+        already sent goes exact (FP32 through a communicator without memory, so its residual
         stays where the state's move at the step's end finds it)."""
-        started = time.perf_counter() if self.phase_listeners else 0.0
-        send = self._send_mode(index)
-        if changed:
-            communicator = self._bypass
-        elif send == "compress":
-            communicator = self.communicator
-        else:
-            communicator = self._raw_communicator(send)
-        local = None
-        if communicator is self.communicator and self.nonfinite != "off":
-            local = nonfinite_flag(buffer)
-            zero_if(buffer, local)
-        handle = communicator.start(buffer, f"group{index}", layout)
-        self._pending.append(_Pending(index, buffer, communicator, handle, future, local))
-        self._pending[-1].send = "fp32" if changed else send
-        if self.phase_listeners:
-            self.phase_listeners("launch", self._pending[-1], time.perf_counter() - started)
+        send = "exact" if changed else self._send_mode(index)
+        self.lifecycle.launch(index, buffer, layout, send, owner=_Bucket(future))
+        self._started.add(index)
 
     def _begin_step(self, buffer: torch.Tensor) -> None:
         self._check_frozen()
-        if self._agreement is None:
-            self._agreement = StepAgreement(self.backend, buffer.device)
+        if not self._registration_checked:
             self._check_every_rank_registered(buffer)
-        self.backend.mark_step(self.steps)
-        self._preflight = self._agreement.preflight(self.facts())
+            self._registration_checked = True
+        self.lifecycle.begin(self.steps, buffer.device)
         self._step_keys = {}
+        self._started = set()
         self._deferred = []
         self._regather = bool(self.layouts) and self._ddp_first_iteration()
 
@@ -412,16 +384,14 @@ class HookState:
         hold exactly the held groups' parameters, they are sent raw after all.
         """
         deferred, self._deferred = self._deferred, []
-        started = {p.index for p in self._pending}
-        held = {i: key for i, key in sorted(self.layouts.items()) if i not in started}
+        held = {i: key for i, key in sorted(self.layouts.items()) if i not in self._started}
         where = {view.name: (d.buffer, view.offset, view.numel) for d in deferred for view in d.layout}
         wanted = {name: numel for key in held.values() for name, numel in key}
         fits = wanted == {name: numel for name, (_, _, numel) in where.items()} and len(
             {where[name][0].dtype for name in wanted}) <= 1
         if not fits:
             for d in deferred:  # as for buckets that changed for good (their state moves at the step's end)
-                handle = self._bypass.start(d.buffer, f"group{d.index}", d.layout)
-                self._pending.append(_Pending(d.index, d.buffer, self._bypass, handle, d.future, None))
+                self.lifecycle.launch(d.index, d.buffer, d.layout, "exact", owner=_Bucket(d.future))
             return
         for index, key in held.items():
             first = where[key[0][0]][0]
@@ -435,14 +405,8 @@ class HookState:
                                        else torch.Size([numel]), offset))
                 pieces.append((source, at, offset, numel))
                 offset += numel
-            send = self._send_mode(index)
-            communicator = self.communicator if send == "compress" else self._raw_communicator(send)
-            local = None
-            if communicator is self.communicator and self.nonfinite != "off":
-                local = nonfinite_flag(buffer)
-                zero_if(buffer, local)
-            handle = communicator.start(buffer, f"group{index}", tuple(views))
-            self._pending.append(_Pending(index, buffer, communicator, handle, None, local, pieces))
+            self.lifecycle.launch(index, buffer, tuple(views), self._send_mode(index),
+                                  owner=_Bucket(None, pieces))
         self._deferred = deferred  # their futures complete with the step
         self._step_keys = dict(self.layouts)  # the state stays in its groups: nothing moves
 
@@ -475,62 +439,30 @@ class HookState:
 
     # -- the end of the step -------------------------------------------------------------------
     def _finish_step(self) -> None:
+        """The last bucket: the lifecycle ends the step (finish, outcome, commit or rollback,
+        each bucket's future completed); state follows DDP's new buckets; the step closes."""
         if self._deferred:
             self._gather_held_groups()
-        pending, self._pending = self._pending, []
         deferred, self._deferred = self._deferred, []
-        averages = [self._finish_bucket(p) for p in pending]
-        if self.nonfinite == "off":
-            outcome = StepOutcome([], False, self.backend.size)
-        else:
-            local = [p.local_nonfinite for p in pending if p.local_nonfinite is not None]
-            outcome = self._agreement.outcome(
-                torch.stack(local).any() if local else None,
-                torch.stack([nonfinite_flag(a) for a in averages]).any(), active=True)
-        communicators_used = self.communicators() + [self._bypass]
-        if outcome.finite:
-            for communicator in communicators_used:
-                communicator.commit()
-        else:
-            for communicator in communicators_used:
-                communicator.rollback()
-            self.skipped_steps += 1
-            for average in averages:
-                average.fill_(float("nan"))
+        self.lifecycle.end_step(self._complete)
         if self._step_keys != self.layouts:
             self._move_state(self._step_keys)
         self.steps += 1
         self._steps_here += 1
-        if self.step_listeners:
-            self.step_listeners(self.steps - 1, outcome)
-        for p, average in zip(pending, averages):
-            for bucket, at, offset, numel in p.pieces:
-                bucket.narrow(0, at, numel).copy_(average.narrow(0, offset, numel))
-            if p.future is not None:
-                p.future.set_result(average.view_as(p.buffer))
         for d in deferred:
             d.future.set_result(d.buffer)
-        if not outcome.finite:
-            message = (f"step {self.steps - 1}: {outcome.describe()}; the step's buckets are NaN on every "
-                       "rank and compressor/error-feedback state is as before the step")
-            if self.nonfinite == "raise":
-                raise NonFiniteGradient(message)
-            warnings.warn(f"mergecomp: {message}; {self.skipped_steps} step(s) dropped so far",
-                          RuntimeWarning, stacklevel=3)
+        self.lifecycle.close_step()
 
-    def _finish_bucket(self, pending: _Pending) -> torch.Tensor:
-        """The bucket's average; timed for phase listeners (the wait for a single-round
-        collective apart from decoding)."""
-        if not self.phase_listeners:
-            return pending.communicator.finish(pending.handle).reshape(-1)
-        started = time.perf_counter()
-        if pending.handle.rounds is None:
-            pending.handle.work.wait()
-            pending.wait_seconds = time.perf_counter() - started
-            started = time.perf_counter()
-        average = pending.communicator.finish(pending.handle).reshape(-1)
-        self.phase_listeners("finish", pending, time.perf_counter() - started)
-        return average
+    @staticmethod
+    def _complete(flight: InFlight, average: torch.Tensor, outcome: StepOutcome) -> None:
+        """Hand a group's average to DDP: into the buckets it was gathered from, or as the
+        result of its bucket's future (NaN for a dropped step: what an allreduce of a NaN
+        gives)."""
+        bucket: _Bucket = flight.owner
+        for source, at, offset, numel in bucket.pieces:
+            source.narrow(0, at, numel).copy_(average.narrow(0, offset, numel))
+        if bucket.future is not None:
+            bucket.future.set_result(average.view_as(flight.buffer))
 
     def _move_state(self, keys: Dict[int, BucketKey]) -> None:
         """DDP changed buckets: move per-bucket state to the new buckets by parameter.
@@ -586,7 +518,7 @@ class HookState:
         epoch counts are restored and compression state starts from zero (another number
         of ranks, or a damaged compression state).
         """
-        if self._pending or self._deferred:
+        if self.lifecycle.in_step:
             raise RuntimeError("load_state_dict() must be called between steps, not during backward")
         source = state.get(checkpoint.SOURCE) if isinstance(state, dict) else None
         where = checkpoint.describe_source(source)
@@ -613,7 +545,7 @@ class HookState:
         if state.get("epoch") is not None:
             self.set_epoch(int(state["epoch"]))
         self.layouts = layouts
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.lifecycle.restore(state.get("skipped_steps", 0))
         self.loaded = config_digest(self.steps, self.config, sorted(self.layouts.items()))
         self._steps_here = 0
 
@@ -651,7 +583,8 @@ class HookState:
         the state, not the process group; unpickling reconnects to the default group."""
         kept = {k: v for k, v in self.__dict__.items()
                 if k in ("compressor", "memory", "communicator_name", "communicator_options", "sends",
-                         "nonfinite", "steps", "skipped_steps", "epoch", "layouts", "loaded")}
+                         "nonfinite", "steps", "epoch", "layouts", "loaded")}
+        kept["skipped_steps"] = self.skipped_steps
         kept["state"] = checkpoint.seal(self.communicator.state_dict())
         kept["names"] = None  # ids of parameters mean nothing in another process
         return kept
@@ -660,6 +593,7 @@ class HookState:
         """Checks the compression state (checksum, finite values; its shapes are checked
         against the buckets when they arrive) before anything is rebuilt."""
         state = kept.pop("state")
+        skipped = kept.pop("skipped_steps", 0)
         where = "the pickled HookState"
         checkpoint.verify(state, "compression state", None, where=where)
         checkpoint.check_finite(state, "compression state", None, {}, "communicator", where=where)
@@ -671,6 +605,7 @@ class HookState:
         self._conversion_check = None
         self._know(None)
         self._connect(None)
+        self.lifecycle.restore(skipped)
         self.communicator.load_state_dict(state)
 
     def attach(self, model: torch.nn.Module) -> "HookState":

@@ -76,10 +76,6 @@ class LaunchInfo:
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
 
 def detect(environ: Optional[Mapping[str, str]] = None) -> LaunchInfo:
     """Read the launcher's variables from ``environ`` (default ``os.environ``).

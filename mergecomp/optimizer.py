@@ -16,6 +16,7 @@ import collections
 import contextlib
 import time
 import warnings
+import zlib
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -28,7 +29,8 @@ from .compressors import recipes
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
-from .reducer import NONFINITE_POLICIES, GroupState, Reducer, broadcast_tensors, config_digest
+from .reducer import GroupState, Reducer, broadcast_tensors, config_digest
+from .runtime.step import check_nonfinite_policy
 from .schedulers.base import Scheduler, SchedulerContext
 from .schedulers.fixed import FixedScheduler
 
@@ -69,8 +71,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             state stay as before it, a warning and :attr:`skipped_steps` say so; AMP's
             ``GradScaler`` then skips as usual), ``"raise"``, or ``"off"`` (unchecked, as DDP).
         backend: a collective backend; the torch.distributed default group if omitted.
-        fusion_num, scheduler, plan, compress: the older ways to say ``schedule`` (and
-            ``compress=False`` for ``compressor="none"``); still accepted, with a warning.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -85,11 +85,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  find_unused_parameters: bool = False,
                  initial_sync: str = "broadcast",
                  nonfinite: str = "skip",
-                 backend: Optional[Backend] = None,
-                 fusion_num: Optional[int] = None,
-                 scheduler: Union[None, str, Scheduler] = None,
-                 plan: Optional[Plan] = None,
-                 compress: Optional[bool] = None):
+                 backend: Optional[Backend] = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
@@ -98,11 +94,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if initial_sync not in ("broadcast", "check"):
             raise ValueError(f"initial_sync must be 'broadcast' (copy rank 0's model to every rank) or "
                              f"'check' (require equal models), got {initial_sync!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        check_nonfinite_policy(nonfinite)  # before any collective
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        schedule, compressor = _resolve_schedule(schedule, fusion_num, scheduler, plan, compress, compressor)
+        schedule = _check_schedule(schedule)
         super().__init__(optimizer.param_groups, optimizer.defaults)
         # Share, do not copy: LR schedulers and checkpoints act on the wrapped optimizer.
         self.optimizer = optimizer
@@ -146,8 +141,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._scheduler_context = SchedulerContext(self.reducer, self.optimizer, self.backend, self.compressor,
                                                    self.communicator.memory, self.communicator)
         self._last_step_end: Optional[float] = None
-        self._legacy_listeners: Dict[str, Any] = {}
-        self._joined = False
 
     # ------------------------------------------------------------------ construction --
     def _check_same_model(self, params: List[Tuple[str, torch.nn.Parameter]]) -> None:
@@ -266,20 +259,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """See :meth:`mergecomp.reducer.Reducer.set_plan`."""
         self.reducer.set_plan(plan)
 
-    # Older code assigned single listeners; each assignment replaces the previous one.
-    def _set_legacy_listener(self, kind: str, callback) -> None:
-        old = self._legacy_listeners.pop(kind, None)
-        if old is not None:
-            old[1].remove()
-        if callback is not None:
-            add = self.reducer.add_ready_listener if kind == "ready" else self.reducer.add_phase_listener
-            self._legacy_listeners[kind] = (callback, add(callback))
-
-    ready_listener = property(lambda self: self._legacy_listeners.get("ready", (None,))[0],
-                              lambda self, cb: self._set_legacy_listener("ready", cb))
-    phase_listener = property(lambda self: self._legacy_listeners.get("phase", (None,))[0],
-                              lambda self, cb: self._set_legacy_listener("phase", cb))
-
     # -------------------------------------------------------------------------- step --
     def synchronize(self) -> None:
         """Finish the exchange and write the averaged gradients into ``p.grad``.
@@ -289,13 +268,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradients count as zero).
         """
         self.reducer.synchronize()
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Kept for scripts written for older versions (``synchronize()``, clip, then
-        ``step()`` inside this block); the exchange now finishes with backward, so it
-        changes nothing."""
-        yield
 
     def step(self, closure=None):
         """Apply the averaged gradients with the wrapped optimizer's ``step()``.
@@ -343,30 +315,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         has ended.  Averages are over all ranks (a rank that has joined contributes zero).
         """
         reducer = self.reducer
-        reducer.joining = True
-        try:
+        with reducer.joined():
             yield
-        except BaseException:
-            reducer.joining = False
-            raise
-        try:
-            while True:
+            try:
+                while True:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    outcome = reducer.synchronize(active=False)
+                    if outcome.active_ranks == 0:
+                        reducer.step_done(applied=False)
+                        break
+                    self.step()
+            finally:
                 self.optimizer.zero_grad(set_to_none=True)
-                outcome = reducer.synchronize(active=False)
-                if outcome.active_ranks == 0:
-                    reducer.step_done(applied=False)
-                    break
-                self.step()
-        finally:
-            reducer.joining = False
-            self.optimizer.zero_grad(set_to_none=True)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer; its trainable parameters are exchanged
         from the next backward on.  Call it on every rank alike, between steps."""
         if not hasattr(self, "optimizer"):  # torch.optim.Optimizer.__init__ building the groups
             return super().add_param_group(param_group)
-        if self.reducer._in_iteration():
+        if self.reducer.in_iteration():
             raise RuntimeError("add_param_group() must be called between steps, not during backward")
         self.optimizer.add_param_group(param_group)
         self._take_in_new_parameters()
@@ -425,7 +392,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.reducer.zero_grad_called()
-        if not self.reducer._in_iteration():
+        if not self.reducer.in_iteration():
             self._take_in_new_parameters()
 
     # -------------------------------------------------------------------------- state --
@@ -473,12 +440,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         file (when read with :func:`mergecomp.load`), and leaves this optimizer as it was.
         """
         reducer = self.reducer
-        if reducer._in_iteration():
+        if reducer.in_iteration():
             raise RuntimeError("load_state_dict() must be called between steps, not during backward")
         if "mergecomp" not in state_dict:  # a plain optimizer checkpoint
             self.optimizer.load_state_dict(state_dict)
             self._share_inner()
-            reducer.loaded = _state_digest(self.optimizer.state_dict())
+            reducer.note_loaded(_state_digest(self.optimizer.state_dict()))
             return
         ours = state_dict["mergecomp"]
         plan = None
@@ -492,9 +459,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.communicator.load_state_dict(ours.get("communicator", {}))
             if ours.get("epoch") is not None:
                 reducer.set_epoch(int(ours["epoch"]))
-        reducer.steps = int(ours.get("steps", 0))
-        reducer.loaded = _state_digest(state_dict["optimizer"], ours.get("config"), ours.get("steps"))
-        reducer.synchronized = False
+        reducer.note_loaded(_state_digest(state_dict["optimizer"], ours.get("config"), ours.get("steps")),
+                            steps=int(ours.get("steps", 0)))
 
     def _checked_compression_state(self, ours: Dict[str, Any]) -> Optional[Plan]:
         """Every check of the checkpoint's compression state, before anything changes:
@@ -591,41 +557,21 @@ def _named_in_optimizer(optimizer, names: Dict[int, str]) -> List[Tuple[str, tor
     return [(names.get(id(p), f"param.{i}"), p) for i, p in enumerate(in_optimizer)]
 
 
-def _resolve_schedule(schedule, fusion_num, scheduler, plan, compress, compressor):
-    """The one ``schedule`` from it or the older arguments; contradictions are errors."""
-    older = {k: v for k, v in (("fusion_num", fusion_num), ("scheduler", scheduler), ("plan", plan))
-             if v is not None}
-    if len(older) > 1 or (older and schedule is not None):
-        given = sorted(older) + (["schedule"] if schedule is not None else [])
-        raise ValueError(f"{' and '.join(given)} each say how groups are formed; pass one: "
-                         "schedule=<fusion-num int | scheduler name | Scheduler | Plan>")
-    if older:
-        (name, value), = older.items()
-        warnings.warn(f"DistributedOptimizer({name}=...) is deprecated: pass schedule={value!r}",
-                      DeprecationWarning, stacklevel=3)
-        schedule = value
+def _check_schedule(schedule: Optional[Schedule]) -> Schedule:
+    """The schedule, or the default when None; a value of another kind is an error."""
     if schedule is None:
-        schedule = DEFAULT_SCHEDULE
+        return DEFAULT_SCHEDULE
     if isinstance(schedule, bool) or not isinstance(schedule, (int, str, Scheduler, Plan)):
         raise TypeError(f"schedule must be a fusion-num (int), a scheduler name, a Scheduler or a Plan, "
                         f"got {schedule!r}")
     if isinstance(schedule, int) and schedule < 0:
         raise ValueError(f"schedule as a fusion-num must be ≥ 0 (0 layer-wise, 1 one group, y groups), "
                          f"got {schedule}")
-    if compress is not None:
-        warnings.warn("DistributedOptimizer(compress=...) is deprecated: pass compressor='none' for "
-                      "uncompressed training", DeprecationWarning, stacklevel=3)
-        if not compress:
-            name = compressor if isinstance(compressor, str) else getattr(compressor, "name", None)
-            if name not in ("none", "fp32"):
-                raise ValueError(f"compress=False contradicts compressor={compressor!r}: drop compress "
-                                 "and pass compressor='none' for uncompressed training")
-    return schedule, compressor
+    return schedule
 
 
 def _state_digest(*parts: Any) -> str:
     """A digest of loaded state that is equal on ranks that loaded equal files."""
-    import zlib
 
     def fold(value) -> str:
         if isinstance(value, torch.Tensor):

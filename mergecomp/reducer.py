@@ -1,9 +1,10 @@
 """The Reducer: runs a plan's exchange during backward and writes the averages into ``p.grad``.
 
-This is the integration, top to bottom.  :class:`~mergecomp.optimizer.DistributedOptimizer`
-is a thin facade over it (it adds the wrapped optimizer's ``step``); the DDP communication
-hook (:mod:`mergecomp.ddp`) shares its pieces that do not depend on autograd hooks: the
-communicators, the per-step agreement (:mod:`mergecomp.agreement`) and commit/rollback.
+The wrapper's entry point into the step lifecycle (:mod:`mergecomp.runtime.step`, which
+the DDP hook shares): what is particular to autograd hooks and plans lives here, what every
+step does (preflight, launching, finishing, the outcome, commit or rollback, the non-finite
+policy, the messages) lives there.  :class:`~mergecomp.optimizer.DistributedOptimizer` is a
+thin facade over this class (it adds the wrapped optimizer's ``step``).
 
 1. Construction registers a post-accumulate-grad hook on every trainable parameter.
 2. First iteration (recording): the hooks only note the order in which gradients become
@@ -13,44 +14,38 @@ communicators, the per-step agreement (:mod:`mergecomp.agreement`) and commit/ro
    allreduce of a hash of what ranks must agree on: the plan, the step, the epoch, the
    configuration) and queues a callback for the end of backward.  When the last gradient
    of a group is ready (after ``backward_passes_per_step`` passes), its gradients are
-   copied into the group's flat buffer and the communicator starts compress + collective
-   asynchronously, while backward continues; the first group waits for the preflight
-   first, so a disagreement is an error on every rank instead of a mismatched collective.
+   copied into the group's flat buffer and the lifecycle launches it (compress +
+   collective, asynchronously) while backward continues.
    Groups launch strictly in plan order — a group that completes early waits for the ones
    before it — so every rank issues the same collectives in the same order even when a
    parameter gets no gradient on some rank.  A parameter the plan slices completes one
    piece of each group it is in.
 4. When backward ends (on the last of ``backward_passes_per_step`` passes), whatever is
-   left is launched (missing gradients count as zero), the groups are finished in launch
-   order, one small allreduce settles the step's outcome (was any rank's gradient, or the
-   average, NaN or Inf? how many ranks are still training, for ``join``?), and then either
-   the averages are written into ``p.grad`` and compressor/memory state is committed, or
-   every ``p.grad`` is set to NaN and the state rolled back.  So, as under DDP, ``p.grad``
-   holds the averaged gradient as soon as ``backward()`` returns: clipping it and AMP's
-   ``GradScaler`` (which skips ``step()`` on NaN/Inf) work unchanged.
+   left is launched (missing gradients count as zero) and the lifecycle ends the step: the
+   groups finish in launch order, the ranks settle the outcome, state is committed or
+   rolled back, and each average (NaN for a dropped step) is written into ``p.grad``.  So,
+   as under DDP, ``p.grad`` holds the averaged gradient as soon as ``backward()`` returns:
+   clipping it and AMP's ``GradScaler`` (which skips ``step()`` on NaN/Inf) work unchanged.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
-import warnings
 import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import communicators, compressors
-from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
+from .agreement import StepOutcome
 from .backends import Backend
-from .communicators.base import Communicator, Handle
-from .compressors.base import GroupLayout, ParamView, accepts_keyword
+from .communicators.base import Communicator
+from .compressors.base import GroupLayout, ParamView
 from .plan import Group, ParamInfo, Plan
 from .regroup import Layout, regroup_state
+from .runtime.step import InFlight, Listeners, StepLifecycle
 from .schedulers.base import Scheduler
-
-#: What a non-finite step does: skip it on every rank (default), raise, or go unchecked.
-NONFINITE_POLICIES = ("skip", "raise", "off")
 
 
 class GroupState:
@@ -78,9 +73,6 @@ class GroupState:
         self.layout: GroupLayout = tuple(views)
         self.buffer: Optional[torch.Tensor] = None
         self.remaining = 0
-        self.handle: Optional[Handle] = None
-        #: This rank's input was NaN/Inf (0-d bool tensor), for compressed groups.
-        self.local_nonfinite: Optional[torch.Tensor] = None
 
     def gather(self) -> torch.Tensor:
         """Copy the parameters' gradients into the flat buffer (zeros where there is none)."""
@@ -115,25 +107,6 @@ class GroupState:
             "(model.to(...)), then build the optimizer and DistributedOptimizer around it.")
 
 
-class _Listeners:
-    """Callbacks with removable handles (like ``torch.nn.Module`` hooks)."""
-
-    def __init__(self):
-        self._callbacks: Dict[int, Callable] = collections.OrderedDict()
-
-    def add(self, callback: Callable) -> RemovableHandle:
-        handle = RemovableHandle(self._callbacks)
-        self._callbacks[handle.id] = callback
-        return handle
-
-    def __bool__(self) -> bool:
-        return bool(self._callbacks)
-
-    def __call__(self, *args) -> None:
-        for callback in list(self._callbacks.values()):
-            callback(*args)
-
-
 class Reducer:
     """Runs the exchange of ``named_params``' gradients by a plan, from autograd hooks.
 
@@ -147,11 +120,8 @@ class Reducer:
         plan: a fixed plan.
         backward_passes_per_step: gradient accumulation: backward passes per step.
         find_unused_parameters: keep ``grad = None`` for a parameter no rank used.
-        nonfinite: ``"skip"`` (a step whose gradient is NaN/Inf on any rank, or whose
-            average is, is dropped on every rank: ``p.grad`` becomes NaN, compressor and
-            memory state stay as before it, a counter and a warning say so), ``"raise"``
-            (:class:`~mergecomp.agreement.NonFiniteGradient` on every rank), or ``"off"``
-            (no checks, no extra collective: as DDP).
+        nonfinite: the policy for a step whose gradient is NaN/Inf on some rank
+            (:data:`~mergecomp.runtime.step.NONFINITE_POLICIES`, applied by the lifecycle).
         config: what ranks must agree on about the configuration (checked every step).
     """
 
@@ -159,9 +129,6 @@ class Reducer:
                  backend: Backend, scheduler: Scheduler, plan: Optional[Plan] = None,
                  backward_passes_per_step: int = 1, find_unused_parameters: bool = False,
                  nonfinite: str = "skip", config: str = ""):
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}: "
-                             "'skip' drops a NaN/Inf step on every rank, 'raise' stops, 'off' does not check")
         self.params = list(named_params)
         if not self.params:
             raise ValueError("no trainable parameters to exchange: every parameter has requires_grad=False")
@@ -173,10 +140,8 @@ class Reducer:
         self.scheduler = scheduler
         self.backward_passes_per_step = backward_passes_per_step
         self.find_unused_parameters = find_unused_parameters
-        self.nonfinite = nonfinite
         self.config = config
-        self.agreement = StepAgreement(backend, self.device)
-        self._raw_communicators: Dict[str, Communicator] = {}
+        self.lifecycle = StepLifecycle(communicator, backend, self.facts, nonfinite)
 
         self.plan: Optional[Plan] = None
         self.groups: List[GroupState] = []
@@ -186,14 +151,11 @@ class Reducer:
         self._next_launch = 0
         self._backward_passes = 0
         self._in_backward = False
-        self._preflight = None  # the step's preflight Work, until checked
-        self._preflight_checked = False
         #: True once this step's averages are in ``p.grad`` (until the next backward).
         self.synchronized = False
         self._awaiting_step = False
         self._written: Dict[str, torch.Tensor] = {}
-        self._in_step = False
-        #: Steps applied (counted by the owner through :meth:`step_applied`).
+        #: Steps applied (counted by the owner through :meth:`step_done`).
         self.steps = 0
         #: The epoch set by :meth:`set_epoch`, None before (part of what ranks must agree on).
         self.epoch: Optional[int] = None
@@ -201,16 +163,12 @@ class Reducer:
         self.loaded = ""
         #: Parameters taken in after construction (:meth:`add_params`), in order.
         self.added: List[str] = []
-        #: Steps dropped because a gradient was non-finite.
-        self.skipped_steps = 0
         #: Inside ``join()`` (on every rank): each step says how many ranks still train.
         self.joining = False
         self.last_outcome: Optional[StepOutcome] = None
         #: Seconds the last synchronisation took (finishing groups, outcome, write-back).
         self.last_sync_time = 0.0
-        self.ready_listeners = _Listeners()
-        self.phase_listeners = _Listeners()
-        self.step_listeners = _Listeners()
+        self.ready_listeners = Listeners()
         if plan is not None:
             self.install_plan(plan, check_ranks=True)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
@@ -231,22 +189,27 @@ class Reducer:
         handle to stop."""
         return self.ready_listeners.add(callback)
 
-    def add_phase_listener(self, callback: Callable[[str, GroupState, float], None]) -> RemovableHandle:
+    def add_phase_listener(self, callback: Callable[[str, InFlight, float], None]) -> RemovableHandle:
         """Call ``callback(phase, group, seconds)`` after each group's ``"launch"`` (gather,
         memory, compression, collective start) and ``"finish"`` (decode, aggregate, average,
         write-back, after the collective is done); ``group`` has ``index``, ``send``,
         ``numel``.  Timing only."""
-        return self.phase_listeners.add(callback)
+        return self.lifecycle.phase_listeners.add(callback)
 
     def add_step_listener(self, callback: Callable[[int, StepOutcome], None]) -> RemovableHandle:
         """Call ``callback(step, outcome)`` when a step's exchange is settled (committed or
         dropped, before a ``NonFiniteGradient`` is raised); with phase listeners attached,
         each group also has ``wait_seconds`` (blocked on its collective) by then."""
-        return self.step_listeners.add(callback)
+        return self.lifecycle.step_listeners.add(callback)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped because a gradient was non-finite."""
+        return self.lifecycle.skipped_steps
 
     def communicators(self) -> List[Communicator]:
         """Every communicator this reducer sends with (compressed, then raw widths)."""
-        return [self.communicator] + list(self._raw_communicators.values())
+        return self.lifecycle.communicators()
 
     def facts(self) -> Dict[str, Any]:
         """What every rank must agree on before a step's exchange (see mergecomp.agreement)."""
@@ -265,7 +228,7 @@ class Reducer:
         device), so the planned groups and their error-feedback state stay as they are;
         the next step's preflight checks that every rank took in the same parameters.
         """
-        if self._in_iteration():
+        if self.in_iteration():
             raise RuntimeError("parameters can be added between steps only, not during backward")
         named = [(n, p) for n, p in named_params if n not in self.position]
         if not named:
@@ -284,23 +247,6 @@ class Reducer:
             self.install_plan(Plan(list(self.plan.groups) + [Group(tuple(names)) for names in kinds.values()]))
 
     # ------------------------------------------------------------------------ planning --
-    def raw_communicator(self, send: str) -> Communicator:
-        """Allreduce with a cast for raw groups, sharing the memory of compressed groups.
-
-        Sharing keeps error feedback whole when a plan turns a compressed group raw (the
-        residual goes out with the next raw send) and keeps memory-side momentum (DGC)
-        for raw groups.
-        """
-        if send not in self._raw_communicators:
-            wire = "none" if send == "fp32" else send
-            self._raw_communicators[send] = communicators.create(
-                "allreduce", compressor=compressors.create(wire),
-                memory=self.communicator.memory, backend=self.backend)
-        return self._raw_communicators[send]
-
-    def _communicator_for(self, group: GroupState) -> Communicator:
-        return self.communicator if group.send == "compress" else self.raw_communicator(group.send)
-
     def _make_plan(self) -> Plan:
         """Rank 0 plans from its recorded backward order; every rank receives that plan."""
         plan = None
@@ -349,7 +295,7 @@ class Reducer:
         :class:`~mergecomp.regroup.CannotRegroup`, changing nothing, when some state cannot
         move (PowerSGD's matrices, PS shard residuals): keep the current plan then.
         """
-        if self._in_iteration():
+        if self.in_iteration():
             raise RuntimeError("set_plan() must be called between steps (after backward has "
                                "finished and before the next one), not in the middle of an iteration")
         plan.validate((n for n, _ in self.params), self.numels)
@@ -362,14 +308,13 @@ class Reducer:
         self.install_plan(plan)
         self.communicator.load_state_dict(moved)
 
-    def _in_iteration(self) -> bool:
+    def in_iteration(self) -> bool:
+        """Whether a step's exchange is under way (between its first gradient and its end)."""
         return any(self._passes.values()) or self._next_launch > 0 or self._in_backward
 
     def _reset_iteration(self) -> None:
         for group in self.groups:
             group.remaining = len(group.members) * self.backward_passes_per_step
-            group.handle = None
-            group.local_nonfinite = None
         for name in self._passes:
             self._passes[name] = 0
         self._next_launch = 0
@@ -422,8 +367,8 @@ class Reducer:
         self._written = {}
         self.synchronized = False
         self._in_backward = True
-        if self._backward_passes == 0 and self._preflight is None and not self._preflight_checked:
-            self._start_preflight()
+        if self._backward_passes == 0 and not self.lifecycle.in_step:
+            self.lifecycle.begin(self.steps, self.device)
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
@@ -433,41 +378,18 @@ class Reducer:
         if self._backward_passes >= self.backward_passes_per_step:
             self.synchronize()
 
-    def _start_preflight(self) -> None:
-        """The step's first collective: mark the step in the progress beacons (so a rank
-        that falls behind is named if a collective times out), then the preflight."""
-        self.backend.mark_step(self.steps)
-        self._preflight = self.agreement.preflight(self.facts())
-
-    def _check_preflight(self) -> None:
-        if self._preflight is not None:
-            work, self._preflight = self._preflight, None
-            self._preflight_checked = True
-            self.agreement.check(work, self.facts(), f"at step {self.steps}")
-
     def _launch_ready_groups(self) -> None:
         """Launch complete groups in plan order; stop at the first incomplete one."""
         while self._next_launch < len(self.groups) and self.groups[self._next_launch].remaining == 0:
             self._launch(self.groups[self._next_launch])
 
     def _launch(self, group: GroupState) -> None:
-        self._check_preflight()
-        listening = bool(self.phase_listeners)
-        started = time.perf_counter() if listening else 0.0
-        buffer = group.gather()
-        if group.send == "compress" and self.nonfinite != "off":
-            # A compressor must never see a NaN (a sparsifier could drop it, an SVD would
-            # fail, error feedback would keep it): flag it and send zeros; the step is dropped.
-            group.local_nonfinite = nonfinite_flag(buffer)
-            zero_if(buffer, group.local_nonfinite)
-        communicator = self._communicator_for(group)
+        started = time.perf_counter()
         # The buffer is ours and not read after the launch: lend it for the result.
-        lend = {"in_place": True} if accepts_keyword(communicator.start, "in_place") else {}
-        group.handle = communicator.start(buffer, group.name, group.layout, **lend)
+        self.lifecycle.launch(group.index, group.gather(), group.layout, group.send, lend=True, owner=group,
+                              since=started)
         group.remaining = -1  # launched
         self._next_launch += 1
-        if listening:
-            self.phase_listeners("launch", group, time.perf_counter() - started)
 
     # -------------------------------------------------------------------------- step --
     @torch.no_grad()
@@ -481,99 +403,39 @@ class Reducer:
         if self.synchronized:
             return self.last_outcome
         started = time.perf_counter()
-        self._in_step = True
-        dropped = None
         try:
-            if self._preflight is None and not self._preflight_checked:  # no backward launched it
-                self._start_preflight()
+            if not self.lifecycle.in_step:  # no backward began it
+                self.lifecycle.begin(self.steps, self.device)
             if self.plan is None:
-                self._check_preflight()
+                self.lifecycle.check_preflight()
                 self.install_plan(self._make_plan())
             while self._next_launch < len(self.groups):
                 self._launch(self.groups[self._next_launch])
-            self._check_preflight()  # a plan with no groups launched none
-            averages = self._finish_groups()
-            outcome = self._agree(averages, active)
-            if outcome.finite and outcome.active_ranks > 0:
-                for group, averaged in zip(self.groups, averages):
-                    self._write_back(group, averaged, outcome.used)
-                for communicator in self.communicators():
-                    communicator.commit()
-            else:
-                for communicator in self.communicators():
-                    communicator.rollback()
-                if not outcome.finite:
-                    dropped = self._drop_step(outcome)
+            used = self._used_map() if self.find_unused_parameters else None
+            outcome = self.lifecycle.end_step(self._write_back, active=active, used=used, joining=self.joining)
         finally:
-            self._in_step = False
-            self._preflight = None
-            self._preflight_checked = False
+            self.lifecycle.discard_step()
         self._reset_iteration()
         self.synchronized = True
         self._awaiting_step = True
         self.last_outcome = outcome
         self.last_sync_time = time.perf_counter() - started
-        if self.step_listeners:
-            self.step_listeners(self.steps, outcome)
-        if dropped is not None:
-            # Raised once the step is closed: a caller that catches it can zero_grad() and
-            # go on, as after a warning.
-            raise dropped
+        # Last, once the step is closed: a caller that catches a NonFiniteGradient can
+        # zero_grad() and go on, as after a warning.
+        self.lifecycle.close_step()
         return outcome
-
-    def _finish_groups(self) -> List[torch.Tensor]:
-        averages = []
-        listening = bool(self.phase_listeners)
-        for group in self.groups:
-            finishing = time.perf_counter() if listening else 0.0
-            if listening and group.handle.rounds is None:
-                group.handle.work.wait()  # timing only: finish() would wait here anyway
-                group.wait_seconds = time.perf_counter() - finishing
-                finishing = time.perf_counter()
-            averages.append(self._communicator_for(group).finish(group.handle))
-            if listening:
-                group.finish_seconds = time.perf_counter() - finishing
-        return averages
-
-    def _agree(self, averages: List[torch.Tensor], active: bool) -> StepOutcome:
-        """One small allreduce: non-finite flags, ranks still training, the used-map."""
-        used = self._used_map() if self.find_unused_parameters else None
-        if self.nonfinite == "off":
-            if used is None and not self.joining:
-                return StepOutcome([], False, self.backend.size if active else 0)
-            return self.agreement.outcome(None, None, active, used)
-        local = [g.local_nonfinite for g in self.groups if g.local_nonfinite is not None]
-        local_flag = torch.stack(local).any() if local else None
-        averaged_flag = torch.stack([nonfinite_flag(a) for a in averages]).any() if averages else None
-        return self.agreement.outcome(local_flag, averaged_flag, active, used)
 
     def _used_map(self) -> torch.Tensor:
         """1 where this rank has a gradient, per parameter, on the parameters' device."""
         used = torch.tensor([p.grad is not None for _, p in self.params], dtype=torch.float32)
         return used.to(self.device)
 
-    def _drop_step(self, outcome: StepOutcome) -> Optional[NonFiniteGradient]:
-        """Every rank: ``p.grad`` becomes NaN (so GradScaler and the caller see the step is
-        bad), the count goes up, and the policy warns or returns the error to raise once
-        the step is closed."""
-        self.skipped_steps += 1
-        for group in self.groups:
-            for name, p, _, _ in group.members:
-                if p.grad is None:
-                    p.grad = torch.full_like(p, float("nan"))
-                else:
-                    p.grad.fill_(float("nan"))
-                self._written[name] = p.grad
-        message = (f"step {self.steps}: {outcome.describe()}; the step was dropped on every rank "
-                   f"(p.grad is NaN, compressor and error-feedback state are as before the step)")
-        if self.nonfinite == "raise":
-            return NonFiniteGradient(message + "; call zero_grad() before the next backward to go on")
-        warnings.warn(f"mergecomp: {message}; {self.skipped_steps} step(s) dropped so far "
-                      "(nonfinite='raise' stops instead)", RuntimeWarning, stacklevel=3)
-        return None
+    def _write_back(self, flight: InFlight, averaged: torch.Tensor, outcome: StepOutcome) -> None:
+        """Hand the averaged gradient to the parameters (the lifecycle's ``deliver``).
 
-    def _write_back(self, group: GroupState, averaged: torch.Tensor, used: Optional[torch.Tensor]) -> None:
-        """Hand the averaged gradient to the parameters.
+        A dropped step's average is NaN and goes to every parameter of the group, so the
+        caller and ``GradScaler`` see the step is bad; a step in which no rank trains any
+        more (the end of ``join``) writes nothing.
 
         A raw group is averaged in place in its own flat buffer, which nothing touches
         until the next step's gather: each ``p.grad`` becomes a view of its part, saving a
@@ -588,8 +450,10 @@ class Reducer:
         copied into its part of ``p.grad`` (every group is gathered before the first is
         written back, so no group reads another's average).
         """
-        listening = bool(self.phase_listeners)
-        started = time.perf_counter() if listening else 0.0
+        if outcome.finite and outcome.active_ranks == 0:
+            return
+        group: GroupState = flight.owner
+        used = outcome.used if outcome.finite else None
         flat = averaged.reshape(-1)
         own_buffer = group.buffer is not None and flat.data_ptr() == group.buffer.data_ptr() \
             and flat.numel() == group.buffer.numel()
@@ -619,9 +483,24 @@ class Reducer:
                 else:
                     p.grad.copy_(value)
             self._written[name] = p.grad
-        if listening:
-            seconds = getattr(group, "finish_seconds", 0.0) + time.perf_counter() - started
-            self.phase_listeners("finish", group, seconds)
+
+    @contextlib.contextmanager
+    def joined(self):
+        """Inside ``join()`` (on every rank): each step's outcome counts the ranks still
+        training, even with ``nonfinite="off"``."""
+        self.joining = True
+        try:
+            yield
+        finally:
+            self.joining = False
+
+    def note_loaded(self, digest: str, steps: Optional[int] = None) -> None:
+        """A checkpoint was loaded (between steps): ranks must have loaded alike (``digest``
+        joins the facts); ``steps``, when it holds a step count, continues it."""
+        self.loaded = digest
+        if steps is not None:
+            self.steps = steps
+            self.synchronized = False
 
     def zero_grad_called(self) -> None:
         """The owner's ``zero_grad()`` ran: a new backward pass is a new step."""
@@ -638,7 +517,7 @@ class Reducer:
     def set_epoch(self, epoch: int) -> None:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        if self._in_iteration():
+        if self.in_iteration():
             raise RuntimeError("set_epoch() must be called between steps, not during backward")
         self.epoch = epoch
         for component in (self.communicator.compressor, self.communicator.memory):

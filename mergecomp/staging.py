@@ -67,11 +67,6 @@ class StagedDict(MutableMapping):
         return sum(1 for _ in self)
 
     # -- the step's outcome --------------------------------------------------------------
-    @property
-    def dirty(self) -> bool:
-        """True when this step wrote something not yet committed or rolled back."""
-        return bool(self._pending)
-
     def is_pending(self, key) -> bool:
         """True when this step wrote ``key`` (a value no committed state holds)."""
         value = self._pending.get(key, self._DELETED)

@@ -168,7 +168,7 @@ class StepLog:
         self._skipped += 0 if outcome.finite else 1
         for group in self._groups:
             self._sums["wait_s"] += getattr(group, "wait_seconds", 0.0)
-            # a dropped step writes nothing back, so the wrapper reports no "finish" for it
+            # groups without a "finish" of their own count their decoding alone
             self._sums["decode_s"] += self._decoded.get(id(group), getattr(group, "finish_seconds", 0.0))
         self._groups, self._decoded = [], {}
         if self._steps >= self.every:

@@ -23,7 +23,7 @@ def adaptive_worker(rank, world_size, name):
         scheduler = mergecomp.schedulers.create("binary", steps=1, warmup=0)
     opt = mergecomp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
-        compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), scheduler=scheduler)
+        compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), schedule=scheduler)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
     # The user's own listeners: the scheduler adds its own beside them, never replaces them.
@@ -32,7 +32,7 @@ def adaptive_worker(rank, world_size, name):
     def on_phase(phase, group, seconds):
         if phase == "finish":
             finished.append(group.index)
-    opt.phase_listener = on_phase
+    phase_handle = opt.add_phase_listener(on_phase)
     ready_handle = opt.add_ready_listener(ready.append)
     losses, steps = [], 0
     while not (steps > 1 and scheduler.settled) and steps < 60:
@@ -47,12 +47,11 @@ def adaptive_worker(rank, world_size, name):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     total = steps + 5
-    assert opt.phase_listener is on_phase
     assert finished.count(0) == total and len(ready) == total * len(list(model.parameters()))
     # Once settled the scheduler has removed its listeners: the user's were the last.
-    opt.phase_listener = None
+    phase_handle.remove()
     ready_handle.remove()
-    assert not opt.reducer.phase_listeners and not opt.reducer.ready_listeners
+    assert not opt.reducer.lifecycle.phase_listeners and not opt.reducer.ready_listeners
     report = [(label, measured) for label, _, _, measured in scheduler.report] if name == "auto" else []
     if name == "auto":  # the same candidates' figures as timed, before the speed correction
         assert set(scheduler.as_timed) == {label for label, _ in report}
@@ -278,7 +277,7 @@ def restart_worker(rank, world_size):
     model = nn.Linear(3, 1)
     scheduler = Recording()
     opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                         scheduler=scheduler)
+                                         schedule=scheduler)
     for restart in (False, False, True, False):
         if restart:
             opt.restart_step_clock()

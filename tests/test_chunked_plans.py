@@ -194,8 +194,8 @@ def chunked_training_worker(rank, world_size):
     by_hand = Plan([Group(("2.bias", "2.weight", "0.bias", "0.weight"), "fp32", (None, (0, 10), None, (0, 100))),
                     Group(("2.weight", "0.weight"), "compress", ((10, 24), (100, 180))),
                     Group(("0.weight",), "fp16", ((180, 256),))])
-    return {"planned": train_wide(rank, 3, scheduler=planned),
-            "by hand": train_wide(rank, 3, plan=by_hand, compressor="none")}
+    return {"planned": train_wide(rank, 3, schedule=planned),
+            "by hand": train_wide(rank, 3, schedule=by_hand, compressor="none")}
 
 
 def test_training_with_sliced_groups_equals_one_process_on_all_batches():
@@ -226,7 +226,7 @@ def sliced_state_worker(rank, world_size):
     model = make_model()
     opt = mergecomp.DistributedOptimizer(
         make_optimizer("sgd", model), model.named_parameters(),
-        compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), fusion_num=2)
+        compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), schedule=2)
 
     def train(step):
         x, y = batch(step, rank)

@@ -44,7 +44,7 @@ def _train_every_compressor(rank, world_size, names):
         optimizer = mergecomp.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=lr), model.named_parameters(),
             compressor=compressor, memory=compressor.recommended_memory,
-            communicator=compressor.recommended_communicator, fusion_num=1)
+            communicator=compressor.recommended_communicator, schedule=1)
         loss_fn = torch.nn.MSELoss()
         with torch.no_grad():
             before = loss_fn(model(x_eval), y_eval).item()

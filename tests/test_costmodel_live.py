@@ -156,11 +156,11 @@ def listener_worker(rank, world_size, listen):
     plan = Plan([Group(("2.bias", "2.weight"), "compress"), Group(("0.bias", "0.weight"), "fp32")])
     opt = mergecomp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-        compressor=mergecomp.compressors.create("topk", compress_ratio=0.25), plan=plan)
+        compressor=mergecomp.compressors.create("topk", compress_ratio=0.25), schedule=plan)
     events = []
     if listen:
-        opt.phase_listener = lambda phase, group, seconds: events.append(
-            (phase, group.index, group.send, group.numel, seconds >= 0))
+        opt.add_phase_listener(lambda phase, group, seconds: events.append(
+            (phase, group.index, group.send, group.numel, seconds >= 0)))
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
         opt.zero_grad()

@@ -57,7 +57,7 @@ def equivalence_worker(rank, world_size):
     results = {}
     for kind in ("sgd", "adam"):
         for fusion in (0, 1, 2):
-            params, opt = train(rank, kind, 4, fusion_num=fusion)
+            params, opt = train(rank, kind, 4, schedule=fusion)
             results[(kind, fusion)] = (params, len(opt.plan))
     return results
 
@@ -97,7 +97,7 @@ def error_feedback_worker(rank, world_size):
     torch.testing.assert_close(total_sent + memory.residuals["g"], total_grad, rtol=1e-5, atol=1e-5)
     # And through the optimizer over the network: training proceeds and residuals exist.
     params, opt = train(rank, "sgd", 3, compressor=compressor, memory=memory, communicator="allgather",
-                        fusion_num=2)
+                        schedule=2)
     return [p.sum().item() for p in params], sorted(memory.residuals)
 
 
@@ -186,7 +186,7 @@ def edge_case_worker(rank, world_size):
     # hooks path (not just the recording iteration) runs.
     model = Branchy()
     base = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = mergecomp.DistributedOptimizer(base, model.named_parameters(), fusion_num=0)
+    opt = mergecomp.DistributedOptimizer(base, model.named_parameters(), schedule=0)
     frozen_before = model.frozen.weight.clone()
     for step in range(3):
         x, y = batch(step, rank)
@@ -200,7 +200,7 @@ def edge_case_worker(rank, world_size):
     # Gradient accumulation: 2 backward passes per step over half batches.
     model = make_model()
     opt = mergecomp.DistributedOptimizer(make_optimizer("sgd", model), model.named_parameters(),
-                                         fusion_num=2, backward_passes_per_step=2)
+                                         schedule=2, backward_passes_per_step=2)
     for step in range(3):
         x, y = batch(step, rank)
         opt.zero_grad()
@@ -248,16 +248,15 @@ def grad_view_worker(rank, world_size):
     for set_to_none in (True, False):
         model = make_model()
         opt = mergecomp.DistributedOptimizer(make_optimizer("sgd", model), model.named_parameters(),
-                                             fusion_num=2, backward_passes_per_step=2)
+                                             schedule=2, backward_passes_per_step=2)
         for step in range(4):
             x, y = batch(step, rank)
             opt.zero_grad(set_to_none=set_to_none)
             for half in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
                 (nn.functional.mse_loss(model(x[half]), y[half]) / 2).backward()
-            opt.synchronize()
+            opt.synchronize()  # a no-op: backward has written the averages
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # in place on the views
-            with opt.skip_synchronize():
-                opt.step()
+            opt.step()
         buffers = [g.buffer for g in opt.reducer.groups]
         results[set_to_none] = {
             "params": [p.detach().clone() for p in model.parameters()],
@@ -280,7 +279,7 @@ def test_raw_groups_write_back_views_of_their_buffer():
 def find_unused_worker(rank, world_size):
     model = Branchy()
     opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         model.named_parameters(), fusion_num=2,
+                                         model.named_parameters(), schedule=2,
                                          find_unused_parameters=True)
     for step in range(2):
         x, y = batch(step, rank)
@@ -300,7 +299,7 @@ def state_worker(rank, world_size, mode, blob):
     opt = mergecomp.DistributedOptimizer(
         make_optimizer("sgd", model), model.named_parameters(),
         compressor=mergecomp.compressors.create("randk", compress_ratio=0.3),
-        memory="residual", communicator="allreduce", fusion_num=2)
+        memory="residual", communicator="allreduce", schedule=2)
     steps = range(6) if mode == "full" else range(3) if mode == "first" else range(3, 6)
     if mode == "resume":
         saved = torch.load(io.BytesIO(blob[rank]), weights_only=False)
@@ -352,7 +351,7 @@ def bad_input_worker(rank, world_size):
     except ValueError as error:
         errors["allreduce_topk"] = str(error)
     try:
-        mergecomp.DistributedOptimizer(base, model.named_parameters(), fusion_num=-1)
+        mergecomp.DistributedOptimizer(base, model.named_parameters(), schedule=-1)
     except ValueError as error:
         errors["fusion"] = str(error)
     return errors
@@ -407,7 +406,7 @@ def set_plan_worker(rank, world_size):
     model = make_model()
     opt = mergecomp.DistributedOptimizer(
         make_optimizer("sgd", model), model.named_parameters(),
-        compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), fusion_num=2)
+        compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), schedule=2)
     for step in range(2):
         x, y = batch(step, rank)
         opt.zero_grad()

@@ -253,7 +253,7 @@ def training_worker(rank, world_size):
     model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                          model.named_parameters(), compressor="topk",
-                                         memory="residual", communicator="ps", fusion_num=2)
+                                         memory="residual", communicator="ps", schedule=2)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 10, generator=g)
     y = x.sum(1, keepdim=True) * 0.3

@@ -406,20 +406,13 @@ def test_the_fact_hash_check_is_exact_for_the_world_size():
     assert StepOutcome([], False, 2).finite and not StepOutcome([1], False, 2).finite
 
 
-def test_contradicting_schedule_arguments_are_refused():
-    model = make_model()
-    with pytest.raises(ValueError, match="fusion_num and scheduler each say how groups are formed"):
-        mergecomp.optimizer._resolve_schedule(None, 2, "auto", None, None, "none")
-    with pytest.raises(ValueError, match="compress=False contradicts compressor='topk'"):
-        with pytest.warns(DeprecationWarning):
-            mergecomp.optimizer._resolve_schedule(None, None, None, None, False, "topk")
-    with pytest.warns(DeprecationWarning, match="schedule=2"):
-        assert mergecomp.optimizer._resolve_schedule(None, 2, None, None, None, "none")[0] == 2
-    assert mergecomp.optimizer._resolve_schedule(None, None, None, None, None, "none")[0] == \
-        mergecomp.optimizer.DEFAULT_SCHEDULE
+def test_a_schedule_of_the_wrong_kind_is_refused():
+    assert mergecomp.optimizer._check_schedule(None) == mergecomp.optimizer.DEFAULT_SCHEDULE
+    assert mergecomp.optimizer._check_schedule(2) == 2
     with pytest.raises(TypeError, match="schedule must be"):
-        mergecomp.optimizer._resolve_schedule(2.5, None, None, None, None, "none")
-    del model
+        mergecomp.optimizer._check_schedule(2.5)
+    with pytest.raises(ValueError, match="fusion-num must be ≥ 0"):
+        mergecomp.optimizer._check_schedule(-1)
 
 
 def test_a_dtype_the_compressor_cannot_carry_is_refused_at_construction():

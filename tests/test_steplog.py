@@ -57,7 +57,8 @@ def wrapper_worker(rank, world_size, log_dir, tensorboard):
         _train(step, 5, rank, nan_at=2)
         handle.remove()
         _train(step, 1, rank)  # detached: no row
-    return optimizer.reducer.phase_listeners.__bool__() or optimizer.reducer.step_listeners.__bool__()
+    lifecycle = optimizer.reducer.lifecycle
+    return bool(lifecycle.phase_listeners) or bool(lifecycle.step_listeners)
 
 
 def hook_worker(rank, world_size, log_dir):

@@ -59,6 +59,8 @@ class Communicator:
         compressor.set_process_rank(getattr(backend, "rank", 0))
         self._layout_keyword = accepts_layout(compressor.rounds if compressor.multi_round
                                               else compressor.compress)
+        #: Whether ``rounds`` can write the sum into a lent buffer (asked once, not per group).
+        self._rounds_take_out = compressor.multi_round and accepts_keyword(compressor.rounds, "out")
 
     # -- the pipeline ----------------------------------------------------------------
     def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None,
@@ -73,7 +75,7 @@ class Communicator:
         """
         compensated = self.memory.compensate(tensor, name)
         if self.compressor.multi_round:
-            lent = in_place and tensor.is_contiguous() and accepts_keyword(self.compressor.rounds, "out")
+            lent = in_place and tensor.is_contiguous() and self._rounds_take_out
             rounds = self._encode(self.compressor.rounds, compensated, name, layout,
                                   **({"out": tensor.view(-1)} if lent else {}))
             request = next(rounds)

@@ -1,0 +1,304 @@
+"""One step's exchange, the same for every entry point.
+
+An entry point decides *which* flat buffers a step sends and *where* their averages go:
+the wrapper (:mod:`mergecomp.reducer`) gathers plan groups from autograd hooks and writes
+``p.grad``; the DDP hook (:mod:`mergecomp.ddp`) sends DDP's buckets and completes DDP's
+futures.  Everything between is here, in this order:
+
+1. :meth:`StepLifecycle.begin` at the step's first gradient: the step is marked in the
+   progress beacons (a rank that falls behind is named if a collective times out) and the
+   preflight is launched, a tiny allreduce of a hash of what ranks must agree on
+   (:mod:`mergecomp.agreement`).  Its latency hides behind backward.
+2. :meth:`StepLifecycle.launch`, once per group, in the same order on every rank: the first
+   launch waits for the preflight, so a disagreement is an error on every rank before any
+   payload travels; a compressed group's buffer is checked for NaN/Inf and zeroed (a
+   compressor must never see one); the communicator for the group's send mode starts it.
+3. :meth:`StepLifecycle.end_step`: every group is finished in launch order; one small
+   allreduce settles the outcome (any rank non-finite? the averages? ranks still training?
+   the used-map); every communicator commits or rolls back; a dropped step's averages
+   become NaN and are counted; the entry point's ``deliver`` hands each average on (timed
+   as the group's ``"finish"`` phase).
+4. :meth:`StepLifecycle.close_step`: the step listeners, then the warning or
+   :class:`~mergecomp.agreement.NonFiniteGradient` of a dropped step, raised once the
+   entry point has closed its step so that a caller who catches it can go on.
+"""
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .. import communicators, compressors, memories
+from ..agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
+from ..backends.base import Backend
+from ..communicators.base import Communicator, Handle
+from ..compressors.base import GroupLayout
+
+#: What a non-finite step does: skip it on every rank (default), raise, or go unchecked.
+NONFINITE_POLICIES = ("skip", "raise", "off")
+
+#: Send modes: the configured compressor, a cast for an allreduce (sharing the compressed
+#: groups' memory), or ``"exact"``: FP32 through a communicator without memory, for a group
+#: whose error-feedback state must stay where it is this step.
+SEND_MODES = ("compress", "fp32", "fp16", "bf16", "exact")
+
+
+def check_nonfinite_policy(nonfinite: Any) -> str:
+    """``nonfinite`` if it is a policy, else ValueError saying what each one does."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}: 'skip' "
+                         "drops a NaN/Inf step on every rank, 'raise' stops, 'off' does not check")
+    return nonfinite
+
+
+class Listeners:
+    """Callbacks with removable handles (like ``torch.nn.Module`` hooks)."""
+
+    def __init__(self):
+        self._callbacks: Dict[int, Callable] = collections.OrderedDict()
+
+    def add(self, callback: Callable) -> RemovableHandle:
+        handle = RemovableHandle(self._callbacks)
+        self._callbacks[handle.id] = callback
+        return handle
+
+    def __bool__(self) -> bool:
+        return bool(self._callbacks)
+
+    def __call__(self, *args) -> None:
+        for callback in list(self._callbacks.values()):
+            callback(*args)
+
+
+class InFlight:
+    """One group launched in this step: what finishing it needs, and what phase listeners see
+    (``index``, ``send``, ``numel``, ``handle``; ``wait_seconds`` and ``finish_seconds`` once
+    finished with listeners attached).  ``owner`` is the entry point's own record of it."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, send: str, communicator: Communicator,
+                 owner: Any):
+        self.index, self.buffer, self.send, self.owner = index, buffer, send, owner
+        self.name = f"group{index}"
+        self.numel = buffer.numel()
+        self.communicator = communicator
+        self.handle: Optional[Handle] = None
+        #: This rank's input was NaN/Inf (0-d bool tensor), for compressed groups.
+        self.local_nonfinite: Optional[torch.Tensor] = None
+        self.wait_seconds = 0.0
+        self.finish_seconds = 0.0
+
+
+#: ``deliver(flight, average, outcome)``: the entry point hands a finished group's average on.
+Deliver = Callable[[InFlight, torch.Tensor, StepOutcome], None]
+
+
+class StepLifecycle:
+    """One rank's steps: preflight, launches, ordered finishing, outcome, commit or rollback,
+    the non-finite policy, listeners and messages (see the module for the order).
+
+    An entry point supplies:
+
+    - ``communicator`` for compressed groups (raw widths get an allreduce sharing its memory)
+      and ``backend``;
+    - ``facts()``: what ranks must agree on before a step's exchange (plan digest, step,
+      epoch, configuration, loaded state), hashed by the preflight;
+    - per step: :meth:`begin` with the step number and the device of the parameters, then
+      :meth:`launch` for each group in an order that is the same on every rank (a flat
+      buffer it owns until the average is delivered, the per-parameter layout, the send
+      mode), then :meth:`end_step` with ``deliver``, then its own bookkeeping, then
+      :meth:`close_step`.
+
+    So an FSDP2 reduce-scatter would launch each unsharded gradient with a communicator that
+    scatters and deliver into the local shard; a low-communication outer step (DiLoCo) would
+    begin, launch its pseudo-gradients and end a step every H inner steps.  Neither copies
+    the agreement, the policy or commit/rollback.
+    """
+
+    def __init__(self, communicator: Communicator, backend: Backend,
+                 facts: Callable[[], Mapping[str, Any]], nonfinite: str = "skip"):
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        self.communicator = communicator
+        self.backend = backend
+        self._facts = facts
+        self._by_send: Dict[str, Communicator] = {"compress": communicator}
+        self.agreement: Optional[StepAgreement] = None
+        #: Steps dropped because a gradient was non-finite.
+        self.skipped_steps = 0
+        self.phase_listeners = Listeners()
+        self.step_listeners = Listeners()
+        self._step: Optional[int] = None  # the step begun, until its end
+        self._preflight = None  # its preflight Work, until checked
+        self._flights: List[InFlight] = []
+        self._settled: Optional[tuple] = None  # (step, outcome) between end_step and close_step
+
+    # -- communicators ---------------------------------------------------------------------------
+    def communicator_for(self, send: str) -> Communicator:
+        """The communicator of a send mode, built once.
+
+        Raw widths share the compressed groups' memory: error feedback stays whole when a
+        plan turns a compressed group raw (the residual goes out with the next raw send), and
+        memory-side momentum (DGC) goes on for raw groups.
+        """
+        if send not in self._by_send:
+            if send not in SEND_MODES:
+                raise ValueError(f"send mode must be one of {SEND_MODES}, got {send!r}")
+            exact = send == "exact"
+            self._by_send[send] = communicators.create(
+                "allreduce", compressor=compressors.create("none" if send in ("fp32", "exact") else send),
+                memory=memories.create("none") if exact else self.communicator.memory, backend=self.backend)
+        return self._by_send[send]
+
+    def communicators(self) -> List[Communicator]:
+        """Every communicator this rank sends with (compressed first, then the others)."""
+        return list(self._by_send.values())
+
+    # -- a step ----------------------------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        """Between :meth:`begin` and the end of :meth:`end_step`."""
+        return self._step is not None
+
+    def begin(self, step: int, device: torch.device) -> None:
+        """The step's first collective: mark it in the progress beacons, launch the preflight."""
+        if self.agreement is None:
+            self.agreement = StepAgreement(self.backend, device)
+        self._step = step
+        self.backend.mark_step(step)
+        self._preflight = self.agreement.preflight(self._facts())
+
+    def check_preflight(self) -> None:
+        """Wait for the preflight (once per step); on a disagreement every rank raises
+        :class:`~mergecomp.agreement.RanksDisagree` naming it."""
+        if self._preflight is not None:
+            work, self._preflight = self._preflight, None
+            self.agreement.check(work, self._facts(), f"at step {self._step}")
+
+    def launch(self, index: int, buffer: torch.Tensor, layout: Optional[GroupLayout], send: str = "compress",
+               *, lend: bool = False, owner: Any = None, since: Optional[float] = None) -> InFlight:
+        """Start group ``index``'s exchange of ``buffer`` (async) and return its record.
+
+        ``lend``: the caller does not read ``buffer`` after this, so the communicator may
+        write the average into it.  ``owner``: the caller's record of the group, handed back
+        with its average.  ``since``: ``time.perf_counter()`` when the caller began filling
+        ``buffer``, so the ``"launch"`` phase counts the gather too.
+        """
+        self.check_preflight()
+        listening = bool(self.phase_listeners)
+        started = since if since is not None else time.perf_counter() if listening else 0.0
+        flight = InFlight(index, buffer, send, self.communicator_for(send), owner)
+        if send == "compress" and self.nonfinite != "off":
+            # A compressor must never see a NaN (a sparsifier could drop it, an SVD would
+            # fail, error feedback would keep it): flag it and send zeros; the step is dropped.
+            flight.local_nonfinite = nonfinite_flag(buffer)
+            zero_if(buffer, flight.local_nonfinite)
+        flight.handle = flight.communicator.start(buffer, flight.name, layout, in_place=lend)
+        self._flights.append(flight)
+        if listening:
+            self.phase_listeners("launch", flight, time.perf_counter() - started)
+        return flight
+
+    def end_step(self, deliver: Deliver, *, active: bool = True, used: Optional[torch.Tensor] = None,
+                 joining: bool = False) -> StepOutcome:
+        """Finish the step's groups, settle its outcome with every rank, commit or roll back,
+        and ``deliver`` each average (NaN when the step is dropped).
+
+        ``active``: this rank still trains (False for a rank that ran out of data in
+        ``join``); ``used``: this rank's used-map (1 per parameter with a gradient), counted
+        over ranks into ``outcome.used``; ``joining``: inside ``join``, where the outcome's
+        count of active ranks is needed even with ``nonfinite="off"``.  Call
+        :meth:`close_step` when the entry point has closed its step.
+        """
+        flights, step = self._flights, self._step
+        try:
+            self.check_preflight()  # a step with no groups launched none
+            averages = [self._finish(flight) for flight in flights]
+            outcome = self._outcome(flights, averages, active, used, joining)
+            self._keep_or_forget(outcome)
+            if not outcome.finite:
+                self.skipped_steps += 1
+                for average in averages:
+                    average.fill_(float("nan"))
+            for flight, average in zip(flights, averages):
+                self._deliver(deliver, flight, average, outcome)
+        finally:
+            self.discard_step()
+        self._settled = (step, outcome)
+        return outcome
+
+    def close_step(self) -> None:
+        """The step listeners, then the policy's message for a dropped step: a warning
+        (``"skip"``) or :class:`~mergecomp.agreement.NonFiniteGradient` (``"raise"``)."""
+        if self._settled is None:
+            return
+        (step, outcome), self._settled = self._settled, None
+        if self.step_listeners:
+            self.step_listeners(step, outcome)
+        if outcome.finite:
+            return
+        message = (f"step {step}: {outcome.describe()}; the step was dropped on every rank "
+                   f"(p.grad is NaN, compressor and error-feedback state are as before the step)")
+        if self.nonfinite == "raise":
+            raise NonFiniteGradient(message + "; call zero_grad() before the next backward to go on")
+        warnings.warn(f"mergecomp: {message}; {self.skipped_steps} step(s) dropped so far "
+                      "(nonfinite='raise' stops instead)", RuntimeWarning, stacklevel=3)
+
+    def discard_step(self) -> None:
+        """Forget the step begun (after it ended, or after an error inside it)."""
+        self._step = None
+        self._preflight = None
+        self._flights = []
+
+    def restore(self, skipped_steps: int) -> None:
+        """Continue the count of dropped steps of a loaded checkpoint."""
+        self.skipped_steps = int(skipped_steps)
+
+    # -- the end of a step, piece by piece -------------------------------------------------------
+    def _finish(self, flight: InFlight) -> torch.Tensor:
+        """The group's average, timed for phase listeners (the wait for a single-round
+        collective apart from decoding)."""
+        if not self.phase_listeners:
+            return flight.communicator.finish(flight.handle).reshape(-1)
+        started = time.perf_counter()
+        if flight.handle.rounds is None:
+            flight.handle.work.wait()  # timing only: finish() would wait here anyway
+            flight.wait_seconds = time.perf_counter() - started
+            started = time.perf_counter()
+        average = flight.communicator.finish(flight.handle).reshape(-1)
+        flight.finish_seconds = time.perf_counter() - started
+        return average
+
+    def _outcome(self, flights: List[InFlight], averages: List[torch.Tensor], active: bool,
+                 used: Optional[torch.Tensor], joining: bool) -> StepOutcome:
+        """One small allreduce: non-finite flags, ranks still training, the used-map; none at
+        all with ``nonfinite="off"`` when neither ``join`` nor the used-map needs it."""
+        if self.nonfinite == "off":
+            if used is None and not joining:
+                return StepOutcome([], False, self.backend.size if active else 0)
+            return self.agreement.outcome(None, None, active, used)
+        local = [f.local_nonfinite for f in flights if f.local_nonfinite is not None]
+        local_flag = torch.stack(local).any() if local else None
+        averaged_flag = torch.stack([nonfinite_flag(a) for a in averages]).any() if averages else None
+        return self.agreement.outcome(local_flag, averaged_flag, active, used)
+
+    def _keep_or_forget(self, outcome: StepOutcome) -> None:
+        """Commit what the step wrote into compressor and memory state, or roll it back, in
+        every communicator (the same decision on every rank)."""
+        keep = outcome.finite and outcome.active_ranks > 0
+        for communicator in self.communicators():
+            if keep:
+                communicator.commit()
+            else:
+                communicator.rollback()
+
+    def _deliver(self, deliver: Deliver, flight: InFlight, average: torch.Tensor, outcome: StepOutcome) -> None:
+        if not self.phase_listeners:
+            deliver(flight, average, outcome)
+            return
+        started = time.perf_counter()
+        deliver(flight, average, outcome)
+        self.phase_listeners("finish", flight, flight.finish_seconds + time.perf_counter() - started)
+
