@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mergecomp
-from mergecomp import compressors, launch, memories
+from mergecomp import compressors, memories
+from mergecomp.runtime import launch
 from mergecomp.bench.harness import provenance
 from mergecomp.compressors import recipes
 

@@ -17,9 +17,13 @@ from .optimizer import DistributedOptimizer
 # mergecomp``); it imports nothing the optimizer does not already, so it costs little.
 from . import ddp  # noqa: E402
 from .plan import Group, ParamInfo, Plan
+from .runtime import launch
+from .runtime.agreement import NonFiniteGradient, RanksDisagree
+from .runtime.watchdog import CollectiveError, CollectiveTimeout, PeerLost
 from .steplog import StepLog
 
 __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "StepLog", "Plan", "Group", "ParamInfo", "compressors", "memories",
-           "communicators", "schedulers", "backends", "ddp", "checkpoint", "save", "load", "__version__"]
+           "communicators", "schedulers", "backends", "ddp", "checkpoint", "save", "load", "launch", "NonFiniteGradient", "RanksDisagree", "CollectiveError",
+           "CollectiveTimeout", "PeerLost", "__version__"]

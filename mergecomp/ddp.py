@@ -55,8 +55,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed
 
-from . import checkpoint, communicators, components, compressors, schedulers
-from .agreement import StepOutcome
+from . import checkpoint, communicators, arguments, compressors, schedulers
+from .runtime.agreement import StepOutcome
 from .backends import Backend
 from .communicators.base import Communicator
 from .communicators.ps import PSCommunicator
@@ -64,8 +64,8 @@ from .compressors import recipes
 from .compressors.base import Compressor, GroupLayout, ParamView
 from .memories.base import Memory
 from .plan import ParamInfo
-from .reducer import config_digest
-from .regroup import CannotRegroup, regroup_state
+from .runtime.reducer import config_digest
+from .runtime.regroup import CannotRegroup, regroup_state
 from .runtime.step import InFlight, StepLifecycle, check_nonfinite_policy
 
 __all__ = ["HookState", "hook", "register", "bucket_caps"]
@@ -130,7 +130,7 @@ class HookState:
             raise TypeError("HookState takes the communicator by name (e.g. 'allgather', with "
                             "communicator_options=...), so that the state can be pickled with a "
                             "checkpoint and rebuilt")
-        self.compressor, self.memory, self.communicator_name = components.resolve(compressor, memory, communicator)
+        self.compressor, self.memory, self.communicator_name = arguments.resolve(compressor, memory, communicator)
         self.communicator_options = dict(communicator_options or {})
         self.sends = list(sends) if sends is not None else None
         self.nonfinite = nonfinite
@@ -162,7 +162,7 @@ class HookState:
         refuse one with its own (ValueError), and a setting that contradicts the compressor's
         recipe warns (:class:`~mergecomp.compressors.recipes.RecipeWarning`).  Returns the
         recipe's advice, or None."""
-        components.vet_optimizer(optimizer, self.compressor, self.memory)
+        arguments.vet_optimizer(optimizer, self.compressor, self.memory)
         message = recipes.advice(self.compressor, optimizer, self.memory)
         if message is not None and message != self._advised:
             recipes.warn(message)
@@ -192,12 +192,12 @@ class HookState:
         self._steps_here = 0  # steps since this state was built, unpickled or loaded
 
     def add_phase_listener(self, callback):
-        """As the wrapper's (:meth:`mergecomp.reducer.Reducer.add_phase_listener`): the
+        """As the wrapper's (:meth:`mergecomp.runtime.reducer.Reducer.add_phase_listener`): the
         ``"launch"`` of each bucket and its ``"finish"`` (waits timed apart)."""
         return self.lifecycle.phase_listeners.add(callback)
 
     def add_step_listener(self, callback):
-        """As the wrapper's (:meth:`mergecomp.reducer.Reducer.add_step_listener`)."""
+        """As the wrapper's (:meth:`mergecomp.runtime.reducer.Reducer.add_step_listener`)."""
         return self.lifecycle.step_listeners.add(callback)
 
     @property
@@ -652,7 +652,7 @@ def bucket_caps(model: torch.nn.Module, schedule: Union[int, str, schedulers.Sch
     where the group ends.  After its first iteration DDP re-buckets in the real backward
     order with the same caps.
     """
-    components.check_schedule(schedule, "a fusion-num (int), a scheduler name or a Scheduler", plan=False)
+    arguments.check_schedule(schedule, "a fusion-num (int), a scheduler name or a Scheduler", plan=False)
     if isinstance(schedule, int):
         schedule = schedulers.create("fixed", fusion_num=schedule)
     elif isinstance(schedule, str):

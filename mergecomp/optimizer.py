@@ -1,6 +1,6 @@
 """DistributedOptimizer: compressed, fused, overlapped gradient exchange around any optimizer.
 
-A thin facade over :class:`~mergecomp.reducer.Reducer` (which runs the exchange from
+A thin facade over :class:`~mergecomp.runtime.reducer.Reducer` (which runs the exchange from
 autograd hooks): it builds the components from names, checks that every rank holds the
 same model and configuration, makes every rank start from rank 0's model, and adds the
 wrapped optimizer's ``step()``.  The user's optimizer is wrapped, never replaced: this
@@ -21,15 +21,15 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from . import checkpoint, communicators, components, compressors, schedulers
-from .agreement import RanksDisagree, describe_disagreement
+from . import checkpoint, communicators, arguments, compressors, schedulers
+from .runtime.agreement import RanksDisagree, describe_disagreement
 from .backends import Backend, default_backend
 from .communicators.base import Communicator
 from .compressors import recipes
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
-from .reducer import GroupState, Reducer, broadcast_tensors, config_digest
+from .runtime.reducer import GroupState, Reducer, broadcast_tensors, config_digest
 from .runtime.step import check_nonfinite_policy
 from .schedulers.base import Scheduler, SchedulerContext
 from .schedulers.fixed import FixedScheduler
@@ -116,7 +116,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._frozen = _frozen_params(optimizer, named_parameters)
         self._group_count = len(optimizer.param_groups)
 
-        self.compressor, self.memory, communicator = components.resolve(compressor, memory, communicator)
+        self.compressor, self.memory, communicator = arguments.resolve(compressor, memory, communicator)
         self.communicator = communicator if isinstance(communicator, Communicator) else communicators.create(
             communicator, compressor=self.compressor, memory=self.memory, backend=self.backend)
         self._check_components(params)
@@ -162,7 +162,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _check_components(self, params) -> None:
         """Components that own part of the update (DGC's or SIGNUM's momentum) vet the
         optimizer; the compressor must carry the parameters' dtypes; its recipe may warn."""
-        components.vet_optimizer(self.optimizer, self.compressor, self.memory)
+        arguments.vet_optimizer(self.optimizer, self.compressor, self.memory)
         compressors.check_dtypes(self.compressor, sorted({p.dtype for _, p in params}, key=str))
         recipes.warn_if_contradicted(self.compressor, self.optimizer, self.memory)
 
@@ -239,15 +239,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return list(self.reducer.params)
 
     def add_ready_listener(self, callback):
-        """See :meth:`mergecomp.reducer.Reducer.add_ready_listener`."""
+        """See :meth:`mergecomp.runtime.reducer.Reducer.add_ready_listener`."""
         return self.reducer.add_ready_listener(callback)
 
     def add_phase_listener(self, callback):
-        """See :meth:`mergecomp.reducer.Reducer.add_phase_listener`."""
+        """See :meth:`mergecomp.runtime.reducer.Reducer.add_phase_listener`."""
         return self.reducer.add_phase_listener(callback)
 
     def add_step_listener(self, callback):
-        """See :meth:`mergecomp.reducer.Reducer.add_step_listener`."""
+        """See :meth:`mergecomp.runtime.reducer.Reducer.add_step_listener`."""
         return self.reducer.add_step_listener(callback)
 
     def add_step_log(self, log):
@@ -256,7 +256,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return log.attach(self.reducer)
 
     def set_plan(self, plan: Plan) -> None:
-        """See :meth:`mergecomp.reducer.Reducer.set_plan`."""
+        """See :meth:`mergecomp.runtime.reducer.Reducer.set_plan`."""
         self.reducer.set_plan(plan)
 
     # -------------------------------------------------------------------------- step --

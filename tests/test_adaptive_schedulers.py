@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp.plan import Group, ParamInfo, Plan
-from mergecomp.regroup import CannotRegroup
+from mergecomp.runtime.regroup import CannotRegroup
 from mergecomp.schedulers.fixed import FixedScheduler
 from tests.distributed import run_ranks
 

@@ -10,7 +10,7 @@ from mergecomp import schedulers
 from mergecomp.planning.costmodel import predict
 from mergecomp.plan import Group, Plan
 from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
-from mergecomp.regroup import regroup_tensors
+from mergecomp.runtime.regroup import regroup_tensors
 from mergecomp.schedulers.optimal import OptimalScheduler
 from tests.distributed import run_ranks
 from tests.test_optimal import brute_force, random_profile

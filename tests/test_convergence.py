@@ -12,7 +12,7 @@ pytest.importorskip("sklearn", reason="the digits dataset comes from scikit-lear
 
 from benchmarks import convergence  # noqa: E402
 from mergecomp import compressors  # noqa: E402
-from mergecomp.agreement import agreement_nbytes  # noqa: E402
+from mergecomp.runtime.agreement import agreement_nbytes  # noqa: E402
 from mergecomp.compressors import Compressor, Context  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mergecomp import compressors, launch
+from mergecomp import compressors
+from mergecomp.runtime import launch
 from mergecomp.compressors.testing import check_compressor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

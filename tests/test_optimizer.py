@@ -402,7 +402,7 @@ def test_backend_counts_handed_and_wire_bytes():
 
 
 def set_plan_worker(rank, world_size):
-    from mergecomp.regroup import CannotRegroup
+    from mergecomp.runtime.regroup import CannotRegroup
     model = make_model()
     opt = mergecomp.DistributedOptimizer(
         make_optimizer("sgd", model), model.named_parameters(),

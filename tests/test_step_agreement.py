@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import mergecomp
-from mergecomp.agreement import RanksDisagree, StepOutcome, describe_disagreement, fact_hash, hash_bits
+from mergecomp.runtime.agreement import RanksDisagree, StepOutcome, describe_disagreement, fact_hash, hash_bits
 from tests.distributed import run_ranks
 from tests.test_optimizer import batch, make_model
 
@@ -169,7 +169,7 @@ def nonfinite_worker(rank, world_size, compressor, memory, communicator, bad, po
                 before_state, before_params = state(), [p.detach().clone() for p in model.parameters()]
             try:
                 nn.functional.mse_loss(model(x), y).backward()
-            except mergecomp.agreement.NonFiniteGradient as error:
+            except mergecomp.runtime.agreement.NonFiniteGradient as error:
                 caught.append(str(error))  # the step is closed: the loop goes on
                 unchanged_state = state() == before_state
                 unchanged_params = all(torch.equal(b, p) for b, p in zip(before_params, model.parameters()))

@@ -15,7 +15,7 @@ BACKENDS = ("torch", "horovod")
 
 def backend_kind(environ: Optional[Mapping[str, str]] = None) -> str:
     """``"torch"`` or ``"horovod"``: what :func:`default_backend` builds for this launch."""
-    from ..launch import detect
+    from ..runtime.launch import detect
     env = os.environ if environ is None else environ
     asked = env.get(BACKEND_VARIABLE, "").strip().lower()
     if asked:

@@ -35,7 +35,7 @@ class Work:
     """An operation in flight: ``wait()`` blocks until done and returns its result.
 
     ``explain(error)``, when given, turns what a handle's ``wait()`` raised into a clearer
-    error (a :class:`mergecomp.watchdog.CollectiveError` naming the ranks behind), or
+    error (a :class:`mergecomp.runtime.watchdog.CollectiveError` naming the ranks behind), or
     returns None to let the original error through.
     """
 

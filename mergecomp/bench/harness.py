@@ -24,7 +24,7 @@ import torch
 
 import mergecomp
 
-from .. import launch
+from ..runtime import launch
 from . import models
 from ..backends.base import Backend
 
@@ -698,8 +698,8 @@ def check_exchange(args) -> None:
     """Build the compressor, memory and communicator every rank will build, here, with no
     process group (:class:`NoProcessGroup`): their construction
     checks raise before any rank is spawned."""
-    from mergecomp import components  # the checks the wrapper makes: types, memory pairing
-    compressor, memory, comm = components.resolve(build_compressor(args), args.memory, args.comm)
+    from mergecomp import arguments  # the checks the wrapper makes: types, memory pairing
+    compressor, memory, comm = arguments.resolve(build_compressor(args), args.memory, args.comm)
     mergecomp.communicators.create(comm, compressor=compressor, memory=memory,
                                    backend=NoProcessGroup(args.nproc or 1))
 

@@ -33,7 +33,7 @@ Capabilities are class attributes the communicators rely on:
 ``error_feedback``
     the compressor keeps its own error feedback (PowerSGD's per-layer error, Vogels et al.
     2019): a memory around it would feed each error back twice, so it pairs with the
-    ``none`` memory only (``mergecomp.components.check_pairing`` refuses others).  An
+    ``none`` memory only (``mergecomp.arguments.check_pairing`` refuses others).  An
     instance may refine it (PowerSGD's ``use_error_feedback=False``).
 ``supported_dtypes``
     the gradient dtypes it carries (:func:`check_dtypes` refuses the others up front).

@@ -53,7 +53,7 @@ class PowerSGDCompressor(Compressor):
 
     State (errors, warm-start queries, a step count) is kept per group and view, staged per
     step: :meth:`commit` keeps it, :meth:`rollback` forgets it.  It is keyed by view, so a
-    plan switch moves each view's state into its new group (``mergecomp.regroup``); a view
+    plan switch moves each view's state into its new group (``mergecomp.runtime.regroup``); a view
     new to a group starts afresh, and state of a view the group does not factor (or of
     another shape) raises ValueError.
 

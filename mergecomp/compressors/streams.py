@@ -13,7 +13,7 @@ depends neither on the other groups nor on the order in which they are compresse
 state is a few integers in ``state_dict()``, staged with the step (:class:`StagedDict`:
 ``rollback()`` rewinds the count, so a dropped step's keys are drawn again), and when the
 plan regroups the parameters the new groups' counts start at zero like every other
-per-group counter (:mod:`mergecomp.regroup`).
+per-group counter (:mod:`mergecomp.runtime.regroup`).
 """
 from __future__ import annotations
 

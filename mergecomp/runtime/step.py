@@ -1,14 +1,14 @@
 """One step's exchange, the same for every entry point.
 
 An entry point decides *which* flat buffers a step sends and *where* their averages go:
-the wrapper (:mod:`mergecomp.reducer`) gathers plan groups from autograd hooks and writes
+the wrapper (:mod:`mergecomp.runtime.reducer`) gathers plan groups from autograd hooks and writes
 ``p.grad``; the DDP hook (:mod:`mergecomp.ddp`) sends DDP's buckets and completes DDP's
 futures.  Everything between is here, in this order:
 
 1. :meth:`StepLifecycle.begin` at the step's first gradient: the step is marked in the
    progress beacons (a rank that falls behind is named if a collective times out) and the
    preflight is launched, a tiny allreduce of a hash of what ranks must agree on
-   (:mod:`mergecomp.agreement`).  Its latency hides behind backward.
+   (:mod:`mergecomp.runtime.agreement`).  Its latency hides behind backward.
 2. :meth:`StepLifecycle.launch`, once per group, in the same order on every rank: the first
    launch waits for the preflight, so a disagreement is an error on every rank before any
    payload travels; a compressed group's buffer is checked for NaN/Inf and zeroed (a
@@ -19,7 +19,7 @@ futures.  Everything between is here, in this order:
    become NaN and are counted; the entry point's ``deliver`` hands each average on (timed
    as the group's ``"finish"`` phase).
 4. :meth:`StepLifecycle.close_step`: the step listeners, then the warning or
-   :class:`~mergecomp.agreement.NonFiniteGradient` of a dropped step, raised once the
+   :class:`~mergecomp.runtime.agreement.NonFiniteGradient` of a dropped step, raised once the
    entry point has closed its step so that a caller who catches it can go on.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .. import communicators, compressors, memories
-from ..agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
+from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
 from ..backends.base import Backend
 from ..communicators.base import Communicator, Handle
 from ..compressors.base import GroupLayout
@@ -172,7 +172,7 @@ class StepLifecycle:
 
     def check_preflight(self) -> None:
         """Wait for the preflight (once per step); on a disagreement every rank raises
-        :class:`~mergecomp.agreement.RanksDisagree` naming it."""
+        :class:`~mergecomp.runtime.agreement.RanksDisagree` naming it."""
         if self._preflight is not None:
             work, self._preflight = self._preflight, None
             self.agreement.check(work, self._facts(), f"at step {self._step}")
@@ -231,7 +231,7 @@ class StepLifecycle:
 
     def close_step(self) -> None:
         """The step listeners, then the policy's message for a dropped step: a warning
-        (``"skip"``) or :class:`~mergecomp.agreement.NonFiniteGradient` (``"raise"``)."""
+        (``"skip"``) or :class:`~mergecomp.runtime.agreement.NonFiniteGradient` (``"raise"``)."""
         if self._settled is None:
             return
         (step, outcome), self._settled = self._settled, None

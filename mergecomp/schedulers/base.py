@@ -42,7 +42,7 @@ class AdaptiveScheduler(Scheduler):
       values: ``plan.to_dict()``, not the Plan; lists of pairs, not int-keyed dicts).  Any collective
       it runs must run on every rank at the same step, in the same order.
     * **Change the job through the context only**: ``context.set_plan(plan)`` (between
-      steps; it may raise :class:`~mergecomp.regroup.CannotRegroup`, on every rank alike),
+      steps; it may raise :class:`~mergecomp.runtime.regroup.CannotRegroup`, on every rank alike),
       and the listeners it adds, whose handles it removes when it is done measuring.
     * **Not count its probes as training traffic**: collectives it runs for measurement
       go inside ``with context.backend.uncounted():``.
@@ -114,7 +114,7 @@ class SchedulerContext:
 
     def set_plan(self, plan: Plan) -> None:
         """Run ``plan`` from the next step on (between steps, on every rank alike); may
-        raise :class:`~mergecomp.regroup.CannotRegroup`, on every rank alike."""
+        raise :class:`~mergecomp.runtime.regroup.CannotRegroup`, on every rank alike."""
         self._exchange.set_plan(plan)
 
     # -- listeners ---------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class Profiling(Phase):
     """Time the backward pass of the model in one raw FP32 group, then probe.
 
     Building it switches to the profiling plan; a switch that would lose state raises
-    :class:`~mergecomp.regroup.CannotRegroup` before anything is attached."""
+    :class:`~mergecomp.runtime.regroup.CannotRegroup` before anything is attached."""
 
     name = "profile"
 

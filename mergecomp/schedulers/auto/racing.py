@@ -7,7 +7,7 @@ again, for up to ``check_rounds`` rounds, so that a burst of load falls on one v
 candidate, not on all of its samples, and clearly slower plans stop costing steps.  The
 visits are compared at one compute speed (:func:`.decisions.medians_at_common_speed`);
 the lowest median wins (:func:`.decisions.winner`).  A candidate whose switch would lose
-state (:class:`~mergecomp.regroup.CannotRegroup`) is skipped and reported.
+state (:class:`~mergecomp.runtime.regroup.CannotRegroup`) is skipped and reported.
 
 During the counted steps the optimizer's phase listener times each group's finish and
 the launch of each step's first group, and the forward passes are timed; when the check
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 from ...planning.costmodel import phases_are_local
 from ...plan import Plan
-from ...regroup import CannotRegroup
+from ...runtime.regroup import CannotRegroup
 from . import decisions
 from .instruments import ForwardTimer, PhaseSamples
 from .phase import Candidate, Phase, Search

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import List, Optional
 
-from ...regroup import CannotRegroup
+from ...runtime.regroup import CannotRegroup
 from . import decisions
 from .phase import Phase, Search
 

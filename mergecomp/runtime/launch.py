@@ -250,7 +250,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     ``timeout_s`` bounds every collective's wait for the other ranks (see
     :func:`collective_timeout`: default from MERGECOMP_TIMEOUT, else
     :data:`DEFAULT_TIMEOUT_S`); a collective that runs out of it raises
-    :class:`mergecomp.watchdog.CollectiveTimeout` naming the ranks behind.  The start-up
+    :class:`mergecomp.runtime.watchdog.CollectiveTimeout` naming the ranks behind.  The start-up
     rendezvous waits as long when ``timeout_s`` or MERGECOMP_TIMEOUT is given, else
     :data:`RENDEZVOUS_TIMEOUT_S`; ranks that do not all meet in that time raise
     :class:`RendezvousError`, saying how many joined.  :func:`shutdown` is registered to
@@ -343,7 +343,7 @@ def _rendezvous_error(error: BaseException, info: LaunchInfo, waited_s: float,
         waited = (f"The wait was the configured timeout ({TIMEOUT_VARIABLE} or timeout_s=); "
                   f"raise it if the ranks start far apart.")
     else:
-        waited = (f"The wait was the start-up default (mergecomp.launch.RENDEZVOUS_TIMEOUT_S); "
+        waited = (f"The wait was the start-up default (mergecomp.runtime.launch.RENDEZVOUS_TIMEOUT_S); "
                   f"set {TIMEOUT_VARIABLE}=<seconds> or init_distributed(timeout_s=...) to "
                   f"fail sooner.")
     first_line = text.strip().splitlines()[0] if text.strip() else "-"
@@ -455,7 +455,7 @@ def shutdown(linger_s: float = SHUTDOWN_LINGER_S) -> None:
     at once, without waiting for the other ranks.
 
     Ranks still waiting in a collective for this one then fail within seconds, with an error
-    that says this rank left (:class:`mergecomp.watchdog.PeerLost`), instead of hanging until
+    that says this rank left (:class:`mergecomp.runtime.watchdog.PeerLost`), instead of hanging until
     their timeout.  At the end of training every rank has completed the same collectives, so
     nothing is lost by not waiting.  The rank hosting the rendezvous store (rank 0, unless
     torchrun's agent hosts it) keeps the store up after destroying its group until every rank

@@ -1,5 +1,5 @@
 """What the entry points accept as compressor, memory, communicator and schedule, checked in
-one place (``mergecomp.components``) so that the wrapper, the DDP hook and the benchmark CLI
+one place (``mergecomp.arguments``) so that the wrapper, the DDP hook and the benchmark CLI
 refuse the same mistakes, at construction, with the same words."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import compress_benchmark
 import mergecomp
-from mergecomp import components, compressors
+from mergecomp import arguments, compressors
 from tests.distributed import run_ranks
 
 WRONG_TYPES = [  # (keyword, value, what the message must say)
@@ -25,7 +25,7 @@ def test_resolve_names_the_argument_the_value_and_the_accepted_forms(keyword, va
     given = dict(compressor="topk", memory="auto", communicator="auto")
     given[keyword] = value
     with pytest.raises(TypeError, match=message):
-        components.resolve(**given)
+        arguments.resolve(**given)
 
 
 def test_a_compressor_with_its_own_error_feedback_declares_it():
@@ -44,14 +44,14 @@ def test_a_compressor_with_its_own_error_feedback_declares_it():
 ])
 def test_a_memory_the_compressor_cannot_pair_with_is_refused(compressor, memory, message):
     with pytest.raises(ValueError, match=message):
-        components.resolve(compressor, memory, "auto")
+        arguments.resolve(compressor, memory, "auto")
 
 
 def test_what_each_compressor_pairs_with_by_default_is_accepted():
     for name in compressors.available():
-        components.resolve(name, "auto", "auto")
-    components.resolve("powersgd", "none", "allreduce")
-    components.resolve("dgc", "residual", "allgather")  # DGC's paper allows plain error feedback
+        arguments.resolve(name, "auto", "auto")
+    arguments.resolve("powersgd", "none", "allreduce")
+    arguments.resolve("dgc", "residual", "allgather")  # DGC's paper allows plain error feedback
 
 
 def test_the_benchmark_cli_refuses_the_pairing_before_starting_a_rank():

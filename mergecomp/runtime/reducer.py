@@ -39,13 +39,13 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .agreement import StepOutcome
-from .backends import Backend
-from .communicators.base import Communicator
-from .compressors.base import GroupLayout, ParamView
-from .plan import Group, ParamInfo, Plan
+from ..backends import Backend
+from ..communicators.base import Communicator
+from ..compressors.base import GroupLayout, ParamView
+from ..plan import Group, ParamInfo, Plan
 from .regroup import Layout, regroup_state
-from .runtime.step import InFlight, Listeners, StepLifecycle
-from .schedulers.base import Scheduler
+from .step import InFlight, Listeners, StepLifecycle
+from ..schedulers.base import Scheduler
 
 
 class GroupState:
@@ -212,7 +212,7 @@ class Reducer:
         return self.lifecycle.communicators()
 
     def facts(self) -> Dict[str, Any]:
-        """What every rank must agree on before a step's exchange (see mergecomp.agreement)."""
+        """What every rank must agree on before a step's exchange (see mergecomp.runtime.agreement)."""
         facts = {"plan": self.plan.digest() if self.plan is not None else None, "steps": self.steps,
                  "epoch": self.epoch, "config": self.config, "state": self.loaded}
         if self.added:
@@ -291,8 +291,8 @@ class Reducer:
         next step's preflight checks that they did).
 
         Per-group error-feedback state follows its parameters into the new groups (see
-        :mod:`mergecomp.regroup`), so the switch is exact.  Raises
-        :class:`~mergecomp.regroup.CannotRegroup`, changing nothing, when some state cannot
+        :mod:`mergecomp.runtime.regroup`), so the switch is exact.  Raises
+        :class:`~mergecomp.runtime.regroup.CannotRegroup`, changing nothing, when some state cannot
         move (PowerSGD's matrices, PS shard residuals): keep the current plan then.
         """
         if self.in_iteration():

@@ -33,7 +33,7 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
-from .backends.base import Backend, Work
+from ..backends.base import Backend, Work
 
 _MAX_HASH_BITS = 20
 
