@@ -47,13 +47,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mergecomp
-from mergecomp import compressors, memories
-from mergecomp.runtime import launch
+from mergecomp import compressors, launch, memories
+from mergecomp.bench import lm
+from mergecomp.bench.data import text
 from mergecomp.bench.harness import provenance
 from mergecomp.compressors import recipes
 
 DENSE = "none"
-SPECIAL_KEYS = ("memory", "comm", "lr_scale", "momentum")
+SPECIAL_KEYS = ("memory", "comm", "lr_scale", "momentum", "clip")
+#: The tasks: the digits CNN (test accuracy) and the language models (validation loss).
+TASKS = ("digits",) + tuple(lm.TASKS)
 
 
 # ----------------------------------------------------------------------------- data, model
@@ -124,6 +127,8 @@ class Spec:
     comm: Optional[str] = None
     lr_scale: Optional[float] = None
     momentum: Optional[float] = None
+    clip: Optional[str] = None
+    memory_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 def parse_spec(text: str) -> Spec:
@@ -153,6 +158,13 @@ def parse_spec(text: str) -> Spec:
             spec.momentum = float(value)
         elif key in ("memory", "comm"):
             setattr(spec, key, str(value))
+        elif key == "clip":
+            if value not in CLIP_MODES:
+                raise ValueError(f"compressor spec {text!r}: clip must be one of {CLIP_MODES}, "
+                                 f"got {raw!r}")
+            spec.clip = value
+        elif key.startswith("memory."):
+            spec.memory_kwargs[key[len("memory."):]] = value
         else:
             spec.kwargs[key] = value
     return spec
@@ -182,6 +194,20 @@ class Options:
     fusion_num: Optional[int]
     seeds: Tuple[int, ...]
     use_recipes: bool = True
+    task: str = "digits"
+    steps: int = 0  # language models: training steps (0: the task's default)
+    eval_every: int = 50
+    clip: float = 0.0  # language models: gradient norm clipping (0: none)
+    corpus: str = "pydoc"
+    level: str = "char"
+    valid_rows: int = 16
+    valid_length: int = 512
+
+
+#: Where a row clips (language models, ``--clip``): the averaged gradient after the exchange
+#: (as under DDP), or each rank's own gradient before error feedback (``local``, at
+#: clip / √N, the DGC paper's local gradient clipping).
+CLIP_MODES = ("averaged", "local")
 
 
 def owns_momentum(compressor, memory) -> bool:
@@ -198,12 +224,15 @@ def owns_momentum(compressor, memory) -> bool:
     return False
 
 
-def build(spec: Spec, options: Options, model: nn.Module):
+def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
     """The user's SGD wrapped in DistributedOptimizer as ``spec`` says, the compressor's
     recipe applied unless ``options.use_recipes`` is off: its smallest ratio where the spec
     sets none, the dense learning rate × its ``lr_scale``, and the momentum folded into the
     learning rate where it asks for that (a spec's own ``lr_scale`` or ``momentum`` wins).
-    Returns (optimizer, settings that describe the row, the recipe's advice on them)."""
+    With ``options.clip``, a recipe that asks for local clipping (and a spec's ``clip=local``)
+    gives the memory ``clip_norm = clip / √world_size`` and the loop clips nothing after
+    the exchange.  Returns (optimizer, settings that describe the row, the recipe's advice
+    on them)."""
     compressor = built = compressors.create(spec.name, **spec.kwargs)
     recipe = recipes.recipe_of(compressor) if options.use_recipes else None
     if (recipe is not None and recipe.min_ratio is not None and "compress_ratio" not in spec.kwargs
@@ -212,7 +241,13 @@ def build(spec: Spec, options: Options, model: nn.Module):
         recipe = recipes.recipe_of(compressor)
     memory_name = spec.memory or compressor.recommended_memory
     comm_name = spec.comm or compressor.recommended_communicator
-    memory = memories.create(memory_name)
+    memory_kwargs = dict(spec.memory_kwargs)
+    if recipe is not None and recipe.memory_kwargs and memory_name == (recipe.memory or memory_name):
+        memory_kwargs = {**recipe.memory_kwargs, **memory_kwargs}
+    clip_mode = spec.clip or ("local" if recipe is not None and recipe.local_clipping else "averaged")
+    if options.clip and clip_mode == "local":
+        memory_kwargs.setdefault("clip_norm", options.clip / math.sqrt(world_size))
+    memory = memories.create(memory_name, **memory_kwargs)
     lr_scale = spec.lr_scale if spec.lr_scale is not None else (recipe.lr_scale if recipe else 1.0)
     lr = options.lr * lr_scale
     if spec.momentum is not None:
@@ -232,6 +267,7 @@ def build(spec: Spec, options: Options, model: nn.Module):
         communicator=comm_name, schedule=options.fusion_num)
     raised = {"compress_ratio": compressor.compress_ratio} if compressor is not built else {}
     settings = {"compressor": repr(compressor), "memory": memory_name, "communicator": comm_name,
+                "memory_repr": repr(memory), "clip_mode": clip_mode if options.clip else None,
                 "recipe_arguments": raised,
                 "lr": lr, "lr_scale": lr / options.lr, "optimizer_momentum": momentum,
                 "momentum_in": momentum_in,
@@ -247,7 +283,7 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
     x_shard, y_shard = shard(x_train, y_train, rank, world_size)
     torch.manual_seed(seed)
     model = DigitsCNN()
-    optimizer, settings = build(spec, options, model)
+    optimizer, settings = build(spec, options, model, world_size)
     backend = optimizer.backend
     loss_fn = nn.CrossEntropyLoss()
     steps_per_epoch = len(x_shard) // options.batch_size
@@ -297,12 +333,94 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
                 seconds=seconds, **settings)
 
 
+#: Steps a language-model row trains when ``--steps`` is not given.
+DEFAULT_LM_STEPS = 600
+#: Dense SGD's learning rate per task (momentum 0.9), from a sweep of dense alone (the
+#: results' READMEs record it); every compressor's recipe scales this value.
+#: A task missing here has no swept value yet: --lr is required for it.
+DENSE_LR = {"digits": 0.05, "char-lstm": 2.0}
+
+
+def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_size: int) -> dict:
+    """Train a language model of ``options.task`` for ``options.steps`` steps from seed
+    ``seed``; the validation loss every ``options.eval_every`` steps (the curve, with the
+    bytes sent so far) and at the end.  ``set_epoch`` at every pass over this rank's rows.
+    Stops early when any rank sees a non-finite loss (one small allreduce at each
+    evaluation)."""
+    task = lm.get_task(options.task)
+    steps = options.steps or DEFAULT_LM_STEPS
+    torch.manual_seed(seed)
+    model = task.build(corpus.vocab_size)
+    optimizer, settings = build(spec, options, model, world_size)
+    backend = optimizer.backend
+    stream = lm.TextStream(corpus, options.batch_size, task.bptt, rank, world_size)
+    valid = text.validation_rows(corpus.valid, options.valid_rows, options.valid_length)
+    clip_averaged = options.clip and settings["clip_mode"] == "averaged"
+    start_sent, start_wire = backend.bytes_sent, backend.wire_bytes
+    curve = [dict(step=0, bytes=0, valid_loss=lm.validation_loss(task, model, valid))]
+    state, nonfinite, diverged, done, epoch_seen, train_loss = None, 0, False, 0, -1, []
+    began = time.perf_counter()
+    for inputs, targets, epoch, first in stream:
+        if done == steps:
+            break
+        if epoch != epoch_seen:
+            optimizer.set_epoch(epoch)
+            epoch_seen = epoch
+        if first:
+            state = None  # the rows start again: no state from their ends
+        optimizer.zero_grad()
+        logits, state = lm.forward(task, model, inputs, state)
+        state = lm.detach(state)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        if clip_averaged:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)
+        optimizer.step()
+        done += 1
+        value = loss.item()
+        train_loss.append(value)
+        nonfinite += not math.isfinite(value)
+        if done % options.eval_every == 0 or done == steps:
+            flag = torch.tensor([float(nonfinite)])
+            dist.all_reduce(flag)
+            finite = flag.item() == 0
+            loss_now = lm.validation_loss(task, model, valid) if finite else float("nan")
+            curve.append(dict(step=done, bytes=backend.bytes_sent - start_sent, valid_loss=loss_now))
+            if not finite or not math.isfinite(loss_now):
+                diverged = True
+                break
+    seconds = time.perf_counter() - began
+    optimizer.remove_hooks()
+    final = curve[-1]["valid_loss"]
+    window = max(1, options.eval_every)
+    return dict(label=spec.label, seed=seed, rank=rank, task=options.task, steps=done,
+                valid_loss=final, bits_per_symbol=lm.bits_per_symbol(final),
+                perplexity=lm.perplexity(final), curve=curve,
+                train_loss=[statistics.fmean(train_loss[i:i + window])
+                            for i in range(0, len(train_loss), window)],
+                diverged=diverged, epochs_run=epoch_seen + 1,
+                parameters=sum(p.numel() for p in model.parameters()),
+                bytes_per_step=(backend.bytes_sent - start_sent) / max(1, done),
+                wire_bytes_per_step=(backend.wire_bytes - start_wire) / max(1, done),
+                last_epoch_bytes_per_step=(curve[-1]["bytes"] - curve[-2]["bytes"])
+                / max(1, curve[-1]["step"] - curve[-2]["step"]) if len(curve) > 1 else 0.0,
+                seconds=seconds, **settings)
+
+
+def load_task_data(options: Options):
+    """The digits split, or the text corpus of a language-model task."""
+    if options.task == "digits":
+        return load_digits_split()
+    return text.load_text(options.corpus, options.level)
+
+
 def worker(specs: Sequence[Spec], options: Options) -> List[dict]:
     """One rank: every (spec, seed) run in order, the same on every rank."""
     info = launch.init_distributed(backend="gloo")
     torch.set_num_threads(1)
-    data = load_digits_split()
-    runs = [train_one(spec, seed, options, data, info.rank, info.world_size)
+    data = load_task_data(options)
+    train = train_one if options.task == "digits" else train_lm
+    runs = [train(spec, seed, options, data, info.rank, info.world_size)
             for spec in specs for seed in options.seeds]
     launch.shutdown()
     return runs
@@ -382,6 +500,86 @@ def markdown(rows: List[dict], options: Options, workers: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarise_lm(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
+    """One row per label: validation loss mean, sample std, min, max over seeds; its gap to
+    dense in percent of dense's loss (positive: worse); bits per symbol; bytes per step."""
+    rows, by_label = [], {}
+    for run in runs:
+        by_label.setdefault(run["label"], []).append(run)
+    dense = None
+    if dense_label in by_label:
+        dense = statistics.fmean(r["valid_loss"] for r in by_label[dense_label])
+    for label, group in by_label.items():
+        losses = [r["valid_loss"] for r in group]
+        first = group[0]
+        mean = statistics.fmean(losses)
+        rows.append(dict(
+            label=label, compressor=first["compressor"], memory=first["memory"],
+            memory_repr=first.get("memory_repr"), communicator=first["communicator"],
+            lr=first["lr"], lr_scale=first["lr_scale"], clip_mode=first.get("clip_mode"),
+            momentum_in=first["momentum_in"], optimizer_momentum=first["optimizer_momentum"],
+            recipe=first.get("recipe"), advice=first.get("advice"), seeds=[r["seed"] for r in group],
+            recipe_arguments=first.get("recipe_arguments") or {},
+            valid_loss_mean=mean, valid_loss_std=statistics.stdev(losses) if len(losses) > 1 else 0.0,
+            valid_loss_min=min(losses), valid_loss_max=max(losses),
+            bits_per_symbol=lm.bits_per_symbol(mean),
+            gap_to_dense_percent=None if dense is None or not math.isfinite(mean)
+            else 100.0 * (mean - dense) / dense,
+            diverged_runs=sum(r["diverged"] for r in group), steps=max(r["steps"] for r in group),
+            bytes_per_step=statistics.fmean(r["bytes_per_step"] for r in group),
+            wire_bytes_per_step=statistics.fmean(r["wire_bytes_per_step"] for r in group),
+            seconds_per_run=statistics.fmean(r["seconds"] for r in group)))
+    return rows
+
+
+def markdown_lm(rows: List[dict], options: Options, workers: int, parameters: int = 0) -> str:
+    """The language-model table: validation loss, bits per symbol, gap to dense in percent."""
+    task = lm.get_task(options.task)
+    dense_bytes = next((r["bytes_per_step"] for r in rows if r["label"] == DENSE), None)
+    unit = "character" if options.level == "char" else "word"
+    clip = (f"gradient norm clipped to {options.clip:g} (the averaged gradient, or each rank's "
+            f"at {options.clip:g}/√{workers} where the row says local)" if options.clip else "no clipping")
+    lines = [
+        f"{options.task} ({task.model}, {task.layers} layers, width {task.hidden}"
+        f"{f', {parameters:,} parameters' if parameters else ''}) on {options.corpus} "
+        f"({unit} level), {workers} workers (gloo), SGD lr {options.lr} momentum {options.momentum} "
+        f"(dense's settings; the lr column says where a recipe or a component changed them), "
+        f"{clip}, batch {options.batch_size} rows × {task.bptt} per worker, "
+        f"{options.steps or DEFAULT_LM_STEPS} steps, seeds {', '.join(map(str, options.seeds))}; "
+        f"validation loss in nats per {unit} over the seeds (gap: percent of dense's loss, "
+        f"positive is worse).",
+        "",
+        f"| compressor | memory | communicator | lr | clip | validation loss (mean ± std) | min–max | "
+        f"bits/{unit} | gap to dense | diverged | bytes/step/worker | × less than dense |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        gap = "—" if r["gap_to_dense_percent"] is None or r["label"] == DENSE \
+            else f"{r['gap_to_dense_percent']:+.1f}%"
+        less = "—" if not dense_bytes or not r["bytes_per_step"] \
+            else f"{dense_bytes / r['bytes_per_step']:.1f}"
+        lr = f"{r['lr']:g}" + _MOMENTUM_NOTE.get(r["momentum_in"], "")
+        label = r["label"] + "".join(f" ({k} {v:g} by its recipe)" for k, v in r["recipe_arguments"].items())
+        lines.append(
+            f"| {label} | {r['memory']} | {r['communicator']} | {lr} | {r['clip_mode'] or '—'} | "
+            f"{r['valid_loss_mean']:.4f} ± {r['valid_loss_std']:.4f} | "
+            f"{r['valid_loss_min']:.4f}–{r['valid_loss_max']:.4f} | {r['bits_per_symbol']:.3f} | "
+            f"{gap} | {r['diverged_runs']}/{len(r['seeds'])} | {r['bytes_per_step']:,.0f} | {less} |")
+    used = [f"- {r['label']}: {r['recipe']}" for r in rows if r.get("recipe")]
+    if used:
+        lines += ["", "Recipes applied:", ""] + used
+    advised = [f"- {r['label']}: {r['advice']}" for r in rows if r.get("advice")]
+    if advised:
+        lines += ["", "Rows whose settings contradict their compressor's recipe:", ""] + advised
+    return "\n".join(lines) + "\n"
+
+
+def _result_text(run: dict) -> str:
+    if "test_accuracy" in run:
+        return f"test accuracy {100 * run['test_accuracy']:.1f} %"
+    return f"validation loss {run['valid_loss']:.4f}"
+
+
 def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
                   timeout_s: Optional[float] = None, log=print,
                   jobs: int = 1) -> Tuple[List[dict], List[dict]]:
@@ -406,11 +604,10 @@ def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
             log(f"{spec.label}: FAILED: {error_row['error']}")
             return [], error_row
         mine = results[0]
-        accs = ", ".join(f"{100 * r['test_accuracy']:.1f}" + ("(diverged)" if r["diverged"] else "")
-                         for r in mine)
+        accs = ", ".join(_result_text(r) + ("(diverged)" if r["diverged"] else "") for r in mine)
         recipe = f"; recipe: {mine[0]['recipe']}" if mine[0].get("recipe") else ""
         log(f"{spec.label}: lr {mine[0]['lr']:g}, {mine[0]['memory']}/{mine[0]['communicator']}: "
-            f"test accuracy {accs} %; {mine[0]['bytes_per_step']:,.0f} bytes/step "
+            f"{accs}; {mine[0]['bytes_per_step']:,.0f} bytes/step "
             f"({time.perf_counter() - began:.0f} s){recipe}")
         return mine, None
 
@@ -431,11 +628,27 @@ def parse_args(argv=None):
                    help="compressor specs (default: every registered compressor); dense "
                         "('none') is always run first")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--task", choices=TASKS, default="digits",
+                   help="digits (CNN, test accuracy) or a language model (validation loss)")
+    p.add_argument("--epochs", type=int, default=30, help="digits: epochs (default 30)")
+    p.add_argument("--steps", type=int, default=DEFAULT_LM_STEPS,
+                   help=f"language models: training steps (default {DEFAULT_LM_STEPS})")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="language models: steps between validation losses (default 50)")
+    p.add_argument("--clip", type=float, default=None,
+                   help="language models: gradient norm clip (default 1.0; 0: none)")
+    p.add_argument("--corpus", default="pydoc",
+                   help="language models: 'pydoc' (the Python distribution's help text), a "
+                        "UTF-8 text file, or a WikiText folder")
+    p.add_argument("--level", choices=text.LEVELS, default="char",
+                   help="language models: character or word level (default char)")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.05, help="dense SGD learning rate (default 0.05)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="dense SGD learning rate (default: the task's tuned value, "
+                        + ", ".join(f"{k} {v:g}" for k, v in DENSE_LR.items()) + ")")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="per worker: images (digits, default 32) or text rows (default 16)")
     p.add_argument("--no-recipes", action="store_true",
                    help="train every compressor at the dense learning rate, ignoring its recipe")
     p.add_argument("--fusion-num", type=int, default=None,
@@ -450,9 +663,17 @@ def parse_args(argv=None):
         args.seed_list = tuple(int(s) for s in args.seeds.split(","))
     except ValueError:
         p.error(f"--seeds takes comma-separated integers like 0,1,2, got {args.seeds!r}")
-    for flag in ("epochs", "workers", "batch_size", "jobs"):
+    if args.lr is None and args.task not in DENSE_LR:
+        p.error(f"--task {args.task} has no swept dense learning rate yet: sweep dense "
+                f"(--compressors none --lr ...) and pass the best as --lr")
+    args.lr = DENSE_LR[args.task] if args.lr is None else args.lr
+    args.batch_size = (32 if args.task == "digits" else 16) if args.batch_size is None else args.batch_size
+    args.clip = (0.0 if args.task == "digits" else 1.0) if args.clip is None else args.clip
+    for flag in ("epochs", "workers", "batch_size", "jobs", "steps", "eval_every"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
+    if args.clip < 0:
+        p.error(f"--clip must be ≥ 0 (0: no clipping), got {args.clip}")
     if not args.lr > 0 or not 0 <= args.momentum < 1:
         p.error(f"--lr must be > 0 and --momentum in [0, 1), got {args.lr}, {args.momentum}")
     try:
@@ -467,12 +688,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     options = Options(epochs=args.epochs, lr=args.lr, momentum=args.momentum,
                       batch_size=args.batch_size, fusion_num=args.fusion_num, seeds=args.seed_list,
-                      use_recipes=not args.no_recipes)
+                      use_recipes=not args.no_recipes, task=args.task, steps=args.steps,
+                      eval_every=args.eval_every, clip=args.clip, corpus=args.corpus, level=args.level)
     began = time.perf_counter()
     runs, errors = run_benchmark(args.specs, options, args.workers, timeout_s=args.timeout,
                                   jobs=args.jobs)
-    rows = summarise(runs, DENSE)
-    table = markdown(rows, options, args.workers)
+    if args.task == "digits":
+        rows = summarise(runs, DENSE)
+        table = markdown(rows, options, args.workers)
+    else:
+        rows = summarise_lm(runs, DENSE)
+        table = markdown_lm(rows, options, args.workers, runs[0]["parameters"] if runs else 0)
     if errors:
         table += "\nFailed: " + "; ".join(f"{e['label']}: {e['error']}" for e in errors) + "\n"
     print()

@@ -5,6 +5,7 @@
                                                     # committed data, written beside that data
     .venv/bin/python benchmarks/plot.py benchmarks/results/<headline run>      # headline.png
     .venv/bin/python benchmarks/plot.py benchmarks/results/<convergence run>   # accuracy.png
+                                                   # (a language-model run: curves.png)
     .venv/bin/python benchmarks/plot.py benchmarks/results/<sweep>/summary.csv [--out DIR]
 
 A headline run's folder (``benchmarks/headline.py``'s JSON, one per model, link and worker
@@ -301,6 +302,62 @@ def render_accuracy(folder: str, out: Optional[str] = None) -> str:
     return _save(fig, os.path.join(out or folder, "accuracy.png"))
 
 
+def render_lm_curves(folder: str, out: Optional[str] = None) -> str:
+    """``curves.png`` of a language-model convergence run: validation loss of every
+    compressor (mean of its seeds) against training steps and against the bytes each worker
+    sent, dense SGD in black; returns its path."""
+    result = _read_convergence(folder)
+    by_label: Dict[str, List[List[dict]]] = {}
+    for run in result["runs"]:
+        if run.get("curve"):
+            by_label.setdefault(run["label"], []).append(run["curve"])
+    plt = _pyplot()
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.4))
+    colors = iter(plt.get_cmap("tab20").colors * 3)
+    for label, curves in by_label.items():
+        length = min(len(c) for c in curves)
+        steps = [curves[0][i]["step"] for i in range(length)]
+        sent = [statistics.mean(c[i]["bytes"] for c in curves) for i in range(length)]
+        loss = [statistics.mean(c[i]["valid_loss"] for c in curves) for i in range(length)]
+        style = dict(color="black", linewidth=2.2, zorder=3) if label == "none" else \
+            dict(color=next(colors), linewidth=1.2)
+        name = "none (dense)" if label == "none" else _pretty(label)
+        by_step.plot(steps, loss, label=name, **style)
+        by_bytes.plot(sent[1:], loss[1:], **style)
+    dense = [r for r in result["rows"] if r["label"] == "none"]
+    floor = min((r["valid_loss_mean"] for r in result["rows"]), default=0.0)
+    for ax in (by_step, by_bytes):
+        ax.set_ylabel("validation loss (nats per symbol, mean of seeds)")
+        ax.set_ylim(floor - 0.05, floor + 1.5)
+        if dense:
+            ax.axhline(dense[0]["valid_loss_mean"] * 1.02, color="black", linestyle=":", linewidth=1)
+    by_step.set_xlabel("training step")
+    by_step.legend(fontsize=6, ncol=2)
+    by_step.set_title("against steps; dotted: dense + 2%", fontsize=9)
+    by_bytes.set_xscale("log")
+    by_bytes.set_xlabel("bytes sent per worker (log)")
+    by_bytes.set_title("against bytes sent", fontsize=9)
+    options = result.get("options", {})
+    fig.suptitle(f"{options.get('task', '?')}, {result.get('workers', '?')} workers, "
+                 f"{options.get('steps', '?')} steps, {len(options.get('seeds', [])) or '?'} seeds "
+                 f"(benchmarks/convergence.py)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "curves.png"))
+
+
+def _read_convergence(folder: str) -> dict:
+    path = os.path.join(folder, "convergence.json")
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}; is {folder} a run of "
+                         f"benchmarks/convergence.py?") from None
+    if not isinstance(result, dict) or not {"rows", "runs"} <= set(result):
+        raise ValueError(f"{path} has no 'rows' and 'runs': it is no result of benchmarks/convergence.py")
+    return result
+
+
 def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
@@ -325,6 +382,8 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
         return [p for run in SHOWN_RUNS for p in render_any(os.path.join(ROOT, "benchmarks", "results", run))]
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "convergence.json")):
+            if _read_convergence(path).get("options", {}).get("task", "digits") != "digits":
+                return [render_lm_curves(path, out)]
             return [render_accuracy(path, out)]
         return [render_headline(path, out)]
     if not os.path.exists(path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergecomp.bench.data import cifar, wikitext
+from mergecomp.bench.data import cifar, text, wikitext
 from tests.dataset_files import LABEL_NAMES, WIKI_WORDS, dump_like_the_originals, write_cifar, write_wikitext
 
 
@@ -170,3 +170,46 @@ def test_rows_are_disjoint_contiguous_shards_and_windows_shift_by_one():
         wikitext.shard_rows(torch.arange(15), 4, 0, 2)
     with pytest.raises(ValueError, match="rank must be in"):
         wikitext.shard_rows(stream, 2, 3, 3)
+
+
+# ----------------------------------------------------------------------------- text corpora
+
+def test_python_docs_corpus_is_english_split_in_order():
+    corpus = text.load_text("pydoc", "char")
+    assert corpus.level == "char" and corpus.symbols[0] == text.UNKNOWN_CHAR
+    assert corpus.train.numel() > 100_000 and corpus.valid.numel() > 10_000
+    decoded = "".join(corpus.symbols[i] for i in corpus.train[:2000].tolist())
+    assert " the " in decoded  # English prose, in the order of the topics' names
+    again = text.load_text("pydoc", "char")
+    assert torch.equal(corpus.valid, again.valid)
+
+
+def test_wikitext_folder_read_as_characters_and_words(tmp_path):
+    write_wikitext(tmp_path / "wikitext-2")
+    chars = text.load_text(str(tmp_path), "char")
+    raw = {split: (tmp_path / "wikitext-2" / f"wiki.{split}.tokens").read_text() for split in ("train", "valid")}
+    assert chars.source == "wikitext-2"
+    assert chars.train.numel() == len(raw["train"]) and chars.valid.numel() == len(raw["valid"])
+    assert "".join(chars.symbols[i] for i in chars.train.tolist()) == raw["train"]
+    assert set(chars.symbols) == {text.UNKNOWN_CHAR} | set(raw["train"])
+    words = text.load_text(str(tmp_path), "word")
+    reference = wikitext.load_wikitext(str(tmp_path))
+    assert words.symbols == tuple(reference.vocabulary.words)
+    assert torch.equal(words.valid, reference.valid) and torch.equal(words.train, reference.train)
+
+
+def test_text_file_split_and_what_is_refused(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text("abcdefghij" * 20)
+    corpus = text.load_text(str(path), "char", valid_fraction=0.2, test_fraction=0.1)
+    assert (corpus.train.numel(), corpus.valid.numel(), corpus.test.numel()) == (140, 40, 20)
+    assert corpus.vocab_size == 11
+    with pytest.raises(FileNotFoundError, match="neither 'pydoc' nor an existing file"):
+        text.load_text(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="level must be one of"):
+        text.load_text(str(path), "byte")
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        text.load_text(str(tmp_path / "empty.txt"))
+    rows = text.validation_rows(corpus.valid, 3, 16)
+    assert rows.shape == (2, 16) and torch.equal(rows.reshape(-1), corpus.valid[:32])

@@ -41,7 +41,7 @@ def test_the_compressors_that_need_other_settings_declare_them(name):
     assert name not in ("efsignsgd", "onebit", "tbq", "randk") or recipe.fold_momentum
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "topk", "dgc", "qsgd", "terngrad", "graddrop",
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "qsgd", "terngrad", "graddrop",
                                   "powersgd", "atomo"])
 def test_the_compressors_at_parity_with_dense_settings_declare_nothing(name):
     assert compressors.create(name).recipe is None
@@ -49,9 +49,12 @@ def test_the_compressors_at_parity_with_dense_settings_declare_nothing(name):
 
 def test_advice_names_what_contradicts_the_recipe_and_what_to_do():
     sign = recipes.advice(compressors.create("signsgd"), _sgd(lr=0.05, momentum=0.0))
-    assert "lr=0.05, above the 0.001" in sign and "use lr ≤ 0.001" in sign and "Adam's scale" in sign
+    assert "lr=0.05, above the 0.001" in sign and "Adam's scale" in sign
+    assert "use lr = 0.0005: your 0.05 × 0.01" in sign  # the value to use, not a bound
+    huge = recipes.advice(compressors.create("signsgd"), _sgd(lr=5.0, momentum=0.0))
+    assert "use lr = 0.001 (your 5 × 0.01 = 0.05 is still above it" in huge
     tbq = recipes.advice(compressors.create("tbq"), _sgd(lr=0.05, momentum=0.9))
-    assert "momentum=0.9; fold it into the learning rate: momentum=0, lr=0.5" in tbq
+    assert "momentum=0.9; fold it into the learning rate: momentum=0, lr = 0.5: your 0.05 / (1 − 0.9)" in tbq
     randk = recipes.advice(compressors.create("randk"), _sgd(lr=0.5, momentum=0.0), "residual")
     assert "compress_ratio=0.01 is below the 0.1 it needs" in randk
     unbiased = recipes.advice(compressors.create("randk", unbiased=True, compress_ratio=0.25),
@@ -133,3 +136,37 @@ def test_the_convergence_benchmark_applies_each_recipe():
     settings, lr, momentum, ratio = run_ranks(_benchmark_settings, 1, "randk:compress_ratio=0.05:lr_scale=2")[0]
     assert (lr, momentum, ratio) == (pytest.approx(0.1), 0.0, 0.05)  # the spec's own choices win
     assert "compress_ratio=0.05 is below the 0.1" in settings["advice"]
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+def test_error_feedback_sparsifiers_ask_for_local_clipping(name):
+    recipe = compressors.create(name).recipe
+    assert recipe.local_clipping and recipe.lr_scale == 1.0 and not recipe.fold_momentum
+    assert "before accumulation" in recipe.describe()
+    assert recipes.advice(compressors.create(name), _sgd()) is None  # nothing to judge on the optimizer
+
+
+def test_batched_powersgd_warns_when_built():
+    with pytest.warns(recipes.RecipeWarning, match="does not train at parity.*use 'powersgd'"):
+        compressors.create("batched_powersgd")
+
+
+def test_dgc_warmup_in_steps_counts_committed_steps():
+    dgc = compressors.create("dgc", compress_ratio=0.001, warmup_steps=4)
+    densities = []
+    for step in range(6):
+        densities.append(dgc.density())
+        dgc.compress(torch.randn(5000), "g")
+        if step == 2:
+            dgc.rollback()  # a dropped step does not count
+        else:
+            dgc.commit()
+    assert densities[0] == 0.25 and densities[-1] == 0.001
+    assert densities[2] == densities[3] and densities[1] > densities[2] > densities[4]
+    dgc.set_epoch(0)  # the epochs no longer matter
+    assert dgc.density() == 0.001 and dgc.state_dict()["steps"] == 5
+    again = compressors.create("dgc", compress_ratio=0.001, warmup_steps=4)
+    again.load_state_dict({"epoch": 0, "steps": 2})
+    assert again.density() == densities[2]
+    with pytest.raises(ValueError, match="warmup_steps must be a non-negative integer"):
+        compressors.create("dgc", warmup_steps=-1)

@@ -20,6 +20,7 @@ import torch
 from . import register
 from .base import Context, check_ratio
 from .kernels import BlockPeaks, Scratch, sampled_threshold
+from .recipes import Recipe
 from .sparsifier import SparseCompressor, index_dtype, num_selected
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
@@ -53,7 +54,11 @@ class DGCCompressor(SparseCompressor):
     training loop reports: call ``optimizer.set_epoch(epoch)`` at the start of every epoch
     (the DistributedOptimizer and the DDP hook state pass it on).  A compressor never told an
     epoch (a throughput benchmark, a loop without epochs) sends at ``compress_ratio`` from
-    the first step.
+    the first step.  ``warmup_steps=S`` measures the warm-up in steps instead, for runs that
+    are not epoch-based (a language model on a long stream, a fixed step budget): the density
+    decays exponentially from 25% to ``compress_ratio`` over the first S steps this
+    compressor completes (counted at each committed step, so a dropped step does not count;
+    saved in ``state_dict()``), and the epochs no longer matter.
 
     The epoch is part of ``state_dict()`` (a resumed run keeps its density).  NaN
     elements are never selected (a NaN fails the threshold test) and do not disturb the
@@ -69,12 +74,26 @@ class DGCCompressor(SparseCompressor):
     fixed_size = False
     recommended_memory = "dgc"
     recommended_communicator = "allgather"
+    recipe = Recipe(
+        reason="the velocity it sends carries many steps of momentum-corrected gradient, so "
+               "clipping the averaged update after the exchange shrinks the steps far more than "
+               "dense SGD's, and what it cuts is never sent again; the warm-up follows epochs "
+               "(set_epoch) or, for a run that is not epoch-based, warmup_steps",
+        paper="Lin et al. (2018, section 3.2) clip each node's gradient before accumulation at "
+              "the global threshold × N^(-1/2) and warm the density up over the first epochs",
+        local_clipping=True)
 
     def __init__(self, compress_ratio: float = 0.001, warmup=4, sample_ratio: float = 0.01,
                  min_samples: int = 1024, max_adjust: int = 10, fp16_values: bool = False,
-                 index_bits: int = 32, sample_margin: float = 1.5):
+                 index_bits: int = 32, sample_margin: float = 1.5, warmup_steps: int = 0):
         self.compress_ratio = check_ratio(compress_ratio)
         self.warmup = self._check_warmup(warmup)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative integer (0: the warm-up follows "
+                             f"the epochs), got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
+        self.steps = 0  # committed steps, for a warm-up in steps
+        self._compressed = False  # compress() ran in the current step
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
         if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
             raise ValueError(f"min_samples must be a positive integer, got {min_samples!r}")
@@ -114,6 +133,11 @@ class DGCCompressor(SparseCompressor):
     def density(self, epoch: Optional[int] = None) -> float:
         """Fraction of elements sent in ``epoch`` (default: the current one; before any
         :meth:`set_epoch`, ``compress_ratio``)."""
+        if self.warmup_steps and epoch is None:
+            if self.steps >= self.warmup_steps:
+                return self.compress_ratio
+            return max(self.compress_ratio,
+                       0.25 * (self.compress_ratio / 0.25) ** (self.steps / self.warmup_steps))
         epoch = self.epoch if epoch is None else epoch
         if epoch is None:
             return self.compress_ratio
@@ -123,7 +147,17 @@ class DGCCompressor(SparseCompressor):
             return self.compress_ratio
         return max(self.compress_ratio, 0.25 * (self.compress_ratio / 0.25) ** (epoch / self.warmup))
 
+    def commit(self) -> None:
+        """A step that compressed is over and applied: it counts toward ``warmup_steps``."""
+        if self._compressed:
+            self.steps += 1
+        self._compressed = False
+
+    def rollback(self) -> None:
+        self._compressed = False
+
     def compress(self, tensor, name, layout=None):
+        self._compressed = True
         flat = tensor.reshape(-1)
         n = flat.numel()
         k = num_selected(n, self.density())
@@ -168,11 +202,17 @@ class DGCCompressor(SparseCompressor):
         return count * (value_bytes + self.index_bits // 8)
 
     def state_dict(self):
-        return {"epoch": self.epoch}
+        return {"epoch": self.epoch, "steps": self.steps}
 
     def load_state_dict(self, state):
-        unknown = set(state) - {"epoch"}
+        unknown = set(state) - {"epoch", "steps"}
         if unknown:
-            raise ValueError(f"DGCCompressor state has unknown keys {sorted(unknown)}; expected 'epoch'")
+            raise ValueError(f"DGCCompressor state has unknown keys {sorted(unknown)}; "
+                             f"expected 'epoch' and 'steps'")
+        steps = state.get("steps", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"DGCCompressor state 'steps' must be a non-negative integer, got {steps!r}")
         if state.get("epoch") is not None:
             self.set_epoch(state["epoch"])
+        self.steps = steps
+        self._compressed = False

@@ -31,7 +31,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Mapping, Optional
 
 
 class RecipeWarning(UserWarning):
@@ -51,6 +51,10 @@ class Recipe:
     ``fold_momentum``: train with SGD without momentum at lr / (1 − m), the heavy-ball
     momentum m folded into the learning rate (the same steady-state step); :func:`advice`
     flags an optimizer with momentum.
+    ``memory_kwargs``: arguments for that memory beyond its defaults.
+    ``local_clipping``: where the training loop clips the gradient norm to c, clip each
+    rank's own gradient before it is accumulated instead (the memory's ``clip_norm`` at
+    c / √N for N ranks), not the averaged gradient after the exchange.
     ``reason``: one sentence, why dense settings fail.  ``paper``: what the paper advises.
     """
 
@@ -61,6 +65,8 @@ class Recipe:
     min_ratio: Optional[float] = None
     memory: Optional[str] = None
     fold_momentum: bool = False
+    memory_kwargs: Optional[Mapping[str, Any]] = None
+    local_clipping: bool = False
 
     def __post_init__(self):
         if not isinstance(self.reason, str) or not self.reason.strip():
@@ -95,7 +101,11 @@ class Recipe:
         if self.min_ratio is not None:
             parts.append(f"compress_ratio ≥ {self.min_ratio:g}")
         if self.memory is not None:
-            parts.append(f"memory {self.memory!r}")
+            arguments = ", ".join(f"{k}={v!r}" for k, v in (self.memory_kwargs or {}).items())
+            parts.append(f"memory {self.memory!r}" + (f" ({arguments})" if arguments else ""))
+        if self.local_clipping:
+            parts.append("gradient clipping local, before accumulation (memory clip_norm = your "
+                         "clip / √N), not on the averaged gradient")
         if self.fold_momentum:
             parts.append("momentum folded into lr (SGD momentum 0, lr / (1 − m))")
         return f"{', '.join(parts) or 'dense settings'}: {self.reason}"
@@ -138,16 +148,18 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
             if isinstance(lr, (int, float)) and lr > recipe.max_lr:
                 problems.append(f"parameter group {index} of {type(optimizer).__name__} has "
                                 f"lr={lr:g}, above the {recipe.max_lr:g} this compressor trains "
-                                f"at; use lr ≤ {recipe.max_lr:g}")
+                                f"at; use lr = {_value_for(lr, recipe)}")
                 break
     if recipe.fold_momentum:
         for index, group in enumerate(getattr(optimizer, "param_groups", [])):
             momentum, lr = group.get("momentum"), group.get("lr")
             if isinstance(momentum, (int, float)) and 0 < momentum < 1:
-                folded = f"{lr / (1 - momentum):g}" if isinstance(lr, (int, float)) else "lr / (1 − m)"
+                folded = (f"{recipe.learning_rate(lr, momentum):g}: your {lr:g}"
+                          f"{f' × {recipe.lr_scale:g}' if recipe.lr_scale != 1.0 else ''} "
+                          f"/ (1 − {momentum:g})") if isinstance(lr, (int, float)) else "lr / (1 − m)"
                 problems.append(f"parameter group {index} of {type(optimizer).__name__} has "
                                 f"momentum={momentum:g}; fold it into the learning rate: "
-                                f"momentum=0, lr={folded}")
+                                f"momentum=0, lr = {folded}")
                 break
     ratio = getattr(compressor, "compress_ratio", None)
     if recipe.min_ratio is not None and isinstance(ratio, (int, float)) and ratio < recipe.min_ratio:
@@ -161,6 +173,16 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
         return None
     advised = f" The paper: {recipe.paper}" if recipe.paper else ""
     return f"{compressor!r}: {'; '.join(problems)}. Why: {recipe.reason}{advised}"
+
+
+def _value_for(lr: float, recipe: Recipe) -> str:
+    """The learning rate to use where the optimizer has ``lr``, taken as dense SGD's: the
+    recipe's scaling of it, with the arithmetic shown (``0.0005: your 0.05 × 0.01``)."""
+    value = lr * recipe.lr_scale
+    if value > recipe.max_lr:  # a dense lr so large that even its scaled value is too big
+        return (f"{recipe.max_lr:g} (your {lr:g} × {recipe.lr_scale:g} = {value:g} is still above "
+                f"it; was {lr:g} dense SGD's learning rate?)")
+    return f"{value:g}: your {lr:g} × {recipe.lr_scale:g} (dense SGD's learning rate × the recipe's scale)"
 
 
 def warn_if_contradicted(compressor, optimizer, memory=None, stacklevel: Optional[int] = None) -> Optional[str]:

@@ -62,6 +62,16 @@ class Memory:
         return f"{type(self).__name__}()"
 
 
+def clip_local(tensor, clip_norm: float):
+    """``tensor`` scaled down to L2 norm ``clip_norm`` when it is longer (a new tensor; the
+    input is never changed).  Local gradient clipping: a rank's own gradient, before error
+    feedback or momentum accumulates it, so what is clipped is never owed later."""
+    norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
+    if norm > clip_norm:
+        return tensor * (clip_norm / float(norm))
+    return tensor
+
+
 def norm_of(tensors) -> float:
     """The L2 norm of several tensors taken as one vector (0.0 for none)."""
     total = sum(float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2 for t in tensors)

@@ -20,7 +20,7 @@ import torch
 
 from ..momentum import refuse_optimizer_momentum
 from . import register
-from .base import Memory, check_flag, check_number, norm_of
+from .base import Memory, check_flag, check_number, clip_local, norm_of
 from ..checkpoint import check_group_tensors
 from ..staging import Spares, StagedDict, shares_memory
 
@@ -85,9 +85,7 @@ class DGCMemory(Memory):
 
     def compensate(self, tensor, name):
         if self.clip_norm is not None:
-            norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
-            if norm > self.clip_norm:
-                tensor = tensor * (self.clip_norm / float(norm))
+            tensor = clip_local(tensor, self.clip_norm)
         momentum, velocity = self._state(name, tensor)
         # Into other tensors (spares this memory made earlier, when it has them), never the
         # committed ones changed in place: a step dropped after this (rollback) must find

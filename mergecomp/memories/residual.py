@@ -5,10 +5,12 @@ Seide et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014; Karimireddy
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import register
-from .base import Memory, check_number, norm_of
+from .base import Memory, check_number, clip_local, norm_of
 from ..checkpoint import check_group_tensors
 from ..staging import Spares, StagedDict, shares_memory
 
@@ -28,7 +30,7 @@ class ResidualMemory(Memory):
     group-sized tensor per step cost more than the arithmetic on a CPU).
     """
 
-    def __init__(self, beta: float = 1.0, gamma: float = 1.0):
+    def __init__(self, beta: float = 1.0, gamma: float = 1.0, clip_norm: Optional[float] = None):
         self.beta = check_number(beta, "residual memory beta (the residual's decay)", 0.0, 1.0,
                                  advice="1 keeps every error (the usual choice), 0 none; a "
                                         "decay above 1 would grow the residual without bound.")
@@ -36,11 +38,19 @@ class ResidualMemory(Memory):
                                   float("inf"), low_open=True, high_open=True,
                                   advice="1 is usual; 0 or less would send nothing or the "
                                          "opposite of the gradient.")
+        if clip_norm is not None:
+            clip_norm = check_number(clip_norm, "residual memory clip_norm", 0.0, float("inf"),
+                                     low_open=True, high_open=True,
+                                     advice="Pass None for no clipping; clip_norm = your clip / √N "
+                                            "for N ranks clips as the averaged gradient would.")
+        self.clip_norm = clip_norm  # local clipping: the gradient, before the residual is added
         self.residuals = StagedDict()
         self._made = {}  # group → the tensor compensate() made this step (ours to reuse)
         self._spares = Spares()  # residuals no state holds, reused by compensate() and update()
 
     def compensate(self, tensor, name):
+        if self.clip_norm is not None:
+            tensor = clip_local(tensor, self.clip_norm)
         residual = self.residuals.get(name)
         if residual is None:
             self._made.pop(name, None)
@@ -103,4 +113,5 @@ class ResidualMemory(Memory):
         self.residuals.replace({k: v.clone() for k, v in state.get("residuals", {}).items()})
 
     def __repr__(self):
-        return f"ResidualMemory(beta={self.beta}, gamma={self.gamma})"
+        clip = "" if self.clip_norm is None else f", clip_norm={self.clip_norm}"
+        return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip})"
