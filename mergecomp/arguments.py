@@ -89,31 +89,30 @@ def vet_optimizer(optimizer: torch.optim.Optimizer, compressor: Compressor, memo
 
 
 def _compressor(value) -> Compressor:
-    if isinstance(value, str):
-        return compressors.create(value)
-    if isinstance(value, Compressor):
-        return value
-    if isinstance(value, type) and issubclass(value, Compressor):
-        raise TypeError(f"compressor={value.__name__} is a class: pass an instance "
-                        f"({value.__name__}(...), with its arguments) or a registered name")
-    raise TypeError(_wrong("compressor", value,
-                           "a registered name (e.g. 'topk'; mergecomp.compressors.available() "
-                           "lists them) or a mergecomp.compressors.Compressor instance, e.g. "
-                           "mergecomp.compressors.create('topk', compress_ratio=0.01)"))
+    return _instance("compressor", value, compressors, Compressor, "(...), with its arguments",
+                     "a registered name (e.g. 'topk'; mergecomp.compressors.available() lists them) or a "
+                     "mergecomp.compressors.Compressor instance, e.g. "
+                     "mergecomp.compressors.create('topk', compress_ratio=0.01)")
 
 
 def _memory(value) -> Memory:
+    return _instance("memory", value, memories, Memory, "(...)",
+                     "'auto' (the compressor's recommendation), a registered name (none, residual, dgc, "
+                     "or a plugin's) or a mergecomp.memories.Memory instance, e.g. "
+                     "mergecomp.memories.create('residual', beta=0.9)")
+
+
+def _instance(argument: str, value, registry, base: type, call: str, accepted: str):
+    """``value`` as an instance of ``base``: created from ``registry`` when it is a name; a
+    TypeError naming ``argument`` when it is a class (not an instance) or anything else."""
     if isinstance(value, str):
-        return memories.create(value)
-    if isinstance(value, Memory):
+        return registry.create(value)
+    if isinstance(value, base):
         return value
-    if isinstance(value, type) and issubclass(value, Memory):
-        raise TypeError(f"memory={value.__name__} is a class: pass an instance "
-                        f"({value.__name__}(...)) or a registered name")
-    raise TypeError(_wrong("memory", value,
-                           "'auto' (the compressor's recommendation), a registered name (none, "
-                           "residual, dgc, or a plugin's) or a mergecomp.memories.Memory instance, "
-                           "e.g. mergecomp.memories.create('residual', beta=0.9)"))
+    if isinstance(value, type) and issubclass(value, base):
+        raise TypeError(f"{argument}={value.__name__} is a class: pass an instance "
+                        f"({value.__name__}{call}) or a registered name")
+    raise TypeError(_wrong(argument, value, accepted))
 
 
 def _name(memory: Memory) -> str:
