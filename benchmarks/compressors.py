@@ -249,11 +249,16 @@ def memory_main(argv) -> int:
                    help="group sizes in elements (default vgg16's fused gradient, 25M)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; the median is reported")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--clip-norm", type=float, default=None,
+                   help="the dgc memory's local clipping norm (default none; below the gradient's norm, "
+                        "every step clips)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    options = {"dgc": {"clip_norm": args.clip_norm}} if args.clip_norm is not None else {}
     pairs = [pair.split(":") for pair in args.pairs.split(",")]
-    print(f"# compute-core work per step, cpu, {args.threads} thread(s); {native.status()}")
+    print(f"# compute-core work per step, cpu, {args.threads} thread(s); {native.status()}"
+          + (f"; dgc memory clip_norm={args.clip_norm}" if args.clip_norm is not None else ""))
     print("| elements | memory | compressor | path | ms | clone ms | × clone |")
     print("|---|---|---|---|---:|---:|---:|")
     for size in sizes:
@@ -262,7 +267,8 @@ def memory_main(argv) -> int:
             for path in ("native", "torch"):
                 if path == "native" and not native.usable(tensor):
                     continue
-                step = memory_step(memories.create(memory_name), compressors.create(compressor_name), tensor)
+                memory = memories.create(memory_name, **options.get(memory_name, {}))
+                step = memory_step(memory, compressors.create(compressor_name), tensor)
                 if path == "torch":
                     plain = step
 

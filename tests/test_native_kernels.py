@@ -160,17 +160,18 @@ def test_block_peaks_of_the_sparsifiers_match_the_torch_reductions(n, monkeypatc
     assert torch.equal(native_peaks, BlockPeaks(flat, Scratch()).peaks)
 
 
+@pytest.mark.parametrize("scale", [None, 0.37])
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("n", SIZES + [64 * 300 + 5])
-def test_dgc_momentum_correction_gives_the_same_bits_and_the_velocity_peaks(nesterov, n):
+def test_dgc_momentum_correction_gives_the_same_bits_and_the_velocity_peaks(nesterov, n, scale):
     from mergecomp.compressors.kernels.momentum import momentum_correction
     from mergecomp.compressors.kernels.selection import BLOCK, attached_peaks
     g, u, v = _gradient(n, seed=1), _gradient(n, seed=3), _gradient(n, seed=7)
     if n > 40:
         g[40] = float("nan")  # a NaN block's peak is NaN on both paths
-    fused = momentum_correction(g, u, v, 0.9, nesterov, torch.empty(n), torch.empty(n))
+    fused = momentum_correction(g, u, v, 0.9, nesterov, torch.empty(n), torch.empty(n), scale)
     with native.disabled():
-        plain = momentum_correction(g, u, v, 0.9, nesterov, torch.empty(n), torch.empty(n))
+        plain = momentum_correction(g, u, v, 0.9, nesterov, torch.empty(n), torch.empty(n), scale)
     assert all(_same_bits(a, b) for a, b in zip(fused, plain))
     whole = n // BLOCK
     peaks = attached_peaks(fused[1].reshape(-1))
@@ -184,7 +185,7 @@ def test_dgc_memory_and_compressor_send_the_same_bits_on_both_paths():
     from mergecomp import memories
 
     def run():
-        memory, compressor, sent = memories.create("dgc", nesterov=False), compressors.create("dgc"), []
+        memory, compressor, sent = memories.create("dgc", clip_norm=3.0), compressors.create("dgc"), []
         for step in range(3):
             velocity = memory.compensate(_gradient(64 * 500 + 3, seed=step), "g")
             payload, ctx = compressor.compress(velocity, "g")

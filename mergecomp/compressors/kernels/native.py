@@ -45,7 +45,7 @@ _SIGNATURES = {
     "mc_bucket_norms": (_ptr, _i64, _i64, _ptr),
     "mc_stochastic_codes": (_ptr, _i64, _i64, _ptr, _int, _u32, _int, _ptr),
     "mc_dequantize": (_ptr, _i64, _int, _i64, _ptr, _int, _ptr),
-    "mc_dgc_accumulate": (_ptr, _ptr, _ptr, _i64, ctypes.c_float, _int, _ptr, _ptr, _i64, _ptr),
+    "mc_dgc_accumulate": (_ptr, ctypes.c_float, _ptr, _ptr, _i64, ctypes.c_float, _int, _ptr, _ptr, _i64, _ptr),
 }
 
 _library: Optional[ctypes.CDLL] = None
@@ -218,10 +218,11 @@ def dequantize(packed: torch.Tensor, numel: int, bits: int, bucket_size: int, sc
 
 def dgc_accumulate(gradient: torch.Tensor, momentum: torch.Tensor, velocity: torch.Tensor, factor: float,
                    nesterov: bool, new_momentum: torch.Tensor, new_velocity: torch.Tensor,
-                   block: int) -> torch.Tensor:
+                   block: int, scale: float = 1.0) -> torch.Tensor:
     """DGC's momentum correction into ``new_momentum`` and ``new_velocity`` (contiguous fp32,
     written in place), returning the peak |new velocity| of each whole block of ``block``
-    elements: u' = g + m·u, v' = v + u' (Nesterov: u' = m·(u + g), v' = v + u' + g), the
+    elements: u' = g + m·u, v' = v + u' (Nesterov: u' = m·(u + g), v' = v + u' + g) with
+    g = ``gradient`` · ``scale`` (local clipping's factor; 1 leaves it as it is), the
     same bits as the torch ops of :class:`~mergecomp.memories.dgc.DGCMemory`."""
     g = _flat_input(gradient, (torch.float32,))
     u, v = _flat_input(momentum, (torch.float32,)), _flat_input(velocity, (torch.float32,))
@@ -234,6 +235,6 @@ def dgc_accumulate(gradient: torch.Tensor, momentum: torch.Tensor, velocity: tor
         raise ValueError(f"dgc_accumulate needs momentum and velocity of {n} elements, got "
                          f"{u.numel()} and {v.numel()}")
     peaks = torch.empty(n // block, dtype=torch.float32)
-    library().mc_dgc_accumulate(_address(g), _address(u), _address(v), n, float(factor), int(bool(nesterov)),
+    library().mc_dgc_accumulate(_address(g), float(scale), _address(u), _address(v), n, float(factor), int(bool(nesterov)),
                                 _address(new_momentum), _address(new_velocity), block, _address(peaks))
     return peaks

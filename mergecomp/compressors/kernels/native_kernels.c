@@ -390,6 +390,9 @@ MC_EXPORT MC_HOT void mc_dequantize(const uint8_t *packed, int64_t n, int bits, 
  *                                                           fused multiply-add)
  *   Nesterov:  u' = (u + g) * m         v' = (v + u') + g
  *
+ * with g = gradient * scale, local gradient clipping's product (torch: tensor * scale; a
+ * scale of 1 leaves every value as it is), so a clipped gradient costs no pass of its own.
+ *
  * peaks[b] = max |v'| over block b of `bucket` elements, for the n / bucket whole blocks
  * only, compared as in mc_bucket_peaks (so a NaN makes its block's peak NaN).  The fma is
  * explicit (fmaf, exact wherever it runs); on x86-64 a copy compiled for AVX2 with FMA is
@@ -409,8 +412,9 @@ MC_INLINE int32_t magnitude_bits(float x) {
         int32_t peak = 0;                                                                   \
         if (nesterov) {                                                                     \
             for (; i < stop; i++) {                                                         \
-                const float un = (u[i] + g[i]) * m;                                         \
-                const float vn = (v[i] + un) + g[i];                                        \
+                const float gi = g[i] * scale;                                              \
+                const float un = (u[i] + gi) * m;                                           \
+                const float vn = (v[i] + un) + gi;                                          \
                 u_out[i] = un;                                                              \
                 v_out[i] = vn;                                                              \
                 const int32_t mag = magnitude_bits(vn);                                     \
@@ -418,7 +422,7 @@ MC_INLINE int32_t magnitude_bits(float x) {
             }                                                                               \
         } else {                                                                            \
             for (; i < stop; i++) {                                                         \
-                const float un = fmaf(u[i], m, g[i]);                                       \
+                const float un = fmaf(u[i], m, g[i] * scale);                               \
                 const float vn = v[i] + un;                                                 \
                 u_out[i] = un;                                                              \
                 v_out[i] = vn;                                                              \
@@ -430,8 +434,8 @@ MC_INLINE int32_t magnitude_bits(float x) {
     }
 
 #define DGC_ACCUMULATE_ARGS                                                                  \
-    const float *restrict g, const float *restrict u, const float *restrict v, int64_t n,   \
-    float m, int nesterov, float *restrict u_out, float *restrict v_out, int64_t bucket,    \
+    const float *restrict g, float scale, const float *restrict u, const float *restrict v, \
+    int64_t n, float m, int nesterov, float *restrict u_out, float *restrict v_out, int64_t bucket,    \
     float *restrict peaks
 
 static void dgc_accumulate_plain(DGC_ACCUMULATE_ARGS) { DGC_ACCUMULATE_BODY }
@@ -443,13 +447,13 @@ __attribute__((target("avx2,fma"))) static void dgc_accumulate_fma(DGC_ACCUMULAT
 }
 #endif
 
-MC_EXPORT void mc_dgc_accumulate(const float *g, const float *u, const float *v, int64_t n, float m,
+MC_EXPORT void mc_dgc_accumulate(const float *g, float scale, const float *u, const float *v, int64_t n, float m,
                                  int nesterov, float *u_out, float *v_out, int64_t bucket, float *peaks) {
 #ifdef MC_HAS_FMA_COPY
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        dgc_accumulate_fma(g, u, v, n, m, nesterov, u_out, v_out, bucket, peaks);
+        dgc_accumulate_fma(g, scale, u, v, n, m, nesterov, u_out, v_out, bucket, peaks);
         return;
     }
 #endif
-    dgc_accumulate_plain(g, u, v, n, m, nesterov, u_out, v_out, bucket, peaks);
+    dgc_accumulate_plain(g, scale, u, v, n, m, nesterov, u_out, v_out, bucket, peaks);
 }
