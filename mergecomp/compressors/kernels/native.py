@@ -234,7 +234,7 @@ def dgc_accumulate(gradient: torch.Tensor, momentum: torch.Tensor, velocity: tor
     if u.numel() != n or v.numel() != n:
         raise ValueError(f"dgc_accumulate needs momentum and velocity of {n} elements, got "
                          f"{u.numel()} and {v.numel()}")
-    peaks = torch.empty(n // block, dtype=torch.float32)
+    peaks = torch.empty(n // block, dtype=torch.float32, device=g.device)
     library().mc_dgc_accumulate(_address(g), float(scale), _address(u), _address(v), n, float(factor), int(bool(nesterov)),
                                 _address(new_momentum), _address(new_velocity), block, _address(peaks))
     return peaks
