@@ -16,6 +16,15 @@ cubic and it is meant for layers, not fused buffers.
     python benchmarks/compressors.py                      # everything, 1M and 25M
     python benchmarks/compressors.py --sizes 1M --compressors dgc,qsgd,signsgd
 
+``compressors.py memory`` times what a rank does on its compute core per step with an
+error-feedback memory: the memory's compensate, compress, the memory's update and commit
+(DGC's momentum correction and selection by default), on the native kernels and on the
+torch path in the same run (see ``compressors.py memory --help``).
+
+``compressors.py compiled`` times a plugin written in plain torch ops (the README's
+HalfSign) eagerly and through ``compressors.compiled`` (torch.compile, inductor), the
+first call's compile apart (see ``compressors.py compiled --help``).
+
 ``compressors.py sparse-sum`` times the finish phase of sparse payloads instead (see
 ``compressors.py sparse-sum --help``).
 """
@@ -219,8 +228,106 @@ def sparse_sum_main(argv) -> int:
     return 0
 
 
+def memory_step(memory, compressor, tensor: torch.Tensor):
+    """One step's work on the compute core: compensate, compress, update, commit."""
+    def step():
+        velocity = memory.compensate(tensor, "bench")
+        payload, ctx = compressor.compress(velocity, "bench")
+        memory.update(velocity, "bench", compressor, payload, ctx)
+        memory.commit()
+        compressor.commit()
+    return step
+
+
+def memory_main(argv) -> int:
+    """The compute-core work of a compressor with its memory, native kernels against the
+    torch path, each against a clone timed alternately with it."""
+    from mergecomp import memories
+    p = argparse.ArgumentParser(prog="compressors.py memory", description=memory_main.__doc__)
+    p.add_argument("--pairs", default="dgc:dgc", help="memory:compressor pairs (default dgc:dgc)")
+    p.add_argument("--sizes", default="14728266,25M",
+                   help="group sizes in elements (default vgg16's fused gradient, 25M)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; the median is reported")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--clip-norm", type=float, default=None,
+                   help="the dgc memory's local clipping norm (default none; below the gradient's norm, "
+                        "every step clips)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    options = {"dgc": {"clip_norm": args.clip_norm}} if args.clip_norm is not None else {}
+    pairs = [pair.split(":") for pair in args.pairs.split(",")]
+    print(f"# compute-core work per step, cpu, {args.threads} thread(s); {native.status()}"
+          + (f"; dgc memory clip_norm={args.clip_norm}" if args.clip_norm is not None else ""))
+    print("| elements | memory | compressor | path | ms | clone ms | × clone |")
+    print("|---|---|---|---|---:|---:|---:|")
+    for size in sizes:
+        tensor = torch.randn(size, generator=torch.Generator().manual_seed(0))
+        for memory_name, compressor_name in pairs:
+            for path in ("native", "torch"):
+                if path == "native" and not native.usable(tensor):
+                    continue
+                memory = memories.create(memory_name, **options.get(memory_name, {}))
+                step = memory_step(memory, compressors.create(compressor_name), tensor)
+                if path == "torch":
+                    plain = step
+
+                    def step():
+                        with native.disabled():
+                            plain()
+                ms, clone_ms = paired_median_ms(step, tensor.clone, tensor.device, args.reps)
+                print(f"| {size:,} | {memory_name} | {compressor_name} | {path} | {ms:.2f} | {clone_ms:.2f} | "
+                      f"{ms / clone_ms:.2f} |", flush=True)
+    return 0
+
+
+class HalfSign(compressors.Compressor):
+    """The README's plugin: the sign of each element scaled by half the mean magnitude."""
+
+    def compress(self, tensor, name, layout=None):
+        flat = tensor.reshape(-1)
+        scale = flat.abs().mean().reshape(1) / 2
+        return (torch.sign(flat).to(torch.int8), scale), compressors.Context(tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        signs, scale = payload
+        return (signs.to(ctx.dtype) * scale.to(ctx.dtype)).view(ctx.shape)
+
+
+def compiled_main(argv) -> int:
+    """A plain-torch plugin eagerly and compiled (compress + decode), each against a clone
+    timed alternately with it; the compile of each shape is timed apart, on its first call."""
+    from mergecomp.compressors.testing import check_compiled
+    p = argparse.ArgumentParser(prog="compressors.py compiled", description=compiled_main.__doc__)
+    p.add_argument("--sizes", default="14728266,25M",
+                   help="group sizes in elements (default vgg16's fused gradient, 25M)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; the median is reported")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    fast_class = compressors.compiled(HalfSign, backend=args.backend)
+    eager, fast = HalfSign(), fast_class()
+    print(f"# HalfSign eager and compiled ({args.backend}), cpu, {args.threads} thread(s)")
+    print("| elements | path | ms | clone ms | × clone | first call (compile) s |")
+    print("|---|---|---:|---:|---:|---:|")
+    for size in map(parse_size, args.sizes.split(",")):
+        tensor = torch.randn(size, generator=torch.Generator().manual_seed(0))
+        started = time.perf_counter()
+        run_locally(fast, tensor, "bench")
+        compile_s = time.perf_counter() - started
+        for label, compressor, first in (("eager", eager, ""), ("compiled", fast, f"{compile_s:.1f}")):
+            ms, clone_ms = paired_median_ms(lambda: run_locally(compressor, tensor, "bench"), tensor.clone,
+                                            tensor.device, args.reps)
+            print(f"| {size:,} | {label} | {ms:.2f} | {clone_ms:.2f} | {ms / clone_ms:.2f} | {first} |", flush=True)
+    notes = check_compiled(fast_class, sizes=(4096,))
+    print("check_compiled: " + ("; ".join(notes) if notes else "same payload and decode as eager"))
+    return 0
+
+
 def main(argv=None) -> int:
-    return harness.run_mode("compressors.py", __doc__, {"speed": speed_main, "sparse-sum": sparse_sum_main},
+    return harness.run_mode("compressors.py", __doc__, {"speed": speed_main, "sparse-sum": sparse_sum_main,
+                                                        "memory": memory_main, "compiled": compiled_main},
                                  argv, default="speed")
 
 

@@ -158,3 +158,42 @@ def test_block_peaks_of_the_sparsifiers_match_the_torch_reductions(n, monkeypatc
     native_peaks = BlockPeaks(flat, Scratch()).peaks
     monkeypatch.setattr(native, "usable", lambda tensor: False)
     assert torch.equal(native_peaks, BlockPeaks(flat, Scratch()).peaks)
+
+
+@pytest.mark.parametrize("scale", [None, 0.37])
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("n", SIZES + [64 * 300 + 5])
+def test_dgc_momentum_correction_gives_the_same_bits_and_the_velocity_peaks(nesterov, n, scale):
+    from mergecomp.compressors.kernels.momentum import momentum_correction
+    from mergecomp.compressors.kernels.selection import BLOCK, attached_peaks
+    g, u, v = _gradient(n, seed=1), _gradient(n, seed=3), _gradient(n, seed=7)
+    if n > 40:
+        g[40] = float("nan")  # a NaN block's peak is NaN on both paths
+    fused = momentum_correction(g, u, v, 0.9, nesterov, torch.empty(n), torch.empty(n), scale)
+    with native.disabled():
+        plain = momentum_correction(g, u, v, 0.9, nesterov, torch.empty(n), torch.empty(n), scale)
+    assert all(_same_bits(a, b) for a, b in zip(fused, plain))
+    whole = n // BLOCK
+    peaks = attached_peaks(fused[1].reshape(-1))
+    assert peaks is not None and attached_peaks(plain[1]) is None
+    assert _same_bits(peaks, native.bucket_peaks(fused[1][: whole * BLOCK], BLOCK))
+    fused[1].mul_(2)  # changed in place: the attached peaks are stale and not used
+    assert attached_peaks(fused[1]) is None
+
+
+def test_dgc_memory_and_compressor_send_the_same_bits_on_both_paths():
+    from mergecomp import memories
+
+    def run():
+        memory, compressor, sent = memories.create("dgc", clip_norm=3.0), compressors.create("dgc"), []
+        for step in range(3):
+            velocity = memory.compensate(_gradient(64 * 500 + 3, seed=step), "g")
+            payload, ctx = compressor.compress(velocity, "g")
+            memory.update(velocity, "g", compressor, payload, ctx)
+            memory.commit()
+            sent += list(payload)
+        return sent + list(memory.state_dict()["momenta"].values()) + list(memory.state_dict()["velocities"].values())
+    fused = run()
+    with native.disabled():
+        plain = run()
+    assert all(_same_bits(a, b) for a, b in zip(fused, plain))

@@ -245,6 +245,46 @@ def test_an_overflow_of_the_averaged_gradient_drops_the_step():
         assert skipped == 1 and averaged
 
 
+def sparse_overflow_worker(rank, world_size, compressor):
+    torch.manual_seed(0)
+    model = nn.Linear(64, 1, bias=False)
+    opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-9), model=model,
+                                         compressor=compressor, memory="residual",
+                                         communicator="allgather", schedule=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        x = torch.zeros(1, 64)
+        x[0, 5] = 3e38  # finite on each rank and sent by both; the received sum overflows there
+        model(x).sum().backward()
+        opt.step()
+    return opt.skipped_steps, opt.reducer.last_outcome.averaged_nonfinite, model.weight.isfinite().all().item()
+
+
+@pytest.mark.parametrize("compressor", ["topk", "dgc"])
+def test_a_sparse_allgather_checks_the_received_coordinates_and_drops_an_overflow(compressor):
+    for skipped, averaged, finite in run_ranks(sparse_overflow_worker, 2, compressor):
+        assert skipped == 1 and averaged and finite
+
+
+def test_the_received_coordinates_give_the_same_verdict_as_the_whole_average():
+    compressor = mergecomp.compressors.create("topk", compress_ratio=0.1)
+    from mergecomp.communicators.allgather import AllgatherCommunicator
+    from mergecomp.communicators.base import Handle
+    from mergecomp.runtime.agreement import nonfinite_flag
+    g = torch.randn(1000)
+    payloads = [compressor.compress(g * (r + 1), "g")[0] for r in range(3)]
+    ctx = compressor.compress(g, "g")[1]
+    holder = AllgatherCommunicator.__new__(AllgatherCommunicator)  # _combine needs no backend
+    holder.compressor = compressor
+    for poison in (None, float("nan"), float("inf")):
+        if poison is not None:
+            payloads[1][0][3] = poison
+        handle = Handle("g", g.shape, None, ctx=ctx)
+        average = holder._combine(payloads, handle)
+        assert "received_indices" in handle.extra
+        assert holder.nonfinite_flag(handle, average).item() == nonfinite_flag(average).item() == (poison is not None)
+
+
 def epoch_mismatch_worker(rank, world_size):
     model = make_model()
     opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,

@@ -94,7 +94,8 @@ class Communicator:
 
     def finish(self, handle: Handle) -> torch.Tensor:
         """Wait for the group and return the average of all ranks' gradients."""
-        handle.payload = None  # the handle outlives the step; the payload need not
+        handle.payload = None
+        handle.extra.pop("received_indices", None)  # of a previous step, never checked  # the handle outlives the step; the payload need not
         if handle.rounds is not None:
             total = self._run_rounds(handle)
         else:
@@ -102,6 +103,19 @@ class Communicator:
         if self.compressor.average:
             total = total.div_(self.backend.size)
         return total.view(handle.shape)
+
+    def nonfinite_flag(self, handle: Handle, average: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool tensor, True when ``average`` (what :meth:`finish` returned for
+        ``handle``) holds a NaN or an Inf: a non-finite value anywhere in what this rank
+        received makes the sum non-finite where it landed.  By default one pass over the
+        average; a communicator that knows where the received values landed (the
+        allgather of a sparsifier: the received indices, the rest of the sum is zero)
+        reads the sum there only, the same answer for O(k·N) instead of O(n)."""
+        from ..runtime.agreement import nonfinite_flag  # the runtime imports this module
+        received = handle.extra.pop("received_indices", None)
+        if received is None:
+            return nonfinite_flag(average)
+        return nonfinite_flag(average.reshape(-1).index_select(0, received))
 
     def _launch_request(self, request) -> Work:
         if not isinstance(request, AllReduce):

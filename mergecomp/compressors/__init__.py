@@ -15,6 +15,8 @@ create = registry.create
 available = registry.available
 get = registry.get
 
+from .compiled import compiled  # noqa: E402
+
 # Built-ins register themselves on import.
 from . import none, halfprecision, topk, randk  # noqa: E402,F401
 from . import (sign, onebit, qsgd, terngrad, dgc, graddrop, tbq, atomo,  # noqa: E402,F401
@@ -22,4 +24,4 @@ from . import (sign, onebit, qsgd, terngrad, dgc, graddrop, tbq, atomo,  # noqa:
 
 __all__ = ["Compressor", "Context", "Payload", "AllReduce", "ParamView", "GroupLayout", "register",
            "create", "available", "get", "registry", "payload_nbytes", "check_ratio", "check_dtypes",
-           "clip_layout", "whole_layout"]
+           "clip_layout", "whole_layout", "compiled"]

@@ -840,6 +840,50 @@ CHECKS: Dict[str, Callable[..., List[str]]] = {
 }
 
 
+def check_compiled(compiled_class, kwargs: Optional[Dict[str, Any]] = None, device="cpu",
+                   sizes: Sequence[int] = (1001, 4096), rtol: float = 1e-5, atol: float = 1e-6,
+                   seed: int = 0) -> List[str]:
+    """A class made by :func:`mergecomp.compressors.compiled` against its eager class, both
+    built with ``kwargs``: for each size (a new shape compiles anew), the same payload (the
+    same shapes and dtypes; integer and bool parts bit for bit, floating parts within
+    ``rtol``/``atol``, since a compiled reduction may add in another order) and the same
+    decode within ``rtol``/``atol``, in the input's shape, dtype and device.
+
+    Returns notes: one when compilation was unavailable and the class ran eagerly (then
+    the check compared eager with eager)."""
+    eager_class = getattr(compiled_class, "eager_class", None)
+    if eager_class is None:
+        raise TypeError(f"check_compiled takes a class made by mergecomp.compressors.compiled(...), "
+                        f"got {compiled_class!r}")
+    subject = _subject(compiled_class, kwargs, device)
+    eager = Subject(eager_class, kwargs, device)
+    for numel in sizes:
+        made = make_input("gaussian", numel, torch.float32, subject.device, seed=seed + numel)
+        with _private_rng(seed, subject.device):
+            fast = _guarded("compiled", subject, made.description, lambda: run_step(subject.fresh(), made.tensor))
+        with _private_rng(seed, subject.device):
+            slow = run_step(eager.fresh(), made.tensor)
+        _expect(len(fast.payload) == len(slow.payload), "compiled", subject, made.description,
+                f"payload has {len(fast.payload)} parts compiled, {len(slow.payload)} eager")
+        for i, (a, b) in enumerate(zip(fast.payload, slow.payload)):
+            _expect(a.dtype == b.dtype and a.shape == b.shape, "compiled", subject, made.description,
+                    f"payload part {i} is {a.dtype}{tuple(a.shape)} compiled, {b.dtype}{tuple(b.shape)} eager")
+            close = (torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+                     if a.dtype.is_floating_point or a.dtype.is_complex else same_bits(a, b))
+            _expect(close, "compiled", subject, made.description,
+                    f"payload part {i} differs from the eager class's "
+                    f"({'beyond rtol/atol' if a.dtype.is_floating_point else 'in its bits'})")
+        _expect(fast.decoded.shape == made.tensor.shape and fast.decoded.dtype == made.tensor.dtype
+                and fast.decoded.device == made.tensor.device, "compiled", subject, made.description,
+                f"decoded {fast.decoded.dtype}{tuple(fast.decoded.shape)} on {fast.decoded.device}; expected "
+                f"the input's {made.tensor.dtype}{tuple(made.tensor.shape)} on {made.tensor.device}")
+        worst = (fast.decoded - slow.decoded).abs().max().item() if numel else 0.0
+        _expect(torch.allclose(fast.decoded, slow.decoded, rtol=rtol, atol=atol, equal_nan=True), "compiled",
+                subject, made.description, f"decodes differently from the eager class (largest difference {worst:.3g})")
+    failed = {method.failed for method in compiled_class.compiled_methods}
+    return [f"compilation unavailable, compared eagerly: {reason}" for reason in failed if reason]
+
+
 def check_compressor(cls_or_instance, kwargs: Optional[Dict[str, Any]] = None, device="cpu",
                      dtypes: Optional[Sequence[torch.dtype]] = None, samples: int = 2000,
                      alpha: float = 1e-3, seed: int = 0, skip: Sequence[str] = ()) -> Report:

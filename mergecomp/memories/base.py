@@ -66,10 +66,17 @@ def clip_local(tensor, clip_norm: float):
     """``tensor`` scaled down to L2 norm ``clip_norm`` when it is longer (a new tensor; the
     input is never changed).  Local gradient clipping: a rank's own gradient, before error
     feedback or momentum accumulates it, so what is clipped is never owed later."""
+    scale = clip_scale(tensor, clip_norm)
+    return tensor if scale is None else tensor * scale
+
+
+def clip_scale(tensor, clip_norm: float):
+    """The factor :func:`clip_local` multiplies ``tensor`` by, or None when it is short
+    enough: for a memory that fuses the product into its own pass over the tensor."""
     norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
     if norm > clip_norm:
-        return tensor * (clip_norm / float(norm))
-    return tensor
+        return clip_norm / float(norm)
+    return None
 
 
 def norm_of(tensors) -> float:

@@ -20,8 +20,9 @@ import torch
 
 from ..momentum import refuse_optimizer_momentum
 from . import register
-from .base import Memory, check_flag, check_number, clip_local, norm_of
+from .base import Memory, check_flag, check_number, clip_scale, norm_of
 from ..checkpoint import check_group_tensors
+from ..compressors.kernels.momentum import momentum_correction
 from ..staging import Spares, StagedDict, shares_memory
 
 
@@ -83,20 +84,22 @@ class DGCMemory(Memory):
                 f"has shape {tuple(tensor.shape)}: the plan changed without resetting memory")
         return momentum, self.velocities[name]
 
+    def _spare(self, key, like):
+        spare = self._spares.take(key, like)
+        return spare if spare is not None else torch.empty_like(like, memory_format=torch.contiguous_format)
+
     def compensate(self, tensor, name):
-        if self.clip_norm is not None:
-            tensor = clip_local(tensor, self.clip_norm)
+        # Local clipping's factor is applied inside the momentum correction's pass.
+        scale = clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None
         momentum, velocity = self._state(name, tensor)
         # Into other tensors (spares this memory made earlier, when it has them), never the
         # committed ones changed in place: a step dropped after this (rollback) must find
         # the previous step's state intact.
-        new_u, new_v = self._spares.take("u/" + name, tensor), self._spares.take("v/" + name, tensor)
-        if self.nesterov:
-            momentum = torch.add(momentum, tensor, out=new_u).mul_(self.momentum)
-            velocity = torch.add(velocity, momentum, out=new_v).add_(tensor)
-        else:
-            momentum = torch.add(tensor, momentum, alpha=self.momentum, out=new_u)
-            velocity = torch.add(velocity, momentum, out=new_v)
+        new_u, new_v = self._spare("u/" + name, tensor), self._spare("v/" + name, tensor)
+        # One pass on the CPU where the native kernels are built (with the velocity's block
+        # peaks for DGC's selection), else two torch passes: the same bits either way.
+        momentum, velocity = momentum_correction(tensor, momentum, velocity, self.momentum, self.nesterov,
+                                                 new_u, new_v, scale)
         self.momenta[name], self.velocities[name] = momentum, velocity
         return velocity
 

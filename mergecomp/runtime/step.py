@@ -281,7 +281,10 @@ class StepLifecycle:
             return self.agreement.outcome(None, None, active, used)
         local = [f.local_nonfinite for f in flights if f.local_nonfinite is not None]
         local_flag = torch.stack(local).any() if local else None
-        averaged_flag = torch.stack([nonfinite_flag(a) for a in averages]).any() if averages else None
+        # Each communicator checks what it received (a sparse allgather: the k·N received
+        # coordinates, not the whole sum).
+        averaged_flag = torch.stack([f.communicator.nonfinite_flag(f.handle, a) for f, a in zip(flights, averages)]
+                                    ).any() if averages else None
         return self.agreement.outcome(local_flag, averaged_flag, active, used)
 
     def _keep_or_forget(self, outcome: StepOutcome) -> None:

@@ -28,12 +28,15 @@ quantize               ``quantize_packed`` (stochastic rounding to integer level
 selection              ``exact_top_k``, ``sampled_threshold``, ``BlockPeaks`` (indices of
                        the elements at or above a threshold), ``uniform_subset`` (k random
                        indices, the same for the same generator state)
+momentum               ``momentum_correction`` (DGC's momentum and velocity in one pass,
+                       with the velocity's block peaks for the selection that follows)
 scratch                ``Scratch``: per-thread reusable work buffers
 =====================  ====================================================================
 """
 from .buckets import bucket_norms, bucket_peaks, check_bucket_size, num_buckets, padded_fp32_buckets
 from .packing import bits_for, decode_values, pack_bits, packed_nbytes, unpack_bits
 from .quantize import dequantize_packed, quantize_packed, random_int16, random_key
+from .momentum import momentum_correction
 from .scratch import Scratch
 from .selection import BlockPeaks, exact_top_k, sampled_threshold, uniform_subset
 from .signs import pack_signs, sign_bits, signs_and_side_means, unpack_signs
@@ -42,4 +45,4 @@ __all__ = ["Scratch", "bits_for", "packed_nbytes", "pack_bits", "unpack_bits", "
            "sign_bits", "pack_signs", "unpack_signs", "signs_and_side_means",
            "bucket_norms", "bucket_peaks", "padded_fp32_buckets", "check_bucket_size", "num_buckets",
            "quantize_packed", "dequantize_packed", "random_int16", "random_key",
-           "exact_top_k", "sampled_threshold", "BlockPeaks", "uniform_subset"]
+           "exact_top_k", "sampled_threshold", "BlockPeaks", "uniform_subset", "momentum_correction"]

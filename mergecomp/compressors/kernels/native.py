@@ -11,6 +11,10 @@ the build is skipped and every op keeps its torch/numpy path, which gives the sa
 (tests compare the two); 1-bit SGD's two means, being sums, differ in the last bits.  Set
 ``MERGECOMP_NATIVE=0`` to use the torch/numpy paths on purpose.
 
+DGC's momentum correction (:func:`dgc_accumulate`) is fused the same way: the new momentum,
+the new velocity and the velocity's block peaks, which DGC's selection reads next, in one
+pass instead of three.
+
 The kernels take fp32 (the sign kernels any 2-, 4- or 8-byte float) contiguous CPU
 tensors; the ops of :mod:`mergecomp.compressors.kernels` check :func:`usable` and keep
 their torch path for anything else (GPU tensors above all).  ctypes releases the GIL
@@ -29,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 #: Must equal ``mc_abi_version()`` in native_kernels.c: a stale build is not loaded.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _EXTENSION = "mergecomp.compressors.kernels._native_kernels"
 _i64, _int, _u32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
@@ -41,6 +45,7 @@ _SIGNATURES = {
     "mc_bucket_norms": (_ptr, _i64, _i64, _ptr),
     "mc_stochastic_codes": (_ptr, _i64, _i64, _ptr, _int, _u32, _int, _ptr),
     "mc_dequantize": (_ptr, _i64, _int, _i64, _ptr, _int, _ptr),
+    "mc_dgc_accumulate": (_ptr, ctypes.c_float, _ptr, _ptr, _i64, ctypes.c_float, _int, _ptr, _ptr, _i64, _ptr),
 }
 
 _library: Optional[ctypes.CDLL] = None
@@ -209,3 +214,27 @@ def dequantize(packed: torch.Tensor, numel: int, bits: int, bucket_size: int, sc
     out = torch.empty(numel, dtype=torch.float32)
     library().mc_dequantize(_address(packed), numel, bits, bucket_size, _address(scales), offset, _address(out))
     return out
+
+
+def dgc_accumulate(gradient: torch.Tensor, momentum: torch.Tensor, velocity: torch.Tensor, factor: float,
+                   nesterov: bool, new_momentum: torch.Tensor, new_velocity: torch.Tensor,
+                   block: int, scale: float = 1.0) -> torch.Tensor:
+    """DGC's momentum correction into ``new_momentum`` and ``new_velocity`` (contiguous fp32,
+    written in place), returning the peak |new velocity| of each whole block of ``block``
+    elements: u' = g + m·u, v' = v + u' (Nesterov: u' = m·(u + g), v' = v + u' + g) with
+    g = ``gradient`` · ``scale`` (local clipping's factor; 1 leaves it as it is), the
+    same bits as the torch ops of :class:`~mergecomp.memories.dgc.DGCMemory`."""
+    g = _flat_input(gradient, (torch.float32,))
+    u, v = _flat_input(momentum, (torch.float32,)), _flat_input(velocity, (torch.float32,))
+    n = g.numel()
+    for out in (new_momentum, new_velocity):
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n:
+            raise ValueError(f"dgc_accumulate writes {n} contiguous fp32 elements, got an output of "
+                             f"{out.numel()} {out.dtype} (contiguous: {out.is_contiguous()})")
+    if u.numel() != n or v.numel() != n:
+        raise ValueError(f"dgc_accumulate needs momentum and velocity of {n} elements, got "
+                         f"{u.numel()} and {v.numel()}")
+    peaks = torch.empty(n // block, dtype=torch.float32, device=g.device)
+    library().mc_dgc_accumulate(_address(g), float(scale), _address(u), _address(v), n, float(factor), int(bool(nesterov)),
+                                _address(new_momentum), _address(new_velocity), block, _address(peaks))
+    return peaks

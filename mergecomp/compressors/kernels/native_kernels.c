@@ -1,4 +1,5 @@
-/* Fused CPU kernels of the quantising compressors (signSGD family, 1-bit SGD, QSGD, TernGrad).
+/* Fused CPU kernels of the quantising compressors (signSGD family, 1-bit SGD, QSGD, TernGrad)
+ * and of DGC's momentum correction.
  *
  * Why C: each pass over a gradient costs a good fraction of a clone(), and the
  * torch/numpy versions of these compressors take 6 to 12
@@ -54,7 +55,7 @@
 #endif
 
 /* Raised whenever a signature or a result changes, so a stale build is never loaded. */
-MC_EXPORT int mc_abi_version(void) { return 2; }
+MC_EXPORT int mc_abi_version(void) { return 3; }
 
 /* Elements per chunk: a multiple of 8 (chunks start on a byte of any b-bit stream) whose
  * codes and random words fit in the L1 cache next to the input. */
@@ -378,4 +379,81 @@ MC_EXPORT MC_HOT void mc_dequantize(const uint8_t *packed, int64_t n, int bits, 
             for (; i < stop; i++) out[first + i] = (float)((int)codes[i] - offset) * scale;
         }
     }
+}
+
+/* DGC's momentum correction (mergecomp/memories/dgc.py) in one pass instead of two, with
+ * the block peaks of the new velocity that DGC's selection reads next (a third pass), so
+ * the sampled threshold's candidates cost no further read of the whole group:
+ *
+ *   plain:     u' = fma(u, m, g)        v' = v + u'        (torch.add(g, u, alpha=m): torch's
+ *                                                           vectorised CPU add with alpha is a
+ *                                                           fused multiply-add)
+ *   Nesterov:  u' = (u + g) * m         v' = (v + u') + g
+ *
+ * with g = gradient * scale, local gradient clipping's product (torch: tensor * scale; a
+ * scale of 1 leaves every value as it is), so a clipped gradient costs no pass of its own.
+ *
+ * peaks[b] = max |v'| over block b of `bucket` elements, for the n / bucket whole blocks
+ * only, compared as in mc_bucket_peaks (so a NaN makes its block's peak NaN).  The fma is
+ * explicit (fmaf, exact wherever it runs); on x86-64 a copy compiled for AVX2 with FMA is
+ * chosen at run time when the processor has both, as a libm fmaf per element is several
+ * times slower than the memory traffic. */
+MC_INLINE int32_t magnitude_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (int32_t)(bits & 0x7FFFFFFFu);
+}
+
+#define DGC_ACCUMULATE_BODY                                                                  \
+    const int64_t whole = bucket > 0 ? n / bucket : 0;                                      \
+    int64_t i = 0;                                                                          \
+    for (int64_t b = 0; b <= whole; b++) {                                                  \
+        const int64_t stop = b < whole ? i + bucket : n;                                    \
+        int32_t peak = 0;                                                                   \
+        if (nesterov) {                                                                     \
+            for (; i < stop; i++) {                                                         \
+                const float gi = g[i] * scale;                                              \
+                const float un = (u[i] + gi) * m;                                           \
+                const float vn = (v[i] + un) + gi;                                          \
+                u_out[i] = un;                                                              \
+                v_out[i] = vn;                                                              \
+                const int32_t mag = magnitude_bits(vn);                                     \
+                peak = mag > peak ? mag : peak;                                             \
+            }                                                                               \
+        } else {                                                                            \
+            for (; i < stop; i++) {                                                         \
+                const float un = fmaf(u[i], m, g[i] * scale);                               \
+                const float vn = v[i] + un;                                                 \
+                u_out[i] = un;                                                              \
+                v_out[i] = vn;                                                              \
+                const int32_t mag = magnitude_bits(vn);                                     \
+                peak = mag > peak ? mag : peak;                                             \
+            }                                                                               \
+        }                                                                                   \
+        if (b < whole) memcpy(peaks + b, &peak, 4);                                         \
+    }
+
+#define DGC_ACCUMULATE_ARGS                                                                  \
+    const float *restrict g, float scale, const float *restrict u, const float *restrict v, \
+    int64_t n, float m, int nesterov, float *restrict u_out, float *restrict v_out, int64_t bucket,    \
+    float *restrict peaks
+
+static void dgc_accumulate_plain(DGC_ACCUMULATE_ARGS) { DGC_ACCUMULATE_BODY }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MC_HAS_FMA_COPY 1
+__attribute__((target("avx2,fma"))) static void dgc_accumulate_fma(DGC_ACCUMULATE_ARGS) {
+    DGC_ACCUMULATE_BODY
+}
+#endif
+
+MC_EXPORT void mc_dgc_accumulate(const float *g, float scale, const float *u, const float *v, int64_t n, float m,
+                                 int nesterov, float *u_out, float *v_out, int64_t bucket, float *peaks) {
+#ifdef MC_HAS_FMA_COPY
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        dgc_accumulate_fma(g, scale, u, v, n, m, nesterov, u_out, v_out, bucket, peaks);
+        return;
+    }
+#endif
+    dgc_accumulate_plain(g, scale, u, v, n, m, nesterov, u_out, v_out, bucket, peaks);
 }

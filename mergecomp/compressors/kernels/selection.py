@@ -10,8 +10,9 @@ tested element by element.  At 0.1% density about 6% of the blocks pass for i.i.
 gradients (fewer for real ones, whose large values cluster by layer); when more than a
 half pass the full-pass way is cheaper and is used instead.
 
-The block peaks of fp32 CPU tensors come from one native pass where the kernels are built,
-else from two torch reductions on the tensor's device; the selection itself is torch.
+The block peaks of fp32 CPU tensors come from one native pass where the kernels are built
+(or from no pass at all, when the kernel that wrote the tensor attached them: DGC's
+momentum correction does), else from two torch reductions on the tensor's device; the selection itself is torch.
 Rand-k's random subsets (:func:`uniform_subset`) come from numpy's sampler on the CPU,
 whatever the device, so every rank and device picks the same indices.
 """
@@ -31,6 +32,31 @@ BLOCK = 64
 
 #: Above this fraction of passing blocks, gathering them costs more than one full pass.
 DENSE_BLOCKS = 0.5
+
+
+def attach_peaks(tensor: torch.Tensor, peaks: torch.Tensor) -> None:
+    """Remember the block peaks of ``tensor`` (fp32, one per whole block of :data:`BLOCK`),
+    computed while it was written, for the :class:`BlockPeaks` of a later selection.
+
+    They are valid only while ``tensor`` is unchanged: the tensor's version counter is
+    kept with them, and any in-place torch op on it (or on a view of it) makes them stale.
+    Only a kernel that wrote the tensor through its data pointer may attach them.
+    """
+    tensor._mergecomp_peaks = (tensor._version, tensor.data_ptr(), tensor.numel(), peaks)
+
+
+def attached_peaks(flat: torch.Tensor):
+    """The peaks :func:`attach_peaks` left on ``flat`` (or on the tensor it is a view of,
+    covering the same elements), or None when there are none or they are stale."""
+    for owner in (flat, flat._base):
+        record = getattr(owner, "_mergecomp_peaks", None) if owner is not None else None
+        if record is None:
+            continue
+        version, address, numel, peaks = record
+        if (owner._version == version and owner.data_ptr() == address == flat.data_ptr()
+                and numel == flat.numel() and flat.dtype == torch.float32 and flat.is_contiguous()):
+            return peaks
+    return None
 
 
 def sampled_threshold(flat: torch.Tensor, k: int, sample_ratio: float, min_samples: int,
@@ -72,6 +98,8 @@ class BlockPeaks:
         self.whole = flat.numel() // BLOCK  # blocks of exactly BLOCK elements; the rest is the tail
         if not self.whole:
             self.peaks = None
+        elif attached_peaks(flat) is not None:  # computed when the tensor was written
+            self.peaks = attached_peaks(flat)
         elif flat.dtype == torch.float32 and native.usable(flat):  # one pass instead of two
             self.peaks = native.bucket_peaks(flat[: self.whole * BLOCK], BLOCK)
         else:
