@@ -1,0 +1,285 @@
+"""Compressed gradient reduce-scatter for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.01)
+
+FSDP2 reduces each unit's gradients (the parameters one ``fully_shard`` call grouped) with
+one reduce-scatter: every rank hands in the unit's whole, unsharded gradient, laid out as
+``world_size`` equal chunks, and receives the average of chunk ``rank`` over ranks, its own
+shard.  :func:`register` swaps that collective, unit by unit, for
+:class:`CompressedReduceScatter` (``FSDPModule.set_custom_reduce_scatter``):
+
+- a compressor whose payloads add up (``summable``: the fp16/bf16 casts, FP32 ``none``)
+  with no error feedback travels by a plain reduce-scatter of the cast chunks;
+- any other one-shot, fixed-size compressor (top-k, rand-k, QSGD, TernGrad, ...) encodes
+  each destination's chunk separately, and one ``all_to_all`` delivers to each rank the
+  payloads of its own chunk from every rank, which it decodes and sums.  The payloads of
+  one call share one uint8 buffer, so a unit costs one collective whatever the payload's
+  parts.
+
+Error feedback works on the sender's side, per unit and destination chunk: a rank keeps a
+residual for every chunk it encodes, so the memory costs one unsharded gradient per unit
+(the whole model's gradient size per rank, in the reduce dtype): the price of compressing
+what FSDP would otherwise send whole.  FSDP's averaging is kept: the collective's ``op``
+(``AVG``, ``SUM`` or ``PREMUL_SUM(1/factor)`` after ``set_gradient_divide_factor``) scales
+the decoded sum exactly as the reduce-scatter it replaces would.
+
+A non-finite gradient never reaches a compressor or a residual: a rank whose chunk holds a
+NaN/Inf sends zeros with a flag beside its payloads, every rank then sees the flag, keeps
+its residuals as before the call and writes NaN into its shard, as FSDP's own
+reduce-scatter would, and warns (``nonfinite="raise"`` raises
+:class:`~mergecomp.runtime.agreement.NonFiniteGradient` on every rank instead).  Keeping the
+parameters free of it is the training loop's part, as with plain FSDP2.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import arguments
+from .backends.serialize import pack, unpack
+from .compressors import create as create_compressor
+from .compressors.base import Compressor, check_dtypes
+from .memories.base import Memory
+from .memories.none import NoneMemory
+from .runtime.agreement import NonFiniteGradient
+
+try:  # FSDP2's public module and its custom-collective interface (torch >= 2.6 has both)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # pragma: no cover - an older torch
+    FSDPModule, ReduceScatter = None, object
+
+__all__ = ["register", "CompressedReduceScatter", "FSDPCompression"]
+
+#: What FSDP's reduce-scatter may be asked to do; anything else is refused by name.
+_OPS = {"AVG", "SUM", "PREMUL_SUM"}
+
+
+def _scale(op, world_size: int) -> Tuple[float, int]:
+    """(multiplier, divisor) that turn the sum over ranks into what ``op`` asks for (an
+    average divides, as the backends' ``AVG`` does, so FP32 results match it bit for bit)."""
+    kind = getattr(op, "op", op)  # a PREMUL_SUM arrives as a ReduceOp object carrying a factor
+    name = getattr(kind, "name", str(kind)).split(".")[-1]
+    if name not in _OPS:
+        raise ValueError(f"the compressed reduce-scatter sums or averages gradients, but FSDP asked "
+                         f"for {op!r}: use FSDP's own reduce-scatter for this module")
+    if name == "AVG":
+        return 1.0, world_size
+    if name == "PREMUL_SUM":
+        return float(op.factor), 1
+    return 1.0, 1
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """One FSDP unit's reduce-scatter, compressed (see the module for the two ways).
+
+    ``wire_bytes``: what this rank has put on the wire for this unit so far (its payloads
+    for the other ranks' chunks, and the flag); ``calls``: the reduce-scatters run;
+    ``dropped``: those that met a non-finite gradient.
+    """
+
+    def __init__(self, name: str, compressor: Compressor, memory: Memory, nonfinite: str = "skip"):
+        self.name = name
+        self.compressor = compressor
+        self.memory = memory
+        self.nonfinite = nonfinite
+        self.wire_bytes = 0
+        self.calls = 0
+        self.dropped = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the cast chunks can simply be reduce-scattered (no decoding per rank)."""
+        return self.compressor.summable and isinstance(self.memory, NoneMemory)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False):
+        """Write this rank's shard of the reduced ``input_tensor`` into ``output_tensor``.
+
+        Runs to completion before it returns (FSDP2 reads the shard right after a
+        synchronous call), so it returns None even when ``async_op`` is asked for.
+        """
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        multiplier, divisor = _scale(op, world)
+        chunks = input_tensor.view(world, -1)
+        self.calls += 1
+        if self.plain:
+            total = self._reduce_scatter(chunks, rank, group)
+        else:
+            total = self._all_to_all(chunks, rank, group)
+        if total is None:
+            output_tensor.fill_(float("nan"))
+            return None
+        total = total.reshape(-1)
+        if multiplier != 1.0:
+            total = total * multiplier
+        if divisor != 1:
+            total = total / divisor
+        output_tensor.copy_(total)
+        return None
+
+    # -- the two exchanges ------------------------------------------------------------------------
+    def _reduce_scatter(self, chunks: torch.Tensor, rank: int, group) -> torch.Tensor:
+        """A summable compressor: reduce-scatter the cast chunks, decode the summed shard."""
+        payloads, ctx = [], None
+        for j in range(chunks.shape[0]):
+            payload, chunk_ctx = self.compressor.compress(chunks[j], self._chunk(j))
+            payloads.append(payload[0].reshape(-1))
+            ctx = chunk_ctx if j == rank else ctx
+        send = torch.stack(payloads)
+        out = torch.empty_like(send[0])
+        dist.reduce_scatter_tensor(out, send.reshape(-1), group=group)
+        self.wire_bytes += send.numel() * send.element_size() * (send.shape[0] - 1) // send.shape[0]
+        self.compressor.commit()
+        return self.compressor.decompress((out,), ctx)
+
+    def _all_to_all(self, chunks: torch.Tensor, rank: int, group) -> Optional[torch.Tensor]:
+        """Encode every destination's chunk, swap payloads by all_to_all, decode and sum
+        the ones for this rank's chunk; None when some rank's gradient was non-finite."""
+        world = chunks.shape[0]
+        nonfinite = bool(not torch.isfinite(chunks).all())
+        if nonfinite:  # a compressor or a residual must never see it: send zeros, flagged
+            chunks = torch.zeros_like(chunks)
+        flag = torch.tensor([float(nonfinite)], dtype=torch.float32, device=chunks.device)
+        blobs, shapes, dtypes, ctx = [], None, None, None
+        for j in range(world):
+            name = self._chunk(j)
+            compensated = self.memory.compensate(chunks[j], name)
+            payload, chunk_ctx = self.compressor.compress(compensated, name)
+            self.memory.update(compensated, name, self.compressor, payload, chunk_ctx)
+            parts = tuple(payload) + (flag,)
+            if shapes is None:
+                shapes, dtypes = [p.shape for p in parts], [p.dtype for p in parts]
+            elif [p.shape for p in parts] != shapes:
+                raise ValueError(f"{self.compressor!r} gave payloads of different shapes for the equal "
+                                 f"chunks of FSDP unit {self.name!r}: it is not fixed-size")
+            if j == rank:
+                ctx = chunk_ctx
+            blobs.append(pack(parts, chunks.device))
+        send = torch.cat(blobs)
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        self.wire_bytes += send.numel() * (world - 1) // world
+        per_rank = received.view(world, -1)
+        payloads, flagged = [], []
+        for source in range(world):
+            parts = unpack(per_rank[source], shapes, dtypes)
+            payloads.append(parts[:-1])
+            if float(parts[-1][0]) != 0.0:
+                flagged.append(source)
+        if flagged:
+            return self._drop(flagged)
+        self.memory.commit()
+        self.compressor.commit()
+        return self.compressor.decompress_sum(payloads, ctx)
+
+    def _drop(self, ranks: List[int]) -> None:
+        """Forget what this call wrote into residuals; warn or raise, on every rank alike."""
+        self.memory.rollback()
+        self.compressor.rollback()
+        self.dropped += 1
+        message = (f"FSDP unit {self.name!r}: a non-finite gradient on rank(s) {ranks}; its shards are "
+                   f"NaN on every rank and its error-feedback state is as before this backward")
+        if self.nonfinite == "raise":
+            raise NonFiniteGradient(message)
+        warnings.warn(f"mergecomp: {message}", RuntimeWarning, stacklevel=3)
+        return None
+
+    def _chunk(self, index: int) -> str:
+        return f"{self.name}#shard{index}"
+
+
+class FSDPCompression:
+    """What :func:`register` installed: the compressed reduce-scatter of each FSDP unit."""
+
+    def __init__(self, units: Dict[str, CompressedReduceScatter], compressor: Compressor, memory: Memory):
+        self.units = units
+        self.compressor = compressor
+        self.memory = memory
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank has sent for every unit so far."""
+        return sum(unit.wire_bytes for unit in self.units.values())
+
+    @property
+    def dropped(self) -> int:
+        """Unit reduce-scatters dropped for a non-finite gradient."""
+        return sum(unit.dropped for unit in self.units.values())
+
+    def __repr__(self) -> str:
+        return f"FSDPCompression({self.compressor!r}, {self.memory!r}, units={list(self.units)})"
+
+
+def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk",
+             memory: Union[str, Memory] = "auto", nonfinite: str = "skip", **options: Any) -> FSDPCompression:
+    """Compress the gradient reduce-scatter of every FSDP2 unit in ``model``.
+
+    Call it after ``fully_shard`` (on the layers, then the root) and before training.
+    ``compressor``: a registered name (with ``options`` for it) or an instance;
+    ``memory``: error feedback, ``"auto"`` for the compressor's recommendation
+    (``residual`` for the sparsifiers); ``nonfinite``: ``"skip"`` (warn) or ``"raise"``.
+    """
+    units = _fsdp_units(model)
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite must be 'skip' or 'raise' under FSDP, got {nonfinite!r}: "
+                         "'skip' warns and leaves NaN in the unit's shards, 'raise' stops")
+    if isinstance(compressor, str):
+        compressor = create_compressor(compressor, **options)
+    elif options:
+        raise TypeError(f"options {sorted(options)} go with a compressor name; got the instance {compressor!r}")
+    compressor, memory, _ = arguments.resolve(compressor, memory, None)
+    _check_compressor(compressor, memory)
+    check_dtypes(compressor, {p.dtype for p in model.parameters() if p.requires_grad})
+    if dist.is_available() and dist.is_initialized():
+        compressor.set_process_rank(dist.get_rank())
+    installed = {}
+    for name, module in units:
+        unit = CompressedReduceScatter(name, compressor, memory, nonfinite)
+        module.set_custom_reduce_scatter(unit)
+        installed[name] = unit
+    return FSDPCompression(installed, compressor, memory)
+
+
+def _fsdp_units(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(name, module) of every FSDP2 unit in ``model``, or a TypeError saying what to do."""
+    if FSDPModule is None:  # pragma: no cover
+        raise RuntimeError("mergecomp.fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"register() needs the model after fully_shard, got {type(model).__name__}")
+    units = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise TypeError(f"{type(model).__name__} has no FSDP2 module: call "
+                        "torch.distributed.fsdp.fully_shard on its layers and on the model first "
+                        "(for DistributedDataParallel use mergecomp.ddp.register)")
+    for name, module in units:
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None and hasattr(group.mesh_info, "replicate_process_group"):
+            raise ValueError(f"FSDP unit {name!r} is hybrid-sharded (HSDP, a 2-D mesh): its replicas' "
+                             "all-reduce is not compressed yet; use a 1-D mesh")
+    return units
+
+
+def _check_compressor(compressor: Compressor, memory: Memory) -> None:
+    """Refuse, with the reason, a compressor the per-chunk exchange cannot carry."""
+    if getattr(compressor, "multi_round", False):
+        raise ValueError(f"{compressor!r} exchanges in several rounds (low-rank methods), which the FSDP "
+                         "reduce-scatter does not drive yet: use a one-shot compressor (topk, randk, "
+                         "qsgd, fp16, bf16, ...)")
+    if not getattr(compressor, "average", True):
+        raise ValueError(f"{compressor!r} sends an update direction rather than a sum (majority vote), "
+                         "which FSDP's averaging cannot scale: use a compressor that averages")
+    if not getattr(compressor, "fixed_size", True):
+        raise ValueError(f"{compressor!r} sends payloads whose size depends on the values, which one "
+                         "all_to_all cannot carry: use a fixed-size compressor (topk rather than a "
+                         "threshold sparsifier)")
