@@ -30,9 +30,9 @@ the decoded sum exactly as the reduce-scatter it replaces would.
 A non-finite gradient never reaches a compressor or a residual: a rank whose chunk holds a
 NaN/Inf sends zeros with a flag beside its payloads, every rank then sees the flag, keeps
 its residuals as before the call and writes NaN into its shard, as FSDP's own
-reduce-scatter would, and warns (``nonfinite="raise"`` raises
-:class:`~mergecomp.runtime.agreement.NonFiniteGradient` on every rank instead).  Keeping the
-parameters free of it is the training loop's part, as with plain FSDP2.
+reduce-scatter would, warns, and counts it (:attr:`FSDPCompression.dropped`).  Keeping the
+parameters free of it is the training loop's part, as with plain FSDP2: raising inside
+FSDP's backward hooks would leave its parameters unsharded, so there is no "raise" policy.
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ from .compressors import create as create_compressor
 from .compressors.base import Compressor, check_dtypes
 from .memories.base import Memory
 from .memories.none import NoneMemory
-from .runtime.agreement import NonFiniteGradient
 
 try:  # FSDP2's public module and its custom-collective interface (torch >= 2.6 has both)
     from torch.distributed.fsdp import FSDPModule
@@ -85,11 +84,10 @@ class CompressedReduceScatter(ReduceScatter):
     ``dropped``: those that met a non-finite gradient.
     """
 
-    def __init__(self, name: str, compressor: Compressor, memory: Memory, nonfinite: str = "skip"):
+    def __init__(self, name: str, compressor: Compressor, memory: Memory):
         self.name = name
         self.compressor = compressor
         self.memory = memory
-        self.nonfinite = nonfinite
         self.wire_bytes = 0
         self.calls = 0
         self.dropped = 0
@@ -138,7 +136,7 @@ class CompressedReduceScatter(ReduceScatter):
             ctx = chunk_ctx if j == rank else ctx
         send = torch.stack(payloads)
         out = torch.empty_like(send[0])
-        dist.reduce_scatter_tensor(out, send.reshape(-1), group=group)
+        dist.reduce_scatter_single(output=out, input=send.reshape(-1), group=group)
         self.wire_bytes += send.numel() * send.element_size() * (send.shape[0] - 1) // send.shape[0]
         self.compressor.commit()
         return self.compressor.decompress((out,), ctx)
@@ -184,15 +182,14 @@ class CompressedReduceScatter(ReduceScatter):
         return self.compressor.decompress_sum(payloads, ctx)
 
     def _drop(self, ranks: List[int]) -> None:
-        """Forget what this call wrote into residuals; warn or raise, on every rank alike."""
+        """Forget what this call wrote into residuals and warn, on every rank alike."""
         self.memory.rollback()
         self.compressor.rollback()
         self.dropped += 1
-        message = (f"FSDP unit {self.name!r}: a non-finite gradient on rank(s) {ranks}; its shards are "
-                   f"NaN on every rank and its error-feedback state is as before this backward")
-        if self.nonfinite == "raise":
-            raise NonFiniteGradient(message)
-        warnings.warn(f"mergecomp: {message}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"mergecomp: FSDP unit {self.name!r}: a non-finite gradient on rank(s) {ranks}; "
+                      "its shards are NaN on every rank and its error-feedback state is as before this "
+                      "backward: skip optimizer.step() when the gradients are not finite",
+                      RuntimeWarning, stacklevel=3)
         return None
 
     def _chunk(self, index: int) -> str:
@@ -228,12 +225,14 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     Call it after ``fully_shard`` (on the layers, then the root) and before training.
     ``compressor``: a registered name (with ``options`` for it) or an instance;
     ``memory``: error feedback, ``"auto"`` for the compressor's recommendation
-    (``residual`` for the sparsifiers); ``nonfinite``: ``"skip"`` (warn) or ``"raise"``.
+    (``residual`` for the sparsifiers); ``nonfinite``: ``"skip"``, the one policy under FSDP
+    (see the module), named so that a script written for the wrapper's options fails clearly.
     """
     units = _fsdp_units(model)
-    if nonfinite not in ("skip", "raise"):
-        raise ValueError(f"nonfinite must be 'skip' or 'raise' under FSDP, got {nonfinite!r}: "
-                         "'skip' warns and leaves NaN in the unit's shards, 'raise' stops")
+    if nonfinite != "skip":
+        raise ValueError(f"nonfinite must be 'skip' under FSDP, got {nonfinite!r}: a non-finite unit is "
+                         "dropped on every rank (NaN shards, residuals kept, a warning); raising inside "
+                         "FSDP's backward hooks would leave its parameters unsharded")
     if isinstance(compressor, str):
         compressor = create_compressor(compressor, **options)
     elif options:
@@ -245,7 +244,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
         compressor.set_process_rank(dist.get_rank())
     installed = {}
     for name, module in units:
-        unit = CompressedReduceScatter(name, compressor, memory, nonfinite)
+        unit = CompressedReduceScatter(name, compressor, memory)
         module.set_custom_reduce_scatter(unit)
         installed[name] = unit
     return FSDPCompression(installed, compressor, memory)

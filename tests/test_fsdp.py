@@ -54,7 +54,7 @@ def _errors(rank):
     import mergecomp
     found = {}
     for key, kwargs in {"powersgd": dict(compressor="powersgd"),
-                        "nonfinite": dict(compressor="topk", nonfinite="off"),
+                        "nonfinite": dict(compressor="topk", nonfinite="raise"),
                         "options": dict(compressor=mergecomp.compressors.create("topk"), compress_ratio=0.1)}.items():
         try:
             mergecomp.fsdp.register(_model(), **kwargs)
@@ -96,6 +96,23 @@ def _nonfinite(rank):
     return out
 
 
+def _divide(rank):
+    """Gradients with set_gradient_divide_factor(1.0) (a sum, PREMUL_SUM for FSDP, which gloo's
+    own reduce-scatter refuses) are twice the default average, on two ranks."""
+    import mergecomp
+    grads = []
+    for factor in (None, 1.0):
+        model = _model()
+        mergecomp.fsdp.register(model, compressor="none")
+        if factor is not None:
+            for layer in (model[0], model[2], model[4]):
+                layer.set_gradient_divide_factor(factor)
+        x, y = _batch(rank, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+    return all(torch.equal(2 * a, b) for a, b in zip(*grads))
+
+
 def _worker(rank, world):
     plain = _train(rank, STEPS)
     none = _train(rank, STEPS, compressor="none")
@@ -104,7 +121,7 @@ def _worker(rank, world):
     return {
         "plain": plain[:2], "none": none[:2] + (none[2].wire_bytes,), "fp16": fp16[:2] + (fp16[2].wire_bytes,),
         "topk": topk[:2] + (topk[2].wire_bytes, repr(topk[2].memory)),
-        "errors": _errors(rank), "nonfinite": _nonfinite(rank),
+        "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
     }
 
 
@@ -153,6 +170,10 @@ def test_nonfinite_gradient_is_dropped_on_every_rank(ranks):
         assert found["warned"] and "rank(s) [1]" in found["warned"][0]
         assert found["grads_nan"] and found["residuals_kept"] and found["finite_after"]
         assert found["dropped"] >= 1
+
+
+def test_gradient_divide_factor_is_kept(ranks):
+    assert all(result["divide"] for result in ranks)
 
 
 def test_a_model_without_fsdp_is_refused():
