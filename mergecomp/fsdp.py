@@ -80,8 +80,10 @@ class CompressedReduceScatter(ReduceScatter):
     """One FSDP unit's reduce-scatter, compressed (see the module for the two ways).
 
     ``wire_bytes``: what this rank has put on the wire for this unit so far (its payloads
-    for the other ranks' chunks, and the flag); ``calls``: the reduce-scatters run;
-    ``dropped``: those that met a non-finite gradient.
+    for the other ranks' chunks, and the flag); ``uncompressed_bytes``: what FSDP's own
+    reduce-scatter of the same gradients would have put there (the chunks for the other
+    ranks, in the reduce dtype); ``calls``: the reduce-scatters run; ``dropped``: those that
+    met a non-finite gradient.
     """
 
     def __init__(self, name: str, compressor: Compressor, memory: Memory):
@@ -89,6 +91,7 @@ class CompressedReduceScatter(ReduceScatter):
         self.compressor = compressor
         self.memory = memory
         self.wire_bytes = 0
+        self.uncompressed_bytes = 0
         self.calls = 0
         self.dropped = 0
 
@@ -111,6 +114,7 @@ class CompressedReduceScatter(ReduceScatter):
         multiplier, divisor = _scale(op, world)
         chunks = input_tensor.view(world, -1)
         self.calls += 1
+        self.uncompressed_bytes += chunks[0].numel() * chunks.element_size() * (world - 1)
         if self.plain:
             total = self._reduce_scatter(chunks, rank, group)
         else:
@@ -208,6 +212,11 @@ class FSDPCompression:
     def wire_bytes(self) -> int:
         """Bytes this rank has sent for every unit so far."""
         return sum(unit.wire_bytes for unit in self.units.values())
+
+    @property
+    def uncompressed_bytes(self) -> int:
+        """Bytes FSDP's own reduce-scatter would have sent for the same gradients."""
+        return sum(unit.uncompressed_bytes for unit in self.units.values())
 
     @property
     def dropped(self) -> int:

@@ -113,6 +113,20 @@ def _divide(rank):
     return all(torch.equal(2 * a, b) for a, b in zip(*grads))
 
 
+def _example(rank):
+    """examples/fsdp_mlp.py's loop, on these ranks (its main() would start processes of its own)."""
+    import contextlib
+    import io
+    import os
+    import runpy
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    example = runpy.run_path(os.path.join(here, "examples", "fsdp_mlp.py"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        example["main"](["--steps", "3", "--width", "16", "--print-every", "1"])
+    return printed.getvalue()
+
+
 def _worker(rank, world):
     plain = _train(rank, STEPS)
     none = _train(rank, STEPS, compressor="none")
@@ -121,7 +135,8 @@ def _worker(rank, world):
     return {
         "plain": plain[:2], "none": none[:2] + (none[2].wire_bytes,), "fp16": fp16[:2] + (fp16[2].wire_bytes,),
         "topk": topk[:2] + (topk[2].wire_bytes, repr(topk[2].memory)),
-        "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
+        "reference": (none[2].uncompressed_bytes, topk[2].uncompressed_bytes),
+        "example": _example(rank), "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
     }
 
 
@@ -155,6 +170,8 @@ def test_topk_sends_fewer_bytes_than_fp32(ranks):
     per_step_fp32 = ranks[0]["none"][2] / STEPS
     per_step_topk = ranks[0]["topk"][2] / 30
     assert per_step_topk < 0.5 * per_step_fp32
+    # FP32 through the compressed path sends what FSDP's own reduce-scatter sends
+    assert ranks[0]["reference"] == (ranks[0]["none"][2], ranks[0]["none"][2] // STEPS * 30)
 
 
 def test_bad_input_is_refused_by_name(ranks):
@@ -180,3 +197,8 @@ def test_a_model_without_fsdp_is_refused():
     import mergecomp
     with pytest.raises(TypeError, match="fully_shard"):
         mergecomp.fsdp.register(torch.nn.Linear(2, 2))
+
+
+def test_the_example_trains(ranks):
+    printed = ranks[0]["example"]
+    assert "step    3" in printed and "FSDP's own" in printed
