@@ -8,8 +8,8 @@ comes after it:
 
 Run it on CPU ranks (gloo) with torchrun, or let it start its own processes:
 
-    torchrun --nproc_per_node 2 examples/fsdp_mlp.py --compressor topk
-    python examples/fsdp_mlp.py --spawn 2 --compressor fp16
+    .venv/bin/torchrun --nproc_per_node 2 examples/fsdp_mlp.py --compressor topk
+    .venv/bin/python examples/fsdp_mlp.py --spawn 2 --compressor fp16
 
 The data is a learnable synthetic regression.  Every few steps it prints the loss and the
 bytes this rank sent per step against what FSDP's own reduce-scatter would have sent.
