@@ -48,6 +48,7 @@ from .compressors import create as create_compressor
 from .compressors.base import Compressor, check_dtypes
 from .memories.base import Memory
 from .memories.none import NoneMemory
+from .runtime.agreement import StepAgreement
 
 try:  # FSDP2's public module and its custom-collective interface (torch >= 2.6 has both)
     from torch.distributed.fsdp import FSDPModule
@@ -249,8 +250,8 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     compressor, memory, _ = arguments.resolve(compressor, memory, None)
     _check_compressor(compressor, memory)
     check_dtypes(compressor, {p.dtype for p in model.parameters() if p.requires_grad})
-    if dist.is_available() and dist.is_initialized():
-        compressor.set_process_rank(dist.get_rank())
+    _check_ranks_agree(model, units, compressor, memory)
+    compressor.set_process_rank(dist.get_rank())
     installed = {}
     for name, module in units:
         unit = CompressedReduceScatter(name, compressor, memory)
@@ -276,6 +277,22 @@ def _fsdp_units(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
             raise ValueError(f"FSDP unit {name!r} is hybrid-sharded (HSDP, a 2-D mesh): its replicas' "
                              "all-reduce is not compressed yet; use a 1-D mesh")
     return units
+
+
+def _check_ranks_agree(model: torch.nn.Module, units, compressor: Compressor, memory: Memory) -> None:
+    """Raise :class:`~mergecomp.runtime.agreement.RanksDisagree` on every rank, naming what
+    differs, unless every rank registered the same compressor, memory and units: otherwise
+    the ranks' all_to_all payloads would differ in size and be misread.  One small
+    allreduce; the details travel only when ranks differ."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("mergecomp.fsdp.register needs torch.distributed initialised (fully_shard "
+                           "does too): call mergecomp.launch.init_distributed() first")
+    from .backends.torch_dist import TorchDistributedBackend
+    facts = {"config": f"{compressor!r} {memory!r}",
+             "layout": [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    agreement = StepAgreement(TorchDistributedBackend(), device)
+    agreement.check(agreement.preflight(facts), facts, "at mergecomp.fsdp.register")
 
 
 def _check_compressor(compressor: Compressor, memory: Memory) -> None:

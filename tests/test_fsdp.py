@@ -61,6 +61,11 @@ def _errors(rank):
             found[key] = None
         except (ValueError, TypeError) as error:
             found[key] = f"{type(error).__name__}: {error}"
+    try:  # rank 1 asks for another compression ratio
+        mergecomp.fsdp.register(_model(), compressor="topk", compress_ratio=0.1 if rank == 0 else 0.2)
+        found["disagree"] = None
+    except mergecomp.RanksDisagree as error:
+        found["disagree"] = str(error)
     return found
 
 
@@ -179,6 +184,7 @@ def test_bad_input_is_refused_by_name(ranks):
     assert "several rounds" in errors["powersgd"]
     assert "nonfinite" in errors["nonfinite"]
     assert "compress_ratio" in errors["options"]
+    assert "compress_ratio=0.1" in errors["disagree"] and "compress_ratio=0.2" in errors["disagree"]
 
 
 def test_nonfinite_gradient_is_dropped_on_every_rank(ranks):
