@@ -44,6 +44,8 @@ import torch.distributed as dist
 
 from . import arguments
 from .backends.serialize import pack, unpack
+from .checkpoint import _ADVICE as _WRAPPER_ADVICE
+from .checkpoint import CheckpointError, GroupSpec, SOURCE, check_finite, check_shapes, describe_source, seal, verify
 from .compressors import create as create_compressor
 from .compressors.base import Compressor, check_dtypes
 from .memories.base import Memory
@@ -87,10 +89,12 @@ class CompressedReduceScatter(ReduceScatter):
     met a non-finite gradient.
     """
 
-    def __init__(self, name: str, compressor: Compressor, memory: Memory):
+    def __init__(self, name: str, compressor: Compressor, memory: Memory, chunk: Optional[GroupSpec] = None):
         self.name = name
         self.compressor = compressor
         self.memory = memory
+        #: What each destination chunk holds (its numel and the reduce dtype), when known.
+        self.chunk = chunk
         self.wire_bytes = 0
         self.uncompressed_bytes = 0
         self.calls = 0
@@ -198,16 +202,28 @@ class CompressedReduceScatter(ReduceScatter):
         return None
 
     def _chunk(self, index: int) -> str:
-        return f"{self.name}#shard{index}"
+        return chunk_name(self.name, index)
+
+
+def chunk_name(unit: str, index: int) -> str:
+    """The key of unit ``unit``'s chunk ``index`` in the memory and the compressor."""
+    return f"{unit}#shard{index}"
+
+
+_ADVICE = ("Nothing was loaded. Load an earlier checkpoint, or go on without this one: error feedback "
+           "then restarts from zero")
 
 
 class FSDPCompression:
-    """What :func:`register` installed: the compressed reduce-scatter of each FSDP unit."""
+    """What :func:`register` installed: the compressed reduce-scatter of each FSDP unit,
+    their byte counts, and the compression state to checkpoint."""
 
-    def __init__(self, units: Dict[str, CompressedReduceScatter], compressor: Compressor, memory: Memory):
+    def __init__(self, units: Dict[str, CompressedReduceScatter], compressor: Compressor, memory: Memory,
+                 rank: int, world_size: int):
         self.units = units
         self.compressor = compressor
         self.memory = memory
+        self.rank, self.world_size = rank, world_size
 
     @property
     def wire_bytes(self) -> int:
@@ -223,6 +239,51 @@ class FSDPCompression:
     def dropped(self) -> int:
         """Unit reduce-scatters dropped for a non-finite gradient."""
         return sum(unit.dropped for unit in self.units.values())
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _configuration(self) -> str:
+        return f"{self.compressor!r} {self.memory!r}"
+
+    def groups(self) -> Dict[str, GroupSpec]:
+        """Each chunk's key → its size and dtype: what saved state must fit."""
+        return {chunk_name(name, j): unit.chunk for name, unit in self.units.items()
+                for j in range(self.world_size) if unit.chunk is not None}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals and compressor state, sealed with a checksum.  Save one
+        file per rank (``mergecomp.save(state.state_dict(), f"fsdp.rank{rank}.pt")``) beside
+        FSDP's own checkpoint of the model and optimizer."""
+        return seal({"configuration": self._configuration(), "rank": self.rank, "world_size": self.world_size,
+                     "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()})
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` after every check passed (checksum, configuration, rank,
+        world size, finite values, each residual's shape and dtype); otherwise
+        :class:`~mergecomp.checkpoint.CheckpointError` and nothing changes."""
+        try:
+            self._check(state)
+        except CheckpointError as error:  # the wrapper's advice, in this entry point's terms
+            raise CheckpointError(str(error).replace(_WRAPPER_ADVICE, _ADVICE)) from None
+        self.memory.load_state_dict(state.get("memory", {}))
+        self.compressor.load_state_dict(state.get("compressor", {}))
+
+    def _check(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise CheckpointError(f"FSDP compression state must be the dict state_dict() returned, got "
+                                  f"{type(state).__name__}")
+        source = state.get(SOURCE)
+        where = describe_source(source)
+        verify(state, "FSDP compression state", source, self.groups())
+        for key, here in (("configuration", self._configuration()), ("rank", self.rank),
+                          ("world_size", self.world_size)):
+            if state.get(key) != here:
+                raise CheckpointError(f"{where}: it was saved with {key} {state.get(key)!r}, this run has "
+                                      f"{here!r}: residuals belong to one rank of one configuration; "
+                                      f"load each rank's own file of the same run. {_ADVICE}")
+        groups = self.groups()
+        check_finite(state, "FSDP compression state", source, groups)
+        check_shapes(self.memory, state.get("memory", {}), groups, f"the {self.memory!r} state", source)
+        check_shapes(self.compressor, state.get("compressor", {}), groups, f"the {self.compressor!r} state", source)
 
     def __repr__(self) -> str:
         return f"FSDPCompression({self.compressor!r}, {self.memory!r}, units={list(self.units)})"
@@ -254,10 +315,22 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     compressor.set_process_rank(dist.get_rank())
     installed = {}
     for name, module in units:
-        unit = CompressedReduceScatter(name, compressor, memory)
+        unit = CompressedReduceScatter(name, compressor, memory, _chunk_spec(module))
         module.set_custom_reduce_scatter(unit)
         installed[name] = unit
-    return FSDPCompression(installed, compressor, memory)
+    return FSDPCompression(installed, compressor, memory, dist.get_rank(), dist.get_world_size())
+
+
+def _chunk_spec(module: torch.nn.Module) -> Optional[GroupSpec]:
+    """What FSDP's reduce-scatter hands each rank's chunk of this unit: the padded shards of
+    its parameters, in the reduce dtype; None for a unit without parameters of its own."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None or not group.fsdp_params:
+        return None
+    numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+    policy = group.mp_policy
+    dtype = policy.reduce_dtype or policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
+    return GroupSpec(numel, dtype, None)
 
 
 def _fsdp_units(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:

@@ -132,6 +132,48 @@ def _example(rank):
     return printed.getvalue()
 
 
+def _steps(model, optimizer, rank, steps):
+    for step in steps:
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _checkpoint(rank):
+    """Six steps straight equal three, a checkpoint of the residuals into a fresh model, and
+    three more; a damaged checkpoint is refused and changes nothing."""
+    import copy
+    import mergecomp
+    options = dict(compressor="topk", compress_ratio=0.1)
+    straight = _model()
+    mergecomp.fsdp.register(straight, **options)
+    _steps(straight, torch.optim.SGD(straight.parameters(), lr=0.1), rank, range(6))
+    first = _model()
+    state = mergecomp.fsdp.register(first, **options)
+    _steps(first, torch.optim.SGD(first.parameters(), lr=0.1), rank, range(3))
+    saved = state.state_dict()
+    resumed = _model()
+    with torch.no_grad():
+        for mine, theirs in zip(resumed.parameters(), first.parameters()):
+            mine.to_local().copy_(theirs.to_local())
+    again = mergecomp.fsdp.register(resumed, **options)
+    damaged = copy.deepcopy(saved)
+    key = sorted(damaged["memory"]["residuals"])[0]
+    damaged["memory"]["residuals"][key][0] = 1e30
+    try:
+        again.load_state_dict(damaged)
+        refused = None
+    except mergecomp.checkpoint.CheckpointError as error:
+        refused = str(error)
+    untouched = not again.memory.residuals.committed()
+    again.load_state_dict(saved)
+    _steps(resumed, torch.optim.SGD(resumed.parameters(), lr=0.1), rank, range(3, 6))
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(straight.parameters(),
+                                                                              resumed.parameters()))
+    return same, refused, untouched, len(saved["memory"]["residuals"])
+
+
 def _worker(rank, world):
     plain = _train(rank, STEPS)
     none = _train(rank, STEPS, compressor="none")
@@ -141,7 +183,7 @@ def _worker(rank, world):
         "plain": plain[:2], "none": none[:2] + (none[2].wire_bytes,), "fp16": fp16[:2] + (fp16[2].wire_bytes,),
         "topk": topk[:2] + (topk[2].wire_bytes, repr(topk[2].memory)),
         "reference": (none[2].uncompressed_bytes, topk[2].uncompressed_bytes),
-        "example": _example(rank), "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
+        "checkpoint": _checkpoint(rank), "example": _example(rank), "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
     }
 
 
@@ -193,6 +235,14 @@ def test_nonfinite_gradient_is_dropped_on_every_rank(ranks):
         assert found["warned"] and "rank(s) [1]" in found["warned"][0]
         assert found["grads_nan"] and found["residuals_kept"] and found["finite_after"]
         assert found["dropped"] >= 1
+
+
+def test_a_checkpoint_of_the_residuals_resumes_exactly_and_a_damaged_one_is_refused(ranks):
+    for result in ranks:
+        same, refused, untouched, residuals = result["checkpoint"]
+        assert same and untouched and residuals == 3 * 2  # three units with parameters, two shards each
+        assert "does not match the checksum" in refused and "restarts from zero" in refused
+        assert "restore_compression" not in refused
 
 
 def test_gradient_divide_factor_is_kept(ranks):
