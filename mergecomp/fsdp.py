@@ -121,6 +121,10 @@ class CompressedReduceScatter(ReduceScatter):
         self.calls += 1
         self.uncompressed_bytes += chunks[0].numel() * chunks.element_size() * (world - 1)
         if self.plain:
+            if not self.compressor.lossless and (multiplier, divisor) != (1.0, 1):
+                # average before the cast, as DDP's 16-bit hook does: a sum of N fp16
+                # gradients overflows N times sooner
+                chunks, multiplier, divisor = chunks * multiplier / divisor, 1.0, 1
             total = self._reduce_scatter(chunks, rank, group)
         else:
             total = self._all_to_all(chunks, rank, group)
@@ -168,6 +172,7 @@ class CompressedReduceScatter(ReduceScatter):
             if shapes is None:
                 shapes, dtypes = [p.shape for p in parts], [p.dtype for p in parts]
             elif [p.shape for p in parts] != shapes:
+                self.memory.rollback()
                 raise ValueError(f"{self.compressor!r} gave payloads of different shapes for the equal "
                                  f"chunks of FSDP unit {self.name!r}: it is not fixed-size")
             if j == rank:
