@@ -28,11 +28,12 @@ what FSDP would otherwise send whole.  FSDP's averaging is kept: the collective'
 the decoded sum exactly as the reduce-scatter it replaces would.
 
 A non-finite gradient never reaches a compressor or a residual: a rank whose chunk holds a
-NaN/Inf sends zeros with a flag beside its payloads, every rank then sees the flag, keeps
-its residuals as before the call and writes NaN into its shard, as FSDP's own
-reduce-scatter would, warns, and counts it (:attr:`FSDPCompression.dropped`).  Keeping the
-parameters free of it is the training loop's part, as with plain FSDP2: raising inside
-FSDP's backward hooks would leave its parameters unsharded, so there is no "raise" policy.
+NaN/Inf sends zeros with a flag beside its payloads, and every rank sees the flag.  When
+autograd finishes the backward, every rank drops it whole (:class:`BackwardOutcome`): all
+residuals and compressor state as before it, every gradient NaN, a warning, a count
+(:attr:`FSDPCompression.dropped`).  Skipping ``optimizer.step()`` then is the training
+loop's part, as with plain FSDP2: raising inside FSDP's backward hooks would leave its
+parameters unsharded, so there is no "raise" policy.
 """
 from __future__ import annotations
 
@@ -89,10 +90,13 @@ class CompressedReduceScatter(ReduceScatter):
     met a non-finite gradient.
     """
 
-    def __init__(self, name: str, compressor: Compressor, memory: Memory, chunk: Optional[GroupSpec] = None):
+    def __init__(self, name: str, compressor: Compressor, memory: Memory, chunk: Optional[GroupSpec] = None,
+                 backward: Optional["BackwardOutcome"] = None):
         self.name = name
         self.compressor = compressor
         self.memory = memory
+        #: Where this unit reports its outcome; the whole backward commits or rolls back there.
+        self.backward = backward if backward is not None else BackwardOutcome(None, compressor, memory)
         #: What each destination chunk holds (its numel and the reduce dtype), when known.
         self.chunk = chunk
         self.wire_bytes = 0
@@ -151,7 +155,7 @@ class CompressedReduceScatter(ReduceScatter):
         out = torch.empty_like(send[0])
         dist.reduce_scatter_single(output=out, input=send.reshape(-1), group=group)
         self.wire_bytes += send.numel() * send.element_size() * (send.shape[0] - 1) // send.shape[0]
-        self.compressor.commit()
+        self.backward.report(self.name, [])
         return self.compressor.decompress((out,), ctx)
 
     def _all_to_all(self, chunks: torch.Tensor, rank: int, group) -> Optional[torch.Tensor]:
@@ -189,22 +193,11 @@ class CompressedReduceScatter(ReduceScatter):
             payloads.append(parts[:-1])
             if float(parts[-1][0]) != 0.0:
                 flagged.append(source)
+        self.backward.report(self.name, flagged)
         if flagged:
-            return self._drop(flagged)
-        self.memory.commit()
-        self.compressor.commit()
+            self.dropped += 1
+            return None
         return self.compressor.decompress_sum(payloads, ctx)
-
-    def _drop(self, ranks: List[int]) -> None:
-        """Forget what this call wrote into residuals and warn, on every rank alike."""
-        self.memory.rollback()
-        self.compressor.rollback()
-        self.dropped += 1
-        warnings.warn(f"mergecomp: FSDP unit {self.name!r}: a non-finite gradient on rank(s) {ranks}; "
-                      "its shards are NaN on every rank and its error-feedback state is as before this "
-                      "backward: skip optimizer.step() when the gradients are not finite",
-                      RuntimeWarning, stacklevel=3)
-        return None
 
     def _chunk(self, index: int) -> str:
         return chunk_name(self.name, index)
@@ -213,6 +206,59 @@ class CompressedReduceScatter(ReduceScatter):
 def chunk_name(unit: str, index: int) -> str:
     """The key of unit ``unit``'s chunk ``index`` in the memory and the compressor."""
     return f"{unit}#shard{index}"
+
+
+class BackwardOutcome:
+    """One backward's units, settled together when autograd finishes it.
+
+    Each unit's reduce-scatter stages what it writes into residuals and compressor state and
+    reports whether a rank's gradient was non-finite (every rank learns the same through the
+    flags it received).  At the end of the backward (an autograd callback the first unit
+    queues), everything is committed, or, when any unit was non-finite, rolled back for every
+    unit and every gradient of the model is set to NaN: the backward is dropped whole on
+    every rank, as the wrapper drops a step, so a loop that skips ``optimizer.step()`` on a
+    non-finite gradient loses nothing and the residuals are as before the backward.
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module], compressor: Compressor, memory: Memory):
+        self.model, self.compressor, self.memory = model, compressor, memory
+        self.dropped_backwards = 0
+        self._open = False
+        self._bad: Dict[str, List[int]] = {}
+
+    def report(self, unit: str, bad_ranks: List[int]) -> None:
+        """A unit's outcome; the first of a backward queues :meth:`settle` for its end."""
+        if bad_ranks:
+            self._bad[unit] = bad_ranks
+        if self._open:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.settle)
+            self._open = True
+        except RuntimeError:  # outside a backward pass (a direct call): settle this unit now
+            self.settle()
+
+    def settle(self) -> None:
+        """Commit every unit's state, or drop the whole backward (see the class)."""
+        bad, self._bad, self._open = self._bad, {}, False
+        if not bad:
+            self.memory.commit()
+            self.compressor.commit()
+            return
+        self.memory.rollback()
+        self.compressor.rollback()
+        self.dropped_backwards += 1
+        if self.model is not None:
+            with torch.no_grad():
+                for parameter in self.model.parameters():
+                    if parameter.grad is not None:
+                        grad = parameter.grad
+                        (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("nan"))
+        found = "; ".join(f"unit {unit!r}: rank(s) {ranks}" for unit, ranks in bad.items())
+        warnings.warn(f"mergecomp: a non-finite gradient under FSDP ({found}); the backward was dropped on "
+                      "every rank: every gradient is NaN and error-feedback state is as before it. "
+                      f"{self.dropped_backwards} backward(s) dropped so far; skip optimizer.step() when "
+                      "the gradients are not finite", RuntimeWarning, stacklevel=2)
 
 
 _ADVICE = ("Nothing was loaded. Load an earlier checkpoint, or go on without this one: error feedback "
@@ -224,8 +270,9 @@ class FSDPCompression:
     their byte counts, and the compression state to checkpoint."""
 
     def __init__(self, units: Dict[str, CompressedReduceScatter], compressor: Compressor, memory: Memory,
-                 rank: int, world_size: int):
+                 rank: int, world_size: int, backward: BackwardOutcome):
         self.units = units
+        self.backward = backward
         self.compressor = compressor
         self.memory = memory
         self.rank, self.world_size = rank, world_size
@@ -242,8 +289,8 @@ class FSDPCompression:
 
     @property
     def dropped(self) -> int:
-        """Unit reduce-scatters dropped for a non-finite gradient."""
-        return sum(unit.dropped for unit in self.units.values())
+        """Backwards dropped because a gradient was non-finite."""
+        return self.backward.dropped_backwards
 
     # -- checkpoints -------------------------------------------------------------------------
     def _configuration(self) -> str:
@@ -306,8 +353,8 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     """
     units = _fsdp_units(model)
     if nonfinite != "skip":
-        raise ValueError(f"nonfinite must be 'skip' under FSDP, got {nonfinite!r}: a non-finite unit is "
-                         "dropped on every rank (NaN shards, residuals kept, a warning); raising inside "
+        raise ValueError(f"nonfinite must be 'skip' under FSDP, got {nonfinite!r}: a non-finite backward is "
+                         "dropped on every rank (NaN gradients, residuals as before, a warning); raising inside "
                          "FSDP's backward hooks would leave its parameters unsharded")
     if isinstance(compressor, str):
         compressor = create_compressor(compressor, **options)
@@ -318,12 +365,13 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     check_dtypes(compressor, {p.dtype for p in model.parameters() if p.requires_grad})
     _check_ranks_agree(model, units, compressor, memory)
     compressor.set_process_rank(dist.get_rank())
+    backward = BackwardOutcome(model, compressor, memory)
     installed = {}
     for name, module in units:
-        unit = CompressedReduceScatter(name, compressor, memory, _chunk_spec(module))
+        unit = CompressedReduceScatter(name, compressor, memory, _chunk_spec(module), backward)
         module.set_custom_reduce_scatter(unit)
         installed[name] = unit
-    return FSDPCompression(installed, compressor, memory, dist.get_rank(), dist.get_world_size())
+    return FSDPCompression(installed, compressor, memory, dist.get_rank(), dist.get_world_size(), backward)
 
 
 def _chunk_spec(module: torch.nn.Module) -> Optional[GroupSpec]:
