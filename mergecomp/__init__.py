@@ -16,6 +16,7 @@ from .optimizer import DistributedOptimizer
 # The DDP hook is part of the public face (``mergecomp.ddp.register`` after ``import
 # mergecomp``); it imports nothing the optimizer does not already, so it costs little.
 from . import ddp  # noqa: E402
+from . import fsdp  # noqa: E402  (FSDP2: mergecomp.fsdp.register after fully_shard)
 from .plan import Group, ParamInfo, Plan
 from .runtime import launch
 from .runtime.agreement import NonFiniteGradient, RanksDisagree
@@ -25,5 +26,5 @@ from .steplog import StepLog
 __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "StepLog", "Plan", "Group", "ParamInfo", "compressors", "memories",
-           "communicators", "schedulers", "backends", "ddp", "checkpoint", "save", "load", "launch", "NonFiniteGradient", "RanksDisagree", "CollectiveError",
+           "communicators", "schedulers", "backends", "ddp", "fsdp", "checkpoint", "save", "load", "launch", "NonFiniteGradient", "RanksDisagree", "CollectiveError",
            "CollectiveTimeout", "PeerLost", "__version__"]

@@ -1,0 +1,267 @@
+"""The compressed FSDP2 reduce-scatter (mergecomp.fsdp) on two gloo ranks.
+
+One worker runs every scenario on the same two ranks (starting ranks costs more than the
+tiny model's steps); the tests below read what it returned.
+"""
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+
+STEPS = 4
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _batch(rank, step):
+    generator = torch.Generator().manual_seed(1000 * rank + step % 4)  # four batches, repeated
+    x = torch.randn(16, 8, generator=generator)
+    return x, x[:, :3] * 2 - x[:, 3:6]
+
+
+def _train(rank, steps, lr=0.05, **compression):
+    """(losses, full parameters, the registered state or None) after ``steps`` SGD steps."""
+    import mergecomp
+    model = _model()
+    state = mergecomp.fsdp.register(model, **compression) if compression else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return losses, full, state
+
+
+def _errors(rank):
+    """The messages of the refusals register() owes an FSDP model."""
+    import mergecomp
+    found = {}
+    for key, kwargs in {"powersgd": dict(compressor="powersgd"),
+                        "nonfinite": dict(compressor="topk", nonfinite="raise"),
+                        "options": dict(compressor=mergecomp.compressors.create("topk"), compress_ratio=0.1)}.items():
+        try:
+            mergecomp.fsdp.register(_model(), **kwargs)
+            found[key] = None
+        except (ValueError, TypeError) as error:
+            found[key] = f"{type(error).__name__}: {error}"
+    try:  # rank 1 asks for another compression ratio
+        mergecomp.fsdp.register(_model(), compressor="topk", compress_ratio=0.1 if rank == 0 else 0.2)
+        found["disagree"] = None
+    except mergecomp.RanksDisagree as error:
+        found["disagree"] = str(error)
+    return found
+
+
+def _poison(module, grad_input, grad_output):
+    return tuple(g * float("nan") for g in grad_input)
+
+
+def _nonfinite(rank):
+    """Rank 1's gradient of the first layer only turns NaN at the second step: the whole
+    backward is dropped on every rank (every gradient NaN, every residual as before it), and
+    training goes on afterwards."""
+    import mergecomp
+    model = _model()
+    state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = {}
+    for step in range(3):
+        x, y = _batch(rank, step)
+        poison = model[1].register_full_backward_hook(_poison) if step == 1 and rank == 1 else None
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        before = {k: v.clone() for k, v in state.memory.residuals.committed().items()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss.backward()
+        if poison is not None:
+            poison.remove()
+        if step == 1:
+            out["warned"] = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+            out["grads_nan"] = all(bool(p.grad.to_local().isnan().all()) for p in model.parameters())
+            after = state.memory.residuals.committed()
+            out["residuals_kept"] = (before.keys() == after.keys()
+                                     and all(torch.equal(before[k], after[k]) for k in before))
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+    out["finite_after"] = all(bool(p.full_tensor().isfinite().all()) for p in model.parameters())
+    out["dropped"] = state.dropped
+    return out
+
+
+def _divide(rank):
+    """Gradients with set_gradient_divide_factor(1.0) (a sum, PREMUL_SUM for FSDP, which gloo's
+    own reduce-scatter refuses) are twice the default average, on two ranks."""
+    import mergecomp
+    grads = []
+    for factor in (None, 1.0):
+        model = _model()
+        mergecomp.fsdp.register(model, compressor="none")
+        if factor is not None:
+            for layer in (model[0], model[2], model[4]):
+                layer.set_gradient_divide_factor(factor)
+        x, y = _batch(rank, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+    return all(torch.equal(2 * a, b) for a, b in zip(*grads))
+
+
+def _example(rank):
+    """examples/fsdp_mlp.py's loop, on these ranks (its main() would start processes of its own)."""
+    import contextlib
+    import io
+    import os
+    import runpy
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    example = runpy.run_path(os.path.join(here, "examples", "fsdp_mlp.py"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        example["main"](["--steps", "3", "--width", "16", "--print-every", "1"])
+    return printed.getvalue()
+
+
+def _steps(model, optimizer, rank, steps):
+    for step in steps:
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _checkpoint(rank):
+    """Six steps straight equal three, a checkpoint of the residuals into a fresh model, and
+    three more; a damaged checkpoint is refused and changes nothing."""
+    import copy
+    import mergecomp
+    options = dict(compressor="topk", compress_ratio=0.1)
+    straight = _model()
+    mergecomp.fsdp.register(straight, **options)
+    _steps(straight, torch.optim.SGD(straight.parameters(), lr=0.1), rank, range(6))
+    first = _model()
+    state = mergecomp.fsdp.register(first, **options)
+    _steps(first, torch.optim.SGD(first.parameters(), lr=0.1), rank, range(3))
+    saved = state.state_dict()
+    resumed = _model()
+    with torch.no_grad():
+        for mine, theirs in zip(resumed.parameters(), first.parameters()):
+            mine.to_local().copy_(theirs.to_local())
+    again = mergecomp.fsdp.register(resumed, **options)
+    damaged = copy.deepcopy(saved)
+    key = sorted(damaged["memory"]["residuals"])[0]
+    damaged["memory"]["residuals"][key][0] = 1e30
+    try:
+        again.load_state_dict(damaged)
+        refused = None
+    except mergecomp.checkpoint.CheckpointError as error:
+        refused = str(error)
+    untouched = not again.memory.residuals.committed()
+    again.load_state_dict(saved)
+    _steps(resumed, torch.optim.SGD(resumed.parameters(), lr=0.1), rank, range(3, 6))
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(straight.parameters(),
+                                                                              resumed.parameters()))
+    return same, refused, untouched, len(saved["memory"]["residuals"])
+
+
+def _worker(rank, world):
+    plain = _train(rank, STEPS)
+    none = _train(rank, STEPS, compressor="none")
+    fp16 = _train(rank, STEPS, compressor="fp16")
+    topk = _train(rank, 30, lr=0.1, compressor="topk", compress_ratio=0.1)
+    return {
+        "plain": plain[:2], "none": none[:2] + (none[2].wire_bytes,), "fp16": fp16[:2] + (fp16[2].wire_bytes,),
+        "topk": topk[:2] + (topk[2].wire_bytes, repr(topk[2].memory)),
+        "reference": (none[2].uncompressed_bytes, topk[2].uncompressed_bytes),
+        "checkpoint": _checkpoint(rank), "example": _example(rank), "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_worker, 2)
+
+
+def test_fp32_equals_fsdp_own_reduce_scatter(ranks):
+    for result in ranks:
+        for ours, theirs in zip(result["none"][1], result["plain"][1]):
+            assert torch.equal(ours, theirs)
+
+
+def test_fp16_is_close(ranks):
+    for result in ranks:
+        for ours, theirs in zip(result["fp16"][1], result["plain"][1]):
+            assert torch.allclose(ours, theirs, atol=1e-3, rtol=1e-3)
+    assert ranks[0]["fp16"][2] * 2 == ranks[0]["none"][2]
+
+
+def test_topk_with_residual_trains_and_ranks_agree(ranks):
+    losses, params, _, memory = ranks[0]["topk"]
+    assert "Residual" in memory
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    for ours, theirs in zip(ranks[0]["topk"][1], ranks[1]["topk"][1]):
+        assert torch.equal(ours, theirs)
+
+
+def test_topk_sends_fewer_bytes_than_fp32(ranks):
+    per_step_fp32 = ranks[0]["none"][2] / STEPS
+    per_step_topk = ranks[0]["topk"][2] / 30
+    assert per_step_topk < 0.5 * per_step_fp32
+    # FP32 through the compressed path sends what FSDP's own reduce-scatter sends
+    assert ranks[0]["reference"] == (ranks[0]["none"][2], ranks[0]["none"][2] // STEPS * 30)
+
+
+def test_bad_input_is_refused_by_name(ranks):
+    errors = ranks[0]["errors"]
+    assert "several rounds" in errors["powersgd"]
+    assert "nonfinite" in errors["nonfinite"]
+    assert "compress_ratio" in errors["options"]
+    assert "compress_ratio=0.1" in errors["disagree"] and "compress_ratio=0.2" in errors["disagree"]
+
+
+def test_nonfinite_gradient_is_dropped_on_every_rank(ranks):
+    for result in ranks:
+        found = result["nonfinite"]
+        assert len(found["warned"]) == 1 and "unit '0': rank(s) [1]" in found["warned"][0]
+        assert "unit '2'" not in found["warned"][0]  # only the first layer's gradient was NaN
+        assert found["grads_nan"] and found["residuals_kept"] and found["finite_after"]
+        assert found["dropped"] == 1
+
+
+def test_a_checkpoint_of_the_residuals_resumes_exactly_and_a_damaged_one_is_refused(ranks):
+    for result in ranks:
+        same, refused, untouched, residuals = result["checkpoint"]
+        assert same and untouched and residuals == 3 * 2  # three units with parameters, two shards each
+        assert "does not match the checksum" in refused and "restarts from zero" in refused
+        assert "restore_compression" not in refused
+
+
+def test_gradient_divide_factor_is_kept(ranks):
+    assert all(result["divide"] for result in ranks)
+
+
+def test_a_model_without_fsdp_is_refused():
+    import mergecomp
+    with pytest.raises(TypeError, match="fully_shard"):
+        mergecomp.fsdp.register(torch.nn.Linear(2, 2))
+
+
+def test_the_example_trains(ranks):
+    printed = ranks[0]["example"]
+    assert "step    3" in printed and "FSDP's own" in printed
