@@ -38,7 +38,20 @@ CHECKSUM, SOURCE = "checksum", "source"
 
 class CheckpointError(ValueError):
     """A checkpoint's compression state was refused: corrupted, non-finite, or not of the
-    shapes this run's configuration exchanges.  Nothing was loaded."""
+    shapes this run's configuration exchanges.  Nothing was loaded.
+
+    ``reason`` says what is wrong; ``advice`` what to do, in the words of the entry point
+    that loads (:data:`ADVICE` for the wrapper and the DDP hook); the message is both.
+    """
+
+    def __init__(self, reason: str, advice: Optional[str] = None):
+        self.reason = reason
+        self.advice = ADVICE if advice is None else advice
+        super().__init__(f"{reason}. {self.advice}" if self.advice else reason)
+
+    def advise(self, advice: str) -> "CheckpointError":
+        """The same refusal with another entry point's advice."""
+        return CheckpointError(self.reason, advice)
 
 
 @dataclass(frozen=True)
@@ -122,7 +135,7 @@ def verify(state: Dict[str, Any], what: str, source: Optional[str],
     if not (isinstance(recorded, dict) and isinstance(recorded.get("sha256"), str)
             and isinstance(recorded.get("tensors"), dict)):
         raise CheckpointError(f"{where}: the checksum of its {what} is not one mergecomp writes "
-                              f"({recorded!r:.80}); the file is damaged. {_ADVICE}")
+                              f"({recorded!r:.80}); the file is damaged")
     digest, tensors = _fingerprint(state)
     if digest == recorded["sha256"]:
         return True
@@ -140,11 +153,11 @@ def verify(state: Dict[str, Any], what: str, source: Optional[str],
         problems.append("its plain data (steps, epoch, plan, configuration or layouts) changed")
     raise CheckpointError(f"{where}: its {what} does not match the checksum recorded when it was "
                           f"saved, so the file was changed or damaged since: " + "; ".join(problems[:5])
-                          + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-                          + f". {_ADVICE}")
+                          + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
 
 
-_ADVICE = ("Nothing was loaded. Load an earlier checkpoint, or resume without the compression "
+#: What the wrapper's and the DDP hook's refusals tell the user to do.
+ADVICE = ("Nothing was loaded. Load an earlier checkpoint, or resume without the compression "
            "state: load_state_dict(state, restore_compression=False) restores the rest, and error "
            "feedback restarts from zero")
 
@@ -196,7 +209,7 @@ def check_finite(state: Dict[str, Any], what: str, source: Optional[str],
             raise CheckpointError(
                 f"{where or describe_source(source)}: {what} {path} holds non-finite values: "
                 f"{summarize(tensor, group_of(path, groups))}. No finished step leaves NaN or Inf in "
-                f"compression state (such a step is rolled back), so the file is damaged. {_ADVICE}")
+                f"compression state (such a step is rolled back), so the file is damaged")
 
 
 def check_shapes(component, state: Dict[str, Any], groups: Dict[str, GroupSpec], what: str,
@@ -209,8 +222,7 @@ def check_shapes(component, state: Dict[str, Any], groups: Dict[str, GroupSpec],
     try:
         check(state, groups)
     except (ValueError, TypeError, KeyError) as error:
-        raise CheckpointError(f"{describe_source(source)}: {what} does not fit this run: {error}. "
-                              f"{_ADVICE}") from None
+        raise CheckpointError(f"{describe_source(source)}: {what} does not fit this run: {error}") from None
 
 
 def check_group_tensors(kind: str, tensors: Any, groups: Dict[str, GroupSpec]) -> None:
@@ -251,7 +263,7 @@ def check_state(communicator, state: Dict[str, Any], groups: Dict[str, GroupSpec
     shapes."""
     if not isinstance(state, dict):
         raise CheckpointError(f"{describe_source(source)}: its communicator state is a "
-                              f"{type(state).__name__}, not a dict. {_ADVICE}")
+                              f"{type(state).__name__}, not a dict")
     check_finite(state, "compression state", source, groups, "communicator")
     check_shapes(communicator.memory, state.get("memory", {}), groups, f"the {communicator.memory!r} state", source)
     check_shapes(communicator.compressor, state.get("compressor", {}), groups,

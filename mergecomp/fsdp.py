@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from . import arguments
 from .backends.serialize import pack, unpack
-from .checkpoint import _ADVICE as _WRAPPER_ADVICE
 from .checkpoint import CheckpointError, GroupSpec, SOURCE, check_finite, check_shapes, describe_source, seal, verify
 from .compressors import create as create_compressor
 from .compressors.base import Compressor, check_dtypes
@@ -314,8 +313,8 @@ class FSDPCompression:
         :class:`~mergecomp.checkpoint.CheckpointError` and nothing changes."""
         try:
             self._check(state)
-        except CheckpointError as error:  # the wrapper's advice, in this entry point's terms
-            raise CheckpointError(str(error).replace(_WRAPPER_ADVICE, _ADVICE)) from None
+        except CheckpointError as error:  # the same refusal, with this entry point's advice
+            raise error.advise(_ADVICE) from None
         self.memory.load_state_dict(state.get("memory", {}))
         self.compressor.load_state_dict(state.get("compressor", {}))
 
@@ -331,7 +330,7 @@ class FSDPCompression:
             if state.get(key) != here:
                 raise CheckpointError(f"{where}: it was saved with {key} {state.get(key)!r}, this run has "
                                       f"{here!r}: residuals belong to one rank of one configuration; "
-                                      f"load each rank's own file of the same run. {_ADVICE}")
+                                      f"load each rank's own file of the same run")
         groups = self.groups()
         check_finite(state, "FSDP compression state", source, groups)
         check_shapes(self.memory, state.get("memory", {}), groups, f"the {self.memory!r} state", source)
