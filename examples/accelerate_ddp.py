@@ -89,9 +89,13 @@ def main(argv=None) -> int:
         accelerator.print(f"epoch {epoch}: train loss {total / batches:.4f}, {per_step:,.0f} bytes/step through "
                           f"mergecomp's hook ({state.compressor!r}; FP32 allreduce: {fp32:,}), "
                           f"{state.steps} hook steps so far on {accelerator.num_processes} processes")
+    # Every collective still in gloo's queue finishes first: a group destroyed (with DDP's
+    # reducer, below) while its worker thread still holds a collective can wait on that
+    # thread forever.
+    torch.distributed.barrier()
     accelerator.end_training()
-    # Accelerate leaves the process group up, and DDP holds it: drop both before the
-    # interpreter's teardown, which otherwise destroys gloo's threads while they run.
+    # DDP holds the process group: drop both before the interpreter's teardown, which
+    # otherwise destroys gloo's threads while they run.
     del model, optimizer, accelerator
     gc.collect()
     if torch.distributed.is_initialized():

@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     # Lightning leaves the process group up; tearing it down before the interpreter does
     # keeps gloo's threads from being destroyed while they still run.
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # nothing left in gloo's queue when its threads are joined
         torch.distributed.destroy_process_group()
     return 0
 
