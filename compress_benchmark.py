@@ -75,13 +75,8 @@ def worker(args):
     if args.op_profile:  # every rank steps (the collectives need them), rank 0 reports
         work.progress.phase("operator profile", args.op_profile)
         work.log(harness.operator_profile(timed, args.op_profile, work.device))
-    result = harness.report(work, series, backend.allgather_object, {
-        "compress": args.compress, "compressor": args.compressor if args.compress else "none",
-        "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
-        "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
-        "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
-        "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
-        "plan": optimizer.plan.digest()})
+    result = harness.report(work, series, backend.allgather_object,
+                            harness.exchange_fields(args, optimizer, search_steps))
     if log is not None:
         log.close()
         work.log(f"Step log: {log.log_dir}")

@@ -244,15 +244,7 @@ def render_accuracy(folder: str, out: Optional[str] = None) -> str:
     """``accuracy.png`` of a convergence run's folder: test accuracy per epoch of every
     compressor (mean of its seeds), and the final accuracy, mean ± one standard deviation,
     against dense SGD's; returns its path."""
-    path = os.path.join(folder, "convergence.json")
-    try:
-        with open(path) as f:
-            result = json.load(f)
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror}; is {folder} a run of "
-                         f"benchmarks/convergence.py?") from None
-    if not isinstance(result, dict) or not {"rows", "runs"} <= set(result):
-        raise ValueError(f"{path} has no 'rows' and 'runs': it is no result of benchmarks/convergence.py")
+    result = _read_convergence(folder)
     curves: Dict[str, List[List[float]]] = {}
     for run in result["runs"]:
         if run.get("curve"):

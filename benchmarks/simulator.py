@@ -155,13 +155,8 @@ def phases_worker(args):
     search_steps = harness.warm_up_and_settle(optimizer, timed, args, work)
     series = harness.run_iterations(
         timed, work, args, lambda: {"bytes_sent": backend.bytes_sent, "wire_bytes": backend.wire_bytes})
-    result = harness.report(work, series, backend.allgather_object, {
-        "compress": args.compress, "compressor": args.compressor if args.compress else "none",
-        "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
-        "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
-        "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
-        "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
-        "plan": optimizer.plan.digest()})
+    result = harness.report(work, series, backend.allgather_object,
+                            harness.exchange_fields(args, optimizer, search_steps))
     os.makedirs(args.phases_out, exist_ok=True)
     with open(os.path.join(args.phases_out, f"phases_{work.rank}.json"), "w") as f:
         json.dump(recorder.steps, f)

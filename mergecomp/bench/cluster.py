@@ -543,19 +543,6 @@ def check_allreduce(cluster: Cluster, mbytes: float, iters: int = 1,
 
 
 
-def _format(results: RunResults) -> str:
-    lines = []
-    for result in results:
-        status = f"exit {result.returncode}" + (f" ({result.note})" if result.note else "")
-        lines.append(f"===== rank {result.rank}: {status} =====")
-        if result.stdout:
-            lines.append(result.stdout.rstrip("\n"))
-        if result.stderr:
-            lines.append("----- stderr -----")
-            lines.append(result.stderr.rstrip("\n"))
-    return "\n".join(lines)
-
-
 def format_results(results: RunResults) -> str:
     """Every rank's exit status, stdout and stderr, one block per rank."""
     lines = []

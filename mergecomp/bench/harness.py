@@ -274,6 +274,19 @@ def _progress(iterations: int, show: bool):
     return tqdm(range(iterations), desc="iterations", file=sys.stderr, leave=False), tqdm.write
 
 
+def exchange_fields(args, optimizer, search_steps: int) -> Dict[str, Any]:
+    """What a run of ``compress_benchmark.py``'s flags exchanged, for :func:`report`: the
+    compressor, memory and communicator (FP32 allreduce without ``--compress``), the
+    scheduler's search, and the plan it settled on."""
+    return {
+        "compress": args.compress, "compressor": args.compressor if args.compress else "none",
+        "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
+        "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
+        "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
+        "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
+        "plan": optimizer.plan.digest()}
+
+
 def report(work: Workload, series: Dict[str, List[float]], gather: Callable[[Any], List[Any]],
            fields: Dict[str, Any]) -> Dict[str, Any]:
     """Combine every worker's series into the result (printed on rank 0 and returned).
