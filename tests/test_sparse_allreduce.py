@@ -228,3 +228,36 @@ def test_distributed_optimizer_trains_through_the_sparse_allreduce():
     for first, last, _ in results:
         assert last < 0.5 * first, (first, last)
     torch.testing.assert_close(results[0][2], results[1][2])  # replicas stay identical
+
+
+def test_the_cost_model_prices_it_and_plans_with_it():
+    from mergecomp.planning.costmodel import communicator_formula, predict, priced_collectives, send_costs
+    from mergecomp.plan import Group, Plan
+    from mergecomp.schedulers.optimal import OptimalScheduler
+    from tests.test_costmodel import hand_profile
+
+    cls = communicator_formula("sparse_allreduce")
+    assert priced_collectives("sparse_allreduce") == ("alltoall", "allgather")
+    assert send_costs(hand_profile(communicator="sparse_allreduce", world=8))["compress"] == \
+        cls.send_cost(hand_profile().codecs["toy"], hand_profile(communicator="sparse_allreduce", world=8))
+    from mergecomp.planning.costmodel import group_cost
+
+    def channel(name, world):  # seconds on the channel for a group of a million elements
+        profile = hand_profile(communicator=name, world=world)
+        return group_cost(send_costs(profile)["compress"], profile.copy, 10 ** 6, 4 * 10 ** 6).communicate
+    # two collectives and the owner's work: dearer than one allgather on 2 ranks, cheaper
+    # once the allgather carries 1/N of the payload
+    assert channel("sparse_allreduce", 2) > channel("allgather", 2)
+    assert channel("sparse_allreduce", 8) < channel("allgather", 8)
+    plan = OptimalScheduler(hand_profile(communicator="sparse_allreduce", world=8)).plan(
+        [mergecomp.plan.ParamInfo(n, s) for n, s in (("a", 100), ("b", 200), ("c", 100))])
+    assert plan.groups
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, 7, 10, 1001])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_each_index_goes_to_the_owner_of_its_partition(numel, world_size):
+    from mergecomp.communicators.sparse_allreduce import _owners
+    sizes = torch.tensor(shard_sizes(numel, world_size))
+    expected = torch.repeat_interleave(torch.arange(world_size), sizes)
+    assert torch.equal(_owners(torch.arange(numel), numel, world_size), expected)

@@ -70,6 +70,7 @@ from .base import Communicator
 from .ps import shard_sizes
 from ..backends.serialize import MAX_DIMS, header_error
 from ..compressors.base import Compressor
+from ..compressors.kernels import Scratch, exact_top_k
 from ..compressors.sparsifier import SparseCompressor, index_dtype, num_selected
 from ..memories.none import NoneMemory
 from ..planning.sendcost import SendCost, collective_cost
@@ -111,6 +112,7 @@ class SparseAllreduceCommunicator(Communicator):
             owner_residual = not isinstance(memory, NoneMemory)
         self.owner_residual = bool(owner_residual) and self.keep is not None and self.sparse
         self.owner_residuals = StagedDict()  # staged like the memories': see commit()
+        self._scratch = Scratch()
 
     # -- phase 1 and the owner's sum (blocking), phase 2 launched --------------------------
     def _launch(self, payload, ctx, name):
@@ -121,8 +123,7 @@ class SparseAllreduceCommunicator(Communicator):
         n, device = ctx.numel, values.device
         parts = shard_sizes(n, size)
         starts = _starts(parts)
-        owner = torch.searchsorted(torch.tensor(starts[1:], dtype=torch.int64, device=device),
-                                   indices.long(), right=True)
+        owner = _owners(indices.long(), n, size)
         order = torch.argsort(owner, stable=True)
         counts = torch.bincount(owner, minlength=size).tolist()
         values, indices = values[order], indices[order]
@@ -179,13 +180,13 @@ class SparseAllreduceCommunicator(Communicator):
                         "communicator (or load a matching state)")
                 total = total.add_(residual)
         kept = min(math.ceil(self.keep * bound / self.backend.size), longest, total.numel())
-        # torch.topk ranks NaN above every number, so a non-finite sum is always sent.
-        local = torch.topk(total.abs(), kept, sorted=False).indices if kept else total.new_empty(0, dtype=torch.long)
+        # The largest magnitudes, NaN and ±Inf first (as torch.topk ranks them): a
+        # non-finite sum is always sent.
+        local = exact_top_k(total, kept, self._scratch).long() if kept else total.new_empty(0, dtype=torch.long)
         values = total[local]
         if self.owner_residual:
-            residual = total.clone()
-            residual[local] = 0
-            self.owner_residuals[key] = residual
+            total[local] = 0  # what is sent leaves the owner's residual
+            self.owner_residuals[key] = total
         return values, (local + lo).to(index_dtype(n))
 
     # -- finish: the owners' sums scattered into the group -------------------------------
@@ -252,8 +253,8 @@ class SparseAllreduceCommunicator(Communicator):
         alltoall = collective_cost(profile, "alltoall", "the sparse allreduce's first phase")
         allgather = collective_cost(profile, "allgather", "the sparse allreduce's second phase")
         world = profile.world_size
-        add = codec.add if codec.add is not None else codec.decode
-        relay = add.scaled(world, 1 / world) + codec.encode.scaled(1, 1 / world)
+        gather = codec.add.scaled(world, 1 / world) if codec.add is not None else codec.decode.scaled(1, 1 / world)
+        relay = gather + codec.encode.scaled(1, 1 / world)
         return SendCost(codec.encode, codec.wire, alltoall + allgather.scaled(1, 1 / world),
                         decode=codec.decode, relay=relay)
 
@@ -280,6 +281,18 @@ def _starts(parts: Sequence[int]) -> List[int]:
         starts.append(at)
         at += size
     return starts
+
+
+def _owners(indices: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
+    """The partition (of :func:`~mergecomp.communicators.ps.shard_sizes`) each flat index
+    falls in: the first ``numel % N`` partitions hold one element more."""
+    base, extra = divmod(numel, world_size)
+    boundary = extra * (base + 1)
+    long_parts = torch.div(indices, base + 1, rounding_mode="floor")
+    if base == 0:  # fewer elements than ranks: every element is a partition of its own
+        return long_parts
+    return torch.where(indices < boundary, long_parts,
+                       extra + torch.div(indices - boundary, base, rounding_mode="floor"))
 
 
 def _split(tensor: torch.Tensor, counts: Sequence[int]) -> Tuple[torch.Tensor, ...]:
