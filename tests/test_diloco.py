@@ -190,3 +190,18 @@ def _corrupted(rank, world_size):
 def test_a_corrupted_checkpoint_is_refused():
     for message in run_ranks(_corrupted, 2):
         assert message is not None and "anchors.0 changed" in message and "Nothing was loaded" in message
+
+
+# -- the example -----------------------------------------------------------------------------------
+def _example(rank, world_size, folder):
+    from tests.test_examples import load_example
+    module = load_example("diloco")
+    first = module.train(module.parse_args(["--steps", "8", "--sync-every", "4", "--checkpoint", folder]))
+    again = module.train(module.parse_args(["--steps", "4", "--sync-every", "4", "--checkpoint", folder]))
+    return first, again
+
+
+def test_the_example_trains_and_resumes_from_per_rank_checkpoints(tmp_path):
+    for first, again in run_ranks(_example, 2, str(tmp_path)):
+        assert 0 < again < first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diloco.rank0.pt", "diloco.rank1.pt"]
