@@ -28,7 +28,6 @@ the non-finite check, commit or rollback of compressor and memory state.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
