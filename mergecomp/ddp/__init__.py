@@ -63,6 +63,8 @@ from ..memories.base import Memory
 from ..plan import ParamInfo
 from .state import HookState
 
+HookState.__module__ = __name__  # its public name, in reprs and pickles: mergecomp.ddp.HookState
+
 __all__ = ["HookState", "hook", "register", "bucket_caps"]
 
 
