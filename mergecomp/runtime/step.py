@@ -90,6 +90,8 @@ class InFlight:
         self.local_nonfinite: Optional[torch.Tensor] = None
         self.wait_seconds = 0.0
         self.finish_seconds = 0.0
+        #: The average, once :meth:`StepLifecycle.finish_now` finished the group early.
+        self.average: Optional[torch.Tensor] = None
 
 
 #: ``deliver(flight, average, outcome)``: the entry point hands a finished group's average on.
@@ -201,6 +203,13 @@ class StepLifecycle:
             self.phase_listeners("launch", flight, time.perf_counter() - started)
         return flight
 
+    def finish_now(self, flight: InFlight) -> torch.Tensor:
+        """Finish ``flight`` at once and return its average, for an entry point that needs it
+        before the step ends (FSDP2 reads a unit's shard as soon as its collective returns);
+        :meth:`end_step` then settles the step without finishing it again."""
+        flight.average = self._finish(flight)
+        return flight.average
+
     def end_step(self, deliver: Deliver, *, active: bool = True, used: Optional[torch.Tensor] = None,
                  joining: bool = False) -> StepOutcome:
         """Finish the step's groups, settle its outcome with every rank, commit or roll back,
@@ -215,7 +224,7 @@ class StepLifecycle:
         flights, step = self._flights, self._step
         try:
             self.check_preflight()  # a step with no groups launched none
-            averages = [self._finish(flight) for flight in flights]
+            averages = [self._finish(flight) if flight.average is None else flight.average for flight in flights]
             outcome = self._outcome(flights, averages, active, used, joining)
             self._keep_or_forget(outcome)
             if not outcome.finite:

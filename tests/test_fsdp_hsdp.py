@@ -1,0 +1,126 @@
+"""HSDP under mergecomp.fsdp on four gloo ranks, a 2×2 mesh (replicate × shard): FSDP's
+reduce-scatter within each shard group stays, the replicas' all-reduce is compressed.
+
+One worker runs every scenario on the same four ranks; the tests read what it returned.
+"""
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+
+STEPS = 6
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _model(mesh):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(rank, step):
+    generator = torch.Generator().manual_seed(1000 * rank + step % 4)
+    x = torch.randn(16, 8, generator=generator)
+    return x, x[:, :3] * 2 - x[:, 3:6]
+
+
+def _poison(module, grad_input, grad_output):
+    return tuple(g * float("nan") for g in grad_input)
+
+
+def _train(rank, mesh, steps=STEPS, nan_at=None, **compression):
+    import mergecomp
+    model = _model(mesh)
+    state = mergecomp.fsdp.register(model, **compression) if compression else None
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses, warned = [], []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        poison = model[1].register_full_backward_hook(_poison) if step == nan_at and rank == 3 else None
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss.backward()
+        warned += [str(w.message) for w in caught if "NaN or Inf" in str(w.message)]
+        if poison is not None:
+            poison.remove()
+        if step != nan_at:
+            optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    placements = [str(p.placements) for p in model.parameters()]
+    moments = [tuple(optimizer.state[p]["exp_avg"].to_local().shape) for p in model.parameters()]
+    shards = [tuple(p.to_local().shape) for p in model.parameters()]
+    return {"losses": losses, "full": full, "placements": placements, "moments": moments, "shards": shards,
+            "state": None if state is None else (state.wire_bytes, state.uncompressed_bytes, state.dropped,
+                                                   {k: v.numel() for k, v in getattr(state.memory, "residuals", {}).committed().items()}
+                                                   if hasattr(state.memory, "residuals") else {}),
+            "warned": warned}
+
+
+def _worker(rank, world):
+    mesh = _mesh()
+    return {"plain": _train(rank, mesh), "none": _train(rank, mesh, compressor="none"),
+            "topk": _train(rank, mesh, compressor="topk", compress_ratio=0.1),
+            "powersgd": _train(rank, mesh, compressor="powersgd"),
+            "nan": _train(rank, mesh, steps=3, nan_at=1, compressor="topk", compress_ratio=0.1)}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_worker, 4)
+
+
+def test_fp32_through_the_replica_hook_equals_fsdp_own_hsdp(ranks):
+    for result in ranks:
+        for ours, theirs in zip(result["none"]["full"], result["plain"]["full"]):
+            assert torch.equal(ours, theirs)
+        assert result["none"]["placements"] == result["plain"]["placements"]
+        assert "Replicate()" in result["none"]["placements"][0]
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd"])
+def test_compressed_replicas_train_and_every_rank_holds_the_same_model(ranks, name):
+    first = ranks[0][name]
+    for result in ranks[1:]:
+        for ours, theirs in zip(result[name]["full"], first["full"]):
+            assert torch.equal(ours, theirs)
+    assert first["losses"][-1] < first["losses"][0]
+    sent, fsdp_own = first["state"][:2]
+    assert 0 < sent < fsdp_own
+
+
+def test_model_optimizer_and_error_feedback_are_sharded(ranks):
+    result = ranks[0]["topk"]
+    assert result["moments"] == result["shards"]  # Adam's moments: the shard of each parameter
+    residuals = result["state"][3]
+    shard_numel = sum(torch.Size(s).numel() for s in result["shards"])
+    # one residual per unit, each the size of this rank's padded shard: the sharded gradient
+    assert len(residuals) == 3 and sum(residuals.values()) >= shard_numel
+    assert sum(residuals.values()) < 2 * shard_numel
+
+
+def test_a_nan_on_one_rank_is_dropped_on_every_rank(ranks):
+    for result in ranks:
+        nan = result["nan"]
+        # the NaN of rank 3 reached its shard group's reduce-scatter (FSDP's own) before the
+        # replicas' exchange: both ranks of that group hold it
+        assert len(nan["warned"]) == 1 and "rank(s) [2, 3]" in nan["warned"][0]
+        assert nan["state"][2] == 1
+        assert all(torch.isfinite(p).all() for p in nan["full"])
+    for result in ranks[1:]:
+        for ours, theirs in zip(result["nan"]["full"], ranks[0]["nan"]["full"]):
+            assert torch.equal(ours, theirs)
