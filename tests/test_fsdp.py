@@ -237,10 +237,13 @@ def _worker(rank, world):
     none = _train(rank, STEPS, compressor="none")
     fp16 = _train(rank, STEPS, compressor="fp16")
     topk = _train(rank, 30, lr=0.1, compressor="topk", compress_ratio=0.1)
+    half = _train(rank, 30, lr=0.1, compressor="topk", compress_ratio=0.1, memory="residual16")
     return {
         "plain": plain[:2], "none": none[:2] + (none[2].wire_bytes,), "fp16": fp16[:2] + (fp16[2].wire_bytes,),
         "topk": topk[:2] + (topk[2].wire_bytes, repr(topk[2].memory)),
         "reference": (none[2].uncompressed_bytes, topk[2].uncompressed_bytes),
+        "half": half[:2] + ({k: (v.dtype, v.numel()) for k, v in half[2].memory.residuals.committed().items()},
+                            {k: (v.dtype, v.numel()) for k, v in topk[2].memory.residuals.committed().items()}),
         "checkpoint": _checkpoint(rank), "example": _example(rank), "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
         "raise": _raise(rank), "others": _others(rank),
     }
@@ -338,3 +341,30 @@ def test_multi_round_variable_size_and_majority_vote_compressors_train(ranks, na
         assert sent < fsdp_own
     if name == "powersgd":
         assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_error_feedback_kept_in_16_bits_trains_with_half_the_residual_memory(ranks):
+    losses, params, half, full = ranks[0]["half"]
+    assert half.keys() == full.keys() and len(half) == 3 * 2
+    assert all(dtype == torch.bfloat16 for dtype, _ in half.values())
+    assert all(dtype == torch.float32 for dtype, _ in full.values())
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    for ours, theirs in zip(params, ranks[1]["half"][1]):
+        assert torch.equal(ours, theirs)
+
+
+def test_residual16_keeps_what_was_not_sent_up_to_its_rounding():
+    import mergecomp
+    memory = mergecomp.memories.create("residual16")
+    compressor = mergecomp.compressors.create("topk", compress_ratio=0.25)
+    gradient = torch.randn(64)
+    compensated = memory.compensate(gradient, "g")
+    payload, ctx = compressor.compress(compensated, "g")
+    memory.update(compensated, "g", compressor, payload, ctx)
+    memory.commit()
+    kept = memory.residuals.committed()["g"]
+    sent = compressor.decompress(payload, ctx).view(-1)
+    assert kept.dtype == torch.bfloat16
+    assert torch.allclose(kept.float() + sent, gradient, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="float16"):
+        mergecomp.memories.create("residual16", dtype="int8")
