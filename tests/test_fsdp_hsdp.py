@@ -71,17 +71,56 @@ def _train(rank, mesh, steps=STEPS, nan_at=None, **compression):
             "warned": warned}
 
 
-def _worker(rank, world):
+def _steps(model, optimizer, rank, steps):
+    for step in steps:
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _checkpoint(rank, mesh, folder):
+    """Six steps straight equal three, a distributed checkpoint of the model and optimizer
+    (torch.distributed.checkpoint) with each rank's compression state beside it, a fresh
+    model and optimizer loaded from them, and three more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import mergecomp
+    options = dict(compressor="topk", compress_ratio=0.1)
+    straight = _model(mesh)
+    mergecomp.fsdp.register(straight, **options)
+    _steps(straight, torch.optim.Adam(straight.parameters(), lr=0.01), rank, range(6))
+    first = _model(mesh)
+    state = mergecomp.fsdp.register(first, **options)
+    optimizer = torch.optim.Adam(first.parameters(), lr=0.01)
+    _steps(first, optimizer, rank, range(3))
+    model_state, optimizer_state = get_state_dict(first, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    mergecomp.save(state.state_dict(), f"{folder}/compression.rank{rank}.pt")
+    resumed = _model(mesh)
+    again = mergecomp.fsdp.register(resumed, **options)
+    optimizer = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    model_state, optimizer_state = get_state_dict(resumed, optimizer)
+    loaded = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(loaded, checkpoint_id=folder)
+    set_state_dict(resumed, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    again.load_state_dict(mergecomp.load(f"{folder}/compression.rank{rank}.pt"))
+    _steps(resumed, optimizer, rank, range(3, 6))
+    return all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(straight.parameters(),
+                                                                              resumed.parameters()))
+
+
+def _worker(rank, world, folder):
     mesh = _mesh()
-    return {"plain": _train(rank, mesh), "none": _train(rank, mesh, compressor="none"),
+    return {"checkpoint": _checkpoint(rank, mesh, folder),"plain": _train(rank, mesh), "none": _train(rank, mesh, compressor="none"),
             "topk": _train(rank, mesh, compressor="topk", compress_ratio=0.1),
             "powersgd": _train(rank, mesh, compressor="powersgd"),
             "nan": _train(rank, mesh, steps=3, nan_at=1, compressor="topk", compress_ratio=0.1)}
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_ranks(_worker, 4)
+def ranks(tmp_path_factory):
+    return run_ranks(_worker, 4, str(tmp_path_factory.mktemp("hsdp-checkpoint")))
 
 
 def test_fp32_through_the_replica_hook_equals_fsdp_own_hsdp(ranks):
@@ -124,3 +163,7 @@ def test_a_nan_on_one_rank_is_dropped_on_every_rank(ranks):
     for result in ranks[1:]:
         for ours, theirs in zip(result["nan"]["full"], ranks[0]["nan"]["full"]):
             assert torch.equal(ours, theirs)
+
+
+def test_distributed_checkpoint_and_compression_state_resume_exactly(ranks):
+    assert all(result["checkpoint"] for result in ranks)
