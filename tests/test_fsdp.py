@@ -232,6 +232,36 @@ def _checkpoint(rank):
     return same, refused, untouched, len(saved["memory"]["residuals"])
 
 
+def _step_log(rank):
+    """A StepLog on the FSDP state: one row per backward, the dropped one marked."""
+    import csv
+    import os
+    import tempfile
+    import mergecomp
+    model = _model()
+    state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.1)
+    folder = tempfile.mkdtemp()
+    log = mergecomp.StepLog(folder)
+    state.add_step_log(log)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = _batch(rank, step)
+        poison = model[1].register_full_backward_hook(_poison) if step == 1 and rank == 1 else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        if poison is not None:
+            poison.remove()
+        if step != 1:  # the dropped backward's gradients are NaN: no step
+            optimizer.step()
+        optimizer.zero_grad()
+    log.close()
+    if rank != 0:
+        return None
+    with open(os.path.join(folder, "steps.csv")) as handle:
+        return list(csv.DictReader(handle)), state.wire_bytes
+
+
 def _worker(rank, world):
     plain = _train(rank, STEPS)
     none = _train(rank, STEPS, compressor="none")
@@ -245,7 +275,7 @@ def _worker(rank, world):
         "half": half[:2] + ({k: (v.dtype, v.numel()) for k, v in half[2].memory.residuals.committed().items()},
                             {k: (v.dtype, v.numel()) for k, v in topk[2].memory.residuals.committed().items()}),
         "checkpoint": _checkpoint(rank), "example": _example(rank), "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
-        "raise": _raise(rank), "others": _others(rank),
+        "raise": _raise(rank), "others": _others(rank), "steplog": _step_log(rank),
     }
 
 
@@ -368,3 +398,12 @@ def test_residual16_keeps_what_was_not_sent_up_to_its_rounding():
     assert torch.allclose(kept.float() + sent, gradient, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="float16"):
         mergecomp.memories.create("residual16", dtype="int8")
+
+
+def test_a_step_log_records_every_backward(ranks):
+    rows, sent = ranks[0]["steplog"]
+    assert [row["step"] for row in rows] == ["0", "1", "2"]
+    assert [row["skipped"] for row in rows] == ["0", "1", "0"]
+    # the payloads and the small agreement collectives, per step
+    assert sum(float(row["bytes_sent"]) for row in rows) > 0
+    assert float(rows[0]["compression_ratio"]) > 1

@@ -82,31 +82,16 @@ class ReplicaAllReduce:
         flat = reduce_output.view(-1)
         layout = self.layout if self.layout is not None and _covers(self.layout, flat.numel()) else None
         communicator = self.backward.lifecycle.communicator
+        before = communicator.backend.wire_bytes
         average = self.backward.exchange(self.index, flat, layout)
         if self.param_group.gradient_divide_factor is not None and communicator.compressor.average:
             average = average * self.replicas  # a sum: FSDP's reduce-scatter applied the factor
         if average.data_ptr() != flat.data_ptr():
             flat.copy_(average.reshape(-1))
         self.uncompressed_bytes += 2 * flat.numel() * flat.element_size() * (self.replicas - 1) // self.replicas
-        self.wire_bytes += communicator_bytes(communicator, flat, layout, self.replicas)
+        self.wire_bytes += communicator.backend.wire_bytes - before
 
 
 def _covers(layout: GroupLayout, numel: int) -> bool:
     return sum(view.numel for view in layout) == numel
 
-
-def communicator_bytes(communicator, flat: torch.Tensor, layout: Optional[GroupLayout], world: int) -> int:
-    """Bytes one rank puts on the wire for ``flat`` through a standard communicator: the
-    compressor's stated wire format, times 2·(W−1)/W for an allreduce, W−1 for an allgather."""
-    from ..communicators.allreduce import AllreduceCommunicator
-    compressor = communicator.compressor
-    wire = getattr(compressor, "wire_nbytes", None)
-    try:
-        nbytes = int(wire(flat.numel(), flat.element_size(), None, layout)) if wire else None
-    except (TypeError, ValueError):  # a variable-size format needs the payload: count its bound
-        nbytes = None
-    if nbytes is None:
-        nbytes = flat.numel() * flat.element_size()
-    if isinstance(communicator, AllreduceCommunicator):
-        return 2 * nbytes * (world - 1) // world
-    return nbytes * (world - 1)

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from .. import communicators
 from ..backends.base import Work
 from ..backends.serialize import pack, unpack
-from ..communicators.allreduce import AllreduceCommunicator
 from ..communicators.base import Communicator, Handle
 from ..compressors.base import Compressor, GroupLayout, ParamView
 from ..memories.base import Memory
@@ -135,7 +134,9 @@ class ScatterCommunicator(Communicator):
     ``start(unsharded, unit)`` exchanges and ``finish`` returns this rank's reduced chunk,
     scaled by :attr:`scaling` (set per call from FSDP's ``op``).  ``units`` maps a unit's
     name to its :class:`UnitShape`.  ``wire_bytes``/``uncompressed_bytes``: per unit, what
-    this rank has put on the wire and what FSDP's own reduce-scatter would have.
+    this rank has put on the wire (the backend's count: every chunk but its own for the
+    reduce-scatter and the all_to_all; the inner communicator's collectives for ``whole``)
+    and what FSDP's own reduce-scatter would have.
     """
 
     name = "fsdp_scatter"
@@ -172,13 +173,14 @@ class ScatterCommunicator(Communicator):
             # overflows N times sooner
             multiplier, divisor = self.scaling
             chunks, self.scaling = chunks * multiplier / divisor, (1.0, 1)
+        before = self.backend.wire_bytes
         if self.mode == "reduce_scatter":
-            total, sent = self._reduce_scatter(chunks, name, rank)
+            total = self._reduce_scatter(chunks, name, rank)
         elif self.mode == "all_to_all":
-            total, sent = self._all_to_all(chunks, name, rank)
+            total = self._all_to_all(chunks, name, rank)
         else:
-            total, sent = self._whole(chunks, name, rank)
-        self._count(name, sent, reference)
+            total = self._whole(chunks, name, rank)
+        self._count(name, self.backend.wire_bytes - before, reference)
         return Handle(name, torch.Size([chunks.shape[1]]), Work(finalize=lambda: total),
                       extra={"scaling": self.scaling})
 
@@ -204,8 +206,9 @@ class ScatterCommunicator(Communicator):
         send = torch.stack(payloads)
         out = torch.empty_like(send[0])
         dist.reduce_scatter_single(output=out, input=send.reshape(-1), group=self.group)
-        sent = send.numel() * send.element_size() * (send.shape[0] - 1) // send.shape[0]
-        return self.compressor.decompress((out,), ctx), sent
+        # counted as the backend counts an all-to-all: every chunk but this rank's own leaves
+        self.backend._count_alltoall(list(send))
+        return self.compressor.decompress((out,), ctx)
 
     def _all_to_all(self, chunks: torch.Tensor, unit: str, rank: int):
         world = chunks.shape[0]
@@ -226,9 +229,10 @@ class ScatterCommunicator(Communicator):
         send = torch.cat(blobs)
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=self.group)
+        self.backend._count_alltoall(blobs)
         per_rank = received.view(world, -1)
         payloads = [unpack(per_rank[source], shapes, dtypes) for source in range(world)]
-        return self.compressor.decompress_sum(payloads, ctx), send.numel() * (world - 1) // world
+        return self.compressor.decompress_sum(payloads, ctx)
 
     def _whole(self, chunks: torch.Tensor, unit: str, rank: int):
         shape = self.units.get(unit)
@@ -237,32 +241,15 @@ class ScatterCommunicator(Communicator):
         # a unit whose parameters did not all get a gradient travels as one flat tensor
         whole = shape.to_whole(chunks) if fits else chunks.reshape(-1)
         layout = shape.whole_layout() if fits else None
-        handle = self.inner.start(whole, unit, layout)
-        sent = _inner_bytes(self.inner, handle, whole, layout, world)
+        handle = self.inner.start(whole, unit, layout)  # its collectives go through the backend, counted
         total = self.inner.finish(handle).reshape(-1)
         if self.compressor.average:
             total = total * world  # the inner communicator averaged; scaling is applied in finish()
-        shard = shape.shard_of(total, rank) if fits else total.view(world, -1)[rank]
-        return shard, sent
+        return shape.shard_of(total, rank) if fits else total.view(world, -1)[rank]
 
     def nonfinite_flag(self, handle: Handle, average: torch.Tensor) -> torch.Tensor:
         from ..runtime.agreement import nonfinite_flag
         return nonfinite_flag(average)
-
-
-def _inner_bytes(inner: Communicator, handle: Handle, whole: torch.Tensor, layout: Optional[GroupLayout],
-                 world: int) -> int:
-    """Bytes this rank puts on the wire for the whole unit through ``inner``: a ring
-    allreduce sends 2·(W−1)/W of what it reduces (PowerSGD: of its P and Q, from its stated
-    wire format), an allgather W−1 copies of this rank's payload."""
-    if handle.rounds is not None:
-        wire = getattr(inner.compressor, "wire_nbytes", None)
-        nbytes = wire(whole.numel(), whole.element_size(), None, layout) if wire else whole.numel() * whole.element_size()
-        return 2 * int(nbytes) * (world - 1) // world
-    nbytes = sum(t.numel() * t.element_size() for t in handle.payload or ())
-    if isinstance(inner, AllreduceCommunicator):
-        return 2 * nbytes * (world - 1) // world
-    return nbytes * (world - 1)
 
 
 __all__: List[str] = ["ScatterCommunicator", "UnitShape", "chunk_name", "exchange_mode", "scale_of"]

@@ -37,6 +37,33 @@ class FSDPCompression:
         """The shared :class:`~mergecomp.runtime.step.StepLifecycle` (its listeners, its counts)."""
         return self.backward.lifecycle
 
+    # -- listeners and the step log (as the DDP hook's state) ----------------------------------
+    def add_phase_listener(self, callback):
+        """``callback(phase, group, seconds)`` at each unit's ``"launch"`` and ``"finish"``."""
+        return self.lifecycle.phase_listeners.add(callback)
+
+    def add_step_listener(self, callback):
+        """``callback(step, outcome)`` when a backward is settled on every rank."""
+        return self.lifecycle.step_listeners.add(callback)
+
+    def add_step_log(self, log):
+        """Record every backward's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
+        handle whose ``remove()`` detaches it."""
+        return log.attach(self)
+
+    def communicators(self):
+        return self.lifecycle.communicators()
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.lifecycle.skipped_steps
+
+    @property
+    def backend(self) -> "_Counted":
+        """This rank's collectives as the step log counts them: the exchange's and the
+        agreement's together."""
+        return _Counted(self.lifecycle.backend, self.lifecycle.communicator.backend)
+
     @property
     def wire_bytes(self) -> int:
         """Bytes this rank has sent for every unit so far."""
@@ -107,3 +134,20 @@ class FSDPCompression:
     def __repr__(self) -> str:
         return (f"FSDPCompression({self.compressor!r}, {self.memory!r}, units={list(self.units)}"
                 f"{', hsdp' if self.hsdp else ''})")
+
+
+class _Counted:
+    """Two backends' counters summed (the step lifecycle's, for the agreement, and the
+    exchange's process group), with the first one's rank."""
+
+    def __init__(self, *backends):
+        self._backends = {id(b): b for b in backends}.values()
+        self.rank = backends[0].rank
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(b.bytes_sent for b in self._backends)
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(b.wire_bytes for b in self._backends)
