@@ -60,6 +60,13 @@ def _errors(rank):
             found[key] = None
         except (ValueError, TypeError) as error:
             found[key] = f"{type(error).__name__}: {error}"
+    model = _model()
+    mergecomp.fsdp.register(model, compressor="topk")
+    try:
+        mergecomp.fsdp.register(model, compressor="topk")
+        found["twice"] = None
+    except RuntimeError as error:
+        found["twice"] = str(error)
     try:  # rank 1 asks for another compression ratio
         mergecomp.fsdp.register(_model(), compressor="topk", compress_ratio=0.1 if rank == 0 else 0.2)
         found["disagree"] = None
@@ -317,6 +324,7 @@ def test_bad_input_is_refused_by_name(ranks):
     errors = ranks[0]["errors"]
     assert "nonfinite" in errors["nonfinite"] and "'sometimes'" in errors["nonfinite"]
     assert "compress_ratio" in errors["options"]
+    assert "once per model" in errors["twice"]
     assert "compress_ratio=0.1" in errors["disagree"] and "compress_ratio=0.2" in errors["disagree"]
 
 

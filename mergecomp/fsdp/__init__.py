@@ -47,6 +47,9 @@ from .scatter import ScatterCommunicator, UnitShape, chunk_name, exchange_mode
 from .state import FSDPCompression
 from .units import CompressedReduceScatter, fsdp_units, param_group, unit_shape
 
+#: Set on each unit that carries mergecomp's exchange.
+_MARK = "_mergecomp_fsdp"
+
 __all__ = ["register", "CompressedReduceScatter", "ReplicaAllReduce", "FSDPCompression", "ScatterCommunicator"]
 
 
@@ -63,6 +66,11 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     ``loss.backward()``, ``"off"`` does not check.
     """
     units = fsdp_units(model)
+    for name, module in units:
+        if getattr(module, _MARK, False):
+            raise RuntimeError(f"FSDP unit {name!r} already has mergecomp's exchange installed: call "
+                               "mergecomp.fsdp.register once per model (its returned state holds the "
+                               "compression for every unit)")
     nonfinite = check_nonfinite_policy(nonfinite)
     if isinstance(compressor, str):
         compressor = create_compressor(compressor, **options)
@@ -105,6 +113,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
             unit = CompressedReduceScatter(name, index, backward, communicator)
             module.set_custom_reduce_scatter(unit)
         installed[name] = unit
+        setattr(module, _MARK, True)
     return FSDPCompression(installed, compressor, memory, dist.get_rank(), dist.get_world_size(), backward,
                            _state_groups(shapes, compressor, memory, hsdp), hsdp)
 
