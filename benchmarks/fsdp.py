@@ -14,7 +14,8 @@ Two modes, each on local gloo ranks (CPU):
 ``accuracy``
     scikit-learn's digits with the convergence benchmark's CNN, split and sharded as there
     (two ranks, 32 images each per step), ``--epochs`` epochs of SGD with momentum under
-    FSDP2, for uncompressed FSDP2 and each of ``--compressors``; test accuracy per epoch.
+    FSDP2, for uncompressed FSDP2 and each of ``--compressors``; test accuracy per epoch
+    (``--hsdp``: four ranks on a 2×2 mesh).
 
 Results go to ``--out`` as ``fsdp-<mode>.json`` and a markdown table; the folder's
 ``manifest.json`` records the command, commit, torch version and host.
@@ -161,13 +162,14 @@ def _accuracy_rank(args: argparse.Namespace) -> Dict[str, Any]:
     torch.set_num_threads(1)
     x_train, y_train, x_test, y_test = load_digits_split()
     x_mine, y_mine = shard(x_train, y_train, info.rank, info.world_size)
+    mesh = _mesh(args.hsdp)
     results = {}
     for label, name, options in [("fsdp2", None, {})] + list(map(parse, args.compressors.split(","))):
         torch.manual_seed(args.seed)
         model = DigitsCNN()
-        _shard(model.features, None)
-        _shard(model.classifier, None)
-        _shard(model, None)
+        _shard(model.features, mesh)
+        _shard(model.classifier, mesh)
+        _shard(model, mesh)
         state = mergecomp.fsdp.register(model, compressor=name, **options) if name else None
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         order = torch.Generator().manual_seed(args.seed)
@@ -190,7 +192,8 @@ def _accuracy_rank(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _accuracy_table(results: Dict[str, Any], args: argparse.Namespace) -> str:
-    lines = [f"digits CNN under FSDP2, {args.ranks} ranks, {args.epochs} epochs, SGD lr {args.lr} momentum 0.9, "
+    mesh = "a 2×2 HSDP mesh (the replicas' all-reduce compressed)" if args.hsdp else f"{args.ranks} ranks"
+    lines = [f"digits CNN under FSDP2, {mesh}, {args.epochs} epochs, SGD lr {args.lr} momentum 0.9, "
              f"batch {args.batch} per rank, seed {args.seed}.", "",
              "| run | final test accuracy | best | kB/step sent | FSDP2's own kB/step |", "|---|---:|---:|---:|---:|"]
     for label, row in results.items():
@@ -223,7 +226,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("mode", choices=("bytes", "accuracy"))
     parser.add_argument("--compressors", default=None, help="comma-separated name[:key=value...] specs")
     parser.add_argument("--ranks", type=int, default=2, help="local gloo ranks (HSDP: 4)")
-    parser.add_argument("--hsdp", action="store_true", help="bytes: a 2×2 mesh, the replicas' all-reduce compressed")
+    parser.add_argument("--hsdp", action="store_true", help="a 2×2 mesh (4 ranks), the replicas' all-reduce compressed")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
@@ -243,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         table, data, stem = _bytes_table(rows, args), rows, "fsdp-bytes" + ("-hsdp" if args.hsdp else "")
     else:
         results = mergecomp.launch.spawn(_accuracy_rank, args.ranks, (args,))[0]
-        table, data, stem = _accuracy_table(results, args), results, "fsdp-accuracy"
+        table, data, stem = _accuracy_table(results, args), results, "fsdp-accuracy" + ("-hsdp" if args.hsdp else "")
     print(table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
