@@ -114,10 +114,10 @@ class StepLifecycle:
       mode), then :meth:`end_step` with ``deliver``, then its own bookkeeping, then
       :meth:`close_step`.
 
-    So an FSDP2 reduce-scatter would launch each unsharded gradient with a communicator that
-    scatters and deliver into the local shard; a low-communication outer step (DiLoCo) would
-    begin, launch its pseudo-gradients and end a step every H inner steps.  Neither copies
-    the agreement, the policy or commit/rollback.
+    So FSDP2 (:mod:`mergecomp.fsdp`) launches each unit's unsharded gradient with a
+    communicator that scatters, and takes the shard at once (:meth:`finish_now`); a
+    low-communication outer step (DiLoCo) would begin, launch its pseudo-gradients and end
+    a step every H inner steps.  Neither copies the agreement, the policy or commit/rollback.
     """
 
     def __init__(self, communicator: Communicator, backend: Backend,
