@@ -110,9 +110,27 @@ def _checkpoint(rank, mesh, folder):
                                                                               resumed.parameters()))
 
 
+def _divide(rank, mesh):
+    """set_gradient_divide_factor(2.0) on 4 ranks: the sum over ranks halved, twice the
+    default average (FSDP's reduce-scatter averages over the shard group of 2; the
+    replicas' exchange then sums)."""
+    import mergecomp
+    grads = []
+    for factor in (None, 2.0):
+        model = _model(mesh)
+        mergecomp.fsdp.register(model, compressor="none")
+        if factor is not None:
+            for layer in (model[0], model[2], model[4]):
+                layer.set_gradient_divide_factor(factor)
+        x, y = _batch(rank, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+    return all(torch.allclose(2 * a, b, rtol=1e-6, atol=1e-7) for a, b in zip(*grads))
+
+
 def _worker(rank, world, folder):
     mesh = _mesh()
-    return {"checkpoint": _checkpoint(rank, mesh, folder),"plain": _train(rank, mesh), "none": _train(rank, mesh, compressor="none"),
+    return {"divide": _divide(rank, mesh),"checkpoint": _checkpoint(rank, mesh, folder),"plain": _train(rank, mesh), "none": _train(rank, mesh, compressor="none"),
             "topk": _train(rank, mesh, compressor="topk", compress_ratio=0.1),
             "powersgd": _train(rank, mesh, compressor="powersgd"),
             "nan": _train(rank, mesh, steps=3, nan_at=1, compressor="topk", compress_ratio=0.1)}
@@ -167,3 +185,7 @@ def test_a_nan_on_one_rank_is_dropped_on_every_rank(ranks):
 
 def test_distributed_checkpoint_and_compression_state_resume_exactly(ranks):
     assert all(result["checkpoint"] for result in ranks)
+
+
+def test_gradient_divide_factor_is_kept(ranks):
+    assert all(result["divide"] for result in ranks)
