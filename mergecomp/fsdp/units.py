@@ -6,7 +6,6 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..compressors.base import GroupLayout, ParamView
 from .backward import BackwardStep
 from .scatter import ScatterCommunicator, UnitShape, scale_of
 
@@ -96,8 +95,4 @@ def unit_shape(name: str, group) -> Optional[UnitShape]:
     return UnitShape(params, group.mesh_info.shard_mesh_size, dtype)
 
 
-def shard_layout(shape: Optional[UnitShape]) -> Optional[GroupLayout]:
-    return shape.shard_layout() if shape is not None else None
-
-
-__all__ = ["CompressedReduceScatter", "fsdp_units", "param_group", "unit_shape", "ParamView"]
+__all__ = ["CompressedReduceScatter", "fsdp_units", "param_group", "unit_shape"]
