@@ -161,6 +161,8 @@ def _others(rank):
         moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
         sharded = all(m.to_local().shape == p.to_local().shape and m.to_local().numel() < p.numel()
                       for m, p in zip(moments, model.parameters()) if p.dim() == 2)
+        again = mergecomp.fsdp.register(_model(), compressor=name, **options)
+        again.load_state_dict(state.state_dict())  # its checkpoint fits a fresh model's units
         found[name] = (losses, [p.full_tensor() for p in model.parameters()], state.wire_bytes,
                        state.uncompressed_bytes, sharded)
     return found
