@@ -128,12 +128,27 @@ def _divide(rank, mesh):
     return all(torch.allclose(2 * a, b, rtol=1e-6, atol=1e-7) for a, b in zip(*grads))
 
 
+def _deferred_all_reduce(rank, mesh):
+    """set_requires_all_reduce(False) is refused by name at the backward it applies to."""
+    import mergecomp
+    model = _model(mesh)
+    mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.1)
+    model.set_requires_all_reduce(False)
+    x, y = _batch(rank, 0)
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _worker(rank, world, folder):
     mesh = _mesh()
     return {"divide": _divide(rank, mesh),"checkpoint": _checkpoint(rank, mesh, folder),"plain": _train(rank, mesh), "none": _train(rank, mesh, compressor="none"),
             "topk": _train(rank, mesh, compressor="topk", compress_ratio=0.1),
             "powersgd": _train(rank, mesh, compressor="powersgd"),
-            "nan": _train(rank, mesh, steps=3, nan_at=1, compressor="topk", compress_ratio=0.1)}
+            "nan": _train(rank, mesh, steps=3, nan_at=1, compressor="topk", compress_ratio=0.1),
+            "deferred": _deferred_all_reduce(rank, mesh)}  # last: it leaves that model mid-backward
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +204,9 @@ def test_distributed_checkpoint_and_compression_state_resume_exactly(ranks):
 
 def test_gradient_divide_factor_is_kept(ranks):
     assert all(result["divide"] for result in ranks)
+
+
+def test_a_deferred_replica_all_reduce_is_refused_by_name(ranks):
+    for result in ranks:
+        assert "set_requires_all_reduce(False)" in result["deferred"]
+        assert "set_requires_gradient_sync(False)" in result["deferred"]
