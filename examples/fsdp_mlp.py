@@ -10,9 +10,11 @@ Run it on CPU ranks (gloo) with torchrun, or let it start its own processes:
 
     .venv/bin/torchrun --nproc_per_node 2 examples/fsdp_mlp.py --compressor topk
     .venv/bin/python examples/fsdp_mlp.py --spawn 2 --compressor fp16
+    .venv/bin/python examples/fsdp_mlp.py --spawn 4 --hsdp 2 --compressor powersgd
 
 The data is a learnable synthetic regression.  Every few steps it prints the loss and the
-bytes this rank sent per step against what FSDP's own reduce-scatter would have sent.
+bytes this rank sent per step against what FSDP's own collective would have sent (the
+reduce-scatter; under HSDP the replicas' all-reduce).
 """
 from __future__ import annotations
 
@@ -32,7 +34,18 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 import mergecomp  # noqa: E402
 
 
-def build(width: int, depth: int, features: int) -> nn.Sequential:
+def mesh_for(replicas: int):
+    """None (a 1-D mesh over every rank), or a (replicas × ranks per replica) HSDP mesh."""
+    if replicas <= 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    world = torch.distributed.get_world_size()
+    if world % replicas:
+        raise SystemExit(f"--hsdp {replicas} must divide the {world} ranks")
+    return init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+
+
+def build(width: int, depth: int, features: int, mesh=None) -> nn.Sequential:
     """An MLP whose every linear layer is one FSDP unit."""
     torch.manual_seed(0)
     layers, size = [], features
@@ -43,15 +56,15 @@ def build(width: int, depth: int, features: int) -> nn.Sequential:
     model = nn.Sequential(*layers)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
 def train(args: argparse.Namespace) -> float:
     """Train; return the last loss on this rank."""
     info = mergecomp.launch.init_distributed()
-    model = build(args.width, args.depth, args.features)
+    model = build(args.width, args.depth, args.features, mesh_for(args.hsdp))
     options = {"compress_ratio": args.compress_ratio} if args.compressor in ("topk", "randk", "dgc") else {}
     state = mergecomp.fsdp.register(model, compressor=args.compressor, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -87,6 +100,8 @@ def main(argv=None) -> None:
     parser.add_argument("--depth", type=int, default=3, help="hidden layers")
     parser.add_argument("--features", type=int, default=32, help="input features")
     parser.add_argument("--print-every", type=int, default=50, help="steps between reports")
+    parser.add_argument("--hsdp", type=int, default=0,
+                        help="HSDP with this many replicas (a 2-D mesh; only the replicas' all-reduce is compressed)")
     parser.add_argument("--spawn", type=int, default=0, help="start this many local ranks (0: use torchrun's)")
     args = parser.parse_args(argv)
     if args.spawn:

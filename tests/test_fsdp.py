@@ -53,14 +53,20 @@ def _errors(rank):
     """The messages of the refusals register() owes an FSDP model."""
     import mergecomp
     found = {}
-    for key, kwargs in {"powersgd": dict(compressor="powersgd"),
-                        "nonfinite": dict(compressor="topk", nonfinite="raise"),
+    for key, kwargs in {"nonfinite": dict(compressor="topk", nonfinite="sometimes"),
                         "options": dict(compressor=mergecomp.compressors.create("topk"), compress_ratio=0.1)}.items():
         try:
             mergecomp.fsdp.register(_model(), **kwargs)
             found[key] = None
         except (ValueError, TypeError) as error:
             found[key] = f"{type(error).__name__}: {error}"
+    model = _model()
+    mergecomp.fsdp.register(model, compressor="topk")
+    try:
+        mergecomp.fsdp.register(model, compressor="topk")
+        found["twice"] = None
+    except RuntimeError as error:
+        found["twice"] = str(error)
     try:  # rank 1 asks for another compression ratio
         mergecomp.fsdp.register(_model(), compressor="topk", compress_ratio=0.1 if rank == 0 else 0.2)
         found["disagree"] = None
@@ -80,6 +86,10 @@ def _nonfinite(rank):
     import mergecomp
     model = _model()
     state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.1)
+    return _drop_one_backward(rank, model, state)
+
+
+def _drop_one_backward(rank, model, state):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     out = {}
     for step in range(3):
@@ -93,7 +103,7 @@ def _nonfinite(rank):
         if poison is not None:
             poison.remove()
         if step == 1:
-            out["warned"] = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+            out["warned"] = [str(w.message) for w in caught if "NaN or Inf" in str(w.message)]
             out["grads_nan"] = all(bool(p.grad.to_local().isnan().all()) for p in model.parameters())
             after = state.memory.residuals.committed()
             out["residuals_kept"] = (before.keys() == after.keys()
@@ -105,6 +115,57 @@ def _nonfinite(rank):
     out["finite_after"] = all(bool(p.full_tensor().isfinite().all()) for p in model.parameters())
     out["dropped"] = state.dropped
     return out
+
+
+def _raise(rank):
+    """nonfinite="raise": the NaN backward raises NonFiniteGradient from backward() on every
+    rank, after FSDP has resharded; training goes on after zero_grad()."""
+    import mergecomp
+    model = _model()
+    mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.1, nonfinite="raise")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    raised = None
+    for step in range(3):
+        x, y = _batch(rank, step)
+        poison = model[1].register_full_backward_hook(_poison) if step == 1 and rank == 1 else None
+        try:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        except mergecomp.NonFiniteGradient as error:
+            raised = str(error)
+            optimizer.zero_grad()
+            continue
+        finally:
+            if poison is not None:
+                poison.remove()
+        optimizer.step()
+        optimizer.zero_grad()
+    return raised, all(bool(p.full_tensor().isfinite().all()) for p in model.parameters())
+
+
+def _others(rank):
+    """The compressors a per-chunk all_to_all cannot carry, and Adam's sharded state."""
+    import mergecomp
+    found = {}
+    for name, options in {"powersgd": {}, "dgc": {"compress_ratio": 0.1}, "signum": {}, "atomo": {}}.items():
+        model = _model()
+        state = mergecomp.fsdp.register(model, compressor=name, **options)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        losses = []
+        for step in range(8):
+            x, y = _batch(rank, step)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+        sharded = all(m.to_local().shape == p.to_local().shape and m.to_local().numel() < p.numel()
+                      for m, p in zip(moments, model.parameters()) if p.dim() == 2)
+        again = mergecomp.fsdp.register(_model(), compressor=name, **options)
+        again.load_state_dict(state.state_dict())  # its checkpoint fits a fresh model's units
+        found[name] = (losses, [p.full_tensor() for p in model.parameters()], state.wire_bytes,
+                       state.uncompressed_bytes, sharded)
+    return found
 
 
 def _divide(rank):
@@ -180,16 +241,50 @@ def _checkpoint(rank):
     return same, refused, untouched, len(saved["memory"]["residuals"])
 
 
+def _step_log(rank):
+    """A StepLog on the FSDP state: one row per backward, the dropped one marked."""
+    import csv
+    import os
+    import tempfile
+    import mergecomp
+    model = _model()
+    state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.1)
+    folder = tempfile.mkdtemp()
+    log = mergecomp.StepLog(folder)
+    state.add_step_log(log)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = _batch(rank, step)
+        poison = model[1].register_full_backward_hook(_poison) if step == 1 and rank == 1 else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        if poison is not None:
+            poison.remove()
+        if step != 1:  # the dropped backward's gradients are NaN: no step
+            optimizer.step()
+        optimizer.zero_grad()
+    log.close()
+    if rank != 0:
+        return None
+    with open(os.path.join(folder, "steps.csv")) as handle:
+        return list(csv.DictReader(handle)), state.wire_bytes
+
+
 def _worker(rank, world):
     plain = _train(rank, STEPS)
     none = _train(rank, STEPS, compressor="none")
     fp16 = _train(rank, STEPS, compressor="fp16")
     topk = _train(rank, 30, lr=0.1, compressor="topk", compress_ratio=0.1)
+    half = _train(rank, 30, lr=0.1, compressor="topk", compress_ratio=0.1, memory="residual16")
     return {
         "plain": plain[:2], "none": none[:2] + (none[2].wire_bytes,), "fp16": fp16[:2] + (fp16[2].wire_bytes,),
         "topk": topk[:2] + (topk[2].wire_bytes, repr(topk[2].memory)),
         "reference": (none[2].uncompressed_bytes, topk[2].uncompressed_bytes),
+        "half": half[:2] + ({k: (v.dtype, v.numel()) for k, v in half[2].memory.residuals.committed().items()},
+                            {k: (v.dtype, v.numel()) for k, v in topk[2].memory.residuals.committed().items()}),
         "checkpoint": _checkpoint(rank), "example": _example(rank), "errors": _errors(rank), "nonfinite": _nonfinite(rank), "divide": _divide(rank),
+        "raise": _raise(rank), "others": _others(rank), "steplog": _step_log(rank),
     }
 
 
@@ -229,17 +324,17 @@ def test_topk_sends_fewer_bytes_than_fp32(ranks):
 
 def test_bad_input_is_refused_by_name(ranks):
     errors = ranks[0]["errors"]
-    assert "several rounds" in errors["powersgd"]
-    assert "nonfinite" in errors["nonfinite"]
+    assert "nonfinite" in errors["nonfinite"] and "'sometimes'" in errors["nonfinite"]
     assert "compress_ratio" in errors["options"]
+    assert "once per model" in errors["twice"]
     assert "compress_ratio=0.1" in errors["disagree"] and "compress_ratio=0.2" in errors["disagree"]
 
 
 def test_nonfinite_gradient_is_dropped_on_every_rank(ranks):
     for result in ranks:
         found = result["nonfinite"]
-        assert len(found["warned"]) == 1 and "unit '0': rank(s) [1]" in found["warned"][0]
-        assert "unit '2'" not in found["warned"][0]  # only the first layer's gradient was NaN
+        assert len(found["warned"]) == 1 and "rank(s) [1]" in found["warned"][0]
+        assert "step 1" in found["warned"][0] and "dropped on every rank" in found["warned"][0]
         assert found["grads_nan"] and found["residuals_kept"] and found["finite_after"]
         assert found["dropped"] == 1
 
@@ -265,3 +360,60 @@ def test_a_model_without_fsdp_is_refused():
 def test_the_example_trains(ranks):
     printed = ranks[0]["example"]
     assert "step    3" in printed and "FSDP's own" in printed
+
+
+def test_nonfinite_raise_stops_every_rank_and_training_goes_on(ranks):
+    for result in ranks:
+        raised, finite = result["raise"]
+        assert "rank(s) [1]" in raised and "zero_grad" in raised
+        assert finite
+
+
+@pytest.mark.parametrize("name", ["powersgd", "dgc", "signum", "atomo"])
+def test_multi_round_variable_size_and_majority_vote_compressors_train(ranks, name):
+    losses, params, sent, fsdp_own, sharded = ranks[0]["others"][name]
+    assert sharded  # Adam's moments are DTensor shards like the parameters
+    assert all(torch.isfinite(p).all() for p in params)
+    for ours, theirs in zip(params, ranks[1]["others"][name][1]):
+        assert torch.equal(ours, theirs)
+    assert 0 < sent
+    if name in ("powersgd", "signum"):
+        assert sent < fsdp_own
+    if name == "powersgd":
+        assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_error_feedback_kept_in_16_bits_trains_with_half_the_residual_memory(ranks):
+    losses, params, half, full = ranks[0]["half"]
+    assert half.keys() == full.keys() and len(half) == 3 * 2
+    assert all(dtype == torch.bfloat16 for dtype, _ in half.values())
+    assert all(dtype == torch.float32 for dtype, _ in full.values())
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    for ours, theirs in zip(params, ranks[1]["half"][1]):
+        assert torch.equal(ours, theirs)
+
+
+def test_residual16_keeps_what_was_not_sent_up_to_its_rounding():
+    import mergecomp
+    memory = mergecomp.memories.create("residual16")
+    compressor = mergecomp.compressors.create("topk", compress_ratio=0.25)
+    gradient = torch.randn(64)
+    compensated = memory.compensate(gradient, "g")
+    payload, ctx = compressor.compress(compensated, "g")
+    memory.update(compensated, "g", compressor, payload, ctx)
+    memory.commit()
+    kept = memory.residuals.committed()["g"]
+    sent = compressor.decompress(payload, ctx).view(-1)
+    assert kept.dtype == torch.bfloat16
+    assert torch.allclose(kept.float() + sent, gradient, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="float16"):
+        mergecomp.memories.create("residual16", dtype="int8")
+
+
+def test_a_step_log_records_every_backward(ranks):
+    rows, sent = ranks[0]["steplog"]
+    assert [row["step"] for row in rows] == ["0", "1", "2"]
+    assert [row["skipped"] for row in rows] == ["0", "1", "0"]
+    # the payloads and the small agreement collectives, per step
+    assert sum(float(row["bytes_sent"]) for row in rows) > 0
+    assert float(rows[0]["compression_ratio"]) > 1

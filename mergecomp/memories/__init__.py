@@ -1,4 +1,4 @@
-"""Error-feedback memories: the registry and the built-ins (``none``, ``residual``, ``dgc``)."""
+"""Error-feedback memories: the registry and the built-ins (``none``, ``residual``, ``residual16``, ``dgc``)."""
 from ..registry import Registry
 from .base import Memory
 
@@ -8,6 +8,6 @@ create = registry.create
 available = registry.available
 get = registry.get
 
-from . import none, residual, dgc, demo  # noqa: E402,F401
+from . import none, residual, dgc, demo, residual16  # noqa: E402,F401
 
 __all__ = ["Memory", "register", "create", "available", "get", "registry"]

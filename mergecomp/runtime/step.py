@@ -90,6 +90,8 @@ class InFlight:
         self.local_nonfinite: Optional[torch.Tensor] = None
         self.wait_seconds = 0.0
         self.finish_seconds = 0.0
+        #: The average, once :meth:`StepLifecycle.finish_now` finished the group early.
+        self.average: Optional[torch.Tensor] = None
 
 
 #: ``deliver(flight, average, outcome)``: the entry point hands a finished group's average on.
@@ -112,10 +114,10 @@ class StepLifecycle:
       mode), then :meth:`end_step` with ``deliver``, then its own bookkeeping, then
       :meth:`close_step`.
 
-    So an FSDP2 reduce-scatter would launch each unsharded gradient with a communicator that
-    scatters and deliver into the local shard; a low-communication outer step (DiLoCo) would
-    begin, launch its pseudo-gradients and end a step every H inner steps.  Neither copies
-    the agreement, the policy or commit/rollback.
+    So FSDP2 (:mod:`mergecomp.fsdp`) launches each unit's unsharded gradient with a
+    communicator that scatters, and takes the shard at once (:meth:`finish_now`); a
+    low-communication outer step (DiLoCo) would begin, launch its pseudo-gradients and end
+    a step every H inner steps.  Neither copies the agreement, the policy or commit/rollback.
     """
 
     #: What a dropped step left, in the policy's message (an entry point may say it its way).
@@ -204,6 +206,13 @@ class StepLifecycle:
             self.phase_listeners("launch", flight, time.perf_counter() - started)
         return flight
 
+    def finish_now(self, flight: InFlight) -> torch.Tensor:
+        """Finish ``flight`` at once and return its average, for an entry point that needs it
+        before the step ends (FSDP2 reads a unit's shard as soon as its collective returns);
+        :meth:`end_step` then settles the step without finishing it again."""
+        flight.average = self._finish(flight)
+        return flight.average
+
     def end_step(self, deliver: Deliver, *, active: bool = True, used: Optional[torch.Tensor] = None,
                  joining: bool = False) -> StepOutcome:
         """Finish the step's groups, settle its outcome with every rank, commit or roll back,
@@ -218,7 +227,7 @@ class StepLifecycle:
         flights, step = self._flights, self._step
         try:
             self.check_preflight()  # a step with no groups launched none
-            averages = [self._finish(flight) for flight in flights]
+            averages = [self._finish(flight) if flight.average is None else flight.average for flight in flights]
             outcome = self._outcome(flights, averages, active, used, joining)
             self._keep_or_forget(outcome)
             if not outcome.finite:

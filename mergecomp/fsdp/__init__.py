@@ -1,0 +1,173 @@
+"""Compressed gradient exchange for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.01)
+
+FSDP2 reduces each unit's gradients (the parameters one ``fully_shard`` call grouped) with
+one reduce-scatter: every rank hands in the unit's whole gradient and receives the average
+of its own shard.  :func:`register` compresses, unit by unit:
+
+- on a 1-D mesh, that reduce-scatter (``set_custom_reduce_scatter``;
+  :mod:`mergecomp.fsdp.scatter` says how each kind of compressor travels);
+- on a 2-D mesh (HSDP), the replicas' all-reduce of the already-sharded gradient only, the
+  slow link between nodes, while FSDP's reduce-scatter within the shard group stays as it
+  is (:mod:`mergecomp.fsdp.replica`).
+
+Every backward is one step of the shared step lifecycle (:mod:`mergecomp.fsdp.backward`):
+ranks agree on configuration, units and step before anything travels; a NaN/Inf gradient
+never reaches a compressor or a residual, and drops the backward on every rank (or raises
+with ``nonfinite="raise"``).
+
+Memory cost of error feedback: on a 1-D mesh the residual is kept on the sender for the
+gradient it compresses, i.e. one *unsharded* gradient per unit (as much memory per rank as
+the whole model's gradients, in the reduce dtype); under HSDP it is one gradient *shard*
+per unit.  ``memory="none"`` keeps none; PowerSGD keeps its error and factors per unit.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Union
+
+import torch
+import torch.distributed as dist
+
+from .. import arguments, communicators
+from ..backends.torch_dist import TorchDistributedBackend
+from ..checkpoint import GroupSpec
+from ..compressors import create as create_compressor
+from ..compressors.base import Compressor, check_dtypes
+from ..memories.base import Memory
+from ..runtime.agreement import StepAgreement
+from ..runtime.step import StepLifecycle, check_nonfinite_policy
+from .backward import BackwardStep
+from .replica import ReplicaAllReduce, is_hsdp, take_over
+from .scatter import ScatterCommunicator, UnitShape, chunk_name, exchange_mode
+from .state import FSDPCompression
+from .units import CompressedReduceScatter, fsdp_units, param_group, unit_shape
+
+#: Set on each unit that carries mergecomp's exchange.
+_MARK = "_mergecomp_fsdp"
+
+__all__ = ["register", "CompressedReduceScatter", "ReplicaAllReduce", "FSDPCompression", "ScatterCommunicator"]
+
+
+def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk",
+             memory: Union[str, Memory] = "auto", nonfinite: str = "skip", **options: Any) -> FSDPCompression:
+    """Compress the gradient exchange of every FSDP2 unit in ``model``.
+
+    Call it after ``fully_shard`` (on the layers, then the root) and before training.
+    ``compressor``: a registered name (with ``options`` for it) or an instance;
+    ``memory``: error feedback, ``"auto"`` for the compressor's recommendation
+    (``residual`` for the sparsifiers); ``nonfinite``: what a NaN/Inf gradient on any rank
+    does to the backward: ``"skip"`` drops it on every rank (every gradient NaN, state as
+    before, a warning), ``"raise"`` drops it and raises ``NonFiniteGradient`` from
+    ``loss.backward()``, ``"off"`` does not check.
+    """
+    units = fsdp_units(model)
+    for name, module in units:
+        if getattr(module, _MARK, False):
+            raise RuntimeError(f"FSDP unit {name!r} already has mergecomp's exchange installed: call "
+                               "mergecomp.fsdp.register once per model (its returned state holds the "
+                               "compression for every unit)")
+    nonfinite = check_nonfinite_policy(nonfinite)
+    if isinstance(compressor, str):
+        compressor = create_compressor(compressor, **options)
+    elif options:
+        raise TypeError(f"options {sorted(options)} go with a compressor name; got the instance {compressor!r}")
+    compressor, memory, carrier = arguments.resolve(compressor, memory, None)
+    groups = [(index, name, module, param_group(name, module)) for index, (name, module) in enumerate(units)]
+    groups = [entry for entry in groups if entry[3] is not None]
+    shapes = {index: unit_shape(name, group) for index, name, _, group in groups}
+    check_dtypes(compressor, {p.dtype for p in model.parameters() if p.requires_grad}
+                 | {shape.dtype for shape in shapes.values()})
+    hsdp = _check_mesh(groups)
+    _check_ranks_agree(model, units, compressor, memory, hsdp)
+    world = TorchDistributedBackend()
+    if hsdp:
+        meshes = {index: take_over(name, group) for index, name, _, group in groups}
+        replicate = meshes[groups[0][0]][1]
+        communicator = communicators.create(carrier, compressor=compressor, memory=memory,
+                                            backend=TorchDistributedBackend(replicate))
+    else:
+        shard = groups[0][3].mesh_info.shard_process_group
+        communicator = ScatterCommunicator(compressor, memory, TorchDistributedBackend(shard),
+                                           {f"group{index}": shape for index, shape in shapes.items()})
+    layout = [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]
+    config = f"{compressor!r} {memory!r} hsdp={hsdp}"
+    backward: BackwardStep = None  # bound below; the facts read its step count
+
+    def facts() -> Dict[str, Any]:
+        return {"config": config, "layout": layout, "steps": backward.steps}
+
+    lifecycle = StepLifecycle(communicator, world, facts, nonfinite)
+    backward = BackwardStep(model, lifecycle)
+    installed: Dict[str, Any] = {}
+    for index, name, module, group in groups:
+        if hsdp:
+            replicas = dist.get_world_size(meshes[index][1])
+            unit = ReplicaAllReduce(name, index, group, backward, shapes[index].shard_layout(), replicas)
+            module.set_all_reduce_hook(unit)
+        else:
+            unit = CompressedReduceScatter(name, index, backward, communicator)
+            module.set_custom_reduce_scatter(unit)
+        installed[name] = unit
+        setattr(module, _MARK, True)
+    return FSDPCompression(installed, compressor, memory, dist.get_rank(), dist.get_world_size(), backward,
+                           _state_groups(shapes, compressor, memory, hsdp), hsdp)
+
+
+def _state_groups(shapes: Dict[int, UnitShape], compressor: Compressor, memory: Memory,
+                  hsdp: bool) -> Dict[str, GroupSpec]:
+    """The key, size and dtype of every buffer the compressor and memory may keep state for."""
+    found = {}
+    for index, shape in shapes.items():
+        label = f"group{index}"
+        if hsdp:
+            found[label] = GroupSpec(shape.chunk_numel, shape.dtype, shape.shard_layout())
+        elif exchange_mode(compressor, memory) == "whole":
+            found[label] = GroupSpec(shape.chunk_numel * shape.world, shape.dtype, shape.whole_layout())
+        else:
+            for j in range(shape.world):
+                found[chunk_name(label, j)] = GroupSpec(shape.chunk_numel, shape.dtype, shape.shard_layout())
+    return found
+
+
+def _check_mesh(groups) -> bool:
+    """Whether the units are HSDP (all or none), after checking that their meshes span every
+    rank the same way: the per-step agreement and outcome vote run over all ranks."""
+    if not groups:
+        raise ValueError("no FSDP unit of the model has parameters: nothing to compress")
+    kinds = {is_hsdp(group) for _, _, _, group in groups}
+    if len(kinds) > 1:
+        names = [name for _, name, _, group in groups if is_hsdp(group)]
+        raise ValueError(f"FSDP units {names} are hybrid-sharded (HSDP) and the others are not: "
+                         "register() compresses one kind per model; shard every unit on the same mesh")
+    world = dist.get_world_size()
+    seen = set()
+    for _, name, _, group in groups:
+        info = group.mesh_info
+        ranks = tuple(dist.get_process_group_ranks(info.shard_process_group))
+        span = len(ranks) * (dist.get_world_size(info.replicate_process_group) if is_hsdp(group) else 1)
+        if span != world:
+            raise ValueError(f"FSDP unit {name!r} is sharded over {span} of the {world} ranks: mergecomp.fsdp "
+                             "needs a mesh that spans every rank (its agreement and non-finite vote run over "
+                             "all of them)")
+        seen.add(ranks)
+    if len(seen) > 1:
+        raise ValueError(f"FSDP units shard over different rank groups {sorted(seen)}: use one mesh for every unit")
+    return kinds.pop()
+
+
+def _check_ranks_agree(model: torch.nn.Module, units, compressor: Compressor, memory: Memory, hsdp: bool) -> None:
+    """Raise :class:`~mergecomp.runtime.agreement.RanksDisagree` on every rank, naming what
+    differs, unless every rank registered the same compressor, memory and units."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("mergecomp.fsdp.register needs torch.distributed initialised (fully_shard "
+                           "does too): call mergecomp.launch.init_distributed() first")
+    facts = {"config": f"{compressor!r} {memory!r} hsdp={hsdp}",
+             "layout": [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    agreement = StepAgreement(TorchDistributedBackend(), device)
+    agreement.check(agreement.preflight(facts), facts, "at mergecomp.fsdp.register")

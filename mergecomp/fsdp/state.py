@@ -1,0 +1,153 @@
+"""What :func:`mergecomp.fsdp.register` installed, its byte counts, and its checkpoints."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from ..checkpoint import CheckpointError, GroupSpec, SOURCE, check_finite, check_shapes, describe_source, seal, verify
+from ..compressors.base import Compressor
+from ..memories.base import Memory
+from .backward import BackwardStep
+
+_ADVICE = ("Nothing was loaded. Load an earlier checkpoint, or go on without this one: error feedback "
+           "then restarts from zero")
+
+
+class FSDPCompression:
+    """The compressed exchange of every FSDP unit of a model.
+
+    ``units``: each unit's name → what exchanges it (a
+    :class:`~mergecomp.fsdp.units.CompressedReduceScatter`, or a
+    :class:`~mergecomp.fsdp.replica.ReplicaAllReduce` under HSDP); ``groups``: the state key
+    of every buffer the compressor and memory keep state for → its size and dtype;
+    ``hsdp``: whether the replicas' all-reduce is what is compressed.
+    """
+
+    def __init__(self, units: Dict[str, Any], compressor: Compressor, memory: Memory, rank: int,
+                 world_size: int, backward: BackwardStep, groups: Dict[str, GroupSpec], hsdp: bool):
+        self.units = units
+        self.compressor = compressor
+        self.memory = memory
+        self.rank, self.world_size = rank, world_size
+        self.backward = backward
+        self.hsdp = hsdp
+        self._groups = groups
+
+    @property
+    def lifecycle(self):
+        """The shared :class:`~mergecomp.runtime.step.StepLifecycle` (its listeners, its counts)."""
+        return self.backward.lifecycle
+
+    # -- listeners and the step log (as the DDP hook's state) ----------------------------------
+    def add_phase_listener(self, callback):
+        """``callback(phase, group, seconds)`` at each unit's ``"launch"`` and ``"finish"``."""
+        return self.lifecycle.phase_listeners.add(callback)
+
+    def add_step_listener(self, callback):
+        """``callback(step, outcome)`` when a backward is settled on every rank."""
+        return self.lifecycle.step_listeners.add(callback)
+
+    def add_step_log(self, log):
+        """Record every backward's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
+        handle whose ``remove()`` detaches it."""
+        return log.attach(self)
+
+    def communicators(self):
+        return self.lifecycle.communicators()
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.lifecycle.skipped_steps
+
+    @property
+    def backend(self) -> "_Counted":
+        """This rank's collectives as the step log counts them: the exchange's and the
+        agreement's together."""
+        return _Counted(self.lifecycle.backend, self.lifecycle.communicator.backend)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank has sent for every unit so far."""
+        return sum(unit.wire_bytes for unit in self.units.values())
+
+    @property
+    def uncompressed_bytes(self) -> int:
+        """Bytes FSDP's own collective would have sent for the same gradients (the
+        reduce-scatter, or under HSDP the replicas' all-reduce), in the reduce dtype."""
+        return sum(unit.uncompressed_bytes for unit in self.units.values())
+
+    @property
+    def dropped(self) -> int:
+        """Backwards dropped because a gradient was non-finite on some rank."""
+        return self.backward.dropped
+
+    @property
+    def steps(self) -> int:
+        """Backwards settled (committed or dropped)."""
+        return self.backward.steps
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _configuration(self) -> str:
+        return f"{self.compressor!r} {self.memory!r} hsdp={self.hsdp}"
+
+    def groups(self) -> Dict[str, GroupSpec]:
+        """Each state key → its size and dtype: what saved state must fit."""
+        return dict(self._groups)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals, compressor state and step count, sealed with a checksum.
+        Save one file per rank (``mergecomp.save(state.state_dict(), f"fsdp.rank{rank}.pt")``)
+        beside FSDP's own checkpoint of the model and optimizer."""
+        return seal({"configuration": self._configuration(), "rank": self.rank, "world_size": self.world_size,
+                     "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict(),
+                     "backward": self.backward.state_dict()})
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` after every check passed (checksum, configuration, rank,
+        world size, finite values, each residual's shape and dtype); otherwise
+        :class:`~mergecomp.checkpoint.CheckpointError` and nothing changes."""
+        try:
+            self._check(state)
+        except CheckpointError as error:  # the same refusal, with this entry point's advice
+            raise error.advise(_ADVICE) from None
+        self.memory.load_state_dict(state.get("memory", {}))
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        self.backward.load_state_dict(state.get("backward", {}))
+
+    def _check(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise CheckpointError(f"FSDP compression state must be the dict state_dict() returned, got "
+                                  f"{type(state).__name__}")
+        source: Optional[str] = state.get(SOURCE)
+        where = describe_source(source)
+        verify(state, "FSDP compression state", source, self.groups())
+        for key, here in (("configuration", self._configuration()), ("rank", self.rank),
+                          ("world_size", self.world_size)):
+            if state.get(key) != here:
+                raise CheckpointError(f"{where}: it was saved with {key} {state.get(key)!r}, this run has "
+                                      f"{here!r}: residuals belong to one rank of one configuration; "
+                                      f"load each rank's own file of the same run")
+        groups = self.groups()
+        check_finite(state, "FSDP compression state", source, groups)
+        check_shapes(self.memory, state.get("memory", {}), groups, f"the {self.memory!r} state", source)
+        check_shapes(self.compressor, state.get("compressor", {}), groups, f"the {self.compressor!r} state", source)
+
+    def __repr__(self) -> str:
+        return (f"FSDPCompression({self.compressor!r}, {self.memory!r}, units={list(self.units)}"
+                f"{', hsdp' if self.hsdp else ''})")
+
+
+class _Counted:
+    """Two backends' counters summed (the step lifecycle's, for the agreement, and the
+    exchange's process group), with the first one's rank."""
+
+    def __init__(self, *backends):
+        self._backends = {id(b): b for b in backends}.values()
+        self.rank = backends[0].rank
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(b.bytes_sent for b in self._backends)
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(b.wire_bytes for b in self._backends)
