@@ -13,5 +13,6 @@ available = registry.available
 get = registry.get
 
 from . import allreduce, allgather, ps  # noqa: E402,F401
+from . import hierarchical  # noqa: E402,F401
 
 __all__ = ["Communicator", "Handle", "register", "create", "available", "get", "registry"]

@@ -1,0 +1,258 @@
+"""Hierarchical: dense inside a node, compressed between nodes.
+
+Inside a node GPUs share a fast link (NVLink, PCIe); between nodes the network is slower by
+an order of magnitude or more.  Compressing on the fast link buys little and costs encode
+time and accuracy, while a flat exchange makes every rank's payload cross the slow link.
+DGC's authors name the fix (Lin et al., ICLR 2018, "allreduce dense gradients intra-machine
+and allgather sparse gradients inter-machines"); ZeRO++ (Wang et al., 2023), CGX (Markov
+et al., 2022), Bagua's ByteGrad and SDP4Bit split the traffic the same way.  For a group of
+n elements on M nodes of L ranks:
+
+1. **intra-node allreduce** of the dense buffer (fast link; 2(L−1)/L · 4n bytes per rank):
+   every rank of the node holds the node's sum;
+2. **compressed exchange between nodes** among the peers of the same local rank (one per
+   node): local rank l takes shard l (⌈n/L⌉ elements, the last one shorter) and runs the
+   *inner* communicator on it (allgather, allreduce or ps, any compressor), with error
+   feedback on that shard (state under ``"<group>/shard<l>"``).  Every rank sends one
+   shard, so a node's uplink carries one compressed copy of the group, the L shards side
+   by side, where a flat exchange sends L whole payloads per node (an allgather forwards
+   N−1 of them);
+3. **intra-node allgather** of the shards (fast link; (L−1) · 4⌈n/L⌉ bytes per rank), then
+   the average over all M·L ranks.
+
+``start`` blocks for step 1 and the encoding (inside the backward hook) and launches step 2
+asynchronously; ``finish`` waits for it, decodes and runs step 3.  The node layout comes
+from the launcher (:func:`mergecomp.runtime.topology.node_layout`: ``LOCAL_WORLD_SIZE`` under
+torchrun) or ``local_size``; every rank's layout is checked before the process groups are
+made.  The groups (one per node, one per local rank) are made once per layout with
+``torch.distributed.new_group`` on every rank in the same order, and reused by every
+hierarchical communicator of the job.  With one node (M = 1) step 2 exchanges with no one;
+with one rank per node (L = 1) steps 1 and 3 move nothing and the exchange is the inner
+communicator's.
+
+Raw groups of a plan (``fp32``/``fp16`` sends) travel by the flat allreduce, as with every
+communicator.  Per-shard state cannot follow a plan change (as the PS's), so an adaptive
+scheduler keeps its plan (:class:`~mergecomp.runtime.regroup.CannotRegroup`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from . import register
+from ..backends.base import Backend
+from ..compressors.base import GroupLayout, clip_layout
+from ..planning.sendcost import SendCost, collective_cost
+from ..planning.profile import LinearCost, WireSize
+from ..runtime import topology
+from .base import Communicator, Handle
+
+#: (id of the default process group, world size, ranks per node) → (the default group, the
+#: intra-node group of each node, the inter-node group of each local rank).
+_GROUPS: Dict[Tuple[int, int, int], tuple] = {}
+
+
+def node_groups(layout: topology.NodeLayout):
+    """This rank's (intra-node group, inter-node group), made once per layout.
+
+    A collective over the default group: every rank calls ``new_group`` for every node and
+    every local rank, in the same order."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    default = c10d._get_default_group()
+    key = (id(default), layout.world_size, layout.local_size)
+    if key not in _GROUPS:
+        intra = [dist.new_group(layout.node_ranks(node)) for node in range(layout.num_nodes)]
+        inter = [dist.new_group(layout.peer_ranks(local)) for local in range(layout.local_size)]
+        _GROUPS[key] = (default, intra, inter)
+    _, intra, inter = _GROUPS[key]
+    return intra[layout.node], inter[layout.local_rank]
+
+
+class _LinkBackend:
+    """A torch.distributed backend over one sub-group whose bytes also count in the job's
+    backend, so the bytes per step stay what this rank handed to collectives."""
+
+    @staticmethod
+    def make(group, parent: Backend) -> Backend:
+        from ..backends.torch_dist import TorchDistributedBackend
+
+        class Counted(TorchDistributedBackend):
+            def _count_allreduce(self, tensors):
+                self._forward(super()._count_allreduce, tensors)
+
+            def _count_allgather(self, tensors):
+                self._forward(super()._count_allgather, tensors)
+
+            def _forward(self, count, tensors):
+                before = (self.bytes_sent, self.wire_bytes)
+                count(tensors)
+                parent.collectives += 1
+                parent.bytes_sent += self.bytes_sent - before[0]
+                parent.wire_bytes += self.wire_bytes - before[1]
+
+        return Counted(group)
+
+
+@register("hierarchical")
+class HierarchicalCommunicator(Communicator):
+    """Intra-node allreduce, ``inner`` compressed exchange of a 1/L shard between nodes,
+    intra-node allgather.
+
+    Args:
+        compressor, memory, backend: as for every communicator (``backend`` over the whole
+            job's torch.distributed group).
+        inner: the communicator between nodes (a registered name); None takes the
+            compressor's recommendation (allreduce for summable ones, allgather otherwise).
+        local_size: ranks per node; None reads the launcher's (see
+            :func:`mergecomp.runtime.topology.node_layout`).
+    """
+
+    def __init__(self, compressor, memory, backend, inner: Optional[str] = None,
+                 local_size: Optional[int] = None):
+        super().__init__(compressor, memory, backend)
+        from . import registry
+        inner = compressor.recommended_communicator if inner is None else inner
+        if not isinstance(inner, str) or inner == "hierarchical" or inner not in registry.available():
+            raise ValueError(f"inner must name the communicator between nodes, one of "
+                             f"{[n for n in registry.available() if n != 'hierarchical']}, got {inner!r}")
+        group = getattr(backend, "group", "none")
+        if not hasattr(backend, "group") or group is not None:
+            raise ValueError(
+                f"the hierarchical communicator needs a torch.distributed backend over the whole job "
+                f"(its default group) to make its node groups; got {type(backend).__name__}"
+                + ("" if not hasattr(backend, "group") else f" over the group {group!r}")
+                + ". Use communicator='allgather' or 'allreduce' with this backend")
+        # Checked on every rank before any group is made: a mismatch raises, it never hangs.
+        self.layout = topology.agreed_layout(backend, local_size)
+        intra_group, inter_group = node_groups(self.layout)
+        self.intra = _LinkBackend.make(intra_group, backend)
+        self.inter = _LinkBackend.make(inter_group, backend)
+        self.inner_name = inner
+        self.inner = registry.create(inner, compressor=compressor, memory=memory, backend=self.inter)
+        compressor.set_process_rank(backend.rank)  # the inner set its node's index; streams differ per rank
+        self.local_size = self.layout.local_size
+
+    # -- the pipeline --------------------------------------------------------------------------
+    def _shard(self, numel: int) -> Tuple[int, int, int]:
+        """(this rank's first element, its end, the padded shard length ⌈n/L⌉)."""
+        length = -(-numel // self.local_size)
+        first = min(self.layout.local_rank * length, numel)
+        return first, min(first + length, numel), length
+
+    def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None,
+              in_place: bool = False) -> Handle:
+        """Node sum (blocking, fast link), then the inner exchange of this rank's shard (async)."""
+        flat = tensor.reshape(-1)
+        node_sum = flat if in_place and tensor.is_contiguous() else flat.clone()
+        if self.local_size > 1:
+            self.intra.allreduce_async((node_sum,)).wait()
+        first, end, length = self._shard(flat.numel())
+        extra = {"first": first, "end": end, "length": length, "dtype": flat.dtype}
+        if end == first:  # fewer elements than ranks per node: every node's peers skip alike
+            return Handle(name, tensor.shape, work=_Done(), extra=dict(extra, inner=None))
+        shard_layout = None if layout is None else clip_layout(layout, first, end)
+        inner = self.inner.start(node_sum[first:end], f"{name}/shard{self.layout.local_rank}",
+                                 shard_layout, in_place=True)
+        return Handle(name, tensor.shape, inner.work, extra=dict(extra, inner=inner))
+
+    def finish(self, handle: Handle) -> torch.Tensor:
+        """Wait for the shard's exchange, then gather the node's shards (fast link)."""
+        extra = handle.extra
+        first, end, length = extra["first"], extra["end"], extra["length"]
+        inner = extra.get("inner")
+        shard = self.inner.finish(inner).reshape(-1) if inner is not None else None
+        device = shard.device if shard is not None else self.backend_device()
+        padded = torch.zeros(length, dtype=extra["dtype"], device=device)
+        if shard is not None:
+            padded[:end - first].copy_(shard)
+        if self.local_size > 1:
+            parts = self.intra.allgather_async((padded,), same_shapes=True).wait()
+            total = torch.cat([part[0] for part in parts])
+        else:
+            total = padded
+        numel = handle.shape.numel()
+        total = total[:numel]
+        if self.compressor.average:
+            total = total.div_(self.local_size)  # the inner averaged over the nodes
+        return total.view(handle.shape)
+
+    def backend_device(self) -> torch.device:
+        return torch.device(getattr(self.backend, "device", None) or "cpu")
+
+    # -- state: the inner holds (and shares) the compressor and the memory ----------------------
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def rollback(self) -> None:
+        self.inner.rollback()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return (f"HierarchicalCommunicator({self.compressor!r}, {self.memory!r}, inner={self.inner_name!r}, "
+                f"local_size={self.local_size})")
+
+    # -- cost model (mergecomp.planning.costmodel.communicator_formula) ---------------------------
+    #: The collectives the formula prices with: the flat allreduce (raw groups) and the
+    #: intra- and inter-node ones, measured through this communicator's groups
+    #: (:func:`measure_link_costs`).
+    cost_collectives = ("allreduce", "intra_allreduce", "intra_allgather", "inter_allreduce",
+                        "inter_allgather")
+    #: start() waits for the intra-node allreduce: not local work only.
+    phases_are_local = False
+
+    @classmethod
+    def send_cost(cls, codec, profile):
+        """A compressed group of n elements (4-byte gradients): the intra-node allreduce of
+        4n bytes and the allgather of 4⌈n/L⌉ (on the channel, as relay), and the inner
+        communicator's own price for a shard of n/L elements between M nodes, priced with
+        the inter-node collectives (``profile.hierarchy``: ``local_size`` and ``inner``)."""
+        from ..planning.costmodel import communicator_formula
+        hierarchy = profile.hierarchy or {}
+        local, inner = int(hierarchy.get("local_size", 1)), hierarchy.get("inner", "allgather")
+        if profile.world_size % local:
+            raise ValueError(f"profile hierarchy local_size {local} does not divide world size {profile.world_size}")
+        intra_reduce = collective_cost(profile, "intra_allreduce", "the hierarchical communicator's node sum")
+        intra_gather = collective_cost(profile, "intra_allgather", "the hierarchical communicator's shard gather")
+        between = {kind: profile.collectives[f"inter_{kind}"] for kind in ("allreduce", "allgather")
+                   if f"inter_{kind}" in profile.collectives}
+        nodes = replace(profile, world_size=profile.world_size // local, collectives=between, hierarchy={})
+        shard = communicator_formula(inner).send_cost(codec, nodes)
+        per = 1.0 / local
+        intra = LinearCost(intra_reduce.intercept + intra_gather.intercept,
+                           4 * intra_reduce.slope + 4 * per * intra_gather.slope)
+        per_element = 4.0 if shard.wire.per_element is None else shard.wire.per_element
+        return SendCost(shard.encode.scaled(1, per), WireSize(per_element * per, shard.wire.header),
+                        shard.collective, decode=shard.decode.scaled(1, per),
+                        relay=shard.relay.scaled(1, per) + intra, aggregate_passes=shard.aggregate_passes)
+
+
+class _Done:
+    """The Work of a shard with nothing to exchange."""
+
+    def wait(self):
+        return None
+
+    def future(self):
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+
+def measure_link_costs(communicator: HierarchicalCommunicator, sizes=(2 ** 12, 2 ** 18, 2 ** 22)) -> Dict[str, LinearCost]:
+    """The intra- and inter-node collective costs ``send_cost`` prices with, timed through
+    ``communicator``'s own groups (a collective: every rank, same sizes), keyed as in
+    ``Profile.collectives`` (``intra_allreduce`` …)."""
+    from ..planning.measure import measure_collective_cost
+    costs = {}
+    for link, backend in (("intra", communicator.intra), ("inter", communicator.inter)):
+        for kind in ("allreduce", "allgather"):
+            costs[f"{link}_{kind}"] = measure_collective_cost(backend, kind, sizes)
+    return costs
