@@ -179,3 +179,35 @@ def training_worker(rank, world_size):
 def test_training_with_communicator_hierarchical():
     params = run_ranks(training_worker, 4)
     assert all(torch.equal(params[0], p) for p in params[1:])
+
+
+# --------------------------------------------------------------------------- the cost model
+def two_node_profile(communicator):
+    """4 ranks in 2 nodes of 2; the flat allgather and the links between nodes at 2 ms/byte,
+    inside a node 100 times faster."""
+    from mergecomp.planning.profile import LinearCost
+    from tests.test_costmodel import hand_profile
+    import dataclasses
+    base = hand_profile(communicator=communicator, world=4)
+    slow, fast = LinearCost(0.3, 0.002), LinearCost(0.003, 0.00002)
+    return dataclasses.replace(base, collectives=dict(
+        base.collectives, allgather=slow, inter_allgather=slow, inter_allreduce=slow,
+        intra_allreduce=fast, intra_allgather=fast), hierarchy={"local_size": 2, "inner": "allgather"})
+
+
+def test_the_cost_model_prices_hierarchical_and_flat():
+    from mergecomp.plan import Group, Plan
+    from mergecomp.planning.costmodel import predict, priced_collectives, send_costs
+    from mergecomp.planning.profile import Profile
+    plan = Plan([Group(("a", "b", "c"), "compress")])
+    flat, hierarchical = two_node_profile("allgather"), two_node_profile("hierarchical")
+    cost = send_costs(hierarchical)["compress"]
+    # 400 elements: a shard of 200 per rank, 1 byte each on the wire, among 2 nodes
+    assert cost.wire(400, 4) == pytest.approx(200)
+    assert cost.collective(cost.wire(400, 4)) == pytest.approx(0.3 + 0.002 * 200)
+    # the node's links: allreduce of 4·400 bytes, allgather of 4·200, on the channel
+    assert cost.relay(400) == pytest.approx(0.006 + 0.00002 * (1600 + 800))
+    assert cost.encode(400) == pytest.approx(0.1 + 0.001 * 200)
+    assert predict(plan, hierarchical).iteration_time < predict(plan, flat).iteration_time
+    assert "intra_allreduce" in priced_collectives("hierarchical")
+    assert Profile.from_json(hierarchical.to_json()).hierarchy == {"local_size": 2, "inner": "allgather"}

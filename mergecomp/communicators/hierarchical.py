@@ -36,6 +36,7 @@ scheduler keeps its plan (:class:`~mergecomp.runtime.regroup.CannotRegroup`).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any, Dict, Optional, Tuple
 
@@ -85,6 +86,11 @@ class _LinkBackend:
 
             def _count_allgather(self, tensors):
                 self._forward(super()._count_allgather, tensors)
+
+            @contextlib.contextmanager
+            def uncounted(self):  # probes of this link count in neither backend
+                with parent.uncounted(), TorchDistributedBackend.uncounted(self):
+                    yield
 
             def _forward(self, count, tensors):
                 before = (self.bytes_sent, self.wire_bytes)
@@ -200,9 +206,25 @@ class HierarchicalCommunicator(Communicator):
                 f"local_size={self.local_size})")
 
     # -- cost model (mergecomp.planning.costmodel.communicator_formula) ---------------------------
+    @property
+    def hierarchy(self) -> Dict[str, Any]:
+        """What a profile records of the layout (``Profile.hierarchy``)."""
+        return {"local_size": self.local_size, "inner": self.inner_name}
+
+    def link_costs(self, sizes=(2 ** 12, 2 ** 18, 2 ** 22)) -> Dict[str, LinearCost]:
+        """The intra- and inter-node collective costs :meth:`send_cost` prices with, timed
+        through this communicator's own groups (a collective: every rank, same sizes), keyed
+        as in ``Profile.collectives`` (``intra_allreduce``, ``inter_allgather`` …)."""
+        from ..planning.measure import measure_collective_cost
+        costs = {}
+        for link, backend in (("intra", self.intra), ("inter", self.inter)):
+            for kind in ("allreduce", "allgather"):
+                costs[f"{link}_{kind}"] = measure_collective_cost(backend, kind, sizes)
+        return costs
+
     #: The collectives the formula prices with: the flat allreduce (raw groups) and the
     #: intra- and inter-node ones, measured through this communicator's groups
-    #: (:func:`measure_link_costs`).
+    #: (:meth:`link_costs`).
     cost_collectives = ("allreduce", "intra_allreduce", "intra_allgather", "inter_allreduce",
                         "inter_allgather")
     #: start() waits for the intra-node allreduce: not local work only.
@@ -214,7 +236,7 @@ class HierarchicalCommunicator(Communicator):
         4n bytes and the allgather of 4⌈n/L⌉ (on the channel, as relay), and the inner
         communicator's own price for a shard of n/L elements between M nodes, priced with
         the inter-node collectives (``profile.hierarchy``: ``local_size`` and ``inner``)."""
-        from ..planning.costmodel import communicator_formula
+        from . import registry
         hierarchy = profile.hierarchy or {}
         local, inner = int(hierarchy.get("local_size", 1)), hierarchy.get("inner", "allgather")
         if profile.world_size % local:
@@ -224,7 +246,11 @@ class HierarchicalCommunicator(Communicator):
         between = {kind: profile.collectives[f"inter_{kind}"] for kind in ("allreduce", "allgather")
                    if f"inter_{kind}" in profile.collectives}
         nodes = replace(profile, world_size=profile.world_size // local, collectives=between, hierarchy={})
-        shard = communicator_formula(inner).send_cost(codec, nodes)
+        formula = getattr(registry.get(inner), "send_cost", None)
+        if not callable(formula):
+            raise ValueError(f"the hierarchical communicator's inner {inner!r} declares no cost formula "
+                             "(send_cost), so its groups cannot be priced")
+        shard = formula(codec, nodes)
         per = 1.0 / local
         intra = LinearCost(intra_reduce.intercept + intra_gather.intercept,
                            4 * intra_reduce.slope + 4 * per * intra_gather.slope)
@@ -245,14 +271,3 @@ class _Done:
         done.set_result(None)
         return done
 
-
-def measure_link_costs(communicator: HierarchicalCommunicator, sizes=(2 ** 12, 2 ** 18, 2 ** 22)) -> Dict[str, LinearCost]:
-    """The intra- and inter-node collective costs ``send_cost`` prices with, timed through
-    ``communicator``'s own groups (a collective: every rank, same sizes), keyed as in
-    ``Profile.collectives`` (``intra_allreduce`` …)."""
-    from ..planning.measure import measure_collective_cost
-    costs = {}
-    for link, backend in (("intra", communicator.intra), ("inter", communicator.inter)):
-        for kind in ("allreduce", "allgather"):
-            costs[f"{link}_{kind}"] = measure_collective_cost(backend, kind, sizes)
-    return costs
