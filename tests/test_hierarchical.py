@@ -173,12 +173,26 @@ def training_worker(rank, world_size):
         results[communicator] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert "inner='allreduce'" in repr(optimizer.communicator)
     torch.testing.assert_close(results["hierarchical"], results["allgather"], rtol=2e-3, atol=2e-3)
-    return results["hierarchical"]
+    # DDP's hook over the same exchange, the layout given as an option
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    state = mergecomp.ddp.register(ddp, compressor="fp16", communicator="hierarchical",
+                                   communicator_options={"local_size": 2, "inner": "allgather"})
+    for _ in range(2):
+        optimizer.zero_grad()
+        ddp(torch.randn(4, 6, generator=data)).pow(2).mean().backward()
+        optimizer.step()
+    assert state.communicator.layout.num_nodes == 2
+    return results["hierarchical"], torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def test_training_with_communicator_hierarchical():
-    params = run_ranks(training_worker, 4)
-    assert all(torch.equal(params[0], p) for p in params[1:])
+    results = run_ranks(training_worker, 4)
+    for params in zip(*results):
+        assert all(torch.equal(params[0], p) for p in params[1:])
 
 
 # --------------------------------------------------------------------------- the cost model

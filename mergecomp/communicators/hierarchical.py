@@ -72,6 +72,17 @@ def node_groups(layout: topology.NodeLayout):
     return intra[layout.node], inter[layout.local_rank]
 
 
+def _whole_job(backend: Backend) -> bool:
+    """Whether ``backend`` is torch.distributed's over every rank of the job in rank order
+    (the default group, or DDP's handle to it): node groups are made from global ranks."""
+    if not hasattr(backend, "group"):
+        return False
+    if backend.group is None:
+        return True
+    import torch.distributed as dist
+    return dist.get_process_group_ranks(backend.group) == list(range(dist.get_world_size()))
+
+
 class _LinkBackend:
     """A torch.distributed backend over one sub-group whose bytes also count in the job's
     backend, so the bytes per step stay what this rank handed to collectives."""
@@ -124,8 +135,8 @@ class HierarchicalCommunicator(Communicator):
         if not isinstance(inner, str) or inner == "hierarchical" or inner not in registry.available():
             raise ValueError(f"inner must name the communicator between nodes, one of "
                              f"{[n for n in registry.available() if n != 'hierarchical']}, got {inner!r}")
-        group = getattr(backend, "group", "none")
-        if not hasattr(backend, "group") or group is not None:
+        if not _whole_job(backend):
+            group = getattr(backend, "group", None)
             raise ValueError(
                 f"the hierarchical communicator needs a torch.distributed backend over the whole job "
                 f"(its default group) to make its node groups; got {type(backend).__name__}"
