@@ -137,6 +137,14 @@ class HierarchicalCommunicator(Communicator):
         if not isinstance(inner, str) or inner == "hierarchical" or inner not in registry.available():
             raise ValueError(f"inner must name the communicator between nodes, one of "
                              f"{[n for n in registry.available() if n != 'hierarchical']}, got {inner!r}")
+        self.inner_name = inner
+        if getattr(backend, "name", None) == "no-process-group":
+            # Built before any rank exists, for its checks (compress_benchmark.py): the inner's
+            # refusals and a readable layout; the groups need ranks, so it cannot send.
+            registry.create(inner, compressor=compressor, memory=memory, backend=backend)
+            self.layout = topology.node_layout(backend.rank, backend.size, local_size)
+            self.local_size, self.inner = self.layout.local_size, None
+            return
         if not _whole_job(backend):
             group = getattr(backend, "group", None)
             raise ValueError(
@@ -149,7 +157,6 @@ class HierarchicalCommunicator(Communicator):
         intra_group, inter_group = node_groups(self.layout)
         self.intra = _LinkBackend.make(intra_group, backend)
         self.inter = _LinkBackend.make(inter_group, backend)
-        self.inner_name = inner
         self.inner = registry.create(inner, compressor=compressor, memory=memory, backend=self.inter)
         compressor.set_process_rank(backend.rank)  # the inner set its node's index; streams differ per rank
         self.local_size = self.layout.local_size
@@ -166,6 +173,9 @@ class HierarchicalCommunicator(Communicator):
     def start(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None,
               in_place: bool = False) -> Handle:
         """Node sum (blocking, fast link), then the inner exchange of this rank's shard (async)."""
+        if self.inner is None:
+            raise RuntimeError("this hierarchical communicator was built without a process group "
+                               "(for its checks): build it on the job's backend to send")
         flat = tensor.reshape(-1)
         node_sum = flat if in_place and tensor.is_contiguous() else flat.clone()
         if self.local_size > 1:
