@@ -116,6 +116,12 @@ def feedback_worker(rank, world_size):
     mine = node_sum[first:end]
     sent = residual != mine  # top-k sent exactly those coordinates: their residual is zero
     assert int(sent.sum()) == 5 and torch.all(residual[sent] == 0), residual
+    # the links' costs, probed through the node groups, count in no backend
+    counted = (backend.bytes_sent, hierarchical.inter.bytes_sent, hierarchical.intra.bytes_sent)
+    costs = hierarchical.link_costs(sizes=(2 ** 10, 2 ** 12))
+    assert sorted(costs) == ["inter_allgather", "inter_allreduce", "intra_allgather", "intra_allreduce"]
+    assert (backend.bytes_sent, hierarchical.inter.bytes_sent, hierarchical.intra.bytes_sent) == counted
+    assert hierarchical.hierarchy == {"local_size": 2, "inner": "allgather", "gather": "allreduce"}
     # the residual is per shard: a plan switch cannot move it and says so
     with pytest.raises(regroup.CannotRegroup):
         regroup.regroup_state(hierarchical.state_dict(), {"g": [("w", 0, numel)]}, {"g": [("w", 0, numel)]})
