@@ -4,11 +4,11 @@
 Is ``auto`` within 5% of the best fixed fusion-num?  Separate runs cannot say: on a shared
 machine the same configuration drifts by ±15% between runs, and the best of seven noisy
 cells is biased upwards.  Here one training run does it all: the scheduler (``--scheduler
-auto`` by default, configured by the flags of ``harness.py``) searches and
+auto`` by default, configured by the flags of ``compress_benchmark.py``) searches and
 settles as usual, its search steps are reported; then the run is detached from it and
 rounds of windows of ``--window`` steps switch between its plan, the plans of
 ``--fusion-nums`` (MergeComp's fixed groups, compressing every group) and any saved plans
-(``--plans binary.json``, e.g. written by ``harness.py --scheduler binary
+(``--plans binary.json``, e.g. written by ``compress_benchmark.py --scheduler binary
 --plan-out binary.json``), the order rotated each round.  Switching goes through
 ``set_plan``, so error-feedback state follows the parameters and the model keeps training.
 Every window starts with one untimed step; a window's time is its slowest rank's.
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     taken = {args.scheduler, REPEAT}
     for path in args.plans:
         if not os.path.isfile(path):
-            p.error(f"--plans: no such file {path!r}; save one with harness.py --plan-out")
+            p.error(f"--plans: no such file {path!r}; save one with compress_benchmark.py --plan-out")
         label = plan_label(path)
         if label in taken or label.startswith("fusion-num "):
             p.error(f"--plans: {path!r} would be labelled {label!r}, which another plan of this run already "

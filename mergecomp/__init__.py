@@ -22,9 +22,11 @@ from .runtime import launch
 from .runtime.agreement import NonFiniteGradient, RanksDisagree
 from .runtime.watchdog import CollectiveError, CollectiveTimeout, PeerLost
 from .steplog import StepLog
+from .lowcomm import DiLoCo  # noqa: E402  (low-communication: docs/low-communication.md)
 
 __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "StepLog", "Plan", "Group", "ParamInfo", "compressors", "memories",
            "communicators", "schedulers", "backends", "ddp", "fsdp", "checkpoint", "save", "load", "launch", "NonFiniteGradient", "RanksDisagree", "CollectiveError",
            "CollectiveTimeout", "PeerLost", "__version__"]
+__all__ += ["DiLoCo", "lowcomm"]

@@ -288,6 +288,30 @@ def batched_powersgd(compressor, x, layout, generator):
     return _power_step(m.view(rows, cols), q).reshape(-1)[:n].to(x.dtype).view(x.shape)
 
 
+def demo(compressor, x, layout, generator):
+    """Peng et al. 2024: per view, rows of ``chunk`` elements (zero-padded), each row's DCT-II
+    written out as Σᵢ xᵢ·cos(π(2i + 1)j / 2s) with its orthonormal scale; the ``topk``
+    coefficients of largest magnitude kept; the inverse DCT (DCT-III) of what was kept."""
+    s, k = compressor.chunk, compressor.topk
+    i = torch.arange(s, dtype=torch.float64)
+    scale = torch.full((s,), math.sqrt(2.0 / s), dtype=torch.float64)
+    scale[0] = math.sqrt(1.0 / s)
+    cosines = torch.cos(math.pi * torch.outer(2 * i + 1, i) / (2 * s))  # [element i, frequency j]
+    flat, out = x.reshape(-1).double(), torch.zeros(x.numel(), dtype=torch.float64)
+    for offset, numel, _ in _views(x, layout):
+        for start in range(0, numel, s):
+            piece = flat[offset + start:offset + min(start + s, numel)]
+            row = torch.zeros(s, dtype=torch.float64)
+            row[:piece.numel()] = piece
+            coefficients = scale * (row @ cosines)
+            kept = torch.zeros(s, dtype=torch.float64)
+            chosen = coefficients.abs().argsort(descending=True)[:k]
+            kept[chosen] = coefficients[chosen]
+            back = cosines @ (scale * kept)
+            out[offset + start:offset + start + piece.numel()] = back[:piece.numel()]
+    return out.to(x.dtype).view(x.shape)
+
+
 #: The reference of every registered compressor, by registry name.
 REFERENCES = {
     "none": identity, "fp32": identity,
@@ -295,7 +319,7 @@ REFERENCES = {
     "topk": topk, "randk": randk, "dgc": dgc, "graddrop": graddrop,
     "signsgd": signsgd, "signum": signum, "efsignsgd": efsignsgd, "onebit": onebit, "tbq": tbq,
     "qsgd": qsgd, "terngrad": terngrad, "atomo": atomo,
-    "powersgd": powersgd, "batched_powersgd": batched_powersgd,
+    "powersgd": powersgd, "batched_powersgd": batched_powersgd, "demo": demo,
 }
 
 #: Compressors whose decode is a random draw: compared in distribution.

@@ -1,4 +1,5 @@
-"""Communicators: the registry and the built-ins (``allreduce``, ``allgather``, ``ps``).
+"""Communicators: the registry and the built-ins (``allreduce``, ``allgather``, ``ps``,
+``sparse_allreduce``).
 
 ``create(name, compressor=..., memory=..., backend=...)`` builds one; a communicator
 refuses, at construction, a compressor it cannot carry.
@@ -13,6 +14,7 @@ available = registry.available
 get = registry.get
 
 from . import allreduce, allgather, ps  # noqa: E402,F401
+from . import sparse_allreduce  # noqa: E402,F401
 from . import hierarchical  # noqa: E402,F401
 
 __all__ = ["Communicator", "Handle", "register", "create", "available", "get", "registry"]

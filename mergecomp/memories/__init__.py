@@ -8,6 +8,6 @@ create = registry.create
 available = registry.available
 get = registry.get
 
-from . import none, residual, dgc  # noqa: E402,F401
+from . import none, residual, dgc, demo  # noqa: E402,F401
 
 __all__ = ["Memory", "register", "create", "available", "get", "registry"]

@@ -118,6 +118,9 @@ class StepLifecycle:
     the agreement, the policy or commit/rollback.
     """
 
+    #: What a dropped step left, in the policy's message (an entry point may say it its way).
+    dropped_means = "p.grad is NaN, compressor and error-feedback state are as before the step"
+
     def __init__(self, communicator: Communicator, backend: Backend,
                  facts: Callable[[], Mapping[str, Any]], nonfinite: str = "skip"):
         self.nonfinite = check_nonfinite_policy(nonfinite)
@@ -240,7 +243,7 @@ class StepLifecycle:
         if outcome.finite:
             return
         message = (f"step {step}: {outcome.describe()}; the step was dropped on every rank "
-                   f"(p.grad is NaN, compressor and error-feedback state are as before the step)")
+                   f"({self.dropped_means})")
         if self.nonfinite == "raise":
             raise NonFiniteGradient(message + "; call zero_grad() before the next backward to go on")
         warnings.warn(f"mergecomp: {message}; {self.skipped_steps} step(s) dropped so far "

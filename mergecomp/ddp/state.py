@@ -1,77 +1,29 @@
-"""mergecomp as a DDP communication hook: keep ``DistributedDataParallel`` (or Lightning, or
-Accelerate), compress its buckets with any mergecomp compressor, memory and communicator.
+"""The hook's state: one DDP bucket per mergecomp group, driven through the step lifecycle.
 
-    model = DistributedDataParallel(model, bucket_cap_mb_list=mergecomp.ddp.bucket_caps(model))
-    state = mergecomp.ddp.register(model, compressor="dgc", memory="dgc", communicator="allgather")
-
-or, where a framework registers the hook itself (Lightning's ``DDPStrategy(ddp_comm_state=...,
-ddp_comm_hook=...)``)::
-
-    state = mergecomp.ddp.HookState(model, compressor="topk", memory="residual")
-    ddp_model.register_comm_hook(state, mergecomp.ddp.hook)
-
-DDP fills a bucket during backward and calls the hook with it (buckets in order, the last one
-flagged); the hook returns a ``torch.futures.Future`` of the averaged bucket, which DDP writes
-into ``p.grad`` when backward ends.  Here each bucket is one mergecomp group of the step
-lifecycle the wrapper uses too (:mod:`mergecomp.runtime.step`); this module holds only what
-DDP's buckets make different:
-
-- the bucket's per-parameter views (``GradBucket.gradients()``) are the group's layout, so
-  low-rank compressors factor each layer's own matrix;
-- error-feedback and compressor state is kept per bucket (named ``"group<i>"``, as the
-  optimizer names its groups), transactional:
-  a step is committed or rolled back as a whole;
-- every bucket's exchange starts in the hook (compression, collective in flight while
-  backward goes on); at the last bucket the lifecycle ends the step on the hook's thread
-  (finishing in bucket order, so multi-round compressors issue their later rounds in the
-  same order on every rank; the outcome; commit or rollback; a dropped step's buckets are
-  NaN on every rank, as an allreduce would make them, and ``GradScaler`` skips) and the
-  futures are completed.
-
-DDP decides the buckets, not mergecomp: their sizes come from ``bucket_cap_mb`` or, with the
-installed torch, per bucket from ``bucket_cap_mb_list`` (:func:`bucket_caps` turns a
-mergecomp schedule into that list), and their order is DDP's.  DDP rebuilds its buckets
-after the first iteration; in a step whose buckets changed, the buckets wait for the last
-one, the state follows its parameters into the new buckets, and then all are sent as
-configured, so every step is compressed (that step does not overlap the exchange with
-backward).  A restarted job's DDP starts again from definition-order buckets: a hook state
-that holds groups (loaded, unpickled) exchanges that first iteration in its own groups
-instead, so a resumed run continues bit for bit.  Two cases go exact FP32: the fresh first
-step with the ``ps`` communicator (its shard residuals cannot move) or without the model (no
-names for the state to follow), and buckets that change after an earlier bucket of the same
-step was sent (their state moves at the step's end).  The first exchange also checks, once,
-that every rank registered the hook (see ``_check_every_rank_registered``).  What DDP cannot
-carry: the adaptive schedulers (``auto``, ``binary``) re-plan between steps, and DDP's
-buckets are fixed at construction; launching groups in an order of mergecomp's own;
-parameter slices.  Use
-:class:`~mergecomp.optimizer.DistributedOptimizer` for those.
+See :mod:`mergecomp.ddp` for what the hook does and what DDP's buckets make different;
+the checks against DDP's silent failure modes are in :mod:`.guards`, and how per-bucket
+state follows re-bucketing and checkpoints in :mod:`.buckets`.
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed
 
-from . import checkpoint, communicators, arguments, compressors, schedulers
-from .runtime.agreement import StepOutcome
-from .backends import Backend
-from .communicators.base import Communicator
-from .communicators.ps import PSCommunicator
-from .compressors import recipes
-from .compressors.base import Compressor, GroupLayout, ParamView
-from .memories.base import Memory
-from .plan import ParamInfo
-from .runtime.reducer import config_digest
-from .runtime.regroup import CannotRegroup, regroup_state
-from .runtime.step import InFlight, StepLifecycle, check_nonfinite_policy
-
-__all__ = ["HookState", "hook", "register", "bucket_caps"]
-
-#: What the state remembers of a bucket's layout: (parameter name, elements) in order.
-BucketKey = Tuple[Tuple[str, int], ...]
+from .. import checkpoint, communicators, arguments, compressors
+from . import buckets, guards
+from .buckets import BucketKey
+from ..runtime.agreement import StepOutcome
+from ..backends import Backend
+from ..communicators.base import Communicator
+from ..communicators.ps import PSCommunicator
+from ..compressors import recipes
+from ..compressors.base import Compressor, GroupLayout, ParamView
+from ..memories.base import Memory
+from ..runtime.reducer import config_digest
+from ..runtime.step import InFlight, StepLifecycle, check_nonfinite_policy
 
 
 class _Bucket:
@@ -134,13 +86,13 @@ class HookState:
         self.communicator_options = dict(communicator_options or {})
         self.sends = list(sends) if sends is not None else None
         self.nonfinite = nonfinite
-        self.names = _parameter_names(model) if model is not None else None
+        self.names = guards.parameter_names(model) if model is not None else None
         #: Parameters frozen when the state was built: DDP does not reduce them (see _check_frozen).
-        self._frozen = _frozen_parameters(model)
-        self._conversion_check = _watch_conversion(model)
+        self._frozen = guards.frozen_parameters(model)
+        self._conversion_check = guards.watch_conversion(model)
         self._know(model)
         if model is not None:
-            _refuse_sparse_gradients(model)
+            guards.refuse_sparse_gradients(model)
             compressors.check_dtypes(self.compressor, sorted(
                 {p.dtype for p in model.parameters() if p.requires_grad}, key=str))
         #: Steps whose buckets were exchanged (DDP's backward passes that reduced).
@@ -171,7 +123,7 @@ class HookState:
 
     # -- the process-local half (rebuilt after unpickling) -------------------------------------
     def _connect(self, process_group) -> None:
-        from .backends.torch_dist import TorchDistributedBackend
+        from ..backends.torch_dist import TorchDistributedBackend
         self.backend: Backend = TorchDistributedBackend(process_group)  # DDP runs on torch.distributed
         self.communicator = communicators.create(self.communicator_name, compressor=self.compressor,
                                                  memory=self.memory, backend=self.backend,
@@ -283,9 +235,9 @@ class HookState:
         self._started.add(index)
 
     def _begin_step(self, buffer: torch.Tensor) -> None:
-        self._check_frozen()
+        guards.check_frozen(self._frozen)
         if not self._registration_checked:
-            self._check_every_rank_registered(buffer)
+            guards.check_every_rank_registered(self.backend, buffer)
             self._registration_checked = True
         self.lifecycle.begin(self.steps, buffer.device)
         self._step_keys = {}
@@ -293,73 +245,10 @@ class HookState:
         self._deferred = []
         self._regather = bool(self.layouts) and self._ddp_first_iteration()
 
-    def _check_every_rank_registered(self, first: torch.Tensor) -> None:
-        """Once, before the first exchange: fail clearly if some rank runs DDP without this hook.
-
-        A rank without the hook sends DDP's own allreduce of its first bucket, where this
-        rank would send the preflight: collectives of different sizes, which gloo answers by
-        aborting one process and resetting the others' connections.  So the first collective
-        of a hook rank is shaped exactly like that allreduce (the first bucket's size and
-        dtype) and pairs with it: each hook rank writes a large marker into its own element,
-        and an element without its marker names a rank that did not register (a rank's
-        gradient is far below the marker).  It runs once per state, so the steps cost the
-        same as before.
-        """
-        size, rank = self.backend.size, self.backend.rank
-        if size == 1 or first.numel() == 0:
-            return
-        marker = _registration_marker(first.dtype, size)
-        probe = torch.zeros(first.numel(), dtype=first.dtype, device=first.device)
-        slots = first.numel() >= size
-        probe[rank if slots else 0] = marker
-        (total,) = self.backend.allreduce_async([probe]).wait()
-        seen = total[:size if slots else 1].real if total.is_complex() else total[:size if slots else 1]
-        seen = seen.double().tolist()
-        if slots:
-            missing = [r for r, value in enumerate(seen) if not value > marker / 2]
-        else:
-            count = round(seen[0] / marker) if seen[0] == seen[0] else 0
-            missing = [] if count == size else None
-        if missing == []:
-            return
-        which = (f"rank(s) {missing}" if missing is not None
-                 else f"{size - count} of the {size} ranks (which ones cannot be told: the first bucket "
-                      f"has fewer elements than there are ranks)")
-        error = RuntimeError(
-            f"the mergecomp DDP communication hook is not registered on {which} (this is rank {rank} of "
-            f"{size}): those ranks run DDP's own allreduce while this one compresses, so their "
-            "collectives cannot meet. Register the hook on every rank, with the same arguments "
-            "(mergecomp.ddp.register(ddp_model, ...) or ddp_model.register_comm_hook(state, "
-            "mergecomp.ddp.hook)), before the first backward. The ranks without it received this "
-            "check's markers as their first bucket's gradient and fail at their next collective.")
-        beacon = getattr(self.backend, "beacon", None)
-        if beacon is not None:  # the progress records then say why this rank stopped
-            beacon.fail(str(error))
-        raise error
-
-    def _check_frozen(self) -> None:
-        """A parameter frozen when the state was built must not start training unseen: DDP
-        reduces only the parameters that required gradients when it was built, so each rank
-        would apply its own gradient to it and the ranks' models would drift apart."""
-        if not any(p.requires_grad for _, p in self._frozen):
-            return
-        names = [n for n, p in self._frozen if p.requires_grad]
-        raise RuntimeError(
-            f"parameter(s) {names[:5]}{'...' if len(names) > 5 else ''} were frozen (requires_grad="
-            "False) when DDP and its mergecomp hook state were built and now require gradients: DDP "
-            "does not reduce them, so every rank would apply its own gradient and the ranks' models "
-            "would drift apart. Build DistributedDataParallel and register the hook again after "
-            "changing requires_grad (a new HookState, or this one's state_dict() loaded into it), or "
-            "use mergecomp.DistributedOptimizer, which takes parameters unfrozen during training into "
-            "its exchange.")
-
     def _sparse_error(self, bucket) -> ValueError:
         names = [self._name(param, bucket.index(), position)
                  for position, param in enumerate(bucket.parameters())]
-        return ValueError(
-            f"DDP's bucket {bucket.index()} holds sparse gradients (parameter(s) {names}, e.g. "
-            "nn.Embedding(sparse=True)), which the mergecomp hook cannot compress: build those "
-            "layers with sparse=False, or keep DDP's own allreduce (no hook) for such a model")
+        return guards.sparse_bucket_error(bucket.index(), names)
 
     def _ddp_first_iteration(self) -> bool:
         """Whether DDP is in its first iteration, whose buckets (in definition order) it
@@ -469,22 +358,10 @@ class HookState:
 
         Runs between the steps' exchanges (at the end of a step, or before the first bucket
         of a held step is sent), when the state holds no step's uncommitted writes."""
-        old = {f"group{i}": _pieces(key) for i, key in self.layouts.items()}
-        new = {f"group{i}": _pieces(key) for i, key in keys.items()}
         if not self.layouts:  # nothing was kept per bucket yet
             self.layouts = dict(keys)
             return
-        state = self.communicator.state_dict()
-        try:
-            if self.names is None:
-                raise CannotRegroup("the parameters have no names: build the HookState with the model, "
-                                    "or call attach(model) after unpickling it")
-            moved = regroup_state(state, old, new)
-        except (CannotRegroup, KeyError, ValueError) as error:
-            if any(_holds_tensors(v) for v in state.values()):
-                warnings.warn(f"mergecomp: DDP changed its buckets and the compression state could not "
-                              f"follow the parameters ({error}); it starts afresh", RuntimeWarning)
-            moved = None
+        moved = buckets.regrouped(self.communicator.state_dict(), self.layouts, keys, self.names is not None)
         self.layouts = dict(keys)
         self._connect_state(moved)
 
@@ -530,11 +407,11 @@ class HookState:
         layouts: Dict[int, BucketKey] = {}
         if restore_compression:
             try:
-                layouts = _read_layouts(state.get("layouts", {}), where)
+                layouts = buckets.read_layouts(state.get("layouts", {}), where)
             except checkpoint.CheckpointError:
                 checkpoint.verify(state, "hook state", source)  # names the damage, if sealed
                 raise
-            groups = self._group_specs(layouts)
+            groups = buckets.group_specs(self._shapes, layouts)
             checkpoint.verify(state, "hook state", source, groups)
             self._check_state_belongs_here(state, where)
             checkpoint.check_state(self.communicator, state.get("communicator", {}), groups, source)
@@ -562,21 +439,6 @@ class HookState:
             raise ValueError(f"{where}: it belongs to another configuration (digest "
                              f"{state['config']}, this one {self.config}): build the same compressor, "
                              f"memory and communicator, {fix}")
-
-    def _group_specs(self, layouts: Dict[int, BucketKey]) -> Dict[str, checkpoint.GroupSpec]:
-        """What each held bucket exchanges, from the model's parameters when they are known."""
-        specs = {}
-        for index, key in layouts.items():
-            known = [self._shapes.get(name) for name, _ in key]
-            whole = all(k is not None and k[0].numel() == numel for k, (_, numel) in zip(known, key))
-            views, offset = [], 0
-            for (name, numel), k in zip(key, known):
-                views.append(ParamView(name, k[0] if whole else torch.Size([numel]), offset))
-                offset += numel
-            dtypes = {k[1] for k in known if k is not None}
-            specs[f"group{index}"] = checkpoint.GroupSpec(
-                offset, dtypes.pop() if whole and len(dtypes) == 1 else None, tuple(views) if whole else None)
-        return specs
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickled with a checkpoint like PyTorch's ``PowerSGDState``: the configuration and
@@ -610,150 +472,13 @@ class HookState:
 
     def attach(self, model: torch.nn.Module) -> "HookState":
         """Name the parameters after unpickling (ids do not survive a restart); returns self."""
-        self.names = _parameter_names(model)
-        self._frozen = _frozen_parameters(model)
+        self.names = guards.parameter_names(model)
+        self._frozen = guards.frozen_parameters(model)
         if self._conversion_check is not None:
             self._conversion_check.remove()
-        self._conversion_check = _watch_conversion(model)
+        self._conversion_check = guards.watch_conversion(model)
         self._know(model)
         return self
 
     def __repr__(self) -> str:
         return f"HookState({self.communicator!r}, steps={self.steps}, ranks={self.backend.size})"
-
-
-def hook(state: HookState, bucket):
-    """The DDP communication hook: ``ddp_model.register_comm_hook(state, mergecomp.ddp.hook)``."""
-    return state.exchange(bucket)
-
-
-# DDP checks the annotations as objects (this module's are strings): give it the real ones.
-hook.__annotations__ = {"state": HookState, "bucket": torch.distributed.GradBucket,
-                        "return": torch.futures.Future[torch.Tensor]}
-
-
-def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "none",
-             memory: Union[str, Memory] = "auto", communicator: str = "auto", **options) -> HookState:
-    """Build a :class:`HookState` for the DDP-wrapped ``model`` and register :func:`hook`."""
-    if not hasattr(model, "register_comm_hook"):
-        raise TypeError(f"register() needs the DistributedDataParallel-wrapped model, got "
-                        f"{type(model).__name__}: wrap it first (DDP(model, bucket_cap_mb_list=...))")
-    state = HookState(model, compressor, memory, communicator, **options)
-    model.register_comm_hook(state, hook)
-    return state
-
-
-def bucket_caps(model: torch.nn.Module, schedule: Union[int, str, schedulers.Scheduler] = 4) -> List[float]:
-    """DDP's ``bucket_cap_mb_list`` that makes its buckets the groups of a mergecomp schedule.
-
-    The schedule plans the trainable parameters in reverse definition order (the order
-    backward usually produces, and the order DDP buckets in before its first iteration); each
-    group's size in MiB, a hair over, is its bucket's cap, so DDP closes a bucket exactly
-    where the group ends.  After its first iteration DDP re-buckets in the real backward
-    order with the same caps.
-    """
-    arguments.check_schedule(schedule, "a fusion-num (int), a scheduler name or a Scheduler", plan=False)
-    if isinstance(schedule, int):
-        schedule = schedulers.create("fixed", fusion_num=schedule)
-    elif isinstance(schedule, str):
-        schedule = schedulers.create(schedule)
-    if getattr(schedule, "adaptive", False):
-        raise ValueError(f"the {schedule!r} scheduler re-plans while training, and DDP's buckets are fixed "
-                         "when it is built: use a fusion-num or 'optimal' with a saved profile, or "
-                         "mergecomp.DistributedOptimizer")
-    module = getattr(model, "module", model)
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    infos = [ParamInfo(n, p.numel(), str(p.dtype), str(p.device), p.element_size()) for n, p in reversed(params)]
-    plan = schedule.plan(infos)
-    sizes = {info.name: info.nbytes for info in infos}
-    return [sum(sizes[n] for n in group.names) / 2 ** 20 * (1 + 1e-9) for group in plan.groups]
-
-
-def _parameter_names(model: torch.nn.Module) -> Dict[int, str]:
-    module = getattr(model, "module", model)
-    return {id(p): name for name, p in module.named_parameters()}
-
-
-def _watch_conversion(model: Optional[torch.nn.Module]):
-    """Register a :class:`_ConversionCheck` on the module DDP wraps; returns its handle."""
-    if model is None:
-        return None
-    module = getattr(model, "module", model)
-    return module.register_forward_pre_hook(_ConversionCheck(module))
-
-
-def _frozen_parameters(model: Optional[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
-    if model is None:
-        return []
-    module = getattr(model, "module", model)
-    return [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
-
-
-def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
-    """Embeddings built with ``sparse=True`` make sparse gradients, which DDP puts in a bucket
-    of their own and which no mergecomp compressor carries: say so before the first step."""
-    module = getattr(model, "module", model)
-    sparse = [f"{name}.weight" if name else "weight" for name, m in module.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
-              and m.weight.requires_grad]
-    if sparse:
-        raise ValueError(
-            f"parameter(s) {sparse} get sparse gradients (nn.Embedding/EmbeddingBag with sparse=True), "
-            "which the mergecomp hook cannot compress: build those layers with sparse=False, or keep "
-            "DDP's own allreduce (no hook) for such a model")
-
-
-class _ConversionCheck:
-    """A forward pre-hook: refuse a model converted or moved after DDP was built.
-
-    ``model.to(torch.float64)`` (or to another device) after ``DistributedDataParallel`` gives
-    the parameters new storage, and DDP's gradient hooks stay with the old: no bucket is
-    reduced any more, the hook is never called, and each rank trains on its own gradients
-    without a word.  Conversions act on the whole model, so the first and the last parameter
-    are enough to see one, at two comparisons per forward.  A plain object, so a module
-    that holds it still pickles.
-    """
-
-    def __init__(self, module: torch.nn.Module):
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.watched = [(n, p, p.dtype, p.device) for n, p in (named[:1] + named[-1:])]
-
-    def __call__(self, module, args) -> None:
-        for name, param, dtype, device in self.watched:
-            if param.dtype != dtype or param.device != device:
-                raise RuntimeError(
-                    f"parameter {name!r} is now {param.dtype} on {param.device}, but it was {dtype} on "
-                    f"{device} when DistributedDataParallel and the mergecomp hook were built: the model "
-                    "was converted or moved (model.to(...)) afterwards, and DDP no longer sees its "
-                    "gradients, so each rank would train on its own. Convert or move the model first, "
-                    "then build DistributedDataParallel and register the hook.")
-
-
-def _registration_marker(dtype: torch.dtype, size: int) -> float:
-    """A value far above any gradient that ``size`` ranks can sum without overflow."""
-    real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
-    return float(torch.finfo(real).max) / (4 * size) if real.is_floating_point else 1.0
-
-
-def _read_layouts(saved: Any, where: str) -> Dict[int, BucketKey]:
-    """The ``"layouts"`` of a saved hook state, or CheckpointError saying what is wrong."""
-    try:
-        return {int(i): tuple((str(n), int(k)) for n, k in key) for i, key in saved.items()}
-    except (AttributeError, TypeError, ValueError) as error:
-        raise checkpoint.CheckpointError(
-            f"{where}: its bucket layouts are not {{bucket: [[parameter, elements], ...]}} ({error}); "
-            "the file is damaged") from None
-
-
-def _pieces(key: BucketKey):
-    return [(name, 0, numel) for name, numel in key]
-
-
-def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensors(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensors(v) for v in value)
-    return False

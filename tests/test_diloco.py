@@ -1,0 +1,207 @@
+"""DiLoCo on real gloo ranks: the exactness law at H = 1, equal ranks after each outer step,
+streaming fragments on schedule, non-finite outer steps dropped everywhere, exact resume."""
+import io
+import warnings
+
+import pytest
+import torch
+
+import mergecomp
+from mergecomp import compressors
+from mergecomp.lowcomm import SyncSchedule
+
+from .distributed import run_ranks
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _batch(rank, step):
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(16, 6, generator=generator)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def _train(model, optimizer, rank, steps, start=0, after=None):
+    for step in range(start, start + steps):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if after is not None:
+            after(step + 1)
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# -- the exactness law ---------------------------------------------------------------------------
+def _h1_against_plain(rank, world_size):
+    model, plain = _model(rank), _model(rank)  # different seeds: both start from rank 0's
+    opt = mergecomp.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=1,
+                           outer_lr=1.0, outer_momentum=0.0)
+    reference = mergecomp.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1), model=plain)
+    _train(model, opt, rank, 6)
+    _train(plain, reference, rank, 6)
+    return _weights(model), _weights(plain), opt.outer_steps
+
+
+def test_one_inner_step_and_outer_sgd_at_lr_1_is_averaged_gradient_sgd():
+    """Δ̄ = avg(θ̄ − (θ̄ − lr·gᵢ)) = lr·ḡ: the same update as averaging gradients, up to the
+    rounding of forming Δ and subtracting it (ranks are bit-identical to each other)."""
+    (ours0, plain0, outer), (ours1, _, _) = run_ranks(_h1_against_plain, 2)
+    assert outer == 6
+    assert all(torch.equal(a, b) for a, b in zip(ours0, ours1))
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ours0, plain0))
+
+
+# -- H > 1 and streaming ----------------------------------------------------------------------------
+def _equal_after_outer_steps(rank, world_size, fragments, overlap):
+    model = _model(rank)
+    opt = mergecomp.DiLoCo(torch.optim.AdamW(model.parameters(), lr=0.01), model=model, sync_every=4,
+                           fragments=fragments, overlap=overlap)
+    seen = {}
+    per_fragment = [[p for _, p in f.params] for f in opt.fragments]
+    _train(model, opt, rank, 12, after=lambda step: seen.__setitem__(step, [
+        torch.cat([p.detach().reshape(-1) for p in params]) for params in per_fragment]))
+    return seen, [f.anchor.clone() for f in opt.fragments], opt.outer_steps
+
+
+def test_ranks_are_equal_after_every_outer_step_and_apart_between():
+    (seen0, anchors0, outer), (seen1, anchors1, _) = run_ranks(_equal_after_outer_steps, 2, 1, 0)
+    assert outer == 3
+    for step in (4, 8, 12):
+        assert torch.equal(seen0[step][0], seen1[step][0]), step
+    assert not torch.equal(seen0[2][0], seen1[2][0])
+    assert all(torch.equal(a, b) for a, b in zip(anchors0, anchors1))
+
+
+def test_streaming_fragments_sync_on_their_own_steps_behind_the_overlap():
+    """K = 2, H = 4: fragment 0 launched at 4, 8, 12; fragment 1 at 2, 6, 10; each finished one
+    inner step later, when the fragment's anchors are equal and (mixed at 0.5) still unequal
+    local weights would differ: the anchors are what is compared."""
+    (seen0, anchors0, outer), (seen1, anchors1, _) = run_ranks(_equal_after_outer_steps, 2, 2, 1)
+    assert outer == 5  # fragment 1 at 3, 7, 11; fragment 0 at 5, 9 (its third ends at 13)
+    assert all(torch.equal(a, b) for a, b in zip(anchors0, anchors1))
+
+
+def test_the_schedule():
+    schedule = SyncSchedule(8, 4, overlap=2)
+    assert schedule.offsets == [0, 2, 4, 6]
+    assert [schedule.launching(t) for t in (2, 4, 6, 8, 10)] == [[1], [2], [3], [0], [1]]
+    assert schedule.finishing(4) == [1] and schedule.finishing(10) == [0] and schedule.finishing(3) == []
+    with pytest.raises(ValueError, match=r"overlap must be an integer in \[0, 2\].*got 3"):
+        SyncSchedule(8, 4, overlap=3)
+    with pytest.raises(ValueError, match="fragments=5 is more than sync_every=4"):
+        SyncSchedule(4, 5)
+    with pytest.raises(ValueError, match="sync_every .* must be an integer ≥ 1, got 0"):
+        SyncSchedule(0)
+
+
+def test_bad_arguments_are_refused_before_any_collective():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="inner optimizer"):
+        mergecomp.DiLoCo(model, sync_every=4)
+    with pytest.raises(ValueError, match="outer_lr must be a finite number > 0, got 0"):
+        mergecomp.DiLoCo(inner, model=model, sync_every=4, outer_lr=0)
+    with pytest.raises(ValueError, match="outer_momentum must be in"):
+        mergecomp.DiLoCo(inner, model=model, sync_every=4, outer_momentum=1.0)
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        mergecomp.DiLoCo(inner, model=model, sync_every=4, nonfinite="ignore")
+
+
+# -- non-finite pseudo-gradients ---------------------------------------------------------------------
+def _nan_on_rank_1(rank, world_size):
+    model = _model(rank)
+    opt = mergecomp.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.05), model=model, sync_every=3,
+                           compressor=compressors.create("topk", compress_ratio=0.3), memory="residual")
+    _train(model, opt, rank, 3)
+    anchors = [f.anchor.clone() for f in opt.fragments]
+    residual = dict(opt.memory.residuals.committed())
+    _train(model, opt, rank, 2, start=3)
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, opt, rank, 1, start=5)
+    messages = [str(w.message) for w in caught]
+    same_anchor = all(torch.equal(a, f.anchor) for a, f in zip(anchors, opt.fragments))
+    same_memory = all(torch.equal(residual[k], v) for k, v in opt.memory.residuals.committed().items())
+    at_anchor = torch.equal(opt.fragments[0].flat(), opt.fragments[0].anchor)
+    _train(model, opt, rank, 3, start=6)  # training goes on
+    return opt.skipped_steps, same_anchor, same_memory, at_anchor, messages, _weights(model)
+
+
+def test_a_nan_on_one_rank_drops_the_outer_step_on_every_rank():
+    results = run_ranks(_nan_on_rank_1, 2)
+    for skipped, same_anchor, same_memory, at_anchor, messages, _ in results:
+        assert skipped == 1 and same_anchor and same_memory and at_anchor
+        assert any("rank(s) [1]" in m and "dropped on every rank" in m for m in messages)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][5], results[1][5]))
+    assert all(bool(torch.isfinite(p).all()) for p in results[0][5])
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def _build(rank, seed):
+    model = _model(seed)
+    opt = mergecomp.DiLoCo(torch.optim.AdamW(model.parameters(), lr=0.01), model=model, sync_every=4,
+                           fragments=2, overlap=1, compressor=compressors.create("topk", compress_ratio=0.25),
+                           memory="residual")
+    return model, opt
+
+
+def _resume(rank, world_size):
+    model, opt = _build(rank, rank)
+    _train(model, opt, rank, 5)  # fragment 0's exchange (launched at 4) ended; 1's launches at 6
+    _train(model, opt, rank, 1, start=5)  # ... and is in flight now
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    _train(model, opt, rank, 7, start=6)
+    buffer.seek(0)
+    resumed_model, resumed = _build(rank, 77)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    _train(resumed_model, resumed, rank, 7, start=6)
+    return _weights(model), _weights(resumed_model), opt.outer_steps, resumed.outer_steps
+
+
+def test_resume_is_exact_even_with_an_exchange_in_flight():
+    for original, resumed, outer, outer_resumed in run_ranks(_resume, 2):
+        assert outer == outer_resumed
+        assert all(torch.equal(a, b) for a, b in zip(original, resumed))
+
+
+def _corrupted(rank, world_size):
+    model, opt = _build(rank, 0)
+    _train(model, opt, rank, 5)
+    state = opt.state_dict()
+    state["mergecomp"]["anchors"][0][0] += 1.0
+    try:
+        opt.load_state_dict(state)
+    except mergecomp.checkpoint.CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_a_corrupted_checkpoint_is_refused():
+    for message in run_ranks(_corrupted, 2):
+        assert message is not None and "anchors.0 changed" in message and "Nothing was loaded" in message
+
+
+# -- the example -----------------------------------------------------------------------------------
+def _example(rank, world_size, folder):
+    from tests.test_examples import load_example
+    module = load_example("diloco")
+    first = module.train(module.parse_args(["--steps", "8", "--sync-every", "4", "--checkpoint", folder]))
+    again = module.train(module.parse_args(["--steps", "4", "--sync-every", "4", "--checkpoint", folder]))
+    return first, again
+
+
+def test_the_example_trains_and_resumes_from_per_rank_checkpoints(tmp_path):
+    for first, again in run_ranks(_example, 2, str(tmp_path)):
+        assert 0 < again < first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diloco.rank0.pt", "diloco.rank1.pt"]
