@@ -87,8 +87,12 @@ def exact_worker(rank, world_size):
                 want = exchange(flat, g, f"n{numel}")
                 got = exchange(hierarchical, g, f"n{numel}")
                 assert got.shape == g.shape and torch.equal(got, want), (inner, name, numel, got, want)
-    # the bytes of the node groups count in the job's backend
-    assert backend.bytes_sent > 0
+    # the bytes of the node groups (allreduce, allgather, the PS's all-to-all) count in the job's backend
+    ps = make("hierarchical", "none", backend=backend, inner="ps")
+    before = (backend.bytes_sent, ps.inter.bytes_sent, ps.intra.bytes_sent)
+    exchange(ps, gradient(0, rank, 1001), "counted")
+    inter, intra = ps.inter.bytes_sent - before[1], ps.intra.bytes_sent - before[2]
+    assert inter > 0 and intra > 0 and backend.bytes_sent - before[0] == inter + intra
     return True
 
 

@@ -91,6 +91,7 @@ class _LinkBackend:
 
     @staticmethod
     def make(group, parent: Backend) -> Backend:
+        # Imported here: the torch backend imports the runtime, which imports communicators.
         from ..backends.torch_dist import TorchDistributedBackend
 
         class Counted(TorchDistributedBackend):
@@ -99,6 +100,9 @@ class _LinkBackend:
 
             def _count_allgather(self, tensors):
                 self._forward(super()._count_allgather, tensors)
+
+            def _count_alltoall(self, chunks, extra=()):
+                self._forward(lambda _: TorchDistributedBackend._count_alltoall(self, chunks, extra), chunks)
 
             @contextlib.contextmanager
             def uncounted(self):  # probes of this link count in neither backend
