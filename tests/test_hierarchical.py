@@ -120,6 +120,10 @@ def feedback_worker(rank, world_size):
     mine = node_sum[first:end]
     sent = residual != mine  # top-k sent exactly those coordinates: their residual is zero
     assert int(sent.sum()) == 5 and torch.all(residual[sent] == 0), residual
+    # a dropped step leaves the shard's residual as it was
+    hierarchical.finish(hierarchical.start(gradient(1, rank, numel), "g"))
+    hierarchical.rollback()
+    assert torch.equal(hierarchical.state_dict()["memory"][next(iter(residuals))][shard], residual)
     # the links' costs, probed through the node groups, count in no backend
     counted = (backend.bytes_sent, hierarchical.inter.bytes_sent, hierarchical.intra.bytes_sent)
     costs = hierarchical.link_costs(sizes=(2 ** 10, 2 ** 12))
