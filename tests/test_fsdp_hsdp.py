@@ -16,8 +16,26 @@ STEPS = 6
 
 
 def _mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    """The 2×2 mesh of two nodes of two ranks, from the node layout."""
+    import mergecomp
+    return mergecomp.fsdp.node_mesh("cpu", local_size=2)
+
+
+def _node_mesh(rank):
+    """The node mesh's groups, and what it refuses (each refusal raised on every rank)."""
+    import torch.distributed as dist
+    import mergecomp
+    mesh = _mesh()
+    found = {"shape": tuple(mesh.shape), "names": mesh.mesh_dim_names,
+             "shard": dist.get_process_group_ranks(mesh.get_group("shard")),
+             "replicate": dist.get_process_group_ranks(mesh.get_group("replicate"))}
+    for case, local_size in (("one_node", 4), ("disagree", 2 if rank else 1)):
+        try:
+            mergecomp.fsdp.node_mesh("cpu", local_size=local_size)
+            found[case] = None
+        except ValueError as error:
+            found[case] = str(error)
+    return found
 
 
 def _model(mesh):
@@ -148,6 +166,7 @@ def _worker(rank, world, folder):
             "topk": _train(rank, mesh, compressor="topk", compress_ratio=0.1),
             "powersgd": _train(rank, mesh, compressor="powersgd"),
             "nan": _train(rank, mesh, steps=3, nan_at=1, compressor="topk", compress_ratio=0.1),
+            "node_mesh": _node_mesh(rank),
             "deferred": _deferred_all_reduce(rank, mesh)}  # last: it leaves that model mid-backward
 
 
@@ -210,3 +229,20 @@ def test_a_deferred_replica_all_reduce_is_refused_by_name(ranks):
     for result in ranks:
         assert "set_requires_all_reduce(False)" in result["deferred"]
         assert "set_requires_gradient_sync(False)" in result["deferred"]
+
+
+def test_node_mesh_puts_shards_in_a_node_and_replicas_across_nodes(ranks):
+    for rank, result in enumerate(ranks):
+        found = result["node_mesh"]
+        assert found["shape"] == (2, 2) and found["names"] == ("replicate", "shard")
+        node = rank // 2
+        assert found["shard"] == [2 * node, 2 * node + 1]  # the ranks of this rank's node
+        assert found["replicate"] == [rank % 2, rank % 2 + 2]  # one rank per node
+
+
+def test_node_mesh_refuses_one_node_and_a_disagreement_on_every_rank(ranks):
+    for result in ranks:
+        found = result["node_mesh"]
+        assert "one node of 4 rank(s)" in found["one_node"] and "fully_shard" in found["one_node"]
+        assert "ranks disagree on the ranks per node" in found["disagree"]
+        assert "1 on ranks 0" in found["disagree"]

@@ -14,7 +14,8 @@ of its own shard.  :func:`register` compresses, unit by unit:
   :mod:`mergecomp.fsdp.scatter` says how each kind of compressor travels);
 - on a 2-D mesh (HSDP), the replicas' all-reduce of the already-sharded gradient only, the
   slow link between nodes, while FSDP's reduce-scatter within the shard group stays as it
-  is (:mod:`mergecomp.fsdp.replica`).
+  is (:mod:`mergecomp.fsdp.replica`); :func:`node_mesh` builds the 2-D mesh from the
+  node layout, so that the replicas span nodes and the shards stay inside a node.
 
 Every backward is one step of the shared step lifecycle (:mod:`mergecomp.fsdp.backward`):
 ranks agree on configuration, units and step before anything travels; a NaN/Inf gradient
@@ -42,6 +43,7 @@ from ..memories.base import Memory
 from ..runtime.agreement import StepAgreement
 from ..runtime.step import StepLifecycle, check_nonfinite_policy
 from .backward import BackwardStep
+from .mesh import node_mesh
 from .replica import ReplicaAllReduce, is_hsdp, take_over
 from .scatter import ScatterCommunicator, UnitShape, chunk_name, exchange_mode
 from .state import FSDPCompression
@@ -50,7 +52,7 @@ from .units import CompressedReduceScatter, fsdp_units, param_group, unit_shape
 #: Set on each unit that carries mergecomp's exchange.
 _MARK = "_mergecomp_fsdp"
 
-__all__ = ["register", "CompressedReduceScatter", "ReplicaAllReduce", "FSDPCompression", "ScatterCommunicator"]
+__all__ = ["register", "node_mesh", "CompressedReduceScatter", "ReplicaAllReduce", "FSDPCompression", "ScatterCommunicator"]
 
 
 def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk",
