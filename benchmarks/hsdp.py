@@ -10,7 +10,8 @@ Every worker holds one copy of a wide MLP (``--depth`` linear layers of ``--widt
 an FSDP unit, the same initial weights) per configuration: ``hsdp`` (FSDP2's own HSDP,
 FP32), ``hsdp-<c>`` for each of ``--compressors`` (the replicas' all-reduce compressed,
 error feedback as the compressor recommends), and ``bound`` (an unsharded copy, no
-exchange: the compute alone).  The model is wide and the batch small on purpose: the
+exchange: the compute alone).  ``--no-reshard-after-forward`` keeps each unit's gathered
+parameters from forward to backward (one all-gather a step inside the node, not two).  The model is wide and the batch small on purpose: the
 replicas' all-reduce moves bytes in proportion to the parameters, the compute grows with
 the batch, so the inter-node link, not the host's CPU, sets the uncompressed step.
 
@@ -75,8 +76,8 @@ def sharded(args, mesh) -> nn.Module:
     model = mlp(args.width, args.depth)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
     return model
 
 
@@ -135,6 +136,7 @@ def worker(args) -> int:
     dist.all_gather_object(gathered, per_step)
     slowest = {name: [max(r[name][i] for r in gathered) for i in range(args.rounds)] for name in configurations}
     result = {"width": args.width, "depth": args.depth, "batch": args.batch, "threads": args.threads,
+              "reshard_after_forward": args.reshard_after_forward,
               "parameters": sum(p.numel() for p in mlp(args.width, args.depth).parameters()),
               "workers": info.world_size, "nodes": mesh.size(0), "workers_per_node": mesh.size(1),
               "rounds": args.rounds, "window": args.window, "link": args.link, "torch": torch.__version__,
@@ -159,7 +161,8 @@ def table_of(result) -> str:
     lines = [f"MLP {result['depth']}×{result['width']} ({result['parameters']:,} parameters), batch "
              f"{result['batch']} per worker, {result['workers']} workers in {result['nodes']} nodes of "
              f"{result['workers_per_node']}, {result['link'] or 'links as launched'}: median of "
-             f"{result['rounds']} rounds of {result['window']} steps", "",
+             f"{result['rounds']} rounds of {result['window']} steps, reshard_after_forward="
+             f"{result.get('reshard_after_forward', True)}", "",
              "| configuration | ms/step | kB/step between nodes (one rank) | × hsdp (median) | per-round range |",
              "|---|---:|---:|---:|---|"]
     for name, entry in result["configurations"].items():
@@ -180,6 +183,9 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="rows per worker and step")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                        help="fully_shard(reshard_after_forward=False): the unit's parameters stay gathered "
+                             "from forward to backward, one all-gather per step instead of two")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first")
     parser.add_argument("--rounds", type=int, default=10)
