@@ -22,6 +22,10 @@ the gap of each compressor to its own family's uncompressed run.
     .venv/bin/python benchmarks/fsdp_lm.py --steps 600 --seeds 0,1 \\
         --reference benchmarks/results/2026-11-24-lm-convergence/char-lstm/convergence.json \\
         --out benchmarks/results/DATE-fsdp-lm
+
+Each finished run is appended to ``runs.jsonl`` in ``--out`` at once; the table covers every
+seed all of whose runs are there, so seeds can be run one job at a time
+(``--table`` re-reads the folder without training).
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ from mergecomp.bench import lm  # noqa: E402
 from mergecomp.bench.data import text  # noqa: E402
 
 RUNS = ("fsdp2", "topk", "powersgd")
+#: One JSON line per finished run, in the --out folder.
+RUNS_FILE = "runs.jsonl"
 
 
 def shard(model: nn.Module) -> None:
@@ -115,7 +121,15 @@ def worker(args) -> List[Dict[str, Any]]:
             if info.rank == 0:
                 print(f"{run} seed {seed}: validation loss {results[-1]['valid_loss']:.4f} "
                       f"({results[-1]['seconds']:.0f} s)", flush=True)
+                if args.out:  # each run kept as it ends: a long job cut short keeps what it did
+                    with open(os.path.join(args.out, RUNS_FILE), "a") as handle:
+                        handle.write(json.dumps(dict(results[-1], arguments=settings(args))) + "\n")
     return results
+
+
+def settings(args) -> Dict[str, Any]:
+    """What a run's result depends on, besides its seed: runs to be tabled together agree."""
+    return {"ranks": args.ranks, "steps": args.steps, "lr": args.lr, "clip": args.clip, "topk_ratio": args.topk_ratio}
 
 
 REFERENCE_LABELS = {"fsdp2": "none", "topk": "topk", "powersgd": "powersgd"}
@@ -171,8 +185,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--reference", default=None, help="convergence.py's convergence.json, the same task")
-    parser.add_argument("--out", default=None, help="a results folder (printed only when omitted)")
+    parser.add_argument("--out", default=None, help="a results folder: runs.jsonl gains a line per run, "
+                        "fsdp-lm.json and .md the table of every seed complete in it")
+    parser.add_argument("--table", action="store_true", help="only table the runs already in --out")
     args = parser.parse_args(argv)
+    if args.table and not args.out:
+        parser.error("--table reads the runs of --out: give --out")
     args.runs = [r for r in args.runs.split(",") if r]
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown or "fsdp2" not in args.runs:
@@ -180,16 +198,32 @@ def main(argv: Optional[List[str]] = None) -> None:
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.steps < 1 or args.eval_every < 1 or args.ranks < 2 or not args.seeds:
         parser.error("--steps and --eval-every must be ≥ 1, --ranks ≥ 2, --seeds not empty")
-    results = mergecomp.launch.spawn(worker, args.ranks, (args,))[0]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    if not args.table:
+        mergecomp.launch.spawn(worker, args.ranks, (args,))
+    if not args.out:
+        return
+    results = [json.loads(line) for line in open(os.path.join(args.out, RUNS_FILE)) if line.strip()]
+    mismatched = [r for r in results if r["arguments"] != results[0]["arguments"]]
+    if mismatched:
+        raise SystemExit(f"{RUNS_FILE} holds runs of different settings ({results[0]['arguments']} and "
+                         f"{mismatched[0]['arguments']}): table them apart")
+    args.seeds = sorted({r["seed"] for r in results})
+    args.runs = [run for run in RUNS if any(r["run"] == run for r in results)]
+    for key, value in results[0]["arguments"].items():
+        setattr(args, key, value)
+    complete = [seed for seed in args.seeds if all(any(r["run"] == run and r["seed"] == seed for r in results)
+                                                   for run in args.runs)]
+    args.seeds = complete
+    results = [r for r in results if r["seed"] in complete]
     reference = reference_losses(args.reference, args.seeds)
     table = table_of(results, reference, args)
     print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fsdp-lm.json"), "w") as handle:
-            json.dump({"arguments": vars(args), "results": results, "reference": reference}, handle, indent=2)
-        with open(os.path.join(args.out, "fsdp-lm.md"), "w") as handle:
-            handle.write(table)
+    with open(os.path.join(args.out, "fsdp-lm.json"), "w") as handle:
+        json.dump({"arguments": vars(args), "results": results, "reference": reference}, handle, indent=2)
+    with open(os.path.join(args.out, "fsdp-lm.md"), "w") as handle:
+        handle.write(table)
 
 
 if __name__ == "__main__":
