@@ -11,6 +11,9 @@ Run it on CPU ranks (gloo) with torchrun, or let it start its own processes:
     .venv/bin/torchrun --nproc_per_node 2 examples/fsdp_mlp.py --compressor topk
     .venv/bin/python examples/fsdp_mlp.py --spawn 2 --compressor fp16
     .venv/bin/python examples/fsdp_mlp.py --spawn 4 --hsdp 2 --compressor powersgd
+    MERGECOMP_LOCAL_SIZE=2 .venv/bin/python examples/fsdp_mlp.py --spawn 4 --node-mesh
+    .venv/bin/torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        examples/fsdp_mlp.py --node-mesh        # on each of the two nodes
 
 The data is a learnable synthetic regression.  Every few steps it prints the loss and the
 bytes this rank sent per step against what FSDP's own collective would have sent (the
@@ -64,7 +67,8 @@ def build(width: int, depth: int, features: int, mesh=None) -> nn.Sequential:
 def train(args: argparse.Namespace) -> float:
     """Train; return the last loss on this rank."""
     info = mergecomp.launch.init_distributed()
-    model = build(args.width, args.depth, args.features, mesh_for(args.hsdp))
+    mesh = mergecomp.fsdp.node_mesh("cpu") if args.node_mesh else mesh_for(args.hsdp)
+    model = build(args.width, args.depth, args.features, mesh)
     options = {"compress_ratio": args.compress_ratio} if args.compressor in ("topk", "randk", "dgc") else {}
     state = mergecomp.fsdp.register(model, compressor=args.compressor, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -102,6 +106,9 @@ def main(argv=None) -> None:
     parser.add_argument("--print-every", type=int, default=50, help="steps between reports")
     parser.add_argument("--hsdp", type=int, default=0,
                         help="HSDP with this many replicas (a 2-D mesh; only the replicas' all-reduce is compressed)")
+    parser.add_argument("--node-mesh", action="store_true",
+                        help="HSDP over the launcher's nodes (mergecomp.fsdp.node_mesh): replicas across nodes, "
+                             "shards inside a node")
     parser.add_argument("--spawn", type=int, default=0, help="start this many local ranks (0: use torchrun's)")
     args = parser.parse_args(argv)
     if args.spawn:
