@@ -160,13 +160,31 @@ def _deferred_all_reduce(rank, mesh):
     return None
 
 
+def _example(rank):
+    """examples/fsdp_mlp.py --node-mesh, the ranks per node from MERGECOMP_LOCAL_SIZE."""
+    import contextlib
+    import io
+    import os
+    import runpy
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    example = runpy.run_path(os.path.join(here, "examples", "fsdp_mlp.py"))
+    printed = io.StringIO()
+    os.environ["MERGECOMP_LOCAL_SIZE"] = "2"
+    try:
+        with contextlib.redirect_stdout(printed):
+            example["main"](["--node-mesh", "--steps", "2", "--width", "16", "--print-every", "1"])
+    finally:
+        del os.environ["MERGECOMP_LOCAL_SIZE"]
+    return printed.getvalue()
+
+
 def _worker(rank, world, folder):
     mesh = _mesh()
     return {"divide": _divide(rank, mesh),"checkpoint": _checkpoint(rank, mesh, folder),"plain": _train(rank, mesh), "none": _train(rank, mesh, compressor="none"),
             "topk": _train(rank, mesh, compressor="topk", compress_ratio=0.1),
             "powersgd": _train(rank, mesh, compressor="powersgd"),
             "nan": _train(rank, mesh, steps=3, nan_at=1, compressor="topk", compress_ratio=0.1),
-            "node_mesh": _node_mesh(rank),
+            "node_mesh": _node_mesh(rank), "example": _example(rank),
             "deferred": _deferred_all_reduce(rank, mesh)}  # last: it leaves that model mid-backward
 
 
@@ -246,3 +264,8 @@ def test_node_mesh_refuses_one_node_and_a_disagreement_on_every_rank(ranks):
         assert "one node of 4 rank(s)" in found["one_node"] and "fully_shard" in found["one_node"]
         assert "ranks disagree on the ranks per node" in found["disagree"]
         assert "1 on ranks 0" in found["disagree"]
+
+
+def test_the_example_trains_on_the_node_mesh(ranks):
+    printed = ranks[0]["example"]
+    assert "step    2" in printed and "FSDP's own" in printed
