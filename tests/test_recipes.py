@@ -147,7 +147,8 @@ def test_error_feedback_sparsifiers_ask_for_local_clipping(name):
 
 
 def test_batched_powersgd_warns_when_built():
-    with pytest.warns(recipes.RecipeWarning, match="does not train at parity.*use 'powersgd'"):
+    with pytest.warns(recipes.RecipeWarning, match="does not train at parity.*several layers per "
+                      "group.*one group per tensor \\(schedule=0\\).*use 'powersgd'"):
         compressors.create("batched_powersgd")
 
 
