@@ -42,7 +42,8 @@ from .agreement import StepOutcome
 from ..backends import Backend
 from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
-from ..plan import Group, ParamInfo, Plan
+from .. import communicators
+from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan
 from .regroup import Layout, regroup_state
 from .step import InFlight, Listeners, StepLifecycle
 from ..schedulers.base import Scheduler
@@ -288,6 +289,22 @@ class Reducer:
 
     def layout(self, plan: Plan) -> Layout:
         return {f"group{i}": pieces for i, pieces in enumerate(plan.pieces(self.numels))}
+
+    def carriers(self) -> List[str]:
+        """Registered communicators other than the job's that a ``"compress:<name>"`` send
+        mode can use here (they carry the compressor and memory) and that have a cost
+        formula; building one has no effect on training (it holds no state until used)."""
+        from ..planning.costmodel import priced_collectives
+        found = []
+        for name in communicators.available():
+            if type(self.communicator) is communicators.get(name) or not priced_collectives(name):
+                continue
+            try:
+                self.lifecycle.communicator_for(COMPRESS_VIA + name)
+            except ValueError:
+                continue
+            found.append(name)
+        return found
 
     def compression_state(self) -> Dict[str, Any]:
         """The compressed groups' state (the configured communicator's, with what other

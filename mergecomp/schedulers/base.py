@@ -157,6 +157,13 @@ class SchedulerContext:
         """The job's communicator (the cost model prices its groups; the probes run it)."""
         return self._communicator
 
+    def carriers(self) -> Tuple[str, ...]:
+        """Registered communicators besides the job's that can carry its compressor and
+        memory as ``"compress:<name>"`` send modes (they build, with the job's
+        ``communicator_options``), and whose cost formula the cost model can use."""
+        find = getattr(self._exchange, "carriers", None)
+        return tuple(find()) if callable(find) else ()
+
     def __repr__(self) -> str:
         return (f"SchedulerContext(ranks={self._backend.size}, plan="
                 f"{None if self.plan is None else self.plan.digest()})")
