@@ -3,12 +3,17 @@
 :mod:`mergecomp.bench.cluster` (one Linux network namespace per worker, shaped with tc).
 
     python benchmarks/cluster.py --workers 2 --profile 1gbit -- python train.py
+    python benchmarks/cluster.py --nodes 2 --workers-per-node 2 --profile 1gbit -- python train.py
     python benchmarks/cluster.py --check --workers 2 --profile 1gbit --mbytes 100
     python benchmarks/cluster.py --list-profiles
     python benchmarks/cluster.py --cleanup        # namespaces left by a run killed with SIGKILL
 
 The ``loopback`` profile runs the workers in the host namespace over 127.0.0.1, unshaped, and
 needs neither root nor iproute2; every other profile needs root and iproute2.
+
+``--nodes M --workers-per-node L``: M nodes of L workers; the workers of a node share its
+namespace (unshaped between them: the fast link) and its shaped link to the others, and get
+torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK.
 """
 from __future__ import annotations
 
@@ -30,7 +35,12 @@ def _parser() -> argparse.ArgumentParser:
                "  cluster.py --check --workers 2 --profile 1gbit --mbytes 100\n"
                "  cluster.py --list-profiles\n  cluster.py --cleanup",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="number of workers (default 2, or nodes × workers per node)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes, each a namespace behind one shaped link (default: one per worker)")
+    parser.add_argument("--workers-per-node", type=int, default=None,
+                        help="workers sharing a node's namespace and link (default 1)")
     parser.add_argument("--profile", default="loopback",
                         help="profile name or spec 'rate=500mbit,delay=1ms' (default loopback)")
     parser.add_argument("--profiles", metavar="FILE",
@@ -71,14 +81,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("cluster: give a command after '--', or --check, --list-profiles, --cleanup",
                   file=sys.stderr)
             return 2
-        with Cluster(args.workers, args.profile, table) as cluster:
+        workers, per_node = _layout(args)
+        with Cluster(workers, args.profile, table, workers_per_node=per_node) as cluster:
             where = ", ".join(cluster.addresses) if cluster.profile.shaped else "127.0.0.1"
             profile = cluster.profile
             rate = format_rate(profile.rate_bps) if profile.shaped else "unshaped"
             delay = format_delay(profile.delay_s)
             if profile.shaped and profile.delay_s > 0 and not cluster.delay_emulated:
                 delay += " NOT emulated: no sch_netem"
-            print(f"cluster: {args.workers} workers, profile {profile.name} (rate {rate}, "
+            nodes = f" in {cluster.num_nodes} nodes" if per_node else ""
+            print(f"cluster: {workers} workers{nodes}, profile {profile.name} (rate {rate}, "
                   f"delay {delay}) at {where}", file=sys.stderr, flush=True)
             if args.check:
                 return _check(cluster, args)
@@ -91,6 +103,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, ClusterUnavailable, RuntimeError) as err:
         print(f"cluster: {err}", file=sys.stderr)
         return 2
+
+
+def _layout(args):
+    """(workers, workers per node or None) from --workers, --nodes, --workers-per-node."""
+    if args.nodes is None and args.workers_per_node is None:
+        return (2 if args.workers is None else args.workers), None
+    nodes = 1 if args.nodes is None else args.nodes
+    per_node = 1 if args.workers_per_node is None else args.workers_per_node
+    if nodes < 1 or per_node < 1:
+        raise ValueError(f"--nodes and --workers-per-node must be ≥ 1, got {nodes} and {per_node}")
+    if args.workers is not None and args.workers != nodes * per_node:
+        raise ValueError(f"--workers {args.workers} contradicts --nodes {nodes} × --workers-per-node "
+                         f"{per_node} = {nodes * per_node}; give one or the other")
+    return nodes * per_node, per_node
 
 
 def _check(cluster: Cluster, args) -> int:

@@ -49,7 +49,7 @@ def _train_on_nccl(compressor, memory, communicator, backend="nccl", device="cud
     launch.init_distributed(backend=backend, device=device)
     device = torch.device(device, 0) if device == "cuda" else torch.device(device)
     model = _model().to(device)
-    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if memory == "dgc" or compressor == "signum" else 0.9)
+    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if memory in ("dgc", "demo") or compressor == "signum" else 0.9)
     optimizer = mergecomp.DistributedOptimizer(base, model=model, compressor=compressor, memory=memory,
                                                communicator=communicator, schedule=2,
                                                find_unused_parameters=True)

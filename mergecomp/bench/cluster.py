@@ -1,4 +1,5 @@
-"""An emulated cluster on one Linux host: N workers, each in its own network namespace.
+"""An emulated cluster on one Linux host: N workers, each in its own network namespace, or
+M nodes of L workers each, the workers of one node sharing its namespace.
 
 Why: compressed training only pays off when the network is the bottleneck, and a laptop's
 loopback is not.  This tool puts every worker behind a shaped link so that every byte of every
@@ -10,6 +11,12 @@ namespace, so no host route or address changes)::
     mc<pid>-<k>-w0 [eth0 10.213.n.1] ==veth== [p0]-+
     mc<pid>-<k>-w1 [eth0 10.213.n.2] ==veth== [p1]-+- br0   (in namespace mc<pid>-<k>-sw)
     ...                                            |
+
+Nodes (``workers_per_node=L``): each ``w<i>`` namespace is node i and holds L workers that
+share its address and its shaped link, as the GPUs of a machine share its NIC; between
+them traffic stays inside the namespace (the kernel routes a namespace's own address over
+its loopback), unshaped: the fast link of a node.  Each worker gets torchrun's layout
+variables (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK), rank = node · L + local rank.
 
 Shaping: a token bucket (``tc tbf``) at the profile's rate on the egress of BOTH ends of each
 veth: the worker's ``eth0`` limits what it sends, the switch-side ``p<i>`` limits what it
@@ -28,7 +35,7 @@ SIGKILL leaves namespaces that ``python benchmarks/cluster.py --cleanup`` remove
 API::
 
     from mergecomp.bench.cluster import Cluster, PROFILES, parse_profile
-    with Cluster(num_workers=2, profile="1gbit") as cluster:
+    with Cluster(num_workers=4, profile="1gbit", workers_per_node=2) as cluster:
         results = cluster.run([sys.executable, "train.py"], timeout_s=600)
         for returncode, stdout, stderr in results: ...
 """
@@ -213,17 +220,24 @@ class Cluster:
     ``profile``: a name from ``profiles`` (default PROFILES), an ad-hoc spec such as
     ``"rate=500mbit,delay=1ms"``, or a Profile.  ``master_port``: the rendezvous port (inside
     the namespaces any port is free; for loopback a free one is picked when None).
+    ``workers_per_node``: L workers per node sharing a namespace and its link (None: one
+    node per worker when shaped, every worker on one host with loopback, as before).
     """
 
     def __init__(self, num_workers: int, profile="loopback",
                  profiles: Optional[Mapping[str, Profile]] = None,
-                 master_port: Optional[int] = None):
+                 master_port: Optional[int] = None, workers_per_node: Optional[int] = None):
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+        if workers_per_node is not None and (isinstance(workers_per_node, bool) or not isinstance(
+                workers_per_node, int) or workers_per_node < 1 or num_workers % workers_per_node):
+            raise ValueError(f"workers_per_node must be a positive int dividing num_workers={num_workers} "
+                             f"(every node runs as many workers), got {workers_per_node!r}")
         self.profile = parse_profile(profile, profiles)
-        if self.profile.shaped and num_workers > 254:
-            raise ValueError(f"num_workers={num_workers}: a shaped cluster has one /24 subnet, "
-                             f"so at most 254 workers")
+        self.workers_per_node = workers_per_node
+        if self.profile.shaped and self.num_nodes_for(num_workers) > 254:
+            raise ValueError(f"{self.num_nodes_for(num_workers)} nodes: a shaped cluster has one /24 "
+                             f"subnet, so at most 254 nodes")
         self.num_workers = num_workers
         self.master_port = master_port
         self.prefix = f"mc{os.getpid()}-{next(_run_counter)}"
@@ -256,8 +270,20 @@ class Cluster:
     def switch_ns(self) -> str:
         return f"{self.prefix}-sw"
 
+    def num_nodes_for(self, num_workers: int) -> int:
+        return num_workers // (self.workers_per_node or 1)
+
+    @property
+    def num_nodes(self) -> int:
+        """Namespaces with a link of their own (shaped): one per node."""
+        return self.num_nodes_for(self.num_workers)
+
+    def node_of(self, rank: int) -> int:
+        return rank // (self.workers_per_node or 1)
+
     def worker_ns(self, rank: int) -> str:
-        return f"{self.prefix}-w{rank}"
+        """The namespace of worker ``rank``: its node's."""
+        return f"{self.prefix}-w{self.node_of(rank)}"
 
     def setup(self) -> None:
         """Create namespaces, veths, the bridge, addresses and shaping (loopback: nothing)."""
@@ -285,27 +311,27 @@ class Cluster:
         _ip("ip", "netns", "add", self.switch_ns)
         _ip("ip", "link", "add", "br0", "type", "bridge", ns=self.switch_ns)
         _ip("ip", "link", "set", "br0", "up", ns=self.switch_ns)
-        for rank in range(self.num_workers):
-            ns, port = self.worker_ns(rank), f"p{rank}"
+        for node in range(self.num_nodes):
+            ns, port = f"{self.prefix}-w{node}", f"p{node}"
             self.namespaces.append(ns)
             _ip("ip", "netns", "add", ns)
             _ip("ip", "link", "add", "name", _IFNAME, "netns", ns, "type", "veth",
                 "peer", "name", port, "netns", self.switch_ns)
             _ip("ip", "link", "set", port, "master", "br0", "up", ns=self.switch_ns)
-            address = f"{subnet}.{rank + 1}"
+            address = f"{subnet}.{node + 1}"
             _ip("ip", "link", "set", _IFNAME, "addrgenmode", "none", ns=ns)  # IPv4 only
             _ip("ip", "addr", "add", f"{address}/24", "dev", _IFNAME, ns=ns)
             _ip("ip", "link", "set", _IFNAME, "up", ns=ns)
             _ip("ip", "link", "set", "lo", "up", ns=ns)
-            self.addresses.append(address)
+        self.addresses = [f"{subnet}.{self.node_of(rank) + 1}" for rank in range(self.num_workers)]
         self.delay_emulated = self.profile.delay_s > 0 and self._has_netem()
         if self.profile.delay_s > 0 and not self.delay_emulated:
             warnings.warn(f"this kernel has no sch_netem qdisc: the profile's delay "
                           f"{format_delay(self.profile.delay_s)} is NOT emulated, only its rate "
                           f"{format_rate(self.profile.rate_bps)}", stacklevel=3)
-        for rank in range(self.num_workers):
-            self._shape(_IFNAME, self.worker_ns(rank))
-            self._shape(f"p{rank}", self.switch_ns)
+        for node in range(self.num_nodes):
+            self._shape(_IFNAME, f"{self.prefix}-w{node}")
+            self._shape(f"p{node}", self.switch_ns)
 
     def _has_netem(self) -> bool:
         probe = _ip("tc", "qdisc", "add", "dev", "br0", "root", "netem", "delay", "1ms",
@@ -367,15 +393,18 @@ class Cluster:
     def worker_env(self, rank: int) -> Dict[str, str]:
         """The torch.distributed env:// variables of ``rank``.
 
-        In namespaces each worker is its own node (LOCAL_RANK=0, LOCAL_WORLD_SIZE=1); with
-        loopback all share this host, so LOCAL_RANK is the rank (one GPU each).
+        With ``workers_per_node`` L: local rank ``rank % L`` of node ``rank // L`` (GROUP_RANK),
+        as torchrun numbers them.  Otherwise, in namespaces each worker is its own node
+        (LOCAL_RANK=0, LOCAL_WORLD_SIZE=1); with loopback all share this host, so LOCAL_RANK
+        is the rank (one GPU each).
         """
         local = not self.profile.shaped
+        per_node = self.workers_per_node or (self.num_workers if local else 1)
         return {
             "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(self.master_port),
             "RANK": str(rank), "WORLD_SIZE": str(self.num_workers),
-            "LOCAL_RANK": str(rank if local else 0),
-            "LOCAL_WORLD_SIZE": str(self.num_workers if local else 1),
+            "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(rank // per_node),
             "GLOO_SOCKET_IFNAME": "lo" if local else _IFNAME,
             "TP_SOCKET_IFNAME": "lo" if local else _IFNAME,
             "MERGECOMP_NET_PROFILE": self.profile.name,
@@ -464,8 +493,9 @@ class Cluster:
 
     def expected_allreduce_s(self, nbytes: float) -> Optional[float]:
         """Line-rate time of a ring allreduce of ``nbytes``: each worker sends and receives
-        2(N-1)/N of the data over its full-duplex link, in 2(N-1) latency-bound steps."""
-        if not self.profile.shaped or self.num_workers < 2:
+        2(N-1)/N of the data over its full-duplex link, in 2(N-1) latency-bound steps.
+        None with several workers per node (they share a link: no one-line model)."""
+        if not self.profile.shaped or self.num_workers < 2 or (self.workers_per_node or 1) > 1:
             return None
         n = self.num_workers
         wire = 2 * (n - 1) / n * nbytes * 8 / self.profile.rate_bps

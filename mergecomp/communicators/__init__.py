@@ -15,5 +15,6 @@ get = registry.get
 
 from . import allreduce, allgather, ps  # noqa: E402,F401
 from . import sparse_allreduce  # noqa: E402,F401
+from . import hierarchical  # noqa: E402,F401
 
 __all__ = ["Communicator", "Handle", "register", "create", "available", "get", "registry"]

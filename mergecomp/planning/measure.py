@@ -441,8 +441,17 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
         if half not in codecs:
             codecs[half] = measure_compression_cost(compressors.create(half), compression_sizes, device)
     from .costmodel import priced_collectives
-    kinds = list(dict.fromkeys(["allreduce", *priced_collectives(communicator), *extra_collectives]))
-    collectives = {kind: measure_collective_cost(backend, kind, collective_sizes) for kind in kinds}
+    kinds = list(dict.fromkeys(["allreduce", *priced_collectives(communicator),
+                                *(kind for kind in extra_collectives if kind in COLLECTIVE_KINDS)]))
+    collectives = {kind: measure_collective_cost(backend, kind, collective_sizes)
+                   for kind in kinds if kind in COLLECTIVE_KINDS}
+    hierarchy = {}
+    if any(kind not in COLLECTIVE_KINDS for kind in kinds):  # a node layout's links (hierarchical)
+        if not callable(getattr(communicator_object, "link_costs", None)):
+            raise ValueError(f"communicator {communicator!r} prices the links of a node layout: pass the "
+                             "job's communicator as communicator_object, which measures them")
+        collectives.update(communicator_object.link_costs(collective_sizes))
+        hierarchy = dict(communicator_object.hierarchy)
     finish = {}
     if communicator_object is not None:
         finish = measure_finish_costs(communicator_object, compressor_name,
@@ -453,7 +462,7 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
                    copy=measure_copy_cost(copy_sizes, device=device), device=str(device),
                    memory=LinearCost() if memory is None else
                    measure_memory_cost(memory, compressor, compression_sizes, device),
-                   finish=finish, optimizer_step=optimizer_step)
+                   finish=finish, optimizer_step=optimizer_step, hierarchy=hierarchy)
 
 
 def measure_finish_costs(communicator, compressor_name: str, sizes: Sequence[int],

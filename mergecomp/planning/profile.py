@@ -60,12 +60,15 @@ import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..plan import ParamInfo
 
 FORMAT = "mergecomp-profile/1"
 COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
+#: Collectives of one link of a node layout (the hierarchical communicator's): inside a node,
+#: and between the peers of one local rank across nodes.
+LINK_KINDS = ("intra_allreduce", "intra_allgather", "inter_allreduce", "inter_allgather")
 #: Send modes whose finish phase a profile can hold a measured cost for.
 FINISH_SENDS = ("compress", "fp32", "fp16", "bf16")
 
@@ -269,6 +272,10 @@ class Profile:
     #: Collectives run this many times slower while backward (and hook-side encoding) runs
     #: beside them (≥ 1; 1.0: not slowed).  See :func:`collective_slowdown_factor`.
     collective_slowdown: float = 1.0
+    #: The node layout a hierarchical communicator prices with: ``{"local_size": L,
+    #: "inner": name}`` (empty: a flat job).  Its links' costs are ``collectives``'
+    #: ``intra_*`` and ``inter_*`` kinds.
+    hierarchy: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -290,9 +297,10 @@ class Profile:
         if isinstance(k, bool) or not isinstance(k, (int, float)) or not 1.0 <= k < float("inf"):
             raise ValueError(f"profile interference must be a finite factor ≥ 1.0 (1.0: collectives "
                              f"do not slow backward), got {k!r}")
-        unknown = sorted(set(self.collectives) - set(COLLECTIVE_KINDS))
+        unknown = sorted(set(self.collectives) - set(COLLECTIVE_KINDS) - set(LINK_KINDS))
         if unknown:
-            raise ValueError(f"profile has collective kinds {unknown}; known kinds are {COLLECTIVE_KINDS}")
+            raise ValueError(f"profile has collective kinds {unknown}; known kinds are "
+                             f"{COLLECTIVE_KINDS + LINK_KINDS}")
         for what, costs in (("finish", self.finish), ("launch", self.launch)):
             unknown = sorted(set(costs) - set(FINISH_SENDS))
             if unknown:
@@ -329,6 +337,7 @@ class Profile:
             "optimizer_step": self.optimizer_step,
             "launch": {k: v.to_dict() for k, v in self.launch.items()},
             "collective_slowdown": self.collective_slowdown,
+            "hierarchy": dict(self.hierarchy),
         }
 
     @classmethod
@@ -354,7 +363,8 @@ class Profile:
                 finish={k: LinearCost.from_dict(v, f"finish.{k}") for k, v in data.get("finish", {}).items()},
                 optimizer_step=float(data.get("optimizer_step", 0.0)),
                 launch={k: LinearCost.from_dict(v, f"launch.{k}") for k, v in data.get("launch", {}).items()},
-                collective_slowdown=float(data.get("collective_slowdown", 1.0)))
+                collective_slowdown=float(data.get("collective_slowdown", 1.0)),
+                hierarchy=dict(data.get("hierarchy", {})))
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"mergecomp profile is missing or has a malformed field: {error!r}") from None
 
