@@ -83,7 +83,8 @@ class SchedulerContext:
     * :meth:`time_optimizer_steps`: the wrapped optimizer's own ``step()`` seconds.
     * Read-only facts: :attr:`backend` (collectives to agree on measurements; its
       ``rank``), :attr:`compressor`, :attr:`memory` and :attr:`communicator` (the cost
-      model prices and probes the job's own).
+      model prices and probes the job's own), and :meth:`carriers` (the other
+      communicators a ``"compress:<name>"`` send mode may use).
     """
 
     __slots__ = ("_exchange", "_inner", "_backend", "_compressor", "_memory", "_communicator")
