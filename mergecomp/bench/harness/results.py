@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 
+from ...plan import is_compressed
 from ...runtime import launch
 from .workload import Workload
 
@@ -28,7 +29,7 @@ def exchange_fields(args, optimizer, search_steps: int) -> Dict[str, Any]:
         "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
         "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
         "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
-        "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
+        "compressed_groups": sum(is_compressed(g.send) for g in optimizer.plan.groups),
         "plan": optimizer.plan.digest()}
 
 
