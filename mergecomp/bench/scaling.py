@@ -1,7 +1,7 @@
 """The simulator's scaling predictions for many workers: FP32, top-k by allgather, top-k by
 sparse allreduce, and the optimal plan that chooses between them group by group.
 
-    python benchmarks/scaling.py --model resnet50 --workers 16,32,64,128,256 \\
+    python benchmarks/simulator.py scaling --model resnet50 --workers 16,32,64,128,256 \\
         --link 10gbit,25gbit,100gbit --out benchmarks/results/<date>-scaling
 
 Besides the grid, two rows of published settings: MergeComp's (8 GPUs in one server, over
@@ -17,11 +17,7 @@ link is the α-β model of :mod:`mergecomp.planning.simulate` at line rate.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import sys
 
 from mergecomp.planning.profile import CodecCost, LinearCost, WireSize
 from mergecomp.planning.simulate import model_profile, simulate
@@ -74,38 +70,3 @@ def table(cells):
                      f"{show('compress allgather')} | {show('compress sparse_allreduce')} | {show('optimal')} | "
                      f"{sends} |")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--compute-time", type=float, default=0.2,
-                        help="forward + backward seconds per iteration on one GPU (an assumption)")
-    parser.add_argument("--workers", default="16,32,64,128,256")
-    parser.add_argument("--link", default="10gbit,25gbit,100gbit", help=f"links among {sorted(LINKS)}")
-    parser.add_argument("--latency", type=float, default=50.0, help="per-step latency in microseconds")
-    parser.add_argument("--out", default=None, help="folder for scaling.json and scaling.md")
-    args = parser.parse_args(argv)
-    links = [name.strip() for name in args.link.split(",") if name.strip()]
-    unknown = [name for name in links if name not in LINKS]
-    if unknown:
-        print(f"error: unknown link(s) {unknown}; known: {sorted(LINKS)}", file=sys.stderr)
-        return 2
-    base = gpu_profile(args.model, args.compute_time)
-    cells = [dict(cell(base, workers, link, latency), setting=label) for label, workers, link, latency in SETTINGS]
-    cells += [cell(base, int(w), link, args.latency * 1e-6) for link in links for w in args.workers.split(",")]
-    text = table(cells)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "scaling.json"), "w") as f:
-            json.dump({"model": args.model, "compute_time": args.compute_time,
-                       "codecs": {k: v.to_dict() for k, v in GPU_CODECS.items()}, "copy": GPU_COPY.to_dict(),
-                       "cells": cells}, f, indent=2)
-        with open(os.path.join(args.out, "scaling.md"), "w") as f:
-            f.write(text + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
