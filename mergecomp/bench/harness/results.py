@@ -162,3 +162,19 @@ def provenance(argv=None) -> Dict[str, Any]:
             "torch": torch.__version__, "python": platform.python_version(),
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
+
+
+def record_run(folder: str, argv) -> None:
+    """Append this run's :func:`provenance` to ``folder/manifest.json``'s ``runs`` (created
+    if absent): a results folder filled by several commands keeps each one."""
+    import json
+    path = os.path.join(folder, "manifest.json")
+    manifest = {"runs": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict):
+            raise ValueError(f"{path} is not a manifest (a JSON object); move it away or pick another folder")
+    manifest.setdefault("runs", []).append(provenance(argv))
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=2)
