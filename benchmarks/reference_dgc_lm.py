@@ -19,7 +19,7 @@ The task, data, model, seeds, batch order and validation are ``convergence.py``'
 windows.  A dense row (``--density 1``, momentum SGD, the averaged gradient clipped) is the
 reference's own baseline.
 
-    python benchmarks/reference_dgc_lm.py --task char-lstm --workers 2 --steps 400 --lr 2 \\
+    python -m benchmarks.reference_dgc_lm --task char-lstm --workers 2 --steps 400 --lr 2 \\
         --density 0.001 --warmup-steps 100
 """
 from __future__ import annotations
@@ -27,15 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import convergence  # noqa: E402  the task's defaults
+if not __package__:  # the convergence benchmark is a sibling module: import it through the package
+    sys.exit("benchmarks/reference_dgc_lm.py imports the convergence benchmark's task: run it as a module from "
+             "the repository root: .venv/bin/python -m benchmarks.reference_dgc_lm ...")
+from benchmarks import convergence  # noqa: E402  the task's defaults
 from mergecomp import launch  # noqa: E402
 from mergecomp.bench import lm  # noqa: E402
 from mergecomp.bench.data import text  # noqa: E402

@@ -11,7 +11,7 @@ in torch 2.13, so it is not called).  Where mergecomp's ``powersgd`` or ``batche
 and this reference land apart, the implementation differs from the paper's; where they land
 together, the accuracy is the algorithm's at that grouping.
 
-    python benchmarks/reference_powersgd_digits.py --hook batched --rank 2 --seeds 0,1,2
+    python -m benchmarks.reference_powersgd_digits --hook batched --rank 2 --seeds 0,1,2
 
 Both compress from the first step, as mergecomp does (PyTorch's hook runs ``--start-iter``
 steps of plain allreduce first; the default here is its minimum, 2).  ``--bucket-mb`` sets
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 
@@ -32,8 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import convergence  # noqa: E402  the task's data, model, shards and accuracy
+if not __package__:  # the convergence benchmark is a sibling module: import it through the package
+    sys.exit("benchmarks/reference_powersgd_digits.py imports the convergence benchmark's task: run it as a module from "
+             "the repository root: .venv/bin/python -m benchmarks.reference_powersgd_digits ...")
+from benchmarks import convergence  # noqa: E402  the task's data, model, shards and accuracy
 from mergecomp import launch  # noqa: E402
 from mergecomp.bench.harness import provenance  # noqa: E402
 
