@@ -44,18 +44,22 @@ loopback unshaped) and each worker count of ``--campaign-workers`` (2 and 4), on
 its result in ``DIR/<model>-<link>-<N>.json`` and its log beside it; a cell whose result
 exists is skipped, so an interrupted campaign goes on where it stopped.
 
-Two more modes, named by the first word:
+More modes, named by the first word:
 
-    python benchmarks/headline.py pair ...   # mergecomp against one DDP hook, interleaved windows
-    python benchmarks/headline.py ddp ...    # one DDP hook alone, timed as compress_benchmark.py
+    python benchmarks/headline.py pair ...        # mergecomp against one DDP hook, interleaved windows
+    python benchmarks/headline.py exchanges ...   # communicators side by side (flat, hierarchical,
+                                                  # sparse_allreduce...): step time, bytes per rank
+    python benchmarks/headline.py fsdp ...        # mergecomp.fsdp against FSDP2's own reduction
+    python benchmarks/headline.py ddp ...         # one DDP hook alone, timed as compress_benchmark.py
 
-``headline.py pair --help`` and ``headline.py ddp --help`` tell each in full.
+``headline.py MODE --help`` tells each in full.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import functools
+import json
 import os
 import statistics
 import sys
@@ -113,12 +117,13 @@ def parse_matrix(argv):
 
 
 class Configuration:
-    """One way to train the model: its step, its byte counter and (mergecomp) its phases."""
+    """One way to train the model: its step, its byte counters (handed to collectives; on
+    the wire, where counted) and (mergecomp) its optimizer, whose phases are timed."""
 
     def __init__(self, name: str, step: Callable[[], None], bytes_sent: Callable[[], float],
-                 before: Callable[[], None] = None, optimizer=None):
+                 before: Callable[[], None] = None, optimizer=None, wire_bytes: Callable[[], float] = None):
         self.name, self.step, self.bytes_sent, self.before, self.optimizer = name, step, bytes_sent, before, optimizer
-        self.phases: List[Dict[str, float]] = []
+        self.wire = wire_bytes if wire_bytes is not None else (lambda: 0.0)
 
 
 def sgd(model, owns_momentum: bool, lr: float):
@@ -218,50 +223,65 @@ def settle(configurations: Dict[str, Configuration], args, work) -> Dict[str, in
     return search
 
 
-def timed_rounds(configurations: Dict[str, Configuration], args):
-    """Interleaved windows (the order rotated each round, a barrier and one untimed step
-    before each).  Returns, per configuration: seconds per step per round on this rank,
-    bytes per timed step, and (mergecomp's optimizer) its phases per step per round."""
+def timed_rounds(configurations: Dict[str, Configuration], args, wire_out: Dict[str, float] = None):
+    """Interleaved windows (:func:`harness.interleaved_windows`: the order rotated each round,
+    one untimed step before each window), a barrier before each window.  Returns, per
+    configuration: seconds per step per round on this rank, bytes handed to collectives per
+    timed step, and (mergecomp's optimizer) its phases per step per round; ``wire_out``, when
+    given, receives the bytes on the wire per timed step (where the configuration counts them)."""
     names = list(configurations)
-    per_step = {name: [] for name in names}
     sent = {name: 0.0 for name in names}
+    wire = {name: 0.0 for name in names}
     phases = {name: {"launch": [], "finish": [], "sync": []} for name in names}
-    window_phases: Dict[str, Dict[str, float]] = {}
+    window: Dict[str, Any] = {"name": None, "untimed": False}  # the window being timed
+
+    def before(name):
+        def run():
+            dist.barrier()
+            if configurations[name].before is not None:
+                configurations[name].before()
+            window.update(name=None, untimed=True)  # the next step is the window's untimed one
+        return run
+
+    def timed(name):
+        configuration = configurations[name]
+        optimizer = configuration.optimizer
+
+        def step():
+            if window["untimed"]:  # counters start after it, inside the untimed call
+                configuration.step()
+                window.update(name=name, untimed=False, steps=0, sums={"launch": 0.0, "finish": 0.0, "sync": 0.0},
+                              sent=configuration.bytes_sent(), wire=configuration.wire())
+                return
+            configuration.step()
+            if optimizer is not None:
+                window["sums"]["sync"] += optimizer.last_sync_time
+            window["steps"] += 1
+            if window["steps"] == args.window:
+                sent[name] += configuration.bytes_sent() - window["sent"]
+                wire[name] += configuration.wire() - window["wire"]
+                if optimizer is not None:
+                    for key, total in window["sums"].items():
+                        phases[name][key].append(total / args.window)
+                window["name"] = None
+        return step
 
     handles = []
     for name, configuration in configurations.items():
         if configuration.optimizer is not None:
             def on_phase(phase, group, seconds, name=name):
-                if name in window_phases:
-                    window_phases[name][phase] += seconds
+                if window["name"] == name and phase in window["sums"]:
+                    window["sums"][phase] += seconds
             handles.append(configuration.optimizer.add_phase_listener(on_phase))
     try:
-        for round_index in range(args.rounds):
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
-                configuration = configurations[name]
-                optimizer = configuration.optimizer
-                dist.barrier()
-                if configuration.before is not None:
-                    configuration.before()
-                configuration.step()  # untimed: the others left caches and allocator cold
-                window_phases[name] = {"launch": 0.0, "finish": 0.0, "sync": 0.0}
-                bytes_before = configuration.bytes_sent()
-                started = time.perf_counter()
-                for _ in range(args.window):
-                    configuration.step()
-                    if optimizer is not None:
-                        window_phases[name]["sync"] += optimizer.last_sync_time
-                per_step[name].append((time.perf_counter() - started) / args.window)
-                sent[name] += configuration.bytes_sent() - bytes_before
-                if optimizer is not None:
-                    for key, total in window_phases[name].items():
-                        phases[name][key].append(total / args.window)
-                del window_phases[name]
+        per_step = harness.interleaved_windows({name: timed(name) for name in names}, args.rounds, args.window,
+                                               before={name: before(name) for name in names})
     finally:
         for handle in handles:
             handle.remove()
     steps = args.rounds * args.window
+    if wire_out is not None:
+        wire_out.update({name: total / steps for name, total in wire.items()})
     return per_step, {name: total / steps for name, total in sent.items()}, phases
 
 
@@ -620,6 +640,325 @@ def pair_main(argv) -> int:
     return harness.run_or_table(parse_pair(argv), pair_worker, pair_table)
 
 
+# --------------------------------------------------------------------------- exchanges --
+
+EXCHANGES_DOC = """Which exchange is faster on this cluster, and how many bytes does each send per rank?
+
+Every worker holds one copy of the model per configuration (the same initial weights and
+batch) and, for each compressor of ``--compressors``, trains it through
+``mergecomp.DistributedOptimizer`` once per contender of ``--contenders``: ``flat`` (the
+compressor's recommended communicator over all ranks) or a communicator's name with its
+options (``hierarchical``, ``hierarchical:inner=ps``, ``allgather``, ``sparse_allreduce``,
+``sparse_allreduce:keep=2``).  The configuration ``<contender>-<compressor>`` runs the fixed
+plan of ``--fusion-num`` groups, every group compressed, with the compressor's recommended
+memory.  ``bound`` is the zero-cost bound (plain SGD, no exchange).
+
+After warm-up, ``--rounds`` rounds each run one window of ``--window`` steps of every
+configuration (``harness.interleaved_windows``: the order rotated each round, a barrier and
+one untimed step before each window); a window's time is its slowest rank's.  Reported per
+configuration: the median step time and throughput, the ratio to the bound and to the first
+contender (each the median of per-round ratios: > 1 is faster), the bytes each rank handed
+to collectives and put on the wire per step (the backend's counters: ``bytes_sent``, and
+``wire_bytes``, what ring and all-to-all algorithms transmit; mean and largest over ranks),
+the first contender's wire bytes over this one's, and the optimizer's phases.
+
+The node layout is the launcher's (LOCAL_WORLD_SIZE); the emulated cluster sets it:
+
+    python benchmarks/cluster.py --nodes 2 --workers-per-node 2 --profile 1gbit -- \\
+        python benchmarks/headline.py exchanges --model vgg16 --batch-size 8 \\
+        --compressors efsignsgd,dgc,fp16 --contenders flat hierarchical --json vgg16.json
+    python benchmarks/cluster.py --workers 8 --profile 1gbit -- \\
+        python benchmarks/headline.py exchanges --model mlp --width 1024 --fusion-num 1 \\
+        --compressors topk:compress_ratio=0.01 --contenders allgather sparse_allreduce \\
+        --rounds 6 --window 10 --json topk.json
+    python benchmarks/headline.py exchanges --nproc 2 --model mlp --width 256 \\
+        --compressors topk:compress_ratio=0.01 --contenders allgather sparse_allreduce
+    python benchmarks/headline.py exchanges --table vgg16.json topk.json
+"""
+
+FLAT = "flat"
+
+
+def parse_exchanges(argv):
+    p = harness.build_parser(EXCHANGES_DOC)
+    p.prog = "headline.py exchanges"
+    harness.add_rounds_arguments(p, 8, "one window of every configuration")
+    p.add_argument("--compressors", default="dgc,fp16",
+                   help="compressors, comma-separated, each name[:key=value...] (default dgc,fp16)")
+    p.add_argument("--contenders", nargs="+", default=[FLAT, "hierarchical"], metavar="EXCHANGE",
+                   help="'flat' (the compressor's recommended communicator) or a communicator "
+                        "name[:key=value...]; the first is the reference (default: flat hierarchical)")
+    p.add_argument("--width", type=int, default=None,
+                   help="--model mlp: its width (default 1024; 4.2M parameters)")
+    p.add_argument("--link", default="", help="what the links are, recorded in the result (e.g. '1gbit between')")
+    p.set_defaults(threads=1, fusion_num=4)
+    args = harness.parse_rounds_arguments(p, argv)
+    if args.table:
+        return args
+    if args.fusion_num < 1:
+        p.error(f"--fusion-num must be ≥ 1 here (groups of the fixed plan), got {args.fusion_num}")
+    if args.width is not None and (args.model != "mlp" or args.width < 1):
+        p.error(f"--width {args.width} sizes --model mlp (a width ≥ 1); --model {args.model} has no width")
+    args.model_options = {"width": args.width} if args.width is not None else {}
+    args.compressors = [c for c in args.compressors.split(",") if c]
+    if not args.compressors or len(set(args.contenders)) != len(args.contenders):
+        p.error(f"give ≥ 1 compressor and distinct contenders, got --compressors {','.join(args.compressors)!r} "
+                f"and --contenders {' '.join(args.contenders)}")
+    models.get(args.model)  # unknown names fail here, before any rank starts
+    for compressor in args.compressors:
+        for contender in args.contenders:
+            exchange_components(compressor, contender, harness.NoProcessGroup(args.nproc or 2))
+    return args
+
+
+def exchange_components(compressor_spec: str, contender: str, backend):
+    """(compressor, memory, communicator) of one configuration, built on ``backend``: the
+    communicator's construction refuses what it cannot carry, before any rank starts."""
+    from mergecomp import arguments
+    name, options = harness.parse_spec(compressor_spec)
+    compressor = mergecomp.compressors.create(name, **options)
+    communicator, communicator_options = (None, {}) if contender == FLAT else harness.parse_spec(contender)
+    compressor, memory, communicator = arguments.resolve(compressor, "auto", communicator)
+    communicator = mergecomp.communicators.create(communicator, compressor=compressor, memory=memory,
+                                                  backend=backend, **communicator_options)
+    return compressor, memory, communicator
+
+
+def exchanges_worker(args):
+    from mergecomp.backends import default_backend
+    work = harness.prepare(args)
+    warnings.simplefilter("ignore", UserWarning)
+    loss = work.spec.loss
+
+    def train_step(model, optimizer):
+        def step():
+            optimizer.zero_grad()
+            loss(model(work.inputs), work.targets).backward()
+            optimizer.step()
+        return step
+
+    local = copy.deepcopy(work.model)
+    configurations = {"bound": Configuration("bound", train_step(local, sgd(local, False, args.lr)), lambda: 0.0)}
+    described = {}
+    for compressor_spec in args.compressors:
+        for contender in args.contenders:
+            model, backend = copy.deepcopy(work.model), default_backend()
+            compressor, memory, communicator = exchange_components(compressor_spec, contender, backend)
+            optimizer = mergecomp.DistributedOptimizer(
+                sgd(model, _owns_momentum(compressor, memory), args.lr), model=model, compressor=compressor,
+                memory=memory, communicator=communicator, schedule=args.fusion_num, backend=backend)
+            name = f"{contender}-{compressor_spec}"
+            described[name] = (repr(communicator), f"{args.contenders[0]}-{compressor_spec}")
+            configurations[name] = Configuration(
+                name, train_step(model, optimizer), lambda b=backend: b.bytes_sent,
+                before=optimizer.restart_step_clock, optimizer=optimizer, wire_bytes=lambda b=backend: b.wire_bytes)
+    local_size = work.info.local_world_size
+    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch {work.batch_size} per worker, "
+             f"{work.size} workers in {work.size // local_size} node(s) of {local_size}; configurations: "
+             + ", ".join(configurations))
+    for configuration in configurations.values():
+        for _ in range(max(3, args.num_warmup_batches)):
+            configuration.step()
+    wire: Dict[str, float] = {}
+    per_step, sent, phases = timed_rounds(configurations, args, wire_out=wire)
+    everyone = [None] * work.size
+    dist.all_gather_object(everyone, (per_step, sent, wire))
+    slowest = {name: [max(r[0][name][i] for r in everyone) for i in range(args.rounds)] for name in configurations}
+    result = {"model": args.model, "model_options": args.model_options, "batch_size": work.batch_size,
+              "workers": work.size, "workers_per_node": local_size, "threads": args.threads,
+              "num_params": work.num_params, "rounds": args.rounds, "window": args.window, "groups": args.fusion_num,
+              "link": args.link, "compressors": args.compressors, "contenders": args.contenders,
+              "reference": args.contenders[0], "torch": torch.__version__,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "configurations": {}}
+    for name, rounds in slowest.items():
+        step_s = statistics.median(rounds)
+        ranks_sent, ranks_wire = [r[1][name] for r in everyone], [r[2][name] for r in everyone]
+        entry = {"step_s": step_s, "step_s_rounds": rounds, "throughput": work.size * work.batch_size / step_s,
+                 "scaling_vs_bound": statistics.median(b / s for b, s in zip(slowest["bound"], rounds)),
+                 "bytes_per_step": statistics.mean(ranks_sent), "bytes_per_step_max": max(ranks_sent),
+                 "wire_bytes_per_step": statistics.mean(ranks_wire), "wire_bytes_per_step_max": max(ranks_wire)}
+        if name in described:
+            entry["communicator"], base = described[name]
+            entry["phases_s"] = {key: statistics.median(values) for key, values in phases[name].items() if values}
+            entry["versus_reference_rounds"] = [r / s for r, s in zip(slowest[base], rounds)]
+            entry["versus_reference"] = statistics.median(entry["versus_reference_rounds"])
+            own_wire = entry["wire_bytes_per_step"]
+            entry["reference_wire_over_this"] = (statistics.mean(r[2][base] for r in everyone) / own_wire
+                                                 if own_wire else None)
+        result["configurations"][name] = entry
+    work.log(exchanges_table_of(result))
+    return harness.finish(result, args.json, work)
+
+
+def exchanges_table_of(result) -> str:
+    """Markdown of one result; reads those of the earlier flat-against-hierarchical runs too
+    (their reference is ``flat``, their ratio ``versus_flat``, no wire bytes)."""
+    reference = result.get("reference", FLAT)
+    lines = [f"{result['model']}, {result['workers']} workers ({result['workers_per_node']} per node), "
+             f"{result['link'] or 'links as launched'}: median of {result['rounds']} rounds of {result['window']} steps",
+             f"| configuration | ms/step | throughput | × bound | × {reference} | wire kB/rank/step (max) | "
+             f"{reference}'s wire ÷ this | kB/step to collectives | compress / wait / decode ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, entry in result["configurations"].items():
+        versus = entry.get("versus_reference", entry.get("versus_flat"))
+        wire = (f"{entry['wire_bytes_per_step'] / 1e3:,.1f} ({entry['wire_bytes_per_step_max'] / 1e3:,.1f})"
+                if "wire_bytes_per_step" in entry else "")
+        fewer = entry.get("reference_wire_over_this")
+        lines.append(f"| {name} | {entry['step_s'] * 1e3:.0f} | {entry['throughput']:.1f} | "
+                     f"{entry['scaling_vs_bound']:.2f} | {'' if versus is None else f'{versus:.2f}'} | {wire} | "
+                     f"{'' if fewer is None else f'{fewer:.2f}'} | {entry['bytes_per_step'] / 1e3:,.1f} | "
+                     f"{_phase_text(entry.get('phases_s'))} |")
+    return "\n".join(lines)
+
+
+def exchanges_main(argv) -> int:
+    args = parse_exchanges(argv)
+    if args.table:
+        print("\n\n".join(exchanges_table_of(r) for r in harness.saved_results(
+            args.table, "configurations", "benchmarks/headline.py exchanges")))
+        return 0
+    harness.run_workers(exchanges_worker, args)
+    return 0
+
+
+# -------------------------------------------------------------------------------- fsdp --
+
+FSDP_DOC = """mergecomp.fsdp against FSDP2's own gradient reduction: bytes on the wire and step time.
+
+An MLP (``--depth`` linear layers of ``--width``, each one FSDP unit) takes ``--steps`` steps
+per configuration, after ``--warmup``: FSDP2's own reduce-scatter in FP32 and with a bf16
+reduce dtype (``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``), then ``mergecomp.fsdp``
+with each of ``--compressors`` (``name[:key=value...]``).  Per configuration: the bytes one
+rank puts on the wire per step (counted by mergecomp from the payloads it sends; FSDP2's own
+from the sizes its reduce-scatter moves, (W−1)/W of each unit's gradient), its ratio to
+FSDP2's FP32 and bf16 reductions, and the median step time (a barrier before each step).
+``--hsdp`` runs four ranks on a 2×2 mesh and compares the replicas' all-reduce, which is what
+mergecomp compresses under HSDP.
+
+``--ranks`` local gloo ranks are spawned (default 2; 4 with ``--hsdp``); under a launcher
+(``benchmarks/cluster.py``, torchrun) the launched ranks run it.  Results go to ``--out`` as
+``fsdp-bytes[-hsdp].json`` and ``.md``, and the folder's ``manifest.json`` gets the command,
+commit, torch version and host.  Accuracy under FSDP2: ``python -m benchmarks.fsdp accuracy``.
+
+    python benchmarks/headline.py fsdp --out benchmarks/results/DATE-fsdp
+    python benchmarks/headline.py fsdp --hsdp --steps 5 --out benchmarks/results/DATE-fsdp
+    python benchmarks/headline.py fsdp --table benchmarks/results/DATE-fsdp/fsdp-bytes.json
+"""
+
+FSDP_COMPRESSORS = ("none,bf16,topk:compress_ratio=0.01,randk:compress_ratio=0.01,qsgd,onebit,powersgd,"
+                    "dgc:compress_ratio=0.01")
+
+
+def parse_fsdp(argv):
+    p = argparse.ArgumentParser(prog="headline.py fsdp", description=FSDP_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compressors", default=FSDP_COMPRESSORS,
+                   help="mergecomp's configurations, comma-separated name[:key=value...] specs")
+    p.add_argument("--ranks", type=int, default=None, help="local gloo ranks to spawn (default 2; --hsdp: 4)")
+    p.add_argument("--hsdp", action="store_true", help="a 2×2 mesh (4 ranks), the replicas' all-reduce compressed")
+    p.add_argument("--width", type=int, default=1024, help="MLP width (default 1024)")
+    p.add_argument("--depth", type=int, default=4, help="MLP layers of --width, each one FSDP unit (default 4)")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank and step (default 32)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
+    p.add_argument("--out", default=None, help="a results folder (printed only when omitted)")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="print the markdown table of saved fsdp-bytes JSON files and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        return args
+    for flag in ("width", "depth", "batch", "steps"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be ≥ 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be ≥ 0, got {args.warmup}")
+    if args.ranks is not None and (args.ranks < 2 or (args.hsdp and args.ranks != 4)):
+        p.error(f"--ranks must be ≥ 2 (4 with --hsdp: a 2×2 mesh), got {args.ranks}")
+    args.ranks = args.ranks or (4 if args.hsdp else 2)
+    for spec in args.compressors.split(","):
+        name, options = harness.parse_spec(spec)
+        mergecomp.compressors.create(name, **options)  # unknown names and options fail before any rank
+    return args
+
+
+def fsdp_rank(args) -> List[Dict[str, Any]]:
+    """One rank's rows: every configuration's bytes per step and median step time."""
+    from mergecomp.bench.harness import fsdp
+    info = mergecomp.launch.init_distributed()
+    torch.set_num_threads(1)
+    mesh = fsdp.mesh(args.hsdp)
+    configurations = [("fsdp2-fp32", None, {}, None), ("fsdp2-bf16-reduce", None, {}, torch.bfloat16)]
+    configurations += [(spec, *harness.parse_spec(spec), None) for spec in args.compressors.split(",")]
+    rows = []
+    for label, name, options, reduce_dtype in configurations:
+        model = fsdp.sharded_mlp(args.width, args.depth, mesh, reduce_dtype)
+        state = mergecomp.fsdp.register(model, compressor=name, **options) if name else None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(info.rank)
+        times = []
+        for step in range(args.warmup + args.steps):
+            x = torch.randn(args.batch, args.width, generator=generator)
+            dist.barrier()
+            started = time.perf_counter()
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - started)
+        steps = args.warmup + args.steps
+        if state is not None:
+            sent, own = state.wire_bytes / steps, state.uncompressed_bytes / steps
+        else:
+            sent = own = fsdp.own_reduce_bytes(model, 2 if reduce_dtype is not None else 4, args.hsdp)
+        rows.append({"configuration": label, "bytes_per_step": sent, "step_ms": 1e3 * statistics.median(times),
+                     "parameters": sum(p.numel() for p in model.parameters()), "own_reference_bytes": own})
+    for row in rows:
+        row["fsdp2_fp32_bytes_per_step"] = rows[0]["bytes_per_step"]
+        row["ratio_to_fp32"] = row["bytes_per_step"] / rows[0]["bytes_per_step"]
+        row["ratio_to_bf16"] = row["bytes_per_step"] / rows[1]["bytes_per_step"]
+    return rows
+
+
+def fsdp_table(rows: List[Dict[str, Any]], arguments: Dict[str, Any]) -> str:
+    hsdp = arguments["hsdp"]
+    what = "the replicas' all-reduce (HSDP, 2×2 mesh)" if hsdp else f"the reduce-scatter ({arguments['ranks']} ranks)"
+    lines = [f"Bytes one rank sends per step for {what}; MLP {arguments['depth']}×{arguments['width']} "
+             f"({rows[0]['parameters']:,} parameters), step time median of {arguments['steps']} on this host's CPU "
+             "ranks.", "",
+             "| configuration | kB/step | × FSDP2 fp32 | × FSDP2 bf16 | step ms |", "|---|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {row['configuration']} | {row['bytes_per_step'] / 1e3:,.1f} | {row['ratio_to_fp32']:.4f} | "
+                     f"{row['ratio_to_bf16']:.4f} | {row['step_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def fsdp_main(argv) -> int:
+    args = parse_fsdp(argv)
+    if args.table:
+        print("\n".join(fsdp_table(saved["results"], saved["arguments"])
+                        for saved in harness.saved_results(args.table, "results", "benchmarks/headline.py fsdp")))
+        return 0
+    launched = mergecomp.launch.detect().launcher not in ("single", "spawn")
+    if launched:  # the launched ranks run it; rank 0 writes
+        rows = fsdp_rank(args)
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        rows = mergecomp.launch.spawn(fsdp_rank, args.ranks, (args,))[0]
+    arguments = dict(vars(args), ranks=dist.get_world_size() if launched else args.ranks)
+    table = fsdp_table(rows, arguments)
+    print(table)
+    if args.out:
+        stem = "fsdp-bytes" + ("-hsdp" if args.hsdp else "")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, stem + ".json"), "w") as handle:
+            json.dump({"arguments": arguments, "results": rows}, handle, indent=2)
+        with open(os.path.join(args.out, stem + ".md"), "w") as handle:
+            handle.write(table)
+        harness.record_run(args.out, ["benchmarks/headline.py", "fsdp", *argv])
+    return 0
+
+
 # --------------------------------------------------------------------------------- ddp --
 
 DDP_DOC = """PyTorch DDP baselines, timed exactly like ``compress_benchmark.py``.
@@ -795,7 +1134,8 @@ def ddp_main(argv) -> int:
     return 0
 
 
-MODES = {"matrix": matrix_main, "pair": pair_main, "ddp": ddp_main}
+MODES = {"matrix": matrix_main, "pair": pair_main, "exchanges": exchanges_main, "fsdp": fsdp_main,
+         "ddp": ddp_main}
 
 
 def main(argv=None) -> int:

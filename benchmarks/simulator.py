@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The simulator against the emulated cluster: predicted against measured step times.
 
-Three modes, one question (is :mod:`mergecomp.planning.simulate`'s prediction right?):
+Four modes: three ask whether :mod:`mergecomp.planning.simulate`'s prediction is right, the
+fourth uses it for clusters larger than the one at hand:
 
     python benchmarks/simulator.py check --workers 2,3,4 --profile 1gbit --model vgg16 --compressor dgc
     python benchmarks/cluster.py --workers 4 --profile 1gbit -- python benchmarks/simulator.py rounds \\
@@ -9,12 +10,15 @@ Three modes, one question (is :mod:`mergecomp.planning.simulate`'s prediction ri
         --plans auto,fp32-4,compress-4 --rounds 8 --window 3 --json vgg16-dgc-4.json
     python benchmarks/simulator.py rounds --table vgg16-dgc-*.json
     python benchmarks/simulator.py phases --phases-out DIR <compress_benchmark.py flags>
+    python benchmarks/simulator.py scaling --workers 16,32,64,128,256 --link 10gbit,25gbit,100gbit
 
 ``check``: separate runs per worker count, each in its own emulated cluster, compared with
 the prediction from that run's profile.  ``rounds``: one run that times the plans and the
 compute in interleaved rounds, so each prediction uses compute timed beside the steps it
 predicts.  ``phases``: ``compress_benchmark.py``'s run with every phase of every step timed
-(what ``check --phases`` reads).  ``simulator.py MODE --help`` tells each in full.
+(what ``check --phases`` reads).  ``scaling``: predictions from 16 to 256 workers and for
+published settings, with a documented per-GPU profile (:mod:`mergecomp.bench.scaling`).
+``simulator.py MODE --help`` tells each in full.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from typing import Dict, List
 
 
 import mergecomp
-from mergecomp.bench import harness
+from mergecomp.bench import harness, scaling
 from mergecomp.bench.cluster import Cluster, parse_profile
 from mergecomp.planning.costmodel import predict
 from mergecomp.plan import Plan
@@ -49,6 +53,7 @@ COMPUTE = "compute"  # the label of the rounds' compute window
 PHASES_DOC = """``compress_benchmark.py`` with every phase of every step timed.
 
     python benchmarks/simulator.py phases --phases-out DIR <compress_benchmark.py flags>
+    python benchmarks/simulator.py scaling --workers 16,32,64,128,256 --link 10gbit,25gbit,100gbit
 
 The run is ``compress_benchmark.py``'s, timed through the optimizer's public listeners
 (ready, phase and step) and the wrapped optimizer's step hooks.  Once the scheduler has
@@ -693,8 +698,46 @@ def rounds_table(paths) -> str:
 def rounds_main(argv) -> int:
     return harness.run_or_table(parse_rounds(argv), rounds_worker, rounds_table)
 
+def scaling_main(argv) -> int:
+    parser = argparse.ArgumentParser(prog="simulator.py scaling", description=scaling.__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--compute-time", type=float, default=0.2,
+                        help="forward + backward seconds per iteration on one GPU (an assumption)")
+    parser.add_argument("--workers", default="16,32,64,128,256")
+    parser.add_argument("--link", default="10gbit,25gbit,100gbit", help=f"links among {sorted(scaling.LINKS)}")
+    parser.add_argument("--latency", type=float, default=50.0, help="per-step latency in microseconds")
+    parser.add_argument("--out", default=None, help="folder for scaling.json and scaling.md")
+    args = parser.parse_args(argv)
+    links = [name.strip() for name in args.link.split(",") if name.strip()]
+    unknown = [name for name in links if name not in scaling.LINKS]
+    if unknown or not links:
+        parser.error(f"--link {args.link!r}: unknown link(s) {unknown}; known: {sorted(scaling.LINKS)}")
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        workers = []
+    if not workers or min(workers) < 2:
+        parser.error(f"--workers {args.workers!r}: give worker counts of at least 2, comma-separated (e.g. 16,32,64)")
+    if args.compute_time <= 0 or args.latency < 0:
+        parser.error(f"--compute-time must be > 0 and --latency ≥ 0, got {args.compute_time} and {args.latency}")
+    base = scaling.gpu_profile(args.model, args.compute_time)
+    cells = [dict(scaling.cell(base, n, link, latency), setting=label)
+             for label, n, link, latency in scaling.SETTINGS]
+    cells += [scaling.cell(base, n, link, args.latency * 1e-6) for link in links for n in workers]
+    text = scaling.table(cells)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "scaling.json"), "w") as f:
+            json.dump({"model": args.model, "compute_time": args.compute_time,
+                       "codecs": {k: v.to_dict() for k, v in scaling.GPU_CODECS.items()},
+                       "copy": scaling.GPU_COPY.to_dict(), "cells": cells}, f, indent=2)
+        with open(os.path.join(args.out, "scaling.md"), "w") as f:
+            f.write(text + "\n")
+    return 0
 
-MODES = {"check": check_main, "rounds": rounds_main, "phases": phases_main}
+
+MODES = {"check": check_main, "rounds": rounds_main, "phases": phases_main, "scaling": scaling_main}
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,7 @@ from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
 from .runtime.reducer import GroupState, Reducer, broadcast_tensors, config_digest
-from .runtime.step import check_nonfinite_policy
+from .runtime.step import check_communicator_options, check_nonfinite_policy
 from .schedulers.base import Scheduler, SchedulerContext
 from .schedulers.fixed import FixedScheduler
 
@@ -70,6 +70,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (default: dropped on every rank, ``p.grad`` is NaN, compressor and error-feedback
             state stay as before it, a warning and :attr:`skipped_steps` say so; AMP's
             ``GradScaler`` then skips as usual), ``"raise"``, or ``"off"`` (unchecked, as DDP).
+        communicator_options: keyword arguments of the communicators a plan's
+            ``"compress:<name>"`` groups travel by, per name (e.g. ``{"sparse_allreduce":
+            {"keep": None}}``); see :mod:`mergecomp.plan`.
         backend: a collective backend; the torch.distributed default group if omitted.
     """
 
@@ -85,6 +88,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  find_unused_parameters: bool = False,
                  initial_sync: str = "broadcast",
                  nonfinite: str = "skip",
+                 communicator_options: Optional[Dict[str, Dict[str, Any]]] = None,
                  backend: Optional[Backend] = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -128,15 +132,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif fixed_plan is not None:
             schedule = FixedScheduler(DEFAULT_SCHEDULE)  # not used: the plan is fixed
         self.scheduler = schedule
+        options = check_communicator_options(communicator_options)
         config = config_digest(self.compressor, self.memory, self.communicator, self.scheduler,
-                               backward_passes_per_step, bool(find_unused_parameters), nonfinite)
+                               backward_passes_per_step, bool(find_unused_parameters), nonfinite,
+                               *([options] if options else []))  # older configurations keep their digest
         self._check_same_configuration(config)
         # Frozen parameters too: equal everywhere, they can be unfrozen later.
         self._sync_initial_state(params + self._frozen, model, initial_sync)
         self.reducer = Reducer(params, self.communicator, self.backend, self.scheduler, plan=fixed_plan,
                                backward_passes_per_step=backward_passes_per_step,
                                find_unused_parameters=bool(find_unused_parameters),
-                               nonfinite=nonfinite, config=config)
+                               nonfinite=nonfinite, config=config, communicator_options=options)
         # What an adaptive scheduler sees of this job, in place of the optimizer itself.
         self._scheduler_context = SchedulerContext(self.reducer, self.optimizer, self.backend, self.compressor,
                                                    self.communicator.memory, self.communicator)
@@ -410,7 +416,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "mergecomp": checkpoint.seal({
                 "format": STATE_FORMAT,
                 "plan": reducer.plan.to_dict() if reducer.plan is not None else None,
-                "communicator": self.communicator.state_dict(),  # raw groups share its memory
+                "communicator": reducer.compression_state(),  # raw groups share its memory
                 "steps": reducer.steps,
                 "epoch": reducer.epoch,
                 "rank": self.backend.rank,
@@ -456,7 +462,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if restore_compression:
             if plan is not None:
                 reducer.install_plan(plan)
-            self.communicator.load_state_dict(ours.get("communicator", {}))
+            reducer.load_compression_state(ours.get("communicator", {}))
             if ours.get("epoch") is not None:
                 reducer.set_epoch(int(ours["epoch"]))
         reducer.note_loaded(_state_digest(state_dict["optimizer"], ours.get("config"), ours.get("steps")),

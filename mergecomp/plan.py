@@ -20,11 +20,41 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 #: How a group travels: through the configured compressor, or raw at a float width.
 SEND_MODES = ("compress", "fp32", "fp16", "bf16")
 
+#: ``"compress:<communicator>"``: the configured compressor (and its error-feedback memory)
+#: carried by another registered communicator, e.g. ``"compress:sparse_allreduce"`` for a
+#: large group on many ranks beside ``"compress"`` (the job's communicator) for the rest.
+COMPRESS_VIA = "compress:"
+
 #: What a plan file holds, for the errors of one that does not.
 PLAN_FORMAT = ('a plan file is the JSON Plan.save (--plan-out) writes: {"groups": [{"names": ["fc.weight", '
                '"fc.bias"], "send": "compress"}, ...]}, the groups in launch order, each naming its '
-               f'parameters in backward order, "send" one of {", ".join(SEND_MODES)}, and optionally '
-               '"slices": one [start, stop] or null per name')
+               f'parameters in backward order, "send" one of {", ".join(SEND_MODES)} or '
+               f'"{COMPRESS_VIA}<communicator>", and optionally "slices": one [start, stop] or null per name')
+
+
+def is_compressed(send: str) -> bool:
+    """Whether a group sent ``send`` goes through the configured compressor."""
+    return send == "compress" or send.startswith(COMPRESS_VIA)
+
+
+def send_communicator(send: str) -> Optional[str]:
+    """The communicator a ``"compress:<name>"`` mode names; None for every other mode."""
+    return send[len(COMPRESS_VIA):] if send.startswith(COMPRESS_VIA) else None
+
+
+def valid_sends() -> Tuple[str, ...]:
+    """Every send mode a plan may name here: :data:`SEND_MODES` and ``"compress:<name>"``
+    for each registered communicator."""
+    from . import communicators  # communicators import the planning side, which imports this module
+    return SEND_MODES + tuple(COMPRESS_VIA + name for name in communicators.available())
+
+
+def check_send(send, what: str = "group send mode") -> str:
+    """``send`` if a plan may name it; else ValueError listing the valid modes."""
+    if isinstance(send, str) and (send in SEND_MODES or (send.startswith(COMPRESS_VIA)
+                                                         and send in valid_sends())):
+        return send
+    raise ValueError(f"{what} must be one of {', '.join(valid_sends())}, got {send!r}")
 
 
 @dataclass(frozen=True)
@@ -62,8 +92,7 @@ class Group:
         object.__setattr__(self, "names", tuple(self.names))
         if not self.names:
             raise ValueError("a group must name at least one parameter")
-        if self.send not in SEND_MODES:
-            raise ValueError(f"group send mode must be one of {SEND_MODES}, got {self.send!r}")
+        check_send(self.send)
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"a group names each parameter at most once, got {list(self.names)}")
         if self.slices is not None:

@@ -44,6 +44,8 @@ import math
 import os
 from typing import Any, Dict, List, Optional
 
+from .plan import is_compressed
+
 COLUMNS = ("step", "skipped", "skipped_total", "bytes_sent", "fp32_bytes", "compression_ratio",
            "density", "compress_s", "wait_s", "decode_s", "ef_norm")
 
@@ -152,7 +154,7 @@ class StepLog:
 
     def _coordinates_sent(self, group) -> Optional[int]:
         """How many coordinates ``group``'s payload carries (None: it does not say)."""
-        if group.send != "compress":
+        if not is_compressed(group.send):
             return group.numel  # a raw group: every coordinate, as FP32 or a 16-bit cast
         compressor = self._source.communicators()[0].compressor
         transmitted = getattr(compressor, "transmitted_indices", None)

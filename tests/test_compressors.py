@@ -305,6 +305,26 @@ def test_dgc_memory_momentum_correction_and_masking():
     assert v.tolist() == [2.5, 5, 7.5, 4]
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_dgc_memory_without_masking_keeps_the_momentum_of_sent_coordinates(in_place):
+    from mergecomp import memories
+    memory = memories.create("dgc", momentum=0.5, masking=False)
+    assert "masking=False" in repr(memory) and "masking" not in repr(memories.create("dgc"))
+    topk = compressors.create("topk", compress_ratio=0.25)
+    g = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    v = memory.compensate(g, "g")
+    payload, ctx = topk.compress(v, "g")  # sends 4.0 at index 3
+    if not in_place:  # a payload tensor in the velocity's memory: zeroed into new tensors
+        payload = payload + (v,)
+    memory.update(v, "g", topk, payload, ctx)
+    assert memory.velocities["g"].tolist() == [1, 2, 3, 0]
+    assert memory.momenta["g"].tolist() == [1, 2, 3, 4]  # the sent coordinate keeps its momentum
+    v = memory.compensate(g, "g")  # u = 0.5u + g = [1.5, 3, 4.5, 6]; v += u
+    assert v.tolist() == [2.5, 5, 7.5, 6]
+    with pytest.raises(ValueError, match="masking must be True or False, got 'no'"):
+        memories.create("dgc", masking="no")
+
+
 def test_dgc_memory_nesterov_clipping_and_dense_payloads():
     from mergecomp import memories
     memory = memories.create("dgc", momentum=0.5, nesterov=True, clip_norm=1.0)

@@ -7,11 +7,11 @@ from mergecomp.bench.models import count_parameters
 
 
 def test_available_lists_every_model():
-    assert models.available() == ["lstm", "resnet20", "resnet50", "transformer", "vgg16"]
+    assert models.available() == ["lstm", "mlp", "resnet20", "resnet50", "transformer", "vgg16"]
 
 
 def test_unknown_name_suggests_the_closest_match():
-    with pytest.raises(ValueError, match=r"unknown model 'resnet2'.*'resnet20'.*lstm, resnet20"):
+    with pytest.raises(ValueError, match=r"unknown model 'resnet2'.*'resnet20'.*lstm, mlp, resnet20"):
         models.get("resnet2")
 
 
@@ -21,6 +21,7 @@ def test_unknown_name_suggests_the_closest_match():
     ("vgg16", 14.5e6, 15.3e6),        # CIFAR VGG-16 with BatchNorm: 14.7M
     ("lstm", 19.7e6, 19.9e6),         # Zaremba et al. medium (650): 19.8M
     ("transformer", 8e6, 9e6),
+    ("mlp", 4207626, 4207626),        # 1024 → 2048 → 1024 → 10
 ])
 def test_parameter_counts_match_the_references(name, low, high):
     assert low <= count_parameters(models.get(name).build()) <= high
@@ -39,6 +40,7 @@ def test_large_lstm_option():
     ("lstm", {"vocab_size": 100}, {"vocab_size": 100, "hidden_size": 32}, "seq"),
     ("transformer", {"vocab_size": 100, "seq_len": 16},
      {"vocab_size": 100, "d_model": 32, "num_layers": 2}, "seq"),
+    ("mlp", {"width": 16}, {"width": 16}, "sample"),
 ])
 def test_forward_backward_on_a_tiny_batch(name, batch_kwargs, build_kwargs, unit):
     torch.manual_seed(0)

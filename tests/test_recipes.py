@@ -146,8 +146,15 @@ def test_error_feedback_sparsifiers_ask_for_local_clipping(name):
     assert recipes.advice(compressors.create(name), _sgd()) is None  # nothing to judge on the optimizer
 
 
+def test_dgc_recipe_reaches_its_recurrent_model_techniques():
+    described = compressors.create("dgc").recipe.describe()
+    for technique in ("before accumulation", "clip / √N", "warmup_steps", "masking=False"):
+        assert technique in described, technique
+
+
 def test_batched_powersgd_warns_when_built():
-    with pytest.warns(recipes.RecipeWarning, match="does not train at parity.*use 'powersgd'"):
+    with pytest.warns(recipes.RecipeWarning, match="does not train at parity.*several layers per "
+                      "group.*one group per tensor \\(schedule=0\\).*use 'powersgd'"):
         compressors.create("batched_powersgd")
 
 

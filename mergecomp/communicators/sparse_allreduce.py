@@ -73,6 +73,7 @@ from ..compressors.base import Compressor
 from ..compressors.kernels import Scratch, exact_top_k
 from ..compressors.sparsifier import SparseCompressor, index_dtype, num_selected
 from ..memories.none import NoneMemory
+from ..memories.residual import ResidualMemory
 from ..planning.sendcost import SendCost, collective_cost
 from ..staging import StagedDict
 
@@ -230,6 +231,50 @@ class SparseAllreduceCommunicator(Communicator):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.owner_residuals.replace({k: v.clone() for k, v in state.get("owner_residuals", {}).items()})
+
+    # -- beside another communicator (a "compress:sparse_allreduce" send mode) --------------
+    def check_foldable(self) -> None:
+        """Refuse owner residuals that :meth:`fold_owner_residuals` could not fold: they need
+        the ``residual`` memory with β = 1 (added to it, they keep their exact value)."""
+        if self.owner_residual and not (isinstance(self.memory, ResidualMemory) and self.memory.beta == 1.0):
+            raise ValueError(
+                f"the sparse allreduce beside the job's communicator keeps owner residuals, which move "
+                f"between plans and into checkpoints through the 'residual' memory (beta=1) only, not "
+                f"{self.memory!r}; pass communicator_options={{'sparse_allreduce': {{'owner_residual': "
+                "False}}} (what owners drop is lost) or {'keep': None} (the exact sum), or make "
+                "'sparse_allreduce' the job's communicator")
+
+    def fold_owner_residuals(self, memory_state: Dict[str, Any], sizes: Dict[str, int]) -> Dict[str, Any]:
+        """``memory_state`` (the residual memory's) with each committed owner residual added to
+        this rank's residual of its group, at the elements of this rank's partition.
+
+        An owner residual is part of the *sum* over ranks that the owner adds next step; added
+        to one rank's residual it enters that sum the same way, through the rank's payload.
+        So the sum of everything held back is unchanged when a plan switch regroups the
+        memory (owners' partitions change with the groups) or a checkpoint saves it.
+        ``sizes``: elements per group name."""
+        owned = self.owner_residuals.committed()
+        if not owned:
+            return memory_state
+        self.check_foldable()
+        residuals = dict(memory_state.get("residuals", {}))
+        rank, size = self.backend.rank, self.backend.size
+        for key, held in owned.items():
+            group = key[:-len("/owner")]
+            if group not in sizes:
+                raise ValueError(f"owner residual {key!r} belongs to no group of the current plan "
+                                 f"({sorted(sizes)[:5]}...)")
+            lo = _starts(shard_sizes(sizes[group], size))[rank]
+            current = residuals.get(group)
+            total = (torch.zeros(sizes[group], dtype=held.dtype, device=held.device) if current is None
+                     else current.reshape(-1).clone())
+            total[lo:lo + held.numel()] += held.to(total.dtype)
+            residuals[group] = total if current is None else total.view_as(current)
+        return dict(memory_state, residuals=residuals)
+
+    def drop_owner_residuals(self) -> None:
+        """Forget the owner residuals (once :meth:`fold_owner_residuals` moved them)."""
+        self.owner_residuals.replace({})
 
     def __repr__(self) -> str:
         return (f"SparseAllreduceCommunicator({self.compressor!r}, {self.memory!r}, keep={self.keep}, "

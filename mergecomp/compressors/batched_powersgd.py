@@ -33,7 +33,11 @@ class BatchedPowerSGDCompressor(Compressor):
     One factorisation per group sends fewer bytes than one per layer (``powersgd``) and
     runs a few large products instead of many small ones, but the layers laid end to end
     share no low-rank structure, so a rank-r approximation of the buffer keeps less of the
-    gradient and training reaches lower accuracy.
+    gradient and training reaches lower accuracy.  How much lower depends on the grouping,
+    not only on the compressor: with one group per tensor (``schedule=0``) each layer is a
+    matrix of its own, with the wrapper's default grouping several layers share one
+    (docs/results.md#accuracy measures both, and a plain-torch reference of the same
+    algorithm); it warns when built, for that reason.
 
     ``warm_start``: Q starts from the previous step's ΣQ (the power iteration continues
     across steps); the first Q, and every Q without warm start, is a normal draw seeded by
@@ -58,9 +62,10 @@ class BatchedPowerSGDCompressor(Compressor):
     recommended_communicator = "allreduce"
     recipe = recipes.Recipe(
         reason="one rank-r matrix across every layer of a group keeps too little of the gradient: "
-               "its accuracy swings from seed to seed and stays below dense; use 'powersgd' (one "
-               "factorisation per layer, at parity) unless fewer, larger products matter more "
-               "than accuracy")
+               "with several layers per group (the default grouping) accuracy falls far below "
+               "dense and swings from seed to seed; one group per tensor (schedule=0) comes closer "
+               "but stays short; use 'powersgd' (one factorisation per layer, at parity) unless "
+               "fewer, larger products matter more than accuracy")
 
     def __init__(self, rank: int = 2, seed: int = 0, warm_start: bool = True,
                  use_error_feedback: bool = True):

@@ -81,10 +81,10 @@ dynamic program, so the scheduler optimizes exactly what this module predicts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .. import communicators
-from ..plan import Plan
+from ..plan import COMPRESS_VIA, Plan
 from .profile import LinearCost, Profile, WireSize
 from .sendcost import SendCost, collective_cost
 
@@ -124,29 +124,32 @@ def group_cost(send: SendCost, copy: LinearCost, numel: int, nbytes: int,
                      finish=finish, wire_bytes=wire)
 
 
-def send_costs(profile: Profile) -> Dict[str, SendCost]:
+def send_costs(profile: Profile, via: Sequence[str] = ()) -> Dict[str, SendCost]:
     """The send modes this profile can price: ``fp32`` always, ``fp16``/``bf16`` when their
-    codecs were measured, ``compress`` when the configured compressor's codec was.
+    codecs were measured, ``compress`` when the configured compressor's codec was, and
+    ``compress:<name>`` for each communicator name in ``via``.
 
     A send mode with a measured finish cost in ``profile.finish`` uses it for the whole
     finish phase; otherwise the phase is priced from the decode cost and copy passes.
-    Compressed payloads travel by the profile's communicator, priced by that
-    communicator's own formula (:func:`communicator_formula`): allreduce (one decode),
-    allgather (N payloads decoded, then aggregated), ``ps`` (two collectives, the
-    servers' work as relay on the channel), or a plugin's ``send_cost``.  A plugin
-    communicator that declares no formula is refused (:class:`NoCostFormula`), never
-    priced as another one.
+    Compressed payloads travel by the profile's communicator (``compress``) or by the one
+    a ``compress:<name>`` mode names, priced by that communicator's own formula
+    (:func:`communicator_formula`): allreduce (one decode), allgather (N payloads decoded,
+    then aggregated), ``ps`` (two collectives, the servers' work as relay on the channel),
+    ``sparse_allreduce`` (an all-to-all, the owners' sums, an allgather of 1/N), or a
+    plugin's ``send_cost``.  A plugin communicator that declares no formula is refused
+    (:class:`NoCostFormula`), never priced as another one; so is a formula whose
+    collectives the profile did not measure.
 
     A send mode with a measured launch cost in ``profile.launch`` uses it as its encode
     cost (gather copy, memory and codec together).
     """
-    costs = _formula_costs(profile)
+    costs = _formula_costs(profile, via)
     return {send: replace(cost, finish=profile.finish.get(send, cost.finish),
                           launch=profile.launch.get(send, cost.launch))
             for send, cost in costs.items()}
 
 
-def _formula_costs(profile: Profile) -> Dict[str, SendCost]:
+def _formula_costs(profile: Profile, via: Sequence[str] = ()) -> Dict[str, SendCost]:
     allreduce = collective_cost(profile, "allreduce", "raw groups travel by allreduce")
     costs = {"fp32": SendCost(LinearCost(), WireSize(None), allreduce)}
     for half in ("fp16", "bf16"):
@@ -160,6 +163,9 @@ def _formula_costs(profile: Profile) -> Dict[str, SendCost]:
     if name not in profile.codecs:
         return costs
     costs["compress"] = communicator_formula(profile.communicator).send_cost(profile.codecs[name], profile)
+    for communicator in via:
+        costs[COMPRESS_VIA + communicator] = communicator_formula(communicator).send_cost(profile.codecs[name],
+                                                                                          profile)
     return costs
 
 

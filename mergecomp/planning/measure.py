@@ -418,7 +418,7 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
                           collective_sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22),
                           memory=None, copy_sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22),
                           communicator_object=None, finish_sizes: Optional[Sequence[int]] = None,
-                          optimizer_step: float = 0.0) -> Profile:
+                          optimizer_step: float = 0.0, extra_collectives: Sequence[str] = ()) -> Profile:
     """A full profile from a measured backward timeline (however recorded) plus the probes.
 
     Collective: call on every rank (see :func:`assemble_profile`).  ``memory``: the
@@ -430,7 +430,9 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
     compressed groups is measured through it and that of raw FP32/FP16/BF16 groups through
     allreduce communicators with the casts (:func:`measure_finish_cost`, at
     ``finish_sizes``, by default ``compression_sizes``).  ``optimizer_step``: the wrapped
-    optimizer's measured step seconds, stored as they are.
+    optimizer's measured step seconds, stored as they are.  ``extra_collectives``: kinds
+    measured besides those the communicator's formula needs (for ``"compress:<name>"``
+    send modes priced by other communicators).
     """
     from .. import compressors
     device = torch.device(device)
@@ -439,7 +441,8 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
         if half not in codecs:
             codecs[half] = measure_compression_cost(compressors.create(half), compression_sizes, device)
     from .costmodel import priced_collectives
-    kinds = ["allreduce"] + [kind for kind in priced_collectives(communicator) if kind != "allreduce"]
+    kinds = list(dict.fromkeys(["allreduce", *priced_collectives(communicator),
+                                *(kind for kind in extra_collectives if kind in COLLECTIVE_KINDS)]))
     collectives = {kind: measure_collective_cost(backend, kind, collective_sizes)
                    for kind in kinds if kind in COLLECTIVE_KINDS}
     hierarchy = {}

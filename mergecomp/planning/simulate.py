@@ -42,11 +42,12 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from ..plan import COMPRESS_VIA
 from .costmodel import send_costs
 from .measure import measure_compression_cost, measure_copy_cost
 from .profile import LinearCost, Profile, TensorTiming, scaled_compute
 
-TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps"}
+TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps", "sparse_allreduce": "sparse_allreduce"}
 DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -116,13 +117,16 @@ def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
 
 def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: float,
              topology: str, summable: bool = True, efficiency: float = 1.0,
-             chunk_mb: Optional[float] = None) -> List[dict]:
+             chunk_mb: Optional[float] = None, via: Sequence[str] = ()) -> List[dict]:
     """One row per worker count: predicted times, scaling factors and the optimal plan's shape.
 
     ``base`` carries the timeline, codecs (the configured compressor and fp16) and copy
     cost; ``bandwidth`` is in bytes/s, ``latency`` in seconds, ``efficiency`` the fraction
     of the bandwidth the collectives reach; ``chunk_mb`` lets the optimal plan send large
     tensors in pieces (:class:`~mergecomp.schedulers.optimal.OptimalScheduler`).
+    ``via``: other communicators the optimal plan may send compressed groups by, group
+    by group (``"compress:<name>"``, e.g. ``sparse_allreduce`` beside the allgather); each
+    also gets a row of its own, the best plan whose compressed groups all go by it.
     """
     from ..schedulers.optimal import OptimalScheduler
     if topology not in TOPOLOGIES:
@@ -142,10 +146,13 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
         profile = dataclasses.replace(base, world_size=world, communicator=TOPOLOGIES[topology],
                                       collectives=network_collectives(world, bandwidth, latency, efficiency),
                                       finish={k: v for k, v in base.finish.items() if same or k != "compress"})
-        costs = send_costs(profile)
+        costs = send_costs(profile, via)
         row = {"workers": world}
+        modes = tuple(COMPRESS_VIA + name for name in via)
         for label, sends in (("fp32", ("fp32",)), ("fp16", ("fp16",)),
-                             ("optimal", ("fp32", "fp16", "compress"))):
+                             ("optimal", ("fp32", "fp16", "compress") + modes),
+                             *((f"compress {TOPOLOGIES[topology]}", ("fp32", "compress")) for _ in via[:1]),
+                             *((f"compress {name}", ("fp32", COMPRESS_VIA + name)) for name in via)):
             solution = OptimalScheduler(profile, costs=costs, sends=sends,
                                         chunk_mb=chunk_mb if label == "optimal" else None).solve()
             row[label] = {"iteration_time": solution.iteration_time,
@@ -160,8 +167,11 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
 
 
 def format_table(rows: List[dict]) -> str:
+    extra = [label for label in rows[0] if label.startswith("compress ")] if rows else []
     lines = [f"{'N':>5} | {'fp32 ms':>9} {'scale':>6} | {'fp16 ms':>9} {'scale':>6} | "
              f"{'optimal ms':>10} {'scale':>6}  plan"]
+    if extra:
+        lines[0] += "  | " + " | ".join(f"{label} ms" for label in extra)
     for row in rows:
         cells = []
         for label in ("fp32", "fp16", "optimal"):
@@ -172,7 +182,8 @@ def format_table(rows: List[dict]) -> str:
         shape = ", ".join(f"{k} {v}" for k, v in best["sends"].items() if v)
         mark = f", {best['sliced']} holding pieces of tensors" if best["sliced"] else ""
         mark += "" if best["exact"] else " (state sets cut: best found, not proven optimal)"
-        lines.append(f"{row['workers']:>5} | " + " | ".join(cells) + f"  {best['groups']} groups: {shape}{mark}")
+        lines.append(f"{row['workers']:>5} | " + " | ".join(cells) + f"  {best['groups']} groups: {shape}{mark}"
+                     + "".join(f"  | {row[label]['iteration_time'] * 1e3:.2f}" for label in extra))
     return "\n".join(lines)
 
 
@@ -200,6 +211,9 @@ def _parse_args(argv: Optional[Sequence[str]]):
                         help="comma-separated worker counts")
     parser.add_argument("--chunk-mb", type=float, default=None,
                         help="let the optimal plan send tensors larger than this (MB) in pieces")
+    parser.add_argument("--communicators", default="",
+                        help="comma-separated communicators the optimal plan may also send compressed "
+                             "groups by, group by group (e.g. sparse_allreduce beside --topology allgather)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser.parse_args(argv)
 
@@ -248,8 +262,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         base = with_codecs(base, name, compressor)
         if args.compute_scale != 1.0:
             base = scaled_compute(base, args.compute_scale)
+        via = tuple(name.strip() for name in args.communicators.split(",") if name.strip())
         rows = simulate(base, workers, bandwidth, args.latency * 1e-6, args.topology,
-                        summable=bool(compressor.summable), efficiency=efficiency, chunk_mb=args.chunk_mb)
+                        summable=bool(compressor.summable), efficiency=efficiency, chunk_mb=args.chunk_mb,
+                        via=via)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -42,7 +42,8 @@ from .agreement import StepOutcome
 from ..backends import Backend
 from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
-from ..plan import Group, ParamInfo, Plan
+from .. import communicators
+from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan
 from .regroup import Layout, regroup_state
 from .step import InFlight, Listeners, StepLifecycle
 from ..schedulers.base import Scheduler
@@ -128,7 +129,8 @@ class Reducer:
     def __init__(self, named_params: Sequence[Tuple[str, torch.nn.Parameter]], communicator: Communicator,
                  backend: Backend, scheduler: Scheduler, plan: Optional[Plan] = None,
                  backward_passes_per_step: int = 1, find_unused_parameters: bool = False,
-                 nonfinite: str = "skip", config: str = ""):
+                 nonfinite: str = "skip", config: str = "",
+                 communicator_options: Optional[Dict[str, Dict[str, Any]]] = None):
         self.params = list(named_params)
         if not self.params:
             raise ValueError("no trainable parameters to exchange: every parameter has requires_grad=False")
@@ -141,7 +143,7 @@ class Reducer:
         self.backward_passes_per_step = backward_passes_per_step
         self.find_unused_parameters = find_unused_parameters
         self.config = config
-        self.lifecycle = StepLifecycle(communicator, backend, self.facts, nonfinite)
+        self.lifecycle = StepLifecycle(communicator, backend, self.facts, nonfinite, communicator_options)
 
         self.plan: Optional[Plan] = None
         self.groups: List[GroupState] = []
@@ -268,6 +270,8 @@ class Reducer:
             if len(set(digests)) != 1:
                 raise ValueError(f"ranks were given different plans (digests {digests}); load "
                                  "the same plan on every rank or let rank 0 plan")
+        for send in dict.fromkeys(g.send for g in plan.groups):
+            self.lifecycle.communicator_for(send)  # a mode that cannot be built fails here, not mid-step
         by_name = dict(self.params)
         groups = [GroupState(i, g, by_name) for i, g in enumerate(plan.groups)]
         for group in groups:
@@ -286,6 +290,38 @@ class Reducer:
     def layout(self, plan: Plan) -> Layout:
         return {f"group{i}": pieces for i, pieces in enumerate(plan.pieces(self.numels))}
 
+    def carriers(self) -> List[str]:
+        """Registered communicators other than the job's that a ``"compress:<name>"`` send
+        mode can use here (they carry the compressor and memory) and that have a cost
+        formula; building one has no effect on training (it holds no state until used)."""
+        from ..planning.costmodel import priced_collectives
+        found = []
+        for name in communicators.available():
+            if type(self.communicator) is communicators.get(name) or not priced_collectives(name):
+                continue
+            try:
+                self.lifecycle.communicator_for(COMPRESS_VIA + name)
+            except ValueError:
+                continue
+            found.append(name)
+        return found
+
+    def compression_state(self) -> Dict[str, Any]:
+        """The compressed groups' state (the configured communicator's, with what other
+        compressed send modes hold folded into its memory: see
+        :meth:`StepLifecycle.compression_state`)."""
+        if self.plan is None:
+            return self.communicator.state_dict()
+        sizes = {name: sum(stop - start for _, start, stop in pieces)
+                 for name, pieces in self.layout(self.plan).items()}
+        return self.lifecycle.compression_state(sizes)
+
+    def load_compression_state(self, state: Dict[str, Any]) -> None:
+        """Load what :meth:`compression_state` returned; the other send modes' own state
+        is in it already."""
+        self.communicator.load_state_dict(state)
+        self.lifecycle.forget_owner_state()
+
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` between steps; call it on every rank with the same plan (the
         next step's preflight checks that they did).
@@ -303,10 +339,11 @@ class Reducer:
             self.install_plan(plan)
             return
         old, new = self.layout(self.plan), self.layout(plan)
-        # Raw groups share this memory and their casts are stateless: this is all the state.
-        moved = regroup_state(self.communicator.state_dict(), old, new)  # raises, changing nothing
+        # Raw groups share this memory and their casts are stateless; other compressed send
+        # modes' own state is folded into it: this is all the state.
+        moved = regroup_state(self.compression_state(), old, new)  # raises, changing nothing
         self.install_plan(plan)
-        self.communicator.load_state_dict(moved)
+        self.load_compression_state(moved)
 
     def in_iteration(self) -> bool:
         """Whether a step's exchange is under way (between its first gradient and its end)."""

@@ -37,14 +37,21 @@ from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_
 from ..backends.base import Backend
 from ..communicators.base import Communicator, Handle
 from ..compressors.base import GroupLayout
+from ..plan import check_send, is_compressed, send_communicator
 
 #: What a non-finite step does: skip it on every rank (default), raise, or go unchecked.
 NONFINITE_POLICIES = ("skip", "raise", "off")
 
 #: Send modes: the configured compressor, a cast for an allreduce (sharing the compressed
 #: groups' memory), or ``"exact"``: FP32 through a communicator without memory, for a group
-#: whose error-feedback state must stay where it is this step.
+#: whose error-feedback state must stay where it is this step.  Besides these,
+#: ``"compress:<communicator>"`` (:data:`mergecomp.plan.COMPRESS_VIA`): the configured
+#: compressor and memory through another registered communicator.
 SEND_MODES = ("compress", "fp32", "fp16", "bf16", "exact")
+
+#: What a communicator's ``state_dict`` holds that the configured compressor and memory
+#: (shared by every compressed send mode) already hold.
+SHARED_STATE = ("compressor", "memory")
 
 
 def check_nonfinite_policy(nonfinite: Any) -> str:
@@ -53,6 +60,26 @@ def check_nonfinite_policy(nonfinite: Any) -> str:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}: 'skip' "
                          "drops a NaN/Inf step on every rank, 'raise' stops, 'off' does not check")
     return nonfinite
+
+
+def check_communicator_options(options: Optional[Mapping[str, Mapping[str, Any]]]) -> Dict[str, Dict[str, Any]]:
+    """``{communicator name: keyword arguments}`` for the communicators of
+    ``"compress:<name>"`` send modes, checked: registered names, mappings of keywords."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"communicator_options must map communicator names to keyword arguments, e.g. "
+                        f"{{'sparse_allreduce': {{'keep': None}}}}, got {options!r}")
+    known = communicators.available()
+    checked = {}
+    for name, kwargs in options.items():
+        if name not in known:
+            raise ValueError(f"communicator_options names {name!r}, which is not a registered "
+                             f"communicator; registered: {', '.join(known)}")
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise TypeError(f"communicator_options[{name!r}] must map keyword names to values, got {kwargs!r}")
+        checked[name] = dict(kwargs)
+    return checked
 
 
 class Listeners:
@@ -124,8 +151,10 @@ class StepLifecycle:
     dropped_means = "p.grad is NaN, compressor and error-feedback state are as before the step"
 
     def __init__(self, communicator: Communicator, backend: Backend,
-                 facts: Callable[[], Mapping[str, Any]], nonfinite: str = "skip"):
+                 facts: Callable[[], Mapping[str, Any]], nonfinite: str = "skip",
+                 communicator_options: Optional[Mapping[str, Mapping[str, Any]]] = None):
         self.nonfinite = check_nonfinite_policy(nonfinite)
+        self.communicator_options = check_communicator_options(communicator_options)
         self.communicator = communicator
         self.backend = backend
         self._facts = facts
@@ -147,19 +176,73 @@ class StepLifecycle:
         Raw widths share the compressed groups' memory: error feedback stays whole when a
         plan turns a compressed group raw (the residual goes out with the next raw send), and
         memory-side momentum (DGC) goes on for raw groups.
+
+        ``"compress:<name>"`` builds communicator ``name`` (with ``communicator_options[name]``)
+        around the configured compressor and memory instances: their state is keyed by group,
+        so a group that changes communicator between plans keeps its residual.  The
+        configured communicator's own class is the configured communicator itself.
         """
         if send not in self._by_send:
-            if send not in SEND_MODES:
-                raise ValueError(f"send mode must be one of {SEND_MODES}, got {send!r}")
-            exact = send == "exact"
-            self._by_send[send] = communicators.create(
-                "allreduce", compressor=compressors.create("none" if send in ("fp32", "exact") else send),
-                memory=memories.create("none") if exact else self.communicator.memory, backend=self.backend)
+            via = send_communicator(send) if isinstance(send, str) else None
+            if via is not None:
+                self._by_send[send] = self._compressing_via(via, send)
+            else:
+                if send not in SEND_MODES:
+                    raise ValueError(f"send mode must be one of {', '.join(SEND_MODES)} or "
+                                     f"'compress:<communicator>', got {send!r}")
+                exact = send == "exact"
+                self._by_send[send] = communicators.create(
+                    "allreduce", compressor=compressors.create("none" if send in ("fp32", "exact") else send),
+                    memory=memories.create("none") if exact else self.communicator.memory, backend=self.backend)
         return self._by_send[send]
+
+    def _compressing_via(self, name: str, send: str) -> Communicator:
+        """Communicator ``name`` around the configured compressor and memory (see
+        :meth:`communicator_for`); a clear error for one that cannot carry them or that
+        would hold state no plan switch or checkpoint could keep."""
+        check_send(send, "send mode")
+        main = self.communicator
+        options = dict(self.communicator_options.get(name, {}))
+        if type(main) is communicators.get(name) and not options:
+            return main
+        try:
+            built = communicators.create(name, compressor=main.compressor, memory=main.memory,
+                                         backend=self.backend, **options)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"send mode {send!r}: {error}") from None
+        if callable(getattr(built, "check_foldable", None)):
+            built.check_foldable()
+        own = sorted(set(built.state_dict()) - set(SHARED_STATE))
+        if own and not callable(getattr(built, "fold_owner_residuals", None)):
+            raise ValueError(
+                f"send mode {send!r}: the {name} communicator keeps state of its own ({own}) that "
+                "cannot follow a group into another plan or a checkpoint while another communicator "
+                f"is the job's; make {name!r} the job's communicator instead")
+        return built
 
     def communicators(self) -> List[Communicator]:
         """Every communicator this rank sends with (compressed first, then the others)."""
-        return list(self._by_send.values())
+        return list({id(c): c for c in self._by_send.values()}.values())
+
+    # -- state of the compressed send modes ------------------------------------------------------
+    def compression_state(self, sizes: Mapping[str, int]) -> Dict[str, Any]:
+        """The configured communicator's state, with what the other compressed send modes'
+        communicators hold on their own (the sparse allreduce's owner residuals) folded into
+        its memory's per-group residuals (``sizes``: elements per group name): the sum of
+        everything held back is unchanged, and a plan switch or a checkpoint can move it."""
+        state = self.communicator.state_dict()
+        for communicator in self.communicators():
+            fold = getattr(communicator, "fold_owner_residuals", None)
+            if communicator is not self.communicator and fold is not None:
+                state = dict(state, memory=fold(state.get("memory", {}), sizes))
+        return state
+
+    def forget_owner_state(self) -> None:
+        """Drop what :meth:`compression_state` folded into the memory (once that state is
+        loaded), so that it is not counted twice."""
+        for communicator in self.communicators():
+            if communicator is not self.communicator and callable(getattr(communicator, "drop_owner_residuals", None)):
+                communicator.drop_owner_residuals()
 
     # -- a step ----------------------------------------------------------------------------------
     @property
@@ -195,7 +278,7 @@ class StepLifecycle:
         listening = bool(self.phase_listeners)
         started = since if since is not None else time.perf_counter() if listening else 0.0
         flight = InFlight(index, buffer, send, self.communicator_for(send), owner)
-        if send == "compress" and self.nonfinite != "off":
+        if is_compressed(send) and self.nonfinite != "off":
             # A compressor must never see a NaN (a sparsifier could drop it, an SVD would
             # fail, error feedback would keep it): flag it and send zeros; the step is dropped.
             flight.local_nonfinite = nonfinite_flag(buffer)

@@ -83,7 +83,8 @@ class SchedulerContext:
     * :meth:`time_optimizer_steps`: the wrapped optimizer's own ``step()`` seconds.
     * Read-only facts: :attr:`backend` (collectives to agree on measurements; its
       ``rank``), :attr:`compressor`, :attr:`memory` and :attr:`communicator` (the cost
-      model prices and probes the job's own).
+      model prices and probes the job's own), and :meth:`carriers` (the other
+      communicators a ``"compress:<name>"`` send mode may use).
     """
 
     __slots__ = ("_exchange", "_inner", "_backend", "_compressor", "_memory", "_communicator")
@@ -156,6 +157,13 @@ class SchedulerContext:
     def communicator(self):
         """The job's communicator (the cost model prices its groups; the probes run it)."""
         return self._communicator
+
+    def carriers(self) -> Tuple[str, ...]:
+        """Registered communicators besides the job's that can carry its compressor and
+        memory as ``"compress:<name>"`` send modes (they build, with the job's
+        ``communicator_options``), and whose cost formula the cost model can use."""
+        find = getattr(self._exchange, "carriers", None)
+        return tuple(find()) if callable(find) else ()
 
     def __repr__(self) -> str:
         return (f"SchedulerContext(ranks={self._backend.size}, plan="

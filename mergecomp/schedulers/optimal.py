@@ -71,7 +71,7 @@ import numpy as np
 from . import register
 from .base import Scheduler, split_by_type
 from ..planning.costmodel import _OFF_COMPUTE_INTERFERENCE, SendCost, START, advance, finish_time, group_cost, send_costs
-from ..plan import Group, ParamInfo, Plan, SEND_MODES
+from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan, check_send, send_communicator
 from ..planning.profile import Profile, TensorTiming
 
 
@@ -108,7 +108,12 @@ class OptimalScheduler(Scheduler):
         costs: send costs to use instead of :func:`~mergecomp.planning.costmodel.send_costs`
             of the profile (the simulator passes network-model costs here).
         sends: the send modes to choose from, overriding ``allow_half``/``allow_compress``
-            (e.g. ``("fp16",)`` for the best all-FP16 plan).
+            (e.g. ``("fp16",)`` for the best all-FP16 plan, or ``("fp32", "compress",
+            "compress:sparse_allreduce")``).
+        communicators: also consider the configured compressor through each of these
+            registered communicators, group by group (``"compress:<name>"`` send modes,
+            priced by their ``send_cost``; the profile must have measured their
+            collectives), beside the profile's own communicator.
         max_states: the most non-dominated states kept per prefix.  The DP is exact while
             no set exceeds it (``Solution.exact``); a larger set is cut to the states with
             the smallest lower bounds, which bounds planning time on models with hundreds
@@ -123,25 +128,31 @@ class OptimalScheduler(Scheduler):
     def __init__(self, profile: Union[Profile, str], allow_half: bool = False,
                  allow_compress: bool = True, compression_on_compute: bool = True,
                  costs: Optional[Mapping[str, SendCost]] = None, max_states: Optional[int] = 64,
-                 sends: Optional[Sequence[str]] = None, chunk_mb: Optional[float] = None):
+                 sends: Optional[Sequence[str]] = None, chunk_mb: Optional[float] = None,
+                 communicators: Sequence[str] = ()):
         if isinstance(profile, str):
             profile = Profile.load(profile)
         if not isinstance(profile, Profile):
             raise TypeError(f"OptimalScheduler needs a Profile or a profile path, got {type(profile).__name__}")
         self.profile = profile
-        self.costs: Dict[str, SendCost] = dict(send_costs(profile) if costs is None else costs)
+        if isinstance(communicators, str):
+            communicators = (communicators,)
+        wanted = ["fp32"] + (["compress"] if allow_compress else []) + \
+                 (["fp16", "bf16"] if allow_half else []) + \
+                 [COMPRESS_VIA + name for name in communicators if allow_compress]
+        if sends is not None:
+            wanted = list(dict.fromkeys(sends))
+            if not wanted:
+                raise ValueError(f"sends must be a non-empty list of send modes, got {sends!r}")
+        for send in wanted:
+            check_send(send, "each of sends")
+        via = [send_communicator(s) for s in wanted if send_communicator(s) is not None]
+        self.costs: Dict[str, SendCost] = dict(send_costs(profile, via) if costs is None else costs)
         self.compression_on_compute = bool(compression_on_compute)
         if not self.compression_on_compute and (profile.interference != 1.0
                                                 or profile.collective_slowdown != 1.0):
             raise ValueError(_OFF_COMPUTE_INTERFERENCE.format(profile.interference,
                                                               profile.collective_slowdown))
-        wanted = ["fp32"] + (["compress"] if allow_compress else []) + \
-                 (["fp16", "bf16"] if allow_half else [])
-        if sends is not None:
-            wanted = list(dict.fromkeys(sends))
-            unknown = [s for s in wanted if s not in SEND_MODES]
-            if unknown or not wanted:
-                raise ValueError(f"sends must be a non-empty list of {SEND_MODES}, got {sends!r}")
         missing = [s for s in wanted if s not in self.costs]
         if missing:
             raise ValueError(f"the profile cannot price send modes {missing} (it prices "

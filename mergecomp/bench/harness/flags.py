@@ -248,3 +248,24 @@ def check_plan(args) -> None:
     except ValueError as error:
         raise ValueError(f"--plan-in {args.plan_in}: {error}; was it saved (--plan-out) from a run "
                          f"of --model {args.model}?") from None
+
+
+def parse_spec(text: str):
+    """A component as a flag names it, ``name[:key=value...]`` → (name, options): values
+    are Python literals where they parse as one (``0.01``, ``None``, ``True``), else strings.
+    ``topk:compress_ratio=0.01``, ``sparse_allreduce:keep=2``, ``hierarchical:inner=ps``."""
+    import ast
+    name, *pairs = text.split(":")
+    if not name:
+        raise ValueError(f"{text!r} names no component: write name[:key=value...], e.g. topk:compress_ratio=0.01")
+    options = {}
+    for pair in pairs:
+        key, equals, raw = pair.partition("=")
+        if not key or not equals:
+            raise ValueError(f"{text!r}: {pair!r} is not key=value; write name[:key=value...], "
+                             f"e.g. topk:compress_ratio=0.01")
+        try:
+            options[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            options[key] = raw
+    return name, options

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 
+from ...plan import is_compressed
 from ...runtime import launch
 from .workload import Workload
 
@@ -28,7 +29,7 @@ def exchange_fields(args, optimizer, search_steps: int) -> Dict[str, Any]:
         "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
         "comm": args.comm if args.compress else "allreduce", "fusion_num": args.fusion_num,
         "scheduler": args.scheduler, "search_steps": search_steps, "groups": len(optimizer.plan),
-        "compressed_groups": sum(g.send == "compress" for g in optimizer.plan.groups),
+        "compressed_groups": sum(is_compressed(g.send) for g in optimizer.plan.groups),
         "plan": optimizer.plan.digest()}
 
 
@@ -161,3 +162,19 @@ def provenance(argv=None) -> Dict[str, Any]:
             "torch": torch.__version__, "python": platform.python_version(),
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
+
+
+def record_run(folder: str, argv) -> None:
+    """Append this run's :func:`provenance` to ``folder/manifest.json``'s ``runs`` (created
+    if absent): a results folder filled by several commands keeps each one."""
+    import json
+    path = os.path.join(folder, "manifest.json")
+    manifest = {"runs": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict):
+            raise ValueError(f"{path} is not a manifest (a JSON object); move it away or pick another folder")
+    manifest.setdefault("runs", []).append(provenance(argv))
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=2)

@@ -115,7 +115,8 @@ def prepare(args) -> Workload:
     """Initialise the process group and build the model and its synthetic batch.
 
     ``args`` needs ``no_cuda``, ``threads``, ``seed``, ``model`` and ``batch_size``; an
-    optional ``timeout`` (seconds) bounds every collective's wait.
+    optional ``timeout`` (seconds) bounds every collective's wait, an optional
+    ``model_options`` (a dict) goes to the model's ``build`` and ``batch`` (a size).
     On the CPU each worker gets cores / local workers threads unless ``threads`` says.
     """
     device_name = "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
@@ -127,9 +128,10 @@ def prepare(args) -> Workload:
     torch.manual_seed(args.seed)
     spec = models.get(args.model)
     batch_size = args.batch_size or spec.default_batch_size
-    model = spec.build().to(device)
+    options = getattr(args, "model_options", None) or {}
+    model = spec.build(**options).to(device)
     generator = torch.Generator(device=device).manual_seed(args.seed + info.rank)
-    inputs, targets = spec.batch(batch_size, device=device, generator=generator)
+    inputs, targets = spec.batch(batch_size, device=device, generator=generator, **options)
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     progress = Progress(show=info.rank == 0 and not sys.stdout.isatty(),
                         every_s=getattr(args, "progress_every", 10.0))

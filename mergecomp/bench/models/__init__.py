@@ -6,6 +6,6 @@ that matter for gradient compression: many small tensors (resnet20), a deep Imag
 (resnet50), a few huge tensors (vgg16, lstm) and a transformer in between.
 """
 from .spec import ModelSpec, available, count_parameters, get, register
-from . import lstm, resnet, transformer, vgg  # noqa: F401  (registers the specs)
+from . import lstm, mlp, resnet, transformer, vgg  # noqa: F401  (registers the specs)
 
 __all__ = ["ModelSpec", "available", "count_parameters", "get", "register"]

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 IMAGE_UNIT = "img"
 SEQUENCE_UNIT = "seq"
+VECTOR_UNIT = "sample"
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class ModelSpec:
     """One benchmark model.
 
     ``unit`` names what one sample is, for throughput reports: ``"img"`` for image models,
-    ``"seq"`` for language models (one sample is one token sequence).
+    ``"seq"`` for language models (one sample is one token sequence), ``"sample"`` for a
+    model of plain feature vectors.
     ``build(**kwargs)`` returns a fresh ``nn.Module``; ``batch(batch_size, device, generator,
     **kwargs)`` returns ``(inputs, targets)``; ``loss(outputs, targets)`` returns a scalar.
     """
@@ -46,9 +48,9 @@ class ModelSpec:
     description: str = ""
 
     def __post_init__(self):
-        if self.unit not in (IMAGE_UNIT, SEQUENCE_UNIT):
-            raise ValueError(f"model {self.name!r}: unit must be {IMAGE_UNIT!r} or "
-                             f"{SEQUENCE_UNIT!r}, got {self.unit!r}")
+        if self.unit not in (IMAGE_UNIT, SEQUENCE_UNIT, VECTOR_UNIT):
+            raise ValueError(f"model {self.name!r}: unit must be {IMAGE_UNIT!r}, {SEQUENCE_UNIT!r} or "
+                             f"{VECTOR_UNIT!r}, got {self.unit!r}")
         check_positive_int(f"model {self.name!r} default_batch_size", self.default_batch_size)
 
 

@@ -37,7 +37,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ...planning.costmodel import predict
 from ...plan import Plan
-from ...planning.profile import LinearCost, Profile, fit_live_costs, scaled_compute
+from ...planning.profile import FINISH_SENDS, LinearCost, Profile, fit_live_costs, scaled_compute
 
 #: One visit of a candidate: its counted step seconds (each the slowest rank's) and the
 #: median forward seconds of those steps (None: no forward was timed).
@@ -190,8 +190,8 @@ def refit_profile(profile: Profile, samples_by_rank: Sequence[Mapping[str, Mappi
         pooled: Dict[str, List[Tuple[int, float]]] = {}
         for samples in samples_by_rank:
             for send, pairs in samples.get(phase, {}).items():
-                if send == "compress" and not compressed_local:
-                    continue
+                if (send == "compress" and not compressed_local) or send not in FINISH_SENDS:
+                    continue  # "compress:<name>" modes: priced by their communicator's formula
                 pooled.setdefault(send, []).extend(pairs)
         fitted[phase] = fit_live_costs(pooled)
     refitted = dataclasses.replace(profile, finish={**profile.finish, **fitted["finish"]},

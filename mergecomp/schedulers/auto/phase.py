@@ -48,6 +48,9 @@ class Findings:
     as_timed: Dict[str, float] = field(default_factory=dict)
     #: (label, plan, measured seconds) of the plan chosen.
     best: Optional[Tuple[str, Plan, float]] = None
+    #: Communicators besides the job's that can carry its compressor and memory
+    #: (``"compress:<name>"`` send modes the DP may choose group by group).
+    carriers: Tuple[str, ...] = ()
 
 
 @dataclass

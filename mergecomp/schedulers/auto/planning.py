@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence
 
-from ...planning.costmodel import NoCostFormula, communicator_formula, predict
-from ...plan import ParamInfo, Plan
+from ...planning.costmodel import NoCostFormula, communicator_formula, predict, priced_collectives
+from ...plan import COMPRESS_VIA, ParamInfo, Plan
 from ...planning.profile import Profile
 from ..bucket import BucketScheduler
 from ..fixed import FixedScheduler
@@ -47,20 +47,23 @@ def check_priceable(context) -> None:
             "schedule that needs no cost model (a fusion-num, 'bucket' or 'binary').") from None
 
 
-def plan_candidates(profile: Profile, settings: AutoSettings, say: Callable[[str], None]) -> List[Candidate]:
+def plan_candidates(profile: Profile, settings: AutoSettings, say: Callable[[str], None],
+                    carriers: Sequence[str] = ()) -> List[Candidate]:
     """The candidates, each with the cost model's step time, in the order the check visits
-    them (see the module docstring).  A DP plan the profile cannot price is left out, and
-    said."""
+    them (see the module docstring).  The DP's compressed groups may also travel by any of
+    ``carriers`` whose collectives the profile measured (``"compress:<name>"`` modes,
+    chosen group by group).  A DP plan the profile cannot price is left out, and said."""
     params = profile.params()
+    via = tuple(name for name in carriers if set(priced_collectives(name)) <= set(profile.collectives))
     found: List[Candidate] = []
 
     def add(label: str, plan: Plan) -> None:
         if all(plan.digest() != candidate.plan.digest() for candidate in found):
             found.append(Candidate(label, plan, predict(plan, profile).iteration_time))
 
-    for label, kwargs in (("optimal", {"allow_half": settings.allow_half}),
+    for label, kwargs in (("optimal", {"allow_half": settings.allow_half, "communicators": via}),
                           ("no compression", {"allow_compress": False, "allow_half": settings.allow_half}),
-                          ("all compressed", {"sends": ("compress",)})):
+                          ("all compressed", {"sends": ("compress",) + tuple(COMPRESS_VIA + name for name in via)})):
         try:
             plan = OptimalScheduler(profile, chunk_mb=settings.chunk_mb, **kwargs).plan(params)
         except ValueError as error:  # e.g. a send mode the profile cannot price

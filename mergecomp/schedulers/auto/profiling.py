@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -77,16 +77,21 @@ class Profiling(Phase):
         self.live.detach()
         self.optimizer_steps.detach()
         alone = self.ready.spans()
-        self.search.findings.profile = measure_profile(context, self.ready, self.optimizer_steps.seconds)
+        self.search.findings.carriers = context.carriers()
+        self.search.findings.profile = measure_profile(context, self.ready, self.optimizer_steps.seconds,
+                                                       self.search.findings.carriers)
         if self.search.settings.interference_steps:
             return Interference(self.search, context, alone, self.live)
         from .racing import Checking
         return Checking.begin(self.search, context, self.live)
 
 
-def measure_profile(context, ready: ReadyTimes, optimizer_steps: List[float]) -> Profile:
+def measure_profile(context, ready: ReadyTimes, optimizer_steps: List[float],
+                    carriers: Sequence[str] = ()) -> Profile:
     """Median ready times (first pass dropped as warm-up) → timeline → the probes → a full
-    profile.  A collective: every rank calls it at the same step."""
+    profile, with the collectives the ``carriers``' formulas need (the communicators of
+    ``"compress:<name>"`` modes).  A collective: every rank calls it at the same step."""
+    from ...planning.costmodel import priced_collectives
     from ...planning.measure import profile_from_timeline
     by_name = dict(context.named_parameters())
     medians = ready.medians()
@@ -114,7 +119,8 @@ def measure_profile(context, ready: ReadyTimes, optimizer_steps: List[float]) ->
                                  compression_sizes=sizes, memory=context.memory,
                                  copy_sizes=(2 ** 14, 2 ** 18, 2 ** 22, 4 * largest),
                                  communicator_object=context.communicator, finish_sizes=finish_sizes,
-                                 optimizer_step=statistics.median(steps) if steps else 0.0)
+                                 optimizer_step=statistics.median(steps) if steps else 0.0,
+                                 extra_collectives=[kind for name in carriers for kind in priced_collectives(name)])
 
 
 def dummy_bytes(allreduce: LinearCost, seconds: float, least: int, most: int) -> int:

@@ -49,7 +49,8 @@ class Checking(Phase):
         backend = context.backend
         if backend.rank == 0 and settings.profile_out:
             findings.profile.save(settings.profile_out)
-        found = plan_candidates(findings.profile, settings, search.say) if backend.rank == 0 else None
+        found = (plan_candidates(findings.profile, settings, search.say, findings.carriers)
+                 if backend.rank == 0 else None)
         sent = backend.broadcast_object(
             None if found is None else [[c.label, c.plan.to_dict(), c.predicted] for c in found], src=0)
         self.candidates: List[Candidate] = [Candidate(label, Plan.from_dict(plan), predicted)

@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import register
 from ..base import AdaptiveScheduler, SchedulerContext
-from ...plan import Plan
+from ...plan import Plan, is_compressed
 from ...planning.profile import Profile
 from .phase import Findings, Phase, ReportRow, Search, Starting
 from .planning import profiling_plan
@@ -156,7 +156,7 @@ def describe_findings(findings: Findings, steps: int, speed_correction: bool = T
     the ``steps`` the search took."""
     lines = ["auto scheduler: candidates (predicted vs measured step time, at the check's median speed)"]
     for label, plan, predicted, measured in findings.report:
-        compressed = sum(g.send == "compress" for g in plan.groups)
+        compressed = sum(is_compressed(g.send) for g in plan.groups)
         sliced = sum(g.slices is not None for g in plan.groups)
         pieces = f", {sliced} with pieces of tensors" if sliced else ""
         shown = f"{measured * 1e3:9.1f} ms" if isinstance(measured, float) else measured

@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Deep Gradient Compression written out in plain torch, on a language-model task of
+``convergence.py``: is a gap to dense DGC's or mergecomp's?
+
+Lin et al., "Deep Gradient Compression", ICLR 2018, Algorithm 1 with the paper's four
+techniques, on one flat vector of every gradient per rank, without any mergecomp compressor,
+memory or communicator:
+
+    g ← the rank's gradient, clipped to clip/√N (local gradient clipping, section 3.2)
+    u ← m·u + g;  v ← v + u                      (momentum correction)
+    send the k = density·n largest |v| (exact top-k) as values and int64 indices
+    allgather, sum, divide by N; the optimizer (SGD, no momentum) steps on that average
+    v[sent] ← 0;  u[sent] ← 0                     (momentum factor masking; --no-masking keeps u)
+    density: 25% → the target over the first --warmup-steps steps, exponentially (warm-up)
+
+The task, data, model, seeds, batch order and validation are ``convergence.py``'s (from
+``mergecomp.bench``: the harness, not the compressor), so a row here and the ``dgc`` row of
+``convergence.py --task char-lstm`` at the same settings train the same model on the same
+windows.  A dense row (``--density 1``, momentum SGD, the averaged gradient clipped) is the
+reference's own baseline.
+
+    python -m benchmarks.reference_dgc_lm --task char-lstm --workers 2 --steps 400 --lr 2 \\
+        --density 0.001 --warmup-steps 100
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+if not __package__:  # the convergence benchmark is a sibling module: import it through the package
+    sys.exit("benchmarks/reference_dgc_lm.py imports the convergence benchmark's task: run it as a module from "
+             "the repository root: .venv/bin/python -m benchmarks.reference_dgc_lm ...")
+from benchmarks import convergence  # noqa: E402  the task's defaults
+from mergecomp import launch  # noqa: E402
+from mergecomp.bench import lm  # noqa: E402
+from mergecomp.bench.data import text  # noqa: E402
+from mergecomp.bench.harness import provenance  # noqa: E402
+
+
+def density_at(step: int, target: float, warmup_steps: int) -> float:
+    """The paper's exponential warm-up from 25% to ``target``, measured in steps."""
+    if step >= warmup_steps or target >= 0.25:
+        return target
+    return max(target, 0.25 * (target / 0.25) ** (step / warmup_steps))
+
+
+def exchange(params, state, options, step, world) -> int:
+    """DGC on the flat gradient of ``params``: writes the averaged sparse update into each
+    ``p.grad``; returns the values sent by this rank."""
+    grads = [p.grad for p in params]
+    g = torch.cat([x.reshape(-1) for x in grads])
+    if options["clip"]:
+        g.mul_(min(1.0, options["clip"] / math.sqrt(world) / (float(g.norm()) + 1e-12)))
+    u, v = state.setdefault("u", torch.zeros_like(g)), state.setdefault("v", torch.zeros_like(g))
+    u.mul_(options["momentum"]).add_(g)
+    v.add_(u)
+    k = max(1, int(round(density_at(step, options["density"], options["warmup_steps"]) * g.numel())))
+    indices = torch.topk(v.abs(), k, sorted=False).indices
+    values = v[indices]
+    gathered_values = [torch.empty_like(values) for _ in range(world)]
+    gathered_indices = [torch.empty_like(indices) for _ in range(world)]
+    dist.all_gather(gathered_values, values)
+    dist.all_gather(gathered_indices, indices)
+    average = torch.zeros_like(g)
+    for i, x in zip(gathered_indices, gathered_values):
+        average.index_add_(0, i, x)
+    average.div_(world)
+    v[indices] = 0
+    if options["masking"]:
+        u[indices] = 0
+    offset = 0
+    for p in params:
+        p.grad.copy_(average[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return k
+
+
+def train(options: dict) -> list:
+    info = launch.init_distributed(backend="gloo")
+    torch.set_num_threads(1)
+    rank, world = info.rank, info.world_size
+    task = lm.get_task(options["task"])
+    corpus = text.load_text(options["corpus"], "char")
+    valid = text.validation_rows(corpus.valid, 16, 512)
+    runs = []
+    for seed in options["seeds"]:
+        torch.manual_seed(seed)
+        model = task.build(corpus.vocab_size)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # every rank starts from rank 0's model, as the wrapper broadcasts it
+            dist.broadcast(p.data, 0)
+        dense = options["density"] >= 1.0
+        optimizer = torch.optim.SGD(params, lr=options["lr"], momentum=options["momentum"] if dense else 0.0)
+        stream = lm.TextStream(corpus, options["batch_size"], task.bptt, rank, world)
+        curve = [dict(step=0, valid_loss=lm.validation_loss(task, model, valid))]
+        state, dgc_state, sent, done = None, {}, 0, 0
+        for inputs, targets, _epoch, first in stream:
+            if done == options["steps"]:
+                break
+            if first:
+                state = None
+            optimizer.zero_grad()
+            logits, state = lm.forward(task, model, inputs, state)
+            state = lm.detach(state)
+            nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+            if dense:
+                for p in params:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+                if options["clip"]:
+                    torch.nn.utils.clip_grad_norm_(params, options["clip"])
+            else:
+                sent += exchange(params, dgc_state, options, done, world)
+            optimizer.step()
+            done += 1
+            if done % options["eval_every"] == 0 or done == options["steps"]:
+                curve.append(dict(step=done, valid_loss=lm.validation_loss(task, model, valid)))
+        runs.append(dict(seed=seed, valid_loss=curve[-1]["valid_loss"], curve=curve,
+                         values_sent_per_step=sent / max(1, done)))
+    launch.shutdown()
+    return runs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=sorted(lm.TASKS), default="char-lstm")
+    p.add_argument("--corpus", default="pydoc")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=convergence.DEFAULT_LM_STEPS)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--lr", type=float, required=True, help="dense SGD's learning rate")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
+    p.add_argument("--density", type=float, default=0.001, help="fraction sent; 1: dense SGD")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--no-masking", action="store_true", help="keep the momentum of sent coordinates")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--out", default=None, help="a JSON file for the runs")
+    args = p.parse_args(argv)
+    if not 0 < args.density <= 1 or args.workers < 1 or args.steps < 1 or args.eval_every < 1 \
+            or args.warmup_steps < 0 or args.clip < 0 or not args.lr > 0:
+        p.error("--density must be in (0, 1], --workers, --steps, --eval-every ≥ 1, "
+                "--warmup-steps, --clip ≥ 0 and --lr > 0")
+    options = dict(task=args.task, corpus=args.corpus, steps=args.steps, eval_every=args.eval_every,
+                   lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, clip=args.clip,
+                   density=args.density, warmup_steps=args.warmup_steps, masking=not args.no_masking,
+                   seeds=[int(s) for s in args.seeds.split(",")])
+    runs = launch.spawn(train, args.workers, args=(options,))[0]
+    kind = "dense" if args.density >= 1 else (f"DGC {args.density:g}, warm-up {args.warmup_steps} steps, "
+                                             f"masking {'on' if options['masking'] else 'off'}")
+    for run in runs:
+        print(f"{kind}, seed {run['seed']}: validation loss {run['valid_loss']:.4f}, curve "
+              f"{[round(c['valid_loss'], 3) for c in run['curve']]}, "
+              f"{run['values_sent_per_step']:.0f} values sent per step")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"options": options, "workers": args.workers, "runs": runs,
+                       "provenance": provenance()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
