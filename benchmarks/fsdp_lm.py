@@ -42,12 +42,9 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mergecomp  # noqa: E402
-from mergecomp.bench import lm  # noqa: E402
-from mergecomp.bench.data import text  # noqa: E402
+import mergecomp
+from mergecomp.bench import lm
+from mergecomp.bench.data import text
 
 RUNS = ("fsdp2", "topk", "powersgd")
 #: One JSON line per finished run, in the --out folder.

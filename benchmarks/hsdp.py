@@ -23,15 +23,15 @@ per step, and each compressed configuration's speed-up over ``hsdp``: the median
 per-round ratios.
 
     python benchmarks/cluster.py --nodes 2 --workers-per-node 2 --profile 1gbit -- \\
-        python benchmarks/hsdp.py --json hsdp.json
-    python benchmarks/hsdp.py --table hsdp.json
+        python -m benchmarks.hsdp --json hsdp.json
+    python -m benchmarks.hsdp --table hsdp.json
+
+It imports benchmarks/headline.py's timing, so it runs as a module from the repository root.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import os
 import statistics
 import sys
 import time
@@ -41,26 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import headline  # noqa: E402  (the interleaved timing)
-
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mergecomp  # noqa: E402
-
-
-def parse_spec(spec: str):
-    """``name[:key=value...]`` → (name, options)."""
-    name, *pairs = spec.split(":")
-    options = {}
-    for pair in pairs:
-        key, _, raw = pair.partition("=")
-        try:
-            options[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            options[key] = raw
-    return name, options
+import mergecomp
+from mergecomp.bench import harness
 
 
 def mlp(width: int, depth: int) -> nn.Module:
@@ -89,6 +71,7 @@ def replica_bytes(model: nn.Module, replicas: int) -> float:
 
 
 def build(args, mesh, inputs, targets):
+    from benchmarks import headline  # its Configuration and interleaved timing
     def step_of(model, optimizer):
         def step():
             optimizer.zero_grad()
@@ -110,7 +93,7 @@ def build(args, mesh, inputs, targets):
         counter["steps"] += 1
     configurations["hsdp"] = headline.Configuration("hsdp", own_step, lambda: own * counter["steps"])
     for spec in args.compressors:
-        name, options = parse_spec(spec)
+        name, options = harness.parse_spec(spec)
         model = sharded(args, mesh)
         state = mergecomp.fsdp.register(model, compressor=name, **options)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -131,6 +114,7 @@ def worker(args) -> int:
     for configuration in configurations.values():
         for _ in range(args.warmup):
             configuration.step()
+    from benchmarks import headline
     per_step, bytes_per_step, _ = headline.timed_rounds(configurations, args)
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, per_step)
@@ -176,7 +160,7 @@ def table_of(result) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hsdp", description=__doc__.split("\n")[0])
     parser.add_argument("--compressors", default="topk:compress_ratio=0.01,powersgd",
                         help="comma-separated name[:key=value...] (default topk at 1%% and powersgd)")
     parser.add_argument("--width", type=int, default=2048)
@@ -201,7 +185,8 @@ def main(argv=None) -> int:
         return 0
     args.compressors = [c for c in args.compressors.split(",") if c]
     for spec in args.compressors:
-        mergecomp.compressors.get(parse_spec(spec)[0])  # an unknown name fails before any rank starts
+        name, options = harness.parse_spec(spec)
+        mergecomp.compressors.create(name, **options)  # unknown names and options fail before any rank
     for what in ("width", "depth", "batch", "threads", "rounds", "window"):
         if getattr(args, what) < 1:
             parser.error(f"--{what} must be ≥ 1, got {getattr(args, what)}")
@@ -209,4 +194,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if not __package__:
+        sys.exit("benchmarks/hsdp.py imports benchmarks/headline.py: run it as a module from the repository "
+                 "root, python -m benchmarks.hsdp " + " ".join(sys.argv[1:]))
+    harness.exit_with(main)
