@@ -18,7 +18,7 @@ STEPS = 6
 def _mesh():
     """The 2×2 mesh of two nodes of two ranks, from the node layout."""
     import mergecomp
-    return mergecomp.fsdp.node_mesh("cpu", local_size=2)
+    return mergecomp.fsdp.node_mesh(local_size=2)  # gloo: a CPU mesh
 
 
 def _node_mesh(rank):

@@ -28,7 +28,8 @@ def node_mesh(device_type: Optional[str] = None, local_size: Optional[int] = Non
 
     Rank r sits at ``(r // L, r % L)`` for L ranks per node (the launchers' numbering): its
     shard group is its node, its replica group one rank per node.  ``device_type``: the
-    mesh's device (``"cuda"``, ``"cpu"``...); default ``"cuda"`` under NCCL, else ``"cpu"``.
+    mesh's device (``"cuda"``, ``"cpu"``...); default ``"cuda"`` where NCCL is a backend of
+    the default group, else ``"cpu"``.
     ``local_size``: ranks per node, overriding ``MERGECOMP_LOCAL_SIZE`` and the launcher's
     local world size.  A collective: call it on every rank, after ``init_process_group``.
 
@@ -46,6 +47,6 @@ def node_mesh(device_type: Optional[str] = None, local_size: Optional[int] = Non
             f"every rank with fully_shard(module) (a 1-D mesh), or give local_size= (or "
             f"{LOCAL_SIZE_VARIABLE}) if the launcher misreports the ranks per node")
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = "cuda" if "nccl" in dist.get_backend() else "cpu"  # also "cpu:gloo,cuda:nccl"
     from torch.distributed.device_mesh import init_device_mesh
     return init_device_mesh(device_type, (layout.num_nodes, layout.local_size), mesh_dim_names=MESH_DIM_NAMES)
