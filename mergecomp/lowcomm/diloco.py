@@ -28,7 +28,8 @@ the non-finite check, commit or rollback of compressor and memory state.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+import contextlib
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -237,6 +238,21 @@ class DiLoCo(torch.optim.Optimizer):
         else:  # dropped everywhere: every rank restarts the fragment from the unchanged anchor
             fragment.write(fragment.anchor)
         self.lifecycle.close_step()
+
+    @contextlib.contextmanager
+    def anchor_weights(self) -> Iterator[None]:
+        """Inside the block the model holds the anchors, the weights every rank shares (the
+        last outer step's); this rank's local weights come back at its end.  Evaluate the
+        model of the run here: between exchanges each rank's own weights are its own.  An
+        exchange in flight is unaffected (its pseudo-gradient was taken at launch)."""
+        local = [fragment.flat() for fragment in self.fragments]
+        for fragment in self.fragments:
+            fragment.write(fragment.anchor)
+        try:
+            yield
+        finally:
+            for fragment, weights in zip(self.fragments, local):
+                fragment.write(weights)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
