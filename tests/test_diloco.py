@@ -174,6 +174,27 @@ def test_bad_arguments_are_refused_before_any_collective():
         mergecomp.DiLoCo(inner, model=model, sync_every=4, nonfinite="ignore")
 
 
+
+def _warnings_of_the_outer_momentum(rank, world_size):
+    model, said = _model(), {}
+    for label, inner, outer in (("sgd-0.9", torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 0.9),
+                                ("sgd-0.5", torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 0.5),
+                                ("adamw-0.9", torch.optim.AdamW(model.parameters(), lr=0.01), 0.9)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mergecomp.DiLoCo(inner, model=model, sync_every=4, outer_momentum=outer)
+        said[label] = [str(w.message) for w in caught if "outer momentum" in str(w.message)]
+        said[label + ":recommended"] = mergecomp.lowcomm.recommended_outer_momentum(inner)
+    return said
+
+
+def test_an_inner_heavy_ball_momentum_under_the_paper_outer_momentum_is_warned_about():
+    said = run_ranks(_warnings_of_the_outer_momentum, 1)[0]
+    assert len(said["sgd-0.9"]) == 1 and "momentum=0.9" in said["sgd-0.9"][0]
+    assert "outer_momentum=0.5" in said["sgd-0.9"][0]
+    assert said["sgd-0.5"] == [] and said["adamw-0.9"] == []
+    assert said["sgd-0.9:recommended"] == 0.5 and said["adamw-0.9:recommended"] == 0.9
+
 # -- non-finite pseudo-gradients ---------------------------------------------------------------------
 def _nan_on_rank_1(rank, world_size):
     model = _model(rank)
