@@ -52,3 +52,12 @@ def test_specs_are_parsed_and_bad_ones_refused():
         lowcomm.parse("H=8:compressor=topkk")
     args = convergence.parse_args(["--diloco", "H=8", "H=32", "--seeds", "0"])
     assert [s.label for s in args.specs] == [convergence.DENSE, "diloco:H=8", "diloco:H=32"]
+
+
+def test_the_headline_times_diloco_over_windows_that_every_h_divides(capsys):
+    from benchmarks import headline
+    args = headline.parse_matrix(["--window", "16", "--diloco", "H=8", "H=16:compressor=sparseloco"])
+    assert [s.label for s in args.diloco_specs] == ["diloco:H=8", "diloco:H=16:compressor=sparseloco"]
+    with pytest.raises(SystemExit):
+        headline.parse_matrix(["--window", "3", "--diloco", "H=8"])
+    assert "--window 3 is not a multiple of H for ['diloco:H=8']" in capsys.readouterr().err
