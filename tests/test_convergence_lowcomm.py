@@ -61,3 +61,13 @@ def test_the_headline_times_diloco_over_windows_that_every_h_divides(capsys):
     with pytest.raises(SystemExit):
         headline.parse_matrix(["--window", "3", "--diloco", "H=8"])
     assert "--window 3 is not a multiple of H for ['diloco:H=8']" in capsys.readouterr().err
+
+
+def test_the_committed_run_draws_loss_against_time(tmp_path):
+    pytest.importorskip("matplotlib")
+    import os
+    from benchmarks import plot
+    folder = os.path.join(plot.ROOT, "benchmarks", "results", "2026-11-24-lowcomm-lm")
+    assert "2026-11-24-lowcomm-lm" in plot.SHOWN_RUNS
+    [path] = plot.render_any(folder, str(tmp_path))
+    assert os.path.basename(path) == "loss-vs-time.png" and os.path.getsize(path) > 20_000
