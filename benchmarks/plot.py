@@ -370,8 +370,7 @@ def render_lowcomm(folder: str, out: Optional[str] = None) -> str:
     configurations = cell["configurations"]
     curves: Dict[str, List[List[dict]]] = {}
     for result in runs:
-        labels = {run["label"] for run in result["runs"]}
-        for label in labels:
+        for label in dict.fromkeys(run["label"] for run in result["runs"]):  # in run order: stable colours
             if label not in curves:
                 curves[label] = [run["curve"] for run in result["runs"] if run["label"] == label and run.get("curve")]
     plt = _pyplot()
@@ -400,7 +399,8 @@ def render_lowcomm(folder: str, out: Optional[str] = None) -> str:
     title = (f"{options.get('task', '?')}, {runs[0].get('workers', '?')} workers: validation loss against "
              f"steps × measured step time")
     if missing:
-        title += f"\n(not timed: {', '.join(missing)})"
+        import textwrap
+        title += "\n" + "\n".join(textwrap.wrap(f"(not timed: {', '.join(missing)})", 90))
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return _save(fig, os.path.join(out or folder, "loss-vs-time.png"))
