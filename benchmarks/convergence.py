@@ -383,8 +383,9 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
     for inputs, targets, epoch, first in stream:
         if done == steps:
             break
-        if epoch != epoch_seen and hasattr(optimizer, "set_epoch"):
-            optimizer.set_epoch(epoch)
+        if epoch != epoch_seen:
+            if hasattr(optimizer, "set_epoch"):  # DiLoCo rows have no epoch-driven schedule
+                optimizer.set_epoch(epoch)
             epoch_seen = epoch
         if first:
             state = None  # the rows start again: no state from their ends

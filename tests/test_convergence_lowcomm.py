@@ -32,6 +32,7 @@ def test_diloco_rows_learn_and_send_less(rows, label):
     assert mine["curve"][-1]["valid_loss"] < 0.8 * mine["curve"][0]["valid_loss"], mine["curve"]
     assert mine["bytes_per_step"] < dense["bytes_per_step"] / 3
     assert mine["sync_every"] == 4 and mine["outer_lr"] > 0 and mine["clip_mode"] == "inner"
+    assert mine["epochs_run"] == rows[convergence.DENSE]["epochs_run"] >= 1
 
 
 def test_the_table_says_what_diloco_rows_share(rows):
