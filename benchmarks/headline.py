@@ -18,7 +18,11 @@ the model per configuration, all with the same initial weights and batch:
 * ``auto-<c>``: ``mergecomp.DistributedOptimizer(compressor=c, schedule="auto")`` for each
   of ``--compressors`` (its recommended memory and communicator), settled before timing;
 * ``hook-<c>``: DDP with ``mergecomp.ddp``'s hook for each of ``--hook-compressors``, its
-  buckets set by ``mergecomp.ddp.bucket_caps(model, --hook-groups)``.
+  buckets set by ``mergecomp.ddp.bucket_caps(model, --hook-groups)``;
+* ``diloco:<spec>``: ``mergecomp.DiLoCo`` around the same SGD for each of ``--diloco``
+  (``mergecomp/bench/lowcomm.py``'s specs: ``H=8``, ``H=8:fragments=2:overlap=1``,
+  ``H=8:compressor=sparseloco``); ``--window`` must be a multiple of every H, so that each
+  window holds the same number of exchanges whatever its phase.
 
 After warm-up, ``--rounds`` rounds each run one window of ``--window`` steps of every
 configuration, the order rotated each round, a barrier and one untimed step before each
@@ -71,9 +75,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mergecomp
 import mergecomp.ddp
-from mergecomp.bench import harness
-from mergecomp.bench.contenders import (Configuration, DDP_BUCKET_CAP_MB, counted, owns_momentum, phase_text,
-                                        settle, sgd, timed_rounds)
+from mergecomp.bench import harness, lowcomm
+from mergecomp.bench.contenders import (MOMENTUM, Configuration, DDP_BUCKET_CAP_MB, counted, owns_momentum,
+                                        phase_text, settle, sgd, timed_rounds)
 from mergecomp.bench.ddp_baselines import ddp_main, pair_main
 from mergecomp.bench.exchanges import exchanges_main
 from mergecomp.bench.fsdp_bytes import fsdp_main
@@ -89,6 +93,9 @@ def parse_matrix(argv):
                    help="compressors of mergecomp's DDP hook, comma-separated ('' for none)")
     p.add_argument("--hook-groups", type=int, default=4, help="DDP buckets for mergecomp's hook (default 4)")
     p.add_argument("--powersgd-rank", type=int, default=1, help="DDP PowerSGD hook's rank (default 1)")
+    p.add_argument("--diloco", nargs="+", default=[], metavar="SPEC",
+                   help="DiLoCo configurations (H=8, H=8:fragments=2:overlap=1, H=8:compressor=sparseloco, ...); "
+                        "--window must be a multiple of each H")
     p.add_argument("--link", default="loopback",
                    help="what the workers' links are, recorded in the result (e.g. the cluster's --profile)")
     p.add_argument("--summary", nargs="+", default=None, metavar="JSON",
@@ -111,6 +118,14 @@ def parse_matrix(argv):
         mergecomp.compressors.get(name)  # an unknown name fails here, before any rank starts
     if args.hook_groups < 1 or args.powersgd_rank < 1:
         p.error("--hook-groups and --powersgd-rank must be ≥ 1")
+    try:
+        args.diloco_specs = [lowcomm.parse(text) for text in args.diloco]
+    except ValueError as error:
+        p.error(str(error))
+    uneven = [spec.label for spec in args.diloco_specs if args.window % spec.sync_every]
+    if uneven:
+        p.error(f"--window {args.window} is not a multiple of H for {uneven}: a window would hold more "
+                f"exchanges in one round than in another; use a --window that every H divides")
     return args
 
 
@@ -172,6 +187,12 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
         owns = owns_momentum(state.compressor, state.memory)
         configurations[f"hook-{name}"] = Configuration(
             f"hook-{name}", train_step(ddp, sgd(ddp, owns, args.lr)), lambda s=state: s.backend.bytes_sent)
+
+    for spec in getattr(args, "diloco_specs", ()):
+        model = copy.deepcopy(base)
+        optimizer, _ = lowcomm.build(spec, args.lr, MOMENTUM, model)
+        configurations[spec.label] = Configuration(spec.label, train_step(model, optimizer),
+                                                   lambda o=optimizer: o.backend.bytes_sent)
     return configurations
 
 
