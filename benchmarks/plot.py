@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
-SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm")
+SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm", "2026-11-24-scaling")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
@@ -406,6 +406,55 @@ def render_lowcomm(folder: str, out: Optional[str] = None) -> str:
     return _save(fig, os.path.join(out or folder, "loss-vs-time.png"))
 
 
+#: The plans a scaling run predicts, in drawing order, with their legend names.
+SCALING_PLANS = (("fp32", "FP32 allreduce"), ("compress allgather", "top-k by allgather"),
+                 ("compress sparse_allreduce", "top-k by sparse allreduce"), ("optimal", "optimal, per group"))
+
+
+def render_scaling(folder: str, out: Optional[str] = None) -> str:
+    """``scaling.png`` of a ``simulator.py scaling`` run: the predicted scaling factor against
+    the number of workers, one panel per link, one line per plan, and the published settings
+    (MergeComp's 8 GPUs, DGC's 32 workers) as points.  Predictions, not measurements: the
+    run's README gives the per-GPU profile they rest on."""
+    path = os.path.join(folder, "scaling.json")
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}; is {folder} a run of "
+                         f"benchmarks/simulator.py scaling?") from None
+    cells = result.get("cells") if isinstance(result, dict) else None
+    if not cells:
+        raise ValueError(f"{path} has no 'cells': it is no result of benchmarks/simulator.py scaling")
+    grid = [c for c in cells if c.get("setting", "grid") == "grid"]
+    links = list(dict.fromkeys(c["link"] for c in grid))
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(links) + 1, figsize=(3.4 * (len(links) + 1), 3.6), sharey=True)
+    colors = plt.get_cmap("tab10").colors
+    for ax, link in zip(axes, links):
+        mine = sorted((c for c in grid if c["link"] == link), key=lambda c: c["workers"])
+        for color, (key, name) in zip(colors, SCALING_PLANS):
+            ax.plot([c["workers"] for c in mine], [c[key]["scaling"] for c in mine], marker="o",
+                    markersize=3, color=color, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(link, fontsize=9)
+        ax.set_xlabel("workers")
+    settings = [c for c in cells if c.get("setting", "grid") != "grid"]
+    ax = axes[-1]
+    for i, cell in enumerate(settings):
+        for color, (key, _) in zip(colors, SCALING_PLANS):
+            ax.scatter([i], [cell[key]["scaling"]], color=color, s=18)
+    ax.set_xticks(range(len(settings)))
+    ax.set_xticklabels([c["setting"].replace(": ", "\n", 1) for c in settings], fontsize=6)
+    ax.set_title("published settings", fontsize=9)
+    axes[0].set_ylabel("predicted scaling factor")
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"{result.get('model', '?')}: the simulator's predictions (a documented GPU profile, "
+                 f"not measured)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "scaling.png"))
+
+
 def _read_convergence(folder: str) -> dict:
     path = os.path.join(folder, "convergence.json")
     try:
@@ -442,6 +491,8 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
             raise ValueError("'results' writes each figure beside its data; drop --out")
         return [p for run in SHOWN_RUNS for p in render_any(os.path.join(ROOT, "benchmarks", "results", run))]
     if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "scaling.json")):
+            return [render_scaling(path, out)]
         if glob.glob(os.path.join(path, "*", "convergence.json")) and glob.glob(os.path.join(path, "*.json")):
             return [render_lowcomm(path, out)]
         if os.path.exists(os.path.join(path, "convergence.json")):
