@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import math
 import os
@@ -48,7 +49,7 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp import compressors, launch, memories
-from mergecomp.bench import lm
+from mergecomp.bench import lm, lowcomm
 from mergecomp.bench.data import text
 from mergecomp.bench.harness import provenance
 from mergecomp.compressors import recipes
@@ -232,7 +233,10 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
     With ``options.clip``, a recipe that asks for local clipping (and a spec's ``clip=local``)
     gives the memory ``clip_norm = clip / √world_size`` and the loop clips nothing after
     the exchange.  Returns (optimizer, settings that describe the row, the recipe's advice
-    on them)."""
+    on them).  A DiLoCo spec (``--diloco``) is built by :func:`mergecomp.bench.lowcomm.build`
+    around the same SGD."""
+    if getattr(spec, "family", None) == "diloco":
+        return lowcomm.build(spec, options.lr, options.momentum, model)
     compressor = built = compressors.create(spec.name, **spec.kwargs)
     recipe = recipes.recipe_of(compressor) if options.use_recipes else None
     if (recipe is not None and recipe.min_ratio is not None and "compress_ratio" not in spec.kwargs
@@ -252,12 +256,12 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
     lr = options.lr * lr_scale
     if spec.momentum is not None:
         momentum, momentum_in = spec.momentum, "optimizer" if spec.momentum else "none"
-    elif owns_momentum(compressor, memory):
-        momentum, momentum_in = 0.0, "compressor/memory"
     elif recipe is not None and recipe.fold_momentum and options.momentum:
-        momentum, momentum_in = 0.0, "folded into lr"
+        momentum, momentum_in = 0.0, "folded into lr"  # before the next case: DeMo's memory owns it too
         if spec.lr_scale is None:
             lr = recipe.learning_rate(options.lr, options.momentum)
+    elif owns_momentum(compressor, memory):
+        momentum, momentum_in = 0.0, "compressor/memory"
     else:
         momentum, momentum_in = options.momentum, "optimizer"
     base = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -273,6 +277,20 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
                 "momentum_in": momentum_in,
                 "recipe": recipe.describe() if recipe is not None else None, "advice": advice}
     return optimizer, settings
+
+
+def evaluating(optimizer):
+    """Where the model is evaluated: a DiLoCo row's anchor (the weights every rank shares),
+    else the model as it is."""
+    anchor = getattr(optimizer, "anchor_weights", None)
+    return anchor() if anchor is not None else contextlib.nullcontext()
+
+
+def finish(optimizer) -> None:
+    """The wrapper's hooks removed (a DiLoCo row has none)."""
+    remove = getattr(optimizer, "remove_hooks", None)
+    if remove is not None:
+        remove()
 
 
 def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_size: int) -> dict:
@@ -295,7 +313,8 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
     last_epoch = (0, 0)
     began = time.perf_counter()
     for epoch in range(options.epochs):
-        optimizer.set_epoch(epoch)
+        if hasattr(optimizer, "set_epoch"):
+            optimizer.set_epoch(epoch)
         order = torch.randperm(len(x_shard), generator=torch.Generator().manual_seed(
             seed * 1_000_003 + epoch * 1009 + rank))
         epoch_sent, epoch_wire = backend.bytes_sent, backend.wire_bytes
@@ -315,14 +334,15 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
         last_epoch = ((backend.bytes_sent - epoch_sent) / steps_per_epoch,
                       (backend.wire_bytes - epoch_wire) / steps_per_epoch)
         losses.append(total / steps_per_epoch if not nonfinite else float("nan"))
-        curve.append(accuracy(model, x_test, y_test))
+        with evaluating(optimizer):
+            curve.append(accuracy(model, x_test, y_test))
         flag = torch.tensor([float(nonfinite)])
         dist.all_reduce(flag)
         if flag.item() > 0:
             diverged = True
             break
     seconds = time.perf_counter() - began
-    optimizer.remove_hooks()
+    finish(optimizer)
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return dict(label=spec.label, seed=seed, rank=rank, epochs_run=len(curve),
                 steps=steps, test_accuracy=curve[-1], curve=curve, train_loss=losses,
@@ -355,7 +375,7 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
     backend = optimizer.backend
     stream = lm.TextStream(corpus, options.batch_size, task.bptt, rank, world_size)
     valid = text.validation_rows(corpus.valid, options.valid_rows, options.valid_length)
-    clip_averaged = options.clip and settings["clip_mode"] == "averaged"
+    clip_averaged = options.clip and settings["clip_mode"] in ("averaged", "inner")
     start_sent, start_wire = backend.bytes_sent, backend.wire_bytes
     curve = [dict(step=0, bytes=0, valid_loss=lm.validation_loss(task, model, valid))]
     state, nonfinite, diverged, done, epoch_seen, train_loss = None, 0, False, 0, -1, []
@@ -364,7 +384,8 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
         if done == steps:
             break
         if epoch != epoch_seen:
-            optimizer.set_epoch(epoch)
+            if hasattr(optimizer, "set_epoch"):  # DiLoCo rows have no epoch-driven schedule
+                optimizer.set_epoch(epoch)
             epoch_seen = epoch
         if first:
             state = None  # the rows start again: no state from their ends
@@ -384,13 +405,14 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
             flag = torch.tensor([float(nonfinite)])
             dist.all_reduce(flag)
             finite = flag.item() == 0
-            loss_now = lm.validation_loss(task, model, valid) if finite else float("nan")
+            with evaluating(optimizer):
+                loss_now = lm.validation_loss(task, model, valid) if finite else float("nan")
             curve.append(dict(step=done, bytes=backend.bytes_sent - start_sent, valid_loss=loss_now))
             if not finite or not math.isfinite(loss_now):
                 diverged = True
                 break
     seconds = time.perf_counter() - began
-    optimizer.remove_hooks()
+    finish(optimizer)
     final = curve[-1]["valid_loss"]
     window = max(1, options.eval_every)
     return dict(label=spec.label, seed=seed, rank=rank, task=options.task, steps=done,
@@ -625,8 +647,12 @@ def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compressors", nargs="+", default=None, metavar="SPEC",
-                   help="compressor specs (default: every registered compressor); dense "
-                        "('none') is always run first")
+                   help="compressor specs (default: every registered compressor, none when "
+                        "--diloco is given); dense ('none') is always run first")
+    p.add_argument("--diloco", nargs="+", default=[], metavar="SPEC",
+                   help="DiLoCo rows after the compressors: H=<inner steps>[:key=value...], e.g. "
+                        "H=8 H=8:fragments=2:overlap=1 H=8:compressor=sparseloco "
+                        "(mergecomp/bench/lowcomm.py lists the keys); the dense SGD is the inner optimizer")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--task", choices=TASKS, default="digits",
                    help="digits (CNN, test accuracy) or a language model (validation loss)")
@@ -677,10 +703,15 @@ def parse_args(argv=None):
     if not args.lr > 0 or not 0 <= args.momentum < 1:
         p.error(f"--lr must be > 0 and --momentum in [0, 1), got {args.lr}, {args.momentum}")
     try:
-        specs = default_specs() if args.compressors is None else [parse_spec(s) for s in args.compressors]
+        specs = [] if args.compressors is None and args.diloco else \
+            default_specs() if args.compressors is None else [parse_spec(s) for s in args.compressors]
     except ValueError as error:
         p.error(str(error))
     args.specs = [Spec(label=DENSE, name=DENSE)] + [s for s in specs if s.label != DENSE]
+    try:
+        args.specs += [lowcomm.parse(s) for s in args.diloco]
+    except ValueError as error:
+        p.error(str(error))
     return args
 
 
@@ -699,6 +730,7 @@ def main(argv=None) -> int:
     else:
         rows = summarise_lm(runs, DENSE)
         table = markdown_lm(rows, options, args.workers, runs[0]["parameters"] if runs else 0)
+    table += lowcomm.note(runs)
     if errors:
         table += "\nFailed: " + "; ".join(f"{e['label']}: {e['error']}" for e in errors) + "\n"
     print()

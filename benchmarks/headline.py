@@ -18,7 +18,11 @@ the model per configuration, all with the same initial weights and batch:
 * ``auto-<c>``: ``mergecomp.DistributedOptimizer(compressor=c, schedule="auto")`` for each
   of ``--compressors`` (its recommended memory and communicator), settled before timing;
 * ``hook-<c>``: DDP with ``mergecomp.ddp``'s hook for each of ``--hook-compressors``, its
-  buckets set by ``mergecomp.ddp.bucket_caps(model, --hook-groups)``.
+  buckets set by ``mergecomp.ddp.bucket_caps(model, --hook-groups)``;
+* ``diloco:<spec>``: ``mergecomp.DiLoCo`` around the same SGD for each of ``--diloco``
+  (``mergecomp/bench/lowcomm.py``'s specs: ``H=8``, ``H=8:fragments=2:overlap=1``,
+  ``H=8:compressor=sparseloco``); ``--window`` must be a multiple of every H, so that each
+  window holds the same number of exchanges whatever its phase.
 
 After warm-up, ``--rounds`` rounds each run one window of ``--window`` steps of every
 configuration, the order rotated each round, a barrier and one untimed step before each
@@ -56,16 +60,13 @@ More modes, named by the first word:
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import functools
-import json
 import os
 import statistics
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -74,13 +75,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mergecomp
 import mergecomp.ddp
-from mergecomp.bench import harness, models
+from mergecomp.bench import harness, lowcomm
+from mergecomp.bench.contenders import (MOMENTUM, Configuration, DDP_BUCKET_CAP_MB, counted, owns_momentum,
+                                        phase_text, settle, sgd, timed_rounds)
+from mergecomp.bench.ddp_baselines import ddp_main, pair_main
+from mergecomp.bench.exchanges import exchanges_main
+from mergecomp.bench.fsdp_bytes import fsdp_main
 from mergecomp.bench.harness import (AllreduceCounter, HEADLINE_BASELINE as BASELINE,
                                     HEADLINE_LINKS as CAMPAIGN_LINKS, HEADLINE_MODELS as CAMPAIGN_MODELS)
-
-DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
-MOMENTUM = 0.9
-
 
 def parse_matrix(argv):
     p = harness.build_parser(__doc__)
@@ -91,6 +93,9 @@ def parse_matrix(argv):
                    help="compressors of mergecomp's DDP hook, comma-separated ('' for none)")
     p.add_argument("--hook-groups", type=int, default=4, help="DDP buckets for mergecomp's hook (default 4)")
     p.add_argument("--powersgd-rank", type=int, default=1, help="DDP PowerSGD hook's rank (default 1)")
+    p.add_argument("--diloco", nargs="+", default=[], metavar="SPEC",
+                   help="DiLoCo configurations (H=8, H=8:fragments=2:overlap=1, H=8:compressor=sparseloco, ...); "
+                        "--window must be a multiple of each H")
     p.add_argument("--link", default="loopback",
                    help="what the workers' links are, recorded in the result (e.g. the cluster's --profile)")
     p.add_argument("--summary", nargs="+", default=None, metavar="JSON",
@@ -113,21 +118,15 @@ def parse_matrix(argv):
         mergecomp.compressors.get(name)  # an unknown name fails here, before any rank starts
     if args.hook_groups < 1 or args.powersgd_rank < 1:
         p.error("--hook-groups and --powersgd-rank must be ≥ 1")
+    try:
+        args.diloco_specs = [lowcomm.parse(text) for text in args.diloco]
+    except ValueError as error:
+        p.error(str(error))
+    uneven = [spec.label for spec in args.diloco_specs if args.window % spec.sync_every]
+    if uneven:
+        p.error(f"--window {args.window} is not a multiple of H for {uneven}: a window would hold more "
+                f"exchanges in one round than in another; use a --window that every H divides")
     return args
-
-
-class Configuration:
-    """One way to train the model: its step, its byte counters (handed to collectives; on
-    the wire, where counted) and (mergecomp) its optimizer, whose phases are timed."""
-
-    def __init__(self, name: str, step: Callable[[], None], bytes_sent: Callable[[], float],
-                 before: Callable[[], None] = None, optimizer=None, wire_bytes: Callable[[], float] = None):
-        self.name, self.step, self.bytes_sent, self.before, self.optimizer = name, step, bytes_sent, before, optimizer
-        self.wire = wire_bytes if wire_bytes is not None else (lambda: 0.0)
-
-
-def sgd(model, owns_momentum: bool, lr: float):
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if owns_momentum else MOMENTUM)
 
 
 def build_configurations(args, work) -> Dict[str, Configuration]:
@@ -167,14 +166,14 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
         if hook_name == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         per_step = numel * (4 if hook_name == "fp32" else 2)  # what DDP hands to allreduce
-        configurations[f"ddp-{hook_name}"] = _counted(f"ddp-{hook_name}", train_step(ddp, sgd(ddp, False, args.lr)),
+        configurations[f"ddp-{hook_name}"] = counted(f"ddp-{hook_name}", train_step(ddp, sgd(ddp, False, args.lr)),
                                                       per_step)
 
     for name in args.compressors:
         model = copy.deepcopy(base)
         compressor = mergecomp.compressors.create(name)
         memory = mergecomp.memories.create(compressor.recommended_memory)
-        optimizer = mergecomp.DistributedOptimizer(sgd(model, _owns_momentum(compressor, memory), args.lr),
+        optimizer = mergecomp.DistributedOptimizer(sgd(model, owns_momentum(compressor, memory), args.lr),
                                                    model=model, compressor=compressor, memory=memory,
                                                    schedule="auto")
         configurations[f"auto-{name}"] = Configuration(
@@ -185,104 +184,16 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
         model = copy.deepcopy(base)
         ddp = DistributedDataParallel(model, bucket_cap_mb_list=mergecomp.ddp.bucket_caps(model, args.hook_groups))
         state = mergecomp.ddp.register(ddp, compressor=name)
-        owns = _owns_momentum(state.compressor, state.memory)
+        owns = owns_momentum(state.compressor, state.memory)
         configurations[f"hook-{name}"] = Configuration(
             f"hook-{name}", train_step(ddp, sgd(ddp, owns, args.lr)), lambda s=state: s.backend.bytes_sent)
+
+    for spec in getattr(args, "diloco_specs", ()):
+        model = copy.deepcopy(base)
+        optimizer, _ = lowcomm.build(spec, args.lr, MOMENTUM, model)
+        configurations[spec.label] = Configuration(spec.label, train_step(model, optimizer),
+                                                   lambda o=optimizer: o.backend.bytes_sent)
     return configurations
-
-
-def _owns_momentum(*components) -> bool:
-    """DGC's memory and SIGNUM keep the momentum: the optimizer must not have one too."""
-    return any(callable(getattr(c, "check_optimizer", None)) for c in components)
-
-
-def _counted(name: str, step: Callable[[], None], per_step: float) -> Configuration:
-    count = {"bytes": 0.0}
-
-    def counted_step():
-        step()
-        count["bytes"] += per_step
-    return Configuration(name, counted_step, lambda: count["bytes"])
-
-
-def settle(configurations: Dict[str, Configuration], args, work) -> Dict[str, int]:
-    """Warm every configuration up; run each auto optimizer until its scheduler settles."""
-    search = {}
-    for name, configuration in configurations.items():
-        for _ in range(max(3, args.num_warmup_batches)):
-            configuration.step()
-        optimizer = configuration.optimizer
-        if optimizer is not None:
-            steps = 0
-            while not optimizer.scheduler.settled:
-                configuration.step()
-                steps += 1
-            search[name] = steps
-            work.log(f"{name}: auto settled after {steps} steps: "
-                     + optimizer.plan.describe(optimizer.param_infos()).splitlines()[0])
-    return search
-
-
-def timed_rounds(configurations: Dict[str, Configuration], args, wire_out: Dict[str, float] = None):
-    """Interleaved windows (:func:`harness.interleaved_windows`: the order rotated each round,
-    one untimed step before each window), a barrier before each window.  Returns, per
-    configuration: seconds per step per round on this rank, bytes handed to collectives per
-    timed step, and (mergecomp's optimizer) its phases per step per round; ``wire_out``, when
-    given, receives the bytes on the wire per timed step (where the configuration counts them)."""
-    names = list(configurations)
-    sent = {name: 0.0 for name in names}
-    wire = {name: 0.0 for name in names}
-    phases = {name: {"launch": [], "finish": [], "sync": []} for name in names}
-    window: Dict[str, Any] = {"name": None, "untimed": False}  # the window being timed
-
-    def before(name):
-        def run():
-            dist.barrier()
-            if configurations[name].before is not None:
-                configurations[name].before()
-            window.update(name=None, untimed=True)  # the next step is the window's untimed one
-        return run
-
-    def timed(name):
-        configuration = configurations[name]
-        optimizer = configuration.optimizer
-
-        def step():
-            if window["untimed"]:  # counters start after it, inside the untimed call
-                configuration.step()
-                window.update(name=name, untimed=False, steps=0, sums={"launch": 0.0, "finish": 0.0, "sync": 0.0},
-                              sent=configuration.bytes_sent(), wire=configuration.wire())
-                return
-            configuration.step()
-            if optimizer is not None:
-                window["sums"]["sync"] += optimizer.last_sync_time
-            window["steps"] += 1
-            if window["steps"] == args.window:
-                sent[name] += configuration.bytes_sent() - window["sent"]
-                wire[name] += configuration.wire() - window["wire"]
-                if optimizer is not None:
-                    for key, total in window["sums"].items():
-                        phases[name][key].append(total / args.window)
-                window["name"] = None
-        return step
-
-    handles = []
-    for name, configuration in configurations.items():
-        if configuration.optimizer is not None:
-            def on_phase(phase, group, seconds, name=name):
-                if window["name"] == name and phase in window["sums"]:
-                    window["sums"][phase] += seconds
-            handles.append(configuration.optimizer.add_phase_listener(on_phase))
-    try:
-        per_step = harness.interleaved_windows({name: timed(name) for name in names}, args.rounds, args.window,
-                                               before={name: before(name) for name in names})
-    finally:
-        for handle in handles:
-            handle.remove()
-    steps = args.rounds * args.window
-    if wire_out is not None:
-        wire_out.update({name: total / steps for name, total in wire.items()})
-    return per_step, {name: total / steps for name, total in sent.items()}, phases
 
 
 def matrix_worker(args):
@@ -332,10 +243,10 @@ def table_of(result: Dict[str, Any]) -> str:
         if name == "solo":
             lines.append(f"| solo (one worker alone) | {entry['step_s'] * 1e3:.0f} | | | | | | |")
             continue
-        phase_text = _phase_text(entry.get("phases_s"))
+        phases = phase_text(entry.get("phases_s"))
         lines.append(f"| {name} | {entry['step_s'] * 1e3:.0f} | {entry['throughput']:.1f} | "
                      f"{entry['scaling_vs_one_worker']:.2f} | {entry['scaling_vs_bound']:.2f} | "
-                     f"{entry['versus_ddp_fp16']:.2f} | {entry['bytes_per_step'] / 1e3:,.1f} | {phase_text} |")
+                     f"{entry['versus_ddp_fp16']:.2f} | {entry['bytes_per_step'] / 1e3:,.1f} | {phases} |")
     return "\n".join(lines)
 
 
@@ -369,20 +280,10 @@ def summary(paths, ours: str) -> str:
         lines.append(f"| {result['model']} | {result['link']} | {result['workers']} | "
                      f"{entry['versus_ddp_fp16']:.2f} | {entry['scaling_vs_bound']:.2f} | "
                      f"{versus_best:.2f} ({best}) | {configurations[BASELINE]['scaling_vs_bound']:.2f} | "
-                     f"{_phase_text(entry.get('phases_s'))} |")
+                     f"{phase_text(entry.get('phases_s'))} |")
     return "\n".join(lines)
 
 
-def _phase_text(phases) -> str:
-    """Compress (launch) / wait for collectives after backward / decode (finish), in ms."""
-    if not phases:
-        return ""
-    wait = max(0.0, phases.get("sync", 0.0) - phases.get("finish", 0.0))
-    return f"{phases.get('launch', 0) * 1e3:.0f} / {wait * 1e3:.0f} / {phases.get('finish', 0) * 1e3:.0f}"
-
-
-#: Per-worker batch of each model in the campaign: small, so communication is a visible
-#: share of a CPU step (the batch sizes of the project's earlier benchmark tables).
 CAMPAIGN_BATCH = {"vgg16": 8, "lstm": 8, "transformer": 8}
 
 
@@ -427,710 +328,6 @@ def matrix_main(argv) -> int:
     if args.campaign:
         return run_campaign(args)
     harness.run_workers(matrix_worker, args)
-    return 0
-
-
-# -------------------------------------------------------------------------------- pair --
-
-PAIR_DOC = """mergecomp against PyTorch DDP in the same processes, timed in interleaved windows.
-
-On a shared machine the speed of a run drifts by ±15% within minutes, so throughputs
-taken by separate runs cannot tell a 5% difference apart.  Here every worker holds two
-copies of the model, with the same initial weights and batch:
-
-- one wrapped in ``DistributedDataParallel`` with DDP's own hook ``--ddp-hook``: ``fp16``
-  (the default: ``fp16_compress_hook``, the 16-bit allreduce a tuned user runs; ``bf16``
-  where the backend is NCCL, which that hook requires), ``fp32`` (no hook: DDP's C++ FP32
-  allreduce) or ``powersgd`` (``powerSGD_hook`` at ``--powersgd-rank``, one bucket: its
-  later rounds are launched from future callbacks, which can reorder collectives across
-  buckets on gloo); 25 MB buckets (``--bucket-cap-mb``), SGD (with the DGC memory's
-  momentum when mergecomp runs one, so both sides apply momentum);
-- one trained through mergecomp, configured by the flags of ``compress_benchmark.py``
-  (``--compress --compressor dgc --scheduler auto`` and so on), ``--mergecomp-as``
-  ``optimizer`` (its ``DistributedOptimizer`` around the same SGD) or ``ddp-hook``
-  (``DistributedDataParallel`` with ``mergecomp.ddp``'s hook, buckets from
-  ``mergecomp.ddp.bucket_caps`` of ``--fusion-num``): DDP with mergecomp's hook beside DDP
-  with its own.
-
-After the warm-up of both and the settling of mergecomp's scheduler (its search steps are
-reported, not timed), ``--rounds`` rounds each time one window of ``--window`` steps of
-either, and a second window of DDP ("DDP again"), in an order rotated each round so none
-always goes first.  Every window begins with one
-untimed step (caches, allocator) and ``restart_step_clock()``, so the adaptive scheduler
-does not take the other model's steps for a slow step of its own.  A window's time is its
-slowest rank's.  The result is the median over rounds of
-
-    speed ratio = DDP seconds per step / mergecomp seconds per step   (> 1: mergecomp faster)
-
-and, as this measure's noise, the median of DDP's speed over its second window's: the
-same configuration timed twice in each round, so whatever it is off 1 by, a difference
-of that size between DDP and mergecomp is not resolved.
-
-    python benchmarks/headline.py pair --nproc 2 --threads 1 --model lstm --batch-size 8 \\
-        --compress --compressor efsignsgd --scheduler auto --rounds 8 --window 3
-    python benchmarks/headline.py pair --nproc 2 --model lstm --compress --compressor dgc \\
-        --mergecomp-as ddp-hook --fusion-num 4 --ddp-hook fp16
-    python benchmarks/cluster.py --workers 2 --profile 1gbit -- \\
-        python benchmarks/headline.py pair --model vgg16 --compress --compressor dgc --scheduler auto
-    python benchmarks/headline.py pair --table results/*.json      # a markdown table of saved runs
-"""
-
-DDP_AGAIN = "ddp again"  # the label of DDP's second window in every round: the noise control
-PAIR_DDP_HOOKS = ("fp16", "bf16", "fp32", "powersgd")
-
-def parse_pair(argv):
-    p = harness.build_parser(PAIR_DOC)
-    p.prog = "headline.py pair"
-    harness.add_rounds_arguments(p, 8, "one DDP and one mergecomp window")
-    p.add_argument("--bucket-cap-mb", type=float, default=DDP_BUCKET_CAP_MB,
-                   help=f"DDP's bucket size in MB (default {DDP_BUCKET_CAP_MB}, DDP's own)")
-    p.add_argument("--ddp-hook", choices=PAIR_DDP_HOOKS, default="fp16",
-                   help="DDP's own communication hook, the baseline (default fp16: the 16-bit "
-                        "allreduce a tuned user runs; bf16 needs NCCL; fp32 is no hook)")
-    p.add_argument("--powersgd-rank", type=int, default=1, help="rank of DDP's PowerSGD hook (default 1)")
-    p.add_argument("--mergecomp-as", choices=("optimizer", "ddp-hook"), default="optimizer",
-                   help="mergecomp's DistributedOptimizer, or DDP with mergecomp's communication hook "
-                        "(buckets from --fusion-num; an adaptive --scheduler needs the optimizer)")
-    args = harness.parse_rounds_arguments(p, argv)
-    if args.table:
-        return args
-    if args.bucket_cap_mb <= 0:
-        p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
-    if args.powersgd_rank < 1:
-        p.error(f"--powersgd-rank must be ≥ 1, got {args.powersgd_rank}")
-    if args.mergecomp_as == "ddp-hook" and args.scheduler != "fixed":
-        p.error(f"--mergecomp-as ddp-hook takes its buckets from --fusion-num; --scheduler {args.scheduler} "
-                "re-plans while training, which DDP's fixed buckets cannot follow: use --mergecomp-as optimizer")
-    return args
-
-
-def momentum_of(memory) -> float:
-    """The momentum mergecomp applies outside the wrapped SGD (the DGC memory's), which
-    DDP's SGD then applies too, so both sides do the same work per step."""
-    return float(getattr(memory, "momentum", 0.0)) if getattr(memory, "needs_plain_optimizer", False) else 0.0
-
-
-def ddp_with_own_hook(args, model, device):
-    """DDP around ``model`` with its own hook ``args.ddp_hook``; returns (DDP, description)."""
-    device_ids = [device.index] if device.type == "cuda" else None
-    if args.ddp_hook == "powersgd":
-        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=10 ** 6)
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                            start_powerSGD_iter=2, random_seed=args.seed)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return ddp, f"DDP PowerSGD hook rank {args.powersgd_rank} (one bucket)"
-    ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
-    if args.ddp_hook == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif args.ddp_hook == "bf16":
-        if dist.get_backend() != "nccl":
-            raise ValueError(f"--ddp-hook bf16: DDP's bf16_compress_hook needs NCCL, this run uses "
-                             f"{dist.get_backend()}; use --ddp-hook fp16")
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    what = "FP32 allreduce (no hook)" if args.ddp_hook == "fp32" else f"{args.ddp_hook} hook"
-    return ddp, f"DDP {what}, {args.bucket_cap_mb:g} MB buckets"
-
-
-def mergecomp_side(args, work):
-    """mergecomp's configuration from the flags: (model to call, optimizer, description,
-    the optimizer facade or None for the hook, the memory, bytes counter)."""
-    if args.mergecomp_as == "optimizer":
-        optimizer = harness.build_optimizer(args, work)
-        text = (f"{optimizer.communicator!r}" if args.compress else "FP32 allreduce (no compression)") \
-            + f", scheduler {args.scheduler}"
-        return work.model, optimizer, text, optimizer, optimizer.memory, lambda: optimizer.backend.bytes_sent
-    compressor = harness.build_compressor(args)
-    memory = mergecomp.memories.create(args.memory or compressor.recommended_memory) if args.compress \
-        else mergecomp.memories.create("none")
-    model = DistributedDataParallel(work.model, device_ids=[work.device.index] if work.device.type == "cuda" else None,
-                                    bucket_cap_mb_list=mergecomp.ddp.bucket_caps(work.model, args.fusion_num))
-    state = mergecomp.ddp.register(model, compressor=compressor, memory=memory,
-                                   communicator=(args.comm or compressor.recommended_communicator)
-                                   if args.compress else "allreduce")
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)  # as compress_benchmark's (no momentum)
-    text = f"DDP with mergecomp's hook: {state.communicator!r}, {args.fusion_num} buckets"
-    return model, optimizer, text, None, memory, lambda: state.backend.bytes_sent
-
-
-def pair_worker(args):
-    work = harness.prepare(args)
-    device = work.device
-    twin = copy.deepcopy(work.model)  # same initial weights, trained by DDP
-    model, optimizer, mergecomp_text, facade, memory, mergecomp_bytes = mergecomp_side(args, work)
-    ddp, ddp_text = ddp_with_own_hook(args, twin, device)
-    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=momentum_of(memory))
-
-    ddp_step = harness.training_step(work, ddp, ddp_optimizer)
-    mergecomp_step = harness.training_step(work, model, optimizer)
-
-    def synchronised(step):
-        def run():
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        return run
-
-    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
-             f"{work.batch_size} per worker, {work.size} workers, device {device}")
-    work.log(f"Baseline: {ddp_text}, SGD momentum {ddp_optimizer.defaults['momentum']:g}; mergecomp: {mergecomp_text}")
-    timed_ddp = harness.make_timer(ddp_step, device)
-    timed_ddp(max(3, args.num_warmup_batches))
-    if facade is not None:
-        search_steps = harness.warm_up_and_settle(
-            facade, harness.make_timer(mergecomp_step, device), args, work)
-    else:
-        harness.make_timer(mergecomp_step, device)(max(3, args.num_warmup_batches))
-        search_steps = 0
-
-    bytes_before = mergecomp_bytes()
-    before = {"mergecomp": facade.restart_step_clock} if facade is not None else None
-    mine = harness.interleaved_windows({"ddp": synchronised(ddp_step), "mergecomp": synchronised(mergecomp_step),
-                                             DDP_AGAIN: synchronised(ddp_step)},
-                                            args.rounds, args.window, before=before)
-    bytes_per_step = (mergecomp_bytes() - bytes_before) / (args.rounds * (args.window + 1))
-    everyone = [None] * work.size
-    dist.all_gather_object(everyone, mine)
-    slowest = {name: [max(r[name][i] for r in everyone) for i in range(args.rounds)] for name in mine}
-    ratios = [d / m for d, m in zip(slowest["ddp"], slowest["mergecomp"])]
-    noise = statistics.median(a / d for d, a in zip(slowest["ddp"], slowest[DDP_AGAIN]))
-    plan = facade.plan if facade is not None else None
-    result = {
-        "model": args.model, "batch_size": work.batch_size, "workers": work.size, "device": str(device),
-        "compressor": args.compressor if args.compress else "none", "compress": args.compress,
-        "compress_ratio": args.compress_ratio, "memory": args.memory if args.compress else "none",
-        "comm": args.comm if args.compress else "allreduce", "scheduler": args.scheduler,
-        "fusion_num": args.fusion_num, "search_steps": search_steps,
-        "groups": len(plan) if plan is not None else args.fusion_num,
-        "compressed_groups": sum(g.send == "compress" for g in plan.groups) if plan is not None
-        else (args.fusion_num if args.compress else 0),
-        "plan": plan.digest() if plan is not None else None, "rounds": args.rounds, "window": args.window,
-        "ddp_hook": args.ddp_hook, "mergecomp_as": args.mergecomp_as, "mergecomp_bytes_per_step": bytes_per_step,
-        "ddp_step_s": slowest["ddp"], "mergecomp_step_s": slowest["mergecomp"], "ratios": ratios,
-        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-        "ddp_again_step_s": slowest[DDP_AGAIN], "ddp_versus_ddp_again": noise,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    for i, (d, m) in enumerate(zip(slowest["ddp"], slowest["mergecomp"])):
-        work.log(f"Round {i}: DDP ({args.ddp_hook}) {d * 1e3:.1f} ms/step, mergecomp {m * 1e3:.1f} ms/step, "
-                 f"ratio {d / m:.3f}")
-    work.log(f"DDP ({args.ddp_hook}) / mergecomp step time: median {result['ratio_median']:.3f} over {args.rounds} "
-             f"rounds (min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}); > 1: mergecomp faster")
-    work.log(f"DDP / DDP again: median {noise:.3f} (the same configuration twice: this measure's noise)")
-    return harness.finish(result, args.json, work)
-
-
-def pair_table(paths) -> str:
-    """Markdown rows of saved results, one per file."""
-    lines = ["| model | compressor | mergecomp as | scheduler | groups (compressed) | search steps | "
-             "DDP baseline | DDP ms/step | mergecomp ms/step | DDP / mergecomp (median, min–max) | DDP / DDP again |",
-             "|---|---|---|---|---|---:|---|---:|---:|---|---:|"]
-    for r in harness.saved_results(paths, "ratios", "benchmarks/headline.py pair"):
-        # results written before the baseline could be chosen ran DDP without a hook (FP32)
-        lines.append(f"| {r['model']} | {r['compressor']} | {r.get('mergecomp_as', 'optimizer')} | "
-                     f"{r['scheduler']} | {r['groups']} "
-                     f"({r['compressed_groups']}) | {r['search_steps']} | {r.get('ddp_hook', 'fp32')} | "
-                     f"{statistics.median(r['ddp_step_s']) * 1e3:.0f} | "
-                     f"{statistics.median(r['mergecomp_step_s']) * 1e3:.0f} | "
-                     f"{r['ratio_median']:.3f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | "
-                     + (f"{r['ddp_versus_ddp_again']:.3f} |" if "ddp_versus_ddp_again" in r else "– |"))
-    return "\n".join(lines)
-
-
-def pair_main(argv) -> int:
-    return harness.run_or_table(parse_pair(argv), pair_worker, pair_table)
-
-
-# --------------------------------------------------------------------------- exchanges --
-
-EXCHANGES_DOC = """Which exchange is faster on this cluster, and how many bytes does each send per rank?
-
-Every worker holds one copy of the model per configuration (the same initial weights and
-batch) and, for each compressor of ``--compressors``, trains it through
-``mergecomp.DistributedOptimizer`` once per contender of ``--contenders``: ``flat`` (the
-compressor's recommended communicator over all ranks) or a communicator's name with its
-options (``hierarchical``, ``hierarchical:inner=ps``, ``allgather``, ``sparse_allreduce``,
-``sparse_allreduce:keep=2``).  The configuration ``<contender>-<compressor>`` runs the fixed
-plan of ``--fusion-num`` groups, every group compressed, with the compressor's recommended
-memory.  ``bound`` is the zero-cost bound (plain SGD, no exchange).
-
-After warm-up, ``--rounds`` rounds each run one window of ``--window`` steps of every
-configuration (``harness.interleaved_windows``: the order rotated each round, a barrier and
-one untimed step before each window); a window's time is its slowest rank's.  Reported per
-configuration: the median step time and throughput, the ratio to the bound and to the first
-contender (each the median of per-round ratios: > 1 is faster), the bytes each rank handed
-to collectives and put on the wire per step (the backend's counters: ``bytes_sent``, and
-``wire_bytes``, what ring and all-to-all algorithms transmit; mean and largest over ranks),
-the first contender's wire bytes over this one's, and the optimizer's phases.
-
-The node layout is the launcher's (LOCAL_WORLD_SIZE); the emulated cluster sets it:
-
-    python benchmarks/cluster.py --nodes 2 --workers-per-node 2 --profile 1gbit -- \\
-        python benchmarks/headline.py exchanges --model vgg16 --batch-size 8 \\
-        --compressors efsignsgd,dgc,fp16 --contenders flat hierarchical --json vgg16.json
-    python benchmarks/cluster.py --workers 8 --profile 1gbit -- \\
-        python benchmarks/headline.py exchanges --model mlp --width 1024 --fusion-num 1 \\
-        --compressors topk:compress_ratio=0.01 --contenders allgather sparse_allreduce \\
-        --rounds 6 --window 10 --json topk.json
-    python benchmarks/headline.py exchanges --nproc 2 --model mlp --width 256 \\
-        --compressors topk:compress_ratio=0.01 --contenders allgather sparse_allreduce
-    python benchmarks/headline.py exchanges --table vgg16.json topk.json
-"""
-
-FLAT = "flat"
-
-
-def parse_exchanges(argv):
-    p = harness.build_parser(EXCHANGES_DOC)
-    p.prog = "headline.py exchanges"
-    harness.add_rounds_arguments(p, 8, "one window of every configuration")
-    p.add_argument("--compressors", default="dgc,fp16",
-                   help="compressors, comma-separated, each name[:key=value...] (default dgc,fp16)")
-    p.add_argument("--contenders", nargs="+", default=[FLAT, "hierarchical"], metavar="EXCHANGE",
-                   help="'flat' (the compressor's recommended communicator) or a communicator "
-                        "name[:key=value...]; the first is the reference (default: flat hierarchical)")
-    p.add_argument("--width", type=int, default=None,
-                   help="--model mlp: its width (default 1024; 4.2M parameters)")
-    p.add_argument("--link", default="", help="what the links are, recorded in the result (e.g. '1gbit between')")
-    p.set_defaults(threads=1, fusion_num=4)
-    args = harness.parse_rounds_arguments(p, argv)
-    if args.table:
-        return args
-    if args.fusion_num < 1:
-        p.error(f"--fusion-num must be ≥ 1 here (groups of the fixed plan), got {args.fusion_num}")
-    if args.width is not None and (args.model != "mlp" or args.width < 1):
-        p.error(f"--width {args.width} sizes --model mlp (a width ≥ 1); --model {args.model} has no width")
-    args.model_options = {"width": args.width} if args.width is not None else {}
-    args.compressors = [c for c in args.compressors.split(",") if c]
-    if not args.compressors or len(set(args.contenders)) != len(args.contenders):
-        p.error(f"give ≥ 1 compressor and distinct contenders, got --compressors {','.join(args.compressors)!r} "
-                f"and --contenders {' '.join(args.contenders)}")
-    models.get(args.model)  # unknown names fail here, before any rank starts
-    for compressor in args.compressors:
-        for contender in args.contenders:
-            exchange_components(compressor, contender, harness.NoProcessGroup(args.nproc or 2))
-    return args
-
-
-def exchange_components(compressor_spec: str, contender: str, backend):
-    """(compressor, memory, communicator) of one configuration, built on ``backend``: the
-    communicator's construction refuses what it cannot carry, before any rank starts."""
-    from mergecomp import arguments
-    name, options = harness.parse_spec(compressor_spec)
-    compressor = mergecomp.compressors.create(name, **options)
-    communicator, communicator_options = (None, {}) if contender == FLAT else harness.parse_spec(contender)
-    compressor, memory, communicator = arguments.resolve(compressor, "auto", communicator)
-    communicator = mergecomp.communicators.create(communicator, compressor=compressor, memory=memory,
-                                                  backend=backend, **communicator_options)
-    return compressor, memory, communicator
-
-
-def exchanges_worker(args):
-    from mergecomp.backends import default_backend
-    work = harness.prepare(args)
-    warnings.simplefilter("ignore", UserWarning)
-    loss = work.spec.loss
-
-    def train_step(model, optimizer):
-        def step():
-            optimizer.zero_grad()
-            loss(model(work.inputs), work.targets).backward()
-            optimizer.step()
-        return step
-
-    local = copy.deepcopy(work.model)
-    configurations = {"bound": Configuration("bound", train_step(local, sgd(local, False, args.lr)), lambda: 0.0)}
-    described = {}
-    for compressor_spec in args.compressors:
-        for contender in args.contenders:
-            model, backend = copy.deepcopy(work.model), default_backend()
-            compressor, memory, communicator = exchange_components(compressor_spec, contender, backend)
-            optimizer = mergecomp.DistributedOptimizer(
-                sgd(model, _owns_momentum(compressor, memory), args.lr), model=model, compressor=compressor,
-                memory=memory, communicator=communicator, schedule=args.fusion_num, backend=backend)
-            name = f"{contender}-{compressor_spec}"
-            described[name] = (repr(communicator), f"{args.contenders[0]}-{compressor_spec}")
-            configurations[name] = Configuration(
-                name, train_step(model, optimizer), lambda b=backend: b.bytes_sent,
-                before=optimizer.restart_step_clock, optimizer=optimizer, wire_bytes=lambda b=backend: b.wire_bytes)
-    local_size = work.info.local_world_size
-    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch {work.batch_size} per worker, "
-             f"{work.size} workers in {work.size // local_size} node(s) of {local_size}; configurations: "
-             + ", ".join(configurations))
-    for configuration in configurations.values():
-        for _ in range(max(3, args.num_warmup_batches)):
-            configuration.step()
-    wire: Dict[str, float] = {}
-    per_step, sent, phases = timed_rounds(configurations, args, wire_out=wire)
-    everyone = [None] * work.size
-    dist.all_gather_object(everyone, (per_step, sent, wire))
-    slowest = {name: [max(r[0][name][i] for r in everyone) for i in range(args.rounds)] for name in configurations}
-    result = {"model": args.model, "model_options": args.model_options, "batch_size": work.batch_size,
-              "workers": work.size, "workers_per_node": local_size, "threads": args.threads,
-              "num_params": work.num_params, "rounds": args.rounds, "window": args.window, "groups": args.fusion_num,
-              "link": args.link, "compressors": args.compressors, "contenders": args.contenders,
-              "reference": args.contenders[0], "torch": torch.__version__,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "configurations": {}}
-    for name, rounds in slowest.items():
-        step_s = statistics.median(rounds)
-        ranks_sent, ranks_wire = [r[1][name] for r in everyone], [r[2][name] for r in everyone]
-        entry = {"step_s": step_s, "step_s_rounds": rounds, "throughput": work.size * work.batch_size / step_s,
-                 "scaling_vs_bound": statistics.median(b / s for b, s in zip(slowest["bound"], rounds)),
-                 "bytes_per_step": statistics.mean(ranks_sent), "bytes_per_step_max": max(ranks_sent),
-                 "wire_bytes_per_step": statistics.mean(ranks_wire), "wire_bytes_per_step_max": max(ranks_wire)}
-        if name in described:
-            entry["communicator"], base = described[name]
-            entry["phases_s"] = {key: statistics.median(values) for key, values in phases[name].items() if values}
-            entry["versus_reference_rounds"] = [r / s for r, s in zip(slowest[base], rounds)]
-            entry["versus_reference"] = statistics.median(entry["versus_reference_rounds"])
-            own_wire = entry["wire_bytes_per_step"]
-            entry["reference_wire_over_this"] = (statistics.mean(r[2][base] for r in everyone) / own_wire
-                                                 if own_wire else None)
-        result["configurations"][name] = entry
-    work.log(exchanges_table_of(result))
-    return harness.finish(result, args.json, work)
-
-
-def exchanges_table_of(result) -> str:
-    """Markdown of one result; reads those of the earlier flat-against-hierarchical runs too
-    (their reference is ``flat``, their ratio ``versus_flat``, no wire bytes)."""
-    reference = result.get("reference", FLAT)
-    lines = [f"{result['model']}, {result['workers']} workers ({result['workers_per_node']} per node), "
-             f"{result['link'] or 'links as launched'}: median of {result['rounds']} rounds of {result['window']} steps",
-             f"| configuration | ms/step | throughput | × bound | × {reference} | wire kB/rank/step (max) | "
-             f"{reference}'s wire ÷ this | kB/step to collectives | compress / wait / decode ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for name, entry in result["configurations"].items():
-        versus = entry.get("versus_reference", entry.get("versus_flat"))
-        wire = (f"{entry['wire_bytes_per_step'] / 1e3:,.1f} ({entry['wire_bytes_per_step_max'] / 1e3:,.1f})"
-                if "wire_bytes_per_step" in entry else "")
-        fewer = entry.get("reference_wire_over_this")
-        lines.append(f"| {name} | {entry['step_s'] * 1e3:.0f} | {entry['throughput']:.1f} | "
-                     f"{entry['scaling_vs_bound']:.2f} | {'' if versus is None else f'{versus:.2f}'} | {wire} | "
-                     f"{'' if fewer is None else f'{fewer:.2f}'} | {entry['bytes_per_step'] / 1e3:,.1f} | "
-                     f"{_phase_text(entry.get('phases_s'))} |")
-    return "\n".join(lines)
-
-
-def exchanges_main(argv) -> int:
-    args = parse_exchanges(argv)
-    if args.table:
-        print("\n\n".join(exchanges_table_of(r) for r in harness.saved_results(
-            args.table, "configurations", "benchmarks/headline.py exchanges")))
-        return 0
-    harness.run_workers(exchanges_worker, args)
-    return 0
-
-
-# -------------------------------------------------------------------------------- fsdp --
-
-FSDP_DOC = """mergecomp.fsdp against FSDP2's own gradient reduction: bytes on the wire and step time.
-
-An MLP (``--depth`` linear layers of ``--width``, each one FSDP unit) takes ``--steps`` steps
-per configuration, after ``--warmup``: FSDP2's own reduce-scatter in FP32 and with a bf16
-reduce dtype (``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``), then ``mergecomp.fsdp``
-with each of ``--compressors`` (``name[:key=value...]``).  Per configuration: the bytes one
-rank puts on the wire per step (counted by mergecomp from the payloads it sends; FSDP2's own
-from the sizes its reduce-scatter moves, (W−1)/W of each unit's gradient), its ratio to
-FSDP2's FP32 and bf16 reductions, and the median step time (a barrier before each step).
-``--hsdp`` runs four ranks on a 2×2 mesh and compares the replicas' all-reduce, which is what
-mergecomp compresses under HSDP.
-
-``--ranks`` local gloo ranks are spawned (default 2; 4 with ``--hsdp``); under a launcher
-(``benchmarks/cluster.py``, torchrun) the launched ranks run it.  Results go to ``--out`` as
-``fsdp-bytes[-hsdp].json`` and ``.md``, and the folder's ``manifest.json`` gets the command,
-commit, torch version and host.  Accuracy under FSDP2: ``python -m benchmarks.fsdp accuracy``.
-
-    python benchmarks/headline.py fsdp --out benchmarks/results/DATE-fsdp
-    python benchmarks/headline.py fsdp --hsdp --steps 5 --out benchmarks/results/DATE-fsdp
-    python benchmarks/headline.py fsdp --table benchmarks/results/DATE-fsdp/fsdp-bytes.json
-"""
-
-FSDP_COMPRESSORS = ("none,bf16,topk:compress_ratio=0.01,randk:compress_ratio=0.01,qsgd,onebit,powersgd,"
-                    "dgc:compress_ratio=0.01")
-
-
-def parse_fsdp(argv):
-    p = argparse.ArgumentParser(prog="headline.py fsdp", description=FSDP_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compressors", default=FSDP_COMPRESSORS,
-                   help="mergecomp's configurations, comma-separated name[:key=value...] specs")
-    p.add_argument("--ranks", type=int, default=None, help="local gloo ranks to spawn (default 2; --hsdp: 4)")
-    p.add_argument("--hsdp", action="store_true", help="a 2×2 mesh (4 ranks), the replicas' all-reduce compressed")
-    p.add_argument("--width", type=int, default=1024, help="MLP width (default 1024)")
-    p.add_argument("--depth", type=int, default=4, help="MLP layers of --width, each one FSDP unit (default 4)")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank and step (default 32)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
-    p.add_argument("--out", default=None, help="a results folder (printed only when omitted)")
-    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
-                   help="print the markdown table of saved fsdp-bytes JSON files and exit")
-    args = p.parse_args(argv)
-    if args.table:
-        return args
-    for flag in ("width", "depth", "batch", "steps"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag} must be ≥ 1, got {getattr(args, flag)}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be ≥ 0, got {args.warmup}")
-    if args.ranks is not None and (args.ranks < 2 or (args.hsdp and args.ranks != 4)):
-        p.error(f"--ranks must be ≥ 2 (4 with --hsdp: a 2×2 mesh), got {args.ranks}")
-    args.ranks = args.ranks or (4 if args.hsdp else 2)
-    for spec in args.compressors.split(","):
-        name, options = harness.parse_spec(spec)
-        mergecomp.compressors.create(name, **options)  # unknown names and options fail before any rank
-    return args
-
-
-def fsdp_rank(args) -> List[Dict[str, Any]]:
-    """One rank's rows: every configuration's bytes per step and median step time."""
-    from mergecomp.bench.harness import fsdp
-    info = mergecomp.launch.init_distributed()
-    torch.set_num_threads(1)
-    mesh = fsdp.mesh(args.hsdp)
-    configurations = [("fsdp2-fp32", None, {}, None), ("fsdp2-bf16-reduce", None, {}, torch.bfloat16)]
-    configurations += [(spec, *harness.parse_spec(spec), None) for spec in args.compressors.split(",")]
-    rows = []
-    for label, name, options, reduce_dtype in configurations:
-        model = fsdp.sharded_mlp(args.width, args.depth, mesh, reduce_dtype)
-        state = mergecomp.fsdp.register(model, compressor=name, **options) if name else None
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        generator = torch.Generator().manual_seed(info.rank)
-        times = []
-        for step in range(args.warmup + args.steps):
-            x = torch.randn(args.batch, args.width, generator=generator)
-            dist.barrier()
-            started = time.perf_counter()
-            model(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if step >= args.warmup:
-                times.append(time.perf_counter() - started)
-        steps = args.warmup + args.steps
-        if state is not None:
-            sent, own = state.wire_bytes / steps, state.uncompressed_bytes / steps
-        else:
-            sent = own = fsdp.own_reduce_bytes(model, 2 if reduce_dtype is not None else 4, args.hsdp)
-        rows.append({"configuration": label, "bytes_per_step": sent, "step_ms": 1e3 * statistics.median(times),
-                     "parameters": sum(p.numel() for p in model.parameters()), "own_reference_bytes": own})
-    for row in rows:
-        row["fsdp2_fp32_bytes_per_step"] = rows[0]["bytes_per_step"]
-        row["ratio_to_fp32"] = row["bytes_per_step"] / rows[0]["bytes_per_step"]
-        row["ratio_to_bf16"] = row["bytes_per_step"] / rows[1]["bytes_per_step"]
-    return rows
-
-
-def fsdp_table(rows: List[Dict[str, Any]], arguments: Dict[str, Any]) -> str:
-    hsdp = arguments["hsdp"]
-    what = "the replicas' all-reduce (HSDP, 2×2 mesh)" if hsdp else f"the reduce-scatter ({arguments['ranks']} ranks)"
-    lines = [f"Bytes one rank sends per step for {what}; MLP {arguments['depth']}×{arguments['width']} "
-             f"({rows[0]['parameters']:,} parameters), step time median of {arguments['steps']} on this host's CPU "
-             "ranks.", "",
-             "| configuration | kB/step | × FSDP2 fp32 | × FSDP2 bf16 | step ms |", "|---|---:|---:|---:|---:|"]
-    for row in rows:
-        lines.append(f"| {row['configuration']} | {row['bytes_per_step'] / 1e3:,.1f} | {row['ratio_to_fp32']:.4f} | "
-                     f"{row['ratio_to_bf16']:.4f} | {row['step_ms']:.1f} |")
-    return "\n".join(lines) + "\n"
-
-
-def fsdp_main(argv) -> int:
-    args = parse_fsdp(argv)
-    if args.table:
-        print("\n".join(fsdp_table(saved["results"], saved["arguments"])
-                        for saved in harness.saved_results(args.table, "results", "benchmarks/headline.py fsdp")))
-        return 0
-    launched = mergecomp.launch.detect().launcher not in ("single", "spawn")
-    if launched:  # the launched ranks run it; rank 0 writes
-        rows = fsdp_rank(args)
-        if dist.get_rank() != 0:
-            return 0
-    else:
-        rows = mergecomp.launch.spawn(fsdp_rank, args.ranks, (args,))[0]
-    arguments = dict(vars(args), ranks=dist.get_world_size() if launched else args.ranks)
-    table = fsdp_table(rows, arguments)
-    print(table)
-    if args.out:
-        stem = "fsdp-bytes" + ("-hsdp" if args.hsdp else "")
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, stem + ".json"), "w") as handle:
-            json.dump({"arguments": arguments, "results": rows}, handle, indent=2)
-        with open(os.path.join(args.out, stem + ".md"), "w") as handle:
-            handle.write(table)
-        harness.record_run(args.out, ["benchmarks/headline.py", "fsdp", *argv])
-    return 0
-
-
-# --------------------------------------------------------------------------------- ddp --
-
-DDP_DOC = """PyTorch DDP baselines, timed exactly like ``compress_benchmark.py``.
-
-Compressed training is only worth its complexity if it beats what PyTorch already ships, so
-this script measures DistributedDataParallel with the same models, synthetic batches, batch
-sizes, timing loop (warm-up, then ``--num-iters`` iterations of ``--num-batches-per-iter``
-steps) and ``--json`` schema as ``compress_benchmark.py``; a sweep can put both side by side.
-
-Hooks (``--hook``):
-
-- ``fp32``: ``default_hooks.allreduce_hook``, plain FP32 allreduce (DDP's default behaviour,
-  routed through a Python hook so that its bytes can be counted).
-- ``fp16``: ``default_hooks.fp16_compress_hook``, 16-bit allreduce.  The ``bf16`` hook refuses
-  every backend but NCCL, so on gloo/CPU the 16-bit baseline is fp16.
-- ``mergecomp``: mergecomp's own hook (``mergecomp.ddp``) with ``--compressor`` (and
-  ``--memory``/``--comm``, else the compressor's recommendation), DDP's buckets set from
-  ``--fusion-num`` by ``mergecomp.ddp.bucket_caps``; bytes from the hook state's backend
-  counters (preflight and outcome included): DDP with mergecomp's compression, timed as
-  DDP's own hooks are.
-- ``powersgd``: ``powerSGD_hook.powerSGD_hook`` at ``--powersgd-rank`` (1, 4, ...), with error
-  feedback and warm start.  PyTorch needs ``start_powerSGD_iter`` ≥ 2 for those, and the
-  first ``start_powerSGD_iter`` steps are plain allreduce, so the warm-up must cover them:
-  every timed step then runs PowerSGD.
-
-DDP uses its default bucket size, 25 MB (``--bucket-cap-mb``).  ``bytes_per_step`` is counted,
-not estimated: every tensor a hook hands to ``torch.distributed.all_reduce`` is added up
-(for PowerSGD that is the rank-1 tensors allreduced uncompressed, then P, then Q).
-
-Launch as ``compress_benchmark.py`` is launched: torchrun, ``--nproc N``, or the env://
-variables RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (what ``benchmarks/cluster.py`` sets).
-
-    python benchmarks/headline.py ddp --nproc 2 --model vgg16 --hook powersgd --powersgd-rank 4
-"""
-
-DDP_HOOKS = ("fp32", "fp16", "powersgd", "mergecomp")
-
-
-def parse_ddp(argv):
-    p = argparse.ArgumentParser(prog="headline.py ddp", description=DDP_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_workload_arguments(p)
-    p.add_argument("--hook", default="fp32", choices=DDP_HOOKS, help="DDP communication hook")
-    p.add_argument("--powersgd-rank", type=int, default=1, help="PowerSGD matrix approximation rank")
-    p.add_argument("--powersgd-start-iter", type=int, default=2,
-                   help="steps of plain allreduce before PowerSGD starts (≥ 2; warm-up must cover them)")
-    p.add_argument("--bucket-cap-mb", type=float, default=DDP_BUCKET_CAP_MB,
-                   help=f"DDP bucket size in MB (default {DDP_BUCKET_CAP_MB}, DDP's own)")
-    hook = p.add_argument_group("--hook mergecomp")
-    hook.add_argument("--compressor", default=None, help="mergecomp compressor of the hook (required with it)")
-    hook.add_argument("--memory", default=None, help="error feedback (default: the compressor's recommendation)")
-    hook.add_argument("--comm", default=None, help="communicator (default: the compressor's recommendation)")
-    hook.add_argument("--fusion-num", type=int, default=4,
-                      help="DDP buckets from this mergecomp fusion-num (default 4)")
-    args = p.parse_args(argv)
-    harness.check_workload_arguments(p, args)
-    if args.hook == "mergecomp":
-        if not args.compressor:
-            p.error("--hook mergecomp needs --compressor (e.g. dgc, topk, fp16)")
-        if args.fusion_num < 1:
-            p.error(f"--fusion-num must be ≥ 1 (DDP buckets), got {args.fusion_num}")
-    elif any(v is not None for v in (args.compressor, args.memory, args.comm)):
-        p.error(f"--compressor/--memory/--comm configure --hook mergecomp, not --hook {args.hook}")
-    if args.bucket_cap_mb <= 0:
-        p.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
-    if args.hook == "powersgd":
-        if args.powersgd_rank < 1:
-            p.error(f"--powersgd-rank must be ≥ 1, got {args.powersgd_rank}")
-        if args.powersgd_start_iter < 2:
-            p.error(f"--powersgd-start-iter must be ≥ 2 (PyTorch requires it with error feedback "
-                    f"and warm start), got {args.powersgd_start_iter}")
-        if args.num_warmup_batches < args.powersgd_start_iter:
-            p.error(f"--num-warmup-batches {args.num_warmup_batches} is less than "
-                    f"--powersgd-start-iter {args.powersgd_start_iter}: the first timed steps "
-                    f"would be plain allreduce; raise the warm-up to ≥ {args.powersgd_start_iter}")
-    return args
-
-
-class BucketCounter:
-    """Wraps a hook to count its calls: one call per DDP bucket, so calls per step = groups.
-
-    ``hook`` is the function to register (a plain function: DDP inspects its name).
-    """
-
-    def __init__(self, inner):
-        self.calls = 0
-
-        @functools.wraps(inner)
-        def hook(state, bucket):
-            self.calls += 1
-            return inner(state, bucket)
-        self.hook = hook
-
-
-def register_hook(model: DistributedDataParallel, args):
-    """Register the chosen hook; returns (a one-line description for the log, BucketCounter,
-    the mergecomp hook state or None)."""
-    if args.hook == "mergecomp":
-        state = mergecomp.ddp.HookState(model, compressor=args.compressor, memory=args.memory or "auto",
-                                        communicator=args.comm or "auto")
-        hook = BucketCounter(mergecomp.ddp.hook)
-        model.register_comm_hook(state, hook.hook)
-        return (f"DDP with mergecomp's hook: {state.communicator!r}, buckets of fusion-num "
-                f"{args.fusion_num}"), hook, state
-    if args.hook == "fp32":
-        state, hook = None, BucketCounter(default_hooks.allreduce_hook)
-        text = "DDP FP32 allreduce (allreduce_hook)"
-    elif args.hook == "fp16":
-        state, hook = None, BucketCounter(default_hooks.fp16_compress_hook)
-        text = "DDP 16-bit allreduce (fp16_compress_hook; bf16_compress_hook needs NCCL)"
-    else:
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=args.powersgd_rank,
-            start_powerSGD_iter=args.powersgd_start_iter, random_seed=args.seed)
-        hook = BucketCounter(powerSGD_hook.powerSGD_hook)
-        text = (f"DDP PowerSGD rank {args.powersgd_rank} (powerSGD_hook, error feedback, warm "
-                f"start, from step {args.powersgd_start_iter})")
-    model.register_comm_hook(state, hook.hook)
-    return text, hook, None
-
-
-def ddp_worker(args):
-    work = harness.prepare(args)
-    device = work.device
-    buckets = ({"bucket_cap_mb_list": mergecomp.ddp.bucket_caps(work.model, args.fusion_num)}
-               if args.hook == "mergecomp" else {"bucket_cap_mb": args.bucket_cap_mb})
-    model = DistributedDataParallel(work.model, device_ids=[device.index] if device.type == "cuda" else None,
-                                    **buckets)
-    exchange, buckets, state = register_hook(model, args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-
-    timed = harness.make_timer(harness.training_step(work, model, optimizer), device)
-    work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch size "
-             f"{work.batch_size} per worker")
-    work.log(f"Workers: {work.size} ({work.info.launcher}), device: {device}, backend: {dist.get_backend()}")
-    work.log(f"Exchange: {exchange}" + ("" if state is not None else f", bucket size {args.bucket_cap_mb:g} MB"))
-
-    ring = 2 * (work.size - 1) / work.size  # every DDP collective is an allreduce
-    with AllreduceCounter() as counter:
-        timed(max(3 if state is not None else 1, args.num_warmup_batches))  # the hook's raw steps
-        calls_before = buckets.calls
-        if state is not None:  # mergecomp's backend counts its own bytes, as in compress_benchmark
-            def counters():
-                return {"bytes_sent": state.backend.bytes_sent, "wire_bytes": state.backend.wire_bytes}
-        else:
-            def counters():
-                return {"bytes_sent": counter.bytes_sent, "wire_bytes": counter.bytes_sent * ring}
-        series = harness.run_iterations(timed, work, args, counters)
-        groups = (buckets.calls - calls_before) // (args.num_iters * args.num_batches_per_iter)
-
-    def gather(obj):
-        everyone = [None] * work.size
-        dist.all_gather_object(everyone, obj)
-        return everyone
-
-    label = f"ddp-{args.hook}" + (f"-r{args.powersgd_rank}" if args.hook == "powersgd" else "") \
-        + (f"-{args.compressor}" if args.hook == "mergecomp" else "")
-    result = harness.report(work, series, gather, {
-        "compress": args.hook != "fp32", "compressor": label, "compress_ratio": None,
-        "memory": "ddp", "comm": "ddp-allreduce", "fusion_num": None, "scheduler": "ddp-buckets",
-        "groups": groups, "plan": None, "hook": args.hook,
-        "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None,
-        "bucket_cap_mb": args.bucket_cap_mb if state is None else None,
-        "hook_compressor": args.compressor if state is not None else None,
-        "hook_fusion_num": args.fusion_num if state is not None else None})
-    return harness.finish(result, args.json, work)
-
-
-def ddp_main(argv) -> int:
-    args = parse_ddp(argv)
-    models.get(args.model)  # fail fast on an unknown name, before any process starts
-    harness.run_workers(ddp_worker, args)
     return 0
 
 

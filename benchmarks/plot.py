@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/plot.py results     # every figure docs/results.md shows, from the
                                                     # committed data, written beside that data
+    .venv/bin/python benchmarks/plot.py benchmarks/results/<low-communication run>  # loss-vs-time.png
     .venv/bin/python benchmarks/plot.py benchmarks/results/<headline run>      # headline.png
     .venv/bin/python benchmarks/plot.py benchmarks/results/<convergence run>   # accuracy.png
                                                    # (a language-model run: curves.png)
@@ -43,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
-SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence")
+SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm", "2026-11-24-scaling")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
@@ -337,6 +338,123 @@ def render_lm_curves(folder: str, out: Optional[str] = None) -> str:
     return _save(fig, os.path.join(out or folder, "curves.png"))
 
 
+# -- a low-communication run: validation loss against time on the emulated link -----------------------
+def _cell_configuration(label: str, configurations: Dict[str, dict]) -> Optional[str]:
+    """The headline configuration that times a convergence row: the same label (DiLoCo rows),
+    DDP's hooks for dense and fp16, ``auto-<compressor>`` for the other compressors."""
+    if label in configurations:
+        return label
+    name = label.split(":")[0]
+    for candidate in ({"none": "ddp-fp32", "fp16": "ddp-fp16"}.get(name), f"auto-{name}"):
+        if candidate in configurations:
+            return candidate
+    return None
+
+
+def render_lowcomm(folder: str, out: Optional[str] = None) -> str:
+    """``loss-vs-time.png`` of a low-communication run's folder: the validation loss of every
+    row of its language-model convergence runs (subfolders, mean of the seeds) against
+    training step × that method's step time in the folder's headline cell (the emulated
+    link; the 1 Gbit/s cell where there are several).  The two are measured apart (the convergence task and the headline's timed
+    model differ), so the x axis is a projection: what the step times say each curve would
+    take on that link.  Rows with no timed configuration are left out, and say so."""
+    from mergecomp.bench.harness import saved_results
+    timed = [p for p in sorted(glob.glob(os.path.join(folder, "*.json"))) if os.path.basename(p) != "manifest.json"]
+    cells = list(saved_results(timed, "configurations", "benchmarks/headline.py"))
+    runs = [_read_convergence(os.path.dirname(p)) for p in sorted(glob.glob(os.path.join(folder, "*", "convergence.json")))]
+    runs = [r for r in runs if r.get("options", {}).get("task", "digits") != "digits"]
+    if not cells or not runs:
+        raise ValueError(f"{folder} needs a headline cell (*.json) and a language-model convergence run "
+                         f"(*/convergence.json) for loss-vs-time.png")
+    cell = next((c for c in cells if c.get("link") == "1gbit"), cells[0])  # the slow link, where it exists
+    configurations = cell["configurations"]
+    curves: Dict[str, List[List[dict]]] = {}
+    for result in runs:
+        for label in dict.fromkeys(run["label"] for run in result["runs"]):  # in run order: stable colours
+            if label not in curves:
+                curves[label] = [run["curve"] for run in result["runs"] if run["label"] == label and run.get("curve")]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    colors = iter(plt.get_cmap("tab10").colors * 3)
+    missing = []
+    for label, mine in curves.items():
+        timed = _cell_configuration(label, configurations)
+        if timed is None or not mine:
+            missing.append(label)
+            continue
+        length = min(len(c) for c in mine)
+        seconds = [mine[0][i]["step"] * configurations[timed]["step_s"] for i in range(length)]
+        loss = [statistics.mean(c[i]["valid_loss"] for c in mine) for i in range(length)]
+        style = dict(color="black", linewidth=2.2) if label == "none" else dict(color=next(colors), linewidth=1.4)
+        ax.plot(seconds, loss, marker="o", markersize=3, label=f"{label} (timed as {timed})", **style)
+    bound = configurations["bound"]["step_s"]
+    steps = max(c[-1]["step"] for mine in curves.values() for c in mine)
+    ax.axvline(steps * bound, color="grey", linestyle=":", linewidth=1)
+    ax.text(steps * bound, ax.get_ylim()[1], " zero-cost bound, last step", fontsize=7, va="top", color="grey")
+    ax.set_xlabel(f"projected seconds on the emulated {cell['link']} link ({cell['model']} step times, "
+                  f"{cell['workers']} workers)")
+    ax.set_ylabel("validation loss (nats per character, mean of seeds)")
+    ax.legend(fontsize=7, loc="lower left")
+    options = runs[0].get("options", {})
+    title = (f"{options.get('task', '?')}, {runs[0].get('workers', '?')} workers: validation loss against "
+             f"steps × measured step time")
+    if missing:
+        import textwrap
+        title += "\n" + "\n".join(textwrap.wrap(f"(not timed: {', '.join(missing)})", 90))
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "loss-vs-time.png"))
+
+
+#: The plans a scaling run predicts, in drawing order, with their legend names.
+SCALING_PLANS = (("fp32", "FP32 allreduce"), ("compress allgather", "top-k by allgather"),
+                 ("compress sparse_allreduce", "top-k by sparse allreduce"), ("optimal", "optimal, per group"))
+
+
+def render_scaling(folder: str, out: Optional[str] = None) -> str:
+    """``scaling.png`` of a ``simulator.py scaling`` run: the predicted scaling factor against
+    the number of workers, one panel per link, one line per plan, and the published settings
+    (MergeComp's 8 GPUs, DGC's 32 workers) as points.  Predictions, not measurements: the
+    run's README gives the per-GPU profile they rest on."""
+    path = os.path.join(folder, "scaling.json")
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}; is {folder} a run of "
+                         f"benchmarks/simulator.py scaling?") from None
+    cells = result.get("cells") if isinstance(result, dict) else None
+    if not cells:
+        raise ValueError(f"{path} has no 'cells': it is no result of benchmarks/simulator.py scaling")
+    grid = [c for c in cells if c.get("setting", "grid") == "grid"]
+    links = list(dict.fromkeys(c["link"] for c in grid))
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(links) + 1, figsize=(3.4 * (len(links) + 1), 3.6), sharey=True)
+    colors = plt.get_cmap("tab10").colors
+    for ax, link in zip(axes, links):
+        mine = sorted((c for c in grid if c["link"] == link), key=lambda c: c["workers"])
+        for color, (key, name) in zip(colors, SCALING_PLANS):
+            ax.plot([c["workers"] for c in mine], [c[key]["scaling"] for c in mine], marker="o",
+                    markersize=3, color=color, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(link, fontsize=9)
+        ax.set_xlabel("workers")
+    settings = [c for c in cells if c.get("setting", "grid") != "grid"]
+    ax = axes[-1]
+    for i, cell in enumerate(settings):
+        for color, (key, _) in zip(colors, SCALING_PLANS):
+            ax.scatter([i], [cell[key]["scaling"]], color=color, s=18)
+    ax.set_xticks(range(len(settings)))
+    ax.set_xticklabels([c["setting"].replace(": ", "\n", 1) for c in settings], fontsize=6)
+    ax.set_title("published settings", fontsize=9)
+    axes[0].set_ylabel("predicted scaling factor")
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"{result.get('model', '?')}: the simulator's predictions (a documented GPU profile, "
+                 f"not measured)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "scaling.png"))
+
+
 def _read_convergence(folder: str) -> dict:
     path = os.path.join(folder, "convergence.json")
     try:
@@ -373,6 +491,10 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
             raise ValueError("'results' writes each figure beside its data; drop --out")
         return [p for run in SHOWN_RUNS for p in render_any(os.path.join(ROOT, "benchmarks", "results", run))]
     if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "scaling.json")):
+            return [render_scaling(path, out)]
+        if glob.glob(os.path.join(path, "*", "convergence.json")) and glob.glob(os.path.join(path, "*.json")):
+            return [render_lowcomm(path, out)]
         if os.path.exists(os.path.join(path, "convergence.json")):
             if _read_convergence(path).get("options", {}).get("task", "digits") != "digits":
                 return [render_lm_curves(path, out)]

@@ -312,6 +312,28 @@ def demo(compressor, x, layout, generator):
     return out.to(x.dtype).view(x.shape)
 
 
+def sparseloco(compressor, x, layout, generator):
+    """SparseLoCo 2025: the flat tensor in rows of ``chunk`` (zero-padded); per row the
+    ``topk`` entries of largest magnitude; their mean magnitude μ splits them in two; each
+    decodes to its sign times the mean magnitude of its half (below μ, or at least μ)."""
+    s, k = compressor.chunk, compressor.topk
+    flat, out = x.reshape(-1).double(), torch.zeros(x.numel(), dtype=torch.float64)
+    for start in range(0, x.numel(), s):
+        row = torch.zeros(s, dtype=torch.float64)
+        piece = flat[start:start + s]
+        row[:piece.numel()] = piece
+        chosen = row.abs().argsort(descending=True)[:k]
+        magnitude = row[chosen].abs()
+        high = magnitude >= magnitude.mean()
+        decoded = torch.zeros(s, dtype=torch.float64)
+        for part in (high, ~high):
+            if part.any():
+                level = magnitude[part].mean().to(x.dtype).double()
+                decoded[chosen[part]] = torch.where(row[chosen[part]] < 0, -level, level)
+        out[start:start + piece.numel()] = decoded[:piece.numel()]
+    return out.to(x.dtype).view(x.shape)
+
+
 #: The reference of every registered compressor, by registry name.
 REFERENCES = {
     "none": identity, "fp32": identity,
@@ -320,6 +342,7 @@ REFERENCES = {
     "signsgd": signsgd, "signum": signum, "efsignsgd": efsignsgd, "onebit": onebit, "tbq": tbq,
     "qsgd": qsgd, "terngrad": terngrad, "atomo": atomo,
     "powersgd": powersgd, "batched_powersgd": batched_powersgd, "demo": demo,
+    "sparseloco": sparseloco,
 }
 
 #: Compressors whose decode is a random draw: compared in distribution.

@@ -88,6 +88,66 @@ def test_streaming_fragments_sync_on_their_own_steps_behind_the_overlap():
     assert all(torch.equal(a, b) for a, b in zip(anchors0, anchors1))
 
 
+
+def _against_a_plain_simulation(rank, world_size):
+    """DiLoCo (H = 4, SGD momentum inside, outer Nesterov) next to Algorithm 1 written out in
+    plain torch for every rank at once, from the same start and batches."""
+    model = _model(rank)
+    opt = mergecomp.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
+                           sync_every=4, outer_lr=0.7, outer_momentum=0.9)
+    with opt.anchor_weights():
+        start = _weights(model)
+    _train(model, opt, rank, 12)
+    replicas = [_model(0) for _ in range(world_size)]
+    for replica in replicas:
+        with torch.no_grad():
+            for p, w in zip(replica.parameters(), start):
+                p.copy_(w)
+    inner = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in replicas]
+    anchor = [w.clone() for w in start]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(12):
+        for r, (replica, sgd) in enumerate(zip(replicas, inner)):
+            x, y = _batch(r, step)
+            sgd.zero_grad()
+            torch.nn.functional.mse_loss(replica(x), y).backward()
+            sgd.step()
+        if (step + 1) % 4 == 0:
+            for i, a in enumerate(anchor):  # Δ = anchor − local, averaged; outer step; restart
+                a.grad = sum(a.detach() - list(m.parameters())[i].detach() for m in replicas) / world_size
+            outer.step()
+            for replica in replicas:
+                with torch.no_grad():
+                    for p, a in zip(replica.parameters(), anchor):
+                        p.copy_(a)
+    with opt.anchor_weights():
+        ours = _weights(model)
+    return ours, [a.detach() for a in anchor], _weights(model)
+
+
+def test_the_outer_step_matches_a_plain_simulation_of_algorithm_1():
+    (ours, plain, local), _ = run_ranks(_against_a_plain_simulation, 2)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(ours, plain))
+    assert all(torch.equal(a, b) for a, b in zip(ours, local))  # step 12 ended on an exchange
+
+
+def _anchor_weights_outside_an_exchange(rank, world_size):
+    model = _model(rank)
+    opt = mergecomp.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.05), model=model, sync_every=4)
+    _train(model, opt, rank, 6)
+    local = _weights(model)
+    with opt.anchor_weights():
+        inside = _weights(model)
+    return local, inside, _weights(model), [f.anchor.clone() for f in opt.fragments]
+
+
+def test_anchor_weights_hold_the_shared_weights_and_give_the_local_ones_back():
+    (local0, inside0, after0, anchors0), (local1, inside1, _, _) = run_ranks(_anchor_weights_outside_an_exchange, 2)
+    assert not all(torch.equal(a, b) for a, b in zip(local0, local1))  # two steps after an exchange
+    assert all(torch.equal(a, b) for a, b in zip(inside0, inside1))
+    assert torch.equal(torch.cat([w.reshape(-1) for w in inside0]), anchors0[0])
+    assert all(torch.equal(a, b) for a, b in zip(local0, after0))
+
 def test_the_schedule():
     schedule = SyncSchedule(8, 4, overlap=2)
     assert schedule.offsets == [0, 2, 4, 6]
@@ -113,6 +173,27 @@ def test_bad_arguments_are_refused_before_any_collective():
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         mergecomp.DiLoCo(inner, model=model, sync_every=4, nonfinite="ignore")
 
+
+
+def _warnings_of_the_outer_momentum(rank, world_size):
+    model, said = _model(), {}
+    for label, inner, outer in (("sgd-0.9", torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 0.9),
+                                ("sgd-0.5", torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 0.5),
+                                ("adamw-0.9", torch.optim.AdamW(model.parameters(), lr=0.01), 0.9)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mergecomp.DiLoCo(inner, model=model, sync_every=4, outer_momentum=outer)
+        said[label] = [str(w.message) for w in caught if "outer momentum" in str(w.message)]
+        said[label + ":recommended"] = mergecomp.lowcomm.recommended_outer_momentum(inner)
+    return said
+
+
+def test_an_inner_heavy_ball_momentum_under_the_paper_outer_momentum_is_warned_about():
+    said = run_ranks(_warnings_of_the_outer_momentum, 1)[0]
+    assert len(said["sgd-0.9"]) == 1 and "momentum=0.9" in said["sgd-0.9"][0]
+    assert "outer_momentum=0.5" in said["sgd-0.9"][0]
+    assert said["sgd-0.5"] == [] and said["adamw-0.9"] == []
+    assert said["sgd-0.9:recommended"] == 0.5 and said["adamw-0.9:recommended"] == 0.9
 
 # -- non-finite pseudo-gradients ---------------------------------------------------------------------
 def _nan_on_rank_1(rank, world_size):

@@ -20,7 +20,7 @@ from .compiled import compiled  # noqa: E402
 # Built-ins register themselves on import.
 from . import none, halfprecision, topk, randk  # noqa: E402,F401
 from . import (sign, onebit, qsgd, terngrad, dgc, graddrop, tbq, atomo,  # noqa: E402,F401
-               powersgd, batched_powersgd, demo)
+               powersgd, batched_powersgd, demo, sparseloco)
 
 __all__ = ["Compressor", "Context", "Payload", "AllReduce", "ParamView", "GroupLayout", "register",
            "create", "available", "get", "registry", "payload_nbytes", "check_ratio", "check_dtypes",

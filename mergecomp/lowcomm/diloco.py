@@ -19,6 +19,16 @@ instead of one gradient per step.  With ``overlap`` > 0 the exchange runs behind
 them with the new anchor (``mix`` = 0.5 by default then: half the local progress of those
 steps is kept).
 
+The outer momentum and the inner one.  The paper's outer step (lr 0.7, Nesterov momentum
+0.9) comes with an inner AdamW.  An inner SGD with heavy-ball momentum keeps its velocity
+across the outer step: every rank restarts from the new anchor still moving along the last
+H steps' direction, which the outer Nesterov step has just extrapolated, so that direction
+is pushed twice, and at small H (many outer steps) the run stalls or diverges.  A plain
+single-process simulation of Algorithm 1 does the same, so it is the recipe and not the
+exchange.  With such an inner optimizer use an outer momentum of 0.5
+(:func:`recommended_outer_momentum`; the constructor warns otherwise); with AdamW, or SGD
+without momentum, the paper's 0.9.  docs/low-communication.md has the measurements.
+
 Why a wrapper of the inner optimizer, like :class:`~mergecomp.DistributedOptimizer`: the
 training loop stays ``loss.backward(); opt.step()``, LR schedulers and gradient clipping act
 on the inner optimizer as usual, and the outer step, which is not a gradient step of the
@@ -28,7 +38,9 @@ the non-finite check, commit or rollback of compressor and memory state.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+import contextlib
+import warnings
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -41,7 +53,25 @@ from ..memories.base import Memory, check_number
 from ..runtime.agreement import RanksDisagree, describe_disagreement
 from ..runtime.reducer import broadcast_tensors, config_digest
 from ..runtime.step import StepLifecycle, check_nonfinite_policy
+from ..momentum import optimizer_momentum
 from .schedule import SyncSchedule, fragment_cuts
+
+#: The outer momentum for an inner optimizer with heavy-ball momentum, and the paper's otherwise.
+HEAVY_BALL_OUTER_MOMENTUM, PAPER_OUTER_MOMENTUM = 0.5, 0.9
+
+
+def heavy_ball(optimizer) -> list:
+    """(group, setting, value) of the inner optimizer's heavy-ball momentum (SGD's
+    ``momentum``; Adam's first moment, whose steps are normalised, is not one)."""
+    return [found for found in optimizer_momentum(optimizer)
+            if found[1] == "momentum" and "betas" not in optimizer.param_groups[found[0]]]
+
+
+def recommended_outer_momentum(optimizer) -> float:
+    """The outer Nesterov momentum for this inner optimizer: 0.5 when it carries heavy-ball
+    momentum (its velocity survives the outer step, see :class:`DiLoCo`), else the paper's 0.9."""
+    return HEAVY_BALL_OUTER_MOMENTUM if heavy_ball(optimizer) else PAPER_OUTER_MOMENTUM
+
 
 #: Format of the ``"mergecomp"`` part of a DiLoCo state dict.
 STATE_FORMAT = 1
@@ -91,8 +121,10 @@ class DiLoCo(torch.optim.Optimizer):
             ``param.<i>``); their order cuts the fragments.
         model: its parameters and buffers are copied from rank 0 at construction.
         sync_every: H, inner steps between two exchanges of a fragment.
-        outer_lr, outer_momentum, nesterov: the outer SGD (0.7, 0.9, Nesterov in the paper;
-            lr 1 and momentum 0 make the new anchor the plain average of the ranks' weights).
+        outer_lr, outer_momentum, nesterov: the outer SGD (0.7, 0.9, Nesterov in the paper,
+            with an inner AdamW; outer momentum 0.5 with an inner SGD with momentum, which is
+            warned about otherwise; lr 1 and momentum 0 make the new anchor the plain average
+            of the ranks' weights).
         compressor, memory, communicator: how the pseudo-gradient travels, as for
             :class:`~mergecomp.DistributedOptimizer` (default: uncompressed allreduce).
         fragments: K contiguous fragments balanced by size, at staggered offsets (streaming).
@@ -132,6 +164,7 @@ class DiLoCo(torch.optim.Optimizer):
                                 "anchor)", 0.0, 1.0, high_open=True, advice="0 replaces them; the streaming "
                                 "paper uses 0.5 with overlap.")
         self.nonfinite = check_nonfinite_policy(nonfinite)
+        _warn_if_heavy_ball(optimizer, outer_momentum)
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
         self._share_inner()
@@ -238,6 +271,21 @@ class DiLoCo(torch.optim.Optimizer):
             fragment.write(fragment.anchor)
         self.lifecycle.close_step()
 
+    @contextlib.contextmanager
+    def anchor_weights(self) -> Iterator[None]:
+        """Inside the block the model holds the anchors, the weights every rank shares (the
+        last outer step's); this rank's local weights come back at its end.  Evaluate the
+        model of the run here: between exchanges each rank's own weights are its own.  An
+        exchange in flight is unaffected (its pseudo-gradient was taken at launch)."""
+        local = [fragment.flat() for fragment in self.fragments]
+        for fragment in self.fragments:
+            fragment.write(fragment.anchor)
+        try:
+            yield
+        finally:
+            for fragment, weights in zip(self.fragments, local):
+                fragment.write(weights)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -318,6 +366,19 @@ class DiLoCo(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"DiLoCo({type(self.optimizer).__name__}, {self.schedule!r}, {self.communicator!r}, "
                 f"ranks={self.backend.size})")
+
+
+def _warn_if_heavy_ball(optimizer, outer_momentum: float) -> None:
+    found = heavy_ball(optimizer)
+    if found and outer_momentum > HEAVY_BALL_OUTER_MOMENTUM:
+        index, setting, value = found[0]
+        warnings.warn(
+            f"DiLoCo: parameter group {index} of the inner {type(optimizer).__name__} has {setting}={value} "
+            f"and the outer momentum is {outer_momentum}: the inner velocity survives each outer step, which "
+            f"has already extrapolated that direction, and such runs stall or diverge at small sync_every. "
+            f"Use outer_momentum={HEAVY_BALL_OUTER_MOMENTUM} (mergecomp.lowcomm.recommended_outer_momentum), "
+            f"or an inner AdamW with the paper's {PAPER_OUTER_MOMENTUM}; docs/low-communication.md has the "
+            f"measurements", UserWarning, stacklevel=3)
 
 
 def _named_trainable(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
