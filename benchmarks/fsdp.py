@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """mergecomp.fsdp against uncompressed FSDP2: accuracy on real data.
 
-scikit-learn's digits with the convergence benchmark's CNN, split and sharded as there
+``accuracy``: scikit-learn's digits with the convergence benchmark's CNN, split and sharded as there
 (two ranks, 32 images each per step), ``--epochs`` epochs of SGD with momentum under
 FSDP2, for uncompressed FSDP2 and each of ``--compressors`` (``name[:key=value...]``); test
 accuracy per epoch (``--hsdp``: four ranks on a 2×2 mesh, the replicas' all-reduce
@@ -14,6 +14,12 @@ convergence benchmark's model and data, so it runs as a module from the reposito
 
     .venv/bin/python -m benchmarks.fsdp accuracy --epochs 20 --out benchmarks/results/DATE-fsdp
     .venv/bin/python -m benchmarks.fsdp accuracy --hsdp --epochs 20 --out benchmarks/results/DATE-fsdp
+
+``lm``: the convergence benchmark's character LSTM under FSDP2, against the same task under
+the wrapper (:mod:`mergecomp.bench.fsdp_lm`; ``lm --help``):
+
+    .venv/bin/python -m benchmarks.fsdp lm --steps 600 --seeds 0,1 \\
+        --reference benchmarks/results/2026-11-24-lm-convergence/char-lstm/convergence.json --out DIR
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from torch import nn
 
 import mergecomp
 from mergecomp.bench import harness
+from mergecomp.bench import fsdp_lm
 from mergecomp.bench.harness import fsdp
 
 ACCURACY_COMPRESSORS = "topk:compress_ratio=0.01,powersgd"
@@ -87,9 +94,11 @@ def _accuracy_table(results: Dict[str, Any], args: argparse.Namespace) -> str:
 
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm"]:  # the language-model task: its own flags (mergecomp/bench/fsdp_lm.py)
+        return fsdp_lm.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fsdp", description=__doc__.split("\n")[1],
                                      epilog="bytes and step time: benchmarks/headline.py fsdp")
-    parser.add_argument("mode", choices=("accuracy",), help="what to measure (bytes and time: headline.py fsdp)")
+    parser.add_argument("mode", choices=("accuracy", "lm"), help="digits accuracy, or the char-LSTM (lm --help for its flags); bytes and time: headline.py fsdp")
     parser.add_argument("--compressors", default=ACCURACY_COMPRESSORS,
                         help=f"comma-separated name[:key=value...] specs (default {ACCURACY_COMPRESSORS})")
     parser.add_argument("--ranks", type=int, default=2, help="local gloo ranks (HSDP: 4)")

@@ -54,6 +54,7 @@ More modes, named by the first word:
     python benchmarks/headline.py exchanges ...   # communicators side by side (flat, hierarchical,
                                                   # sparse_allreduce...): step time, bytes per rank
     python benchmarks/headline.py fsdp ...        # mergecomp.fsdp against FSDP2's own reduction
+    python benchmarks/headline.py hsdp ...        # HSDP's replica all-reduce: FSDP2's own or compressed
     python benchmarks/headline.py ddp ...         # one DDP hook alone, timed as compress_benchmark.py
 
 ``headline.py MODE --help`` tells each in full.
@@ -81,6 +82,7 @@ from mergecomp.bench.contenders import (MOMENTUM, Configuration, DDP_BUCKET_CAP_
 from mergecomp.bench.ddp_baselines import ddp_main, pair_main
 from mergecomp.bench.exchanges import exchanges_main
 from mergecomp.bench.fsdp_bytes import fsdp_main
+from mergecomp.bench.hsdp_timing import hsdp_main
 from mergecomp.bench.harness import (AllreduceCounter, HEADLINE_BASELINE as BASELINE,
                                     HEADLINE_LINKS as CAMPAIGN_LINKS, HEADLINE_MODELS as CAMPAIGN_MODELS)
 
@@ -332,7 +334,7 @@ def matrix_main(argv) -> int:
 
 
 MODES = {"matrix": matrix_main, "pair": pair_main, "exchanges": exchanges_main, "fsdp": fsdp_main,
-         "ddp": ddp_main}
+         "hsdp": hsdp_main, "ddp": ddp_main}
 
 
 def main(argv=None) -> int:

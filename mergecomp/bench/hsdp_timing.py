@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""HSDP step time: FSDP2's own replica all-reduce against mergecomp's compressed one.
+"""The headline's ``hsdp`` mode: FSDP2's own replica all-reduce against mergecomp's compressed one.
 
 Run on nodes of several workers (the emulated cluster, or torchrun on real nodes): the mesh
 is :func:`mergecomp.fsdp.node_mesh`, so each node is a shard group (FSDP2's reduce-scatter
@@ -17,23 +16,20 @@ the batch, so the inter-node link, not the host's CPU, sets the uncompressed ste
 
 After warm-up, ``--rounds`` rounds each run one window of ``--window`` steps of every
 configuration, the order rotated each round, a barrier and one untimed step before each
-window (benchmarks/headline.py's interleaved timing); a window's time is its slowest rank's.
+window (:mod:`mergecomp.bench.contenders`); a window's time is its slowest rank's.
 Reported: the median step time per configuration, the bytes one rank sends between nodes
 per step, and each compressed configuration's speed-up over ``hsdp``: the median of the
 per-round ratios.
 
     python benchmarks/cluster.py --nodes 2 --workers-per-node 2 --profile 1gbit -- \\
-        python -m benchmarks.hsdp --json hsdp.json
-    python -m benchmarks.hsdp --table hsdp.json
-
-It imports benchmarks/headline.py's timing, so it runs as a module from the repository root.
+        python benchmarks/headline.py hsdp --json hsdp.json
+    python benchmarks/headline.py hsdp --table hsdp.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import time
 import warnings
 
@@ -42,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 import mergecomp
-from mergecomp.bench import harness
+from . import harness
+from .contenders import Configuration, timed_rounds
 
 
 def mlp(width: int, depth: int) -> nn.Module:
@@ -71,7 +68,6 @@ def replica_bytes(model: nn.Module, replicas: int) -> float:
 
 
 def build(args, mesh, inputs, targets):
-    from benchmarks import headline  # its Configuration and interleaved timing
     def step_of(model, optimizer):
         def step():
             optimizer.zero_grad()
@@ -82,7 +78,7 @@ def build(args, mesh, inputs, targets):
     replicas = mesh.size(0)
     configurations = {}
     local = mlp(args.width, args.depth)
-    configurations["bound"] = headline.Configuration(
+    configurations["bound"] = Configuration(
         "bound", step_of(local, torch.optim.SGD(local.parameters(), lr=args.lr)), lambda: 0.0)
     model = sharded(args, mesh)
     own = replica_bytes(model, replicas)
@@ -91,13 +87,13 @@ def build(args, mesh, inputs, targets):
     def own_step(step=step_of(model, torch.optim.SGD(model.parameters(), lr=args.lr))):
         step()
         counter["steps"] += 1
-    configurations["hsdp"] = headline.Configuration("hsdp", own_step, lambda: own * counter["steps"])
+    configurations["hsdp"] = Configuration("hsdp", own_step, lambda: own * counter["steps"])
     for spec in args.compressors:
         name, options = harness.parse_spec(spec)
         model = sharded(args, mesh)
         state = mergecomp.fsdp.register(model, compressor=name, **options)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-        configurations[f"hsdp-{spec}"] = headline.Configuration(
+        configurations[f"hsdp-{spec}"] = Configuration(
             f"hsdp-{spec}", step_of(model, optimizer), lambda s=state: s.wire_bytes)
     return configurations
 
@@ -114,8 +110,7 @@ def worker(args) -> int:
     for configuration in configurations.values():
         for _ in range(args.warmup):
             configuration.step()
-    from benchmarks import headline
-    per_step, bytes_per_step, _ = headline.timed_rounds(configurations, args)
+    per_step, bytes_per_step, _ = timed_rounds(configurations, args)
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, per_step)
     slowest = {name: [max(r[name][i] for r in gathered) for i in range(args.rounds)] for name in configurations}
@@ -159,8 +154,8 @@ def table_of(result) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.hsdp", description=__doc__.split("\n")[0])
+def hsdp_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="headline.py hsdp", description=__doc__.split("\n")[0])
     parser.add_argument("--compressors", default="topk:compress_ratio=0.01,powersgd",
                         help="comma-separated name[:key=value...] (default topk at 1%% and powersgd)")
     parser.add_argument("--width", type=int, default=2048)
@@ -191,10 +186,3 @@ def main(argv=None) -> int:
         if getattr(args, what) < 1:
             parser.error(f"--{what} must be ≥ 1, got {getattr(args, what)}")
     return worker(args)
-
-
-if __name__ == "__main__":
-    if not __package__:
-        sys.exit("benchmarks/hsdp.py imports benchmarks/headline.py: run it as a module from the repository "
-                 "root, python -m benchmarks.hsdp " + " ".join(sys.argv[1:]))
-    harness.exit_with(main)

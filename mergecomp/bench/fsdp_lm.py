@@ -1,5 +1,5 @@
-#!/usr/bin/env python
-"""Language-model accuracy under FSDP2: uncompressed against mergecomp.fsdp's compressors.
+"""Language-model accuracy under FSDP2 (``benchmarks/fsdp.py lm``): uncompressed against
+mergecomp.fsdp's compressors.
 
 The convergence benchmark's ``char-lstm`` task (:mod:`mergecomp.bench.lm`: a 2-layer
 character LSTM on the Python help text, validation loss in nats per character) on local
@@ -19,7 +19,7 @@ The validation loss of each run is compared with the same task, compressors, ste
 seeds under DistributedOptimizer, read from ``--reference`` (a convergence.py result), as
 the gap of each compressor to its own family's uncompressed run.
 
-    .venv/bin/python benchmarks/fsdp_lm.py --steps 600 --seeds 0,1 \\
+    .venv/bin/python -m benchmarks.fsdp lm --steps 600 --seeds 0,1 \\
         --reference benchmarks/results/2026-11-24-lm-convergence/char-lstm/convergence.json \\
         --out benchmarks/results/DATE-fsdp-lm
 
@@ -34,7 +34,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 from typing import Any, Dict, List, Optional
@@ -170,9 +169,8 @@ def table_of(results: List[Dict[str, Any]], reference: Dict[str, List[float]], a
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: List[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fsdp lm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=600)
@@ -221,7 +219,3 @@ def main(argv: Optional[List[str]] = None) -> None:
         json.dump({"arguments": vars(args), "results": results, "reference": reference}, handle, indent=2)
     with open(os.path.join(args.out, "fsdp-lm.md"), "w") as handle:
         handle.write(table)
-
-
-if __name__ == "__main__":
-    main()
