@@ -283,7 +283,7 @@ def every_compressor_through_ps_worker(rank, world_size, name):
     from tests.test_optimizer import batch, make_model
     model = make_model()
     compressor = mergecomp.compressors.create(name)
-    owns = callable(getattr(compressor, "check_optimizer", None)) or compressor.recommended_memory == "dgc"
+    owns = callable(getattr(compressor, "check_optimizer", None)) or compressor.recommended_memory in ("dgc", "demo")
     opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.0 if owns else 0.9),
                                          model=model, compressor=compressor, communicator="ps", schedule=2)
     for step in range(3):
