@@ -79,6 +79,17 @@ def clip_scale(tensor, clip_norm: float):
     return None
 
 
+def subtract_sent(residual, compressor, payload, ctx) -> None:
+    """Take what ``payload`` carries out of ``residual`` (the compensated gradient, a tensor
+    of the group's shape), in place, leaving what was not sent: a sparse payload's values at
+    their indices where the compressor can (``subtract_sent``), else its whole decode."""
+    sparse = getattr(compressor, "subtract_sent", None)
+    if sparse is not None:
+        sparse(residual.view(-1), payload, ctx)
+    else:
+        residual.sub_(compressor.decompress(payload, ctx).view_as(residual))
+
+
 def norm_of(tensors) -> float:
     """The L2 norm of several tensors taken as one vector (0.0 for none)."""
     total = sum(float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2 for t in tensors)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from . import register
-from .base import Memory, check_number, clip_local, norm_of
+from .base import Memory, check_number, clip_local, norm_of, subtract_sent
 from ..checkpoint import check_group_tensors
 from ..staging import Spares, StagedDict, shares_memory
 
@@ -78,11 +78,7 @@ class ResidualMemory(Memory):
         else:
             spare = self._spares.take(name, tensor)
             residual = tensor.clone() if spare is None else spare.copy_(tensor)
-        subtract_sent = getattr(compressor, "subtract_sent", None)
-        if subtract_sent is not None:  # a sparse payload: subtract its values at their indices
-            subtract_sent(residual.view(-1), payload, ctx)
-        else:
-            residual.sub_(compressor.decompress(payload, ctx).view_as(residual))
+        subtract_sent(residual, compressor, payload, ctx)
         self.residuals[name] = residual
 
     def commit(self):

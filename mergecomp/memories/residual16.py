@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import register
-from .base import Memory, norm_of
+from .base import Memory, norm_of, subtract_sent
 from ..staging import StagedDict
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,11 +46,7 @@ class Residual16Memory(Memory):
             self.residuals.pop(name, None)
             return
         residual = tensor.clone()
-        subtract_sent = getattr(compressor, "subtract_sent", None)
-        if subtract_sent is not None:  # a sparse payload: subtract its values at their indices
-            subtract_sent(residual.view(-1), payload, ctx)
-        else:
-            residual.sub_(compressor.decompress(payload, ctx).view_as(residual))
+        subtract_sent(residual, compressor, payload, ctx)
         self.residuals[name] = residual.reshape(-1).to(self._storage)
 
     def commit(self):
