@@ -390,9 +390,7 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
         if first:
             state = None  # the rows start again: no state from their ends
         optimizer.zero_grad()
-        logits, state = lm.forward(task, model, inputs, state)
-        state = lm.detach(state)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss, state = lm.training_loss(task, model, inputs, targets, state)
         loss.backward()
         if clip_averaged:
             torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)

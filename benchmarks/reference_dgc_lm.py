@@ -31,7 +31,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 if not __package__:  # the convergence benchmark is a sibling module: import it through the package
     sys.exit("benchmarks/reference_dgc_lm.py imports the convergence benchmark's task: run it as a module from "
@@ -106,9 +105,8 @@ def train(options: dict) -> list:
             if first:
                 state = None
             optimizer.zero_grad()
-            logits, state = lm.forward(task, model, inputs, state)
-            state = lm.detach(state)
-            nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+            loss, state = lm.training_loss(task, model, inputs, targets, state)
+            loss.backward()
             if dense:
                 for p in params:
                     dist.all_reduce(p.grad)

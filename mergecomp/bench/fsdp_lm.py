@@ -85,9 +85,7 @@ def train(run: str, seed: int, args, corpus, rank: int, world_size: int) -> Dict
         if first:
             hidden = None
         optimizer.zero_grad()
-        logits, hidden = lm.forward(task, model, inputs, hidden)
-        hidden = lm.detach(hidden)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss, hidden = lm.training_loss(task, model, inputs, targets, hidden)
         loss.backward()
         if clip_averaged:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

@@ -96,6 +96,14 @@ def forward(task: LMTask, model: nn.Module, inputs: Tensor, state=None):
     return model(inputs), None
 
 
+def training_loss(task: LMTask, model: nn.Module, inputs: Tensor, targets: Tensor, state=None):
+    """One batch's mean next-symbol cross-entropy (to call ``backward`` on), and the recurrent
+    state to carry into the next batch, detached (truncated backpropagation through time)."""
+    logits, state = forward(task, model, inputs, state)
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss, detach(state)
+
+
 @torch.no_grad()
 def validation_loss(task: LMTask, model: nn.Module, rows: Tensor) -> float:
     """Mean cross-entropy (nats per symbol) over ``rows`` (``(R, L)`` ids), read window by
