@@ -482,6 +482,27 @@ def summarise(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
 _MOMENTUM_NOTE = {"compressor/memory": " (momentum in the compressor or memory)",
                   "folded into lr": " (momentum folded in)", "none": " (no momentum)"}
 
+def _row_cells(r: Dict[str, Any], dense_bytes) -> Tuple[str, str, str]:
+    """A table row's label (with what its recipe set), lr (with where the momentum went) and
+    × fewer bytes than dense: the cells the digits and language-model tables share."""
+    label = r["label"] + "".join(f" ({k} {v:g} by its recipe)" for k, v in r["recipe_arguments"].items())
+    lr = f"{r['lr']:g}" + _MOMENTUM_NOTE.get(r["momentum_in"], "")
+    less = "—" if not dense_bytes or not r["bytes_per_step"] else f"{dense_bytes / r['bytes_per_step']:.1f}"
+    return label, lr, less
+
+
+def _with_recipe_notes(lines: List[str], rows: List[Dict[str, Any]], heading: str) -> str:
+    """The table's text, followed by the recipes its rows applied and the rows whose
+    settings contradict their compressor's recipe."""
+    used = [f"- {r['label']}: {r['recipe']}" for r in rows if r.get("recipe")]
+    if used:
+        lines += ["", heading, ""] + used
+    advised = [f"- {r['label']}: {r['advice']}" for r in rows if r.get("advice")]
+    if advised:
+        lines += ["", "Rows whose settings contradict their compressor's recipe:", ""] + advised
+    return "\n".join(lines) + "\n"
+
+
 
 def markdown(rows: List[dict], options: Options, workers: int) -> str:
     dense_bytes = next((r["bytes_per_step"] for r in rows if r["label"] == DENSE), None)
@@ -500,24 +521,15 @@ def markdown(rows: List[dict], options: Options, workers: int) -> str:
     for r in rows:
         gap = "—" if r["gap_to_dense_points"] is None or r["label"] == DENSE \
             else f"{r['gap_to_dense_points']:+.1f}"
-        less = "—" if not dense_bytes or not r["bytes_per_step"] \
-            else f"{dense_bytes / r['bytes_per_step']:.1f}"
-        lr = f"{r['lr']:g}" + _MOMENTUM_NOTE.get(r["momentum_in"], "")
-        label = r["label"] + "".join(f" ({k} {v:g} by its recipe)" for k, v in r["recipe_arguments"].items())
+        label, lr, less = _row_cells(r, dense_bytes)
         lines.append(
             f"| {label} | {r['memory']} | {r['communicator']} | {lr} | "
             f"{100 * r['accuracy_mean']:.1f} ± {100 * r['accuracy_std']:.1f} | "
             f"{100 * r['accuracy_min']:.1f}–{100 * r['accuracy_max']:.1f} | {gap} | "
             f"{r['diverged_runs']}/{len(r['seeds'])} | {r['bytes_per_step']:,.0f} | "
             f"{r['wire_bytes_per_step']:,.0f} | {less} |")
-    used = [f"- {r['label']}: {r['recipe']}" for r in rows if r.get("recipe")]
-    if used:
-        lines += ["", "Recipes applied (the lr column is the dense lr × the recipe's lr_scale, "
-                      "÷ (1 − momentum) where the recipe folds the momentum in):", ""] + used
-    advised = [f"- {r['label']}: {r['advice']}" for r in rows if r.get("advice")]
-    if advised:
-        lines += ["", "Rows whose settings contradict their compressor's recipe:", ""] + advised
-    return "\n".join(lines) + "\n"
+    return _with_recipe_notes(lines, rows, "Recipes applied (the lr column is the dense lr × the recipe's "
+                                           "lr_scale, ÷ (1 − momentum) where the recipe folds the momentum in):")
 
 
 def summarise_lm(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
@@ -576,22 +588,13 @@ def markdown_lm(rows: List[dict], options: Options, workers: int, parameters: in
     for r in rows:
         gap = "—" if r["gap_to_dense_percent"] is None or r["label"] == DENSE \
             else f"{r['gap_to_dense_percent']:+.1f}%"
-        less = "—" if not dense_bytes or not r["bytes_per_step"] \
-            else f"{dense_bytes / r['bytes_per_step']:.1f}"
-        lr = f"{r['lr']:g}" + _MOMENTUM_NOTE.get(r["momentum_in"], "")
-        label = r["label"] + "".join(f" ({k} {v:g} by its recipe)" for k, v in r["recipe_arguments"].items())
+        label, lr, less = _row_cells(r, dense_bytes)
         lines.append(
             f"| {label} | {r['memory']} | {r['communicator']} | {lr} | {r['clip_mode'] or '—'} | "
             f"{r['valid_loss_mean']:.4f} ± {r['valid_loss_std']:.4f} | "
             f"{r['valid_loss_min']:.4f}–{r['valid_loss_max']:.4f} | {r['bits_per_symbol']:.3f} | "
             f"{gap} | {r['diverged_runs']}/{len(r['seeds'])} | {r['bytes_per_step']:,.0f} | {less} |")
-    used = [f"- {r['label']}: {r['recipe']}" for r in rows if r.get("recipe")]
-    if used:
-        lines += ["", "Recipes applied:", ""] + used
-    advised = [f"- {r['label']}: {r['advice']}" for r in rows if r.get("advice")]
-    if advised:
-        lines += ["", "Rows whose settings contradict their compressor's recipe:", ""] + advised
-    return "\n".join(lines) + "\n"
+    return _with_recipe_notes(lines, rows, "Recipes applied:")
 
 
 def _result_text(run: dict) -> str:
