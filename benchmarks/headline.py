@@ -78,7 +78,7 @@ import mergecomp
 import mergecomp.ddp
 from mergecomp.bench import harness, lowcomm
 from mergecomp.bench.contenders import (MOMENTUM, Configuration, DDP_BUCKET_CAP_MB, counted, owns_momentum,
-                                        phase_text, settle, sgd, timed_rounds)
+                                        phase_text, settle, sgd, timed_rounds, train_step)
 from mergecomp.bench.ddp_baselines import ddp_main, pair_main
 from mergecomp.bench.exchanges import exchanges_main
 from mergecomp.bench.fsdp_bytes import fsdp_main
@@ -133,18 +133,10 @@ def parse_matrix(argv):
 
 def build_configurations(args, work) -> Dict[str, Configuration]:
     base = work.model
-    loss = work.spec.loss
     configurations: Dict[str, Configuration] = {}
 
-    def train_step(model, optimizer):
-        def step():
-            optimizer.zero_grad()
-            loss(model(work.inputs), work.targets).backward()
-            optimizer.step()
-        return step
-
     local = copy.deepcopy(base)
-    local_step = train_step(local, sgd(local, False, args.lr))
+    local_step = train_step(work, local, sgd(local, False, args.lr))
     configurations["bound"] = Configuration("bound", local_step, lambda: 0.0)
     configurations["solo"] = Configuration("solo", local_step if work.rank == 0 else (lambda: None), lambda: 0.0)
 
@@ -157,7 +149,7 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
                                                 start_powerSGD_iter=2, random_seed=args.seed)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             counter = AllreduceCounter()
-            inner = train_step(ddp, sgd(ddp, False, args.lr))
+            inner = train_step(work, ddp, sgd(ddp, False, args.lr))
 
             def step(inner=inner, counter=counter):
                 with counter:
@@ -168,7 +160,8 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
         if hook_name == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         per_step = numel * (4 if hook_name == "fp32" else 2)  # what DDP hands to allreduce
-        configurations[f"ddp-{hook_name}"] = counted(f"ddp-{hook_name}", train_step(ddp, sgd(ddp, False, args.lr)),
+        configurations[f"ddp-{hook_name}"] = counted(f"ddp-{hook_name}",
+                                                      train_step(work, ddp, sgd(ddp, False, args.lr)),
                                                       per_step)
 
     for name in args.compressors:
@@ -179,7 +172,7 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
                                                    model=model, compressor=compressor, memory=memory,
                                                    schedule="auto")
         configurations[f"auto-{name}"] = Configuration(
-            f"auto-{name}", train_step(model, optimizer), lambda o=optimizer: o.backend.bytes_sent,
+            f"auto-{name}", train_step(work, model, optimizer), lambda o=optimizer: o.backend.bytes_sent,
             before=optimizer.restart_step_clock, optimizer=optimizer)
 
     for name in args.hook_compressors:
@@ -188,12 +181,12 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
         state = mergecomp.ddp.register(ddp, compressor=name)
         owns = owns_momentum(state.compressor, state.memory)
         configurations[f"hook-{name}"] = Configuration(
-            f"hook-{name}", train_step(ddp, sgd(ddp, owns, args.lr)), lambda s=state: s.backend.bytes_sent)
+            f"hook-{name}", train_step(work, ddp, sgd(ddp, owns, args.lr)), lambda s=state: s.backend.bytes_sent)
 
     for spec in getattr(args, "diloco_specs", ()):
         model = copy.deepcopy(base)
         optimizer, _ = lowcomm.build(spec, args.lr, MOMENTUM, model)
-        configurations[spec.label] = Configuration(spec.label, train_step(model, optimizer),
+        configurations[spec.label] = Configuration(spec.label, train_step(work, model, optimizer),
                                                    lambda o=optimizer: o.backend.bytes_sent)
     return configurations
 

@@ -25,6 +25,18 @@ class Configuration:
         self.wire = wire_bytes if wire_bytes is not None else (lambda: 0.0)
 
 
+def train_step(work, model, optimizer) -> Callable[[], None]:
+    """One training step of ``model`` on ``work``'s batch (zero_grad, forward, loss, backward,
+    ``optimizer.step()``), as every contender takes it; unlike
+    :func:`~mergecomp.bench.harness.training_step` it reports no progress, so interleaved
+    contenders print nothing between windows."""
+    def step():
+        optimizer.zero_grad()
+        work.spec.loss(model(work.inputs), work.targets).backward()
+        optimizer.step()
+    return step
+
+
 def sgd(model, owns_momentum: bool, lr: float):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if owns_momentum else MOMENTUM)
 

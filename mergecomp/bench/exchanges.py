@@ -14,7 +14,7 @@ import mergecomp
 import mergecomp.ddp
 from . import harness, models
 
-from .contenders import Configuration, owns_momentum, phase_text, sgd, timed_rounds
+from .contenders import Configuration, owns_momentum, phase_text, sgd, timed_rounds, train_step
 
 
 # --------------------------------------------------------------------------- exchanges --
@@ -105,17 +105,10 @@ def exchanges_worker(args):
     from mergecomp.backends import default_backend
     work = harness.prepare(args)
     warnings.simplefilter("ignore", UserWarning)
-    loss = work.spec.loss
-
-    def train_step(model, optimizer):
-        def step():
-            optimizer.zero_grad()
-            loss(model(work.inputs), work.targets).backward()
-            optimizer.step()
-        return step
 
     local = copy.deepcopy(work.model)
-    configurations = {"bound": Configuration("bound", train_step(local, sgd(local, False, args.lr)), lambda: 0.0)}
+    bound = train_step(work, local, sgd(local, False, args.lr))
+    configurations = {"bound": Configuration("bound", bound, lambda: 0.0)}
     described = {}
     for compressor_spec in args.compressors:
         for contender in args.contenders:
@@ -127,7 +120,7 @@ def exchanges_worker(args):
             name = f"{contender}-{compressor_spec}"
             described[name] = (repr(communicator), f"{args.contenders[0]}-{compressor_spec}")
             configurations[name] = Configuration(
-                name, train_step(model, optimizer), lambda b=backend: b.bytes_sent,
+                name, train_step(work, model, optimizer), lambda b=backend: b.bytes_sent,
                 before=optimizer.restart_step_clock, optimizer=optimizer, wire_bytes=lambda b=backend: b.wire_bytes)
     local_size = work.info.local_world_size
     work.log(f"Model: {args.model} ({work.num_params / 1e6:.2f}M parameters), batch {work.batch_size} per worker, "
