@@ -22,12 +22,15 @@ momentum into the learning rate gets SGD without momentum at lr·scale / (1 − 
     python benchmarks/convergence.py                                  # every compressor, 3 seeds
     python benchmarks/convergence.py --compressors topk dgc:compress_ratio=0.01 --seeds 0
     python benchmarks/convergence.py --compressors signsgd:lr_scale=0.02 --out results/signs
+    python benchmarks/convergence.py --combine a/convergence.json b/convergence.json --out both
 
 A compressor spec is ``name`` or ``name:key=value:key=value``: keys are the compressor's
 constructor arguments, plus ``memory``, ``comm`` (override the recommendation) and
 ``lr_scale`` (multiply ``--lr`` for this row, in place of the recipe's) and ``momentum`` (the
 optimizer's momentum for this row).  Results go to ``--out`` as
 ``convergence.json`` (every run, every epoch's test accuracy) and ``convergence.md``.
+``--combine`` trains nothing: it tabulates the runs of several such files of the same task
+and settings (rows run in separate invocations) as one table.
 """
 from __future__ import annotations
 
@@ -353,12 +356,15 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
                 seconds=seconds, **settings)
 
 
-#: Steps a language-model row trains when ``--steps`` is not given.
-DEFAULT_LM_STEPS = 600
+#: Steps a language-model row trains when ``--steps`` is not given: long enough that dense
+#: is close to its plateau on both tasks at 2 workers (the gaps of the compressors that
+#: delay coordinates, error feedback's sparsifiers and low-rank ones, are early-training
+#: lag for hundreds of steps and close later; the results' curves show it).
+DEFAULT_LM_STEPS = 1500
 #: Dense SGD's learning rate per task (momentum 0.9), from a sweep of dense alone (the
 #: results' READMEs record it); every compressor's recipe scales this value.
 #: A task missing here has no swept value yet: --lr is required for it.
-DENSE_LR = {"digits": 0.05, "char-lstm": 2.0}
+DENSE_LR = {"digits": 0.05, "char-lstm": 2.0, "char-gpt": 0.125}
 
 
 def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_size: int) -> dict:
@@ -682,6 +688,9 @@ def parse_args(argv=None):
                    help="groups of the exchange, DistributedOptimizer's schedule (default: its default)")
     p.add_argument("--out", default=None, help="folder for convergence.json and convergence.md")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per compressor before it is stopped")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="train nothing: one table from the runs of several convergence.json files "
+                        "of the same task and settings (rows run in separate invocations)")
     p.add_argument("--jobs", type=int, default=1,
                    help="compressors trained at once, each on its own --workers ranks (default 1; "
                         "a host with jobs × workers cores runs the table jobs times faster)")
@@ -716,22 +725,76 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    options = Options(epochs=args.epochs, lr=args.lr, momentum=args.momentum,
-                      batch_size=args.batch_size, fusion_num=args.fusion_num, seeds=args.seed_list,
-                      use_recipes=not args.no_recipes, task=args.task, steps=args.steps,
-                      eval_every=args.eval_every, clip=args.clip, corpus=args.corpus, level=args.level)
-    began = time.perf_counter()
-    runs, errors = run_benchmark(args.specs, options, args.workers, timeout_s=args.timeout,
-                                  jobs=args.jobs)
-    if args.task == "digits":
+def tabulate(runs: List[dict], options: Options, workers: int) -> Tuple[List[dict], str]:
+    """The rows and the markdown table of ``runs`` (digits or a language model)."""
+    if options.task == "digits":
         rows = summarise(runs, DENSE)
-        table = markdown(rows, options, args.workers)
+        table = markdown(rows, options, workers)
     else:
         rows = summarise_lm(runs, DENSE)
-        table = markdown_lm(rows, options, args.workers, runs[0]["parameters"] if runs else 0)
-    table += lowcomm.note(runs)
+        table = markdown_lm(rows, options, workers, runs[0]["parameters"] if runs else 0)
+    return rows, table + lowcomm.note(runs)
+
+
+#: The settings that must be equal for runs of several invocations to share one table.
+SHARED_SETTINGS = ("task", "epochs", "lr", "momentum", "batch_size", "fusion_num", "use_recipes",
+                   "steps", "eval_every", "clip", "corpus", "level", "valid_rows", "valid_length")
+
+
+def combine(paths: Sequence[str]) -> Tuple[List[dict], Options, int, List[dict], List[dict]]:
+    """The runs of several ``convergence.json`` files of the same task and settings, as one
+    table's input: rows trained in separate invocations (each one runs dense first; a
+    (label, seed) met again is kept from the first file, so dense appears once).
+
+    Raises ValueError, naming the file and the settings, when the files disagree."""
+    loaded = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                loaded.append(json.load(f))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--combine: cannot read {path} as a convergence.json: {error}") from None
+    first = loaded[0]
+    for path, data in zip(paths[1:], loaded[1:]):
+        differ = {key: (first["options"].get(key), data["options"].get(key)) for key in SHARED_SETTINGS
+                  if first["options"].get(key) != data["options"].get(key)}
+        if data["workers"] != first["workers"]:
+            differ["workers"] = (first["workers"], data["workers"])
+        if differ:
+            raise ValueError(f"--combine: {path} was run with other settings than {paths[0]}; "
+                             f"differing (its value there, here): {differ}; only runs of the same "
+                             f"task and settings share a table")
+    runs, specs, errors, seen = [], [], [], set()
+    for data in loaded:
+        for run in data["runs"]:
+            if (run["label"], run["seed"]) not in seen:
+                seen.add((run["label"], run["seed"]))
+                runs.append(run)
+        specs += [spec for spec in data["specs"] if spec["label"] not in {s["label"] for s in specs}]
+        errors += data["errors"]
+    settings = dict(first["options"])
+    settings["seeds"] = tuple(sorted({run["seed"] for run in runs}))
+    return runs, Options(**settings), first["workers"], specs, errors
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    began = time.perf_counter()
+    if args.combine:
+        try:
+            runs, options, workers, specs, errors = combine(args.combine)
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 2
+    else:
+        options = Options(epochs=args.epochs, lr=args.lr, momentum=args.momentum,
+                          batch_size=args.batch_size, fusion_num=args.fusion_num, seeds=args.seed_list,
+                          use_recipes=not args.no_recipes, task=args.task, steps=args.steps,
+                          eval_every=args.eval_every, clip=args.clip, corpus=args.corpus, level=args.level)
+        workers, specs = args.workers, [asdict(s) for s in args.specs]
+        runs, errors = run_benchmark(args.specs, options, workers, timeout_s=args.timeout,
+                                      jobs=args.jobs)
+    rows, table = tabulate(runs, options, workers)
     if errors:
         table += "\nFailed: " + "; ".join(f"{e['label']}: {e['error']}" for e in errors) + "\n"
     print()
@@ -742,9 +805,9 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "convergence.md"), "w") as f:
             f.write(table)
         with open(os.path.join(args.out, "convergence.json"), "w") as f:
-            json.dump({"options": asdict(options), "workers": args.workers,
-                       "specs": [asdict(s) for s in args.specs], "rows": rows, "runs": runs,
-                       "errors": errors, "provenance": provenance(),
+            json.dump({"options": asdict(options), "workers": workers, "specs": specs, "rows": rows,
+                       "runs": runs, "errors": errors, "provenance": provenance(),
+                       "combined_from": list(args.combine or []),
                        "seconds": time.perf_counter() - began}, f, indent=1)
         print(f"wrote {args.out}/convergence.json and convergence.md")
     return 1 if errors else 0
