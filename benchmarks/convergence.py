@@ -655,7 +655,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compressors", nargs="+", default=None, metavar="SPEC",
                    help="compressor specs (default: every registered compressor, none when "
-                        "--diloco is given); dense ('none') is always run first")
+                        "--diloco is given); dense ('none') is run first unless --without-dense")
     p.add_argument("--diloco", nargs="+", default=[], metavar="SPEC",
                    help="DiLoCo rows after the compressors: H=<inner steps>[:key=value...], e.g. "
                         "H=8 H=8:fragments=2:overlap=1 H=8:compressor=sparseloco "
@@ -688,6 +688,9 @@ def parse_args(argv=None):
                    help="groups of the exchange, DistributedOptimizer's schedule (default: its default)")
     p.add_argument("--out", default=None, help="folder for convergence.json and convergence.md")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per compressor before it is stopped")
+    p.add_argument("--without-dense", action="store_true",
+                   help="do not train the dense row (its run comes from another invocation of the "
+                        "same settings, joined by --combine)")
     p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                    help="train nothing: one table from the runs of several convergence.json files "
                         "of the same task and settings (rows run in separate invocations)")
@@ -717,7 +720,8 @@ def parse_args(argv=None):
             default_specs() if args.compressors is None else [parse_spec(s) for s in args.compressors]
     except ValueError as error:
         p.error(str(error))
-    args.specs = [Spec(label=DENSE, name=DENSE)] + [s for s in specs if s.label != DENSE]
+    dense = [] if args.without_dense else [Spec(label=DENSE, name=DENSE)]
+    args.specs = dense + [s for s in specs if s.label != DENSE]
     try:
         args.specs += [lowcomm.parse(s) for s in args.diloco]
     except ValueError as error:

@@ -62,3 +62,10 @@ def test_an_unreadable_file_is_named(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read .*bad.json"):
         convergence.combine([str(bad)])
+
+
+def test_without_dense_trains_only_the_rows_named():
+    args = convergence.parse_args(["--task", "char-lstm", "--without-dense", "--compressors", "topk", "none"])
+    assert [spec.label for spec in args.specs] == ["topk"]
+    assert [spec.label for spec in convergence.parse_args(["--compressors", "topk"]).specs] == \
+        [convergence.DENSE, "topk"]
