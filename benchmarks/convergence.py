@@ -29,6 +29,7 @@ constructor arguments, plus ``memory``, ``comm`` (override the recommendation) a
 ``lr_scale`` (multiply ``--lr`` for this row, in place of the recipe's) and ``momentum`` (the
 optimizer's momentum for this row).  Results go to ``--out`` as
 ``convergence.json`` (every run, every epoch's test accuracy) and ``convergence.md``.
+While a table trains, ``--out`` holds the rows finished so far (``convergence.partial.json``).
 ``--combine`` trains nothing: it tabulates the runs of several such files of the same task
 and settings (rows run in separate invocations) as one table.
 """
@@ -42,6 +43,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -611,9 +613,11 @@ def _result_text(run: dict) -> str:
 
 def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
                   timeout_s: Optional[float] = None, log=print,
-                  jobs: int = 1) -> Tuple[List[dict], List[dict]]:
+                  jobs: int = 1, on_done=None) -> Tuple[List[dict], List[dict]]:
     """Spawn ``workers`` ranks once per spec; return (rank 0's runs, error rows), in the
-    order of ``specs`` whatever order they finish in.
+    order of ``specs`` whatever order they finish in.  ``on_done(runs, errors)``, when
+    given, is called with everything finished so far each time a spec finishes (so a
+    long table that is stopped keeps its finished rows).
 
     ``jobs`` specs train at once, each in its own group of ranks (its own port), so a host
     with ``jobs × workers`` cores runs the table that many times faster; every run is
@@ -623,6 +627,18 @@ def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
 
+    finished: Dict[str, Tuple[List[dict], Optional[dict]]] = {}
+    lock = threading.Lock()
+
+    def report(spec: Spec, outcome):
+        with lock:
+            finished[spec.label] = outcome
+            if on_done is not None:
+                done = [finished[s.label] for s in specs if s.label in finished]
+                on_done([run for mine, _ in done for run in mine],
+                        [error for _, error in done if error is not None])
+        return outcome
+
     def one(spec: Spec):
         began = time.perf_counter()
         try:
@@ -631,14 +647,14 @@ def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
             message = str(error).strip().splitlines()
             error_row = dict(label=spec.label, error=message[-1] if message else repr(error))
             log(f"{spec.label}: FAILED: {error_row['error']}")
-            return [], error_row
+            return report(spec, ([], error_row))
         mine = results[0]
         accs = ", ".join(_result_text(r) + ("(diverged)" if r["diverged"] else "") for r in mine)
         recipe = f"; recipe: {mine[0]['recipe']}" if mine[0].get("recipe") else ""
         log(f"{spec.label}: lr {mine[0]['lr']:g}, {mine[0]['memory']}/{mine[0]['communicator']}: "
             f"{accs}; {mine[0]['bytes_per_step']:,.0f} bytes/step "
             f"({time.perf_counter() - began:.0f} s){recipe}")
-        return mine, None
+        return report(spec, (mine, None))
 
     if jobs == 1:
         outcomes = [one(spec) for spec in specs]
@@ -781,6 +797,27 @@ def combine(paths: Sequence[str]) -> Tuple[List[dict], Options, int, List[dict],
     return runs, Options(**settings), first["workers"], specs, errors
 
 
+#: What ``--out`` holds while a table trains: the finished rows so far, in
+#: ``convergence.json``'s format (``--combine`` reads it), replaced by the full file at the end.
+PARTIAL = "convergence.partial.json"
+
+
+def write_results(out: str, name: str, options: Options, workers: int, specs: List[dict],
+                  runs: List[dict], errors: List[dict], began: float,
+                  combined_from: Optional[Sequence[str]] = None, table: Optional[str] = None) -> None:
+    """``runs`` as ``out/name`` (and ``out/convergence.md`` when ``table`` is given)."""
+    os.makedirs(out, exist_ok=True)
+    rows = tabulate(runs, options, workers)[0] if runs else []
+    if table is not None:
+        with open(os.path.join(out, "convergence.md"), "w") as f:
+            f.write(table)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump({"options": asdict(options), "workers": workers, "specs": specs, "rows": rows,
+                   "runs": runs, "errors": errors, "provenance": provenance(),
+                   "combined_from": list(combined_from or []),
+                   "seconds": time.perf_counter() - began}, f, indent=1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     began = time.perf_counter()
@@ -796,23 +833,21 @@ def main(argv=None) -> int:
                           use_recipes=not args.no_recipes, task=args.task, steps=args.steps,
                           eval_every=args.eval_every, clip=args.clip, corpus=args.corpus, level=args.level)
         workers, specs = args.workers, [asdict(s) for s in args.specs]
+        partial = (lambda runs, errors: write_results(args.out, PARTIAL, options, workers, specs,
+                                                      runs, errors, began)) if args.out else None
         runs, errors = run_benchmark(args.specs, options, workers, timeout_s=args.timeout,
-                                      jobs=args.jobs)
-    rows, table = tabulate(runs, options, workers)
+                                      jobs=args.jobs, on_done=partial)
+    table = tabulate(runs, options, workers)[1]
     if errors:
         table += "\nFailed: " + "; ".join(f"{e['label']}: {e['error']}" for e in errors) + "\n"
     print()
     print(table)
     print(f"total {time.perf_counter() - began:.0f} s")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "convergence.md"), "w") as f:
-            f.write(table)
-        with open(os.path.join(args.out, "convergence.json"), "w") as f:
-            json.dump({"options": asdict(options), "workers": workers, "specs": specs, "rows": rows,
-                       "runs": runs, "errors": errors, "provenance": provenance(),
-                       "combined_from": list(args.combine or []),
-                       "seconds": time.perf_counter() - began}, f, indent=1)
+        write_results(args.out, "convergence.json", options, workers, specs, runs, errors, began,
+                      combined_from=args.combine, table=table)
+        if os.path.exists(os.path.join(args.out, PARTIAL)):
+            os.remove(os.path.join(args.out, PARTIAL))
         print(f"wrote {args.out}/convergence.json and convergence.md")
     return 1 if errors else 0
 

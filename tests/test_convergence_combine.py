@@ -69,3 +69,22 @@ def test_without_dense_trains_only_the_rows_named():
     assert [spec.label for spec in args.specs] == ["topk"]
     assert [spec.label for spec in convergence.parse_args(["--compressors", "topk"]).specs] == \
         [convergence.DENSE, "topk"]
+
+
+def test_finished_rows_are_handed_on_as_each_spec_finishes(monkeypatch):
+    """A long table that is stopped keeps the rows already trained (``--out``'s partial file)."""
+    def spawn(worker, world_size, args, timeout_s=None):
+        spec = args[0][0]
+        if spec.label == "fp16":
+            raise TimeoutError("ranks did not finish in 1 s")
+        return [[dict(label=spec.label, seed=0, valid_loss=1.0, diverged=False, lr=2.0, memory="residual",
+                      communicator="allgather", bytes_per_step=1.0)]]
+
+    monkeypatch.setattr(convergence.launch, "spawn", spawn)
+    seen = []
+    specs = [convergence.parse_spec(label) for label in ("topk", "fp16", "qsgd")]
+    options = convergence.parse_args(["--task", "char-lstm"])
+    convergence.run_benchmark(specs, options, 2, log=lambda *_: None,
+                              on_done=lambda runs, errors: seen.append(
+                                  ([r["label"] for r in runs], [e["label"] for e in errors])))
+    assert seen == [(["topk"], []), (["topk"], ["fp16"]), (["topk", "qsgd"], ["fp16"])]
