@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence
 from ..plan import COMPRESS_VIA
 from .costmodel import send_costs
 from .measure import measure_compression_cost, measure_copy_cost
-from .profile import LinearCost, Profile, TensorTiming, scaled_compute
+from .profile import LINK_KINDS, LinearCost, Profile, TensorTiming, scaled_compute
 
 TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps", "sparse_allreduce": "sparse_allreduce"}
 DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64, 128, 256)
@@ -68,6 +68,86 @@ def network_collectives(world: int, bandwidth: float, latency: float,
         "allgather": LinearCost(steps * latency, steps / bandwidth),
         "alltoall": LinearCost(steps * latency, steps / (world * bandwidth)),
     }
+
+
+def node_collectives(nodes: int, local: int, bandwidth: float, latency: float, efficiency: float = 1.0,
+                     intra_bandwidth: Optional[float] = None, intra_latency: float = 0.0,
+                     intra: Optional[Dict[str, LinearCost]] = None) -> Dict[str, LinearCost]:
+    """α-β costs of every collective a job of ``nodes`` × ``local`` ranks runs, keyed as in
+    ``Profile.collectives``: the flat kinds over all N = M·L ranks and the hierarchical
+    communicator's links (``intra_*`` inside a node, ``inter_*`` between the peers of one
+    local rank).  ``bandwidth`` (bytes/s, of which the collectives reach ``efficiency``) and
+    ``latency`` are a node's link to the others; ``intra_bandwidth`` and ``intra_latency``
+    the fast link inside a node, or ``intra`` the intra-node costs as measured (the
+    emulated cluster's nodes talk over a loopback whose speed is the host's processors).
+
+    Ranks are numbered node by node (rank = node·L + local rank), as torchrun and the
+    emulated cluster number them, so:
+
+    * **flat ring allreduce and allgather**: of the ring's N hops, M cross a node's link,
+      one flow each; the slowest hop sets every step's pace, so the costs are those of N
+      ranks on separate links: 2(N−1)/N · B/bw + 2(N−1)·lat and (N−1) · B/bw + (N−1)·lat;
+    * **flat all-to-all**: each rank sends B/N to each other rank, (N−L)/N · B off its
+      node, and the L ranks of a node share its link: L(N−L)/N · B/bw + (N−1)·lat;
+    * **inter-node links**: the L peer groups (one per local rank) exchange at once, each
+      over M ranks at bw/L: a ring allreduce 2(M−1)/M · B·L/bw + 2(M−1)·lat, an
+      allgather (M−1) · B·L/bw + (M−1)·lat; free with one node;
+    * **intra-node links**: ring collectives over L ranks at the intra-node rate; free
+      with one rank per node.
+
+    With L = 1 the flat kinds equal :func:`network_collectives`'.
+    """
+    for what, value in (("nodes", nodes), ("local", local)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"a node layout needs {what} ≥ 1 (an integer), got {value!r}")
+    world = nodes * local
+    if world < 2:
+        raise ValueError(f"a simulated job needs at least 2 workers, got {nodes} node(s) × {local} rank(s)")
+    if local > 1 and (intra is None) == (intra_bandwidth is None):
+        raise ValueError("with several ranks per node, give the intra-node link either as a rate "
+                         f"(intra_bandwidth, bytes/s) or as measured costs (intra), not {'both' if intra else 'neither'}")
+    kinds = ("allreduce", "allgather")
+    if local == 1:
+        inside = {kind: LinearCost() for kind in kinds}
+    elif intra is not None:
+        missing = [f"intra_{kind}" for kind in kinds if f"intra_{kind}" not in intra]
+        if missing:
+            raise ValueError(f"the measured intra-node costs lack {missing} (have {sorted(intra)}); "
+                             "profile with the hierarchical communicator, or give intra_bandwidth")
+        inside = {kind: intra[f"intra_{kind}"] for kind in kinds}
+    else:
+        inside = network_collectives(local, intra_bandwidth, intra_latency)
+    if nodes == 1:  # every collective stays inside the one node
+        out = {kind: inside[kind] for kind in kinds}
+        between = {kind: LinearCost() for kind in kinds}
+    else:
+        out = network_collectives(world, bandwidth, latency, efficiency)
+        out["alltoall"] = LinearCost((world - 1) * latency, local * (world - local) / (world * bandwidth * efficiency))
+        between = network_collectives(nodes, bandwidth / local, latency, efficiency)
+    out.update({f"intra_{kind}": inside[kind] for kind in kinds})
+    out.update({f"inter_{kind}": between[kind] for kind in kinds})
+    return out
+
+
+def node_profile(profile: Profile, nodes: int, local: int, bandwidth: float, latency: float,
+                 efficiency: float = 1.0, intra_bandwidth: Optional[float] = None,
+                 intra_latency: float = 0.0) -> Profile:
+    """``profile`` on ``nodes`` × ``local`` ranks: its collectives replaced by
+    :func:`node_collectives` (the intra-node ones kept as the profile measured them when
+    ``intra_bandwidth`` is None), and its node layout (``hierarchy``) set to ``local`` ranks
+    per node, so the hierarchical communicator's formula prices the layout."""
+    intra = None
+    if intra_bandwidth is None and local > 1:
+        intra = {kind: profile.collectives[kind] for kind in LINK_KINDS
+                 if kind.startswith("intra_") and kind in profile.collectives}
+        if len(intra) < 2:
+            raise ValueError(f"the profile has no measured intra-node collectives ({sorted(profile.collectives)}); "
+                             "profile with communicator='hierarchical' on the node layout, or give the "
+                             "intra-node link's rate")
+    hierarchy = {"inner": "allgather", "gather": "allgather", **(profile.hierarchy or {}), "local_size": local}
+    return dataclasses.replace(profile, world_size=nodes * local, hierarchy=hierarchy,
+                               collectives=node_collectives(nodes, local, bandwidth, latency, efficiency,
+                                                            intra_bandwidth, intra_latency, intra))
 
 
 def measured_link_efficiency(profile: Profile, bandwidth: float) -> float:
