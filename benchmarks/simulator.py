@@ -224,9 +224,9 @@ def parse_plans(text: str):
         send, _, groups = item.rpartition("-")
         known = send in ("fp32", "fp16", "bf16", "compress") or (send.startswith(COMPRESS_VIA) and send in valid_sends())
         if not known or not groups.isdigit() or int(groups) < 1:
-            raise ValueError(f"--plans: {item!r} is neither 'auto', 'optimal' nor SEND-K with SEND one of "
+            raise ValueError(f"--plans: {item!r} is neither 'auto' nor SEND-K with SEND one of "
                              "fp32, fp16, bf16, compress, compress:<communicator> and K ≥ 1 groups "
-                             "(e.g. compress-4, compress:allgather-4)")
+                             "(e.g. compress-4, compress:allgather-4), nor 'optimal'")
         specs.append((item, send, int(groups)))
     if not specs or len({label for label, _, _ in specs}) != len(specs):
         raise ValueError(f"--plans must list distinct plans, got {text!r}")
@@ -488,6 +488,20 @@ timed beside the steps it predicts:
    medians), forward ends at the first of them; codec, copy, memory, launch and finish
    costs are scaled by the median rank's backward time in the window over the profile's.
    The interference and collective slowdown factors stay as the profile measured them.
+
+**Node layouts.**  Under ``benchmarks/cluster.py --nodes M --workers-per-node L`` (or
+with ``--workers-per-node L``) the prediction is for M nodes of L ranks: the profile's
+collectives become :func:`mergecomp.planning.simulate.node_collectives` of that layout (the
+profile link between nodes; inside a node ``--intra-gbit``, or by default the intra-node
+costs the profile measured, which ``--comm hierarchical`` makes it measure: the emulated
+nodes talk over a loopback whose speed is this host's processors).  ``compress:<name>-K``
+plans send their compressed groups by communicator ``name`` (``compress:allgather-4``
+beside ``--comm hierarchical``'s ``compress-4``: flat against hierarchical), and
+``optimal`` is the DP's plan of the live profile, free to choose per group among the job's
+communicator and those the ``compress:<name>`` plans name.  The hierarchical exchange's
+per-shard error-feedback state cannot follow a plan change, so each window that leaves a
+hierarchical plan starts the next one without it (timing only: a residual changes no
+step's cost).
 
 A window's time is its slowest rank's mean step.  Every step's phases are timed as
 ``simulator.py phases`` times them, and each plan's are printed next to the phases

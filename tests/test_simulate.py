@@ -211,3 +211,19 @@ def test_simulator_plans_name_a_communicator():
     plan = fixed_plan(params, 2, "compress:allgather")
     assert len(plan) == 2 and {g.send for g in plan.groups} == {"compress:allgather"}
     assert [g.names for g in plan.groups] == [g.names for g in fixed_plan(params, 2, "compress").groups]
+
+
+def test_simulate_rows_on_a_node_layout(capsys):
+    """The hierarchical topology on nodes of 4: the compressed exchange between nodes carries
+    a quarter of each group per rank, so at 8 workers it beats the flat allgather, and the
+    command line takes the layout."""
+    base = one_tensor_profile()
+    flat = simulate.simulate(base, [8], 1e8, 1e-5, "allgather", summable=False, local_size=4, intra_bandwidth=1e11)
+    hier = simulate.simulate(base, [8], 1e8, 1e-5, "hierarchical", summable=False, local_size=4, intra_bandwidth=1e11)
+    assert hier[0]["optimal"]["iteration_time"] < flat[0]["optimal"]["iteration_time"]
+    with pytest.raises(ValueError, match="whole number of nodes"):
+        simulate.simulate(base, [6], 1e8, 1e-5, "hierarchical", local_size=4, intra_bandwidth=1e11)
+    assert simulate.main(["--model", "mlp", "--compute-time", "0.1", "--topology", "hierarchical",
+                          "--workers", "8,16", "--local-size", "4", "--intra-bandwidth", "800"]) == 0
+    assert "   16 |" in capsys.readouterr().out
+    assert simulate.main(["--model", "mlp", "--compute-time", "0.1", "--local-size", "0"]) == 2

@@ -47,7 +47,8 @@ from .costmodel import send_costs
 from .measure import measure_compression_cost, measure_copy_cost
 from .profile import LINK_KINDS, LinearCost, Profile, TensorTiming, scaled_compute
 
-TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps", "sparse_allreduce": "sparse_allreduce"}
+TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps", "sparse_allreduce": "sparse_allreduce",
+              "hierarchical": "hierarchical"}
 DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -197,7 +198,8 @@ def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
 
 def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: float,
              topology: str, summable: bool = True, efficiency: float = 1.0,
-             chunk_mb: Optional[float] = None, via: Sequence[str] = ()) -> List[dict]:
+             chunk_mb: Optional[float] = None, via: Sequence[str] = (), local_size: int = 1,
+             intra_bandwidth: Optional[float] = None) -> List[dict]:
     """One row per worker count: predicted times, scaling factors and the optimal plan's shape.
 
     ``base`` carries the timeline, codecs (the configured compressor and fp16) and copy
@@ -207,6 +209,11 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
     ``via``: other communicators the optimal plan may send compressed groups by, group
     by group (``"compress:<name>"``, e.g. ``sparse_allreduce`` beside the allgather); each
     also gets a row of its own, the best plan whose compressed groups all go by it.
+    ``local_size``: ranks per node (each worker count a whole number of nodes): ``bandwidth``
+    is then a node's link to the others and ``intra_bandwidth`` the link inside a node (None:
+    ``base``'s measured intra-node collectives), priced by :func:`node_collectives`; the
+    ``hierarchical`` topology's inner exchange is the allreduce for a summable compressor,
+    else the allgather.
     """
     from ..schedulers.optimal import OptimalScheduler
     if topology not in TOPOLOGIES:
@@ -223,8 +230,13 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
         # Launch costs and the collective slowdown measured in the run carry over as they
         # are: they describe this machine's processors, not the network being simulated.
         same = world == base.world_size and TOPOLOGIES[topology] == base.communicator
-        profile = dataclasses.replace(base, world_size=world, communicator=TOPOLOGIES[topology],
-                                      collectives=network_collectives(world, bandwidth, latency, efficiency),
+        if world % local_size:
+            raise ValueError(f"{world} workers are no whole number of nodes of {local_size} ranks")
+        inner = {"inner": "allreduce" if summable else "allgather", "gather": "allgather"}
+        laid_out = node_profile(dataclasses.replace(base, hierarchy=base.hierarchy or inner), world // local_size,
+                                local_size, bandwidth, latency, efficiency, intra_bandwidth)
+        profile = dataclasses.replace(laid_out, world_size=world, communicator=TOPOLOGIES[topology],
+                                      collectives=laid_out.collectives,
                                       finish={k: v for k, v in base.finish.items() if same or k != "compress"})
         costs = send_costs(profile, via)
         row = {"workers": world}
@@ -281,6 +293,12 @@ def _parse_args(argv: Optional[Sequence[str]]):
                         help="how compressed payloads travel (raw groups always use ring allreduce)")
     parser.add_argument("--bandwidth", type=float, default=10.0, help="link bandwidth in Gbit/s")
     parser.add_argument("--latency", type=float, default=50.0, help="per-step latency in microseconds")
+    parser.add_argument("--local-size", type=int, default=1,
+                        help="ranks per node: --bandwidth is then each node's link to the others "
+                             "(and --topology hierarchical sends dense inside a node)")
+    parser.add_argument("--intra-bandwidth", type=float, default=None,
+                        help="the link inside a node in Gbit/s (with --local-size > 1; default: the "
+                             "profile's measured intra-node collectives)")
     parser.add_argument("--link-efficiency", default="1.0",
                         help="fraction of the bandwidth the collectives reach (default 1.0, line rate), "
                              "or 'profile': measured by the profile's allreduce (needs --profile)")
@@ -343,9 +361,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.compute_scale != 1.0:
             base = scaled_compute(base, args.compute_scale)
         via = tuple(name.strip() for name in args.communicators.split(",") if name.strip())
+        if args.local_size < 1 or (args.intra_bandwidth is not None and not args.intra_bandwidth > 0):
+            raise ValueError(f"--local-size must be ≥ 1 and --intra-bandwidth > 0 Gbit/s, got "
+                             f"{args.local_size} and {args.intra_bandwidth}")
+        intra = None if args.intra_bandwidth is None else args.intra_bandwidth * 1e9 / 8
         rows = simulate(base, workers, bandwidth, args.latency * 1e-6, args.topology,
                         summable=bool(compressor.summable), efficiency=efficiency, chunk_mb=args.chunk_mb,
-                        via=via)
+                        via=via, local_size=args.local_size, intra_bandwidth=intra)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
