@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/plot.py benchmarks/results/<convergence run>   # accuracy.png
                                                    # (a language-model run: curves.png)
     .venv/bin/python benchmarks/plot.py benchmarks/results/<sweep>/summary.csv [--out DIR]
+    .venv/bin/python benchmarks/plot.py benchmarks/results/<simulator rounds run>  # check.png
 
 A headline run's folder (``benchmarks/headline.py``'s JSON, one per model, link and worker
 count) gives ``headline.png``: per link, one group of bars per model, mergecomp's speed
@@ -44,7 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
-SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm", "2026-11-24-scaling")
+SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm", "2026-11-24-scaling",
+              "2026-11-24-simulator-8-ranks")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
