@@ -208,6 +208,10 @@ from the auto run's profile and executed with ``--plan-in``.  The ``auto`` run a
 happens (it measures the profile every prediction uses); its row is shown when ``auto``
 is listed.
 
+``--workers-per-node L`` runs each N as N/L emulated nodes of L workers and predicts that
+layout (see ``simulator.py rounds --help``, "Node layouts"); ``--comm hierarchical`` makes
+the profile measure the intra-node costs the prediction uses.
+
 Windows: ``--num-iters`` × ``--batches-per-iter`` timed steps after the search (default
 8 × 3 = 24 steps); at 1 Gbit/s single steps vary by ±20%, so 6 steps are not enough to
 resolve a 15% error.  ``--out DIR`` keeps each run's profile, plan, result and log.
