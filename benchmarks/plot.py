@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/plot.py benchmarks/results/<convergence run>   # accuracy.png
                                                    # (a language-model run: curves.png)
     .venv/bin/python benchmarks/plot.py benchmarks/results/<sweep>/summary.csv [--out DIR]
+    .venv/bin/python benchmarks/plot.py benchmarks/results/<simulator rounds run>  # check.png
 
 A headline run's folder (``benchmarks/headline.py``'s JSON, one per model, link and worker
 count) gives ``headline.png``: per link, one group of bars per model, mergecomp's speed
@@ -44,7 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
-SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm", "2026-11-24-scaling")
+SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm", "2026-11-24-scaling",
+              "2026-11-24-simulator-8-ranks")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
@@ -455,6 +457,89 @@ def render_scaling(folder: str, out: Optional[str] = None) -> str:
     return _save(fig, os.path.join(out or folder, "scaling.png"))
 
 
+#: The scaling predictions the simulator check's figure sets beside the check, and the link shown.
+CHECK_SCALING = ("2026-11-24-scaling", "10gbit")
+
+
+def _rounds_results(folder: str) -> List[dict]:
+    """The ``simulator.py rounds`` results (``--json``) directly in ``folder``."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as f:
+            result = json.load(f)
+        if isinstance(result, dict) and "plans" in result and "round_compute" in result:
+            found.append(result)
+    return found
+
+
+def _plan_kind(result: dict, label: str) -> str:
+    """fp32, flat or hierarchical: how a rounds plan's groups travel."""
+    sends = set(result["plans"][label].get("sends") or {})
+    if sends <= {"fp32", "fp16", "bf16"}:
+        return "FP32 / raw"
+    if "compress" in sends and result.get("communicator") == "hierarchical":
+        return "hierarchical"
+    return "flat"
+
+
+def render_simulator_check(folder: str, out: Optional[str] = None) -> str:
+    """``check.png``: the simulator's scaling predictions (the committed ``simulator.py
+    scaling`` run, one line per plan and compressor, at one link) beside its check against
+    the emulated cluster (the ``simulator.py rounds`` results in ``folder``: predicted
+    against measured step time, median over rounds, per layout and plan, with the ±15%
+    band)."""
+    results = _rounds_results(folder)
+    if not results:
+        raise ValueError(f"{folder} holds no simulator.py rounds results (--json files with 'plans' "
+                         "and 'round_compute')")
+    run, link = CHECK_SCALING
+    with open(os.path.join(ROOT, "benchmarks", "results", run, "scaling.json")) as f:
+        scaling = json.load(f)
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    colors = plt.get_cmap("tab10").colors
+    grid = sorted((c for c in scaling["cells"] if c.get("setting", "grid") == "grid" and c["link"] == link),
+                  key=lambda c: c["workers"])
+    for color, (key, name) in zip(colors, SCALING_PLANS):
+        left.plot([c["workers"] for c in grid], [c[key]["scaling"] for c in grid], marker="o", markersize=3,
+                  color=color, label=name)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("workers")
+    left.set_ylabel("predicted scaling factor")
+    left.set_title(f"predicted: {scaling.get('model', '?')} at {link} (a documented GPU profile)", fontsize=8)
+    left.legend(fontsize=7, loc="lower left")
+    kinds = {"FP32 / raw": colors[0], "flat": colors[1], "hierarchical": colors[2]}
+    markers = {}
+    top = 0.0
+    for result in results:
+        local = result.get("workers_per_node", 1)
+        layout = f"{result['workers'] // local}×{local}"
+        marker = markers.setdefault(layout, "osD^v"[len(markers) % 5])
+        for label, row in result["plans"].items():
+            measured = statistics.median(row["measured_s"]) * 1e3
+            predicted = statistics.median(row["predicted_s"]) * 1e3
+            top = max(top, measured, predicted)
+            right.scatter([measured], [predicted], color=kinds[_plan_kind(result, label)], marker=marker, s=28)
+    line = [0, top * 1.1]
+    right.plot(line, line, color="black", linewidth=0.8)
+    right.fill_between(line, [0.85 * x for x in line], [1.15 * x for x in line], color="grey", alpha=0.2,
+                       label="within 15%")
+    for kind, color in kinds.items():
+        right.scatter([], [], color=color, label=kind)
+    for layout, marker in markers.items():
+        right.scatter([], [], color="grey", marker=marker, label=f"{layout} nodes × ranks")
+    right.set_xlim(0, line[1])
+    right.set_ylim(0, line[1])
+    right.set_xlabel("measured step, ms (median over rounds)")
+    right.set_ylabel("predicted step, ms")
+    first = results[0]
+    right.set_title(f"checked: {first['model']}, {first['compressor']}, {first['workers']} ranks on the "
+                    f"emulated cluster ({first['net_profile']} between nodes)", fontsize=8)
+    right.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "check.png"))
+
+
 def _read_convergence(folder: str) -> dict:
     path = os.path.join(folder, "convergence.json")
     try:
@@ -493,6 +578,8 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "scaling.json")):
             return [render_scaling(path, out)]
+        if _rounds_results(path):
+            return [render_simulator_check(path, out)]
         if glob.glob(os.path.join(path, "*", "convergence.json")) and glob.glob(os.path.join(path, "*.json")):
             return [render_lowcomm(path, out)]
         if os.path.exists(os.path.join(path, "convergence.json")):

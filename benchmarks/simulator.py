@@ -38,10 +38,12 @@ import mergecomp
 from mergecomp.bench import harness, scaling
 from mergecomp.bench.cluster import Cluster, parse_profile
 from mergecomp.planning.costmodel import predict
-from mergecomp.plan import Plan
+from mergecomp.plan import COMPRESS_VIA, SEND_MODES, Plan, is_compressed, send_communicator, valid_sends
 from mergecomp.planning.profile import Profile, scaled_compute
 from mergecomp.schedulers.fixed import FixedScheduler
-from mergecomp.planning.simulate import measured_link_efficiency, network_collectives
+from mergecomp.schedulers.optimal import OptimalScheduler
+from mergecomp.planning.simulate import measured_link_efficiency, node_profile
+from mergecomp.runtime.regroup import CannotRegroup
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -206,6 +208,10 @@ from the auto run's profile and executed with ``--plan-in``.  The ``auto`` run a
 happens (it measures the profile every prediction uses); its row is shown when ``auto``
 is listed.
 
+``--workers-per-node L`` runs each N as N/L emulated nodes of L workers and predicts that
+layout (see ``simulator.py rounds --help``, "Node layouts"); ``--comm hierarchical`` makes
+the profile measure the intra-node costs the prediction uses.
+
 Windows: ``--num-iters`` × ``--batches-per-iter`` timed steps after the search (default
 8 × 3 = 24 steps); at 1 Gbit/s single steps vary by ±20%, so 6 steps are not enough to
 resolve a 15% error.  ``--out DIR`` keeps each run's profile, plan, result and log.
@@ -213,20 +219,38 @@ resolve a 15% error.  ``--out DIR`` keeps each run's profile, plan, result and l
 
 
 def parse_plans(text: str):
-    """``auto,fp32-4,compress-4`` → [("auto", None, None), ("fp32-4", "fp32", 4), ...]."""
+    """``auto,fp32-4,compress:allgather-4`` → [("auto", None, None), ("fp32-4", "fp32", 4), ...]."""
     specs = []
     for item in (x.strip() for x in text.split(",")):
-        if item == "auto":
-            specs.append(("auto", None, None))
+        if item in ("auto", "optimal"):
+            specs.append((item, None, None))
             continue
-        send, _, groups = item.partition("-")
-        if send not in ("fp32", "fp16", "bf16", "compress") or not groups.isdigit() or int(groups) < 1:
+        send, _, groups = item.rpartition("-")
+        known = send in ("fp32", "fp16", "bf16", "compress") or (send.startswith(COMPRESS_VIA) and send in valid_sends())
+        if not known or not groups.isdigit() or int(groups) < 1:
             raise ValueError(f"--plans: {item!r} is neither 'auto' nor SEND-K with SEND one of "
-                             "fp32, fp16, bf16, compress and K ≥ 1 groups (e.g. compress-4)")
+                             "fp32, fp16, bf16, compress, compress:<communicator> and K ≥ 1 groups "
+                             "(e.g. compress-4, compress:allgather-4), nor 'optimal'")
         specs.append((item, send, int(groups)))
     if not specs or len({label for label, _, _ in specs}) != len(specs):
         raise ValueError(f"--plans must list distinct plans, got {text!r}")
     return specs
+
+
+def optimal_plan(profile: Profile, params, specs) -> Plan:
+    """The optimal scheduler's plan of the live ``profile`` (as measured: the auto scheduler's
+    'optimal' candidate), free to send compressed groups by the job's communicator or by any
+    communicator a ``compress:<name>-K`` plan of ``specs`` names."""
+    via = tuple(dict.fromkeys(send_communicator(send) for _, send, _ in specs
+                              if send is not None and send_communicator(send) is not None))
+    return OptimalScheduler(profile, communicators=via).plan(params)
+
+
+def fixed_plan(params, groups: int, send: str) -> Plan:
+    """The fixed scheduler's plan of ``groups`` groups balanced by bytes, every group sent
+    ``send`` (``compress:<communicator>`` too: the groups of a compressed plan, re-labelled)."""
+    plan = FixedScheduler(groups, send=send if send in SEND_MODES else "compress").plan(params)
+    return plan if send in SEND_MODES else Plan([dataclasses.replace(g, send=send) for g in plan.groups])
 
 
 def measure(workers: int, profile: str, args, folder: str, label: str = "auto",
@@ -248,7 +272,9 @@ def measure(workers: int, profile: str, args, folder: str, label: str = "auto",
                "--num-iters", str(args.num_iters)]
     if args.compress_ratio is not None:
         command += ["--compress-ratio", str(args.compress_ratio)]
-    with Cluster(num_workers=workers, profile=profile) as cluster:
+    if args.comm:
+        command += ["--comm", args.comm]
+    with Cluster(num_workers=workers, profile=profile, workers_per_node=args.workers_per_node) as cluster:
         results = cluster.run(command, timeout_s=args.timeout_s, cwd=ROOT)
     with open(os.path.join(folder, f"log_{tag}.txt"), "w") as f:
         f.write(results[0].stdout + results[0].stderr if results else "")
@@ -332,9 +358,10 @@ def check_main(argv) -> int:
     p.add_argument("--batches-per-iter", type=int, default=3, help="steps per timed iteration")
     p.add_argument("--out", default=None, help="folder to keep profiles, plans, results and logs in")
     p.add_argument("--plans", default="auto",
-                   help="plans to validate at each N: 'auto' (the plan --scheduler auto chose) and "
-                        "fixed plans SEND-K (fp32-4: 4 raw FP32 groups; compress-4: 4 compressed "
-                        "groups), comma-separated; default: auto")
+                   help="plans to validate at each N: 'auto' (the plan --scheduler auto chose), "
+                        "'optimal' (the DP's plan of auto's profile) and fixed plans SEND-K (fp32-4: "
+                        "4 raw FP32 groups; compress-4: 4 compressed groups; compress:allgather-4: "
+                        "by that communicator), comma-separated; default: auto")
     p.add_argument("--phases", action="store_true",
                    help="run the benchmark through 'simulator.py phases' and print each "
                         "phase's predicted and measured time")
@@ -343,8 +370,18 @@ def check_main(argv) -> int:
                         "by the timed window's forward time over the profile's (the host's compute "
                         "speed drifts between the two; forward runs with no collective in flight), "
                         "so that the error left is the network and overlap model's")
+    p.add_argument("--workers-per-node", type=int, default=None,
+                   help="run each N as N/L emulated nodes of L workers (fast inside a node, the "
+                        "profile's link between) and predict that layout (default: one per node)")
+    p.add_argument("--comm", default=None,
+                   help="the job's communicator (default: the compressor's recommended); "
+                        "hierarchical measures the intra-node costs the prediction uses")
+    p.add_argument("--intra-gbit", type=float, default=None,
+                   help="the intra-node link's rate in Gbit/s (default: as the profile measured it)")
     p.add_argument("--timeout-s", type=float, default=1200)
     args = p.parse_args(argv)
+    if args.workers_per_node is not None and args.workers_per_node < 1:
+        p.error(f"--workers-per-node must be ≥ 1, got {args.workers_per_node}")
     if args.calibrate_compute and not args.phases:
         p.error("--calibrate-compute needs --phases (the timed window's forward time)")
     if args.num_iters < 1 or args.batches_per_iter < 1:
@@ -371,8 +408,8 @@ def check_main(argv) -> int:
             profile = auto["profile"]
             efficiency = measured_link_efficiency(profile, rate) if args.link_efficiency == "profile" \
                 else float(args.link_efficiency)
-            modelled = dataclasses.replace(profile, collectives=network_collectives(
-                workers, rate, args.latency_us * 1e-6, efficiency))
+            modelled = modelled_profile(profile, workers, argparse.Namespace(
+                **dict(vars(args), link_rate=rate, workers_per_node=args.workers_per_node or 1)), efficiency)
             print(f"N={workers}: interference {profile.interference:.2f}, collective slowdown "
                   f"{profile.collective_slowdown:.2f}, link efficiency {efficiency:.2f}, memory "
                   f"{profile.memory.intercept * 1e3:.2f} ms + {profile.memory.slope * 1e9:.2f} ns/element; "
@@ -381,7 +418,8 @@ def check_main(argv) -> int:
                 if label == "auto":
                     run = auto
                 else:
-                    plan = FixedScheduler(groups, send=send).plan(profile.params())
+                    plan = optimal_plan(profile, profile.params(), specs) if label == "optimal" \
+                        else fixed_plan(profile.params(), groups, send)
                     plan_in = os.path.join(folder, f"plan_in_{workers}_{label}.json")
                     plan.save(plan_in)
                     run = measure(workers, args.profile, args, folder, label, plan_in)
@@ -414,7 +452,7 @@ def check_main(argv) -> int:
     print("|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if calibrate else ""))
     for (workers, label, plan, predicted, measured, interference, slowdown, efficiency,
          speed, calibrated) in rows:
-        compressed = sum(g.send == "compress" for g in plan.groups)
+        compressed = sum(is_compressed(g.send) for g in plan.groups)
         extra = (f" {speed:.2f} | {calibrated * 1e3:.1f} | {(calibrated - measured) / measured * 100:+.1f}% |"
                  if calibrate else "")
         print(f"| {workers} | {label} | {len(plan)}, {compressed} | {interference:.2f} | {slowdown:.2f} | "
@@ -455,6 +493,20 @@ timed beside the steps it predicts:
    costs are scaled by the median rank's backward time in the window over the profile's.
    The interference and collective slowdown factors stay as the profile measured them.
 
+**Node layouts.**  Under ``benchmarks/cluster.py --nodes M --workers-per-node L`` (or
+with ``--workers-per-node L``) the prediction is for M nodes of L ranks: the profile's
+collectives become :func:`mergecomp.planning.simulate.node_collectives` of that layout (the
+profile link between nodes; inside a node ``--intra-gbit``, or by default the intra-node
+costs the profile measured, which ``--comm hierarchical`` makes it measure: the emulated
+nodes talk over a loopback whose speed is this host's processors).  ``compress:<name>-K``
+plans send their compressed groups by communicator ``name`` (``compress:allgather-4``
+beside ``--comm hierarchical``'s ``compress-4``: flat against hierarchical), and
+``optimal`` is the DP's plan of the live profile, free to choose per group among the job's
+communicator and those the ``compress:<name>`` plans name.  The hierarchical exchange's
+per-shard error-feedback state cannot follow a plan change, so each window that leaves a
+hierarchical plan starts the next one without it (timing only: a residual changes no
+step's cost).
+
 A window's time is its slowest rank's mean step.  Every step's phases are timed as
 ``simulator.py phases`` times them, and each plan's are printed next to the phases
 predicted from its median round.  The error of a plan is the median over
@@ -470,8 +522,9 @@ def parse_rounds(argv):
     p.prog = "simulator.py rounds"
     p.set_defaults(scheduler="auto", compress=True)
     p.add_argument("--plans", default="auto,fp32-4,compress-4",
-                   help="plans to predict and time: auto (the scheduler's choice), fp32-K, fp16-K, "
-                        "bf16-K, compress-K (default auto,fp32-4,compress-4)")
+                   help="plans to predict and time: auto (the scheduler's choice), optimal (the "
+                        "DP's plan of the live profile), fp32-K, fp16-K, bf16-K, compress-K, "
+                        "compress:<communicator>-K (default auto,fp32-4,compress-4)")
     harness.add_rounds_arguments(p, 8, "one window per plan and a compute window")
     p.add_argument("--net-profile", default=os.environ.get("MERGECOMP_NET_PROFILE"),
                    help="the network profile of the links (default: the one benchmarks/cluster.py "
@@ -481,6 +534,12 @@ def parse_rounds(argv):
     p.add_argument("--link-efficiency", default="profile",
                    help="fraction of the line rate the simulated collectives reach, or 'profile' "
                         "(default): the fraction the run's own allreduce probe reached")
+    p.add_argument("--workers-per-node", type=int, default=None,
+                   help="ranks per node of the layout to predict (default: the launcher's "
+                        "LOCAL_WORLD_SIZE, which benchmarks/cluster.py --nodes sets; else 1)")
+    p.add_argument("--intra-gbit", type=float, default=None,
+                   help="the intra-node link's rate in Gbit/s (default: the intra-node collectives "
+                        "as the profile measured them; needs --comm hierarchical)")
     args = harness.parse_rounds_arguments(p, argv)
     if args.table:
         return args
@@ -508,6 +567,14 @@ def parse_rounds(argv):
     if not link.shaped:
         p.error(f"network profile {args.net_profile!r} is not rate-limited; the simulator needs a link rate")
     args.link_rate = link.rate_bps / 8  # bytes per second
+    if args.workers_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        args.workers_per_node = int(local) if local.isdigit() else 0
+    if args.workers_per_node < 1:
+        p.error(f"--workers-per-node must be ≥ 1, got {args.workers_per_node} (or LOCAL_WORLD_SIZE="
+                f"{os.environ.get('LOCAL_WORLD_SIZE')!r})")
+    if args.intra_gbit is not None and not args.intra_gbit > 0:
+        p.error(f"--intra-gbit must be a rate > 0 Gbit/s, got {args.intra_gbit}")
     return args
 
 
@@ -578,13 +645,43 @@ def link_efficiency(profile: Profile, args):
         return str(error)
 
 
+def modelled_profile(profile: Profile, workers: int, args, efficiency: float) -> Profile:
+    """The simulator's input: ``profile`` with its collectives replaced by the α-β model of
+    the node layout (``--workers-per-node`` ranks per node behind the ``--net-profile``
+    link; inside a node ``--intra-gbit``, or the intra-node costs the profile measured)."""
+    local = args.workers_per_node
+    if workers % local:
+        raise ValueError(f"--workers-per-node {local} does not divide the {workers} workers")
+    intra = None if args.intra_gbit is None else args.intra_gbit * 1e9 / 8
+    return node_profile(profile, workers // local, local, args.link_rate, args.latency_us * 1e-6,
+                        efficiency, intra_bandwidth=intra)
+
+
+def switch_plan(optimizer, plan) -> None:
+    """``optimizer.set_plan(plan)``; where the error-feedback state cannot follow the new
+    groups (the hierarchical communicator's per-shard residuals), it is dropped first: a
+    timing run switches plans every window, and a residual's loss changes no step's cost."""
+    try:
+        optimizer.set_plan(plan)
+    except CannotRegroup:
+        def without_shards(state):
+            if not isinstance(state, dict):
+                return state
+            return {k: without_shards(v) for k, v in state.items() if not (isinstance(k, str) and "/shard" in k)}
+        optimizer.communicator.load_state_dict(without_shards(optimizer.communicator.state_dict()))
+        optimizer.set_plan(plan)
+
+
 def fixed_plans(optimizer, specs) -> Dict[str, mergecomp.Plan]:
     """{label: plan} of ``--plans``, and the compute window's one raw group."""
     params = optimizer.param_infos(optimizer.plan.order())
     plans = {}
     for label, send, groups in specs:
-        plans[label] = optimizer.plan if label == "auto" else \
-            mergecomp.schedulers.create("fixed", fusion_num=groups, send=send).plan(params)
+        if label == "optimal":  # rank 0's, from its profile, as the auto scheduler plans
+            plan = optimal_plan(optimizer.scheduler.profile, params, specs) if optimizer.backend.rank == 0 else None
+            plans[label] = Plan.from_dict(optimizer.backend.broadcast_object(plan and plan.to_dict(), src=0))
+        else:
+            plans[label] = optimizer.plan if label == "auto" else fixed_plan(params, groups, send)
     plans[COMPUTE] = mergecomp.schedulers.create("fixed", fusion_num=1, send="fp32").plan(params)
     return plans
 
@@ -621,7 +718,7 @@ def rounds_worker(args):
     def before(label):
         def switch():
             marks.append((label, len(recorder.steps)))
-            optimizer.set_plan(plans[label])
+            switch_plan(optimizer, plans[label])
             if label == COMPUTE:
                 clock.new_round()
         return switch
@@ -636,11 +733,12 @@ def rounds_worker(args):
         return harness.finish({}, None, work)
     measured = {label: [max(times[label][r] for times, _, _ in everyone) for r in range(args.rounds)]
                 for label in plans}
-    modelled = dataclasses.replace(profile, collectives=network_collectives(
-        work.size, args.link_rate, args.latency_us * 1e-6, efficiency))
+    modelled = modelled_profile(profile, work.size, args, efficiency)
     rounds = [round_profile(modelled, [summaries[r] for _, summaries, _ in everyone]) for r in range(args.rounds)]
     result = {
         "model": args.model, "batch_size": work.batch_size, "workers": work.size, "compressor": args.compressor,
+        "workers_per_node": args.workers_per_node, "communicator": optimizer.communicator.name,
+        "intra_gbit": args.intra_gbit,
         "compress_ratio": args.compress_ratio, "net_profile": args.net_profile, "search_steps": search_steps,
         "rounds": args.rounds, "window": args.window, "link_efficiency": efficiency,
         "interference": profile.interference, "collective_slowdown": profile.collective_slowdown,
@@ -660,7 +758,8 @@ def rounds_worker(args):
         saved = predict(plan, modelled).iteration_time
         predicted = [predict(plan, p).iteration_time for p in rounds]
         result["plans"][label] = {
-            "groups": len(plan), "compressed": sum(g.send == "compress" for g in plan.groups),
+            "groups": len(plan), "compressed": sum(is_compressed(g.send) for g in plan.groups),
+            "sends": {send: sum(g.send == send for g in plan.groups) for send in sorted({g.send for g in plan.groups})},
             "plan": plan.to_dict(),
             "measured_s": measured[label], "predicted_s": predicted, "saved_profile_s": saved,
             "error": statistics.median(p / m - 1 for p, m in zip(predicted, measured[label])),
@@ -677,17 +776,23 @@ def rounds_worker(args):
     return harness.finish(result, args.json, work)
 
 
+def layout(result: dict) -> str:
+    """``8`` for one rank per node, ``8 (2×4)`` for 2 nodes of 4."""
+    local = result.get("workers_per_node", 1)
+    return f"{result['workers']}" if local == 1 else f"{result['workers']} ({result['workers'] // local}×{local})"
+
+
 def rounds_table(paths) -> str:
     lines = ["| workers | plan | groups (compressed) | measured ms | predicted ms, same rounds | error | "
              "rounds within 15% | saved profile ms | saved-profile error | compute × profile |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     results = sorted(harness.saved_results(paths, "plans", "benchmarks/simulator.py rounds"),
-                     key=lambda r: r["workers"])
+                     key=lambda r: (r["workers"], r.get("workers_per_node", 1)))
     for r in results:
         speeds = [c["speed"] for c in r["compute"]]
         for label, row in r["plans"].items():
             within = sum(abs(p / m - 1) <= 0.15 for p, m in zip(row["predicted_s"], row["measured_s"]))
-            lines.append(f"| {r['workers']} | {label} | {row['groups']} ({row['compressed']}) | "
+            lines.append(f"| {layout(r)} | {label} | {row['groups']} ({row['compressed']}) | "
                          f"{statistics.median(row['measured_s']) * 1e3:.1f} | "
                          f"{statistics.median(row['predicted_s']) * 1e3:.1f} | {row['error']:+.1%} | "
                          f"{within}/{len(row['measured_s'])} | {row['saved_profile_s'] * 1e3:.1f} | "

@@ -261,6 +261,17 @@ def test_auto_watch_keeps_watching_when_the_plan_cannot_change():
     assert said == ["auto scheduler: steps drifted but the plan cannot change (PowerSGD's factors)"]
 
 
+
+def test_auto_keeps_the_running_plan_when_the_fastest_cannot_take_its_state():
+    """The check ends on a plan whose state cannot follow the one measured fastest (the
+    hierarchical exchange's per-shard residuals): the running plan is kept, with its own
+    measured step time as the reference the watch compares with."""
+    from mergecomp.schedulers.auto.racing import Checking
+    fastest, running = _CannotSwitch.plan, Plan([Group(("a", "b"), "compress")])
+    measured = [(1.0, "optimal", fastest), (1.4, "fusion-num 1", running)]
+    assert Checking._kept(measured, running) == ("fusion-num 1", running, 1.4)
+    assert Checking._kept(measured[:1], running) == ("the running plan", running, 1.0)
+
 def restart_worker(rank, world_size):
     from mergecomp.schedulers.fixed import FixedScheduler
 

@@ -233,9 +233,12 @@ def test_the_cost_model_prices_hierarchical_and_flat():
     # 400 elements: a shard of 200 per rank, 1 byte each on the wire, among 2 nodes
     assert cost.wire(400, 4) == pytest.approx(200)
     assert cost.collective(cost.wire(400, 4)) == pytest.approx(0.3 + 0.002 * 200)
-    # the node's links: allreduce of 4·400 bytes, allgather of 4·200, on the channel
-    assert cost.relay(400) == pytest.approx(0.006 + 0.00002 * (1600 + 800))
-    assert cost.encode(400) == pytest.approx(0.1 + 0.001 * 200)
+    # the node's links, which start() and finish() wait for: the node sum (allreduce of
+    # 4·400 bytes) before the shard's encoding, the shards' allgather (4·200) after its
+    # decoding (2 nodes' payloads of 200 elements, 0.2 s each)
+    assert cost.relay(400) == 0
+    assert cost.encode(400) == pytest.approx(0.1 + 0.001 * 200 + 0.003 + 0.00002 * 1600)
+    assert cost.decode(400) == pytest.approx(2 * 0.2 + 0.003 + 0.00002 * 800)
     assert predict(plan, hierarchical).iteration_time < predict(plan, flat).iteration_time
     assert "intra_allreduce" in priced_collectives("hierarchical")
     assert Profile.from_json(hierarchical.to_json()).hierarchy == {"local_size": 2, "inner": "allgather"}

@@ -69,3 +69,12 @@ def test_wrong_folders_are_clear_errors(tmp_path, capsys):
     assert "no result of benchmarks/convergence.py" in capsys.readouterr().err
     assert plot.main(["results", "--out", str(tmp_path)]) == 2
     assert "beside its data" in capsys.readouterr().err
+
+
+def test_the_simulator_check_draws_from_its_rounds_results(tmp_path):
+    folder = os.path.join(RESULTS, "2026-11-24-simulator-8-ranks")
+    assert "2026-11-24-simulator-8-ranks" in plot.SHOWN_RUNS
+    [path] = plot.render_any(folder, str(tmp_path))
+    assert os.path.basename(path) == "check.png" and _is_png(path)
+    with pytest.raises(ValueError, match="no simulator.py rounds results"):
+        plot.render_simulator_check(str(tmp_path))

@@ -74,6 +74,17 @@ def test_optimal_picks_the_sparse_allreduce_at_many_ranks_and_the_allgather_at_t
     assert SPARSE in {g.send for g in mixed.groups} and "compress" not in {g.send for g in mixed.groups}
 
 
+
+def test_predict_prices_the_communicators_a_plan_names():
+    """The optimal plan of a many-rank job sends by the sparse allreduce; the cost model
+    prices it as the optimal scheduler did, with no costs passed (as the auto scheduler's
+    candidates and the simulator's checks are priced)."""
+    from mergecomp.planning.costmodel import predict
+    profile = synthetic_profile(64)
+    solution = OptimalScheduler(profile, communicators=("sparse_allreduce",)).solve()
+    assert SPARSE in {g.send for g in solution.plan.groups}
+    assert predict(solution.plan, profile).iteration_time == pytest.approx(solution.iteration_time)
+
 def test_optimal_refuses_a_mode_the_profile_cannot_price():
     profile = synthetic_profile(8)
     del profile.collectives["alltoall"]

@@ -130,3 +130,100 @@ def test_a_rounds_compute_is_the_median_ranks_and_scales_the_codecs():
     assert round_.codecs["topk"].encode.intercept == pytest.approx(2e-3)  # the median rank ran at half speed
     assert round_.codecs["topk"].decode.slope == pytest.approx(2e-9)
     assert round_.collectives == profile.collectives  # the network is not the processor's
+
+
+# ----------------------------------------------------------------------- node layouts
+def test_node_layout_formulas():
+    megabyte, bw, lat, fast = 1e6, 1e9, 1e-5, 1e11
+    costs = simulate.node_collectives(2, 4, bw, lat, intra_bandwidth=fast)
+    # the flat ring crosses each node's link with one flow: the cost of 8 separate ranks
+    flat = simulate.network_collectives(8, bw, lat)
+    assert costs["allreduce"] == flat["allreduce"] and costs["allgather"] == flat["allgather"]
+    # all-to-all: each rank sends 4/8 of B off its node, 4 ranks share the link
+    assert costs["alltoall"](megabyte) == pytest.approx(4 * 4 / 8 * 1e-3 + 7e-5)
+    # between nodes: 4 peer groups of 2 ranks at once, each at bw/4
+    assert costs["inter_allreduce"](megabyte) == pytest.approx(2 * 1 / 2 * 4e-3 + 2e-5)
+    assert costs["inter_allgather"](megabyte) == pytest.approx(4e-3 + 1e-5)
+    # inside a node: 4 ranks on the fast link, no latency by default
+    assert costs["intra_allreduce"](megabyte) == pytest.approx(2 * 3 / 4 * 1e-5)
+    assert costs["intra_allgather"](megabyte) == pytest.approx(3e-5)
+
+
+def test_node_layout_edges_and_measured_intra():
+    bw, lat = 1e9, 1e-5
+    one_per_node = simulate.node_collectives(8, 1, bw, lat)
+    flat = simulate.network_collectives(8, bw, lat)
+    assert {k: one_per_node[k] for k in flat} == flat  # L = 1: the flat model exactly
+    assert one_per_node["intra_allreduce"] == LinearCost() and one_per_node["inter_allgather"] == flat["allgather"]
+    measured = {"intra_allreduce": LinearCost(1e-3, 1e-9), "intra_allgather": LinearCost(2e-3, 2e-9)}
+    one_node = simulate.node_collectives(1, 4, bw, lat, intra=measured)
+    assert one_node["allreduce"] == measured["intra_allreduce"] and one_node["inter_allreduce"] == LinearCost()
+    with pytest.raises(ValueError, match="either as a rate"):
+        simulate.node_collectives(2, 2, bw, lat)
+    with pytest.raises(ValueError, match="lack"):
+        simulate.node_collectives(2, 2, bw, lat, intra={"intra_allreduce": LinearCost()})
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        simulate.node_collectives(1, 1, bw, lat, intra_bandwidth=bw)
+    with pytest.raises(ValueError, match="nodes ≥ 1"):
+        simulate.node_collectives(0, 4, bw, lat, intra_bandwidth=bw)
+
+
+def test_hierarchical_prediction_from_a_node_layout():
+    """One compressed tensor on 2 nodes × 4 ranks: the hierarchical communicator's price
+    from node_profile is the node sum, a shard's allgather between nodes, the shard gather."""
+    import dataclasses
+    from mergecomp.plan import Group, Plan
+    from mergecomp.planning.costmodel import predict, send_costs
+    base = dataclasses.replace(one_tensor_profile(), communicator="hierarchical",
+                               hierarchy={"local_size": 4, "inner": "allgather", "gather": "allgather"})
+    with pytest.raises(ValueError, match="no measured intra-node"):
+        simulate.node_profile(base, 2, 4, 1e9, 1e-5)
+    bw, fast, n = 1e9, 1e11, 10 ** 6
+    profile = simulate.node_profile(base, 2, 4, bw, 1e-5, intra_bandwidth=fast)
+    assert profile.world_size == 8 and profile.hierarchy["local_size"] == 4
+    cost = send_costs(profile)["compress"]
+    shard_wire = 0.08 * n / 4  # top-k's 0.08 bytes per element, on a quarter of the tensor
+    assert cost.wire(n, 4) == pytest.approx(shard_wire)
+    assert cost.collective(shard_wire) == pytest.approx(shard_wire * 4 / bw + 1e-5)
+    # the node sum before the shard's encoding, the shards' gather after its decoding
+    node_sum, gather = 2 * 3 / 4 * 4 * n / fast, 3 * 4 * n / 4 / fast
+    inner = send_costs(dataclasses.replace(base, communicator="allgather", world_size=2, collectives=dict(
+        allreduce=LinearCost(), allgather=LinearCost())))["compress"]
+    assert cost.encode(n) == pytest.approx(inner.encode(n / 4) + node_sum)
+    assert cost.decode(n) == pytest.approx(inner.decode(n / 4) + gather)
+    # the same tensor flat: 8 whole payloads around the ring, which the 2 nodes' links carry 7 of
+    flat = simulate.node_profile(dataclasses.replace(base, communicator="allgather"), 2, 4, bw, 1e-5,
+                                 intra_bandwidth=fast)
+    assert send_costs(flat)["compress"].collective(0.08 * n) == pytest.approx(7 * 0.08 * n / bw + 7e-5)
+    plan = Plan([Group(("w",), "compress")])
+    assert predict(plan, profile).iteration_time < predict(plan, flat).iteration_time
+
+
+def test_simulator_plans_name_a_communicator():
+    from benchmarks.simulator import fixed_plan, parse_plans
+    from mergecomp.plan import ParamInfo
+    specs = parse_plans("auto,fp32-2,compress:allgather-2,compress-1")
+    assert specs[2] == ("compress:allgather-2", "compress:allgather", 2)
+    for bad in ("compress:nothing-2", "compress:allgather-0", "topk-2"):
+        with pytest.raises(ValueError, match="SEND-K"):
+            parse_plans(bad)
+    params = [ParamInfo(name, 1000) for name in ("a", "b", "c", "d")]
+    plan = fixed_plan(params, 2, "compress:allgather")
+    assert len(plan) == 2 and {g.send for g in plan.groups} == {"compress:allgather"}
+    assert [g.names for g in plan.groups] == [g.names for g in fixed_plan(params, 2, "compress").groups]
+
+
+def test_simulate_rows_on_a_node_layout(capsys):
+    """The hierarchical topology on nodes of 4: the compressed exchange between nodes carries
+    a quarter of each group per rank, so at 8 workers it beats the flat allgather, and the
+    command line takes the layout."""
+    base = one_tensor_profile()
+    flat = simulate.simulate(base, [8], 1e8, 1e-5, "allgather", summable=False, local_size=4, intra_bandwidth=1e11)
+    hier = simulate.simulate(base, [8], 1e8, 1e-5, "hierarchical", summable=False, local_size=4, intra_bandwidth=1e11)
+    assert hier[0]["optimal"]["iteration_time"] < flat[0]["optimal"]["iteration_time"]
+    with pytest.raises(ValueError, match="whole number of nodes"):
+        simulate.simulate(base, [6], 1e8, 1e-5, "hierarchical", local_size=4, intra_bandwidth=1e11)
+    assert simulate.main(["--model", "mlp", "--compute-time", "0.1", "--topology", "hierarchical",
+                          "--workers", "8,16", "--local-size", "4", "--intra-bandwidth", "800"]) == 0
+    assert "   16 |" in capsys.readouterr().out
+    assert simulate.main(["--model", "mlp", "--compute-time", "0.1", "--local-size", "0"]) == 2

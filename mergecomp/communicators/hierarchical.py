@@ -269,10 +269,11 @@ class HierarchicalCommunicator(Communicator):
     @classmethod
     def send_cost(cls, codec, profile):
         """A compressed group of n elements (4-byte gradients): the intra-node allreduce of
-        4n bytes and the allgather of 4⌈n/L⌉ (an allreduce of 4n where ``gather`` is
-        ``"allreduce"``: gloo), on the channel as relay, and the inner communicator's own
-        price for a shard of n/L elements between M nodes, priced with the inter-node
-        collectives (``profile.hierarchy``: ``local_size``, ``inner``, ``gather``)."""
+        4n bytes as encoding (``start`` blocks for it, inside the backward hook), the
+        allgather of 4⌈n/L⌉ (an allreduce of 4n where ``gather`` is ``"allreduce"``: gloo)
+        as decoding (``finish`` blocks for it), and the inner communicator's own price for a
+        shard of n/L elements between M nodes, priced with the inter-node collectives
+        (``profile.hierarchy``: ``local_size``, ``inner``, ``gather``)."""
         from . import registry
         hierarchy = profile.hierarchy or {}
         local, inner = int(hierarchy.get("local_size", 1)), hierarchy.get("inner", "allgather")
@@ -289,15 +290,15 @@ class HierarchicalCommunicator(Communicator):
                              "(send_cost), so its groups cannot be priced")
         shard = formula(codec, nodes)
         per = 1.0 / local
+        node_sum = intra_reduce.scaled(1, 4)  # start() waits for it, in the backward hook
         if hierarchy.get("gather") == "allreduce":
-            intra = intra_reduce.scaled(2, 2 * 4)
+            gather = intra_reduce.scaled(1, 4)  # finish() waits for it
         else:
-            intra = LinearCost(intra_reduce.intercept + intra_gather.intercept,
-                               4 * intra_reduce.slope + 4 * per * intra_gather.slope)
+            gather = intra_gather.scaled(1, 4 * per)
         per_element = 4.0 if shard.wire.per_element is None else shard.wire.per_element
-        return SendCost(shard.encode.scaled(1, per), WireSize(per_element * per, shard.wire.header),
-                        shard.collective, decode=shard.decode.scaled(1, per),
-                        relay=shard.relay.scaled(1, per) + intra, aggregate_passes=shard.aggregate_passes)
+        return SendCost(shard.encode.scaled(1, per) + node_sum, WireSize(per_element * per, shard.wire.header),
+                        shard.collective, decode=shard.decode.scaled(1, per) + gather,
+                        relay=shard.relay.scaled(1, per), aggregate_passes=shard.aggregate_passes)
 
 
 class _Done:

@@ -84,7 +84,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .. import communicators
-from ..plan import COMPRESS_VIA, Plan
+from ..plan import COMPRESS_VIA, Plan, send_communicator
 from .profile import LinearCost, Profile, WireSize
 from .sendcost import SendCost, collective_cost
 
@@ -353,10 +353,11 @@ def predict(plan: Plan, profile: Profile, costs: Optional[Mapping[str, SendCost]
     """Predicted iteration time and per-group timeline of ``plan`` (see the module docstring).
 
     ``costs`` maps send modes to :class:`SendCost`; by default :func:`send_costs` of the
-    profile.  Groups may be any partition of the profiled tensors; they launch from the
+    profile, with the ``compress:<name>`` modes the plan uses.  Groups may be any partition of the profiled tensors; they launch from the
     hooks in plan order, as in the optimizer.
     """
-    costs = send_costs(profile) if costs is None else costs
+    if costs is None:  # the job's modes, and each communicator a "compress:<name>" group names
+        costs = send_costs(profile, sorted({send_communicator(g.send) for g in plan.groups} - {None}))
     timeline = profile.timeline
     interference, slowdown = profile.interference, profile.collective_slowdown
     if not compression_on_compute and (interference != 1.0 or slowdown != 1.0):

@@ -45,9 +45,10 @@ from typing import Dict, List, Optional, Sequence
 from ..plan import COMPRESS_VIA
 from .costmodel import send_costs
 from .measure import measure_compression_cost, measure_copy_cost
-from .profile import LinearCost, Profile, TensorTiming, scaled_compute
+from .profile import LINK_KINDS, LinearCost, Profile, TensorTiming, scaled_compute
 
-TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps", "sparse_allreduce": "sparse_allreduce"}
+TOPOLOGIES = {"ring": "allreduce", "allgather": "allgather", "ps": "ps", "sparse_allreduce": "sparse_allreduce",
+              "hierarchical": "hierarchical"}
 DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -68,6 +69,86 @@ def network_collectives(world: int, bandwidth: float, latency: float,
         "allgather": LinearCost(steps * latency, steps / bandwidth),
         "alltoall": LinearCost(steps * latency, steps / (world * bandwidth)),
     }
+
+
+def node_collectives(nodes: int, local: int, bandwidth: float, latency: float, efficiency: float = 1.0,
+                     intra_bandwidth: Optional[float] = None, intra_latency: float = 0.0,
+                     intra: Optional[Dict[str, LinearCost]] = None) -> Dict[str, LinearCost]:
+    """α-β costs of every collective a job of ``nodes`` × ``local`` ranks runs, keyed as in
+    ``Profile.collectives``: the flat kinds over all N = M·L ranks and the hierarchical
+    communicator's links (``intra_*`` inside a node, ``inter_*`` between the peers of one
+    local rank).  ``bandwidth`` (bytes/s, of which the collectives reach ``efficiency``) and
+    ``latency`` are a node's link to the others; ``intra_bandwidth`` and ``intra_latency``
+    the fast link inside a node, or ``intra`` the intra-node costs as measured (the
+    emulated cluster's nodes talk over a loopback whose speed is the host's processors).
+
+    Ranks are numbered node by node (rank = node·L + local rank), as torchrun and the
+    emulated cluster number them, so:
+
+    * **flat ring allreduce and allgather**: of the ring's N hops, M cross a node's link,
+      one flow each; the slowest hop sets every step's pace, so the costs are those of N
+      ranks on separate links: 2(N−1)/N · B/bw + 2(N−1)·lat and (N−1) · B/bw + (N−1)·lat;
+    * **flat all-to-all**: each rank sends B/N to each other rank, (N−L)/N · B off its
+      node, and the L ranks of a node share its link: L(N−L)/N · B/bw + (N−1)·lat;
+    * **inter-node links**: the L peer groups (one per local rank) exchange at once, each
+      over M ranks at bw/L: a ring allreduce 2(M−1)/M · B·L/bw + 2(M−1)·lat, an
+      allgather (M−1) · B·L/bw + (M−1)·lat; free with one node;
+    * **intra-node links**: ring collectives over L ranks at the intra-node rate; free
+      with one rank per node.
+
+    With L = 1 the flat kinds equal :func:`network_collectives`'.
+    """
+    for what, value in (("nodes", nodes), ("local", local)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"a node layout needs {what} ≥ 1 (an integer), got {value!r}")
+    world = nodes * local
+    if world < 2:
+        raise ValueError(f"a simulated job needs at least 2 workers, got {nodes} node(s) × {local} rank(s)")
+    if local > 1 and (intra is None) == (intra_bandwidth is None):
+        raise ValueError("with several ranks per node, give the intra-node link either as a rate "
+                         f"(intra_bandwidth, bytes/s) or as measured costs (intra), not {'both' if intra else 'neither'}")
+    kinds = ("allreduce", "allgather")
+    if local == 1:
+        inside = {kind: LinearCost() for kind in kinds}
+    elif intra is not None:
+        missing = [f"intra_{kind}" for kind in kinds if f"intra_{kind}" not in intra]
+        if missing:
+            raise ValueError(f"the measured intra-node costs lack {missing} (have {sorted(intra)}); "
+                             "profile with the hierarchical communicator, or give intra_bandwidth")
+        inside = {kind: intra[f"intra_{kind}"] for kind in kinds}
+    else:
+        inside = network_collectives(local, intra_bandwidth, intra_latency)
+    if nodes == 1:  # every collective stays inside the one node
+        out = {kind: inside[kind] for kind in kinds}
+        between = {kind: LinearCost() for kind in kinds}
+    else:
+        out = network_collectives(world, bandwidth, latency, efficiency)
+        out["alltoall"] = LinearCost((world - 1) * latency, local * (world - local) / (world * bandwidth * efficiency))
+        between = network_collectives(nodes, bandwidth / local, latency, efficiency)
+    out.update({f"intra_{kind}": inside[kind] for kind in kinds})
+    out.update({f"inter_{kind}": between[kind] for kind in kinds})
+    return out
+
+
+def node_profile(profile: Profile, nodes: int, local: int, bandwidth: float, latency: float,
+                 efficiency: float = 1.0, intra_bandwidth: Optional[float] = None,
+                 intra_latency: float = 0.0) -> Profile:
+    """``profile`` on ``nodes`` × ``local`` ranks: its collectives replaced by
+    :func:`node_collectives` (the intra-node ones kept as the profile measured them when
+    ``intra_bandwidth`` is None), and its node layout (``hierarchy``) set to ``local`` ranks
+    per node, so the hierarchical communicator's formula prices the layout."""
+    intra = None
+    if intra_bandwidth is None and local > 1:
+        intra = {kind: profile.collectives[kind] for kind in LINK_KINDS
+                 if kind.startswith("intra_") and kind in profile.collectives}
+        if len(intra) < 2:
+            raise ValueError(f"the profile has no measured intra-node collectives ({sorted(profile.collectives)}); "
+                             "profile with communicator='hierarchical' on the node layout, or give the "
+                             "intra-node link's rate")
+    hierarchy = {"inner": "allgather", "gather": "allgather", **(profile.hierarchy or {}), "local_size": local}
+    return dataclasses.replace(profile, world_size=nodes * local, hierarchy=hierarchy,
+                               collectives=node_collectives(nodes, local, bandwidth, latency, efficiency,
+                                                            intra_bandwidth, intra_latency, intra))
 
 
 def measured_link_efficiency(profile: Profile, bandwidth: float) -> float:
@@ -117,7 +198,8 @@ def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
 
 def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: float,
              topology: str, summable: bool = True, efficiency: float = 1.0,
-             chunk_mb: Optional[float] = None, via: Sequence[str] = ()) -> List[dict]:
+             chunk_mb: Optional[float] = None, via: Sequence[str] = (), local_size: int = 1,
+             intra_bandwidth: Optional[float] = None) -> List[dict]:
     """One row per worker count: predicted times, scaling factors and the optimal plan's shape.
 
     ``base`` carries the timeline, codecs (the configured compressor and fp16) and copy
@@ -127,6 +209,11 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
     ``via``: other communicators the optimal plan may send compressed groups by, group
     by group (``"compress:<name>"``, e.g. ``sparse_allreduce`` beside the allgather); each
     also gets a row of its own, the best plan whose compressed groups all go by it.
+    ``local_size``: ranks per node (each worker count a whole number of nodes): ``bandwidth``
+    is then a node's link to the others and ``intra_bandwidth`` the link inside a node (None:
+    ``base``'s measured intra-node collectives), priced by :func:`node_collectives`; the
+    ``hierarchical`` topology's inner exchange is the allreduce for a summable compressor,
+    else the allgather.
     """
     from ..schedulers.optimal import OptimalScheduler
     if topology not in TOPOLOGIES:
@@ -143,8 +230,13 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
         # Launch costs and the collective slowdown measured in the run carry over as they
         # are: they describe this machine's processors, not the network being simulated.
         same = world == base.world_size and TOPOLOGIES[topology] == base.communicator
-        profile = dataclasses.replace(base, world_size=world, communicator=TOPOLOGIES[topology],
-                                      collectives=network_collectives(world, bandwidth, latency, efficiency),
+        if world % local_size:
+            raise ValueError(f"{world} workers are no whole number of nodes of {local_size} ranks")
+        inner = {"inner": "allreduce" if summable else "allgather", "gather": "allgather"}
+        laid_out = node_profile(dataclasses.replace(base, hierarchy=base.hierarchy or inner), world // local_size,
+                                local_size, bandwidth, latency, efficiency, intra_bandwidth)
+        profile = dataclasses.replace(laid_out, world_size=world, communicator=TOPOLOGIES[topology],
+                                      collectives=laid_out.collectives,
                                       finish={k: v for k, v in base.finish.items() if same or k != "compress"})
         costs = send_costs(profile, via)
         row = {"workers": world}
@@ -201,6 +293,12 @@ def _parse_args(argv: Optional[Sequence[str]]):
                         help="how compressed payloads travel (raw groups always use ring allreduce)")
     parser.add_argument("--bandwidth", type=float, default=10.0, help="link bandwidth in Gbit/s")
     parser.add_argument("--latency", type=float, default=50.0, help="per-step latency in microseconds")
+    parser.add_argument("--local-size", type=int, default=1,
+                        help="ranks per node: --bandwidth is then each node's link to the others "
+                             "(and --topology hierarchical sends dense inside a node)")
+    parser.add_argument("--intra-bandwidth", type=float, default=None,
+                        help="the link inside a node in Gbit/s (with --local-size > 1; default: the "
+                             "profile's measured intra-node collectives)")
     parser.add_argument("--link-efficiency", default="1.0",
                         help="fraction of the bandwidth the collectives reach (default 1.0, line rate), "
                              "or 'profile': measured by the profile's allreduce (needs --profile)")
@@ -263,9 +361,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.compute_scale != 1.0:
             base = scaled_compute(base, args.compute_scale)
         via = tuple(name.strip() for name in args.communicators.split(",") if name.strip())
+        if args.local_size < 1 or (args.intra_bandwidth is not None and not args.intra_bandwidth > 0):
+            raise ValueError(f"--local-size must be ≥ 1 and --intra-bandwidth > 0 Gbit/s, got "
+                             f"{args.local_size} and {args.intra_bandwidth}")
+        intra = None if args.intra_bandwidth is None else args.intra_bandwidth * 1e9 / 8
         rows = simulate(base, workers, bandwidth, args.latency * 1e-6, args.topology,
                         summable=bool(compressor.summable), efficiency=efficiency, chunk_mb=args.chunk_mb,
-                        via=via)
+                        via=via, local_size=args.local_size, intra_bandwidth=intra)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

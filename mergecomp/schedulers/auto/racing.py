@@ -160,9 +160,22 @@ class Checking(Phase):
                 search.say(f"auto scheduler: {fastest[1]} measured {fastest[0] * 1e3:.1f} ms, within "
                            f"{settings.compression_margin:.0%} of {label} ({seconds * 1e3:.1f} ms, all FP32): "
                            f"keeping FP32")
-            context.set_plan(plan)
+            try:
+                context.set_plan(plan)
+            except CannotRegroup as reason:  # on every rank alike: the same plans, the same state keys
+                label, plan, seconds = self._kept(measured, context.plan)
+                search.say(f"auto scheduler: {choice.chosen[1]} measured fastest, but the state of the "
+                           f"plan running cannot follow it ({reason}); keeping {label}")
             findings.best = (label, plan, seconds)
         return Watching(search)
+
+    @staticmethod
+    def _kept(measured, plan):
+        """(label, plan, seconds) of the running ``plan`` among the ``measured`` candidates."""
+        for seconds, label, candidate in measured:
+            if candidate.digest() == plan.digest():
+                return label, plan, seconds
+        return "the running plan", plan, min(seconds for seconds, _, _ in measured)
 
     def _refit(self, context):
         """The profile at the check's speed, with launch and finish lines timed in the run."""
