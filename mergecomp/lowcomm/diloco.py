@@ -87,7 +87,8 @@ class Fragment:
     else: the pseudo-gradient is written parameter by parameter into ``delta``, a buffer
     kept from one exchange to the next (a new one each time would cost a fresh allocation
     of the fragment's size, page faults included), and the outer step and the merge write
-    in place.  The price is one more copy of the fragment held between exchanges.
+    in place.  The price is one more copy of the fragment held between exchanges (two with
+    overlap: the pseudo-gradient in flight is kept for a checkpoint taken meanwhile).
     """
 
     def __init__(self, index: int, params: List[Tuple[str, torch.nn.Parameter]], outer_lr: float,
@@ -105,6 +106,7 @@ class Fragment:
         self.layout, self.numel = tuple(views), offset
         self.anchor = self.flat().clone()
         self.delta = torch.empty_like(self.anchor)
+        self.kept: Optional[torch.Tensor] = None  # with overlap: the pseudo-gradient in flight, for checkpoints
         self.outer = torch.optim.SGD([self.anchor], lr=outer_lr, momentum=outer_momentum,
                                      nesterov=nesterov and outer_momentum > 0)
 
@@ -293,7 +295,9 @@ class DiLoCo(torch.optim.Optimizer):
     def _launch(self, f: int, step: int, delta: torch.Tensor) -> None:
         fragment = self.fragments[f]
         if self.schedule.overlap:  # a checkpoint taken before it finishes launches it again
-            self._pending = {"fragment": f, "step": step, "delta": delta.clone()}
+            if fragment.kept is None:  # the communicator may write into ``delta``: keep a copy
+                fragment.kept = torch.empty_like(delta)
+            self._pending = {"fragment": f, "step": step, "delta": fragment.kept.copy_(delta)}
         self._exchange = f
         self.lifecycle.begin(step, delta.device)
         try:
@@ -352,7 +356,8 @@ class DiLoCo(torch.optim.Optimizer):
                 "outer": [f.outer.state_dict() for f in self.fragments],
                 "local": [f.flat() for f in self.fragments],
                 "communicator": self.communicator.state_dict(),
-                "pending": self._pending,
+                "pending": None if self._pending is None else {**self._pending,
+                                                               "delta": self._pending["delta"].clone()},
                 "inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
                 "skipped_steps": self.skipped_steps,
                 "rank": self.backend.rank, "world_size": self.backend.size, "config": self.config,
