@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
-SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm", "2026-11-24-scaling")
+SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-speed", "2026-11-24-scaling")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
@@ -397,7 +397,7 @@ def render_lowcomm(folder: str, out: Optional[str] = None) -> str:
     ax.set_xlabel(f"projected seconds on the emulated {cell['link']} link ({cell['model']} step times, "
                   f"{cell['workers']} workers)")
     ax.set_ylabel("validation loss (nats per character, mean of seeds)")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper right")
     options = runs[0].get("options", {})
     title = (f"{options.get('task', '?')}, {runs[0].get('workers', '?')} workers: validation loss against "
              f"steps × measured step time")
