@@ -3,7 +3,8 @@
 
     .venv/bin/python benchmarks/plot.py results     # every figure docs/results.md shows, from the
                                                     # committed data, written beside that data
-    .venv/bin/python benchmarks/plot.py benchmarks/results/<low-communication run>  # loss-vs-time.png
+    .venv/bin/python benchmarks/plot.py benchmarks/results/<low-communication run>  # loss-vs-time.png,
+                                                    # time-to-target.md
     .venv/bin/python benchmarks/plot.py benchmarks/results/<headline run>      # headline.png
     .venv/bin/python benchmarks/plot.py benchmarks/results/<convergence run>   # accuracy.png
                                                    # (a language-model run: curves.png)
@@ -45,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
-SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-lm", "2026-11-24-scaling",
+SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-speed", "2026-11-24-scaling",
               "2026-11-24-simulator-8-ranks")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
@@ -343,11 +344,13 @@ def render_lm_curves(folder: str, out: Optional[str] = None) -> str:
 # -- a low-communication run: validation loss against time on the emulated link -----------------------
 def _cell_configuration(label: str, configurations: Dict[str, dict]) -> Optional[str]:
     """The headline configuration that times a convergence row: the same label (DiLoCo rows),
-    DDP's hooks for dense and fp16, ``auto-<compressor>`` for the other compressors."""
+    DDP's hooks for dense and fp16, else ``auto-<compressor>``, mergecomp's DDP hook
+    ``hook-<compressor>`` or DDP's own ``ddp-<compressor>`` (its PowerSGD hook)."""
     if label in configurations:
         return label
     name = label.split(":")[0]
-    for candidate in ({"none": "ddp-fp32", "fp16": "ddp-fp16"}.get(name), f"auto-{name}"):
+    for candidate in ({"none": "ddp-fp32", "fp16": "ddp-fp16"}.get(name), f"auto-{name}", f"hook-{name}",
+                      f"ddp-{name}"):
         if candidate in configurations:
             return candidate
     return None
@@ -396,7 +399,7 @@ def render_lowcomm(folder: str, out: Optional[str] = None) -> str:
     ax.set_xlabel(f"projected seconds on the emulated {cell['link']} link ({cell['model']} step times, "
                   f"{cell['workers']} workers)")
     ax.set_ylabel("validation loss (nats per character, mean of seeds)")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper right")
     options = runs[0].get("options", {})
     title = (f"{options.get('task', '?')}, {runs[0].get('workers', '?')} workers: validation loss against "
              f"steps × measured step time")
@@ -406,6 +409,53 @@ def render_lowcomm(folder: str, out: Optional[str] = None) -> str:
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return _save(fig, os.path.join(out or folder, "loss-vs-time.png"))
+
+
+def write_time_to_target(folder: str, out: Optional[str] = None, fraction: float = 0.75) -> str:
+    """``time-to-target.md`` of a low-communication run's folder: the target is dense SGD's
+    (``none``) mean validation loss at ``fraction`` of its steps; per method and per headline
+    cell (link), the steps to reach it × that method's measured step time
+    (:func:`mergecomp.bench.lowcomm.time_to_target`), against the ``fp16`` row (DDP's 16-bit
+    hook) where the run has one, else dense."""
+    from mergecomp.bench import lowcomm
+    from mergecomp.bench.harness import saved_results
+    timed_paths = [p for p in sorted(glob.glob(os.path.join(folder, "*.json"))) if os.path.basename(p) != "manifest.json"]
+    cells = list(saved_results(timed_paths, "configurations", "benchmarks/headline.py"))
+    runs = [_read_convergence(os.path.dirname(p)) for p in sorted(glob.glob(os.path.join(folder, "*", "convergence.json")))]
+    runs = [r for r in runs if r.get("options", {}).get("task", "digits") != "digits"]
+    curves: Dict[str, list] = {}
+    for result in runs:
+        for label in dict.fromkeys(run["label"] for run in result["runs"]):
+            mine = [run["curve"] for run in result["runs"] if run["label"] == label and run.get("curve")]
+            if mine and label not in curves:
+                curves[label] = lowcomm.mean_curve(mine)
+    if "none" not in curves or not cells:
+        raise ValueError(f"{folder} needs a convergence run with dense SGD ('none') and a headline cell "
+                         f"(*.json) for time-to-target.md")
+    dense = curves["none"]
+    target_step = fraction * dense[-1]["step"]
+    target = lowcomm.loss_at(dense, target_step)
+    from mergecomp.bench.harness import HEADLINE_LINKS
+    cells.sort(key=lambda c: (HEADLINE_LINKS.index(c["link"]) if c["link"] in HEADLINE_LINKS else len(HEADLINE_LINKS),
+                              c["link"], c["workers"]))
+    by_link = {}
+    for cell in cells:
+        key = cell["link"] if sum(c["link"] == cell["link"] for c in cells) == 1 else f"{cell['link']} ×{cell['workers']}"
+        by_link[key] = {name: entry["step_s"] for name, entry in cell["configurations"].items()}
+    first = cells[0]["configurations"]
+    timed = {label: _cell_configuration(label, first) for label in curves}
+    baseline = "fp16" if "fp16" in curves else "none"
+    task = runs[0].get("options", {}).get("task", "?")
+    text = (f"# Time to a target validation loss\n\nTarget: dense SGD's mean validation loss at {fraction:.0%} of its "
+            f"steps (step {target_step:g}): {target:.4f}. Steps to it from the {task} curves ({runs[0].get('workers', '?')} "
+            f"workers, mean of the seeds, linear between evaluations), times each method's measured step time in "
+            f"the headline cells ({cells[0]['model']}, {cells[0]['workers']} workers). The ratio is to the "
+            f"{baseline} row's time (> 1: slower). Written by `benchmarks/plot.py {os.path.relpath(folder, ROOT)}`.\n\n"
+            + lowcomm.time_to_target_table(curves, timed, by_link, target, baseline) + "\n")
+    path = os.path.join(out or folder, "time-to-target.md")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
 
 
 #: The plans a scaling run predicts, in drawing order, with their legend names.
@@ -581,7 +631,7 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
         if _rounds_results(path):
             return [render_simulator_check(path, out)]
         if glob.glob(os.path.join(path, "*", "convergence.json")) and glob.glob(os.path.join(path, "*.json")):
-            return [render_lowcomm(path, out)]
+            return [render_lowcomm(path, out), write_time_to_target(path, out)]
         if os.path.exists(os.path.join(path, "convergence.json")):
             if _read_convergence(path).get("options", {}).get("task", "digits") != "digits":
                 return [render_lm_curves(path, out)]

@@ -17,13 +17,20 @@ default uncompressed allreduce, the memory and communicator the compressor recom
 any other key is the compressor's constructor argument.  The inner optimizer is the
 benchmark's dense SGD (its learning rate and momentum), so a DiLoCo row differs from dense
 by the outer step alone.
+
+Time to a target loss joins the two: the steps a validation-loss curve takes to reach the
+target (linear between evaluations) times the step time the headline measured for that
+method on a link (:func:`time_to_target`, :func:`time_to_target_table`; ``benchmarks/plot.py``
+writes the table of a results folder).  A fewer-exchanges method can send less per step and
+still lose here if it needs more steps.
 """
 from __future__ import annotations
 
 import ast
 import inspect
+import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -135,3 +142,88 @@ def note(runs) -> str:
             "Nesterov momentum at (lr, momentum) " + ", ".join(f"({lr:g}, {m:g})" for lr, m in outer)
             + "; evaluated at the anchor, the weights every rank shares; bytes per inner step "
             "(an exchange every H steps, agreement checks included).\n")
+
+
+# -- time to a target loss ------------------------------------------------------------------------
+#: A curve: the evaluations of one run (or the mean of its seeds), ``{"step", "valid_loss"}`` each,
+#: in step order, as ``benchmarks/convergence.py`` writes them.
+Curve = List[Dict[str, float]]
+
+
+def mean_curve(curves: Sequence[Curve]) -> Curve:
+    """The mean validation loss of several seeds' curves, over the evaluations they share."""
+    if not curves:
+        raise ValueError("mean_curve() needs at least one curve")
+    length = min(len(c) for c in curves)
+    steps = [c[i]["step"] for c in curves for i in range(length)]
+    if any(curves[0][i]["step"] != c[i]["step"] for c in curves for i in range(length)):
+        raise ValueError(f"the seeds' curves were evaluated at different steps ({sorted(set(steps))}): "
+                         "average curves of runs with the same --eval-every")
+    return [{"step": curves[0][i]["step"], "valid_loss": statistics.mean(c[i]["valid_loss"] for c in curves)}
+            for i in range(length)]
+
+
+def loss_at(curve: Curve, step: float) -> float:
+    """The curve's validation loss at ``step``, linear between the two evaluations around it."""
+    if not curve or not curve[0]["step"] <= step <= curve[-1]["step"]:
+        span = f"{curve[0]['step']}..{curve[-1]['step']}" if curve else "nothing"
+        raise ValueError(f"step {step} is outside the curve's evaluations ({span})")
+    for before, after in zip(curve, curve[1:]):
+        if before["step"] <= step <= after["step"]:
+            share = (step - before["step"]) / (after["step"] - before["step"])
+            return before["valid_loss"] + share * (after["valid_loss"] - before["valid_loss"])
+    return curve[0]["valid_loss"]
+
+
+def steps_to_target(curve: Curve, target: float) -> Optional[float]:
+    """The first step at which the curve is at or below ``target``, linear between the two
+    evaluations around the crossing (a fractional step); None when it never gets there."""
+    for before, after in zip(curve, curve[1:]):
+        if before["valid_loss"] <= target:
+            return float(before["step"])
+        if after["valid_loss"] <= target:
+            share = (before["valid_loss"] - target) / (before["valid_loss"] - after["valid_loss"])
+            return before["step"] + share * (after["step"] - before["step"])
+    return float(curve[-1]["step"]) if curve and curve[-1]["valid_loss"] <= target else None
+
+
+def time_to_target(curve: Curve, step_s: float, target: float) -> Optional[float]:
+    """Seconds to reach ``target``: :func:`steps_to_target` × the measured seconds per step
+    (None when the curve never reaches it).  The exchange's cost is inside ``step_s`` (a
+    DiLoCo step time is a window's time over its H inner steps, the exchange included)."""
+    if not step_s > 0:
+        raise ValueError(f"step_s must be a positive number of seconds per step, got {step_s!r}")
+    steps = steps_to_target(curve, target)
+    return None if steps is None else steps * step_s
+
+
+def time_to_target_table(curves: Dict[str, Curve], timed: Dict[str, str], cells: Dict[str, Dict[str, float]],
+                         target: float, baseline: str) -> str:
+    """A markdown table: per method (a label of ``curves``), the headline configuration that
+    times it (``timed``), and per link (``cells``: link → configuration → seconds per step)
+    the steps to ``target``, the time to it and its ratio to ``baseline``'s time (> 1:
+    slower than the baseline)."""
+    links = list(cells)
+    head = ["method", "timed as", "steps to target"]
+    for link in links:
+        head += [f"s/step {link}", f"time to target {link} (s)", f"× {baseline} {link}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    base_steps = steps_to_target(curves[baseline], target) if baseline in curves else None
+    for label, curve in curves.items():
+        steps = steps_to_target(curve, target)
+        row = [label, timed.get(label) or "not timed", "not reached" if steps is None else f"{steps:.0f}"]
+        for link in links:
+            step_s = cells[link].get(timed.get(label, ""))
+            base_s = cells[link].get(timed.get(baseline, ""))
+            if step_s is None:
+                row += ["", "", ""]
+                continue
+            row.append(f"{step_s:.3f}")
+            if steps is None:
+                row += ["not reached", ""]
+                continue
+            seconds = steps * step_s
+            ratio = "" if base_steps is None or base_s is None else f"{seconds / (base_steps * base_s):.2f}"
+            row += [f"{seconds:.0f}", ratio]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)

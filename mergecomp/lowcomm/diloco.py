@@ -80,7 +80,16 @@ ADVICE = ("Nothing was loaded. Load an earlier checkpoint of this rank (every ra
 
 
 class Fragment:
-    """A contiguous run of parameters exchanged together: their flat anchor and outer optimizer."""
+    """A contiguous run of parameters exchanged together: their flat anchor, outer optimizer
+    and the buffer their pseudo-gradient is formed in.
+
+    An exchange is every H inner steps a handful of passes over the fragment, and nothing
+    else: the pseudo-gradient is written parameter by parameter into ``delta``, a buffer
+    kept from one exchange to the next (a new one each time would cost a fresh allocation
+    of the fragment's size, page faults included), and the outer step and the merge write
+    in place.  The price is one more copy of the fragment held between exchanges (two with
+    overlap: the pseudo-gradient in flight is kept for a checkpoint taken meanwhile).
+    """
 
     def __init__(self, index: int, params: List[Tuple[str, torch.nn.Parameter]], outer_lr: float,
                  outer_momentum: float, nesterov: bool):
@@ -96,12 +105,54 @@ class Fragment:
             offset += p.numel()
         self.layout, self.numel = tuple(views), offset
         self.anchor = self.flat().clone()
+        self.delta = torch.empty_like(self.anchor)
+        self.kept: Optional[torch.Tensor] = None  # with overlap: the pseudo-gradient in flight, for checkpoints
         self.outer = torch.optim.SGD([self.anchor], lr=outer_lr, momentum=outer_momentum,
                                      nesterov=nesterov and outer_momentum > 0)
 
     def flat(self) -> torch.Tensor:
         """The local weights, as one new flat tensor."""
         return torch.cat([p.detach().reshape(-1) for _, p in self.params])
+
+    def _pairs(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(anchor slice, delta slice, local weights) per parameter, in the parameter's shape."""
+        for view, (_, p) in zip(self.layout, self.params):
+            end = view.offset + view.numel
+            yield self.anchor[view.offset:end].view(p.shape), self.delta[view.offset:end].view(p.shape), p.detach()
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Δ = anchor − local weights, written into ``delta`` (one pass, no new tensor)."""
+        for anchor, delta, local in self._pairs():
+            torch.sub(anchor, local, out=delta)
+        return self.delta
+
+    def outer_step(self, average: torch.Tensor) -> None:
+        """The outer SGD step on ``anchor`` with gradient ``average``: the arithmetic of
+        ``torch.optim.SGD`` (its momentum buffer in ``outer.state``, so checkpoints are the
+        optimizer's own), written in place; the Nesterov look-ahead goes into ``delta``,
+        free once the exchange has finished (``average`` may be ``delta`` itself)."""
+        group = self.outer.param_groups[0]
+        lr, momentum = group["lr"], group["momentum"]
+        step = average
+        with torch.no_grad():
+            if momentum != 0:
+                state = self.outer.state[self.anchor]
+                buffer = state.get("momentum_buffer")
+                if buffer is None:
+                    state["momentum_buffer"] = buffer = average.detach().clone()
+                else:
+                    buffer.mul_(momentum).add_(average)
+                step = torch.add(average, buffer, alpha=momentum, out=self.delta) if group["nesterov"] else buffer
+            self.anchor.add_(step, alpha=-lr)
+
+    def merge(self, mix: float) -> None:
+        """Local weights ← (1 − mix)·anchor + mix·local, in place (mix = 0: the anchor)."""
+        with torch.no_grad():
+            for anchor, _, local in self._pairs():
+                if mix == 0.0:
+                    local.copy_(anchor)
+                else:
+                    torch.lerp(anchor, local, mix, out=local)
 
     def write(self, flat: torch.Tensor) -> None:
         """Set the local weights from a flat tensor."""
@@ -133,7 +184,7 @@ class DiLoCo(torch.optim.Optimizer):
             without overlap, 0.5 with it (the paper's).
         nonfinite: a pseudo-gradient with NaN/Inf on any rank: ``"skip"`` (the outer step is
             dropped on every rank: anchor, outer momentum, compressor and memory state stay as
-            they were, and the fragment's local weights go back to the anchor), ``"raise"``
+            they were, and every fragment's local weights go back to its anchor), ``"raise"``
             (the same, then :class:`~mergecomp.NonFiniteGradient`), ``"off"`` (unchecked).
         backend: a collective backend; the torch.distributed default group if omitted.
     """
@@ -188,7 +239,7 @@ class DiLoCo(torch.optim.Optimizer):
                           for f, (a, b) in enumerate(zip(cuts, cuts[1:]))]
         self.lifecycle = StepLifecycle(self.communicator, self.backend, self._facts, nonfinite)
         self.lifecycle.dropped_means = ("the outer step was not applied: anchor, outer momentum, compressor and "
-                                        "memory state are as before, the fragment's weights are back at the anchor")
+                                        "memory state are as before, every fragment's weights are back at its anchor")
         self.inner_steps = 0
         self.outer_steps = 0
         self._exchange: Optional[int] = None  # the fragment whose exchange is in flight
@@ -236,7 +287,7 @@ class DiLoCo(torch.optim.Optimizer):
             self._finish(f)  # before the next launch: one exchange in flight at a time
         for f in self.schedule.launching(self.inner_steps):
             fragment = self.fragments[f]
-            self._launch(f, self.inner_steps, fragment.anchor - fragment.flat())
+            self._launch(f, self.inner_steps, fragment.pseudo_gradient())
             if not overlap:
                 self._finish(f)
         return loss
@@ -244,7 +295,9 @@ class DiLoCo(torch.optim.Optimizer):
     def _launch(self, f: int, step: int, delta: torch.Tensor) -> None:
         fragment = self.fragments[f]
         if self.schedule.overlap:  # a checkpoint taken before it finishes launches it again
-            self._pending = {"fragment": f, "step": step, "delta": delta.clone()}
+            if fragment.kept is None:  # the communicator may write into ``delta``: keep a copy
+                fragment.kept = torch.empty_like(delta)
+            self._pending = {"fragment": f, "step": step, "delta": fragment.kept.copy_(delta)}
         self._exchange = f
         self.lifecycle.begin(step, delta.device)
         try:
@@ -261,14 +314,14 @@ class DiLoCo(torch.optim.Optimizer):
         finally:
             self._exchange = self._pending = None
         if outcome.finite:
-            fragment.anchor.grad = averages[0].view(-1).to(fragment.anchor.dtype)
-            fragment.outer.step()
-            fragment.anchor.grad = None
+            fragment.outer_step(averages[0].view(-1).to(fragment.anchor.dtype))
             self.outer_steps += 1
-            merged = fragment.anchor if self.mix == 0.0 else torch.lerp(fragment.anchor, fragment.flat(), self.mix)
-            fragment.write(merged)
-        else:  # dropped everywhere: every rank restarts the fragment from the unchanged anchor
-            fragment.write(fragment.anchor)
+            fragment.merge(self.mix)
+        else:  # dropped everywhere: every rank restarts from the unchanged anchors, every fragment's
+            # (a NaN in one fragment's weights reaches the others' through the next forward; resetting
+            # this fragment alone would leave them to poison it again, one drop after another)
+            for each in self.fragments:
+                each.merge(0.0)
         self.lifecycle.close_step()
 
     @contextlib.contextmanager
@@ -303,7 +356,8 @@ class DiLoCo(torch.optim.Optimizer):
                 "outer": [f.outer.state_dict() for f in self.fragments],
                 "local": [f.flat() for f in self.fragments],
                 "communicator": self.communicator.state_dict(),
-                "pending": self._pending,
+                "pending": None if self._pending is None else {**self._pending,
+                                                               "delta": self._pending["delta"].clone()},
                 "inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
                 "skipped_steps": self.skipped_steps,
                 "rank": self.backend.rank, "world_size": self.backend.size, "config": self.config,
