@@ -34,6 +34,15 @@ def test_folding_the_momentum_keeps_the_steady_state_step():
         folded.learning_rate(0.05, 1.0)
 
 
+def test_an_absolute_step_size_keeps_its_bound_whatever_dense_sgds_learning_rate():
+    """signSGD's lr × 0.01 is 0.0005 for a dense 0.05, but a model trained at dense lr 2
+    would get 0.02, twenty times the bound its warning states: the bound is the value."""
+    sign = compressors.create("signsgd").recipe
+    assert sign.learning_rate(0.05, 0.9) == pytest.approx(0.0005)
+    assert sign.learning_rate(2.0, 0.9) == pytest.approx(sign.max_lr)
+    assert Recipe(reason="x", lr_scale=0.5).learning_rate(2.0) == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "tbq", "randk"])
 def test_the_compressors_that_need_other_settings_declare_them(name):
     recipe = compressors.create(name).recipe

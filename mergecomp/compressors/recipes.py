@@ -81,11 +81,15 @@ class Recipe:
 
     def learning_rate(self, dense_lr: float, dense_momentum: float = 0.0) -> float:
         """The learning rate to use where dense SGD uses ``dense_lr`` with momentum
-        ``dense_momentum`` (which :attr:`fold_momentum` folds in)."""
+        ``dense_momentum`` (which :attr:`fold_momentum` folds in), never above
+        :attr:`max_lr`: a step size that is absolute does not follow dense SGD's learning
+        rate from one model to the next, so where the scaled value passes the bound (a
+        model whose dense learning rate is large), the bound is the value to use."""
         if not 0.0 <= dense_momentum < 1.0:
             raise ValueError(f"dense_momentum must be in [0, 1), got {dense_momentum!r}")
         lr = dense_lr * self.lr_scale
-        return lr / (1.0 - dense_momentum) if self.fold_momentum else lr
+        lr = lr / (1.0 - dense_momentum) if self.fold_momentum else lr
+        return lr if self.max_lr is None else min(lr, self.max_lr)
 
     def momentum(self, dense_momentum: float) -> float:
         """The optimizer momentum to use where dense SGD uses ``dense_momentum``."""
