@@ -258,7 +258,8 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
         memory_kwargs.setdefault("clip_norm", options.clip / math.sqrt(world_size))
     memory = memories.create(memory_name, **memory_kwargs)
     lr_scale = spec.lr_scale if spec.lr_scale is not None else (recipe.lr_scale if recipe else 1.0)
-    lr = options.lr * lr_scale
+    # the recipe's value (never above its max_lr) unless the spec sets the scale itself
+    lr = recipe.learning_rate(options.lr) if spec.lr_scale is None and recipe else options.lr * lr_scale
     if spec.momentum is not None:
         momentum, momentum_in = spec.momentum, "optimizer" if spec.momentum else "none"
     elif recipe is not None and recipe.fold_momentum and options.momentum:
@@ -804,8 +805,10 @@ PARTIAL = "convergence.partial.json"
 
 def write_results(out: str, name: str, options: Options, workers: int, specs: List[dict],
                   runs: List[dict], errors: List[dict], began: float,
-                  combined_from: Optional[Sequence[str]] = None, table: Optional[str] = None) -> None:
-    """``runs`` as ``out/name`` (and ``out/convergence.md`` when ``table`` is given)."""
+                  combined_from: Optional[Sequence[str]] = None, table: Optional[str] = None,
+                  started_at: Optional[dict] = None) -> None:
+    """``runs`` as ``out/name`` (and ``out/convergence.md`` when ``table`` is given), with the
+    provenance taken when the run started (``started_at``) where given."""
     os.makedirs(out, exist_ok=True)
     rows = tabulate(runs, options, workers)[0] if runs else []
     if table is not None:
@@ -813,14 +816,14 @@ def write_results(out: str, name: str, options: Options, workers: int, specs: Li
             f.write(table)
     with open(os.path.join(out, name), "w") as f:
         json.dump({"options": asdict(options), "workers": workers, "specs": specs, "rows": rows,
-                   "runs": runs, "errors": errors, "provenance": provenance(),
+                   "runs": runs, "errors": errors, "provenance": started_at or provenance(),
                    "combined_from": list(combined_from or []),
                    "seconds": time.perf_counter() - began}, f, indent=1)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    began = time.perf_counter()
+    began, started_at = time.perf_counter(), provenance()  # the code that trains, not the code at the end
     if args.combine:
         try:
             runs, options, workers, specs, errors = combine(args.combine)
@@ -834,7 +837,8 @@ def main(argv=None) -> int:
                           eval_every=args.eval_every, clip=args.clip, corpus=args.corpus, level=args.level)
         workers, specs = args.workers, [asdict(s) for s in args.specs]
         partial = (lambda runs, errors: write_results(args.out, PARTIAL, options, workers, specs,
-                                                      runs, errors, began)) if args.out else None
+                                                      runs, errors, began, started_at=started_at)) \
+            if args.out else None
         runs, errors = run_benchmark(args.specs, options, workers, timeout_s=args.timeout,
                                       jobs=args.jobs, on_done=partial)
     table = tabulate(runs, options, workers)[1]
@@ -845,7 +849,7 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - began:.0f} s")
     if args.out:
         write_results(args.out, "convergence.json", options, workers, specs, runs, errors, began,
-                      combined_from=args.combine, table=table)
+                      combined_from=args.combine, table=table, started_at=started_at)
         if os.path.exists(os.path.join(args.out, PARTIAL)):
             os.remove(os.path.join(args.out, PARTIAL))
         print(f"wrote {args.out}/convergence.json and convergence.md")
