@@ -56,7 +56,7 @@ import mergecomp
 from mergecomp import compressors, launch, memories
 from mergecomp.bench import lm, lowcomm
 from mergecomp.bench.data import text
-from mergecomp.bench.harness import provenance
+from mergecomp.bench.harness import provenance, save_with_provenance
 from mergecomp.compressors import recipes
 
 DENSE = "none"
@@ -814,11 +814,10 @@ def write_results(out: str, name: str, options: Options, workers: int, specs: Li
     if table is not None:
         with open(os.path.join(out, "convergence.md"), "w") as f:
             f.write(table)
-    with open(os.path.join(out, name), "w") as f:
-        json.dump({"options": asdict(options), "workers": workers, "specs": specs, "rows": rows,
-                   "runs": runs, "errors": errors, "provenance": started_at or provenance(),
-                   "combined_from": list(combined_from or []),
-                   "seconds": time.perf_counter() - began}, f, indent=1)
+    save_with_provenance(os.path.join(out, name), {
+        "options": asdict(options), "workers": workers, "specs": specs, "rows": rows, "runs": runs,
+        "errors": errors, "combined_from": list(combined_from or []),
+        "seconds": time.perf_counter() - began}, started=started_at)
 
 
 def main(argv=None) -> int:

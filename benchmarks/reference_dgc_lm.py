@@ -25,7 +25,6 @@ reference's own baseline.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
@@ -39,7 +38,7 @@ from benchmarks import convergence  # noqa: E402  the task's defaults
 from mergecomp import launch  # noqa: E402
 from mergecomp.bench import lm  # noqa: E402
 from mergecomp.bench.data import text  # noqa: E402
-from mergecomp.bench.harness import provenance  # noqa: E402
+from mergecomp.bench.harness import save_with_provenance  # noqa: E402
 
 
 def density_at(step: int, target: float, warmup_steps: int) -> float:
@@ -158,9 +157,7 @@ def main(argv=None) -> int:
               f"{[round(c['valid_loss'], 3) for c in run['curve']]}, "
               f"{run['values_sent_per_step']:.0f} values sent per step")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"options": options, "workers": args.workers, "runs": runs,
-                       "provenance": provenance()}, f, indent=1)
+        save_with_provenance(args.out, {"options": options, "workers": args.workers, "runs": runs})
     return 0
 
 

@@ -22,7 +22,6 @@ so ``batched`` then factors every layer laid end to end in one matrix; a tiny bu
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -36,7 +35,7 @@ if not __package__:  # the convergence benchmark is a sibling module: import it 
              "the repository root: .venv/bin/python -m benchmarks.reference_powersgd_digits ...")
 from benchmarks import convergence  # noqa: E402  the task's data, model, shards and accuracy
 from mergecomp import launch  # noqa: E402
-from mergecomp.bench.harness import provenance  # noqa: E402
+from mergecomp.bench.harness import save_with_provenance  # noqa: E402
 
 
 class BatchedPowerSGD:
@@ -155,9 +154,7 @@ def main(argv=None) -> int:
           f"{100 * statistics.fmean(accs):.1f}{spread} % (seeds: "
           f"{', '.join(f'{100 * a:.1f}' for a in accs)})")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"options": options, "workers": args.workers, "runs": runs,
-                       "provenance": provenance()}, f, indent=1)
+        save_with_provenance(args.out, {"options": options, "workers": args.workers, "runs": runs})
     return 0
 
 

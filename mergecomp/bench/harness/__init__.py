@@ -16,7 +16,7 @@ from .workload import (add_workload_arguments, check_workload_arguments, Progres
                        prepare, training_step)
 from .timing import (make_timer, operator_profile, interleaved_windows, run_iterations)
 from .results import (exchange_fields, report, save_result, finish, saved_results, read_records,
-                      latest, ROOT, provenance, record_run)
+                      latest, ROOT, provenance, record_run, save_with_provenance)
 from .running import (run_mode, exit_with, run_workers, value_error_message, NoProcessGroup)
 from .flags import (HEADLINE_BASELINE, HEADLINE_MODELS, HEADLINE_LINKS, AllreduceCounter,
                     build_parser, check_arguments, add_rounds_arguments, parse_rounds_arguments,
@@ -30,6 +30,6 @@ __all__ = ["AllreduceCounter", "HEADLINE_BASELINE", "HEADLINE_LINKS", "HEADLINE_
            "build_scheduler", "check_arguments", "check_exchange", "check_names", "check_plan",
            "check_workload_arguments", "exchange_fields", "exit_with", "finish", "fsdp",
            "interleaved_windows", "latest", "make_timer", "operator_profile",
-           "parse_rounds_arguments", "parse_spec", "prepare", "provenance", "read_records", "record_run", "report",
+           "parse_rounds_arguments", "parse_spec", "prepare", "provenance", "read_records", "record_run", "report", "save_with_provenance",
            "run_iterations", "run_mode", "run_or_table", "run_workers", "save_result",
            "saved_results", "training_step", "value_error_message", "warm_up_and_settle"]

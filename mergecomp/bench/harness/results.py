@@ -164,6 +164,15 @@ def provenance(argv=None) -> Dict[str, Any]:
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
 
 
+def save_with_provenance(path: str, data: Dict[str, Any], started: Optional[Dict[str, Any]] = None) -> None:
+    """``data`` as indented JSON at ``path`` with its ``provenance`` (``started``, the one
+    taken when the run began, or :func:`provenance` now): how the reference and convergence
+    tools write a result file."""
+    import json
+    with open(path, "w") as f:
+        json.dump({**data, "provenance": started or provenance()}, f, indent=1)
+
+
 def record_run(folder: str, argv) -> None:
     """Append this run's :func:`provenance` to ``folder/manifest.json``'s ``runs`` (created
     if absent): a results folder filled by several commands keeps each one."""
