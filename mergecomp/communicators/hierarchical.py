@@ -33,8 +33,13 @@ with one rank per node (L = 1) steps 1 and 3 move nothing and the exchange is th
 communicator's.
 
 Raw groups of a plan (``fp32``/``fp16`` sends) travel by the flat allreduce, as with every
-communicator.  Per-shard state cannot follow a plan change (as the PS's), so an adaptive
-scheduler keeps its plan (:class:`~mergecomp.runtime.regroup.CannotRegroup`).
+communicator.  The per-shard state follows a plan change exactly
+(:mod:`mergecomp.communicators.shard_state`): folded into per-rank state of whole groups
+before the regroup (:meth:`fold_shard_state`), and each node's sum of it cut into shards
+again for the groups the new plan sends this way (:meth:`spread_shard_state`, a collective
+inside each node), so an adaptive scheduler can race flat plans against hierarchical ones.
+What cannot move (PowerSGD's matrices of a shard) still keeps the plan
+(:class:`~mergecomp.runtime.regroup.CannotRegroup`).
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ from ..planning.sendcost import SendCost, collective_cost
 from ..planning.profile import LinearCost, WireSize
 from ..runtime import topology
 from .base import Communicator, Handle
+from .shard_state import fold_shards, spread_to_shards
 
 #: (id of the default process group, world size, ranks per node) → (the default group, the
 #: intra-node group of each node, the inter-node group of each local rank).
@@ -235,6 +241,32 @@ class HierarchicalCommunicator(Communicator):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
+
+    # -- state across plan changes (mergecomp.communicators.shard_state) -------------------------
+    def _bounds(self, numel: int) -> Tuple[int, int]:
+        first, end, _ = self._shard(numel)
+        return first, end
+
+    def fold_shard_state(self, state: Dict[str, Any], sizes: Dict[str, int]) -> Dict[str, Any]:
+        """``state`` (a communicator state: compressor and memory) with this rank's per-shard
+        state of the groups in ``sizes`` (elements per group) folded into per-rank state of
+        whole groups, which a plan switch can regroup.  No communication."""
+        return fold_shards(state, sizes, self.layout.local_rank, self._bounds)
+
+    def spread_shard_state(self, groups) -> None:
+        """Cut the memory's and compressor's per-rank state of ``groups`` (``[(name, numel)]``,
+        the groups this communicator sends from now on) into per-shard state: each node's
+        sum, local rank l keeping shard l.  A collective inside each node: call it on every
+        rank with the same groups (a plan switch does)."""
+        if self.inner is None or not groups:
+            return
+        parts = {"memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
+        spread = spread_to_shards(parts, list(groups), self.layout.local_rank, self._bounds, self.intra,
+                                  self.backend_device())
+        if "compressor" in spread:
+            self.compressor.load_state_dict(spread["compressor"])
+        if "memory" in spread:
+            self.memory.load_state_dict(spread["memory"])
 
     def __repr__(self) -> str:
         return (f"HierarchicalCommunicator({self.compressor!r}, {self.memory!r}, inner={self.inner_name!r}, "

@@ -327,7 +327,9 @@ class Reducer:
         next step's preflight checks that they did).
 
         Per-group error-feedback state follows its parameters into the new groups (see
-        :mod:`mergecomp.runtime.regroup`), so the switch is exact.  Raises
+        :mod:`mergecomp.runtime.regroup`), so the switch is exact; the hierarchical exchange's
+        per-shard state is folded into whole groups first and cut into shards again after
+        (:mod:`mergecomp.communicators.shard_state`: a collective inside each node).  Raises
         :class:`~mergecomp.runtime.regroup.CannotRegroup`, changing nothing, when some state cannot
         move (PowerSGD's matrices, PS shard residuals): keep the current plan then.
         """
@@ -341,9 +343,12 @@ class Reducer:
         old, new = self.layout(self.plan), self.layout(plan)
         # Raw groups share this memory and their casts are stateless; other compressed send
         # modes' own state is folded into it: this is all the state.
-        moved = regroup_state(self.compression_state(), old, new)  # raises, changing nothing
+        sizes = {name: sum(stop - start for _, start, stop in pieces) for name, pieces in old.items()}
+        folded = self.lifecycle.fold_shard_state(self.compression_state(), sizes)
+        moved = regroup_state(folded, old, new)  # raises, changing nothing
         self.install_plan(plan)
         self.load_compression_state(moved)
+        self.lifecycle.spread_shard_state([(group.name, group.send, group.numel) for group in self.groups])
 
     def in_iteration(self) -> bool:
         """Whether a step's exchange is under way (between its first gradient and its end)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -236,6 +236,32 @@ class StepLifecycle:
             if communicator is not self.communicator and fold is not None:
                 state = dict(state, memory=fold(state.get("memory", {}), sizes))
         return state
+
+    def fold_shard_state(self, state: Dict[str, Any], sizes: Mapping[str, int]) -> Dict[str, Any]:
+        """``state`` (from :meth:`compression_state`) with the per-shard state of every
+        communicator that keeps it (the hierarchical exchange's) folded into per-rank state of
+        whole groups, which a plan switch can regroup; no communication.  Pair it with
+        :meth:`spread_shard_state` once the new plan is installed."""
+        for communicator in self.communicators():
+            fold = getattr(communicator, "fold_shard_state", None)
+            if callable(fold):
+                state = fold(state, dict(sizes))
+        return state
+
+    def spread_shard_state(self, groups: Sequence[Tuple[str, str, int]]) -> None:
+        """Give each communicator that keeps per-shard state the groups it sends from now on
+        (``groups``: ``(name, send mode, numel)`` in plan order), so that it cuts their
+        per-rank state into shards.  A collective inside each node where such a communicator
+        is in use: call it on every rank with the same plan."""
+        done = set()
+        for _, send, _ in groups:
+            communicator = self.communicator_for(send)
+            spread = getattr(communicator, "spread_shard_state", None)
+            if not is_compressed(send) or id(communicator) in done or not callable(spread):
+                continue
+            done.add(id(communicator))
+            spread([(name, numel) for name, other, numel in groups
+                    if is_compressed(other) and self.communicator_for(other) is communicator])
 
     def forget_owner_state(self) -> None:
         """Drop what :meth:`compression_state` folded into the memory (once that state is
