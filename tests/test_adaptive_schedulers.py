@@ -73,8 +73,9 @@ def test_auto_scheduler_profiles_checks_and_settles_identically():
     assert steps <= 1 + 2 + 2 * 3 + 2 * (11 + 6) + 1
     labels = [label for label, _ in report]
     assert len(labels) >= 3 and "fusion-num 0" in labels  # duplicates dropped (a 6-tensor model)
+    by_communicator = {f"all compressed by {name}" for name in mergecomp.communicators.available()}
     assert set(labels) <= {"optimal", "no compression", "all compressed", "DDP buckets"} | {
-        f"fusion-num {k}" for k in (0, 1, 2, 3, 4, 6, 8)}
+        f"fusion-num {k}" for k in (0, 1, 2, 3, 4, 6, 8)} | by_communicator, labels
     # The profile timed the wrapped SGD's step and probed every send mode's finish phase.
     optimizer_step, finish, launch, slowdown = results[0][5]
     assert 0 < optimizer_step < 1 and finish == ["bf16", "compress", "fp16", "fp32"]
@@ -264,7 +265,7 @@ def test_auto_watch_keeps_watching_when_the_plan_cannot_change():
 
 def test_auto_keeps_the_running_plan_when_the_fastest_cannot_take_its_state():
     """The check ends on a plan whose state cannot follow the one measured fastest (the
-    hierarchical exchange's per-shard residuals): the running plan is kept, with its own
+    factors of a low-rank compressor): the running plan is kept, with its own
     measured step time as the reference the watch compares with."""
     from mergecomp.schedulers.auto.racing import Checking
     fastest, running = _CannotSwitch.plan, Plan([Group(("a", "b"), "compress")])

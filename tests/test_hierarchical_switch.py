@@ -126,3 +126,32 @@ def lowrank_worker(rank, world_size):
 def test_state_of_a_shard_that_cannot_move_keeps_the_plan():
     assert run_ranks(lowrank_worker, 4) == [True] * 4
 
+
+def auto_worker(rank, world_size):
+    as_node(rank)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    scheduler = mergecomp.schedulers.create("auto", profile_steps=2, check_steps=1, check_rounds=2, log=None)
+    optimizer = mergecomp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model=model, communicator="hierarchical",
+        compressor=mergecomp.compressors.create("topk", compress_ratio=0.1), schedule=scheduler)
+    data = torch.Generator().manual_seed(rank)
+    steps = 0
+    while not (steps > 1 and scheduler.settled) and steps < 80:
+        optimizer.zero_grad()
+        model(torch.randn(32, 16, generator=data)).pow(2).mean().backward()
+        optimizer.step()
+        steps += 1
+    sends = {group.send for _, plan, _, _ in scheduler.report for group in plan.groups}
+    measured = [figure for _, _, _, figure in scheduler.report]
+    return scheduler.settled, sends, measured, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_auto_races_flat_against_hierarchical_plans():
+    """Every candidate of the check is measured, none skipped for its state: flat
+    (``compress:<communicator>``) and hierarchical plans alike."""
+    results = run_ranks(auto_worker, 4)
+    for settled, sends, measured, _ in results:
+        assert settled and all(isinstance(figure, float) for figure in measured), measured
+        assert "compress" in sends and any(send.startswith("compress:") for send in sends), sends
+    assert all(torch.equal(results[0][3], r[3]) for r in results[1:])

@@ -2,7 +2,10 @@
 
 Three plans from the DP (:class:`~mergecomp.schedulers.optimal.OptimalScheduler`) — the
 optimum, the best plan without compression, the best plan compressing every group, each
-free to send tensors over ``chunk_mb`` in pieces when that is set — MergeComp's fixed
+free to send tensors over ``chunk_mb`` in pieces when that is set — and, where compressed
+groups may also travel by other communicators (``"compress:<name>"`` send modes: a flat
+exchange beside the hierarchical one, the sparse allreduce beside the allgather), the DP's
+best all-compressed plan through each communicator on its own, MergeComp's fixed
 plans for each of ``fusion_candidates`` (by default the whole sweep a user would otherwise
 run by hand: the neighbours a cost model is most likely to misjudge), and DDP's plan (raw
 FP32 buckets of 25 MB), duplicates dropped.  Measuring them all means a mispredicting
@@ -70,6 +73,14 @@ def plan_candidates(profile: Profile, settings: AutoSettings, say: Callable[[str
             say(f"auto scheduler: no '{label}' candidate: {error}")
             continue
         add(label, plan)
+    if via:  # each communicator's best all-compressed plan: which carries a group faster is
+        # what the cost model misjudges most easily (a hierarchical against a flat exchange)
+        for name, send in [(profile.communicator, "compress")] + [(name, COMPRESS_VIA + name) for name in via]:
+            try:
+                add(f"all compressed by {name}",
+                    OptimalScheduler(profile, chunk_mb=settings.chunk_mb, sends=(send,)).plan(params))
+            except ValueError as error:
+                say(f"auto scheduler: no 'all compressed by {name}' candidate: {error}")
     fixed = [(f"fusion-num {groups}", FixedScheduler(groups, send="compress"))
              for groups in settings.fusion_candidates]
     for label, scheduler in fixed + [("DDP buckets", BucketScheduler(send="fp32"))]:
