@@ -13,6 +13,14 @@ memory or communicator:
     v[sent] ← 0;  u[sent] ← 0                     (momentum factor masking; --no-masking keeps u)
     density: 25% → the target over the first --warmup-steps steps, exponentially (warm-up)
 
+``--variant topk`` is plain top-k with error feedback instead, as mergecomp's ``topk``
+recipe trains it (the residual memory, local clipping, heavy-ball momentum in the
+optimizer *after* the exchange):
+
+    g ← the rank's gradient, clipped to clip/√N;  v ← r + g
+    send the k largest |v|;  r ← v with the sent coordinates zeroed
+    the optimizer (SGD with momentum m) steps on the average
+
 The task, data, model, seeds, batch order and validation are ``convergence.py``'s (from
 ``mergecomp.bench``: the harness, not the compressor), so a row here and the ``dgc`` row of
 ``convergence.py --task char-lstm`` at the same settings train the same model on the same
@@ -56,8 +64,11 @@ def exchange(params, state, options, step, world) -> int:
     if options["clip"]:
         g.mul_(min(1.0, options["clip"] / math.sqrt(world) / (float(g.norm()) + 1e-12)))
     u, v = state.setdefault("u", torch.zeros_like(g)), state.setdefault("v", torch.zeros_like(g))
-    u.mul_(options["momentum"]).add_(g)
-    v.add_(u)
+    if options["variant"] == "topk":  # the residual takes the gradient; momentum is the optimizer's
+        v.add_(g)
+    else:
+        u.mul_(options["momentum"]).add_(g)
+        v.add_(u)
     k = max(1, int(round(density_at(step, options["density"], options["warmup_steps"]) * g.numel())))
     indices = torch.topk(v.abs(), k, sorted=False).indices
     values = v[indices]
@@ -94,7 +105,8 @@ def train(options: dict) -> list:
         for p in params:  # every rank starts from rank 0's model, as the wrapper broadcasts it
             dist.broadcast(p.data, 0)
         dense = options["density"] >= 1.0
-        optimizer = torch.optim.SGD(params, lr=options["lr"], momentum=options["momentum"] if dense else 0.0)
+        after = dense or options["variant"] == "topk"  # heavy-ball momentum after the exchange
+        optimizer = torch.optim.SGD(params, lr=options["lr"], momentum=options["momentum"] if after else 0.0)
         stream = lm.TextStream(corpus, options["batch_size"], task.bptt, rank, world)
         curve = [dict(step=0, valid_loss=lm.validation_loss(task, model, valid))]
         state, dgc_state, sent, done = None, {}, 0, 0
@@ -138,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--density", type=float, default=0.001, help="fraction sent; 1: dense SGD")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--no-masking", action="store_true", help="keep the momentum of sent coordinates")
+    p.add_argument("--variant", choices=("dgc", "topk"), default="dgc",
+                   help="dgc: momentum correction (the default); topk: a residual, momentum in the optimizer")
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=None, help="a JSON file for the runs")
     args = p.parse_args(argv)
@@ -148,10 +162,16 @@ def main(argv=None) -> int:
     options = dict(task=args.task, corpus=args.corpus, steps=args.steps, eval_every=args.eval_every,
                    lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, clip=args.clip,
                    density=args.density, warmup_steps=args.warmup_steps, masking=not args.no_masking,
+                   variant=args.variant,
                    seeds=[int(s) for s in args.seeds.split(",")])
     runs = launch.spawn(train, args.workers, args=(options,))[0]
-    kind = "dense" if args.density >= 1 else (f"DGC {args.density:g}, warm-up {args.warmup_steps} steps, "
-                                             f"masking {'on' if options['masking'] else 'off'}")
+    if args.density >= 1:
+        kind = "dense"
+    elif args.variant == "topk":
+        kind = f"top-k {args.density:g} with a residual, momentum {args.momentum:g} after the exchange"
+    else:
+        kind = (f"DGC {args.density:g}, warm-up {args.warmup_steps} steps, "
+                f"masking {'on' if options['masking'] else 'off'}")
     for run in runs:
         print(f"{kind}, seed {run['seed']}: validation loss {run['valid_loss']:.4f}, curve "
               f"{[round(c['valid_loss'], 3) for c in run['curve']]}, "

@@ -1,0 +1,37 @@
+"""The plain-torch references of the language-model study (benchmarks/reference_dgc_lm.py):
+the exchange each variant runs, on 2 gloo ranks."""
+import torch
+
+from tests.distributed import run_ranks
+
+
+def exchange_worker(rank, world_size, variant):
+    from benchmarks.reference_dgc_lm import exchange
+    torch.manual_seed(rank)
+    params = [torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(2, 2))]
+    grads = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    options = dict(clip=0, momentum=0.9, density=0.3, warmup_steps=0, masking=True, variant=variant)
+    state = {}
+    sent = exchange(params, state, options, 0, world_size)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    average = torch.cat([p.grad.reshape(-1) for p in params])
+    return sent, flat, state["v"].clone(), state["u"].clone(), average
+
+
+def test_topk_variant_keeps_a_residual_and_no_momentum():
+    results = run_ranks(exchange_worker, 2, "topk")
+    total = torch.zeros(10)
+    for sent, gradient, residual, momentum, _ in results:
+        assert sent == 3 and int((residual == 0).sum()) == 3
+        shipped = gradient - residual  # what left: the gradient where sent, zero elsewhere
+        assert torch.equal(shipped[residual == 0], gradient[residual == 0]) and not momentum.any()
+        total += shipped
+    assert all(torch.allclose(average, total / 2) for *_, average in results)
+
+
+def test_dgc_variant_accumulates_momentum():
+    for sent, gradient, velocity, momentum, _ in run_ranks(exchange_worker, 2, "dgc"):
+        assert sent == 3 and torch.equal(momentum == 0, velocity == 0)  # masking: both cleared where sent
+        assert torch.equal(momentum[momentum != 0], gradient[momentum != 0])
