@@ -31,7 +31,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .profile import COLLECTIVE_KINDS, CodecCost, LinearCost, Profile, TensorTiming, WireSize, fit_linear
+from .profile import (COLLECTIVE_KINDS, CodecCost, LinearCost, Profile, TensorTiming, WireSize, fit_from_smallest,
+                      fit_linear)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -176,15 +177,52 @@ def _check_sizes(sizes: Sequence[int], what: str) -> List[int]:
     return sizes
 
 
-def _encode_once(compressor, tensor: torch.Tensor):
-    """(payload tuple, ctx or None, wire bytes): one compression of ``tensor``.
+def probe_layout(numel: int, views: Optional[Sequence[int]]):
+    """The layout of a probe buffer of ``numel`` elements fused from parameters of
+    ``views`` elements each, in that order (a plan fuses consecutive gradients of the
+    backward order), cycled as needed, the last view cut at ``numel``; None for
+    ``views=None`` (the buffer is one parameter).
+
+    Probes compress with it because a fused group runs other code than a lone tensor:
+    EF-SignSGD has one scale per view, and decodes a group of several views with a
+    further pass that spreads the scales over the elements; a probe of one view would
+    time only the fast path of a group of one parameter."""
+    from ..compressors.base import ParamView
+    if views is None:
+        return None
+    sizes = [int(v) for v in views if int(v) > 0]
+    if not sizes:
+        raise ValueError(f"probe views must hold at least one positive parameter size, got {list(views)!r}")
+    layout, offset, i = [], 0, 0
+    while offset < numel:
+        size = min(sizes[i % len(sizes)], numel - offset)
+        layout.append(ParamView(f"profile-view-{i}", torch.Size([size]), offset))
+        offset += size
+        i += 1
+    return tuple(layout)
+
+
+def _compress(compressor, tensor: torch.Tensor, name: str, layout):
+    """``compressor.compress`` with ``layout`` when there is one and the compressor takes one."""
+    from ..compressors.base import accepts_layout
+    if layout is not None and accepts_layout(compressor.compress):
+        return compressor.compress(tensor, name, layout=layout)
+    return compressor.compress(tensor, name)
+
+
+def _encode_once(compressor, tensor: torch.Tensor, layout=None):
+    """(payload tuple, ctx or None, wire bytes): one compression of ``tensor`` (fused as
+    ``layout`` says, if given).
 
     A multi-round compressor (PowerSGD) is driven through its rounds on this rank alone,
     each request summed over one rank (itself); its wire bytes are those of every round.
     """
-    from ..compressors.base import payload_nbytes
+    from ..compressors.base import accepts_layout, payload_nbytes
     if compressor.multi_round:
-        rounds = compressor.rounds(tensor, "profile")
+        if layout is not None and accepts_layout(compressor.rounds):
+            rounds = compressor.rounds(tensor, "profile", layout=layout)
+        else:
+            rounds = compressor.rounds(tensor, "profile")
         wire = 0
         try:
             request = next(rounds)
@@ -193,13 +231,20 @@ def _encode_once(compressor, tensor: torch.Tensor):
                 request = rounds.send(request.tensors)
         except StopIteration:
             return None, None, wire
-    payload, ctx = compressor.compress(tensor, "profile")
+    payload, ctx = _compress(compressor, tensor, "profile", layout)
     return payload, ctx, payload_nbytes(payload)
 
 
 def measure_compression_cost(compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
-                             device="cpu", repeats: int = 5, dtype=torch.float32) -> CodecCost:
+                             device="cpu", repeats: int = 5, dtype=torch.float32,
+                             views: Optional[Sequence[int]] = None) -> CodecCost:
     """Time compress and decompress of ``compressor`` on ``device`` at each size; fit a + b·n.
+
+    ``views``: the sizes of the parameters a group is fused from (the profile passes the
+    model's, in backward order); each probe buffer then carries the layout of a group of
+    them (:func:`probe_layout`), as the communicator passes it.  None: one view.
+    The lines are fitted by :func:`~mergecomp.planning.profile.fit_from_smallest`: the
+    smallest size gives the per-call cost, the large sizes the cost per element.
 
     Inputs are standard-normal tensors (a gradient's distribution matters little to the
     cost of these kernels, but it does to value-dependent payload sizes such as DGC's, for
@@ -215,9 +260,10 @@ def measure_compression_cost(compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 1
     encode, decode, wire, add = [], [], [], []
     for n in sizes:
         tensor = torch.randn(n, generator=generator, device=device, dtype=dtype)
-        payload, ctx, nbytes = _encode_once(compressor, tensor)  # warm-up, and the wire size
+        layout = probe_layout(n, views)
+        payload, ctx, nbytes = _encode_once(compressor, tensor, layout)  # warm-up, and the wire size
         wire.append(nbytes)
-        encode.append(_best_time(lambda: _encode_once(compressor, tensor), device, repeats))
+        encode.append(_best_time(lambda: _encode_once(compressor, tensor, layout), device, repeats))
         if payload is None:
             decode.append(0.0)
             continue
@@ -228,8 +274,8 @@ def measure_compression_cost(compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 1
             two = _best_time(lambda: compressor.decompress_sum([payload, payload], ctx), device, repeats)
             add.append(max(0.0, two - one))
     wire_fit = _fit_wire(sizes, wire)
-    return CodecCost(fit_linear(sizes, encode), fit_linear(sizes, decode), wire_fit,
-                     fit_linear(sizes, add) if add else None)
+    return CodecCost(fit_from_smallest(sizes, encode), fit_from_smallest(sizes, decode), wire_fit,
+                     fit_from_smallest(sizes, add) if add else None)
 
 
 def _fit_wire(sizes: Sequence[int], nbytes: Sequence[int]) -> WireSize:
@@ -252,8 +298,12 @@ def measure_copy_cost(sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22), device
 
 
 def measure_memory_cost(memory, compressor, sizes: Sequence[int] = (2 ** 12, 2 ** 16, 2 ** 20),
-                        device="cpu", repeats: int = 3, dtype=torch.float32) -> LinearCost:
-    """Seconds of ``memory.compensate`` + ``memory.update`` for n elements; fit a + b·n.
+                        device="cpu", repeats: int = 3, dtype=torch.float32,
+                        views: Optional[Sequence[int]] = None) -> LinearCost:
+    """Seconds of ``memory.compensate`` + ``memory.update`` for n elements; fit a + b·n
+    (:func:`~mergecomp.planning.profile.fit_from_smallest`).  ``views``: as in
+    :func:`measure_compression_cost` (the residual memory decodes the payload, whose cost
+    follows the layout).
 
     Runs on a deep copy of ``memory`` under a probe name, so the job's residuals are
     neither read nor changed.  ``update`` gets a payload of ``compressor`` (as in the
@@ -272,17 +322,17 @@ def measure_memory_cost(memory, compressor, sizes: Sequence[int] = (2 ** 12, 2 *
         if compressor.multi_round:
             times.append(_best_time(lambda: probe.compensate(tensor, name), device, repeats))
             continue
-        payload, ctx = compressor.compress(compensated, name)
+        payload, ctx = _compress(compressor, compensated, name, probe_layout(n, views))
         probe.update(compensated, name, compressor, payload, ctx)
 
         def once():
             probe.update(probe.compensate(tensor, name), name, compressor, payload, ctx)
         times.append(_best_time(once, device, repeats))
-    return fit_linear(sizes, times)
+    return fit_from_smallest(sizes, times)
 
 
 def measure_finish_cost(communicator, sizes: Sequence[int], device="cpu", repeats: int = 3,
-                        dtype=torch.float32) -> LinearCost:
+                        dtype=torch.float32, views: Optional[Sequence[int]] = None) -> LinearCost:
     """Seconds of one group's finish phase for n elements, through ``communicator``; fit a + b·n.
 
     What ``DistributedOptimizer.synchronize`` does for a group once its collective is
@@ -294,7 +344,8 @@ def measure_finish_cost(communicator, sizes: Sequence[int], device="cpu", repeat
     probe runs the code the optimizer runs, allocations and page faults of group-sized
     buffers included; sizes should reach the largest group a plan may form.  Each size
     is timed ``repeats`` times after one warm-up; its time is the median (not the
-    fastest: the allocations' cost recurs every step).  The fit minimizes the absolute
+    fastest: the allocations' cost recurs every step).  ``views``: the payloads are made
+    with the layout of a group fused from parameters of those sizes (:func:`probe_layout`).  The fit minimizes the absolute
     error (see :func:`fit_linear`): the cost per element grows past the caches, and the
     large groups are the ones whose finish decides a plan's time.
 
@@ -317,7 +368,7 @@ def measure_finish_cost(communicator, sizes: Sequence[int], device="cpu", repeat
     times = []
     for n in sizes:
         tensor = torch.randn(n, generator=generator, device=device, dtype=dtype)
-        payload, ctx = communicator.compressor.compress(tensor, f"profile-finish-{n}")
+        payload, ctx = _compress(communicator.compressor, tensor, f"profile-finish-{n}", probe_layout(n, views))
         target = torch.zeros(n, device=device, dtype=dtype)
 
         def once():
@@ -418,7 +469,8 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
                           collective_sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22),
                           memory=None, copy_sizes: Sequence[int] = (2 ** 14, 2 ** 18, 2 ** 22),
                           communicator_object=None, finish_sizes: Optional[Sequence[int]] = None,
-                          optimizer_step: float = 0.0, extra_collectives: Sequence[str] = ()) -> Profile:
+                          optimizer_step: float = 0.0, extra_collectives: Sequence[str] = (),
+                          finish_via: Optional[Sequence[str]] = None) -> Profile:
     """A full profile from a measured backward timeline (however recorded) plus the probes.
 
     Collective: call on every rank (see :func:`assemble_profile`).  ``memory``: the
@@ -432,11 +484,20 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
     ``finish_sizes``, by default ``compression_sizes``).  ``optimizer_step``: the wrapped
     optimizer's measured step seconds, stored as they are.  ``extra_collectives``: kinds
     measured besides those the communicator's formula needs (for ``"compress:<name>"``
-    send modes priced by other communicators).
+    send modes priced by other communicators).  ``finish_via``: the communicators of
+    ``"compress:<name>"`` modes whose finish phase is probed too (those that can be probed
+    locally: allreduce, allgather); None: those of the two whose collectives this profile
+    measures, so a hierarchical job's flat allgather mode is priced from its own finish
+    (N dense decodes of a fused group) and not from the codec's decode line.
+
+    Every codec, memory and finish probe compresses buffers laid out as groups fused from
+    the timeline's parameters (``views``, :func:`probe_layout`): what the optimizer's
+    groups run.
     """
     from .. import compressors
     device = torch.device(device)
-    codecs = {compressor_name: measure_compression_cost(compressor, compression_sizes, device)}
+    views = [t.numel for t in timeline]
+    codecs = {compressor_name: measure_compression_cost(compressor, compression_sizes, device, views=views)}
     for half in ("fp16", "bf16"):
         if half not in codecs:
             codecs[half] = measure_compression_cost(compressors.create(half), compression_sizes, device)
@@ -454,23 +515,39 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
         hierarchy = dict(communicator_object.hierarchy)
     finish = {}
     if communicator_object is not None:
+        if finish_via is None:
+            finish_via = [name for name in LOCAL_FINISH if name != communicator
+                          and all(kind in collectives for kind in priced_collectives(name))]
         finish = measure_finish_costs(communicator_object, compressor_name,
-                                      compression_sizes if finish_sizes is None else finish_sizes, device)
+                                      compression_sizes if finish_sizes is None else finish_sizes, device,
+                                      views=views, via=finish_via)
     return Profile(world_size=backend.size, timeline=timeline, forward_time=forward,
                    backward_time=backward, compressor=compressor_name, communicator=communicator,
                    codecs=codecs, collectives=collectives,
                    copy=measure_copy_cost(copy_sizes, device=device), device=str(device),
                    memory=LinearCost() if memory is None else
-                   measure_memory_cost(memory, compressor, compression_sizes, device),
+                   measure_memory_cost(memory, compressor, compression_sizes, device, views=views),
                    finish=finish, optimizer_step=optimizer_step, hierarchy=hierarchy)
 
 
+#: The communicators whose finish phase is local work, which :func:`measure_finish_cost` probes.
+LOCAL_FINISH = ("allreduce", "allgather")
+
+
 def measure_finish_costs(communicator, compressor_name: str, sizes: Sequence[int],
-                         device="cpu") -> Dict[str, LinearCost]:
+                         device="cpu", views: Optional[Sequence[int]] = None,
+                         via: Sequence[str] = ()) -> Dict[str, LinearCost]:
     """:func:`measure_finish_cost` of every send mode the cost model prices: raw FP32,
     FP16 and BF16 groups (an allreduce communicator with the cast, as the optimizer builds
-    for raw groups) and, when ``communicator`` can be probed locally, compressed groups."""
+    for raw groups), when ``communicator`` can be probed locally compressed groups, and
+    ``"compress:<name>"`` for each name in ``via`` that can be (allreduce, allgather): a
+    communicator of that name around the job's compressor, as the optimizer builds for
+    such groups.  A name that cannot carry the compressor (it refuses it, as it would
+    refuse the plan) or whose finish runs collectives is left out: the formula prices it.
+    ``views``: compressed payloads carry the layout of groups fused from parameters of
+    those sizes (:func:`probe_layout`)."""
     from .. import communicators, compressors, memories
+    from ..plan import COMPRESS_VIA
     costs = {}
     for send in ("fp32", "fp16", "bf16"):
         raw = communicators.create("allreduce", compressor=compressors.create("none" if send == "fp32" else send),
@@ -478,7 +555,20 @@ def measure_finish_costs(communicator, compressor_name: str, sizes: Sequence[int
         costs[send] = measure_finish_cost(raw, sizes, device)
     if compressor_name in ("none", "fp32"):
         costs["compress"] = costs["fp32"]
-    elif getattr(communicator, "name", None) in ("allreduce", "allgather") \
-            and not communicator.compressor.multi_round:
-        costs["compress"] = measure_finish_cost(communicator, sizes, device)
+    elif getattr(communicator, "name", None) in LOCAL_FINISH and not communicator.compressor.multi_round:
+        costs["compress"] = measure_finish_cost(communicator, sizes, device, views=views)
+    if compressor_name in ("none", "fp32") or communicator.compressor.multi_round:
+        return costs
+    for name in dict.fromkeys(via):
+        if name not in LOCAL_FINISH:
+            continue
+        if name == getattr(communicator, "name", None) and "compress" in costs:
+            costs[COMPRESS_VIA + name] = costs["compress"]
+            continue
+        try:
+            other = communicators.create(name, compressor=communicator.compressor,
+                                         memory=memories.create("none"), backend=communicator.backend)
+        except (TypeError, ValueError):
+            continue
+        costs[COMPRESS_VIA + name] = measure_finish_cost(other, sizes, device, views=views)
     return costs

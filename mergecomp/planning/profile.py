@@ -33,7 +33,8 @@ and planned from on another (the probes that measure them are in :mod:`mergecomp
   :func:`~mergecomp.planning.measure.measure_finish_cost`.  On a CPU this phase allocates and
   touches fresh buffers of the group's size for every payload, which probes of a few
   megabytes do not see; profiles without it (the default, empty) fall back to the codec's
-  decode cost plus copy passes;
+  decode cost plus copy passes.  A ``"compress:<name>"`` mode (a flat allgather beside a
+  hierarchical job) has its own line when its communicator can be probed locally;
 * the **optimizer step**: seconds of the wrapped optimizer's own ``step()`` per iteration,
   timed on the live run (0.0 in profiles saved before the field existed);
 * the **live launch and finish costs** per send mode: the hook-side launch (gather copy,
@@ -69,8 +70,19 @@ COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
 #: Collectives of one link of a node layout (the hierarchical communicator's): inside a node,
 #: and between the peers of one local rank across nodes.
 LINK_KINDS = ("intra_allreduce", "intra_allgather", "inter_allreduce", "inter_allgather")
-#: Send modes whose finish phase a profile can hold a measured cost for.
+#: Send modes whose finish phase a profile can hold a measured cost for; so can every
+#: ``"compress:<communicator>"`` mode (:func:`is_measured_send`).
 FINISH_SENDS = ("compress", "fp32", "fp16", "bf16")
+#: The prefix of a send mode that names the communicator of a compressed group
+#: (``mergecomp.plan.COMPRESS_VIA``).
+_COMPRESS_VIA = "compress:"
+
+
+def is_measured_send(send) -> bool:
+    """Whether a profile may hold a measured finish or launch cost for send mode ``send``:
+    one of :data:`FINISH_SENDS`, or ``"compress:<communicator>"``."""
+    return isinstance(send, str) and (send in FINISH_SENDS or
+                                      (send.startswith(_COMPRESS_VIA) and len(send) > len(_COMPRESS_VIA)))
 
 
 # ------------------------------------------------------------------------------ linear costs
@@ -148,6 +160,33 @@ def fit_linear(xs: Sequence[float], ys: Sequence[float], relative: bool = True) 
             sum(w * x * x for w, x in zip(weights, xs))
         return LinearCost(0.0, max(through_origin, 0.0))
     return LinearCost(intercept, slope)
+
+
+def fit_from_smallest(xs: Sequence[float], ys: Sequence[float]) -> LinearCost:
+    """``a + b·x`` through the smallest size's time, its slope fitted to the larger sizes
+    in absolute error, with a, b ≥ 0: the smallest probe gives the per-call cost, the large
+    sizes the cost per element.
+
+    For codec and memory probes from a few thousand elements to the whole model.  Their
+    cost per element grows past the caches (and with the fresh output buffers a decode
+    allocates), so a fit in relative error (:func:`fit_linear`) follows the cache-sized
+    probes and prices a group of tens of megabytes several times too low; a plain
+    least-squares fit lets the largest size's noise decide the intercept, which then
+    dominates every small group.  Needs at least two distinct x values.
+    """
+    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
+    if len(xs) != len(ys):
+        raise ValueError(f"fit_from_smallest needs as many x as y values, got {len(xs)} and {len(ys)}")
+    if len(set(xs)) < 2:
+        raise ValueError(f"fit_from_smallest needs at least two distinct sizes, got {xs}; measure at "
+                         "two or more sizes, e.g. 2**12 and 2**20")
+    if any(not y >= 0 or y == float("inf") for y in ys):
+        raise ValueError(f"fit_from_smallest got negative, infinite or NaN values {ys}")
+    x0 = min(xs)
+    y0 = min(y for x, y in zip(xs, ys) if x == x0)
+    slope = sum((x - x0) * (y - y0) for x, y in zip(xs, ys)) / sum((x - x0) ** 2 for x in xs)
+    slope = max(slope, 0.0)
+    return LinearCost(max(y0 - slope * x0, 0.0), slope)
 
 
 @dataclass(frozen=True)
@@ -302,10 +341,10 @@ class Profile:
             raise ValueError(f"profile has collective kinds {unknown}; known kinds are "
                              f"{COLLECTIVE_KINDS + LINK_KINDS}")
         for what, costs in (("finish", self.finish), ("launch", self.launch)):
-            unknown = sorted(set(costs) - set(FINISH_SENDS))
+            unknown = sorted(send for send in costs if not is_measured_send(send))
             if unknown:
                 raise ValueError(f"profile has {what} costs for send modes {unknown}; known modes "
-                                 f"are {FINISH_SENDS}")
+                                 f"are {FINISH_SENDS} and 'compress:<communicator>'")
             for send, cost in costs.items():
                 if not isinstance(cost, LinearCost):
                     raise ValueError(f"profile {what} cost of {send!r} must be a LinearCost, got {cost!r}")
@@ -472,9 +511,9 @@ def fit_live_costs(samples: Dict[str, Sequence[Tuple[int, float]]]) -> Dict[str,
     """
     costs = {}
     for send, pairs in samples.items():
-        if send not in FINISH_SENDS:
+        if not is_measured_send(send):
             raise ValueError(f"fit_live_costs got samples of send mode {send!r}; known modes are "
-                             f"{FINISH_SENDS}")
+                             f"{FINISH_SENDS} and 'compress:<communicator>'")
         by_size: Dict[int, List[float]] = {}
         for numel, seconds in pairs:
             if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:

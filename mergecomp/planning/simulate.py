@@ -42,7 +42,7 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from ..plan import COMPRESS_VIA
+from ..plan import COMPRESS_VIA, is_compressed
 from .costmodel import send_costs
 from .measure import measure_compression_cost, measure_copy_cost
 from .profile import LINK_KINDS, LinearCost, Profile, TensorTiming, scaled_compute
@@ -226,7 +226,8 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
     for world in workers:
         # A compressed group's measured finish phase holds for the profile's own world size
         # and communicator (allgather decodes one payload per rank); elsewhere it is priced
-        # by the formula.  Raw groups' finish (allreduce) does not depend on the world size.
+        # by the formula ("compress:<name>" modes name their communicator: the world size
+        # alone decides).  Raw groups' finish (allreduce) does not depend on the world size.
         # Launch costs and the collective slowdown measured in the run carry over as they
         # are: they describe this machine's processors, not the network being simulated.
         same = world == base.world_size and TOPOLOGIES[topology] == base.communicator
@@ -237,7 +238,9 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
                                 local_size, bandwidth, latency, efficiency, intra_bandwidth)
         profile = dataclasses.replace(laid_out, world_size=world, communicator=TOPOLOGIES[topology],
                                       collectives=laid_out.collectives,
-                                      finish={k: v for k, v in base.finish.items() if same or k != "compress"})
+                                      finish={k: v for k, v in base.finish.items()
+                                              if (same if k == "compress" else
+                                                  world == base.world_size or not is_compressed(k))})
         costs = send_costs(profile, via)
         row = {"workers": world}
         modes = tuple(COMPRESS_VIA + name for name in via)
