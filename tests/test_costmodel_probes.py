@@ -123,3 +123,14 @@ def test_fit_from_smallest_follows_the_large_sizes_and_keeps_the_small_ones_cost
         fit_from_smallest([10, 10], [1.0, 2.0])
     with pytest.raises(ValueError, match="negative, infinite or NaN"):
         fit_from_smallest([10, 20], [1.0, float("nan")])
+
+
+def test_the_memory_is_charged_for_the_share_it_runs_on():
+    from mergecomp.planning.costmodel import group_cost
+    from mergecomp.planning.profile import LinearCost, WireSize
+    from mergecomp.planning.sendcost import SendCost
+    send = SendCost(LinearCost(), WireSize(1.0), LinearCost())
+    memory, copy = LinearCost(0.0, 1.0), LinearCost()
+    whole = group_cost(send, copy, 400, 1600, memory).encode
+    half = group_cost(dataclasses.replace(send, memory_share=0.5), copy, 400, 1600, memory).encode
+    assert whole == pytest.approx(400) and half == pytest.approx(200)

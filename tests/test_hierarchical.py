@@ -239,6 +239,7 @@ def test_the_cost_model_prices_hierarchical_and_flat():
     assert cost.relay(400) == 0
     assert cost.encode(400) == pytest.approx(0.1 + 0.001 * 200 + 0.003 + 0.00002 * 1600)
     assert cost.decode(400) == pytest.approx(2 * 0.2 + 0.003 + 0.00002 * 800)
+    assert cost.memory_share == 0.5  # error feedback runs on this rank's shard only
     assert predict(plan, hierarchical).iteration_time < predict(plan, flat).iteration_time
     assert "intra_allreduce" in priced_collectives("hierarchical")
     assert Profile.from_json(hierarchical.to_json()).hierarchy == {"local_size": 2, "inner": "allgather"}

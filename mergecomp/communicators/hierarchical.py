@@ -305,7 +305,8 @@ class HierarchicalCommunicator(Communicator):
         allgather of 4⌈n/L⌉ (an allreduce of 4n where ``gather`` is ``"allreduce"``: gloo)
         as decoding (``finish`` blocks for it), and the inner communicator's own price for a
         shard of n/L elements between M nodes, priced with the inter-node collectives
-        (``profile.hierarchy``: ``local_size``, ``inner``, ``gather``)."""
+        (``profile.hierarchy``: ``local_size``, ``inner``, ``gather``).  The memory runs on
+        the shard only (``memory_share`` 1/L)."""
         from . import registry
         hierarchy = profile.hierarchy or {}
         local, inner = int(hierarchy.get("local_size", 1)), hierarchy.get("inner", "allgather")
@@ -330,7 +331,8 @@ class HierarchicalCommunicator(Communicator):
         per_element = 4.0 if shard.wire.per_element is None else shard.wire.per_element
         return SendCost(shard.encode.scaled(1, per) + node_sum, WireSize(per_element * per, shard.wire.header),
                         shard.collective, decode=shard.decode.scaled(1, per) + gather,
-                        relay=shard.relay.scaled(1, per), aggregate_passes=shard.aggregate_passes)
+                        relay=shard.relay.scaled(1, per), aggregate_passes=shard.aggregate_passes,
+                        memory_share=shard.memory_share * per)
 
 
 class _Done:

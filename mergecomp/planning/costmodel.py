@@ -118,7 +118,7 @@ def group_cost(send: SendCost, copy: LinearCost, numel: int, nbytes: int,
     if send.launch is not None:
         encode = send.launch(numel)
     else:
-        encode = copy(nbytes) + memory(numel) + send.encode(numel)
+        encode = copy(nbytes) + memory(numel * send.memory_share) + send.encode(numel)
     return GroupCost(encode=encode,
                      communicate=send.collective(wire) + send.relay(numel),
                      finish=finish, wire_bytes=wire)

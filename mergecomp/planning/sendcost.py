@@ -30,6 +30,8 @@ class SendCost:
     write-back) for n elements; when set it replaces ``decode`` and the copy passes.
     ``launch``: the measured seconds of the whole hook-side launch (gather copy, memory,
     codec, collective start) for n elements; when set it replaces copy + memory + encode.
+    ``memory_share``: the fraction of the group the error-feedback memory runs on (the
+    hierarchical exchange compensates only this rank's 1/L shard of the node's sum).
     """
 
     encode: LinearCost
@@ -40,6 +42,7 @@ class SendCost:
     aggregate_passes: int = 0
     finish: Optional[LinearCost] = None
     launch: Optional[LinearCost] = None
+    memory_share: float = 1.0
 
 
 def collective_cost(profile: Profile, kind: str, why: str) -> LinearCost:
