@@ -80,7 +80,7 @@ dynamic program, so the scheduler optimizes exactly what this module predicts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .. import communicators
