@@ -166,11 +166,14 @@ def parse_spec(text: str) -> Spec:
             setattr(spec, key, str(value))
         elif key == "clip":
             if value not in CLIP_MODES:
-                raise ValueError(f"compressor spec {text!r}: clip must be one of {CLIP_MODES}, "
-                                 f"got {raw!r}")
+                raise ValueError(f"compressor spec {text!r}: clip (where the run clips the gradient) must "
+                                 f"be one of {CLIP_MODES}, got {raw!r}; a compressor argument of that name "
+                                 f"is 'compressor.clip={raw}'")
             spec.clip = value
         elif key.startswith("memory."):
             spec.memory_kwargs[key[len("memory."):]] = value
+        elif key.startswith("compressor."):  # an argument whose name the run's own keys take
+            spec.kwargs[key[len("compressor."):]] = value
         else:
             spec.kwargs[key] = value
     return spec

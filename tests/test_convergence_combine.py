@@ -88,3 +88,10 @@ def test_finished_rows_are_handed_on_as_each_spec_finishes(monkeypatch):
                               on_done=lambda runs, errors: seen.append(
                                   ([r["label"] for r in runs], [e["label"] for e in errors])))
     assert seen == [(["topk"], []), (["topk"], ["fp16"]), (["topk", "qsgd"], ["fp16"])]
+
+
+def test_a_compressor_argument_named_like_a_run_key_is_prefixed():
+    spec = convergence.parse_spec("terngrad:compressor.clip=2.5:clip=local")
+    assert spec.kwargs == {"clip": 2.5} and spec.clip == "local"
+    with pytest.raises(ValueError, match="'compressor.clip=2.5'"):
+        convergence.parse_spec("terngrad:clip=2.5")
