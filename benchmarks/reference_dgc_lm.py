@@ -21,6 +21,11 @@ optimizer *after* the exchange):
     send the k largest |v|;  r ← v with the sent coordinates zeroed
     the optimizer (SGD with momentum m) steps on the average
 
+``--variant powersgd`` trains through ``torch.nn.parallel.DistributedDataParallel`` with
+PyTorch's own ``powerSGD_hook`` (one rank-``--rank`` factorisation per layer, error
+feedback, warm start, compressing from its minimum start iteration 2), momentum SGD after
+the exchange and the averaged gradient clipped, as mergecomp's ``powersgd`` row.
+
 The task, data, model, seeds, batch order and validation are ``convergence.py``'s (from
 ``mergecomp.bench``: the harness, not the compressor), so a row here and the ``dgc`` row of
 ``convergence.py --task char-lstm`` at the same settings train the same model on the same
@@ -90,6 +95,19 @@ def exchange(params, state, options, step, world) -> int:
     return k
 
 
+def ddp_powersgd(model, rank: int, seed: int):
+    """``model`` in DDP with PyTorch's per-layer PowerSGD hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+    # One bucket: with several, the hook's chained allreduces timed out on gloo ("Application
+    # timeout caused pair closure"); its first two steps are plain allreduces either way.
+    net = DistributedDataParallel(model, bucket_cap_mb=1024)
+    net.register_comm_hook(powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+        use_error_feedback=True, warm_start=True, random_seed=seed), powerSGD_hook.powerSGD_hook)
+    return net
+
+
 def train(options: dict) -> list:
     info = launch.init_distributed(backend="gloo")
     torch.set_num_threads(1)
@@ -104,7 +122,9 @@ def train(options: dict) -> list:
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:  # every rank starts from rank 0's model, as the wrapper broadcasts it
             dist.broadcast(p.data, 0)
-        dense = options["density"] >= 1.0
+        powersgd = options["variant"] == "powersgd"
+        dense = options["density"] >= 1.0 or powersgd
+        net = ddp_powersgd(model, options["rank"], seed) if powersgd else model
         after = dense or options["variant"] == "topk"  # heavy-ball momentum after the exchange
         optimizer = torch.optim.SGD(params, lr=options["lr"], momentum=options["momentum"] if after else 0.0)
         stream = lm.TextStream(corpus, options["batch_size"], task.bptt, rank, world)
@@ -116,12 +136,13 @@ def train(options: dict) -> list:
             if first:
                 state = None
             optimizer.zero_grad()
-            loss, state = lm.training_loss(task, model, inputs, targets, state)
+            loss, state = lm.training_loss(task, net, inputs, targets, state)
             loss.backward()
             if dense:
                 for p in params:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(world)
+                    if not powersgd:  # DDP's hook left the average in p.grad
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(world)
                 if options["clip"]:
                     torch.nn.utils.clip_grad_norm_(params, options["clip"])
             else:
@@ -150,8 +171,10 @@ def main(argv=None) -> int:
     p.add_argument("--density", type=float, default=0.001, help="fraction sent; 1: dense SGD")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--no-masking", action="store_true", help="keep the momentum of sent coordinates")
-    p.add_argument("--variant", choices=("dgc", "topk"), default="dgc",
-                   help="dgc: momentum correction (the default); topk: a residual, momentum in the optimizer")
+    p.add_argument("--variant", choices=("dgc", "topk", "powersgd"), default="dgc",
+                   help="dgc: momentum correction (the default); topk: a residual, momentum in the optimizer; "
+                        "powersgd: DDP with PyTorch's PowerSGD hook")
+    p.add_argument("--rank", type=int, default=2, help="PowerSGD's approximation rank (--variant powersgd)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=None, help="a JSON file for the runs")
     args = p.parse_args(argv)
@@ -162,10 +185,12 @@ def main(argv=None) -> int:
     options = dict(task=args.task, corpus=args.corpus, steps=args.steps, eval_every=args.eval_every,
                    lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, clip=args.clip,
                    density=args.density, warmup_steps=args.warmup_steps, masking=not args.no_masking,
-                   variant=args.variant,
+                   variant=args.variant, rank=args.rank,
                    seeds=[int(s) for s in args.seeds.split(",")])
     runs = launch.spawn(train, args.workers, args=(options,))[0]
-    if args.density >= 1:
+    if args.variant == "powersgd":
+        kind = f"PyTorch's PowerSGD hook, rank {args.rank}"
+    elif args.density >= 1:
         kind = "dense"
     elif args.variant == "topk":
         kind = f"top-k {args.density:g} with a residual, momentum {args.momentum:g} after the exchange"
