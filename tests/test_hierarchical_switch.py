@@ -155,3 +155,35 @@ def test_auto_races_flat_against_hierarchical_plans():
         assert settled and all(isinstance(figure, float) for figure in measured), measured
         assert "compress" in sends and any(send.startswith("compress:") for send in sends), sends
     assert all(torch.equal(results[0][3], r[3]) for r in results[1:])
+
+
+def ddp_worker(rank, world_size):
+    import warnings
+    from torch.nn.parallel import DistributedDataParallel
+    as_node(rank)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # several buckets, rebuilt after step 1
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    state = mergecomp.ddp.register(ddp, compressor=mergecomp.compressors.create("topk", compress_ratio=0.2),
+                                   memory="residual", communicator="hierarchical", optimizer=sgd)
+    data = torch.Generator().manual_seed(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            sgd.zero_grad()
+            ddp(torch.randn(8, 16, generator=data)).pow(2).mean().backward()
+            sgd.step()
+    lost = [str(w.message) for w in caught if "could not follow" in str(w.message)]
+    keys = set(state.communicator.state_dict()["memory"]["residuals"])
+    return lost, keys, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_ddp_rebucketing_keeps_the_per_shard_state():
+    """DDP rebuilds its buckets after the first step: the hierarchical exchange's error
+    feedback follows them (before, it started afresh with a warning)."""
+    results = run_ranks(ddp_worker, 4)
+    for lost, keys, _ in results:
+        assert not lost, lost
+        assert keys and all("/shard" in key for key in keys), keys
+    assert all(torch.equal(results[0][2], r[2]) for r in results[1:])

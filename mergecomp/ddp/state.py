@@ -361,9 +361,17 @@ class HookState:
         if not self.layouts:  # nothing was kept per bucket yet
             self.layouts = dict(keys)
             return
-        moved = buckets.regrouped(self.communicator.state_dict(), self.layouts, keys, self.names is not None)
+        sizes = {f"group{i}": sum(numel for _, numel in key) for i, key in self.layouts.items()}
+        # The hierarchical exchange's per-shard state is folded into whole buckets to move,
+        # and cut into shards again after (a collective inside each node, on every rank alike).
+        held = self.lifecycle.fold_shard_state(self.communicator.state_dict(), sizes)
+        moved = buckets.regrouped(held, self.layouts, keys, self.names is not None)
         self.layouts = dict(keys)
         self._connect_state(moved)
+        sends = self.sends or ()
+        self.lifecycle.spread_shard_state([
+            (f"group{i}", sends[i] if i < len(sends) else "compress", sum(numel for _, numel in key))
+            for i, key in sorted(keys.items())])
 
     def _connect_state(self, moved: Optional[Dict[str, Any]]) -> None:
         if moved is None:
