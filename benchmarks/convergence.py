@@ -216,7 +216,7 @@ class Options:
 #: Where a row clips (language models, ``--clip``): the averaged gradient after the exchange
 #: (as under DDP), or each rank's own gradient before error feedback (``local``, at
 #: clip / √N, the DGC paper's local gradient clipping).
-CLIP_MODES = ("averaged", "local")
+CLIP_MODES = ("averaged", "local", "none")
 
 
 def owns_momentum(compressor, memory) -> bool:
@@ -256,7 +256,8 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
     memory_kwargs = dict(spec.memory_kwargs)
     if recipe is not None and recipe.memory_kwargs and memory_name == (recipe.memory or memory_name):
         memory_kwargs = {**recipe.memory_kwargs, **memory_kwargs}
-    clip_mode = spec.clip or ("local" if recipe is not None and recipe.local_clipping else "averaged")
+    clip_mode = spec.clip or ("local" if recipe is not None and recipe.local_clipping
+                              else "none" if recipe is not None and recipe.no_clipping else "averaged")
     if options.clip and clip_mode == "local":
         memory_kwargs.setdefault("clip_norm", options.clip / math.sqrt(world_size))
     memory = memories.create(memory_name, **memory_kwargs)

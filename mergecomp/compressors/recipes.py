@@ -55,6 +55,10 @@ class Recipe:
     ``local_clipping``: where the training loop clips the gradient norm to c, clip each
     rank's own gradient before it is accumulated instead (the memory's ``clip_norm`` at
     c / √N for N ranks), not the averaged gradient after the exchange.
+    ``no_clipping``: do not clip the gradient norm at all: the averaged update is a vote of
+    ±1 per coordinate whose norm is √n whatever the gradient, so clipping it to a gradient's
+    norm c shrinks every step by √n / c (and clipping a rank's gradient before its sign
+    changes nothing).
     ``reason``: one sentence, why dense settings fail.  ``paper``: what the paper advises.
     """
 
@@ -67,6 +71,7 @@ class Recipe:
     fold_momentum: bool = False
     memory_kwargs: Optional[Mapping[str, Any]] = None
     local_clipping: bool = False
+    no_clipping: bool = False
 
     def __post_init__(self):
         if not isinstance(self.reason, str) or not self.reason.strip():
@@ -112,6 +117,8 @@ class Recipe:
                          "clip / √N), not on the averaged gradient")
         if self.fold_momentum:
             parts.append("momentum folded into lr (SGD momentum 0, lr / (1 − m))")
+        if self.no_clipping:
+            parts.append("no gradient-norm clipping (the averaged update is a ±1 vote of norm √n)")
         return f"{', '.join(parts) or 'dense settings'}: {self.reason}"
 
 

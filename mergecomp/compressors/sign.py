@@ -181,8 +181,9 @@ class SignSGDCompressor(_MajorityVote):
 
     recipe = Recipe(
         reason="every coordinate moves by ±lr whatever its gradient's size, so the learning rate "
-               "lives on Adam's scale, not SGD's",
-        lr_scale=0.01, max_lr=1e-3)
+               "lives on Adam's scale, not SGD's; clipping the vote, whose norm is √n, to a "
+               "gradient's norm shrinks every step by that factor",
+        lr_scale=0.01, max_lr=1e-3, no_clipping=True)
 
     def __init__(self):
         self._scratch = Scratch()
@@ -210,8 +211,9 @@ class SignumCompressor(_MajorityVote):
 
     recipe = Recipe(
         reason="every coordinate moves by ±lr whatever its momentum's size, so the learning rate "
-               "lives on Adam's scale, not SGD's",
-        lr_scale=0.02, max_lr=2e-3)
+               "lives on Adam's scale, not SGD's; clipping the vote, whose norm is √n, to a "
+               "gradient's norm shrinks every step by that factor",
+        lr_scale=0.02, max_lr=2e-3, no_clipping=True)
 
     def check_optimizer(self, optimizer) -> None:
         """Refuse an optimizer with its own momentum: SIGNUM's momentum lives here."""
