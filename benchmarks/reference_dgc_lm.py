@@ -21,6 +21,10 @@ optimizer *after* the exchange):
     send the k largest |v|;  r ← v with the sent coordinates zeroed
     the optimizer (SGD with momentum m) steps on the average
 
+``--variant signsgd`` is signSGD with majority vote (Bernstein et al., 2018/2019): each rank
+sends sign(g) (+1 for a zero, as the IEEE sign bit), the update is the sign of the sum of
+the ranks' signs (0 on a tie), and SGD with momentum m steps on it at ``--lr``, no clipping.
+
 ``--variant powersgd`` trains through ``torch.nn.parallel.DistributedDataParallel`` with
 PyTorch's own ``powerSGD_hook`` (one rank-``--rank`` factorisation per layer, error
 feedback, warm start, compressing from its minimum start iteration 2), momentum SGD after
@@ -59,6 +63,19 @@ def density_at(step: int, target: float, warmup_steps: int) -> float:
     if step >= warmup_steps or target >= 0.25:
         return target
     return max(target, 0.25 * (target / 0.25) ** (step / warmup_steps))
+
+
+def sign_vote(params) -> int:
+    """signSGD's majority vote on the flat gradient of ``params``, written into each ``p.grad``;
+    returns the signs sent by this rank."""
+    g = torch.cat([p.grad.reshape(-1) for p in params])
+    votes = torch.where(torch.signbit(g), -1.0, 1.0).to(g.dtype)
+    dist.all_reduce(votes)
+    update, offset = torch.sign(votes), 0
+    for p in params:
+        p.grad.copy_(update[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return g.numel()
 
 
 def exchange(params, state, options, step, world) -> int:
@@ -125,7 +142,7 @@ def train(options: dict) -> list:
         powersgd = options["variant"] == "powersgd"
         dense = options["density"] >= 1.0 or powersgd
         net = ddp_powersgd(model, options["rank"], seed) if powersgd else model
-        after = dense or options["variant"] == "topk"  # heavy-ball momentum after the exchange
+        after = dense or options["variant"] in ("topk", "signsgd")  # heavy-ball momentum after the exchange
         optimizer = torch.optim.SGD(params, lr=options["lr"], momentum=options["momentum"] if after else 0.0)
         stream = lm.TextStream(corpus, options["batch_size"], task.bptt, rank, world)
         curve = [dict(step=0, valid_loss=lm.validation_loss(task, model, valid))]
@@ -145,6 +162,8 @@ def train(options: dict) -> list:
                         p.grad.div_(world)
                 if options["clip"]:
                     torch.nn.utils.clip_grad_norm_(params, options["clip"])
+            elif options["variant"] == "signsgd":
+                sent += sign_vote(params)
             else:
                 sent += exchange(params, dgc_state, options, done, world)
             optimizer.step()
@@ -171,9 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--density", type=float, default=0.001, help="fraction sent; 1: dense SGD")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--no-masking", action="store_true", help="keep the momentum of sent coordinates")
-    p.add_argument("--variant", choices=("dgc", "topk", "powersgd"), default="dgc",
+    p.add_argument("--variant", choices=("dgc", "topk", "signsgd", "powersgd"), default="dgc",
                    help="dgc: momentum correction (the default); topk: a residual, momentum in the optimizer; "
-                        "powersgd: DDP with PyTorch's PowerSGD hook")
+                        "signsgd: majority vote; powersgd: DDP with PyTorch's PowerSGD hook")
     p.add_argument("--rank", type=int, default=2, help="PowerSGD's approximation rank (--variant powersgd)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=None, help="a JSON file for the runs")
@@ -192,6 +211,8 @@ def main(argv=None) -> int:
         kind = f"PyTorch's PowerSGD hook, rank {args.rank}"
     elif args.density >= 1:
         kind = "dense"
+    elif args.variant == "signsgd":
+        kind = f"signSGD with majority vote, momentum {args.momentum:g} after the vote"
     elif args.variant == "topk":
         kind = f"top-k {args.density:g} with a residual, momentum {args.momentum:g} after the exchange"
     else:
