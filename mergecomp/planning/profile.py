@@ -122,6 +122,20 @@ class LinearCost:
                              f"got {data!r} ({error})") from None
 
 
+def _checked_points(xs: Sequence[float], ys: Sequence[float], fit: str) -> Tuple[List[float], List[float]]:
+    """``xs`` and ``ys`` as floats, or a ValueError naming ``fit`` and what is wrong: as many
+    of each, two distinct sizes at least, times finite and ≥ 0."""
+    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
+    if len(xs) != len(ys):
+        raise ValueError(f"{fit} needs as many x as y values, got {len(xs)} and {len(ys)}")
+    if len(set(xs)) < 2:
+        raise ValueError(f"{fit} needs at least two distinct sizes, got {xs}; measure at "
+                         "two or more sizes, e.g. 2**12 and 2**20")
+    if any(not y >= 0 or y == float("inf") for y in ys):
+        raise ValueError(f"{fit} got negative, infinite or NaN values {ys}")
+    return xs, ys
+
+
 def fit_linear(xs: Sequence[float], ys: Sequence[float], relative: bool = True) -> LinearCost:
     """Least-squares ``a + b·x`` through measured points, in relative error, with a, b ≥ 0.
 
@@ -138,14 +152,7 @@ def fit_linear(xs: Sequence[float], ys: Sequence[float], relative: bool = True) 
     below zero is absorbed instead: a fit with a < 0 becomes a line through the origin,
     one with b < 0 the (weighted) constant.  Needs at least two distinct x values.
     """
-    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
-    if len(xs) != len(ys):
-        raise ValueError(f"fit_linear needs as many x as y values, got {len(xs)} and {len(ys)}")
-    if len(set(xs)) < 2:
-        raise ValueError(f"fit_linear needs at least two distinct sizes, got {xs}; measure at "
-                         "two or more sizes, e.g. 2**12 and 2**20")
-    if any(not y >= 0 or y == float("inf") for y in ys):
-        raise ValueError(f"fit_linear got negative, infinite or NaN values {ys}")
+    xs, ys = _checked_points(xs, ys, "fit_linear")
     weights = [1.0 / max(y, 1e-9) ** 2 if relative else 1.0 for y in ys]
     total = sum(weights)
     mean_x = sum(w * x for w, x in zip(weights, xs)) / total
@@ -174,14 +181,7 @@ def fit_from_smallest(xs: Sequence[float], ys: Sequence[float]) -> LinearCost:
     least-squares fit lets the largest size's noise decide the intercept, which then
     dominates every small group.  Needs at least two distinct x values.
     """
-    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
-    if len(xs) != len(ys):
-        raise ValueError(f"fit_from_smallest needs as many x as y values, got {len(xs)} and {len(ys)}")
-    if len(set(xs)) < 2:
-        raise ValueError(f"fit_from_smallest needs at least two distinct sizes, got {xs}; measure at "
-                         "two or more sizes, e.g. 2**12 and 2**20")
-    if any(not y >= 0 or y == float("inf") for y in ys):
-        raise ValueError(f"fit_from_smallest got negative, infinite or NaN values {ys}")
+    xs, ys = _checked_points(xs, ys, "fit_from_smallest")
     x0 = min(xs)
     y0 = min(y for x, y in zip(xs, ys) if x == x0)
     slope = sum((x - x0) * (y - y0) for x, y in zip(xs, ys)) / sum((x - x0) ** 2 for x in xs)

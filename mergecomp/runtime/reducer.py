@@ -44,7 +44,7 @@ from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
 from .. import communicators
 from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan
-from .regroup import Layout, regroup_state
+from .regroup import Layout, group_sizes, regroup_state
 from .step import InFlight, Listeners, StepLifecycle
 from ..schedulers.base import Scheduler
 
@@ -312,8 +312,7 @@ class Reducer:
         :meth:`StepLifecycle.compression_state`)."""
         if self.plan is None:
             return self.communicator.state_dict()
-        sizes = {name: sum(stop - start for _, start, stop in pieces)
-                 for name, pieces in self.layout(self.plan).items()}
+        sizes = group_sizes(self.layout(self.plan))
         return self.lifecycle.compression_state(sizes)
 
     def load_compression_state(self, state: Dict[str, Any]) -> None:
@@ -343,8 +342,7 @@ class Reducer:
         old, new = self.layout(self.plan), self.layout(plan)
         # Raw groups share this memory and their casts are stateless; other compressed send
         # modes' own state is folded into it: this is all the state.
-        sizes = {name: sum(stop - start for _, start, stop in pieces) for name, pieces in old.items()}
-        folded = self.lifecycle.fold_shard_state(self.compression_state(), sizes)
+        folded = self.lifecycle.fold_shard_state(self.compression_state(), group_sizes(old))
         moved = regroup_state(folded, old, new)  # raises, changing nothing
         self.install_plan(plan)
         self.load_compression_state(moved)

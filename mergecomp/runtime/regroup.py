@@ -24,6 +24,11 @@ import torch
 Layout = Dict[str, List[Tuple[str, int, int]]]
 
 
+def group_sizes(layout: Layout) -> Dict[str, int]:
+    """Elements per group of ``layout``."""
+    return {group: sum(stop - start for _, start, stop in pieces) for group, pieces in layout.items()}
+
+
 class CannotRegroup(Exception):
     """The state holds something that cannot follow its parameters into new groups."""
 
@@ -129,7 +134,7 @@ def regroup_state(state: Any, old: Layout, new: Layout, where: str = "state") ->
     if not isinstance(state, dict):
         return state
     if _is_group_tensors(state, old):
-        sizes = {g: sum(stop - start for _, start, stop in pieces) for g, pieces in old.items()}
+        sizes = group_sizes(old)
         wrong = [g for g, t in state.items() if t.numel() != sizes[g]]
         if wrong:
             raise CannotRegroup(f"{where} holds tensors for groups {wrong} that are not shaped like "
