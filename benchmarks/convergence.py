@@ -270,6 +270,8 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
         momentum, momentum_in = 0.0, "folded into lr"  # before the next case: DeMo's memory owns it too
         if spec.lr_scale is None:
             lr = recipe.learning_rate(options.lr, options.momentum)
+    elif callable(getattr(memory, "adopt_momentum", None)) and options.momentum:
+        momentum, momentum_in = options.momentum, "taken over"  # the dgc memory applies SGD's momentum
     elif owns_momentum(compressor, memory):
         momentum, momentum_in = 0.0, "compressor/memory"
     else:
@@ -493,6 +495,7 @@ def summarise(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
 
 #: How the lr column says where the momentum went (nothing: the optimizer's, as dense).
 _MOMENTUM_NOTE = {"compressor/memory": " (momentum in the compressor or memory)",
+                  "taken over": " (SGD's momentum taken over by the memory)",
                   "folded into lr": " (momentum folded in)", "none": " (no momentum)"}
 
 def _row_cells(r: Dict[str, Any], dense_bytes) -> Tuple[str, str, str]:

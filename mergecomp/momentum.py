@@ -3,11 +3,14 @@
 DGC's memory (momentum correction) and SIGNUM (sign of momentum) keep the momentum
 themselves.  If the wrapped optimizer also had one — SGD's ``momentum`` or Adam's first
 moment ``betas[0]`` — gradients would be smoothed twice, silently.  Components that own
-the momentum call :func:`refuse_optimizer_momentum` from their ``check_optimizer``.
+the momentum call :func:`refuse_optimizer_momentum` from their ``check_optimizer``, or,
+for SGD's heavy-ball momentum, :func:`take_over_momentum` (the ``dgc`` memory).
 """
 from __future__ import annotations
 
 from typing import List, Tuple
+
+import torch
 
 
 def optimizer_momentum(optimizer) -> List[Tuple[int, str, float]]:
@@ -32,3 +35,94 @@ def refuse_optimizer_momentum(optimizer, component: str, advice: str) -> None:
             f"{component} applies momentum itself, but parameter group {index} of "
             f"{type(optimizer).__name__} has {setting}={value}, which would apply a second one. "
             f"{advice}")
+
+
+#: The attribute of an optimizer whose momentum a memory has taken over: its hooks' handles.
+_TAKEN = "_mergecomp_momentum_taken"
+
+
+def take_over_momentum(optimizer, memory, component: str) -> None:
+    """Move SGD's heavy-ball momentum into ``memory`` (DGC's momentum correction) instead of
+    refusing it, so that a training script keeps its ``SGD(momentum=0.9)``.
+
+    Why: DGC's momentum correction (Lin et al., ICLR 2018, section 3.2) accumulates the
+    velocity on each rank *before* the sparse exchange; the optimizer must then step on the
+    exchanged velocities as plain SGD.  A user's optimizer is wrapped, never replaced, so
+    rather than asking for a second optimizer the memory adopts the momentum ``m`` and
+    Nesterov flag that every parameter group shares, and the optimizer's ``step()`` runs
+    with ``momentum = 0`` (hooks put the user's values back when it returns, so
+    ``state_dict()``, schedulers and checkpoints see them unchanged).  SGD applies weight
+    decay inside its momentum, which scales its steady-state effect by 1/(1 − m); during the
+    step the weight decay is therefore ``weight_decay / (1 − m)``, the same steady-state
+    decay.  A momentum schedule (OneCycleLR's) is followed: each step's value is the
+    memory's for the next exchange.
+
+    Refused (ValueError, with what to do): an optimizer other than SGD with a momentum
+    (Adam's first moment is not heavy-ball momentum), parameter groups with different
+    momenta or Nesterov flags (one memory serves every group), a dampening, and a memory
+    given a momentum of its own that differs from the optimizer's.  Nothing happens for an
+    optimizer without momentum: the memory keeps its own.
+    """
+    found = optimizer_momentum(optimizer)
+    if not found:
+        return
+    index, setting, value = found[0]
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(
+            f"{component} applies momentum itself, but parameter group {index} of "
+            f"{type(optimizer).__name__} has {setting}={value}, which would apply a second one; it "
+            f"takes over only torch.optim.SGD's heavy-ball momentum. Use SGD (its momentum moves into "
+            f"the memory), or set {setting} to 0 and give the momentum to the memory.")
+    momentum, nesterov = _shared_momentum(optimizer, component)
+    memory.adopt_momentum(momentum, nesterov)
+    if getattr(optimizer, _TAKEN, None) is None:
+        setattr(optimizer, _TAKEN, _install_hooks(optimizer, memory, component))
+    else:  # a second vetting (a framework's second fit): the hooks follow this memory
+        getattr(optimizer, _TAKEN)["memory"] = memory
+
+
+def _shared_momentum(optimizer, component: str) -> Tuple[float, bool]:
+    """The momentum and Nesterov flag every parameter group of ``optimizer`` has; ValueError
+    naming the groups that differ, or a dampening."""
+    groups = optimizer.param_groups
+    for index, group in enumerate(groups):
+        if group.get("dampening", 0):
+            raise ValueError(
+                f"{component} takes over SGD's momentum, but parameter group {index} has "
+                f"dampening={group['dampening']}, which momentum correction does not apply. "
+                f"Use dampening=0.")
+    settings = [(float(g.get("momentum", 0) or 0), bool(g.get("nesterov", False))) for g in groups]
+    if len(set(settings)) > 1:
+        listed = ", ".join(f"group {i}: momentum={m:g}, nesterov={n}" for i, (m, n) in enumerate(settings))
+        raise ValueError(
+            f"{component} takes over SGD's momentum into one memory for every parameter, but the "
+            f"parameter groups differ ({listed}). Give every group the same momentum and nesterov.")
+    return settings[0]
+
+
+def _install_hooks(optimizer, memory, component: str) -> dict:
+    """Step hooks that run ``optimizer.step()`` with momentum 0 and weight decay / (1 − m),
+    and put the user's values back after it (or before anything reads them, if a step
+    raised)."""
+    taken = {"memory": memory, "saved": None, "handles": []}
+
+    def restore(*_):
+        saved, taken["saved"] = taken["saved"], None
+        for group, (momentum, decay) in zip(optimizer.param_groups, saved or ()):
+            group["momentum"], group["weight_decay"] = momentum, decay
+
+    def before_step(*_):
+        restore()  # a step that raised left them zeroed
+        momentum, nesterov = _shared_momentum(optimizer, component)
+        taken["memory"].adopt_momentum(momentum, nesterov, follow=True)
+        taken["saved"] = [(g["momentum"], g.get("weight_decay", 0)) for g in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            m = group["momentum"]
+            if m:
+                group["momentum"] = 0.0
+                group["weight_decay"] = group.get("weight_decay", 0) / (1.0 - m)
+
+    taken["handles"] = [optimizer.register_step_pre_hook(before_step),
+                        optimizer.register_step_post_hook(restore),
+                        optimizer.register_state_dict_pre_hook(restore)]
+    return taken

@@ -344,12 +344,12 @@ def test_dgc_memory_nesterov_clipping_and_dense_payloads():
     assert memory.velocities["g"][1] == 0 and memory.velocities["g"][0] != 0
 
 
-def test_dgc_memory_refuses_optimizer_momentum():
+def test_dgc_memory_refuses_a_momentum_it_cannot_take_over():
     from mergecomp.memories.dgc import DGCMemory, check_optimizer
     params = [torch.nn.Parameter(torch.zeros(2))]
-    check_optimizer(torch.optim.SGD(params, lr=0.1, weight_decay=1e-4))
+    check_optimizer(torch.optim.SGD(params, lr=0.1, weight_decay=1e-4), DGCMemory())
     assert DGCMemory.needs_plain_optimizer is True
-    with pytest.raises(ValueError, match="group 0 of SGD has momentum=0.9"):
-        DGCMemory.check_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"group 0 of Adam has betas\[0\]=0.9"):
+        DGCMemory().check_optimizer(torch.optim.Adam(params, lr=0.1))
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.5"):
         DGCMemory(momentum=1.5)

@@ -22,7 +22,7 @@ from mergecomp import compressors, memories
     ("dgc", dict(momentum=math.nan), r"momentum must be in \[0, 1\), got nan"),
     ("dgc", dict(momentum=1.0), r"momentum must be in \[0, 1\), got 1.0"),
     ("dgc", dict(momentum=-0.1), r"momentum must be in \[0, 1\), got -0.1"),
-    ("dgc", dict(momentum=None), r"momentum must be a number, got None"),
+    ("dgc", dict(momentum="0.9"), r"momentum must be a number, got '0.9'"),
     ("dgc", dict(nesterov="False"), r"nesterov must be True or False, got 'False'"),
     ("dgc", dict(clip_norm=0.0), r"clip_norm must be a finite number > 0, got 0.0. Pass None"),
     ("dgc", dict(clip_norm=math.inf), r"clip_norm must be a finite number > 0, got inf"),

@@ -7,10 +7,11 @@ How it combines with the wrapped optimizer: momentum moves *into* this memory.  
 accumulates velocity locally, u ← m·u + g, v ← v + u (Nesterov: u ← m·(u + g),
 v ← v + u + g), and the sparse compressor sends the largest entries of v, which are
 already momentum updates; the optimizer must then apply them as plain SGD steps.  If the
-optimizer also had momentum, momentum would be applied twice.  So the optimizer's own
-``momentum`` must be 0 (:func:`check_optimizer` refuses anything else, and
-:attr:`DGCMemory.needs_plain_optimizer` tells the wrapper to call it), while weight
-decay and the learning rate schedule stay with the optimizer.
+optimizer also applied its momentum, momentum would be applied twice.  So an
+``SGD(momentum=m)`` has its momentum taken over (:func:`check_optimizer`, through
+:func:`mergecomp.momentum.take_over_momentum`): the memory uses m and SGD's Nesterov flag,
+and SGD steps with momentum 0 while the learning rate schedule and weight decay stay with
+it.  An optimizer with another kind of momentum (Adam's first moment) is refused.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..momentum import refuse_optimizer_momentum
+from ..momentum import take_over_momentum
 from . import register
 from .base import Memory, check_flag, check_number, clip_scale, norm_of
 from ..checkpoint import check_group_tensors
@@ -26,17 +27,15 @@ from ..compressors.kernels.momentum import momentum_correction
 from ..staging import Spares, StagedDict, shares_memory
 
 
-def check_optimizer(optimizer) -> None:
-    """Raise ValueError if any parameter group of ``optimizer`` has momentum > 0.
+def check_optimizer(optimizer, memory: "DGCMemory") -> None:
+    """Take over the momentum of an ``SGD(momentum=m)`` into ``memory``; ValueError for a
+    momentum it cannot take (Adam's, groups that differ, a dampening, a memory given
+    another momentum).  See :func:`mergecomp.momentum.take_over_momentum`."""
+    take_over_momentum(optimizer, memory, "the dgc memory (momentum correction)")
 
-    The DGC memory already applies momentum (momentum correction); a second momentum in
-    the optimizer would compound it.  Weight decay, dampening-free SGD, learning-rate
-    schedules are all fine.
-    """
-    refuse_optimizer_momentum(
-        optimizer, "the dgc memory (momentum correction)",
-        "Use plain SGD (momentum=0; weight decay is fine) and give the momentum to the memory, "
-        "e.g. memories.create('dgc', momentum=0.9).")
+
+#: The momentum of a memory given none, when the optimizer has none either.
+DEFAULT_MOMENTUM = 0.9
 
 
 @register("dgc")
@@ -66,11 +65,17 @@ class DGCMemory(Memory):
 
     needs_plain_optimizer = True
 
-    def __init__(self, momentum: float = 0.9, nesterov: bool = False, clip_norm: Optional[float] = None,
-                 masking: bool = True):
-        self.momentum = check_number(momentum, "dgc memory momentum", 0.0, 1.0, high_open=True,
-                                     advice="0.9 is usual; the optimizer's own momentum must be 0.")
-        self.nesterov = check_flag(nesterov, "dgc memory nesterov")
+    def __init__(self, momentum: Optional[float] = None, nesterov: Optional[bool] = None,
+                 clip_norm: Optional[float] = None, masking: bool = True):
+        if momentum is not None:
+            momentum = check_number(momentum, "dgc memory momentum", 0.0, 1.0, high_open=True,
+                                    advice="0.9 is usual; leave it None to take the SGD optimizer's.")
+        if nesterov is not None:
+            nesterov = check_flag(nesterov, "dgc memory nesterov")
+        #: What the caller gave (None: the optimizer's, see :meth:`adopt_momentum`).
+        self._given = (momentum, nesterov)
+        self.momentum = DEFAULT_MOMENTUM if momentum is None else momentum
+        self.nesterov = bool(nesterov)
         if clip_norm is not None:
             clip_norm = check_number(clip_norm, "dgc memory clip_norm", 0.0, float("inf"),
                                      low_open=True, high_open=True,
@@ -82,10 +87,23 @@ class DGCMemory(Memory):
         self.velocities = StagedDict()
         self._spares = Spares()  # momenta and velocities no state holds, reused by compensate()
 
-    @staticmethod
-    def check_optimizer(optimizer) -> None:
+    def check_optimizer(self, optimizer) -> None:
         """See :func:`mergecomp.memories.dgc.check_optimizer`."""
-        check_optimizer(optimizer)
+        check_optimizer(optimizer, self)
+
+    def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
+        """Use the optimizer's ``momentum`` and ``nesterov`` from now on.  ValueError when
+        the caller gave this memory a different momentum or Nesterov flag, unless
+        ``follow`` (a momentum schedule moving the optimizer's value after the first check)."""
+        given_momentum, given_nesterov = self._given
+        if not follow and ((given_momentum is not None and given_momentum != momentum)
+                           or (given_nesterov is not None and given_nesterov != nesterov)):
+            raise ValueError(
+                f"the dgc memory was given momentum={given_momentum}, nesterov={given_nesterov}, but the "
+                f"SGD optimizer it takes the momentum over from has momentum={momentum:g}, "
+                f"nesterov={nesterov}: one momentum is applied, so give it once (leave the memory's "
+                f"None to take the optimizer's, or set the optimizer's momentum to 0).")
+        self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
     def _state(self, name, tensor):
         momentum = self.momenta.get(name)

@@ -1,0 +1,122 @@
+"""The dgc memory takes SGD's momentum over instead of refusing it (momentum correction)."""
+import pytest
+import torch
+
+import mergecomp
+from mergecomp import memories
+
+from tests.distributed import run_ranks
+
+
+def params(n=3):
+    return [torch.nn.Parameter(torch.ones(n))]
+
+
+def test_sgd_momentum_moves_into_the_memory_and_back_after_each_step():
+    p = params()
+    sgd = torch.optim.SGD(p, lr=0.1, momentum=0.8, nesterov=True, weight_decay=0.01)
+    memory = memories.create("dgc")
+    memory.check_optimizer(sgd)
+    assert (memory.momentum, memory.nesterov) == (0.8, True)
+    seen = []
+    sgd.register_step_pre_hook(lambda opt, *_: seen.append(dict(opt.param_groups[0])))
+    p[0].grad = torch.full((3,), 2.0)
+    sgd.step()
+    # SGD stepped without its momentum, weight decay scaled by 1/(1 − m): p − lr·(g + wd/(1 − m)·p)
+    assert seen[0]["momentum"] == 0 and seen[0]["weight_decay"] == pytest.approx(0.05)
+    assert torch.allclose(p[0].detach(), torch.full((3,), 1 - 0.1 * (2 + 0.05)))
+    assert "momentum_buffer" not in sgd.state[p[0]]
+    group = sgd.param_groups[0]  # the user's values, for schedulers and checkpoints
+    assert (group["momentum"], group["weight_decay"], group["nesterov"]) == (0.8, 0.01, True)
+    assert sgd.state_dict()["param_groups"][0]["momentum"] == 0.8
+
+
+def test_a_step_that_raises_leaves_the_users_values():
+    sgd = torch.optim.SGD(params(), lr=0.1, momentum=0.9)
+    memories.create("dgc").check_optimizer(sgd)
+
+    def closure():
+        raise RuntimeError("loss failed")
+    with pytest.raises(RuntimeError, match="loss failed"):
+        sgd.step(closure)
+    assert sgd.state_dict()["param_groups"][0]["momentum"] == 0.9
+    assert sgd.param_groups[0]["momentum"] == 0.9
+
+
+def test_a_momentum_schedule_is_followed():
+    sgd = torch.optim.SGD(params(), lr=0.1, momentum=0.9)
+    memory = memories.create("dgc")
+    memory.check_optimizer(sgd)
+    memory.check_optimizer(sgd)  # vetted twice (a framework's second fit): hooks installed once
+    assert len(sgd._optimizer_step_pre_hooks) == 1
+    sgd.param_groups[0]["momentum"] = 0.85  # e.g. OneCycleLR's cycle
+    sgd.param_groups[0]["params"][0].grad = torch.ones(3)
+    sgd.step()
+    assert memory.momentum == 0.85 and sgd.param_groups[0]["momentum"] == 0.85
+
+
+def test_what_cannot_be_taken_over_is_refused_with_what_to_do():
+    dgc = memories.create("dgc")
+    with pytest.raises(ValueError, match=r"group 0 of Adam has betas\[0\]=0.9.*only torch.optim.SGD"):
+        dgc.check_optimizer(torch.optim.Adam(params(), lr=0.1))
+    two = torch.optim.SGD([{"params": params()}, {"params": params(), "momentum": 0.5}], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"group 0: momentum=0.9.*group 1: momentum=0.5"):
+        dgc.check_optimizer(two)
+    with pytest.raises(ValueError, match=r"dampening=0.1.*Use dampening=0"):
+        dgc.check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9, dampening=0.1))
+    with pytest.raises(ValueError, match=r"given momentum=0.5.*has momentum=0.9"):
+        memories.create("dgc", momentum=0.5).check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
+    memories.create("dgc", momentum=0.9).check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
+    plain = memories.create("dgc", momentum=0.7)  # an optimizer without momentum: the memory's own
+    plain.check_optimizer(torch.optim.SGD(params(), lr=0.1, weight_decay=1e-4))
+    assert plain.momentum == 0.7 and memories.create("dgc").momentum == 0.9
+
+
+def _train(rank, world_size, taken_over):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    if taken_over:  # the user's script: SGD with momentum, memory="dgc"
+        sgd, memory = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "dgc"
+    else:  # what it used to need: plain SGD, the momentum given to the memory
+        sgd, memory = torch.optim.SGD(model.parameters(), lr=0.1), memories.create("dgc", momentum=0.9)
+    optimizer = mergecomp.DistributedOptimizer(sgd, model=model, compressor="topk", memory=memory, schedule=2)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    optimizer.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()], sgd.param_groups[0]["momentum"]
+
+
+def test_the_wrapper_trains_sgd_with_momentum_as_momentum_correction():
+    taken, given = run_ranks(_train, 2, True), run_ranks(_train, 2, False)
+    for (mine, momentum), (theirs, _) in zip(taken, given):
+        assert momentum == 0.9
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b)
+
+
+def _train_ddp(rank, world_size, taken_over):
+    import mergecomp.ddp
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ddp = DistributedDataParallel(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if taken_over else 0.0)
+    memory = "dgc" if taken_over else memories.create("dgc", momentum=0.9)
+    mergecomp.ddp.register(ddp, compressor="topk", memory=memory, optimizer=sgd)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)
+        sgd.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        sgd.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_ddp_hook_takes_the_momentum_of_the_optimizer_it_is_given():
+    for mine, theirs in zip(run_ranks(_train_ddp, 2, True), run_ranks(_train_ddp, 2, False)):
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b)
