@@ -30,6 +30,10 @@ PyTorch's own ``powerSGD_hook`` (one rank-``--rank`` factorisation per layer, er
 feedback, warm start, compressing from its minimum start iteration 2), momentum SGD after
 the exchange and the averaged gradient clipped, as mergecomp's ``powersgd`` row.
 
+``--dense-vectors`` sends the one-dimensional tensors (biases, normalisation gains: under
+1% of either model's elements) uncompressed, averaged by an allreduce, and compresses the
+matrices only, as DGC's released code leaves biases and batch-norm parameters dense.
+
 The task, data, model, seeds, batch order and validation are ``convergence.py``'s (from
 ``mergecomp.bench``: the harness, not the compressor), so a row here and the ``dgc`` row of
 ``convergence.py --task char-lstm`` at the same settings train the same model on the same
@@ -76,6 +80,14 @@ def sign_vote(params) -> int:
         p.grad.copy_(update[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
     return g.numel()
+
+
+def average_dense(params, world) -> int:
+    """Average each ``p.grad`` of ``params`` uncompressed; returns the values sent."""
+    for p in params:
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+    return sum(p.numel() for p in params)
 
 
 def exchange(params, state, options, step, world) -> int:
@@ -164,6 +176,9 @@ def train(options: dict) -> list:
                     torch.nn.utils.clip_grad_norm_(params, options["clip"])
             elif options["variant"] == "signsgd":
                 sent += sign_vote(params)
+            elif options["dense_vectors"]:
+                sent += average_dense([p for p in params if p.dim() <= 1], world)
+                sent += exchange([p for p in params if p.dim() > 1], dgc_state, options, done, world)
             else:
                 sent += exchange(params, dgc_state, options, done, world)
             optimizer.step()
@@ -193,6 +208,8 @@ def main(argv=None) -> int:
     p.add_argument("--variant", choices=("dgc", "topk", "signsgd", "powersgd"), default="dgc",
                    help="dgc: momentum correction (the default); topk: a residual, momentum in the optimizer; "
                         "signsgd: majority vote; powersgd: DDP with PyTorch's PowerSGD hook")
+    p.add_argument("--dense-vectors", action="store_true",
+                   help="send 1-D tensors (biases, norms) uncompressed; compress the matrices only")
     p.add_argument("--rank", type=int, default=2, help="PowerSGD's approximation rank (--variant powersgd)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=None, help="a JSON file for the runs")
@@ -204,7 +221,7 @@ def main(argv=None) -> int:
     options = dict(task=args.task, corpus=args.corpus, steps=args.steps, eval_every=args.eval_every,
                    lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, clip=args.clip,
                    density=args.density, warmup_steps=args.warmup_steps, masking=not args.no_masking,
-                   variant=args.variant, rank=args.rank,
+                   variant=args.variant, rank=args.rank, dense_vectors=args.dense_vectors,
                    seeds=[int(s) for s in args.seeds.split(",")])
     runs = launch.spawn(train, args.workers, args=(options,))[0]
     if args.variant == "powersgd":
@@ -218,6 +235,8 @@ def main(argv=None) -> int:
     else:
         kind = (f"DGC {args.density:g}, warm-up {args.warmup_steps} steps, "
                 f"masking {'on' if options['masking'] else 'off'}")
+    if args.dense_vectors:
+        kind += ", 1-D tensors uncompressed"
     for run in runs:
         print(f"{kind}, seed {run['seed']}: validation loss {run['valid_loss']:.4f}, curve "
               f"{[round(c['valid_loss'], 3) for c in run['curve']]}, "

@@ -35,3 +35,16 @@ def test_dgc_variant_accumulates_momentum():
     for sent, gradient, velocity, momentum, _ in run_ranks(exchange_worker, 2, "dgc"):
         assert sent == 3 and torch.equal(momentum == 0, velocity == 0)  # masking: both cleared where sent
         assert torch.equal(momentum[momentum != 0], gradient[momentum != 0])
+
+
+def dense_worker(rank, world_size):
+    from benchmarks.reference_dgc_lm import average_dense
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    for p in params:
+        p.grad = torch.full_like(p, float(rank + 1))
+    return average_dense(params, world_size), [p.grad.clone() for p in params]
+
+
+def test_dense_vectors_are_averaged_uncompressed():
+    for sent, grads in run_ranks(dense_worker, 2):
+        assert sent == 5 and all(torch.equal(g, torch.full_like(g, 1.5)) for g in grads)
