@@ -27,7 +27,8 @@ the ranks' signs (0 on a tie), and SGD with momentum m steps on it at ``--lr``, 
 
 ``--variant powersgd`` trains through ``torch.nn.parallel.DistributedDataParallel`` with
 PyTorch's own ``powerSGD_hook`` (one rank-``--rank`` factorisation per layer, error
-feedback, warm start, compressing from its minimum start iteration 2), momentum SGD after
+feedback, warm start, compressing from its minimum start iteration 2, or ``--start-iter``:
+PyTorch's default is 1,000 plain allreduces first), momentum SGD after
 the exchange and the averaged gradient clipped, as mergecomp's ``powersgd`` row.
 
 ``--dense-vectors`` sends the one-dimensional tensors (biases, normalisation gains: under
@@ -124,15 +125,16 @@ def exchange(params, state, options, step, world) -> int:
     return k
 
 
-def ddp_powersgd(model, rank: int, seed: int):
-    """``model`` in DDP with PyTorch's per-layer PowerSGD hook."""
+def ddp_powersgd(model, rank: int, seed: int, start_iter: int = 2):
+    """``model`` in DDP with PyTorch's per-layer PowerSGD hook, compressing from step
+    ``start_iter`` (plain allreduces before it: the hook's own warm-up, 2 at the least)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
     # One bucket: with several, the hook's chained allreduces timed out on gloo ("Application
     # timeout caused pair closure"); its first two steps are plain allreduces either way.
     net = DistributedDataParallel(model, bucket_cap_mb=1024)
     net.register_comm_hook(powerSGD_hook.PowerSGDState(
-        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=max(2, start_iter),
         use_error_feedback=True, warm_start=True, random_seed=seed), powerSGD_hook.powerSGD_hook)
     return net
 
@@ -153,7 +155,7 @@ def train(options: dict) -> list:
             dist.broadcast(p.data, 0)
         powersgd = options["variant"] == "powersgd"
         dense = options["density"] >= 1.0 or powersgd
-        net = ddp_powersgd(model, options["rank"], seed) if powersgd else model
+        net = ddp_powersgd(model, options["rank"], seed, options["start_iter"]) if powersgd else model
         after = dense or options["variant"] in ("topk", "signsgd")  # heavy-ball momentum after the exchange
         optimizer = torch.optim.SGD(params, lr=options["lr"], momentum=options["momentum"] if after else 0.0)
         stream = lm.TextStream(corpus, options["batch_size"], task.bptt, rank, world)
@@ -210,6 +212,9 @@ def main(argv=None) -> int:
                         "signsgd: majority vote; powersgd: DDP with PyTorch's PowerSGD hook")
     p.add_argument("--dense-vectors", action="store_true",
                    help="send 1-D tensors (biases, norms) uncompressed; compress the matrices only")
+    p.add_argument("--start-iter", type=int, default=2,
+                   help="--variant powersgd: the step it starts compressing at (PyTorch's start_powerSGD_iter; "
+                        "plain allreduces before it)")
     p.add_argument("--rank", type=int, default=2, help="PowerSGD's approximation rank (--variant powersgd)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=None, help="a JSON file for the runs")
@@ -222,10 +227,11 @@ def main(argv=None) -> int:
                    lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, clip=args.clip,
                    density=args.density, warmup_steps=args.warmup_steps, masking=not args.no_masking,
                    variant=args.variant, rank=args.rank, dense_vectors=args.dense_vectors,
+                   start_iter=args.start_iter,
                    seeds=[int(s) for s in args.seeds.split(",")])
     runs = launch.spawn(train, args.workers, args=(options,))[0]
     if args.variant == "powersgd":
-        kind = f"PyTorch's PowerSGD hook, rank {args.rank}"
+        kind = f"PyTorch's PowerSGD hook, rank {args.rank}, compressing from step {max(2, args.start_iter)}"
     elif args.density >= 1:
         kind = "dense"
     elif args.variant == "signsgd":
