@@ -58,10 +58,10 @@ def test_the_compressors_at_parity_with_dense_settings_declare_nothing(name):
 
 def test_advice_names_what_contradicts_the_recipe_and_what_to_do():
     sign = recipes.advice(compressors.create("signsgd"), _sgd(lr=0.05, momentum=0.0))
-    assert "lr=0.05, above the 0.001" in sign and "Adam's scale" in sign
+    assert "lr=0.05, above the 0.0005" in sign and "Adam's scale" in sign
     assert "use lr = 0.0005: your 0.05 × 0.01" in sign  # the value to use, not a bound
     huge = recipes.advice(compressors.create("signsgd"), _sgd(lr=5.0, momentum=0.0))
-    assert "use lr = 0.001 (your 5 × 0.01 = 0.05 is still above it" in huge
+    assert "use lr = 0.0005 (your 5 × 0.01 = 0.05 is still above it" in huge
     tbq = recipes.advice(compressors.create("tbq"), _sgd(lr=0.05, momentum=0.9))
     assert "momentum=0.9; fold it into the learning rate: momentum=0, lr = 0.5: your 0.05 / (1 − 0.9)" in tbq
     randk = recipes.advice(compressors.create("randk"), _sgd(lr=0.5, momentum=0.0), "residual")

@@ -183,7 +183,7 @@ class SignSGDCompressor(_MajorityVote):
         reason="every coordinate moves by ±lr whatever its gradient's size, so the learning rate "
                "lives on Adam's scale, not SGD's; clipping the vote, whose norm is √n, to a "
                "gradient's norm shrinks every step by that factor",
-        lr_scale=0.01, max_lr=1e-3, no_clipping=True)
+        lr_scale=0.01, max_lr=5e-4, no_clipping=True)
 
     def __init__(self):
         self._scratch = Scratch()
