@@ -44,7 +44,7 @@ def test_an_instance_is_checked_as_given_and_left_alone():
     qsgd = compressors.create("qsgd", seed=5)
     before = qsgd.state_dict()
     report = check_compressor(qsgd, samples=300)
-    assert report.compressor == "QSGDCompressor(levels=7, bucket_size=512, seed=5)"
+    assert report.compressor == "QSGDCompressor(levels=7, bucket_size=128, seed=5)"
     assert qsgd.state_dict() == before
 
 
