@@ -42,8 +42,9 @@ class TopKCompressor(SparseCompressor):
                "after the exchange shrinks its steps far more than dense SGD's, and what it "
                "cuts is never sent again: clip each rank's gradient before the residual is added; "
                "where heavy-ball momentum after the exchange falls short (a transformer, in the "
-               "language-model benchmark), memory 'dgc' (momentum correction; it takes SGD's "
-               "momentum over) was the setting that held on every task measured",
+               "language-model benchmark), put it before the exchange: memory 'dgc' (momentum "
+               "correction; it takes SGD's momentum over), with masking=False for short runs, "
+               "where restarting a sent coordinate's momentum costs most",
         local_clipping=True)
 
     def __init__(self, compress_ratio: float = 0.01):
