@@ -54,6 +54,7 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp import compressors, launch, memories
+from mergecomp import momentum as momentum_roles
 from mergecomp.bench import lm, lowcomm
 from mergecomp.bench.data import text
 from mergecomp.bench.harness import provenance, save_with_provenance
@@ -220,17 +221,9 @@ CLIP_MODES = ("averaged", "local", "none")
 
 
 def owns_momentum(compressor, memory) -> bool:
-    """True when the compressor or memory applies momentum itself and refuses an optimizer
-    that has its own (their ``check_optimizer`` raises on SGD with momentum)."""
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
-    for component in (compressor, memory):
-        check = getattr(component, "check_optimizer", None)
-        if callable(check):
-            try:
-                check(probe)
-            except ValueError:
-                return True
-    return False
+    """True when the compressor or memory applies a momentum of its own and refuses an
+    optimizer that has one (SIGNUM, DeMo's memory)."""
+    return any(momentum_roles.role(c) == momentum_roles.OWNS for c in (compressor, memory))
 
 
 def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
@@ -253,7 +246,8 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
         recipe = recipes.recipe_of(compressor)
     memory_name = spec.memory or compressor.recommended_memory
     comm_name = spec.comm or compressor.recommended_communicator
-    memory_kwargs = dict(spec.memory_kwargs)
+    memory_kwargs = dict(spec.memory_kwargs if spec.memory else {**compressor.recommended_memory_options,
+                                                                 **spec.memory_kwargs})
     if recipe is not None and recipe.memory_kwargs and memory_name == (recipe.memory or memory_name):
         memory_kwargs = {**recipe.memory_kwargs, **memory_kwargs}
     clip_mode = spec.clip or ("local" if recipe is not None and recipe.local_clipping
@@ -270,8 +264,8 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
         momentum, momentum_in = 0.0, "folded into lr"  # before the next case: DeMo's memory owns it too
         if spec.lr_scale is None:
             lr = recipe.learning_rate(options.lr, options.momentum)
-    elif callable(getattr(memory, "adopt_momentum", None)) and options.momentum:
-        momentum, momentum_in = options.momentum, "taken over"  # the dgc memory applies SGD's momentum
+    elif momentum_roles.role(memory) == momentum_roles.TAKES_OVER and options.momentum:
+        momentum, momentum_in = options.momentum, "taken over"  # the memory applies SGD's momentum
     elif owns_momentum(compressor, memory):
         momentum, momentum_in = 0.0, "compressor/memory"
     else:

@@ -167,7 +167,7 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
     for name in args.compressors:
         model = copy.deepcopy(base)
         compressor = mergecomp.compressors.create(name)
-        memory = mergecomp.memories.create(compressor.recommended_memory)
+        memory = mergecomp.memories.recommended(compressor)
         optimizer = mergecomp.DistributedOptimizer(sgd(model, owns_momentum(compressor, memory), args.lr),
                                                    model=model, compressor=compressor, memory=memory,
                                                    schedule="auto")
@@ -179,9 +179,10 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
         model = copy.deepcopy(base)
         ddp = DistributedDataParallel(model, bucket_cap_mb_list=mergecomp.ddp.bucket_caps(model, args.hook_groups))
         state = mergecomp.ddp.register(ddp, compressor=name)
-        owns = owns_momentum(state.compressor, state.memory)
+        optimizer = sgd(ddp, owns_momentum(state.compressor, state.memory), args.lr)
+        state.check_optimizer(optimizer)  # a memory that takes SGD's momentum over does it now
         configurations[f"hook-{name}"] = Configuration(
-            f"hook-{name}", train_step(work, ddp, sgd(ddp, owns, args.lr)), lambda s=state: s.backend.bytes_sent)
+            f"hook-{name}", train_step(work, ddp, optimizer), lambda s=state: s.backend.bytes_sent)
 
     for spec in getattr(args, "diloco_specs", ()):
         model = copy.deepcopy(base)

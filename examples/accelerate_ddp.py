@@ -35,6 +35,7 @@ from accelerate import Accelerator  # noqa: E402
 
 import mergecomp  # noqa: E402
 import mergecomp.ddp  # noqa: E402
+import mergecomp.momentum  # noqa: E402
 
 
 def clusters(samples: int, features: int, classes: int, seed: int) -> TensorDataset:
@@ -61,9 +62,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
     compressor = mergecomp.compressors.create(args.compressor)
-    memory = mergecomp.memories.create(compressor.recommended_memory if args.memory == "auto" else args.memory)
-    # DGC's memory and SIGNUM keep the momentum themselves: the optimizer then has none.
-    owns_momentum = any(callable(getattr(c, "check_optimizer", None)) for c in (compressor, memory))
+    memory = mergecomp.memories.recommended(compressor) if args.memory == "auto" else mergecomp.memories.create(args.memory)
+    # SIGNUM and DeMo's memory keep a momentum of their own: the optimizer then has none (the
+    # dgc memory, and top-k's default memory, take SGD's over instead).
+    owns_momentum = any(mergecomp.momentum.role(c) == mergecomp.momentum.OWNS for c in (compressor, memory))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if owns_momentum else 0.9)
     loader = DataLoader(clusters(4096, 32, 10, seed=0), batch_size=args.batch_size, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

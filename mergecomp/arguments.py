@@ -32,7 +32,7 @@ def resolve(compressor: Union[str, Compressor], memory: Union[None, str, Memory]
     resolved from the compressor's recommendations and the pairing checked
     (:func:`check_pairing`)."""
     compressor = _compressor(compressor)
-    memory = _memory(compressor.recommended_memory if memory in AUTO else memory)
+    memory = memories.recommended(compressor) if memory in AUTO else _memory(memory)
     check_pairing(compressor, memory)
     if communicator in AUTO:
         communicator = compressor.recommended_communicator

@@ -8,9 +8,22 @@ for SGD's heavy-ball momentum, :func:`take_over_momentum` (the ``dgc`` memory).
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
+
+
+#: ``momentum_role`` of a component that applies a momentum of its own and refuses an optimizer
+#: with one (SIGNUM, DeMo's memory).
+OWNS = "owns"
+#: ``momentum_role`` of a component that takes SGD's momentum over (:func:`take_over_momentum`).
+TAKES_OVER = "takes over"
+
+
+def role(component) -> Optional[str]:
+    """What ``component`` does with the optimizer's momentum: :data:`OWNS`, :data:`TAKES_OVER`,
+    or None (it leaves it to the optimizer, after the exchange)."""
+    return getattr(component, "momentum_role", None)
 
 
 def optimizer_momentum(optimizer) -> List[Tuple[int, str, float]]:

@@ -120,3 +120,58 @@ def test_the_ddp_hook_takes_the_momentum_of_the_optimizer_it_is_given():
     for mine, theirs in zip(run_ranks(_train_ddp, 2, True), run_ranks(_train_ddp, 2, False)):
         for a, b in zip(mine, theirs):
             assert torch.equal(a, b)
+
+
+def _train_topk(rank, world_size, optimizer_name, memory):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    if optimizer_name == "adam":
+        inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if optimizer_name == "momentum" else 0.0)
+    if memory == "dgc without masking":
+        memory = memories.create("dgc", masking=False)
+    optimizer = mergecomp.DistributedOptimizer(inner, model=model, compressor="topk", memory=memory, schedule=2)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    optimizer.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()], getattr(optimizer.memory, "sgd_momentum", None)
+
+
+@pytest.mark.parametrize("optimizer_name,same_as,momentum", [
+    ("momentum", "dgc without masking", 0.9),  # SGD's momentum before the exchange
+    ("plain", "residual", 0.0),                # nothing to take over: plain error feedback
+    ("adam", "residual", 0.0)])                # Adam keeps its moments, after the exchange
+def test_topk_default_memory_takes_the_momentum_before_the_exchange(optimizer_name, same_as, momentum):
+    auto, explicit = run_ranks(_train_topk, 2, optimizer_name, "auto"), run_ranks(_train_topk, 2, optimizer_name, same_as)
+    for (mine, adopted), (theirs, _) in zip(auto, explicit):
+        assert adopted == momentum
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b)
+
+
+def test_residual_memory_momentum_is_staged_saved_and_checked():
+    memory = memories.create("residual", momentum=0.5, nesterov=True)
+    topk = mergecomp.compressors.create("topk", compress_ratio=0.25)
+    g = torch.tensor([1.0, -2.0, 0.5, 0.25])
+    for step in range(2):
+        v = memory.compensate(g, "g")
+        payload, ctx = topk.compress(v, "g")
+        memory.update(v, "g", topk, payload, ctx)
+        memory.commit() if step == 0 else memory.rollback()
+    assert torch.equal(memory.momenta["g"], g)  # the rolled-back step left the first one's u
+    state = memory.state_dict()
+    assert set(state) == {"residuals", "momenta"}
+    again = memories.create("residual", momentum=0.5, nesterov=True)
+    again.load_state_dict(state)
+    assert torch.equal(again.compensate(g, "g"), memory.compensate(g, "g"))
+    with pytest.raises(ValueError, match="unknown keys"):
+        again.check_state({"velocities": {}}, {"g": (4, torch.float32)})
+    assert memories.create("residual").state_dict() == {"residuals": {}}  # no momentum, no momenta
+    with pytest.raises(ValueError, match=r"given momentum=0.5.*has momentum=0.9"):
+        memories.create("residual", momentum=0.5).check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
+    memories.create("residual", momentum="optimizer").check_optimizer(torch.optim.Adam(params(), lr=0.1))  # no refusal

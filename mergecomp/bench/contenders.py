@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import harness
+from .. import momentum
 
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
 MOMENTUM = 0.9
@@ -42,8 +43,9 @@ def sgd(model, owns_momentum: bool, lr: float):
 
 
 def owns_momentum(*components) -> bool:
-    """DGC's memory and SIGNUM keep the momentum: the optimizer must not have one too."""
-    return any(callable(getattr(c, "check_optimizer", None)) for c in components)
+    """SIGNUM and DeMo's memory keep a momentum of their own: the optimizer must not have one
+    too.  (The dgc memory, and the residual memory with a momentum, take SGD's over.)"""
+    return any(momentum.role(c) == momentum.OWNS for c in components)
 
 
 def counted(name: str, step: Callable[[], None], per_step: float) -> Configuration:

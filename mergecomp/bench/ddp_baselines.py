@@ -131,8 +131,10 @@ def mergecomp_side(args, work):
             + f", scheduler {args.scheduler}"
         return work.model, optimizer, text, optimizer, optimizer.memory, lambda: optimizer.backend.bytes_sent
     compressor = harness.build_compressor(args)
-    memory = mergecomp.memories.create(args.memory or compressor.recommended_memory) if args.compress \
-        else mergecomp.memories.create("none")
+    if not args.compress:
+        memory = mergecomp.memories.create("none")
+    else:
+        memory = mergecomp.memories.create(args.memory) if args.memory else mergecomp.memories.recommended(compressor)
     model = DistributedDataParallel(work.model, device_ids=[work.device.index] if work.device.type == "cuda" else None,
                                     bucket_cap_mb_list=mergecomp.ddp.bucket_caps(work.model, args.fusion_num))
     state = mergecomp.ddp.register(model, compressor=compressor, memory=memory,

@@ -108,7 +108,8 @@ def build(spec: DiLoCoSpec, lr: float, momentum: float, model: torch.nn.Module,
     inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     outer = outer_settings(spec, inner)
     optimizer = mergecomp.DiLoCo(inner, model=model, sync_every=spec.sync_every, compressor=compressor,
-                                 memory=memories.create(memory_name), communicator=comm_name,
+                                 memory=memories.create(memory_name) if spec.memory else memories.recommended(compressor),
+                                 communicator=comm_name,
                                  backend=backend, **outer)
     settings = {"compressor": repr(compressor), "memory": memory_name, "communicator": comm_name,
                 "memory_repr": repr(optimizer.memory), "clip_mode": "inner", "recipe_arguments": {},

@@ -67,7 +67,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, Generator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -179,6 +180,8 @@ class Compressor:
     supported_dtypes: Tuple[torch.dtype, ...] = REAL_FLOATS
     #: What to pair it with when the user does not say (allgather carries anything).
     recommended_memory = "none"
+    #: Arguments for that memory beyond its defaults (``memories.recommended`` passes them).
+    recommended_memory_options: Mapping[str, Any] = MappingProxyType({})
     recommended_communicator = "allgather"
     #: What it needs beyond dense SGD's settings (a :class:`~mergecomp.compressors.recipes.Recipe`),
     #: or None when it trains at them; the optimizer warns when its settings contradict it.

@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..momentum import refuse_optimizer_momentum
+from ..momentum import OWNS, refuse_optimizer_momentum
 from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, GroupLayout, check_layout
@@ -209,6 +209,7 @@ class SignumCompressor(_MajorityVote):
     Wire for n elements in v parameter views: ⌈n/8⌉ + ⌈v/8⌉ bytes.  ``average = False``.
     """
 
+    momentum_role = OWNS
     recipe = Recipe(
         reason="every coordinate moves by ±lr whatever its momentum's size, so the learning rate "
                "lives on Adam's scale, not SGD's; clipping the vote, whose norm is √n, to a "

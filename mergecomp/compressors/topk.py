@@ -10,6 +10,8 @@ elements): k × (value bytes + 4) bytes.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from . import register
 from .base import Context, check_ratio
 from .kernels import Scratch, exact_top_k
@@ -20,6 +22,15 @@ from .sparsifier import SparseCompressor, index_dtype, index_nbytes, num_selecte
 @register("topk")
 class TopKCompressor(SparseCompressor):
     """Keep the k = ratio·n entries of largest magnitude; biased, so pair it with residual memory.
+
+    Its memory (``"auto"``) is the residual with the optimizer's momentum before the
+    exchange (``memories.create("residual", momentum="optimizer")``): an ``SGD(momentum=m)``
+    has m taken over, so each rank accumulates u ← m·u + g, compresses u plus its residual,
+    and SGD steps on the exchanged sum without momentum; with any other optimizer, or none,
+    it is plain error feedback.  Why: heavy-ball momentum applied after an error-feedback
+    exchange replays a backlog released in one step for 1/(1 − m) steps, which the
+    language-model benchmark's transformer did not survive; applied before, it came closer
+    to dense on every language-model task measured and held on digits (docs/results.md).
 
     Exact (the same selection as ``torch.topk``, up to ties), found through block peaks
     (``kernels.exact_top_k``) instead of a top-k over all n elements.
@@ -35,16 +46,16 @@ class TopKCompressor(SparseCompressor):
     summable = False
     unbiased = False
     recommended_memory = "residual"
+    recommended_memory_options = MappingProxyType({"momentum": "optimizer"})
     recommended_communicator = "allgather"
     fixed_size = True
     recipe = Recipe(
         reason="what it sends is the residual of many steps, so clipping the averaged update "
                "after the exchange shrinks its steps far more than dense SGD's, and what it "
                "cuts is never sent again: clip each rank's gradient before the residual is added; "
-               "where heavy-ball momentum after the exchange falls short (a transformer, in the "
-               "language-model benchmark), put it before the exchange: memory 'dgc' (momentum "
-               "correction; it takes SGD's momentum over), with masking=False for short runs, "
-               "where restarting a sent coordinate's momentum costs most",
+               "its default memory applies SGD's momentum before the exchange; near the plateau "
+               "of a transformer, memory 'dgc' (the same with DGC's momentum factor masking) "
+               "came closer still in the language-model benchmark",
         local_clipping=True)
 
     def __init__(self, compress_ratio: float = 0.01):

@@ -10,4 +10,11 @@ get = registry.get
 
 from . import none, residual, dgc, demo, residual16  # noqa: E402,F401
 
-__all__ = ["Memory", "register", "create", "available", "get", "registry"]
+
+def recommended(compressor) -> Memory:
+    """A new instance of the memory ``compressor`` recommends (``memory="auto"``), with the
+    arguments it recommends for it (``recommended_memory_options``)."""
+    return create(compressor.recommended_memory, **dict(getattr(compressor, "recommended_memory_options", {})))
+
+
+__all__ = ["Memory", "register", "create", "available", "get", "registry", "recommended"]

@@ -16,7 +16,7 @@ from typing import Optional
 from . import register
 from .base import check_number
 from .residual import ResidualMemory
-from ..momentum import refuse_optimizer_momentum
+from ..momentum import OWNS, refuse_optimizer_momentum
 
 
 @register("demo")
@@ -24,6 +24,7 @@ class DeMoMemory(ResidualMemory):
     """m ← β·m + g is compressed; m − decode(payload) is kept (β = ``momentum``, 0.999 in the paper)."""
 
     needs_plain_optimizer = True
+    momentum_role = OWNS
 
     def __init__(self, momentum: float = 0.999, clip_norm: Optional[float] = None):
         momentum = check_number(momentum, "demo memory momentum (β)", 0.0, 1.0, high_open=True,

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..momentum import take_over_momentum
+from ..momentum import TAKES_OVER, take_over_momentum
 from . import register
 from .base import Memory, check_flag, check_number, clip_scale, norm_of
 from ..checkpoint import check_group_tensors
@@ -64,6 +64,7 @@ class DGCMemory(Memory):
     """
 
     needs_plain_optimizer = True
+    momentum_role = TAKES_OVER
 
     def __init__(self, momentum: Optional[float] = None, nesterov: Optional[bool] = None,
                  clip_norm: Optional[float] = None, masking: bool = True):

@@ -5,14 +5,18 @@ Seide et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014; Karimireddy
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from . import register
-from .base import Memory, check_number, clip_local, norm_of, subtract_sent
+from .base import Memory, check_flag, check_number, clip_local, norm_of, subtract_sent
 from ..checkpoint import check_group_tensors
+from ..momentum import TAKES_OVER, take_over_momentum
 from ..staging import Spares, StagedDict, shares_memory
+
+#: ``momentum=FOLLOW``: SGD's momentum taken over where there is one, none otherwise.
+FOLLOW = "optimizer"
 
 
 @register("residual")
@@ -24,13 +28,25 @@ class ResidualMemory(Memory):
     β < 1 lets old errors fade (β = 0 keeps none); γ scales the gradient, e.g. by the
     learning rate as in EF-SGD.
 
+    ``momentum`` m > 0 applies heavy-ball momentum *before* the exchange: u ← m·u + g
+    (Nesterov: g + m·u after it), and e ← β·e + γ·u is compressed, so what is sent is
+    already a momentum step and the optimizer steps without one (DGC's momentum correction
+    without its masking; Lin et al., ICLR 2018, section 3.2).  Why: heavy-ball momentum
+    applied *after* an error-feedback exchange replays a backlog released in one step for
+    1/(1 − m) steps.  ``momentum="optimizer"`` (top-k's recommendation) takes an
+    ``SGD(momentum=m)``'s m and Nesterov flag over through :meth:`check_optimizer` (see
+    :func:`mergecomp.momentum.take_over_momentum`) and is plain error feedback with any
+    other optimizer, or none; a number must agree with SGD's momentum, if it has one.
+
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
     step writes come from the ones earlier commits replaced (page faults of a fresh
-    group-sized tensor per step cost more than the arithmetic on a CPU).
+    group-sized tensor per step cost more than the arithmetic on a CPU).  So are the
+    momenta.
     """
 
-    def __init__(self, beta: float = 1.0, gamma: float = 1.0, clip_norm: Optional[float] = None):
+    def __init__(self, beta: float = 1.0, gamma: float = 1.0, clip_norm: Optional[float] = None,
+                 momentum: Union[float, str] = 0.0, nesterov: bool = False):
         self.beta = check_number(beta, "residual memory beta (the residual's decay)", 0.0, 1.0,
                                  advice="1 keeps every error (the usual choice), 0 none; a "
                                         "decay above 1 would grow the residual without bound.")
@@ -44,13 +60,71 @@ class ResidualMemory(Memory):
                                      advice="Pass None for no clipping; clip_norm = your clip / √N "
                                             "for N ranks clips as the averaged gradient would.")
         self.clip_norm = clip_norm  # local clipping: the gradient, before the residual is added
+        #: Whether the momentum is whatever the SGD optimizer has (``momentum="optimizer"``).
+        self.follows_optimizer = momentum == FOLLOW
+        if not self.follows_optimizer:
+            momentum = check_number(momentum, "residual memory momentum", 0.0, 1.0, high_open=True,
+                                    advice="0 applies none (the optimizer's acts after the exchange); "
+                                           "'optimizer' takes an SGD optimizer's over.")
+        #: SGD's momentum, applied here before the exchange (0: none).
+        self.sgd_momentum = 0.0 if self.follows_optimizer else float(momentum)
+        self.nesterov = check_flag(nesterov, "residual memory nesterov")
         self.residuals = StagedDict()
+        self.momenta = StagedDict()  # group → u, while the momentum is above 0
         self._made = {}  # group → the tensor compensate() made this step (ours to reuse)
         self._spares = Spares()  # residuals no state holds, reused by compensate() and update()
+        self._momentum_spares = Spares()  # the same for the momenta
+
+    @property
+    def momentum_role(self) -> Optional[str]:
+        """:data:`~mergecomp.momentum.TAKES_OVER` when it follows the optimizer or has a
+        momentum; None when the optimizer's momentum acts after the exchange."""
+        return TAKES_OVER if self.follows_optimizer or self.sgd_momentum > 0.0 else None
+
+    def check_optimizer(self, optimizer) -> None:
+        """Take SGD's momentum over when this memory follows the optimizer or has a momentum
+        of its own (which SGD's must then equal); nothing otherwise.  A memory that follows
+        the optimizer refuses nothing: where the momentum cannot be taken over (Adam's,
+        groups that differ, a dampening) it stays plain error feedback."""
+        if not self.follows_optimizer and self.sgd_momentum == 0.0:
+            return
+        try:
+            take_over_momentum(optimizer, self, "the residual memory's momentum")
+        except ValueError:
+            if not self.follows_optimizer:
+                raise
+
+    def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
+        """Use the optimizer's ``momentum`` and ``nesterov`` from now on; ValueError when this
+        memory was given another momentum (unless ``follow``: a schedule moved SGD's)."""
+        if not (self.follows_optimizer or follow) and (momentum, nesterov) != (self.sgd_momentum, self.nesterov):
+            raise ValueError(
+                f"the residual memory was given momentum={self.sgd_momentum}, nesterov={self.nesterov}, but the "
+                f"SGD optimizer it takes the momentum over from has momentum={momentum:g}, nesterov={nesterov}: "
+                f"one momentum is applied, so give it once (momentum='optimizer' takes SGD's).")
+        self.sgd_momentum, self.nesterov = float(momentum), bool(nesterov)
+
+    def _with_momentum(self, tensor, name):
+        """u ← m·u + g into a new tensor (the committed u is never changed in place); the
+        tensor to compensate: u, or g + m·u with Nesterov."""
+        previous = self.momenta.get(name)
+        if previous is not None and previous.shape != tensor.shape:
+            raise ValueError(
+                f"momentum of group {name!r} has shape {tuple(previous.shape)} but the gradient "
+                f"has shape {tuple(tensor.shape)}: the plan changed without resetting memory")
+        out = self._momentum_spares.take(name, tensor)
+        if previous is None:
+            momentum = tensor.clone() if out is None else out.copy_(tensor)
+        else:
+            momentum = torch.add(tensor, previous, alpha=self.sgd_momentum, out=out)
+        self.momenta[name] = momentum
+        return tensor + self.sgd_momentum * momentum if self.nesterov else momentum
 
     def compensate(self, tensor, name):
         if self.clip_norm is not None:
             tensor = clip_local(tensor, self.clip_norm)
+        if self.sgd_momentum > 0.0:
+            tensor = self._with_momentum(tensor, name)
         residual = self.residuals.get(name)
         if residual is None:
             self._made.pop(name, None)
@@ -84,30 +158,43 @@ class ResidualMemory(Memory):
     def commit(self):
         self._made.clear()
         self._spares.recycle_commit(self.residuals)
+        self._momentum_spares.recycle_commit(self.momenta)
 
     def rollback(self):
         self._made.clear()
         self._spares.recycle_rollback(self.residuals)
+        self._momentum_spares.recycle_rollback(self.momenta)
 
     def error_norm(self):
         """The norm of the residuals: what was computed but not yet sent."""
         return norm_of(self.residuals.committed().values())
 
     def state_dict(self):
-        return {"residuals": {k: v.detach().clone() for k, v in self.residuals.committed().items()}}
+        state = {"residuals": {k: v.detach().clone() for k, v in self.residuals.committed().items()}}
+        momenta = self.momenta.committed()
+        if momenta:  # only a memory with a momentum has them (older states have none)
+            state["momenta"] = {k: v.detach().clone() for k, v in momenta.items()}
+        return state
 
     def check_state(self, state, groups):
-        """Residuals are flat tensors of their group's size and dtype."""
-        unknown = sorted(set(state) - {"residuals"})
+        """Residuals (and momenta, when there is a momentum) are flat tensors of their
+        group's size and dtype."""
+        unknown = sorted(set(state) - {"residuals", "momenta"})
         if unknown:
-            raise ValueError(f"residual memory state has unknown keys {unknown}; expected 'residuals'")
+            raise ValueError(f"residual memory state has unknown keys {unknown}; expected 'residuals' "
+                             f"(and 'momenta')")
         check_group_tensors("residual", state.get("residuals", {}), groups)
+        check_group_tensors("residual memory momentum", state.get("momenta", {}), groups)
 
     def load_state_dict(self, state):
         self._made.clear()
         self._spares.clear()
+        self._momentum_spares.clear()
         self.residuals.replace({k: v.clone() for k, v in state.get("residuals", {}).items()})
+        self.momenta.replace({k: v.clone() for k, v in state.get("momenta", {}).items()})
 
     def __repr__(self):
         clip = "" if self.clip_norm is None else f", clip_norm={self.clip_norm}"
-        return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip})"
+        momentum = "" if self.sgd_momentum == 0.0 else f", momentum={self.sgd_momentum}"
+        nesterov = ", nesterov=True" if self.nesterov else ""
+        return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip}{momentum}{nesterov})"

@@ -167,13 +167,14 @@ def build_scheduler(args):
 def build_optimizer(args, work) -> mergecomp.DistributedOptimizer:
     """SGD on ``work.model`` wrapped as the flags say (fills in args.memory and args.comm)."""
     compressor = build_compressor(args)
+    memory = args.memory or "auto"  # the recommendation with its arguments
     args.memory = args.memory or compressor.recommended_memory
     args.comm = args.comm or compressor.recommended_communicator
     plan = mergecomp.Plan.load(args.plan_in) if args.plan_in else None
     base = torch.optim.SGD(work.model.parameters(), lr=args.lr)
     return mergecomp.DistributedOptimizer(
         base, work.model.named_parameters(), compressor=compressor,
-        memory=args.memory if args.compress else "none",
+        memory=memory if args.compress else "none",
         communicator=args.comm if args.compress else "allreduce",
         schedule=plan if plan is not None else build_scheduler(args))
 
