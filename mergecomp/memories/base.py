@@ -62,6 +62,17 @@ class Memory:
         return f"{type(self).__name__}()"
 
 
+def checked_state(table, name: str, tensor, what: str):
+    """``table``'s tensor for group ``name`` (None when it has none); ValueError when its shape
+    is not the gradient's, which only a plan switch that did not carry the state can cause."""
+    state = table.get(name)
+    if state is not None and state.shape != tensor.shape:
+        raise ValueError(
+            f"{what} of group {name!r} has shape {tuple(state.shape)} but the gradient "
+            f"has shape {tuple(tensor.shape)}: the plan changed without resetting memory")
+    return state
+
+
 def clip_local(tensor, clip_norm: float):
     """``tensor`` scaled down to L2 norm ``clip_norm`` when it is longer (a new tensor; the
     input is never changed).  Local gradient clipping: a rank's own gradient, before error

@@ -21,7 +21,7 @@ import torch
 
 from ..momentum import TAKES_OVER, take_over_momentum
 from . import register
-from .base import Memory, check_flag, check_number, clip_scale, norm_of
+from .base import Memory, check_flag, check_number, checked_state, clip_scale, norm_of
 from ..checkpoint import check_group_tensors
 from ..compressors.kernels.momentum import momentum_correction
 from ..staging import Spares, StagedDict, shares_memory
@@ -107,13 +107,9 @@ class DGCMemory(Memory):
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
     def _state(self, name, tensor):
-        momentum = self.momenta.get(name)
+        momentum = checked_state(self.momenta, name, tensor, "dgc memory")
         if momentum is None:
             return torch.zeros_like(tensor), torch.zeros_like(tensor)
-        if momentum.shape != tensor.shape:
-            raise ValueError(
-                f"dgc memory of group {name!r} has shape {tuple(momentum.shape)} but the gradient "
-                f"has shape {tuple(tensor.shape)}: the plan changed without resetting memory")
         return momentum, self.velocities[name]
 
     def _spare(self, key, like):

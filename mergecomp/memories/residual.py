@@ -10,7 +10,8 @@ from typing import Optional, Union
 import torch
 
 from . import register
-from .base import Memory, check_flag, check_number, clip_local, norm_of, subtract_sent
+from .base import Memory, check_flag, check_number, checked_state, clip_local, clip_scale, norm_of, subtract_sent
+from ..compressors.kernels.momentum import momentum_correction
 from ..checkpoint import check_group_tensors
 from ..momentum import TAKES_OVER, take_over_momentum
 from ..staging import Spares, StagedDict, shares_memory
@@ -104,14 +105,31 @@ class ResidualMemory(Memory):
                 f"one momentum is applied, so give it once (momentum='optimizer' takes SGD's).")
         self.sgd_momentum, self.nesterov = float(momentum), bool(nesterov)
 
+    def _spare(self, spares: Spares, name, like):
+        spare = spares.take(name, like)
+        return spare if spare is not None else torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    def _momentum_corrected(self, tensor, name):
+        """u' = m·u + g and e' = e + u' in DGC's momentum-correction pass
+        (:func:`~mergecomp.compressors.kernels.momentum.momentum_correction`: one native pass
+        with local clipping's factor applied on the way, and the block peaks a top-k
+        selection of e' reads), into spares, never into the committed u and e."""
+        scale = clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None
+        previous = checked_state(self.momenta, name, tensor, "momentum")
+        residual = checked_state(self.residuals, name, tensor, "residual")
+        zeros = torch.zeros_like(tensor) if previous is None or residual is None else None
+        momentum, compensated = momentum_correction(
+            tensor, zeros if previous is None else previous, zeros if residual is None else residual,
+            self.sgd_momentum, False, self._spare(self._momentum_spares, name, tensor),
+            self._spare(self._spares, name, tensor), scale)
+        self.momenta[name] = momentum
+        self._made[name] = compensated
+        return compensated
+
     def _with_momentum(self, tensor, name):
         """u ← m·u + g into a new tensor (the committed u is never changed in place); the
         tensor to compensate: u, or g + m·u with Nesterov."""
-        previous = self.momenta.get(name)
-        if previous is not None and previous.shape != tensor.shape:
-            raise ValueError(
-                f"momentum of group {name!r} has shape {tuple(previous.shape)} but the gradient "
-                f"has shape {tuple(tensor.shape)}: the plan changed without resetting memory")
+        previous = checked_state(self.momenta, name, tensor, "momentum")
         out = self._momentum_spares.take(name, tensor)
         if previous is None:
             momentum = tensor.clone() if out is None else out.copy_(tensor)
@@ -121,18 +139,16 @@ class ResidualMemory(Memory):
         return tensor + self.sgd_momentum * momentum if self.nesterov else momentum
 
     def compensate(self, tensor, name):
+        if self.sgd_momentum > 0.0 and not self.nesterov and self.beta == 1.0 and self.gamma == 1.0:
+            return self._momentum_corrected(tensor, name)  # top-k's default: one pass
         if self.clip_norm is not None:
             tensor = clip_local(tensor, self.clip_norm)
         if self.sgd_momentum > 0.0:
             tensor = self._with_momentum(tensor, name)
-        residual = self.residuals.get(name)
+        residual = checked_state(self.residuals, name, tensor, "residual")
         if residual is None:
             self._made.pop(name, None)
             return tensor if self.gamma == 1.0 else tensor * self.gamma
-        if residual.shape != tensor.shape:
-            raise ValueError(
-                f"residual of group {name!r} has shape {tuple(residual.shape)} but the gradient "
-                f"has shape {tuple(tensor.shape)}: the plan changed without resetting memory")
         out = self._spares.take(name, tensor)
         if self.gamma == 1.0 and self.beta == 1.0:
             compensated = torch.add(tensor, residual, out=out)
