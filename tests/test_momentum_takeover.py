@@ -72,27 +72,50 @@ def test_what_cannot_be_taken_over_is_refused_with_what_to_do():
     assert plain.momentum == 0.7 and memories.create("dgc").momentum == 0.9
 
 
-def _train(rank, world_size, taken_over):
+def _model():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    if taken_over:  # the user's script: SGD with momentum, memory="dgc"
-        sgd, memory = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "dgc"
-    else:  # what it used to need: plain SGD, the momentum given to the memory
-        sgd, memory = torch.optim.SGD(model.parameters(), lr=0.1), memories.create("dgc", momentum=0.9)
-    optimizer = mergecomp.DistributedOptimizer(sgd, model=model, compressor="topk", memory=memory, schedule=2)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _inner(model, name):
+    """The user's optimizer: SGD with momentum ("momentum"), without ("plain"), or Adam."""
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if name == "momentum" else 0.0)
+
+
+#: Memories built in the rank (instances do not travel to it): the rest go by name.
+_MEMORIES = {"dgc, momentum 0.9": lambda: memories.create("dgc", momentum=0.9),
+             "dgc without masking": lambda: memories.create("dgc", masking=False)}
+
+
+def _six_steps(rank, forward, optimizer):
     generator = torch.Generator().manual_seed(rank)
     for _ in range(6):
         x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(forward(x), y).backward()
         optimizer.step()
+
+
+def _train(rank, world_size, optimizer_name, memory):
+    """Top-k through the wrapper: (parameters, the user's SGD momentum afterwards, the
+    momentum the residual memory applies, if it is one)."""
+    model = _model()
+    inner = _inner(model, optimizer_name)
+    memory = _MEMORIES[memory]() if memory in _MEMORIES else memory
+    optimizer = mergecomp.DistributedOptimizer(inner, model=model, compressor="topk", memory=memory, schedule=2)
+    _six_steps(rank, model, optimizer)
     optimizer.remove_hooks()
-    return [p.detach().clone() for p in model.parameters()], sgd.param_groups[0]["momentum"]
+    return ([p.detach().clone() for p in model.parameters()], inner.param_groups[0].get("momentum"),
+            getattr(optimizer.memory, "sgd_momentum", None))
 
 
 def test_the_wrapper_trains_sgd_with_momentum_as_momentum_correction():
-    taken, given = run_ranks(_train, 2, True), run_ranks(_train, 2, False)
-    for (mine, momentum), (theirs, _) in zip(taken, given):
+    # the user's script (SGD with momentum, memory="dgc") against what it used to need
+    # (plain SGD, the momentum given to the memory)
+    taken, given = run_ranks(_train, 2, "momentum", "dgc"), run_ranks(_train, 2, "plain", "dgc, momentum 0.9")
+    for (mine, momentum, _), (theirs, _, _) in zip(taken, given):
         assert momentum == 0.9
         for a, b in zip(mine, theirs):
             assert torch.equal(a, b)
@@ -101,18 +124,12 @@ def test_the_wrapper_trains_sgd_with_momentum_as_momentum_correction():
 def _train_ddp(rank, world_size, taken_over):
     import mergecomp.ddp
     from torch.nn.parallel import DistributedDataParallel
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = _model()
     ddp = DistributedDataParallel(model)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if taken_over else 0.0)
-    memory = "dgc" if taken_over else memories.create("dgc", momentum=0.9)
+    sgd = _inner(model, "momentum" if taken_over else "plain")
+    memory = "dgc" if taken_over else _MEMORIES["dgc, momentum 0.9"]()
     mergecomp.ddp.register(ddp, compressor="topk", memory=memory, optimizer=sgd)
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(6):
-        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)
-        sgd.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        sgd.step()
+    _six_steps(rank, ddp, sgd)
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -122,33 +139,13 @@ def test_the_ddp_hook_takes_the_momentum_of_the_optimizer_it_is_given():
             assert torch.equal(a, b)
 
 
-def _train_topk(rank, world_size, optimizer_name, memory):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    if optimizer_name == "adam":
-        inner = torch.optim.Adam(model.parameters(), lr=0.01)
-    else:
-        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if optimizer_name == "momentum" else 0.0)
-    if memory == "dgc without masking":
-        memory = memories.create("dgc", masking=False)
-    optimizer = mergecomp.DistributedOptimizer(inner, model=model, compressor="topk", memory=memory, schedule=2)
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(6):
-        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    optimizer.remove_hooks()
-    return [p.detach().clone() for p in model.parameters()], getattr(optimizer.memory, "sgd_momentum", None)
-
-
 @pytest.mark.parametrize("optimizer_name,same_as,momentum", [
     ("momentum", "dgc without masking", 0.9),  # SGD's momentum before the exchange
     ("plain", "residual", 0.0),                # nothing to take over: plain error feedback
     ("adam", "residual", 0.0)])                # Adam keeps its moments, after the exchange
 def test_topk_default_memory_takes_the_momentum_before_the_exchange(optimizer_name, same_as, momentum):
-    auto, explicit = run_ranks(_train_topk, 2, optimizer_name, "auto"), run_ranks(_train_topk, 2, optimizer_name, same_as)
-    for (mine, adopted), (theirs, _) in zip(auto, explicit):
+    auto, explicit = run_ranks(_train, 2, optimizer_name, "auto"), run_ranks(_train, 2, optimizer_name, same_as)
+    for (mine, _, adopted), (theirs, _, _) in zip(auto, explicit):
         assert adopted == momentum
         for a, b in zip(mine, theirs):
             assert torch.equal(a, b)
