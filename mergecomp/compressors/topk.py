@@ -16,7 +16,7 @@ from . import register
 from .base import Context, check_ratio
 from .kernels import Scratch, exact_top_k
 from .recipes import Recipe
-from .sparsifier import SparseCompressor, index_dtype, index_nbytes, num_selected
+from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_dtype, index_nbytes, num_selected
 
 
 @register("topk")
@@ -50,9 +50,7 @@ class TopKCompressor(SparseCompressor):
     recommended_communicator = "allgather"
     fixed_size = True
     recipe = Recipe(
-        reason="what it sends is the residual of many steps, so clipping the averaged update "
-               "after the exchange shrinks its steps far more than dense SGD's, and what it "
-               "cuts is never sent again: clip each rank's gradient before the residual is added; "
+        reason=RESIDUAL_CLIPPING_REASON + "; "
                "its default memory applies SGD's momentum before the exchange; near the plateau "
                "of a transformer, memory 'dgc' (the same with DGC's momentum factor masking) "
                "came closer still in the language-model benchmark",
