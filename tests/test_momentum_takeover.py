@@ -98,13 +98,13 @@ def _six_steps(rank, forward, optimizer):
         optimizer.step()
 
 
-def _train(rank, world_size, optimizer_name, memory):
-    """Top-k through the wrapper: (parameters, the user's SGD momentum afterwards, the
-    momentum the residual memory applies, if it is one)."""
+def _train(rank, world_size, optimizer_name, memory, compressor="topk"):
+    """A sparsifier (top-k unless told) through the wrapper: (parameters, the user's SGD
+    momentum afterwards, the momentum the residual memory applies, if it is one)."""
     model = _model()
     inner = _inner(model, optimizer_name)
     memory = _MEMORIES[memory]() if memory in _MEMORIES else memory
-    optimizer = mergecomp.DistributedOptimizer(inner, model=model, compressor="topk", memory=memory, schedule=2)
+    optimizer = mergecomp.DistributedOptimizer(inner, model=model, compressor=compressor, memory=memory, schedule=2)
     _six_steps(rank, model, optimizer)
     optimizer.remove_hooks()
     return ([p.detach().clone() for p in model.parameters()], inner.param_groups[0].get("momentum"),
@@ -143,8 +143,11 @@ def test_the_ddp_hook_takes_the_momentum_of_the_optimizer_it_is_given():
     ("momentum", "dgc without masking", 0.9),  # SGD's momentum before the exchange
     ("plain", "residual", 0.0),                # nothing to take over: plain error feedback
     ("adam", "residual", 0.0)])                # Adam keeps its moments, after the exchange
-def test_topk_default_memory_takes_the_momentum_before_the_exchange(optimizer_name, same_as, momentum):
-    auto, explicit = run_ranks(_train, 2, optimizer_name, "auto"), run_ranks(_train, 2, optimizer_name, same_as)
+@pytest.mark.parametrize("compressor", ["topk", "graddrop"])
+def test_sparsifiers_default_memory_takes_the_momentum_before_the_exchange(optimizer_name, same_as, momentum,
+                                                                            compressor):
+    auto = run_ranks(_train, 2, optimizer_name, "auto", compressor)
+    explicit = run_ranks(_train, 2, optimizer_name, same_as, compressor)
     for (mine, _, adopted), (theirs, _, _) in zip(auto, explicit):
         assert adopted == momentum
         for a, b in zip(mine, theirs):

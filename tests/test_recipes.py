@@ -50,8 +50,7 @@ def test_the_compressors_that_need_other_settings_declare_them(name):
     assert name not in ("efsignsgd", "onebit", "tbq", "randk") or recipe.fold_momentum
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "qsgd", "terngrad", "graddrop",
-                                  "powersgd", "atomo"])
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "qsgd", "terngrad", "powersgd", "atomo"])
 def test_the_compressors_at_parity_with_dense_settings_declare_nothing(name):
     assert compressors.create(name).recipe is None
 
@@ -147,7 +146,7 @@ def test_the_convergence_benchmark_applies_each_recipe():
     assert "compress_ratio=0.05 is below the 0.1" in settings["advice"]
 
 
-@pytest.mark.parametrize("name", ["topk", "dgc"])
+@pytest.mark.parametrize("name", ["topk", "dgc", "graddrop"])
 def test_error_feedback_sparsifiers_ask_for_local_clipping(name):
     recipe = compressors.create(name).recipe
     assert recipe.local_clipping and recipe.lr_scale == 1.0 and not recipe.fold_momentum

@@ -9,12 +9,15 @@ On the wire: c values (about R·n, varying) in the gradient's dtype and c int32 
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from . import register
 from .base import Context, check_ratio
 from .kernels import BlockPeaks, Scratch, sampled_threshold
-from .sparsifier import SparseCompressor, index_dtype, index_nbytes, num_selected
+from .recipes import Recipe
+from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_dtype, index_nbytes, num_selected
 
 
 @register("graddrop")
@@ -25,6 +28,14 @@ class GradDropCompressor(SparseCompressor):
     not an exact top-k: the number sent varies from step to step (``fixed_size = False``),
     with no refinement or cap (that is DGC's addition).  Biased; the dropped values must be
     accumulated, which the ``residual`` memory does.
+
+    It selects what top-k selects, up to the threshold's noise, so it takes top-k's memory
+    and recipe: the residual with SGD's momentum before the exchange
+    (``memories.create("residual", momentum="optimizer")``; under Adam, or SGD without
+    momentum, plain error feedback) and each rank's gradient clipped before it is
+    accumulated.  With the momentum after the exchange and the averaged gradient clipped, it
+    trailed dense by more than top-k does on the language-model benchmark's transformer
+    (docs/results.md).
 
     How close to R·n: the sample has m = max(``min_samples``, ``sample_ratio``·n,
     ``sample_survivors``/R) elements (the whole tensor when that reaches n, and then the
@@ -46,7 +57,11 @@ class GradDropCompressor(SparseCompressor):
     fixed_size = False
     unbiased = False
     recommended_memory = "residual"
+    recommended_memory_options = MappingProxyType({"momentum": "optimizer"})
     recommended_communicator = "allgather"
+    recipe = Recipe(reason=RESIDUAL_CLIPPING_REASON + "; its default memory applies SGD's "
+                           "momentum before the exchange, as top-k's does",
+                    local_clipping=True)
 
     def __init__(self, compress_ratio: float = 0.01, sample_ratio: float = 0.001, min_samples: int = 1024,
                  sample_survivors: int = 400):
