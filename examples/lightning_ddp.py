@@ -78,7 +78,7 @@ class Traffic(L.Callback):
             loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
             print(f"epoch {trainer.current_epoch}: train loss {loss:.4f}, {per_step:,.0f} bytes/step through "
                   f"mergecomp's hook ({state.compressor!r}; FP32 allreduce: {fp32:,}), "
-                  f"{steps} hook steps so far", flush=True)
+                  f"{steps} hook steps so far, hook epoch {state.epoch}", flush=True)
 
 
 def main(argv=None) -> int:

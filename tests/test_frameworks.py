@@ -15,14 +15,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPOCH = re.compile(r"epoch (\d+): train loss ([0-9.]+), ([0-9,]+) bytes/step through mergecomp's hook "
                    r".*FP32 allreduce: ([0-9,]+)\), (\d+) hook steps")
+HOOK_EPOCH = re.compile(r"epoch (\d+): .* hook steps so far, hook epoch (\d+)")
 
 
-def _run(command, timeout=240):
+def _run(command, timeout=240, epoch_reaches_hook=False):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     epochs = [m.groups() for m in EPOCH.finditer(done.stdout)]
     assert len(epochs) == 2, done.stdout[-3000:]
+    if epoch_reaches_hook:  # the strategy passes Lightning's epoch on (DGC's warm-up follows it)
+        assert [a == b for a, b in HOOK_EPOCH.findall(done.stdout)] == [True, True], done.stdout[-3000:]
     return [(int(e), float(loss), int(sent.replace(",", "")), int(fp32.replace(",", "")), int(steps))
             for e, loss, sent, fp32, steps in epochs]
 
@@ -37,7 +40,7 @@ def _check(epochs):
 def test_lightning_trains_through_mergecomps_hook():
     pytest.importorskip("lightning", reason="pip install -e .[test] installs Lightning")
     _check(_run([sys.executable, "examples/lightning_ddp.py", "--devices", "2", "--compressor", "topk",
-                 "--memory", "residual", "--fusion-num", "2", "--epochs", "2"]))
+                 "--memory", "residual", "--fusion-num", "2", "--epochs", "2"], epoch_reaches_hook=True))
 
 
 def test_accelerate_trains_through_mergecomps_hook():

@@ -185,3 +185,48 @@ def test_dgc_warmup_in_steps_counts_committed_steps():
     assert again.density() == densities[2]
     with pytest.raises(ValueError, match="warmup_steps must be a non-negative integer"):
         compressors.create("dgc", warmup_steps=-1)
+
+
+def _warnings_of_first_steps(compressor, steps=3):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            compressor.compress(torch.randn(5000), "g")
+            compressor.commit()
+    return [str(w.message) for w in caught if issubclass(w.category, RecipeWarning)]
+
+
+def test_dgc_says_once_when_its_warmup_cannot_run():
+    silent = _warnings_of_first_steps(compressors.create("dgc"))
+    assert len(silent) == 1, silent  # once, not every step
+    assert "no epoch was set before its first step and warmup_steps=0" in silent[0]
+    assert "pass warmup_steps = 0.2 × your run's steps" in silent[0] and "optimizer.set_epoch(epoch)" in silent[0]
+    told = compressors.create("dgc")
+    told.set_epoch(0)
+    for fine in (told, compressors.create("dgc", warmup_steps=10), compressors.create("dgc", warmup=0),
+                 compressors.create("dgc", compress_ratio=0.5)):  # nothing to warm up from
+        assert _warnings_of_first_steps(fine) == [], fine
+
+
+def _dgc_steps(rank, world_size, set_epoch):
+    model = torch.nn.Linear(64, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                                   model=model, compressor="dgc")
+        if set_epoch:
+            optimizer.set_epoch(0)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            optimizer.step()
+    optimizer.remove_hooks()
+    return [(str(w.message), w.filename) for w in caught if issubclass(w.category, RecipeWarning)]
+
+
+def test_the_wrapper_says_when_dgc_trains_without_its_warmup_and_only_then():
+    caught = run_ranks(_dgc_steps, 2, False)
+    for warned in caught:
+        assert len(warned) == 1 and "warm-up" in warned[0][0] and "is off" in warned[0][0], warned
+        assert warned[0][1].endswith("test_recipes.py"), warned  # the user's line
+    assert run_ranks(_dgc_steps, 2, True) == [[], []]  # set_epoch before the first step: nothing to say

@@ -20,11 +20,15 @@ import torch
 from . import register
 from .base import Context, check_ratio
 from .kernels import BlockPeaks, Scratch, sampled_threshold
-from .recipes import Recipe
+from .recipes import Recipe, warn
 from .sparsifier import SparseCompressor, index_dtype, num_selected
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
+#: The step-counted warm-up that the warning without epochs advises, as a share of the run's
+#: steps: on the language-model benchmark's LSTM (1,500 steps) a fifth did at least as well
+#: as a fifteenth, and none at all fell far behind in short runs (docs/results.md).
+WARMUP_FRACTION_ADVICE = 0.2
 
 
 @register("dgc")
@@ -54,7 +58,8 @@ class DGCCompressor(SparseCompressor):
     training loop reports: call ``optimizer.set_epoch(epoch)`` at the start of every epoch
     (the DistributedOptimizer and the DDP hook state pass it on).  A compressor never told an
     epoch (a throughput benchmark, a loop without epochs) sends at ``compress_ratio`` from
-    the first step.  ``warmup_steps=S`` measures the warm-up in steps instead, for runs that
+    the first step, and warns once that its warm-up is off (pass ``warmup=0`` to mean it).
+    ``warmup_steps=S`` measures the warm-up in steps instead, for runs that
     are not epoch-based (a language model on a long stream, a fixed step budget): the density
     decays exponentially from 25% to ``compress_ratio`` over the first S steps this
     compressor completes (counted at each committed step, so a dropped step does not count;
@@ -112,6 +117,7 @@ class DGCCompressor(SparseCompressor):
         self.fp16_values = bool(fp16_values)
         self.index_bits = index_bits
         self.epoch: Optional[int] = None  # None until set_epoch: no warm-up
+        self._warned_warmup_off = False
         self._scratch = Scratch()
 
     def _check_warmup(self, warmup):
@@ -158,7 +164,38 @@ class DGCCompressor(SparseCompressor):
     def rollback(self) -> None:
         self._compressed = False
 
+    def warmup_is_off(self) -> bool:
+        """Whether a warm-up was asked for (``warmup`` epochs or densities) but cannot run:
+        no epoch has been set and no ``warmup_steps`` given, so it sends at
+        ``compress_ratio`` from the first step."""
+        asked = bool(self.warmup) and any(d > self.compress_ratio for d in self._warmup_densities())
+        return asked and self.epoch is None and not self.warmup_steps
+
+    def _warmup_densities(self):
+        if isinstance(self.warmup, tuple):
+            return self.warmup
+        return [self.density(epoch) for epoch in range(self.warmup)]
+
+    def _warn_if_warmup_off(self) -> None:
+        """Say once, at the first step, that the warm-up asked for is not happening: a loop
+        without ``set_epoch`` (a step-counted run, a framework that does not report epochs)
+        would otherwise lose the warm-up without a word."""
+        if self._warned_warmup_off or not self.warmup_is_off():
+            return
+        self._warned_warmup_off = True
+        epochs = self.warmup if isinstance(self.warmup, int) else len(self.warmup)
+        warn(f"{self!r}: no epoch was set before its first step and warmup_steps=0, so its "
+             f"density warm-up (down to {self.compress_ratio:g} over the first {epochs} "
+             f"epochs) is off and it sends {self.compress_ratio:g} from the first step. Call "
+             f"optimizer.set_epoch(epoch) (the DDP hook's state.set_epoch) at the start of every "
+             f"epoch; for a run counted in steps, pass warmup_steps = {WARMUP_FRACTION_ADVICE:g} × "
+             f"your run's steps (e.g. {round(WARMUP_FRACTION_ADVICE * 1500)} for 1,500); warmup=0 sends "
+             f"{self.compress_ratio:g} from the start without this warning. Why: sparse updates "
+             f"early in training, while the weights change fast, cost accuracy (Lin et al. 2018, "
+             f"section 3.3)")
+
     def compress(self, tensor, name, layout=None):
+        self._warn_if_warmup_off()
         self._compressed = True
         flat = tensor.reshape(-1)
         n = flat.numel()

@@ -215,9 +215,12 @@ def warn(message: str, stacklevel: Optional[int] = None) -> None:
 
 def _first_level_outside_package() -> int:
     """``warnings.warn``'s stacklevel, counted from its caller here, of the first frame whose
-    code is not in the mergecomp package."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    code is in neither the mergecomp package nor torch (a warning raised inside a step comes
+    through torch's ``optimizer.step`` and autograd wrappers on its way from the user's line)."""
+    import torch
+    packages = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                     for module in (sys.modules[__name__.split(".")[0]], torch))
     frame, level = sys._getframe(1), 1  # warn
-    while frame is not None and frame.f_code.co_filename.startswith(package):
+    while frame is not None and frame.f_code.co_filename.startswith(packages):
         frame, level = frame.f_back, level + 1
     return level

@@ -13,8 +13,10 @@ on gloo for years.  This subclass registers :func:`mergecomp.ddp.hook` on any de
 the :class:`~mergecomp.ddp.HookState` from the LightningModule being wrapped (so parameters
 are named after it), and, given a ``schedule``, sets DDP's per-bucket sizes from it
 (:func:`mergecomp.ddp.bucket_caps`).  Everything else is Lightning's DDP: launching,
-samplers, checkpointing of the module and optimizers.  The hook state is
-:attr:`hook_state` (for ``set_epoch``, its counters, or ``state_dict`` into a checkpoint).
+samplers, checkpointing of the module and optimizers.  Lightning's epoch reaches the hook
+before each training batch (``set_epoch``, which DGC's density warm-up follows), as a loop
+of one's own would pass it.  The hook state is :attr:`hook_state` (for its counters, or
+``state_dict`` into a checkpoint).
 """
 from __future__ import annotations
 
@@ -71,6 +73,12 @@ class MergecompDDPStrategy(DDPStrategy):
         if self.hook_state is not None:  # the optimizers exist only now, after the hook
             for optimizer in self.optimizers:
                 self.hook_state.check_optimizer(optimizer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        epoch = self.lightning_module.trainer.current_epoch
+        if self.hook_state is not None and self.hook_state.epoch != epoch:
+            self.hook_state.set_epoch(epoch)
 
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
