@@ -14,9 +14,10 @@ gap to dense in points, the runs that diverged (a non-finite loss), and the byte
 worker handed to the collectives per step (``backend.bytes_sent``) and transmitted under
 ring/direct algorithms (``backend.wire_bytes``).
 
-Components that apply momentum themselves (the ``dgc`` memory, ``signum``) refuse an
-optimizer with its own; such rows get SGD without momentum and keep the component's
-default momentum, as a user told so by the refusal would.  A recipe that folds the
+Memories that take SGD's momentum over (the ``dgc`` memory, top-k's and GradDrop's
+``residual`` with ``momentum="optimizer"``) get dense's SGD with its momentum and apply it
+before the exchange; a component that applies a momentum of its own (``signum``) gets SGD
+without momentum, as a user told so by its refusal would.  A recipe that folds the
 momentum into the learning rate gets SGD without momentum at lr·scale / (1 − m).
 
     python benchmarks/convergence.py                                  # every compressor, 3 seeds
