@@ -29,7 +29,10 @@ the ranks' signs (0 on a tie), and SGD with momentum m steps on it at ``--lr``, 
 PyTorch's own ``powerSGD_hook`` (one rank-``--rank`` factorisation per layer, error
 feedback, warm start, compressing from its minimum start iteration 2, or ``--start-iter``:
 PyTorch's default is 1,000 plain allreduces first), momentum SGD after
-the exchange and the averaged gradient clipped, as mergecomp's ``powersgd`` row.
+the exchange and the averaged gradient clipped, as mergecomp's ``powersgd`` row.  With
+``--momentum-before`` the momentum moves before the exchange instead, as top-k's default
+memory does: each rank clips its gradient to clip/√N, accumulates u ← m·u + g, and the
+hook compresses u (its error feedback on top); SGD without momentum steps on the average.
 
 ``--dense-vectors`` sends the one-dimensional tensors (biases, normalisation gains: under
 1% of either model's elements) uncompressed, averaged by an allreduce, and compresses the
@@ -125,17 +128,36 @@ def exchange(params, state, options, step, world) -> int:
     return k
 
 
-def ddp_powersgd(model, rank: int, seed: int, start_iter: int = 2):
+def ddp_powersgd(model, rank: int, seed: int, start_iter: int = 2, momentum_before: float = 0.0,
+                 local_clip: float = 0.0):
     """``model`` in DDP with PyTorch's per-layer PowerSGD hook, compressing from step
-    ``start_iter`` (plain allreduces before it: the hook's own warm-up, 2 at the least)."""
+    ``start_iter`` (plain allreduces before it: the hook's own warm-up, 2 at the least).
+    With ``momentum_before`` m > 0 the hook is handed each rank's velocity u ← m·u + g of its
+    gradient clipped to ``local_clip`` (0: unclipped) instead of the gradient."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
     # One bucket: with several, the hook's chained allreduces timed out on gloo ("Application
     # timeout caused pair closure"); its first two steps are plain allreduces either way.
     net = DistributedDataParallel(model, bucket_cap_mb=1024)
+    hook = powerSGD_hook.powerSGD_hook
+    if momentum_before:
+        velocities = {}
+
+        def hook(state, bucket, compress=powerSGD_hook.powerSGD_hook):
+            buffer = bucket.buffer()  # this rank's gradient; the hook averages
+            if local_clip:
+                buffer.mul_(min(1.0, local_clip / (float(buffer.norm()) + 1e-6)))
+            offset = 0  # per parameter: DDP may order its bucket anew after the first step
+            for param in bucket.parameters():
+                piece = buffer[offset:offset + param.numel()]
+                velocity = velocities.setdefault(param, torch.zeros_like(piece))
+                piece.copy_(velocity.mul_(momentum_before).add_(piece))
+                offset += param.numel()
+            assert offset == buffer.numel(), "the bucket holds its parameters' gradients end to end"
+            return compress(state, bucket)
     net.register_comm_hook(powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=max(2, start_iter),
-        use_error_feedback=True, warm_start=True, random_seed=seed), powerSGD_hook.powerSGD_hook)
+        use_error_feedback=True, warm_start=True, random_seed=seed), hook)
     return net
 
 
@@ -155,8 +177,11 @@ def train(options: dict) -> list:
             dist.broadcast(p.data, 0)
         powersgd = options["variant"] == "powersgd"
         dense = options["density"] >= 1.0 or powersgd
-        net = ddp_powersgd(model, options["rank"], seed, options["start_iter"]) if powersgd else model
-        after = dense or options["variant"] in ("topk", "signsgd")  # heavy-ball momentum after the exchange
+        before = powersgd and options["momentum_before"]
+        net = ddp_powersgd(model, options["rank"], seed, options["start_iter"],
+                           options["momentum"] if before else 0.0,
+                           options["clip"] / math.sqrt(world) if before else 0.0) if powersgd else model
+        after = (dense and not before) or options["variant"] in ("topk", "signsgd")  # momentum after the exchange
         optimizer = torch.optim.SGD(params, lr=options["lr"], momentum=options["momentum"] if after else 0.0)
         stream = lm.TextStream(corpus, options["batch_size"], task.bptt, rank, world)
         curve = [dict(step=0, valid_loss=lm.validation_loss(task, model, valid))]
@@ -174,7 +199,7 @@ def train(options: dict) -> list:
                     if not powersgd:  # DDP's hook left the average in p.grad
                         dist.all_reduce(p.grad)
                         p.grad.div_(world)
-                if options["clip"]:
+                if options["clip"] and not before:  # before: each rank clipped its own gradient
                     torch.nn.utils.clip_grad_norm_(params, options["clip"])
             elif options["variant"] == "signsgd":
                 sent += sign_vote(params)
@@ -216,6 +241,9 @@ def main(argv=None) -> int:
                    help="--variant powersgd: the step it starts compressing at (PyTorch's start_powerSGD_iter; "
                         "plain allreduces before it)")
     p.add_argument("--rank", type=int, default=2, help="PowerSGD's approximation rank (--variant powersgd)")
+    p.add_argument("--momentum-before", action="store_true",
+                   help="--variant powersgd: SGD's momentum before the exchange, each rank's gradient "
+                        "clipped to clip/√N (SGD without momentum steps on the average)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=None, help="a JSON file for the runs")
     args = p.parse_args(argv)
@@ -227,11 +255,12 @@ def main(argv=None) -> int:
                    lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, clip=args.clip,
                    density=args.density, warmup_steps=args.warmup_steps, masking=not args.no_masking,
                    variant=args.variant, rank=args.rank, dense_vectors=args.dense_vectors,
-                   start_iter=args.start_iter,
+                   start_iter=args.start_iter, momentum_before=args.momentum_before,
                    seeds=[int(s) for s in args.seeds.split(",")])
     runs = launch.spawn(train, args.workers, args=(options,))[0]
     if args.variant == "powersgd":
         kind = f"PyTorch's PowerSGD hook, rank {args.rank}, compressing from step {max(2, args.start_iter)}"
+        kind += ", momentum before the exchange" if args.momentum_before else ""
     elif args.density >= 1:
         kind = "dense"
     elif args.variant == "signsgd":
