@@ -63,7 +63,7 @@ def compression(run: str, args, world_size: int) -> Optional[Dict[str, Any]]:
     if run == "topk":
         memory = mergecomp.memories.create("residual", clip_norm=args.clip / math.sqrt(world_size))
         return {"compressor": "topk", "compress_ratio": args.topk_ratio, "memory": memory}
-    return {"compressor": "powersgd"}
+    return {"compressor": mergecomp.compressors.create("powersgd", rank=2)}  # the reference rows' rank
 
 
 def train(run: str, seed: int, args, corpus, rank: int, world_size: int) -> Dict[str, Any]:
