@@ -449,7 +449,9 @@ def set_plan_worker(rank, world_size):
     def powersgd_switch(name):
         power_model = make_model()
         power = mergecomp.DistributedOptimizer(torch.optim.SGD(power_model.parameters(), lr=0.1),
-                                               power_model.named_parameters(), compressor=name, schedule=1)
+                                               power_model.named_parameters(),
+                                               compressor=mergecomp.compressors.create(name, rank=2),  # factors these layers
+                                               schedule=1)
         nn.functional.mse_loss(power_model(x), y).backward()
         power.step()
         views = lambda: {view: q for group in power.compressor.state_dict()["queries"].values()
@@ -475,7 +477,7 @@ def powersgd_raw_to_compressed_worker(rank, world_size):
     beside the tensors whose state moved with them."""
     model = make_model()
     opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
-                                         compressor="powersgd",
+                                         compressor=mergecomp.compressors.create("powersgd", rank=2),
                                          schedule=mergecomp.Plan([mergecomp.Group(("4.weight", "4.bias", "2.weight", "2.bias"), "compress"),
                                                                   mergecomp.Group(("0.weight", "0.bias"), "fp32")]))
     for step in range(3):
