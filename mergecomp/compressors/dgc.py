@@ -26,8 +26,8 @@ from .sparsifier import SparseCompressor, index_dtype, num_selected
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 #: The step-counted warm-up that the warning without epochs advises, as a share of the run's
-#: steps: on the language-model benchmark's LSTM (1,500 steps) a fifth did at least as well
-#: as a fifteenth, and none at all fell far behind in short runs (docs/results.md).
+#: steps: on both language-model tasks (1,500 steps) a fifth did better than a fifteenth,
+#: and none at all fell far behind in short runs (docs/results.md).
 WARMUP_FRACTION_ADVICE = 0.2
 
 
