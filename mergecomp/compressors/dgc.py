@@ -117,7 +117,7 @@ class DGCCompressor(SparseCompressor):
         self.fp16_values = bool(fp16_values)
         self.index_bits = index_bits
         self.epoch: Optional[int] = None  # None until set_epoch: no warm-up
-        self._warned_warmup_off = False
+        self._warmup_checked = False  # the first compress() says whether the warm-up is off
         self._scratch = Scratch()
 
     def _check_warmup(self, warmup):
@@ -168,22 +168,23 @@ class DGCCompressor(SparseCompressor):
         """Whether a warm-up was asked for (``warmup`` epochs or densities) but cannot run:
         no epoch has been set and no ``warmup_steps`` given, so it sends at
         ``compress_ratio`` from the first step."""
-        asked = bool(self.warmup) and any(d > self.compress_ratio for d in self._warmup_densities())
+        asked = any(self.density(epoch) > self.compress_ratio for epoch in range(self._warmup_epochs()))
         return asked and self.epoch is None and not self.warmup_steps
 
-    def _warmup_densities(self):
-        if isinstance(self.warmup, tuple):
-            return self.warmup
-        return [self.density(epoch) for epoch in range(self.warmup)]
+    def _warmup_epochs(self) -> int:
+        return self.warmup if isinstance(self.warmup, int) else len(self.warmup)
 
     def _warn_if_warmup_off(self) -> None:
         """Say once, at the first step, that the warm-up asked for is not happening: a loop
         without ``set_epoch`` (a step-counted run, a framework that does not report epochs)
-        would otherwise lose the warm-up without a word."""
-        if self._warned_warmup_off or not self.warmup_is_off():
+        would otherwise lose the warm-up without a word.  Checked at the first step only, so
+        later steps pay nothing for it."""
+        if self._warmup_checked:
             return
-        self._warned_warmup_off = True
-        epochs = self.warmup if isinstance(self.warmup, int) else len(self.warmup)
+        self._warmup_checked = True
+        if not self.warmup_is_off():
+            return
+        epochs = self._warmup_epochs()
         warn(f"{self!r}: no epoch was set before its first step and warmup_steps=0, so its "
              f"density warm-up (down to {self.compress_ratio:g} over the first {epochs} "
              f"epochs) is off and it sends {self.compress_ratio:g} from the first step. Call "
