@@ -113,6 +113,11 @@ def test_registered_from_a_profile_path_with_clear_errors(tmp_path):
         OptimalScheduler(profile, allow_half=True)
 
 
+def test_by_name_without_a_profile_says_where_one_comes_from():
+    with pytest.raises(ValueError, match=r"measured cost profile.*profile_out=.*schedule='auto'"):
+        schedulers.create("optimal")
+
+
 # ------------------------------------------------------------------------------- binary
 def drive(scheduler, time_of_split):
     proposals = 0

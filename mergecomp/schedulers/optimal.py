@@ -125,11 +125,17 @@ class OptimalScheduler(Scheduler):
     #: The most pieces the chunked timeline may have (the DP grows with it).
     max_pieces = 512
 
-    def __init__(self, profile: Union[Profile, str], allow_half: bool = False,
+    def __init__(self, profile: Union[Profile, str, None] = None, allow_half: bool = False,
                  allow_compress: bool = True, compression_on_compute: bool = True,
                  costs: Optional[Mapping[str, SendCost]] = None, max_states: Optional[int] = 64,
                  sends: Optional[Sequence[str]] = None, chunk_mb: Optional[float] = None,
                  communicators: Sequence[str] = ()):
+        if profile is None:
+            raise ValueError(
+                "the 'optimal' scheduler plans from a measured cost profile, and none was given: "
+                "pass schedulers.create('optimal', profile='profile.json') with a profile the 'auto' "
+                "scheduler saved (schedulers.create('auto', profile_out='profile.json')), or use "
+                "schedule='auto', which measures the profile in the run's first steps and plans from it")
         if isinstance(profile, str):
             profile = Profile.load(profile)
         if not isinstance(profile, Profile):
