@@ -293,7 +293,7 @@ def render_accuracy(folder: str, out: Optional[str] = None) -> str:
     right.set_title("final accuracy; dotted: dense SGD", fontsize=9)
     options = result.get("options", {})
     fig.suptitle(f"{result.get('workers', '?')} workers, {options.get('epochs', '?')} epochs, "
-                 f"{len(options.get('seeds', [])) or '?'} seeds (benchmarks/convergence.py)", fontsize=9)
+                 f"{_seeds(options)} (benchmarks/convergence.py)", fontsize=9)
     fig.tight_layout()
     return _save(fig, os.path.join(out or folder, "accuracy.png"))
 
@@ -335,7 +335,7 @@ def render_lm_curves(folder: str, out: Optional[str] = None) -> str:
     by_bytes.set_title("against bytes sent", fontsize=9)
     options = result.get("options", {})
     fig.suptitle(f"{options.get('task', '?')}, {result.get('workers', '?')} workers, "
-                 f"{options.get('steps', '?')} steps, {len(options.get('seeds', [])) or '?'} seeds "
+                 f"{options.get('steps', '?')} steps, {_seeds(options)} "
                  f"(benchmarks/convergence.py)", fontsize=9)
     fig.tight_layout()
     return _save(fig, os.path.join(out or folder, "curves.png"))
@@ -608,6 +608,12 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def _seeds(options) -> str:
+    """"1 seed", "3 seeds", or "? seeds" when the options do not say."""
+    count = len(options.get("seeds", []))
+    return "? seeds" if not count else "1 seed" if count == 1 else f"{count} seeds"
 
 
 def _save(fig, path: str) -> str:
