@@ -14,6 +14,13 @@ gap to dense in points, the runs that diverged (a non-finite loss), and the byte
 worker handed to the collectives per step (``backend.bytes_sent``) and transmitted under
 ring/direct algorithms (``backend.wire_bytes``).
 
+``--task char-lstm`` and ``--task char-gpt`` train a language model instead
+(:mod:`mergecomp.bench.lm`: a 2-layer character LSTM or GPT-style transformer on the Python
+distribution's own English help text, or ``--corpus`` a text file or WikiText folder) for
+``--steps`` steps, the averaged gradient clipped to ``--clip`` (or each rank's own, before
+its error feedback, where the recipe asks for local clipping), and report the validation
+loss (nats and bits per character) every ``--eval-every`` steps, its gap to dense in percent.
+
 Memories that take SGD's momentum over (the ``dgc`` memory, top-k's and GradDrop's
 ``residual`` with ``momentum="optimizer"``) get dense's SGD with its momentum and apply it
 before the exchange; a component that applies a momentum of its own (``signum``) gets SGD
@@ -23,13 +30,17 @@ momentum into the learning rate gets SGD without momentum at lr·scale / (1 − 
     python benchmarks/convergence.py                                  # every compressor, 3 seeds
     python benchmarks/convergence.py --compressors topk dgc:compress_ratio=0.01 --seeds 0
     python benchmarks/convergence.py --compressors signsgd:lr_scale=0.02 --out results/signs
+    python benchmarks/convergence.py --task char-gpt --workers 2 --steps 1500 --eval-every 250 \\
+        --seeds 0,1 --compressors topk powersgd dgc:warmup_steps=300 --out results/gpt
     python benchmarks/convergence.py --combine a/convergence.json b/convergence.json --out both
 
 A compressor spec is ``name`` or ``name:key=value:key=value``: keys are the compressor's
-constructor arguments, plus ``memory``, ``comm`` (override the recommendation) and
-``lr_scale`` (multiply ``--lr`` for this row, in place of the recipe's) and ``momentum`` (the
-optimizer's momentum for this row).  Results go to ``--out`` as
-``convergence.json`` (every run, every epoch's test accuracy) and ``convergence.md``.
+constructor arguments, plus ``memory``, ``comm`` (override the recommendation),
+``memory.<argument>`` (the memory's, e.g. ``memory.clip_norm=0.5``), ``compressor.<argument>``
+(a compressor argument named like one of these keys), ``lr_scale`` (multiply ``--lr`` for this
+row, in place of the recipe's), ``momentum`` (the optimizer's momentum for this row) and
+``clip`` (where this row clips: ``averaged``, ``local`` or ``none``).  Results go to ``--out`` as
+``convergence.json`` (every run, every evaluation) and ``convergence.md``.
 While a table trains, ``--out`` holds the rows finished so far (``convergence.partial.json``).
 ``--combine`` trains nothing: it tabulates the runs of several such files of the same task
 and settings (rows run in separate invocations) as one table.
