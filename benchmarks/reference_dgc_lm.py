@@ -21,6 +21,16 @@ optimizer *after* the exchange):
     send the k largest |v|;  r ← v with the sent coordinates zeroed
     the optimizer (SGD with momentum m) steps on the average
 
+``--variant ef21`` is EF21-SGDM (Fatkhullin, Tyurin and Richtárik, "Momentum Provably
+Improves Error Feedback!", NeurIPS 2023): instead of a residual of what was not sent, each
+rank keeps an estimate w of its own velocity and sends the top-k of what the estimate
+misses; every rank keeps the same average W of the estimates, and SGD (no momentum) steps
+on W, every coordinate every step:
+
+    g ← the rank's gradient, clipped to clip/√N;  u ← m·u + g
+    c ← the k largest |u − w| (values and indices);  w ← w + c
+    allgather;  W ← W + (sum of every rank's c) / N;  the optimizer steps on W
+
 ``--variant signsgd`` is signSGD with majority vote (Bernstein et al., 2018/2019): each rank
 sends sign(g) (+1 for a zero, as the IEEE sign bit), the update is the sign of the sum of
 the ranks' signs (0 on a tie), and SGD with momentum m steps on it at ``--lr``, no clipping.
@@ -94,6 +104,45 @@ def average_dense(params, world) -> int:
     return sum(p.numel() for p in params)
 
 
+def allgather_average(values, indices, size: int, world: int, out=None):
+    """The average over ranks of every rank's sparse (values, indices) of a ``size``-long
+    vector, added into ``out`` (zeros when None)."""
+    gathered_values = [torch.empty_like(values) for _ in range(world)]
+    gathered_indices = [torch.empty_like(indices) for _ in range(world)]
+    dist.all_gather(gathered_values, values)
+    dist.all_gather(gathered_indices, indices)
+    average = torch.zeros(size, dtype=values.dtype)
+    for i, x in zip(gathered_indices, gathered_values):
+        average.index_add_(0, i, x)
+    average.div_(world)
+    return average if out is None else out.add_(average)
+
+
+def write_grads(params, flat) -> None:
+    """``flat`` (every gradient end to end) into each ``p.grad``."""
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def ef21_exchange(g, state, options, world) -> int:
+    """EF21-SGDM on the flat gradient ``g`` (clipped already): the top-k of the velocity's
+    change since this rank's estimate; ``state["average"]`` becomes the average estimate,
+    what the optimizer steps on.  Returns the values sent."""
+    u = state.setdefault("u", torch.zeros_like(g))
+    estimate = state.setdefault("estimate", torch.zeros_like(g))
+    u.mul_(options["momentum"]).add_(g)
+    missing = u - estimate
+    k = max(1, int(round(options["density"] * g.numel())))
+    indices = torch.topk(missing.abs(), k, sorted=False).indices
+    values = missing[indices]
+    estimate[indices] += values
+    state["average"] = allgather_average(values, indices, g.numel(), world,
+                                         out=state.get("average", torch.zeros_like(g)))
+    return k
+
+
 def exchange(params, state, options, step, world) -> int:
     """DGC on the flat gradient of ``params``: writes the averaged sparse update into each
     ``p.grad``; returns the values sent by this rank."""
@@ -101,6 +150,10 @@ def exchange(params, state, options, step, world) -> int:
     g = torch.cat([x.reshape(-1) for x in grads])
     if options["clip"]:
         g.mul_(min(1.0, options["clip"] / math.sqrt(world) / (float(g.norm()) + 1e-12)))
+    if options["variant"] == "ef21":
+        sent = ef21_exchange(g, state, options, world)
+        write_grads(params, state["average"])
+        return sent
     u, v = state.setdefault("u", torch.zeros_like(g)), state.setdefault("v", torch.zeros_like(g))
     if options["variant"] == "topk":  # the residual takes the gradient; momentum is the optimizer's
         v.add_(g)
@@ -109,22 +162,11 @@ def exchange(params, state, options, step, world) -> int:
         v.add_(u)
     k = max(1, int(round(density_at(step, options["density"], options["warmup_steps"]) * g.numel())))
     indices = torch.topk(v.abs(), k, sorted=False).indices
-    values = v[indices]
-    gathered_values = [torch.empty_like(values) for _ in range(world)]
-    gathered_indices = [torch.empty_like(indices) for _ in range(world)]
-    dist.all_gather(gathered_values, values)
-    dist.all_gather(gathered_indices, indices)
-    average = torch.zeros_like(g)
-    for i, x in zip(gathered_indices, gathered_values):
-        average.index_add_(0, i, x)
-    average.div_(world)
+    average = allgather_average(v[indices], indices, g.numel(), world)
     v[indices] = 0
     if options["masking"]:
         u[indices] = 0
-    offset = 0
-    for p in params:
-        p.grad.copy_(average[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+    write_grads(params, average)
     return k
 
 
@@ -232,9 +274,10 @@ def main(argv=None) -> int:
     p.add_argument("--density", type=float, default=0.001, help="fraction sent; 1: dense SGD")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--no-masking", action="store_true", help="keep the momentum of sent coordinates")
-    p.add_argument("--variant", choices=("dgc", "topk", "signsgd", "powersgd"), default="dgc",
+    p.add_argument("--variant", choices=("dgc", "topk", "signsgd", "powersgd", "ef21"), default="dgc",
                    help="dgc: momentum correction (the default); topk: a residual, momentum in the optimizer; "
-                        "signsgd: majority vote; powersgd: DDP with PyTorch's PowerSGD hook")
+                        "signsgd: majority vote; powersgd: DDP with PyTorch's PowerSGD hook; "
+                        "ef21: EF21-SGDM, the top-k of the velocity's change")
     p.add_argument("--dense-vectors", action="store_true",
                    help="send 1-D tensors (biases, norms) uncompressed; compress the matrices only")
     p.add_argument("--start-iter", type=int, default=2,
@@ -265,6 +308,8 @@ def main(argv=None) -> int:
         kind = "dense"
     elif args.variant == "signsgd":
         kind = f"signSGD with majority vote, momentum {args.momentum:g} after the vote"
+    elif args.variant == "ef21":
+        kind = f"EF21-SGDM top-k {args.density:g}, momentum {args.momentum:g} before the exchange"
     elif args.variant == "topk":
         kind = f"top-k {args.density:g} with a residual, momentum {args.momentum:g} after the exchange"
     else:

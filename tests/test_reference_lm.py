@@ -17,6 +17,8 @@ def exchange_worker(rank, world_size, variant):
     sent = exchange(params, state, options, 0, world_size)
     flat = torch.cat([g.reshape(-1) for g in grads])
     average = torch.cat([p.grad.reshape(-1) for p in params])
+    if variant == "ef21":
+        return sent, flat, state["estimate"].clone(), state["u"].clone(), average
     return sent, flat, state["v"].clone(), state["u"].clone(), average
 
 
@@ -35,6 +37,17 @@ def test_dgc_variant_accumulates_momentum():
     for sent, gradient, velocity, momentum, _ in run_ranks(exchange_worker, 2, "dgc"):
         assert sent == 3 and torch.equal(momentum == 0, velocity == 0)  # masking: both cleared where sent
         assert torch.equal(momentum[momentum != 0], gradient[momentum != 0])
+
+
+def test_ef21_variant_steps_on_the_average_estimate():
+    results = run_ranks(exchange_worker, 2, "ef21")
+    total = torch.zeros(10)
+    for sent, gradient, estimate, momentum, average in results:
+        assert sent == 3 and int((estimate != 0).sum()) == 3  # the top 3 of u − 0, taken into the estimate
+        assert torch.equal(momentum, gradient)  # u ← 0.9·0 + g
+        assert torch.equal(estimate[estimate != 0], gradient[estimate != 0])
+        total += estimate
+    assert all(torch.allclose(average, total / 2) for *_, average in results)
 
 
 def dense_worker(rank, world_size):
