@@ -63,6 +63,8 @@ def test_advice_names_what_contradicts_the_recipe_and_what_to_do():
     assert "use lr = 0.0005 (your 5 × 0.01 = 0.05 is still above it" in huge
     tbq = recipes.advice(compressors.create("tbq"), _sgd(lr=0.05, momentum=0.9))
     assert "momentum=0.9; fold it into the learning rate: momentum=0, lr = 0.5: your 0.05 / (1 − 0.9)" in tbq
+    folded = recipes.advice(compressors.create("efsignsgd"), _sgd(lr=0.05, momentum=0.9), "residual")
+    assert ". The paper: EF-SGD" in folded and ".. The paper" not in folded  # one sentence each
     randk = recipes.advice(compressors.create("randk"), _sgd(lr=0.5, momentum=0.0), "residual")
     assert "compress_ratio=0.01 is below the 0.1 it needs" in randk
     unbiased = recipes.advice(compressors.create("randk", unbiased=True, compress_ratio=0.25),

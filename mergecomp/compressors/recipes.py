@@ -183,7 +183,7 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
     if not problems:
         return None
     advised = f" The paper: {recipe.paper}" if recipe.paper else ""
-    return f"{compressor!r}: {'; '.join(problems)}. Why: {recipe.reason}{advised}"
+    return f"{compressor!r}: {'; '.join(problems)}. Why: {recipe.reason.rstrip('.')}.{advised}"
 
 
 def _value_for(lr: float, recipe: Recipe) -> str:
