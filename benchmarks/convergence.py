@@ -16,7 +16,8 @@ ring/direct algorithms (``backend.wire_bytes``).
 
 ``--task char-lstm`` and ``--task char-gpt`` train a language model instead
 (:mod:`mergecomp.bench.lm`: a 2-layer character LSTM or GPT-style transformer on the Python
-distribution's own English help text, or ``--corpus`` a text file or WikiText folder) for
+distribution's own English help text, ``--corpus python`` with its standard library's
+docstrings too, or a text file or WikiText folder) for
 ``--steps`` steps, the averaged gradient clipped to ``--clip`` (or each rank's own, before
 its error feedback, where the recipe asks for local clipping), and report the validation
 loss (nats and bits per character) every ``--eval-every`` steps, its gap to dense in percent.
@@ -701,7 +702,8 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=None,
                    help="language models: gradient norm clip (default 1.0; 0: none)")
     p.add_argument("--corpus", default="pydoc",
-                   help="language models: 'pydoc' (the Python distribution's help text), a "
+                   help="language models: 'pydoc' (the Python distribution's help text), 'python' "
+                        "(that and the standard library's docstrings, about four times as much), a "
                         "UTF-8 text file, or a WikiText folder")
     p.add_argument("--level", choices=text.LEVELS, default="char",
                    help="language models: character or word level (default char)")

@@ -184,6 +184,32 @@ def test_python_docs_corpus_is_english_split_in_order():
     assert torch.equal(corpus.valid, again.valid)
 
 
+def test_python_library_corpus_reads_docstrings_in_path_order_without_importing(tmp_path, monkeypatch):
+    monkeypatch.setattr(text, "python_docs_text", lambda: "TOPICS")
+    long = "x" * text.MIN_DOCSTRING_CHARS
+    (tmp_path / "b.py").write_text(f'"""module b {long}"""\ndef f():\n    """function f {long}"""\n'
+                                   f'    raise SystemExit("never imported")\n', encoding="utf-8")
+    (tmp_path / "a.py").write_text(f'class A:\n    """class A {long}"""\n    def g(self):\n'
+                                   f'        """short"""\n', encoding="utf-8")
+    (tmp_path / "broken.py").write_text("def (:\n", encoding="utf-8")
+    for skipped in ("test", "site-packages", "idlelib"):
+        (tmp_path / skipped).mkdir()
+        (tmp_path / skipped / "c.py").write_text(f'"""{skipped} {long}"""\n', encoding="utf-8")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "d.py").write_text(f'"""package d {long}"""\n', encoding="utf-8")
+    found = text.python_library_text(str(tmp_path)).split("\n\n")
+    assert [part.split(" x")[0] for part in found] == ["TOPICS", "class A", "module b", "function f", "package d"]
+    with pytest.raises(FileNotFoundError, match="'pydoc', a text file"):
+        text.python_library_text(str(tmp_path / "missing"))
+
+
+def test_python_corpus_is_the_library_text_split_and_named(monkeypatch):
+    monkeypatch.setattr(text, "python_library_text", lambda: "The library's English. " * 200)
+    corpus = text.load_text("python")
+    assert corpus.train.numel() + corpus.valid.numel() + corpus.test.numel() == 23 * 200
+    assert "standard-library docstrings" in corpus.describe()
+
+
 def test_wikitext_folder_read_as_characters_and_words(tmp_path):
     write_wikitext(tmp_path / "wikitext-2")
     chars = text.load_text(str(tmp_path), "char")
@@ -204,7 +230,7 @@ def test_text_file_split_and_what_is_refused(tmp_path):
     corpus = text.load_text(str(path), "char", valid_fraction=0.2, test_fraction=0.1)
     assert (corpus.train.numel(), corpus.valid.numel(), corpus.test.numel()) == (140, 40, 20)
     assert corpus.vocab_size == 11
-    with pytest.raises(FileNotFoundError, match="neither 'pydoc' nor an existing file"):
+    with pytest.raises(FileNotFoundError, match="neither 'pydoc', 'python' nor an existing file"):
         text.load_text(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="level must be one of"):
         text.load_text(str(path), "byte")
