@@ -31,6 +31,13 @@ on W, every coordinate every step:
     c ← the k largest |u − w| (values and indices);  w ← w + c
     allgather;  W ← W + (sum of every rank's c) / N;  the optimizer steps on W
 
+``--variant efsignsgd`` is EF-SignSGD (Karimireddy et al., ICML 2019, Algorithm 2, the
+scaled sign with error feedback) as mergecomp's ``efsignsgd`` recipe trains it, one scale
+per parameter tensor:
+
+    p ← g + e (per tensor);  send mean|p| · sign(p) (+1 for a zero);  e ← p − what was sent
+    average; clip the average to --clip; SGD without momentum at lr / (1 − m)
+
 ``--variant signsgd`` is signSGD with majority vote (Bernstein et al., 2018/2019): each rank
 sends sign(g) (+1 for a zero, as the IEEE sign bit), the update is the sign of the sum of
 the ranks' signs (0 on a tie), and SGD with momentum m steps on it at ``--lr``, no clipping.
@@ -94,6 +101,21 @@ def sign_vote(params) -> int:
         p.grad.copy_(update[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
     return g.numel()
+
+
+def scaled_sign(params, state, world) -> int:
+    """EF-SignSGD on each ``p.grad`` of ``params``: the residual added, each tensor's mean
+    magnitude times its sign sent and averaged into ``p.grad``, what it missed kept as the
+    residual; returns the signs sent by this rank."""
+    sent = 0
+    for index, p in enumerate(params):
+        compensated = p.grad + state.get(index, torch.zeros_like(p.grad))
+        update = compensated.abs().mean() * torch.where(torch.signbit(compensated), -1.0, 1.0)
+        state[index] = compensated - update
+        dist.all_reduce(update)
+        p.grad.copy_(update.div_(world))
+        sent += p.numel()
+    return sent
 
 
 def average_dense(params, world) -> int:
@@ -224,7 +246,9 @@ def train(options: dict) -> list:
                            options["momentum"] if before else 0.0,
                            options["clip"] / math.sqrt(world) if before else 0.0) if powersgd else model
         after = (dense and not before) or options["variant"] in ("topk", "signsgd")  # momentum after the exchange
-        optimizer = torch.optim.SGD(params, lr=options["lr"], momentum=options["momentum"] if after else 0.0)
+        folded = options["variant"] == "efsignsgd"  # SGD without momentum at lr / (1 − m)
+        lr = options["lr"] / (1.0 - options["momentum"]) if folded else options["lr"]
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=options["momentum"] if after else 0.0)
         stream = lm.TextStream(corpus, options["batch_size"], task.bptt, rank, world)
         curve = [dict(step=0, valid_loss=lm.validation_loss(task, model, valid))]
         state, dgc_state, sent, done = None, {}, 0, 0
@@ -245,6 +269,10 @@ def train(options: dict) -> list:
                     torch.nn.utils.clip_grad_norm_(params, options["clip"])
             elif options["variant"] == "signsgd":
                 sent += sign_vote(params)
+            elif options["variant"] == "efsignsgd":
+                sent += scaled_sign(params, dgc_state, world)
+                if options["clip"]:
+                    torch.nn.utils.clip_grad_norm_(params, options["clip"])
             elif options["dense_vectors"]:
                 sent += average_dense([p for p in params if p.dim() <= 1], world)
                 sent += exchange([p for p in params if p.dim() > 1], dgc_state, options, done, world)
@@ -274,10 +302,11 @@ def main(argv=None) -> int:
     p.add_argument("--density", type=float, default=0.001, help="fraction sent; 1: dense SGD")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--no-masking", action="store_true", help="keep the momentum of sent coordinates")
-    p.add_argument("--variant", choices=("dgc", "topk", "signsgd", "powersgd", "ef21"), default="dgc",
+    p.add_argument("--variant", choices=("dgc", "topk", "signsgd", "powersgd", "ef21", "efsignsgd"), default="dgc",
                    help="dgc: momentum correction (the default); topk: a residual, momentum in the optimizer; "
                         "signsgd: majority vote; powersgd: DDP with PyTorch's PowerSGD hook; "
-                        "ef21: EF21-SGDM, the top-k of the velocity's change")
+                        "ef21: EF21-SGDM, the top-k of the velocity's change; efsignsgd: the scaled "
+                        "sign with error feedback, momentum folded into lr")
     p.add_argument("--dense-vectors", action="store_true",
                    help="send 1-D tensors (biases, norms) uncompressed; compress the matrices only")
     p.add_argument("--start-iter", type=int, default=2,
@@ -308,6 +337,8 @@ def main(argv=None) -> int:
         kind = "dense"
     elif args.variant == "signsgd":
         kind = f"signSGD with majority vote, momentum {args.momentum:g} after the vote"
+    elif args.variant == "efsignsgd":
+        kind = f"EF-SignSGD, lr {args.lr:g} / (1 − {args.momentum:g}), no momentum"
     elif args.variant == "ef21":
         kind = f"EF21-SGDM top-k {args.density:g}, momentum {args.momentum:g} before the exchange"
     elif args.variant == "topk":

@@ -61,3 +61,28 @@ def dense_worker(rank, world_size):
 def test_dense_vectors_are_averaged_uncompressed():
     for sent, grads in run_ranks(dense_worker, 2):
         assert sent == 5 and all(torch.equal(g, torch.full_like(g, 1.5)) for g in grads)
+
+
+def scaled_sign_worker(rank, world_size):
+    from benchmarks.reference_dgc_lm import scaled_sign
+    torch.manual_seed(rank)
+    params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(2, 3))]
+    grads = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    state = {}
+    sent = scaled_sign(params, state, world_size)
+    return sent, grads, [state[i].clone() for i in range(2)], [p.grad.clone() for p in params]
+
+
+def test_efsignsgd_variant_sends_each_tensors_scaled_sign_and_keeps_the_rest():
+    results = run_ranks(scaled_sign_worker, 2)
+    for index in range(2):
+        shipped = []
+        for sent, grads, residuals, _ in results:
+            g = grads[index]
+            expected = g.abs().mean() * torch.where(g < 0, -1.0, 1.0)
+            assert sent == 11 and torch.allclose(g - residuals[index], expected)
+            shipped.append(expected)
+        for *_, averages in results:
+            assert torch.allclose(averages[index], (shipped[0] + shipped[1]) / 2)
