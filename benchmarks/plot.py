@@ -232,10 +232,11 @@ def render_headline(folder: str, out: Optional[str] = None, ours: str = "auto-dg
 
 # -- a convergence run -----------------------------------------------------------------------------
 def _pretty(label: str) -> str:
-    """A convergence spec's label as the README names it: "dgc:compress_ratio=0.01" → "dgc 1%"."""
+    """A convergence spec's label as the README names it: "dgc:compress_ratio=0.01" → "dgc 1%",
+    "dgc:compress_ratio=0.01:warmup_steps=300" → "dgc 1% warmup_steps 300"."""
     name, _, options = label.partition(":")
     words = [name]
-    for option in filter(None, options.split(",")):
+    for option in filter(None, options.split(":")):
         key, _, value = option.partition("=")
         if key == "compress_ratio":
             words.append(f"{float(value) * 100:g}%")

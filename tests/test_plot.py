@@ -57,6 +57,7 @@ def test_compressor_labels_read_as_in_the_readme():
     assert plot._pretty("dgc:compress_ratio=0.01") == "dgc 1%"
     assert plot._pretty("randk:unbiased=True") == "randk unbiased"
     assert plot._pretty("topk") == "topk"
+    assert plot._pretty("dgc:compress_ratio=0.01:warmup_steps=300") == "dgc 1% warmup_steps 300"
 
 
 def test_wrong_folders_are_clear_errors(tmp_path, capsys):
