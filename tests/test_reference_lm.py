@@ -86,3 +86,29 @@ def test_efsignsgd_variant_sends_each_tensors_scaled_sign_and_keeps_the_rest():
             shipped.append(expected)
         for *_, averages in results:
             assert torch.allclose(averages[index], (shipped[0] + shipped[1]) / 2)
+
+
+def efsignsgd_against_reference_worker(rank, world_size):
+    import mergecomp
+    from benchmarks.reference_dgc_lm import scaled_sign
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours.parameters()]
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), ours.named_parameters(),
+                                               compressor="efsignsgd", memory="residual", communicator="allgather")
+    state, largest = {}, 0.0
+    for step in range(4):  # the same gradients into both; the residuals carry from step to step
+        torch.manual_seed(100 * step + rank)
+        for p, q in zip(ours.parameters(), theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        optimizer.synchronize()
+        scaled_sign(theirs, state, world_size)
+        largest = max([largest] + [float((p.grad - q.grad).abs().max()) for p, q in zip(ours.parameters(), theirs)])
+        optimizer.step()  # commits the residuals (the parameters move; the gradients are set anew)
+    optimizer.remove_hooks()
+    return largest
+
+
+def test_mergecomps_efsignsgd_exchange_is_the_plain_torch_reference():
+    assert all(largest < 1e-6 for largest in run_ranks(efsignsgd_against_reference_worker, 2))
