@@ -90,11 +90,16 @@ def density_at(step: int, target: float, warmup_steps: int) -> float:
     return max(target, 0.25 * (target / 0.25) ** (step / warmup_steps))
 
 
+def signs(tensor):
+    """±1 per element, +1 for a zero (the IEEE sign bit, as the wire formats pack it)."""
+    return torch.where(torch.signbit(tensor), -1.0, 1.0).to(tensor.dtype)
+
+
 def sign_vote(params) -> int:
     """signSGD's majority vote on the flat gradient of ``params``, written into each ``p.grad``;
     returns the signs sent by this rank."""
     g = torch.cat([p.grad.reshape(-1) for p in params])
-    votes = torch.where(torch.signbit(g), -1.0, 1.0).to(g.dtype)
+    votes = signs(g)
     dist.all_reduce(votes)
     update, offset = torch.sign(votes), 0
     for p in params:
@@ -110,7 +115,7 @@ def scaled_sign(params, state, world) -> int:
     sent = 0
     for index, p in enumerate(params):
         compensated = p.grad + state.get(index, torch.zeros_like(p.grad))
-        update = compensated.abs().mean() * torch.where(torch.signbit(compensated), -1.0, 1.0)
+        update = compensated.abs().mean() * signs(compensated)
         state[index] = compensated - update
         dist.all_reduce(update)
         p.grad.copy_(update.div_(world))
@@ -161,7 +166,7 @@ def ef21_exchange(g, state, options, world) -> int:
     values = missing[indices]
     estimate[indices] += values
     state["average"] = allgather_average(values, indices, g.numel(), world,
-                                         out=state.get("average", torch.zeros_like(g)))
+                                         out=state.get("average"))  # the first step's sum starts it
     return k
 
 
