@@ -23,7 +23,7 @@ STAMP := $(dir $(PY)).mergecomp-installed
 
 setup: $(STAMP)
 
-$(STAMP): setup.py pyproject.toml Makefile mergecomp/compressors/kernels/native_kernels.c
+$(STAMP): setup.py pyproject.toml Makefile mergecomp/kernels/native_kernels.c
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(CURDIR)/.venv
 	@$(PY) -c "import torch" 2>/dev/null && echo "using installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
 	  || $(PY) -m pip install "$(TORCH_SPEC)"

@@ -6,14 +6,14 @@ that pip never resolves a multi-GB CUDA build by accident.
 """
 from setuptools import Extension, find_packages, setup
 
-# Fused CPU kernels of the quantisers, loaded through ctypes (mergecomp/compressors/kernels/native.py).
+# Fused CPU kernels of the quantisers, loaded through ctypes (mergecomp/kernels/native.py).
 # Optional: where no C compiler is present the build is skipped with a warning and the
 # compressors keep their torch/numpy paths, which give the same bits.  -ffp-contract=off keeps
 # every float operation a separate IEEE operation, as in the torch path; -fno-wrapv undoes
 # Python's -fwrapv, which stops GCC from vectorising the kernels' loops.
 NATIVE_KERNELS = Extension(
-    "mergecomp.compressors.kernels._native_kernels",
-    sources=["mergecomp/compressors/kernels/native_kernels.c"],
+    "mergecomp.kernels._native_kernels",
+    sources=["mergecomp/kernels/native_kernels.c"],
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-wrapv", "-fno-strict-aliasing", "-std=c99"],
     libraries=["m"],
     optional=True,

@@ -39,7 +39,7 @@ import torch
 
 from mergecomp.bench import harness
 from mergecomp import compressors
-from mergecomp.compressors.kernels import native
+from mergecomp.kernels import native
 from mergecomp.compressors.single_process import run_locally
 
 
@@ -82,7 +82,7 @@ def paired_median_ms(fn, reference, device: torch.device, reps: int):
     return statistics.median(fn_times), statistics.median(reference_times)
 
 
-#: Compressors with fused native CPU kernels (``mergecomp/compressors/kernels/native_kernels.c``).
+#: Compressors with fused native CPU kernels (``mergecomp/kernels/native_kernels.c``).
 NATIVE_KERNELS = ("signsgd", "efsignsgd", "signum", "onebit", "terngrad", "qsgd")
 
 

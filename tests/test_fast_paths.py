@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from mergecomp.compressors.kernels import Scratch, pack_bits, random_int16, sign_bits, unpack_bits
-from mergecomp.compressors.kernels.buckets import bucket_parts, norms_of_parts, peaks_of_parts
-from mergecomp.compressors.kernels.quantize import dequantize, stochastic_codes
-from mergecomp.compressors.kernels.selection import BLOCK, BlockPeaks, exact_top_k
+from mergecomp.kernels import Scratch, pack_bits, random_int16, sign_bits, unpack_bits
+from mergecomp.kernels.buckets import bucket_parts, norms_of_parts, peaks_of_parts
+from mergecomp.kernels.quantize import dequantize, stochastic_codes
+from mergecomp.kernels.selection import BLOCK, BlockPeaks, exact_top_k
 
 
 def _sorted(indices):
@@ -120,7 +120,7 @@ def test_unpacking_into_scratch_matches_fresh_buffers(bits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("numel", [1, 13, 1003])
 def test_sign_decoding_is_what_unpacking_then_an_affine_map_gave(dtype, numel):
-    from mergecomp.compressors.kernels import pack_signs, unpack_signs
+    from mergecomp.kernels import pack_signs, unpack_signs
     x = torch.randn(numel).to(dtype)
     packed = pack_signs(x, Scratch())
     old = unpack_bits(packed, 1, numel).to(dtype).mul_(-2).add_(1)
@@ -129,8 +129,8 @@ def test_sign_decoding_is_what_unpacking_then_an_affine_map_gave(dtype, numel):
 
 
 def test_terngrad_levels_scale_like_the_affine_dequantisation():
-    from mergecomp.compressors.kernels import decode_values
-    from mergecomp.compressors.kernels.quantize import scale_levels
+    from mergecomp.kernels import decode_values
+    from mergecomp.kernels.quantize import scale_levels
     codes = torch.randint(0, 3, (1000,), dtype=torch.uint8)
     scales = torch.rand(4) * 10
     scales[1] = 0.0
@@ -166,7 +166,7 @@ def test_stochastic_codes_above_int8_range_stay_unbiased():
 def _run_both_paths(fn, monkeypatch):
     """fn() on the numpy kernels, then on the torch ops (as on a GPU), from the same seed
     (the native kernels, compared in test_native_kernels.py, are off for both)."""
-    from mergecomp.compressors.kernels import native, numpy_cpu
+    from mergecomp.kernels import native, numpy_cpu
     monkeypatch.setattr(native, "usable", lambda tensor: False)
     torch.manual_seed(3)
     with_numpy = fn()
@@ -203,7 +203,7 @@ def test_numpy_and_torch_paths_give_the_same_bits(name, dtype, monkeypatch):
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_packing_kernels_agree_between_numpy_and_torch(bits, monkeypatch):
-    from mergecomp.compressors.kernels import decode_values
+    from mergecomp.kernels import decode_values
     codes = torch.randint(0, 2 ** bits, (1003,), dtype=torch.uint8)
     values = torch.randn(2 ** bits)
 

@@ -1,4 +1,4 @@
-"""The fused C kernels (mergecomp/compressors/kernels/native_kernels.c) against the torch/numpy paths.
+"""The fused C kernels (mergecomp/kernels/native_kernels.c) against the torch/numpy paths.
 
 Both paths must put the same bits on the wire and decode to the same bits, so that ranks
 with and without a compiled library interoperate and results do not depend on the build.
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from mergecomp import compressors
-from mergecomp.compressors.kernels import Scratch, native, pack_bits, random_key, unpack_bits
-from mergecomp.compressors.kernels.buckets import bucket_parts
-from mergecomp.compressors.kernels.quantize import dequantize, stochastic_codes
+from mergecomp.kernels import Scratch, native, pack_bits, random_key, unpack_bits
+from mergecomp.kernels.buckets import bucket_parts
+from mergecomp.kernels.quantize import dequantize, stochastic_codes
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels: {native.status()}")
 
@@ -153,7 +153,7 @@ def test_a_stale_build_or_the_switch_falls_back_with_a_reason(monkeypatch):
 
 @pytest.mark.parametrize("n", [64, 65, 64 * 333 + 5])
 def test_block_peaks_of_the_sparsifiers_match_the_torch_reductions(n, monkeypatch):
-    from mergecomp.compressors.kernels.selection import BlockPeaks
+    from mergecomp.kernels.selection import BlockPeaks
     flat = _gradient(n)
     native_peaks = BlockPeaks(flat, Scratch()).peaks
     monkeypatch.setattr(native, "usable", lambda tensor: False)
@@ -164,8 +164,8 @@ def test_block_peaks_of_the_sparsifiers_match_the_torch_reductions(n, monkeypatc
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("n", SIZES + [64 * 300 + 5])
 def test_dgc_momentum_correction_gives_the_same_bits_and_the_velocity_peaks(nesterov, n, scale):
-    from mergecomp.compressors.kernels.momentum import momentum_correction
-    from mergecomp.compressors.kernels.selection import BLOCK, attached_peaks
+    from mergecomp.kernels.momentum import momentum_correction
+    from mergecomp.kernels.selection import BLOCK, attached_peaks
     g, u, v = _gradient(n, seed=1), _gradient(n, seed=3), _gradient(n, seed=7)
     if n > 40:
         g[40] = float("nan")  # a NaN block's peak is NaN on both paths

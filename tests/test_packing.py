@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from mergecomp.compressors.kernels.packing import Scratch, bits_for, pack_bits, packed_nbytes, unpack_bits
+from mergecomp.kernels.packing import Scratch, bits_for, pack_bits, packed_nbytes, unpack_bits
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -61,7 +61,7 @@ def test_scratch_reuses_and_survives_copies():
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_lane_unpacking_inverts_lane_packing(bits):
-    from mergecomp.compressors.kernels.packing import _unpack_lanes
+    from mergecomp.kernels.packing import _unpack_lanes
     codes = torch.randint(0, 2 ** bits, (8 * 64,), dtype=torch.uint8)
     assert torch.equal(_unpack_lanes(pack_bits(codes, bits), bits), codes)
 
@@ -70,7 +70,7 @@ def test_lane_unpacking_inverts_lane_packing(bits):
 @pytest.mark.parametrize("numel", [1, 7, 9, 1001])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_table_decode_matches_unpacking_then_mapping(bits, numel, dtype):
-    from mergecomp.compressors.kernels.packing import decode_values
+    from mergecomp.kernels.packing import decode_values
     gen = torch.Generator().manual_seed(bits * 7 + numel)
     packed = torch.randint(0, 256, (packed_nbytes(numel, bits),), generator=gen, dtype=torch.uint8)
     values = torch.randn(2 ** bits, generator=gen).to(dtype)
@@ -81,7 +81,7 @@ def test_table_decode_matches_unpacking_then_mapping(bits, numel, dtype):
 
 
 def test_table_decode_refuses_what_it_cannot_represent():
-    from mergecomp.compressors.kernels.packing import decode_values
+    from mergecomp.kernels.packing import decode_values
     packed = torch.zeros(2, dtype=torch.uint8)
     with pytest.raises(ValueError, match="needs 4 values"):
         decode_values(packed, 2, 8, torch.tensor([0.0, 1.0]))

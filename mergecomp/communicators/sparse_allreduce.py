@@ -70,7 +70,7 @@ from .base import Communicator
 from .ps import shard_sizes
 from ..backends.serialize import MAX_DIMS, header_error
 from ..compressors.base import Compressor
-from ..compressors.kernels import Scratch, exact_top_k
+from ..kernels import Scratch, exact_top_k
 from ..compressors.sparsifier import SparseCompressor, index_dtype, num_selected
 from ..memories.none import NoneMemory
 from ..memories.residual import ResidualMemory

@@ -19,7 +19,7 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from .kernels import BlockPeaks, Scratch, sampled_threshold
+from ..kernels import BlockPeaks, Scratch, sampled_threshold
 from .recipes import Recipe, warn
 from .sparsifier import SparseCompressor, index_dtype, num_selected
 

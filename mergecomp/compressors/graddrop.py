@@ -15,7 +15,7 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from .kernels import BlockPeaks, Scratch, sampled_threshold
+from ..kernels import BlockPeaks, Scratch, sampled_threshold
 from .recipes import Recipe
 from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_dtype, index_nbytes, num_selected
 

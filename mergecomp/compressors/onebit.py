@@ -16,7 +16,7 @@ import torch
 
 from . import register
 from .base import Compressor, Context, check_layout
-from .kernels import Scratch, decode_values, pack_bits, packed_nbytes, sign_bits, signs_and_side_means
+from ..kernels import Scratch, decode_values, pack_bits, packed_nbytes, sign_bits, signs_and_side_means
 from .recipes import Recipe
 from .views import Spans, layout_spans, span_lengths
 

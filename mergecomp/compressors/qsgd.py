@@ -15,7 +15,7 @@ import torch
 
 from . import register
 from .base import Context
-from .kernels import (Scratch, bits_for, bucket_norms, check_bucket_size, dequantize_packed, num_buckets,
+from ..kernels import (Scratch, bits_for, bucket_norms, check_bucket_size, dequantize_packed, num_buckets,
                       packed_nbytes, quantize_packed)
 from .streams import StochasticCompressor
 

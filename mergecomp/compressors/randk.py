@@ -19,7 +19,7 @@ import torch
 from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, check_ratio
-from .kernels import uniform_subset
+from ..kernels import uniform_subset
 from .recipes import Recipe
 from .sparsifier import num_selected
 

@@ -34,8 +34,8 @@ from ..momentum import OWNS, refuse_optimizer_momentum
 from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, GroupLayout, check_layout
-from .kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
-from .kernels.signs import plus_minus_one
+from ..kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
+from ..kernels.signs import plus_minus_one
 from .recipes import Recipe
 from .views import Spans, layout_spans, span_lengths
 

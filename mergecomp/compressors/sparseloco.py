@@ -32,7 +32,7 @@ import torch
 
 from . import register
 from .base import Compressor, Context
-from .kernels.packing import pack_bits, packed_nbytes, unpack_bits
+from ..kernels.packing import pack_bits, packed_nbytes, unpack_bits
 
 BITS = 2
 

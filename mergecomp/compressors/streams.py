@@ -5,7 +5,7 @@ every rank rounds the same way and the errors add up instead of averaging out) a
 same bits after a checkpoint is resumed.  Drawing from torch's global generator gives
 neither: every library in the process moves it, and a checkpoint does not hold it.
 
-The quantisers need one 31-bit key per step (:func:`~mergecomp.compressors.kernels.random_int16`
+The quantisers need one 31-bit key per step (:func:`~mergecomp.kernels.random_int16`
 hashes counters under it).  :class:`RandomStreams` derives that key from (seed, this
 process's rank, group name, the group's step count) with the SplitMix64 finaliser, a
 counter-based stream: its whole state is one step count per group.  So a group's stream
@@ -55,7 +55,7 @@ class RandomStreams:
 
     def key(self, name: str, numel: int) -> int:
         """This step's key for group ``name``: uniform below 2^31 − ⌈numel/2⌉ (so the
-        ⌈numel/2⌉ counters of :func:`~mergecomp.compressors.kernels.random_int16` do not wrap)."""
+        ⌈numel/2⌉ counters of :func:`~mergecomp.kernels.random_int16` do not wrap)."""
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1
         base = self._bases.get(name)

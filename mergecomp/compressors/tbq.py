@@ -14,7 +14,7 @@ import torch
 from . import register
 from .base import Compressor, Context
 from .recipes import Recipe
-from .kernels import pack_bits, packed_nbytes, unpack_bits
+from ..kernels import pack_bits, packed_nbytes, unpack_bits
 
 
 @register("tbq")

@@ -16,7 +16,7 @@ import torch
 
 from . import register
 from .base import Context
-from .kernels import (Scratch, bucket_peaks, check_bucket_size, dequantize_packed, num_buckets, packed_nbytes,
+from ..kernels import (Scratch, bucket_peaks, check_bucket_size, dequantize_packed, num_buckets, packed_nbytes,
                       padded_fp32_buckets, quantize_packed)
 from .streams import StochasticCompressor
 

@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 from . import register
 from .base import Context, check_ratio
-from .kernels import Scratch, exact_top_k
+from ..kernels import Scratch, exact_top_k
 from .recipes import Recipe
 from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_dtype, index_nbytes, num_selected
 

@@ -23,7 +23,7 @@ from ..momentum import TAKES_OVER, take_over_momentum
 from . import register
 from .base import Memory, check_flag, check_number, checked_state, clip_scale, norm_of
 from ..checkpoint import check_group_tensors
-from ..compressors.kernels.momentum import momentum_correction
+from ..kernels.momentum import momentum_correction
 from ..staging import Spares, StagedDict, shares_memory
 
 

@@ -11,7 +11,7 @@ import torch
 
 from . import register
 from .base import Memory, check_flag, check_number, checked_state, clip_local, clip_scale, norm_of, subtract_sent
-from ..compressors.kernels.momentum import momentum_correction
+from ..kernels.momentum import momentum_correction
 from ..checkpoint import check_group_tensors
 from ..momentum import TAKES_OVER, take_over_momentum
 from ..staging import Spares, StagedDict, shares_memory
@@ -111,7 +111,7 @@ class ResidualMemory(Memory):
 
     def _momentum_corrected(self, tensor, name):
         """u' = m·u + g and e' = e + u' in DGC's momentum-correction pass
-        (:func:`~mergecomp.compressors.kernels.momentum.momentum_correction`: one native pass
+        (:func:`~mergecomp.kernels.momentum.momentum_correction`: one native pass
         with local clipping's factor applied on the way, and the block peaks a top-k
         selection of e' reads), into spares, never into the committed u and e."""
         scale = clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None

@@ -6,7 +6,7 @@ unpacking, scaling); the C kernels read the input once and write the output once
 (``benchmarks/compressors.py`` compares the two).
 
 The library is built with the package (``pip install`` compiles it as an optional
-extension, ``mergecomp/compressors/kernels/_native_kernels*.so``).  Without a C compiler
+extension, ``mergecomp/kernels/_native_kernels*.so``).  Without a C compiler
 the build is skipped and every op keeps its torch/numpy path, which gives the same bits
 (tests compare the two); 1-bit SGD's two means, being sums, differ in the last bits.  Set
 ``MERGECOMP_NATIVE=0`` to use the torch/numpy paths on purpose.
@@ -16,7 +16,7 @@ the new velocity and the velocity's block peaks, which DGC's selection reads nex
 pass instead of three.
 
 The kernels take fp32 (the sign kernels any 2-, 4- or 8-byte float) contiguous CPU
-tensors; the ops of :mod:`mergecomp.compressors.kernels` check :func:`usable` and keep
+tensors; the ops of :mod:`mergecomp.kernels` check :func:`usable` and keep
 their torch path for anything else (GPU tensors above all).  ctypes releases the GIL
 during each call, so communicator threads can compress groups side by side.  Compressors
 never call this module: they call the ops, which pick the backend.
@@ -35,7 +35,7 @@ import torch
 #: Must equal ``mc_abi_version()`` in native_kernels.c: a stale build is not loaded.
 ABI_VERSION = 3
 
-_EXTENSION = "mergecomp.compressors.kernels._native_kernels"
+_EXTENSION = "mergecomp.kernels._native_kernels"
 _i64, _int, _u32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
 _SIGNATURES = {
     "mc_pack_signs": (_ptr, _i64, _int, _ptr),
@@ -59,7 +59,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
     spec = importlib.util.find_spec(_EXTENSION)
     if spec is None or not spec.origin:
         return None, ("not built: reinstall mergecomp where a C compiler is present "
-                      "(pip install -e .) to compile mergecomp/compressors/kernels/native_kernels.c")
+                      "(pip install -e .) to compile mergecomp/kernels/native_kernels.c")
     try:
         library = ctypes.CDLL(spec.origin)
         version = library.mc_abi_version()
@@ -195,7 +195,7 @@ def stochastic_codes(tensor: torch.Tensor, bucket_size: int, factors: torch.Tens
                      key: int, bits: int) -> torch.Tensor:
     """Packed ``bits``-bit codes min(⌊f_b·x + offset + ½ + r·2^-16⌋, 2·offset) of an fp32 tensor.
 
-    r is the element's random lane of :func:`~mergecomp.compressors.kernels.quantize.random_int16`
+    r is the element's random lane of :func:`~mergecomp.kernels.quantize.random_int16`
     for ``key``: the same codes as ``quantize.stochastic_codes`` followed by ``pack_bits``.
     """
     flat = _flat_input(tensor, (torch.float32,))

@@ -3,7 +3,7 @@
 What travels is the IEEE sign bit (set for negatives and for −0.0): reading it is one
 integer pass over the float's bits, where ``x < 0`` and ``torch.where`` go through bool
 tensors at several times the cost.  Bits are packed 8 to a byte, the first element in the
-top bit (:func:`~mergecomp.compressors.kernels.packing.pack_bits`).
+top bit (:func:`~mergecomp.kernels.packing.pack_bits`).
 
 Backends: on the CPU one native pass reads and packs the signs (and, for 1-bit SGD, sums
 both sides) where the kernels are built; elsewhere numpy (CPU) or torch (any device) make

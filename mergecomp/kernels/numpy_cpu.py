@@ -6,7 +6,7 @@ flags into 1 byte (``numpy.packbits``), a 256-row table lookup (``numpy.take``),
 integer hash of the random lanes, a count of set bytes.  Where torch is as fast (broadcast
 products, conversions, clamps, 2- and 4-bit lane packing) the kernels keep torch.  A CPU
 tensor and its ``.numpy()`` share memory, so the functions here read torch tensors and
-return torch tensors without copies.  The ops of :mod:`mergecomp.compressors.kernels` call
+return torch tensors without copies.  The ops of :mod:`mergecomp.kernels` call
 them for CPU tensors only and keep their torch ops on every other device; both paths give
 the same bits (``tests/test_fast_paths.py`` compares them).  bfloat16, which numpy lacks,
 is handled as raw bytes or int16 bits.

@@ -5,7 +5,7 @@ They exist because the obvious torch expressions are slow on the CPU for what th
 Mersenne Twister.  The versions here are a handful of vectorised passes over the input's
 own device and dtype (random bits from a counter hash under a key: the caller's, or one
 drawn from torch's generator), and write into reusable
-:class:`~mergecomp.compressors.kernels.scratch.Scratch` buffers instead of allocating
+:class:`~mergecomp.kernels.scratch.Scratch` buffers instead of allocating
 n-element temporaries on every step.
 
 :func:`quantize_packed` and :func:`dequantize_packed` are the quantisers' two ops: fp32 on
@@ -79,7 +79,7 @@ def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: i
                      scratch: Scratch, key: Optional[int] = None) -> torch.Tensor:
     """uint8 codes c = ⌊offset + f_b·v + u⌋ for each element v of bucket b, u uniform in [0, 1).
 
-    ``parts`` are the buckets (:func:`~mergecomp.compressors.kernels.buckets.bucket_parts`),
+    ``parts`` are the buckets (:func:`~mergecomp.kernels.buckets.bucket_parts`),
     ``factors`` one fp32 f_b per bucket with |f_b·v| ≤ offset, so c ∈ [0, 2·offset] (clamped
     there against fp32 rounding).  Stochastic rounding is unbiased, E⌊L + u⌋ = L for any
     real L, so E[c] − offset = f_b·v: a signed level rounds to either neighbour with the
@@ -120,7 +120,7 @@ def stochastic_codes(parts: List[torch.Tensor], factors: torch.Tensor, offset: i
 def scale_levels(levels: torch.Tensor, scales: torch.Tensor, bucket_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Tensor of ``dtype``: ℓ·scale_b for each signed integer level ℓ of bucket b.
 
-    ``levels`` are small integers, as fp32 (from :func:`~mergecomp.compressors.kernels.packing.decode_values`,
+    ``levels`` are small integers, as fp32 (from :func:`~mergecomp.kernels.packing.decode_values`,
     then scaled in place and returned when ``dtype`` is fp32) or an integer type (converted
     exactly), so each value is rounded once, by the product.
     """
@@ -150,7 +150,7 @@ def quantize_packed(tensor: torch.Tensor, bucket_size: int, factors: torch.Tenso
 
     fp32 CPU tensors go through the fused native kernel (one pass, the same bits, the
     same random lanes for the same generator state), everything else through the torch
-    ops on ``tensor``'s buckets (:func:`~mergecomp.compressors.kernels.buckets.bucket_parts`).
+    ops on ``tensor``'s buckets (:func:`~mergecomp.kernels.buckets.bucket_parts`).
     Both use the random lanes of ``key`` (one drawn from torch's default generator when None).
     """
     if key is None:
