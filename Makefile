@@ -1,5 +1,7 @@
 # make demo   set up (if needed) and run a 2-worker compressed training benchmark on CPU
-# make test   set up (if needed) and run the test suite
+# make test   set up (if needed) and run the library's tests (tests/)
+# make test-harness  the benchmark harness's tests (benchmarks/tests/)
+# make test-all      both
 # make bench  the default benchmark sweep (see benchmarks/)
 # make plots  redraw the figures docs/results.md shows from the committed results
 # make horovod  build Horovod 0.28.1 for the installed torch and install it (docs/horovod.md)
@@ -19,7 +21,7 @@ PY := $(CURDIR)/.venv/bin/python
 endif
 STAMP := $(dir $(PY)).mergecomp-installed
 
-.PHONY: setup demo test bench plots horovod clean
+.PHONY: setup demo test test-harness test-all bench plots horovod clean
 
 setup: $(STAMP)
 
@@ -27,7 +29,7 @@ $(STAMP): setup.py pyproject.toml Makefile mergecomp/kernels/native_kernels.c
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(CURDIR)/.venv
 	@$(PY) -c "import torch" 2>/dev/null && echo "using installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
 	  || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install --no-build-isolation -e ".[test,plots]"
+	$(PY) -m pip install --no-build-isolation -e ".[test,bench,plots]"
 	@touch $@
 
 demo: setup
@@ -37,6 +39,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests -q
+
+test-harness: setup
+	$(PY) -m pytest benchmarks/tests -q
+
+test-all: test test-harness
 
 bench: setup
 	$(PY) benchmarks/sweep.py benchmarks/sweeps/default.yaml

@@ -19,8 +19,9 @@ norm) to DIR/steps.csv, and with --tensorboard to TensorBoard event files.
 from __future__ import annotations
 
 import mergecomp
-from mergecomp.bench import harness, models
-from mergecomp.bench.harness import (build_optimizer, check_arguments, check_names,
+from benchmarks import harness
+from benchmarks.harness import models
+from benchmarks.harness import (build_optimizer, check_arguments, check_names,
                                     warm_up_and_settle)
 
 

@@ -29,11 +29,14 @@ setup(
     packages=find_packages(include=["mergecomp", "mergecomp.*"]),
     ext_modules=[NATIVE_KERNELS],
     python_requires=">=3.9",
-    install_requires=["torch>=2.1", "numpy", "tqdm", "pyyaml"],
+    install_requires=["torch>=2.1", "numpy"],
     extras_require={
         # Horovod's last release does not build against current PyTorch as published:
         # `make horovod` builds it (docs/horovod.md), so there is no "horovod" extra.
         "plots": ["matplotlib"],
+        # The benchmark harness (benchmarks/, compress_benchmark.py): progress bars, sweep files
+        # and the digits dataset.  Training needs none of it.
+        "bench": ["tqdm", "pyyaml", "scikit-learn>=1.3,<2"],
         # TensorBoard event files of mergecomp.StepLog(tensorboard=True); its CSV needs nothing.
         "tensorboard": ["tensorboard"],
         "integrations": ["lightning>=2.1,<3", "accelerate>=0.26"],

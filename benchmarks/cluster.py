@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Run a command on N workers behind emulated network links: the command line of
-:mod:`mergecomp.bench.cluster` (one Linux network namespace per worker, shaped with tc).
+:mod:`benchmarks.harness.cluster` (one Linux network namespace per worker, shaped with tc).
 
     python benchmarks/cluster.py --workers 2 --profile 1gbit -- python train.py
     python benchmarks/cluster.py --nodes 2 --workers-per-node 2 --profile 1gbit -- python train.py
@@ -22,9 +22,11 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from mergecomp.bench.cluster import (PROFILES, Cluster, ClusterUnavailable, check_allreduce,
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
+from benchmarks.harness.cluster import (PROFILES, Cluster, ClusterUnavailable, check_allreduce,
                                      cleanup_leftovers, format_results, load_profiles)
-from mergecomp.bench.profiles import format_delay, format_rate
+from benchmarks.harness.profiles import format_delay, format_rate
 
 
 def _parser() -> argparse.ArgumentParser:

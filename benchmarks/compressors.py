@@ -37,7 +37,10 @@ import time
 
 import torch
 
-from mergecomp.bench import harness
+import os
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
+from benchmarks import harness
 from mergecomp import compressors
 from mergecomp.kernels import native
 from mergecomp.compressors.single_process import run_locally

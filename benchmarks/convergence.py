@@ -15,7 +15,7 @@ worker handed to the collectives per step (``backend.bytes_sent``) and transmitt
 ring/direct algorithms (``backend.wire_bytes``).
 
 ``--task char-lstm`` and ``--task char-gpt`` train a language model instead
-(:mod:`mergecomp.bench.lm`: a 2-layer character LSTM or GPT-style transformer on the Python
+(:mod:`benchmarks.harness.lm`: a 2-layer character LSTM or GPT-style transformer on the Python
 distribution's own English help text, ``--corpus python`` with its standard library's
 docstrings too, or a text file or WikiText folder) for
 ``--steps`` steps, the averaged gradient clipped to ``--clip`` (or each rank's own, before
@@ -65,12 +65,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
 import mergecomp
 from mergecomp import compressors, launch, memories
 from mergecomp import momentum as momentum_roles
-from mergecomp.bench import lm, lowcomm
-from mergecomp.bench.data import text
-from mergecomp.bench.harness import provenance, save_with_provenance
+from benchmarks.harness import lm, lowcomm
+from benchmarks.harness.data import text
+from benchmarks.harness import provenance, save_with_provenance
 from mergecomp.compressors import recipes
 
 DENSE = "none"
@@ -247,7 +249,7 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
     With ``options.clip``, a recipe that asks for local clipping (and a spec's ``clip=local``)
     gives the memory ``clip_norm = clip / √world_size`` and the loop clips nothing after
     the exchange.  Returns (optimizer, settings that describe the row, the recipe's advice
-    on them).  A DiLoCo spec (``--diloco``) is built by :func:`mergecomp.bench.lowcomm.build`
+    on them).  A DiLoCo spec (``--diloco``) is built by :func:`benchmarks.harness.lowcomm.build`
     around the same SGD."""
     if getattr(spec, "family", None) == "diloco":
         return lowcomm.build(spec, options.lr, options.momentum, model)
@@ -690,7 +692,7 @@ def parse_args(argv=None):
     p.add_argument("--diloco", nargs="+", default=[], metavar="SPEC",
                    help="DiLoCo rows after the compressors: H=<inner steps>[:key=value...], e.g. "
                         "H=8 H=8:fragments=2:overlap=1 H=8:compressor=sparseloco "
-                        "(mergecomp/bench/lowcomm.py lists the keys); the dense SGD is the inner optimizer")
+                        "(benchmarks/harness/lowcomm.py lists the keys); the dense SGD is the inner optimizer")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--task", choices=TASKS, default="digits",
                    help="digits (CNN, test accuracy) or a language model (validation loss)")

@@ -16,7 +16,7 @@ convergence benchmark's model and data, so it runs as a module from the reposito
     .venv/bin/python -m benchmarks.fsdp accuracy --hsdp --epochs 20 --out benchmarks/results/DATE-fsdp
 
 ``lm``: the convergence benchmark's character LSTM under FSDP2, against the same task under
-the wrapper (:mod:`mergecomp.bench.fsdp_lm`; ``lm --help``):
+the wrapper (:mod:`benchmarks.harness.fsdp_lm`; ``lm --help``):
 
     .venv/bin/python -m benchmarks.fsdp lm --steps 600 --seeds 0,1 \\
         --reference benchmarks/results/2026-11-24-lm-convergence/char-lstm/convergence.json --out DIR
@@ -32,10 +32,12 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
 import mergecomp
-from mergecomp.bench import harness
-from mergecomp.bench import fsdp_lm
-from mergecomp.bench.harness import fsdp
+from benchmarks import harness
+from benchmarks.harness import fsdp_lm
+from benchmarks.harness import fsdp
 
 ACCURACY_COMPRESSORS = "topk:compress_ratio=0.01,powersgd"
 
@@ -94,7 +96,7 @@ def _accuracy_table(results: Dict[str, Any], args: argparse.Namespace) -> str:
 
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["lm"]:  # the language-model task: its own flags (mergecomp/bench/fsdp_lm.py)
+    if argv[:1] == ["lm"]:  # the language-model task: its own flags (benchmarks/harness/fsdp_lm.py)
         return fsdp_lm.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fsdp", description=__doc__.split("\n")[1],
                                      epilog="bytes and step time: benchmarks/headline.py fsdp")

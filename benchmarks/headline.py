@@ -20,7 +20,7 @@ the model per configuration, all with the same initial weights and batch:
 * ``hook-<c>``: DDP with ``mergecomp.ddp``'s hook for each of ``--hook-compressors``, its
   buckets set by ``mergecomp.ddp.bucket_caps(model, --hook-groups)``;
 * ``diloco:<spec>``: ``mergecomp.DiLoCo`` around the same SGD for each of ``--diloco``
-  (``mergecomp/bench/lowcomm.py``'s specs: ``H=8``, ``H=8:fragments=2:overlap=1``,
+  (``benchmarks/harness/lowcomm.py``'s specs: ``H=8``, ``H=8:fragments=2:overlap=1``,
   ``H=8:compressor=sparseloco``); ``--window`` must be a multiple of every H, so that each
   window holds the same number of exchanges whatever its phase.
 
@@ -74,16 +74,19 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
 import mergecomp
 import mergecomp.ddp
-from mergecomp.bench import harness, lowcomm
-from mergecomp.bench.contenders import (MOMENTUM, Configuration, DDP_BUCKET_CAP_MB, counted, owns_momentum,
+from benchmarks import harness
+from benchmarks.harness import lowcomm
+from benchmarks.harness.contenders import (MOMENTUM, Configuration, DDP_BUCKET_CAP_MB, counted, owns_momentum,
                                         phase_text, settle, sgd, timed_rounds, train_step)
-from mergecomp.bench.ddp_baselines import ddp_main, pair_main
-from mergecomp.bench.exchanges import exchanges_main
-from mergecomp.bench.fsdp_bytes import fsdp_main
-from mergecomp.bench.hsdp_timing import hsdp_main
-from mergecomp.bench.harness import (AllreduceCounter, HEADLINE_BASELINE as BASELINE,
+from benchmarks.harness.ddp_baselines import ddp_main, pair_main
+from benchmarks.harness.exchanges import exchanges_main
+from benchmarks.harness.fsdp_bytes import fsdp_main
+from benchmarks.harness.hsdp_timing import hsdp_main
+from benchmarks.harness import (AllreduceCounter, HEADLINE_BASELINE as BASELINE,
                                     HEADLINE_LINKS as CAMPAIGN_LINKS, HEADLINE_MODELS as CAMPAIGN_MODELS)
 
 def parse_matrix(argv):

@@ -42,6 +42,8 @@ import statistics
 import sys
 from typing import Dict, List, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
@@ -189,10 +191,10 @@ LINK_NAMES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
 def render_headline(folder: str, out: Optional[str] = None, ours: str = "auto-dgc") -> str:
     """``headline.png`` of a headline run's folder: ``ours`` against DDP's 16-bit hook and
     the zero-cost bound, per link, model and worker count; returns its path."""
-    from mergecomp.bench.harness import HEADLINE_BASELINE as BASELINE
-    from mergecomp.bench.harness import HEADLINE_LINKS as CAMPAIGN_LINKS
-    from mergecomp.bench.harness import HEADLINE_MODELS as CAMPAIGN_MODELS
-    from mergecomp.bench.harness import saved_results
+    from benchmarks.harness import HEADLINE_BASELINE as BASELINE
+    from benchmarks.harness import HEADLINE_LINKS as CAMPAIGN_LINKS
+    from benchmarks.harness import HEADLINE_MODELS as CAMPAIGN_MODELS
+    from benchmarks.harness import saved_results
     paths = sorted(glob.glob(os.path.join(folder, "*.json")))
     if not paths:
         raise ValueError(f"{folder} holds no JSON results of benchmarks/headline.py")
@@ -364,7 +366,7 @@ def render_lowcomm(folder: str, out: Optional[str] = None) -> str:
     link; the 1 Gbit/s cell where there are several).  The two are measured apart (the convergence task and the headline's timed
     model differ), so the x axis is a projection: what the step times say each curve would
     take on that link.  Rows with no timed configuration are left out, and say so."""
-    from mergecomp.bench.harness import saved_results
+    from benchmarks.harness import saved_results
     timed = [p for p in sorted(glob.glob(os.path.join(folder, "*.json"))) if os.path.basename(p) != "manifest.json"]
     cells = list(saved_results(timed, "configurations", "benchmarks/headline.py"))
     runs = [_read_convergence(os.path.dirname(p)) for p in sorted(glob.glob(os.path.join(folder, "*", "convergence.json")))]
@@ -416,10 +418,10 @@ def write_time_to_target(folder: str, out: Optional[str] = None, fraction: float
     """``time-to-target.md`` of a low-communication run's folder: the target is dense SGD's
     (``none``) mean validation loss at ``fraction`` of its steps; per method and per headline
     cell (link), the steps to reach it × that method's measured step time
-    (:func:`mergecomp.bench.lowcomm.time_to_target`), against the ``fp16`` row (DDP's 16-bit
+    (:func:`benchmarks.harness.lowcomm.time_to_target`), against the ``fp16`` row (DDP's 16-bit
     hook) where the run has one, else dense."""
-    from mergecomp.bench import lowcomm
-    from mergecomp.bench.harness import saved_results
+    from benchmarks.harness import lowcomm
+    from benchmarks.harness import saved_results
     timed_paths = [p for p in sorted(glob.glob(os.path.join(folder, "*.json"))) if os.path.basename(p) != "manifest.json"]
     cells = list(saved_results(timed_paths, "configurations", "benchmarks/headline.py"))
     runs = [_read_convergence(os.path.dirname(p)) for p in sorted(glob.glob(os.path.join(folder, "*", "convergence.json")))]
@@ -436,7 +438,7 @@ def write_time_to_target(folder: str, out: Optional[str] = None, fraction: float
     dense = curves["none"]
     target_step = fraction * dense[-1]["step"]
     target = lowcomm.loss_at(dense, target_step)
-    from mergecomp.bench.harness import HEADLINE_LINKS
+    from benchmarks.harness import HEADLINE_LINKS
     cells.sort(key=lambda c: (HEADLINE_LINKS.index(c["link"]) if c["link"] in HEADLINE_LINKS else len(HEADLINE_LINKS),
                               c["link"], c["workers"]))
     by_link = {}

@@ -56,7 +56,7 @@ hook compresses u (its error feedback on top); SGD without momentum steps on the
 matrices only, as DGC's released code leaves biases and batch-norm parameters dense.
 
 The task, data, model, seeds, batch order and validation are ``convergence.py``'s (from
-``mergecomp.bench``: the harness, not the compressor), so a row here and the ``dgc`` row of
+``benchmarks.harness``: the harness, not the compressor), so a row here and the ``dgc`` row of
 ``convergence.py --task char-lstm`` at the same settings train the same model on the same
 windows.  A dense row (``--density 1``, momentum SGD, the averaged gradient clipped) is the
 reference's own baseline.
@@ -78,9 +78,9 @@ if not __package__:  # the convergence benchmark is a sibling module: import it 
              "the repository root: .venv/bin/python -m benchmarks.reference_dgc_lm ...")
 from benchmarks import convergence  # noqa: E402  the task's defaults
 from mergecomp import launch  # noqa: E402
-from mergecomp.bench import lm  # noqa: E402
-from mergecomp.bench.data import text  # noqa: E402
-from mergecomp.bench.harness import save_with_provenance  # noqa: E402
+from benchmarks.harness import lm  # noqa: E402
+from benchmarks.harness.data import text  # noqa: E402
+from benchmarks.harness import save_with_provenance  # noqa: E402
 
 
 def density_at(step: int, target: float, warmup_steps: int) -> float:

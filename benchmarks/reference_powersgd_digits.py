@@ -35,7 +35,7 @@ if not __package__:  # the convergence benchmark is a sibling module: import it 
              "the repository root: .venv/bin/python -m benchmarks.reference_powersgd_digits ...")
 from benchmarks import convergence  # noqa: E402  the task's data, model, shards and accuracy
 from mergecomp import launch  # noqa: E402
-from mergecomp.bench.harness import save_with_provenance  # noqa: E402
+from benchmarks.harness import save_with_provenance  # noqa: E402
 
 
 class BatchedPowerSGD:

@@ -51,8 +51,11 @@ import time
 from typing import Dict, List, Optional
 
 
+import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
 import mergecomp
-from mergecomp.bench import harness
+from benchmarks import harness
 
 DEFAULT_FUSION_NUMS = "0,1,2,3,4,6,8"  # the sweep the scheduler is measured against
 REPEAT = "repeat"  # the label of the scheduler's plan's second window in every round

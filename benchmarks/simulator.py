@@ -17,7 +17,7 @@ the prediction from that run's profile.  ``rounds``: one run that times the plan
 compute in interleaved rounds, so each prediction uses compute timed beside the steps it
 predicts.  ``phases``: ``compress_benchmark.py``'s run with every phase of every step timed
 (what ``check --phases`` reads).  ``scaling``: predictions from 16 to 256 workers and for
-published settings, with a documented per-GPU profile (:mod:`mergecomp.bench.scaling`).
+published settings, with a documented per-GPU profile (:mod:`benchmarks.harness.scaling`).
 ``simulator.py MODE --help`` tells each in full.
 """
 from __future__ import annotations
@@ -34,9 +34,12 @@ import time
 from typing import Dict, List
 
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
 import mergecomp
-from mergecomp.bench import harness, scaling
-from mergecomp.bench.cluster import Cluster, parse_profile
+from benchmarks import harness
+from benchmarks.harness import scaling
+from benchmarks.harness.cluster import Cluster, parse_profile
 from mergecomp.planning.costmodel import predict
 from mergecomp.plan import COMPRESS_VIA, SEND_MODES, Plan, is_compressed, send_communicator, valid_sends
 from mergecomp.planning.profile import Profile, scaled_compute

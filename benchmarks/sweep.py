@@ -9,7 +9,7 @@ The YAML file names the grid (see ``benchmarks/sweeps/default.yaml`` for every k
     models:      [{name: vgg16, batch_size: 8}, lstm]         # name, optional batch_size
     compressors: [none, fp16, {name: topk, compress_ratio: 0.01, comm: [allgather]}]
     fusion_num:  [0, 1, 2, 4]
-    profiles:    [1gbit]                                      # mergecomp/bench/profiles.py names
+    profiles:    [1gbit]                                      # benchmarks/harness/profiles.py names
     workers:     [2]                                          # every count ≥ 2
     baselines:   [{hook: fp32}, {hook: fp16}, {hook: powersgd, rank: 1, bucket_cap_mb: 1000},
                   {hook: mergecomp, compressor: dgc, groups: 4}]      # DDP with mergecomp's hook
@@ -57,7 +57,9 @@ from typing import Callable, Iterable, List, Optional
 
 import yaml
 
-from mergecomp.bench.harness import latest, read_records
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
+
+from benchmarks.harness import latest, read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_KEYS = {"models", "compressors", "fusion_num", "schedulers", "profiles", "workers", "baselines",
@@ -94,8 +96,8 @@ def load_config(path: str) -> dict:
 def validate(raw, source: str = "<config>") -> dict:
     """Check every key of a parsed sweep file and fill in defaults."""
     from mergecomp import compressors
-    from mergecomp.bench import models
-    from mergecomp.bench.profiles import parse_profile
+    from benchmarks.harness import models
+    from benchmarks.harness.profiles import parse_profile
 
     where = f"sweep file {source!r}"
     if not isinstance(raw, dict):
@@ -332,7 +334,7 @@ def run_cell(cell: dict, timeout_s: float) -> dict:
         if cell["workers"] == 1:
             failure, stderr = _run_local(argv, timeout_s)
         else:
-            from mergecomp.bench.cluster import Cluster
+            from benchmarks.harness.cluster import Cluster
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")

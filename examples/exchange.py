@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mergecomp  # noqa: E402
-from mergecomp.bench import harness  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from mergecomp import launch
 
 #: The density warm-up of DGC's paper: 25% → 6.25% → 1.5625% → 0.4% → the final density.

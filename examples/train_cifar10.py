@@ -38,11 +38,11 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import exchange  # noqa: E402  (the examples' shared flags; it puts the repository on the path)
-from mergecomp.bench import harness  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from mergecomp import launch
-from mergecomp.bench.data import cifar  # noqa: E402
-from mergecomp.bench.models import count_parameters  # noqa: E402
-from mergecomp.bench.models.resnet import CifarResNet  # noqa: E402
+from benchmarks.harness.data import cifar  # noqa: E402
+from benchmarks.harness.models import count_parameters  # noqa: E402
+from benchmarks.harness.models.resnet import CifarResNet  # noqa: E402
 
 #: Where ``--checkpoint`` without a folder saves: under runs/, which git ignores.
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

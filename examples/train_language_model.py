@@ -41,11 +41,11 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import exchange  # noqa: E402  (the examples' shared flags; it puts the repository on the path)
-from mergecomp.bench import harness  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from mergecomp import launch
-from mergecomp.bench.data import wikitext  # noqa: E402
-from mergecomp.bench.models import count_parameters  # noqa: E402
-from mergecomp.bench.models.lstm import LSTMLanguageModel  # noqa: E402
+from benchmarks.harness.data import wikitext  # noqa: E402
+from benchmarks.harness.models import count_parameters  # noqa: E402
+from benchmarks.harness.models.lstm import LSTMLanguageModel  # noqa: E402
 
 
 def train(args) -> dict:

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import compress_benchmark
 import mergecomp
 from mergecomp import arguments, compressors
 from tests.distributed import run_ranks
@@ -52,12 +51,6 @@ def test_what_each_compressor_pairs_with_by_default_is_accepted():
         arguments.resolve(name, "auto", "auto")
     arguments.resolve("powersgd", "none", "allreduce")
     arguments.resolve("dgc", "residual", "allgather")  # DGC's paper allows plain error feedback
-
-
-def test_the_benchmark_cli_refuses_the_pairing_before_starting_a_rank():
-    args = compress_benchmark.parse_args(["--compress", "--compressor", "powersgd", "--memory", "residual"])
-    with pytest.raises(ValueError, match="keeps its own error feedback"):
-        compress_benchmark.check_names(args)
 
 
 def test_bucket_caps_refuses_a_schedule_of_the_wrong_type():

@@ -7,6 +7,12 @@ from mergecomp.planning import simulate
 from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
 
 
+def small_mlp():
+    """A model for ``--model MODULE:FACTORY``."""
+    import torch
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
 def test_alpha_beta_formulas():
     costs = simulate.network_collectives(4, bandwidth=1e9, latency=1e-5)
     megabyte = 1e6
@@ -87,15 +93,6 @@ def test_command_line_compute_scale(tmp_path, capsys):
     assert "positive factor" in capsys.readouterr().err
 
 
-def test_simulator_check_calibrates_with_the_window_forward_time():
-    from benchmarks.simulator import window_compute_factor
-    phases = [[{"forward": 0.030}, {"forward": 0.040}, {"forward": 0.050}],  # rank 0: median 40 ms
-              [{"forward": 0.060}, {"forward": 0.060}]]                       # rank 1: median 60 ms
-    assert window_compute_factor(one_tensor_profile(), phases) == pytest.approx(0.050 / 0.025)
-    with pytest.raises(ValueError, match="--phases"):
-        window_compute_factor(one_tensor_profile(), [])
-
-
 def test_the_optimal_row_may_send_the_tensor_in_pieces(tmp_path, capsys):
     whole = simulate.simulate(one_tensor_profile(), [8], bandwidth=1e8, latency=1e-5, topology="allgather")
     pieces = simulate.simulate(one_tensor_profile(), [8], bandwidth=1e8, latency=1e-5, topology="allgather",
@@ -109,27 +106,6 @@ def test_the_optimal_row_may_send_the_tensor_in_pieces(tmp_path, capsys):
     assert simulate.main(["--profile", path, "--workers", "8", "--chunk-mb", "1"]) == 0
     assert simulate.main(["--profile", path, "--chunk-mb", "0"]) == 2
     assert "chunk_mb must be a size in MB > 0" in capsys.readouterr().err
-
-
-def test_a_rounds_compute_is_the_median_ranks_and_scales_the_codecs():
-    from benchmarks.simulator import round_profile
-    timeline = [TensorTiming("b", 10, 40, "torch.float32", "cpu", 0.0),
-                TensorTiming("a", 10, 40, "torch.float32", "cpu", 0.05)]
-    toy = CodecCost(LinearCost(1e-3, 1e-9), LinearCost(2e-3, 1e-9), WireSize(0.1, 0))
-    profile = Profile(2, timeline, forward_time=0.02, backward_time=0.05, compressor="topk",
-                      codecs={"topk": toy}, optimizer_step=0.004)
-    # In seconds from each step's start; backward spans 0.10, 0.06 and 0.14 s: the median
-    # rank's is twice the profile's 0.05 s.
-    ranks = [{"ready": {"b": 0.03, "a": 0.13}, "optimizer_step": 0.005},
-             {"ready": {"b": 0.04, "a": 0.10}, "optimizer_step": 0.007},
-             {"ready": {"b": 0.02, "a": 0.16}, "optimizer_step": 0.009}]
-    round_ = round_profile(profile, ranks)
-    assert round_.forward_time == pytest.approx(0.03)  # the median rank's first gradient
-    assert [(t.name, t.ready) for t in round_.timeline] == [("b", 0.0), ("a", pytest.approx(0.10))]
-    assert round_.backward_time == pytest.approx(0.10) and round_.optimizer_step == 0.007
-    assert round_.codecs["topk"].encode.intercept == pytest.approx(2e-3)  # the median rank ran at half speed
-    assert round_.codecs["topk"].decode.slope == pytest.approx(2e-9)
-    assert round_.collectives == profile.collectives  # the network is not the processor's
 
 
 # ----------------------------------------------------------------------- node layouts
@@ -199,20 +175,6 @@ def test_hierarchical_prediction_from_a_node_layout():
     assert predict(plan, profile).iteration_time < predict(plan, flat).iteration_time
 
 
-def test_simulator_plans_name_a_communicator():
-    from benchmarks.simulator import fixed_plan, parse_plans
-    from mergecomp.plan import ParamInfo
-    specs = parse_plans("auto,fp32-2,compress:allgather-2,compress-1")
-    assert specs[2] == ("compress:allgather-2", "compress:allgather", 2)
-    for bad in ("compress:nothing-2", "compress:allgather-0", "topk-2"):
-        with pytest.raises(ValueError, match="SEND-K"):
-            parse_plans(bad)
-    params = [ParamInfo(name, 1000) for name in ("a", "b", "c", "d")]
-    plan = fixed_plan(params, 2, "compress:allgather")
-    assert len(plan) == 2 and {g.send for g in plan.groups} == {"compress:allgather"}
-    assert [g.names for g in plan.groups] == [g.names for g in fixed_plan(params, 2, "compress").groups]
-
-
 def test_simulate_rows_on_a_node_layout(capsys):
     """The hierarchical topology on nodes of 4: the compressed exchange between nodes carries
     a quarter of each group per rank, so at 8 workers it beats the flat allgather, and the
@@ -223,7 +185,7 @@ def test_simulate_rows_on_a_node_layout(capsys):
     assert hier[0]["optimal"]["iteration_time"] < flat[0]["optimal"]["iteration_time"]
     with pytest.raises(ValueError, match="whole number of nodes"):
         simulate.simulate(base, [6], 1e8, 1e-5, "hierarchical", local_size=4, intra_bandwidth=1e11)
-    assert simulate.main(["--model", "mlp", "--compute-time", "0.1", "--topology", "hierarchical",
+    assert simulate.main(["--model", "tests.test_simulate:small_mlp", "--compute-time", "0.1", "--topology", "hierarchical",
                           "--workers", "8,16", "--local-size", "4", "--intra-bandwidth", "800"]) == 0
     assert "   16 |" in capsys.readouterr().out
-    assert simulate.main(["--model", "mlp", "--compute-time", "0.1", "--local-size", "0"]) == 2
+    assert simulate.main(["--model", "tests.test_simulate:small_mlp", "--compute-time", "0.1", "--local-size", "0"]) == 2

@@ -1,11 +1,12 @@
 """Predict iteration time and scaling of FP32, FP16 and the optimal plan on an assumed network.
 
-    python -m mergecomp.planning.simulate --model vgg16 --compute-time 0.1 --compressor topk \\
-        --compressor-arg compress_ratio=0.01 --topology allgather --bandwidth 10 --latency 50
+    python -m mergecomp.planning.simulate --model mypackage.models:build_model --compute-time 0.1 \\
+        --compressor topk --compressor-arg compress_ratio=0.01 --topology allgather --bandwidth 10 --latency 50
     python -m mergecomp.planning.simulate --profile job.json --topology ring --json
 
 The computation side comes from a saved :class:`~mergecomp.planning.profile.Profile` (its backward
-timeline, codec and copy costs), or from a model of :mod:`mergecomp.bench.models` with an
+timeline, codec and copy costs), or from a model (``--model MODULE:FACTORY``, a function that
+builds the ``nn.Module``; the benchmarks' models are ``benchmarks.harness.models:<name>``) with an
 assumed compute time: forward takes ``--forward-fraction`` of it (1/3 by default, since
 backward costs about twice forward) and the gradients become ready evenly spaced over
 backward, in reverse definition order — an assumption; profile the model for a real
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -168,21 +170,38 @@ def measured_link_efficiency(profile: Profile, bandwidth: float) -> float:
     return min(1.0, 2 * (world - 1) / (world * bandwidth) / measured.slope)
 
 
-def model_profile(model_name: str, compute_time: float, forward_fraction: float = 1 / 3) -> Profile:
-    """A profile skeleton (timeline only) for a model of :mod:`mergecomp.bench.models`."""
-    from ..bench import models
+def model_profile(model: "torch.nn.Module", compute_time: float, forward_fraction: float = 1 / 3) -> Profile:
+    """A profile skeleton (timeline only) for ``model``'s trainable parameters."""
     if not compute_time > 0:
         raise ValueError(f"--compute-time must be > 0 seconds (forward + backward of one "
                          f"iteration), got {compute_time!r}")
     if not 0 <= forward_fraction < 1:
         raise ValueError(f"--forward-fraction must be in [0, 1), got {forward_fraction!r}")
-    model = models.get(model_name).build()
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no trainable parameter: nothing to exchange")
     backward = compute_time * (1 - forward_fraction)
     timeline = [TensorTiming(n, p.numel(), p.numel() * p.element_size(), str(p.dtype), str(p.device),
                              backward * (k + 1) / len(params)) for k, (n, p) in enumerate(params)]
     return Profile(world_size=1, timeline=timeline, forward_time=compute_time * forward_fraction,
                    backward_time=backward)
+
+
+def build_model(spec: str) -> "torch.nn.Module":
+    """The module built by ``MODULE:FACTORY`` (a function of no arguments), for ``--model``."""
+    module_name, sep, factory_name = spec.partition(":")
+    if not sep or not module_name or not factory_name:
+        raise ValueError(f"--model must be MODULE:FACTORY, a function that builds the model (e.g. "
+                         f"mypackage.models:build_model, or benchmarks.harness.models:vgg16 from the "
+                         f"repository), got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--model {spec!r}: cannot import {factory_name!r} from {module_name!r} ({error})") from None
+    model = factory()
+    if not hasattr(model, "named_parameters"):
+        raise ValueError(f"--model {spec!r} built a {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
@@ -286,7 +305,7 @@ def _parse_args(argv: Optional[Sequence[str]]):
     parser = argparse.ArgumentParser(prog="python -m mergecomp.planning.simulate", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", help="a profile saved by the benchmark (--profile-out)")
-    source.add_argument("--model", help="a model of mergecomp.bench.models (with --compute-time)")
+    source.add_argument("--model", help="MODULE:FACTORY, a function that builds the model (with --compute-time)")
     parser.add_argument("--compute-time", type=float, help="seconds of forward + backward per iteration (with --model)")
     parser.add_argument("--forward-fraction", type=float, default=1 / 3)
     parser.add_argument("--compressor", default=None, help="compressor name (default: the profile's, or topk)")
@@ -346,7 +365,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             if args.compute_time is None:
                 raise ValueError("--model needs --compute-time (seconds of forward + backward per iteration)")
-            base = model_profile(args.model, args.compute_time, args.forward_fraction)
+            base = model_profile(build_model(args.model), args.compute_time, args.forward_fraction)
         name = args.compressor or (base.compressor if args.profile and base.compressor != "none" else "topk")
         compressor = compressors.create(name, **_compressor_kwargs(args.compressor_arg))
         bandwidth = args.bandwidth * 1e9 / 8

@@ -1,0 +1,149 @@
+"""Contenders timed side by side: each a way to train the same model (a step, its byte
+counters, its optimizer when mergecomp's), warmed up and settled, then timed in interleaved
+windows with a barrier before each (:func:`benchmarks.harness.interleaved_windows`).
+The headline's modes (``benchmarks/headline.py``) and the FSDP2 measurements share it."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import harness
+from mergecomp import momentum
+
+DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel's own default
+MOMENTUM = 0.9
+
+
+class Configuration:
+    """One way to train the model: its step, its byte counters (handed to collectives; on
+    the wire, where counted) and (mergecomp) its optimizer, whose phases are timed."""
+
+    def __init__(self, name: str, step: Callable[[], None], bytes_sent: Callable[[], float],
+                 before: Callable[[], None] = None, optimizer=None, wire_bytes: Callable[[], float] = None):
+        self.name, self.step, self.bytes_sent, self.before, self.optimizer = name, step, bytes_sent, before, optimizer
+        self.wire = wire_bytes if wire_bytes is not None else (lambda: 0.0)
+
+
+def train_step(work, model, optimizer) -> Callable[[], None]:
+    """One training step of ``model`` on ``work``'s batch (zero_grad, forward, loss, backward,
+    ``optimizer.step()``), as every contender takes it; unlike
+    :func:`~benchmarks.harness.training_step` it reports no progress, so interleaved
+    contenders print nothing between windows."""
+    def step():
+        optimizer.zero_grad()
+        work.spec.loss(model(work.inputs), work.targets).backward()
+        optimizer.step()
+    return step
+
+
+def sgd(model, owns_momentum: bool, lr: float):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if owns_momentum else MOMENTUM)
+
+
+def owns_momentum(*components) -> bool:
+    """SIGNUM and DeMo's memory keep a momentum of their own: the optimizer must not have one
+    too.  (The dgc memory, and the residual memory with a momentum, take SGD's over.)"""
+    return any(momentum.role(c) == momentum.OWNS for c in components)
+
+
+def counted(name: str, step: Callable[[], None], per_step: float) -> Configuration:
+    count = {"bytes": 0.0}
+
+    def counted_step():
+        step()
+        count["bytes"] += per_step
+    return Configuration(name, counted_step, lambda: count["bytes"])
+
+
+def settle(configurations: Dict[str, Configuration], args, work) -> Dict[str, int]:
+    """Warm every configuration up; run each auto optimizer until its scheduler settles."""
+    search = {}
+    for name, configuration in configurations.items():
+        for _ in range(max(3, args.num_warmup_batches)):
+            configuration.step()
+        optimizer = configuration.optimizer
+        if optimizer is not None:
+            steps = 0
+            while not optimizer.scheduler.settled:
+                configuration.step()
+                steps += 1
+            search[name] = steps
+            work.log(f"{name}: auto settled after {steps} steps: "
+                     + optimizer.plan.describe(optimizer.param_infos()).splitlines()[0])
+    return search
+
+
+def timed_rounds(configurations: Dict[str, Configuration], args, wire_out: Dict[str, float] = None):
+    """Interleaved windows (:func:`harness.interleaved_windows`: the order rotated each round,
+    one untimed step before each window), a barrier before each window.  Returns, per
+    configuration: seconds per step per round on this rank, bytes handed to collectives per
+    timed step, and (mergecomp's optimizer) its phases per step per round; ``wire_out``, when
+    given, receives the bytes on the wire per timed step (where the configuration counts them)."""
+    names = list(configurations)
+    sent = {name: 0.0 for name in names}
+    wire = {name: 0.0 for name in names}
+    phases = {name: {"launch": [], "finish": [], "sync": []} for name in names}
+    window: Dict[str, Any] = {"name": None, "untimed": False}  # the window being timed
+
+    def before(name):
+        def run():
+            dist.barrier()
+            if configurations[name].before is not None:
+                configurations[name].before()
+            window.update(name=None, untimed=True)  # the next step is the window's untimed one
+        return run
+
+    def timed(name):
+        configuration = configurations[name]
+        optimizer = configuration.optimizer
+
+        def step():
+            if window["untimed"]:  # counters start after it, inside the untimed call
+                configuration.step()
+                window.update(name=name, untimed=False, steps=0, sums={"launch": 0.0, "finish": 0.0, "sync": 0.0},
+                              sent=configuration.bytes_sent(), wire=configuration.wire())
+                return
+            configuration.step()
+            if optimizer is not None:
+                window["sums"]["sync"] += optimizer.last_sync_time
+            window["steps"] += 1
+            if window["steps"] == args.window:
+                sent[name] += configuration.bytes_sent() - window["sent"]
+                wire[name] += configuration.wire() - window["wire"]
+                if optimizer is not None:
+                    for key, total in window["sums"].items():
+                        phases[name][key].append(total / args.window)
+                window["name"] = None
+        return step
+
+    handles = []
+    for name, configuration in configurations.items():
+        if configuration.optimizer is not None:
+            def on_phase(phase, group, seconds, name=name):
+                if window["name"] == name and phase in window["sums"]:
+                    window["sums"][phase] += seconds
+            handles.append(configuration.optimizer.add_phase_listener(on_phase))
+    try:
+        per_step = harness.interleaved_windows({name: timed(name) for name in names}, args.rounds, args.window,
+                                               before={name: before(name) for name in names})
+    finally:
+        for handle in handles:
+            handle.remove()
+    steps = args.rounds * args.window
+    if wire_out is not None:
+        wire_out.update({name: total / steps for name, total in wire.items()})
+    return per_step, {name: total / steps for name, total in sent.items()}, phases
+
+
+def phase_text(phases) -> str:
+    """Compress (launch) / wait for collectives after backward / decode (finish), in ms."""
+    if not phases:
+        return ""
+    wait = max(0.0, phases.get("sync", 0.0) - phases.get("finish", 0.0))
+    return f"{phases.get('launch', 0) * 1e3:.0f} / {wait * 1e3:.0f} / {phases.get('finish', 0) * 1e3:.0f}"
+
+
+#: Per-worker batch of each model in the campaign: small, so communication is a visible
+#: share of a CPU step (the batch sizes of the project's earlier benchmark tables).

@@ -1,0 +1,128 @@
+"""Small language-model tasks for the convergence benchmark: a text, a model, its batches.
+
+Each task is a model small enough to train to near its plateau on a CPU in minutes — a
+2-layer character-level LSTM and a 2-layer GPT-style transformer, both about half a million
+parameters — on English text that needs no download (:mod:`benchmarks.harness.data.text`: the
+Python distribution's help text by default, or a WikiText folder or text file).  The
+models are the benchmark models of :mod:`benchmarks.harness.models` at small sizes.
+
+Data parallelism as in PyTorch's word_language_model example: the training stream is cut
+into ``world_size × batch_size`` rows, rank r trains on its own ``batch_size`` rows, window
+after window of ``bptt`` ids, wrapping round at the end (every pass over the rows is an
+epoch); the LSTM carries its state from one window to the next (detached), the transformer
+sees each window alone.  Validation is a fixed slice of the validation split, the same on
+every rank and in every run, scored as the mean cross-entropy in nats per symbol (bits per
+character = nats / ln 2; perplexity = e^nats).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .data import text, wikitext
+from .models.lstm import LSTMLanguageModel
+from .models.transformer import TransformerLanguageModel
+
+
+@dataclass(frozen=True)
+class LMTask:
+    """A language-model task: which model, at what size, on how long windows."""
+
+    name: str
+    model: str  # "lstm" or "transformer"
+    bptt: int
+    hidden: int
+    layers: int
+    embedding: int = 0  # LSTM only; 0: the hidden size
+    heads: int = 4  # transformer only
+    dropout: float = 0.0
+
+    def build(self, vocab_size: int) -> nn.Module:
+        if self.model == "lstm":
+            return LSTMLanguageModel(vocab_size, self.hidden, self.layers, self.dropout,
+                                     embedding_size=self.embedding or self.hidden)
+        return TransformerLanguageModel(vocab_size, self.hidden, self.heads, self.layers,
+                                        dropout=self.dropout, max_seq_len=self.bptt)
+
+    @property
+    def recurrent(self) -> bool:
+        return self.model == "lstm"
+
+
+#: The benchmark's tasks: about half a million parameters each at a 100-character vocabulary.
+TASKS = {
+    "char-lstm": LMTask("char-lstm", "lstm", bptt=64, hidden=192, layers=2, embedding=64),
+    "char-gpt": LMTask("char-gpt", "transformer", bptt=64, hidden=128, layers=2, heads=4),
+}
+
+
+def get_task(name: str) -> LMTask:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown language-model task {name!r}; choose one of "
+                         f"{sorted(TASKS)}") from None
+
+
+class TextStream:
+    """One rank's training windows, endless: ``(inputs, targets, epoch, starts_epoch)``."""
+
+    def __init__(self, corpus: text.TextCorpus, batch_size: int, bptt: int, rank: int,
+                 world_size: int):
+        self.rows = wikitext.shard_rows(corpus.train, batch_size, rank, world_size)
+        self.bptt = bptt
+        self.windows_per_epoch = wikitext.num_windows(self.rows, bptt)
+
+    def __iter__(self) -> Iterator[Tuple[Tensor, Tensor, int, bool]]:
+        epoch = 0
+        while True:
+            for index, (inputs, targets) in enumerate(wikitext.bptt_windows(self.rows, self.bptt)):
+                yield inputs, targets, epoch, index == 0
+            epoch += 1
+
+
+def detach(state):
+    return None if state is None else tuple(s.detach() for s in state)
+
+
+def forward(task: LMTask, model: nn.Module, inputs: Tensor, state=None):
+    """Logits and the recurrent state to carry (None for the transformer)."""
+    if task.recurrent:
+        return model(inputs, state, return_state=True)
+    return model(inputs), None
+
+
+def training_loss(task: LMTask, model: nn.Module, inputs: Tensor, targets: Tensor, state=None):
+    """One batch's mean next-symbol cross-entropy (to call ``backward`` on), and the recurrent
+    state to carry into the next batch, detached (truncated backpropagation through time)."""
+    logits, state = forward(task, model, inputs, state)
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss, detach(state)
+
+
+@torch.no_grad()
+def validation_loss(task: LMTask, model: nn.Module, rows: Tensor) -> float:
+    """Mean cross-entropy (nats per symbol) over ``rows`` (``(R, L)`` ids), read window by
+    window, the LSTM's state carried along each row."""
+    was_training = model.training
+    model.eval()
+    total, count, state = 0.0, 0, None
+    for inputs, targets in wikitext.bptt_windows(rows, task.bptt):
+        logits, state = forward(task, model, inputs, state)
+        total += nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
+        count += targets.numel()
+    model.train(was_training)
+    return total / count
+
+
+def bits_per_symbol(nats: float) -> float:
+    return nats / math.log(2.0)
+
+
+def perplexity(nats: float) -> Optional[float]:
+    return math.exp(nats) if nats < 700 else None

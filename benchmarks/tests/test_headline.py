@@ -1,0 +1,134 @@
+"""benchmarks/headline.py as a user runs it: one small cell on two spawned ranks, then the
+per-cell table and the one-row-per-cell summary read back from the saved result."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HEADLINE = os.path.join(ROOT, "benchmarks", "headline.py")
+
+
+def headline(*flags, timeout=600):
+    return subprocess.run([sys.executable, HEADLINE, *flags], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_a_cell_measures_every_configuration_side_by_side(tmp_path):
+    out = tmp_path / "cell.json"
+    done = headline("--nproc", "2", "--model", "resnet20", "--batch-size", "4", "--num-warmup-batches", "1",
+                    "--rounds", "2", "--window", "1", "--compressors", "dgc", "--hook-compressors", "fp16",
+                    "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    configurations = result["configurations"]
+    assert list(configurations) == ["bound", "solo", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "auto-dgc",
+                                    "hook-fp16"]
+    assert configurations["bound"]["bytes_per_step"] == 0  # the bound exchanges nothing
+    fp32 = configurations["ddp-fp32"]["bytes_per_step"]
+    assert fp32 > 0 and configurations["ddp-fp16"]["bytes_per_step"] == fp32 / 2
+    assert configurations["ddp-fp16"]["versus_ddp_fp16"] == 1.0
+    for name, entry in configurations.items():
+        assert len(entry["step_s_rounds"]) == 2 and entry["step_s"] > 0, name
+    ours = configurations["auto-dgc"]
+    assert set(ours["phases_s"]) >= {"launch", "finish", "sync"} and ours["groups"] >= 1
+
+    table = headline("--table", str(out))
+    assert table.returncode == 0, table.stderr
+    assert "resnet20, 2 workers, loopback: median of 2 rounds of 1 steps" in table.stdout
+    assert "| auto-dgc |" in table.stdout and "| solo (one worker alone) |" in table.stdout
+
+    summary = headline("--summary", str(out))
+    assert summary.returncode == 0, summary.stderr
+    row = summary.stdout.strip().splitlines()[-1]
+    assert row.startswith("| resnet20 | loopback | 2 | ") and "(ddp-" in row
+    assert f"{ours['versus_ddp_fp16']:.2f} | {ours['scaling_vs_bound']:.2f} |" in row
+
+    other = headline("--summary", str(out), "--ours", "auto-topk")
+    assert other.returncode != 0
+    assert "has no configuration 'auto-topk'" in other.stderr and "pass one of them as --ours" in other.stderr
+
+
+def test_summary_refuses_a_file_that_is_not_a_headline_result(tmp_path):
+    stray = tmp_path / "stray.json"
+    stray.write_text(json.dumps({"model": "vgg16"}))
+    done = headline("--summary", str(stray))
+    assert done.returncode != 0 and "is not a result of benchmarks/headline.py" in done.stderr
+
+
+def refused(argv, capsys):
+    """What ``headline.py`` says to bad flags, in this process: argparse's message or the
+    ValueError that the script prints as one line."""
+    from benchmarks import headline
+    try:
+        headline.main(argv)
+    except SystemExit as exited:
+        assert exited.code == 2, exited.code
+        return capsys.readouterr().err
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"{argv} was accepted")
+
+
+def test_exchanges_mode_times_communicators_side_by_side_with_bytes_per_rank(tmp_path, capsys):
+    from benchmarks import headline
+    out = tmp_path / "exchanges.json"
+    assert headline.main(["exchanges", "--nproc", "2", "--model", "mlp", "--width", "32", "--fusion-num", "1",
+                          "--compressors", "topk:compress_ratio=0.1", "--contenders", "allgather", "sparse_allreduce",
+                          "--rounds", "2", "--window", "1", "--num-warmup-batches", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    configurations = result["configurations"]
+    assert list(configurations) == ["bound", "allgather-topk:compress_ratio=0.1",
+                                    "sparse_allreduce-topk:compress_ratio=0.1"]
+    assert result["reference"] == "allgather" and result["model_options"] == {"width": 32}
+    assert configurations["bound"]["wire_bytes_per_step"] == 0
+    gather, sparse = configurations["allgather-topk:compress_ratio=0.1"], configurations[
+        "sparse_allreduce-topk:compress_ratio=0.1"]
+    assert gather["versus_reference_rounds"] == [1.0, 1.0] and len(sparse["versus_reference_rounds"]) == 2
+    for entry in (gather, sparse):
+        assert 0 < entry["wire_bytes_per_step"] <= entry["wire_bytes_per_step_max"]
+        assert entry["bytes_per_step"] > 0 and set(entry["phases_s"]) >= {"launch", "finish", "sync"}
+    assert "SparseAllreduce" in sparse["communicator"] or "sparse" in sparse["communicator"].lower()
+    capsys.readouterr()
+    assert headline.main(["exchanges", "--table", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| × allgather |" in table and "| sparse_allreduce-topk:compress_ratio=0.1 |" in table
+
+
+def test_exchanges_mode_refuses_before_any_rank_starts(capsys):
+    for flags, message in ((["--contenders", "flat", "flat"], "distinct contenders"),
+                           (["--model", "resnet20", "--width", "8"], "--model resnet20 has no width"),
+                           (["--contenders", "flat", "hierarchcal"], "hierarchcal"),
+                           (["--compressors", "topk:ratio"], "is not key=value"),
+                           (["--fusion-num", "0"], "--fusion-num must be ≥ 1")):
+        said = refused(["exchanges", "--nproc", "2", *flags], capsys)
+        assert message in said, said
+
+
+def test_fsdp_mode_counts_bytes_against_fsdp2s_own_reduction(tmp_path, capsys):
+    from benchmarks import headline
+    assert headline.main(["fsdp", "--width", "32", "--depth", "1", "--steps", "1", "--warmup", "0",
+                          "--compressors", "topk:compress_ratio=0.1", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "fsdp-bytes.json").read_text())
+    rows = {row["configuration"]: row for row in saved["results"]}
+    assert list(rows) == ["fsdp2-fp32", "fsdp2-bf16-reduce", "topk:compress_ratio=0.1"]
+    assert rows["fsdp2-bf16-reduce"]["ratio_to_fp32"] == 0.5
+    assert 0 < rows["topk:compress_ratio=0.1"]["ratio_to_fp32"] < 0.5
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["runs"][-1]["command"].startswith("python benchmarks/headline.py fsdp --width 32")
+    capsys.readouterr()
+    assert headline.main(["fsdp", "--table", str(tmp_path / "fsdp-bytes.json")]) == 0
+    assert "| topk:compress_ratio=0.1 |" in capsys.readouterr().out
+    for flags, message in ((["--hsdp", "--ranks", "2"], "4 with --hsdp"), (["--steps", "0"], "--steps must be ≥ 1"),
+                           (["--compressors", "topkk"], "topkk")):
+        said = refused(["fsdp", *flags], capsys)
+        assert message in said, said
+
+
+def test_fsdp_accuracy_runs_as_a_module_and_says_so_when_run_as_a_script():
+    module = subprocess.run([sys.executable, "-m", "benchmarks.fsdp", "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert module.returncode == 0 and "accuracy" in module.stdout, module.stderr[-2000:]
+    script = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fsdp.py"), "accuracy"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert script.returncode != 0 and "python -m benchmarks.fsdp accuracy" in script.stderr, script.stderr
