@@ -44,7 +44,7 @@ from mergecomp.planning.costmodel import predict
 from mergecomp.plan import COMPRESS_VIA, SEND_MODES, Plan, is_compressed, send_communicator, valid_sends
 from mergecomp.planning.profile import Profile, scaled_compute
 from mergecomp.schedulers.fixed import FixedScheduler
-from mergecomp.schedulers.optimal import OptimalScheduler
+from mergecomp.planning.optimal import OptimalScheduler
 from mergecomp.planning.simulate import measured_link_efficiency, node_profile
 from mergecomp.runtime.regroup import CannotRegroup
 

@@ -10,7 +10,8 @@
 Components are looked up by name in four registries (``mergecomp.compressors``,
 ``.memories``, ``.communicators``, ``.schedulers``), each open to plugins.
 """
-from . import backends, checkpoint, communicators, compressors, memories, schedulers
+from . import checkpoint, communicators, compressors, memories, schedulers
+from . import planning  # noqa: F401  (registers the optimal and auto schedulers)
 from .checkpoint import load, save
 from .optimizer import DistributedOptimizer
 # The DDP hook is part of the public face (``mergecomp.ddp.register`` after ``import
@@ -18,9 +19,9 @@ from .optimizer import DistributedOptimizer
 from . import ddp  # noqa: E402
 from . import fsdp  # noqa: E402  (FSDP2: mergecomp.fsdp.register after fully_shard)
 from .plan import Group, ParamInfo, Plan
-from .runtime import launch
+from .distributed import backends, launch
 from .runtime.agreement import NonFiniteGradient, RanksDisagree
-from .runtime.watchdog import CollectiveError, CollectiveTimeout, PeerLost
+from .distributed.watchdog import CollectiveError, CollectiveTimeout, PeerLost
 from .steplog import StepLog
 from .lowcomm import DiLoCo  # noqa: E402  (low-communication: docs/low-communication.md)
 

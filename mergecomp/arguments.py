@@ -22,6 +22,8 @@ from .communicators.base import Communicator
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .memories.none import NoneMemory
+from .plan import Plan
+from .schedulers.base import Scheduler
 
 AUTO = (None, "auto")
 
@@ -72,8 +74,6 @@ def check_pairing(compressor: Compressor, memory: Memory) -> None:
 def check_schedule(schedule, accepted: str, plan: bool = True) -> None:
     """TypeError naming the value unless ``schedule`` is an int (not a bool), a str, a
     Scheduler or (when ``plan``) a Plan; ``accepted`` says so in the caller's words."""
-    from .plan import Plan
-    from .schedulers.base import Scheduler
     kinds = (int, str, Scheduler) + ((Plan,) if plan else ())
     if isinstance(schedule, bool) or not isinstance(schedule, kinds):
         raise TypeError(_wrong("schedule", schedule, accepted))

@@ -23,7 +23,7 @@ import torch
 
 from . import checkpoint, communicators, arguments, compressors, schedulers
 from .runtime.agreement import RanksDisagree, describe_disagreement
-from .backends import Backend, default_backend
+from .distributed.backends import Backend, default_backend
 from .communicators.base import Communicator
 from .compressors import recipes
 from .compressors.base import Compressor

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from .registry import registry_of
+
 #: How a group travels: through the configured compressor, or raw at a float width.
 SEND_MODES = ("compress", "fp32", "fp16", "bf16")
 
@@ -32,6 +34,12 @@ PLAN_FORMAT = ('a plan file is the JSON Plan.save (--plan-out) writes: {"groups"
                f'"{COMPRESS_VIA}<communicator>", and optionally "slices": one [start, stop] or null per name')
 
 
+class CannotRegroup(Exception):
+    """A plan switch cannot move the state: it holds something that cannot follow its
+    parameters into new groups (:mod:`mergecomp.runtime.regroup`).  Defined with the plan so
+    that a scheduler, which proposes plans, can catch it without importing the runtime."""
+
+
 def is_compressed(send: str) -> bool:
     """Whether a group sent ``send`` goes through the configured compressor."""
     return send == "compress" or send.startswith(COMPRESS_VIA)
@@ -45,8 +53,7 @@ def send_communicator(send: str) -> Optional[str]:
 def valid_sends() -> Tuple[str, ...]:
     """Every send mode a plan may name here: :data:`SEND_MODES` and ``"compress:<name>"``
     for each registered communicator."""
-    from . import communicators  # communicators import the planning side, which imports this module
-    return SEND_MODES + tuple(COMPRESS_VIA + name for name in communicators.available())
+    return SEND_MODES + tuple(COMPRESS_VIA + name for name in registry_of("communicator").available())
 
 
 def check_send(send, what: str = "group send mode") -> str:

@@ -4,12 +4,32 @@ A registry maps a short name (``"topk"``) to a class.  Built-in components regis
 themselves with the :meth:`Registry.register` class decorator; third-party packages
 register through a setuptools entry-point group (``mergecomp.compressors`` and so on),
 which is read the first time a name is looked up and not found.
+
+Every registry is also listed here by kind (:func:`registry_of`), so that a module below the
+component packages (:mod:`mergecomp.plan`, which checks that a ``"compress:<name>"`` send mode
+names a registered communicator) can look a name up without importing the package that fills
+the registry.  ``import mergecomp`` imports every built-in component package, so the built-ins
+are registered before any plan is checked.
 """
 from __future__ import annotations
 
 import difflib
 from importlib import metadata
 from typing import Callable, Dict, List, Type
+
+
+#: Every registry made, by kind (``"communicator"``).
+_REGISTRIES: Dict[str, "Registry"] = {}
+
+
+def registry_of(kind: str) -> "Registry":
+    """The registry of components of ``kind`` (``"compressor"``, ``"memory"``,
+    ``"communicator"``, ``"scheduler"``)."""
+    try:
+        return _REGISTRIES[kind]
+    except KeyError:
+        raise ValueError(f"no {kind} registry: known kinds are {sorted(_REGISTRIES)} "
+                         f"(import mergecomp first)") from None
 
 
 class Registry:
@@ -26,6 +46,7 @@ class Registry:
         self.entry_point_group = entry_point_group
         self._classes: Dict[str, type] = {}
         self._plugins_loaded = False
+        _REGISTRIES[kind] = self
 
     def register(self, name: str, *aliases: str) -> Callable[[Type], Type]:
         """Class decorator: ``@compressors.register("topk")``.

@@ -91,7 +91,7 @@ def test_binary_scheduler_searches_and_settles_identically():
 
 
 def test_auto_check_rounds_keep_the_faster_half_and_the_close_ones():
-    from mergecomp.schedulers.auto.decisions import contenders, medians_as_timed
+    from mergecomp.planning.auto.decisions import contenders, medians_as_timed
     # Visits: (step seconds, forward seconds); no forwards timed, so no speed correction.
     visits = {0: [([1.0, 1.2], None)], 1: [([1.1], None), ([1.3], None)], 2: [([2.0, 2.1], None)], 3: []}
     medians = medians_as_timed(visits)
@@ -108,7 +108,7 @@ def test_auto_check_rounds_keep_the_faster_half_and_the_close_ones():
 
 
 def test_a_visit_takes_each_steps_slowest_rank_and_skips_untimed_steps():
-    from mergecomp.schedulers.auto.decisions import slowest_rank_visit
+    from mergecomp.planning.auto.decisions import slowest_rank_visit
     everyone = [([1.0, None, 3.0], [0.5, None, 0.4]), ([2.0, 2.0, 1.0], [0.1, 0.2, None])]
     # Step 2 was untimed on rank 0 (restart_step_clock); forward 3 untimed on rank 1.
     assert slowest_rank_visit(everyone) == ([2.0, 3.0], pytest.approx(0.5))
@@ -119,8 +119,8 @@ def test_auto_compares_visits_at_the_checks_median_compute_speed():
     import dataclasses
     from mergecomp.planning.costmodel import predict
     from mergecomp.planning.profile import scaled_compute
-    from mergecomp.schedulers.auto.decisions import medians_at_common_speed, medians_as_timed
-    from mergecomp.schedulers.auto.settings import AutoSettings
+    from mergecomp.planning.auto.decisions import medians_at_common_speed, medians_as_timed
+    from mergecomp.planning.auto.settings import AutoSettings
     from tests.test_costmodel import hand_profile
     profile = hand_profile()  # forward 1 s, backward 4 s, compute-bound
     split = Plan([Group(("a",), "compress"), Group(("b", "c"), "fp32")])
@@ -158,7 +158,7 @@ def test_auto_compares_visits_at_the_checks_median_compute_speed():
 
 
 def test_auto_keeps_fp32_unless_a_lossy_plan_is_clearly_faster():
-    from mergecomp.schedulers.auto.decisions import winner
+    from mergecomp.planning.auto.decisions import winner
     raw = Plan([Group(("a",), "fp32"), Group(("b",), "fp32")])
     compressed = Plan([Group(("a", "b"), "compress")])
     half = Plan([Group(("a", "b"), "fp16")])
@@ -207,15 +207,17 @@ class _OneRank:
 
 
 def watching(watch_every=4, drift=0.25):
-    from mergecomp.schedulers.auto.phase import Findings, Search
-    from mergecomp.schedulers.auto.settings import AutoSettings
-    from mergecomp.schedulers.auto.watching import Watching
+    from mergecomp.planning.auto.phase import Findings, Search
+    from mergecomp.planning.auto.settings import AutoSettings
+    from mergecomp.planning.auto.profiling import Profiling
+    from mergecomp.planning.auto.watching import Watching
     search = Search(AutoSettings(watch_every=watch_every, drift=drift), Findings(best=("optimal", None, 1.0)), None)
+    search.profile = lambda context: Profiling(search, context)  # as the scheduler wires it
     return Watching(search)
 
 
 def test_auto_watch_ignores_untimed_steps_and_a_single_pause():
-    from mergecomp.schedulers.auto.decisions import drifted, slowest_typical_step
+    from mergecomp.planning.auto.decisions import drifted, slowest_typical_step
     phase = watching()
     # An untimed step (restart_step_clock) and one long pause in each window: the median of
     # the timed steps stays at 1.0 s, so no strike.
@@ -267,7 +269,7 @@ def test_auto_keeps_the_running_plan_when_the_fastest_cannot_take_its_state():
     """The check ends on a plan whose state cannot follow the one measured fastest (the
     factors of a low-rank compressor): the running plan is kept, with its own
     measured step time as the reference the watch compares with."""
-    from mergecomp.schedulers.auto.racing import Checking
+    from mergecomp.planning.auto.racing import Checking
     fastest, running = _CannotSwitch.plan, Plan([Group(("a", "b"), "compress")])
     measured = [(1.0, "optimal", fastest), (1.4, "fusion-num 1", running)]
     assert Checking._kept(measured, running) == ("fusion-num 1", running, 1.4)

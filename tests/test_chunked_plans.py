@@ -11,7 +11,7 @@ from mergecomp.planning.costmodel import predict
 from mergecomp.plan import Group, Plan
 from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
 from mergecomp.runtime.regroup import regroup_tensors
-from mergecomp.schedulers.optimal import OptimalScheduler
+from mergecomp.planning.optimal import OptimalScheduler
 from tests.distributed import run_ranks
 from tests.test_optimal import brute_force, random_profile
 from tests.test_optimizer import batch, make_model, make_optimizer, reference_params
@@ -135,10 +135,10 @@ def test_chunk_size_errors_say_what_to_do():
 
 
 def test_auto_offers_the_dp_plans_with_pieces():
-    from mergecomp.schedulers.auto.phase import Findings
-    from mergecomp.schedulers.auto.planning import plan_candidates
-    from mergecomp.schedulers.auto.settings import AutoSettings
-    from mergecomp.schedulers.auto import describe_findings
+    from mergecomp.planning.auto.phase import Findings
+    from mergecomp.planning.auto.planning import plan_candidates
+    from mergecomp.planning.auto.settings import AutoSettings
+    from mergecomp.planning.auto import describe_findings
     found = plan_candidates(chunk_profile(), AutoSettings(chunk_mb=8000 / 2 ** 20), print)
     candidates = {label: plan for label, plan, _ in found}
     assert any(g.slices is not None for g in candidates["optimal"].groups)

@@ -93,7 +93,7 @@ def test_auto_refuses_a_communicator_without_a_cost_formula_on_every_rank():
 
 
 def test_communicators_and_the_cost_model_share_a_leaf_not_each_other():
-    """Communicators build their SendCost from mergecomp.planning.sendcost; the cost model looks
+    """Communicators build their SendCost from mergecomp.communicators.cost; the cost model looks
     communicators up.  Neither half is imported back: each imports alone, in either order."""
     import ast
     import pathlib
@@ -101,11 +101,12 @@ def test_communicators_and_the_cost_model_share_a_leaf_not_each_other():
     import sys
 
     root = pathlib.Path(mergecomp.__file__).parent
-    for path in [root / "planning" / "sendcost.py", *sorted((root / "communicators").glob("*.py"))]:
-        imported = {node.module or "" for node in ast.walk(ast.parse(path.read_text()))
-                    if isinstance(node, ast.ImportFrom)}
+    for path in sorted((root / "communicators").glob("*.py")):
+        found = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)]
+        imported = {node.module or "" for node in found}
         assert not any(m.endswith("costmodel") for m in imported), f"{path.name} imports the cost model"
-        if path.name == "sendcost.py":
-            assert not any("communicators" in m for m in imported), "sendcost imports the communicators"
-    for first in ("mergecomp.communicators", "mergecomp.planning.costmodel", "mergecomp.planning.sendcost"):
+        if path.name == "cost.py":  # a leaf: nothing of the package
+            assert not any(node.level or (node.module or "").startswith("mergecomp") for node in found), \
+                "communicators/cost.py imports the package"
+    for first in ("mergecomp.communicators", "mergecomp.planning.costmodel", "mergecomp.communicators.cost"):
         subprocess.run([sys.executable, "-c", f"import {first}; import mergecomp.planning.costmodel"], check=True)

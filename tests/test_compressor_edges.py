@@ -96,7 +96,7 @@ def test_flags_of_another_layout_are_refused():
 
 
 def signsgd_allgather_worker(rank, world_size):
-    from mergecomp.backends.torch_dist import TorchDistributedBackend
+    from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
     communicator = communicators.create("allgather", compressor=compressors.create("signsgd"),
                                         memory=memories.create("none"), backend=TorchDistributedBackend())
     g = group(torch.randn(6, generator=torch.Generator().manual_seed(rank)), [0, 0, 0, 0],

@@ -138,7 +138,7 @@ def test_backward_timer_records_backward_order():
 
 
 def _collective_probe(rank, world):
-    from mergecomp.backends import default_backend
+    from mergecomp.distributed.backends import default_backend
     backend = default_backend()
     costs = {kind: measure_collective_cost(backend, kind, sizes=(1024, 65536), repeats=2)
              for kind in ("allreduce", "allgather", "alltoall")}

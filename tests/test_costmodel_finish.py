@@ -8,7 +8,7 @@ from mergecomp import communicators, compressors, memories
 from mergecomp.planning.costmodel import predict, send_costs
 from mergecomp.planning.measure import measure_finish_cost, measure_finish_costs
 from mergecomp.planning.profile import CodecCost, LinearCost, Profile, WireSize, fit_linear
-from mergecomp.schedulers.optimal import OptimalScheduler
+from mergecomp.planning.optimal import OptimalScheduler
 from mergecomp.planning.simulate import simulate
 from tests.test_costmodel import MIXED, hand_profile
 from tests.test_optimal import brute_force, random_profile

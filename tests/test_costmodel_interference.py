@@ -13,7 +13,7 @@ from mergecomp.planning.costmodel import GroupCost, advance, finish_time, predic
 from mergecomp.plan import Group, Plan
 from mergecomp.planning.measure import measure_memory_cost
 from mergecomp.planning.profile import LinearCost, Profile, interference_factor
-from mergecomp.schedulers.optimal import OptimalScheduler
+from mergecomp.planning.optimal import OptimalScheduler
 from mergecomp.planning.simulate import measured_link_efficiency, network_collectives
 from tests.test_costmodel import hand_profile
 from tests.test_optimal import brute_force, random_profile

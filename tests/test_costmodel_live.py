@@ -15,7 +15,7 @@ import mergecomp
 from mergecomp.planning.costmodel import GroupCost, advance, finish_time, predict, send_costs
 from mergecomp.plan import Group, Plan
 from mergecomp.planning.profile import LinearCost, Profile, collective_slowdown_factor, fit_live_costs
-from mergecomp.schedulers.optimal import OptimalScheduler
+from mergecomp.planning.optimal import OptimalScheduler
 from tests.distributed import run_ranks
 from tests.test_costmodel import hand_profile
 from tests.test_optimal import brute_force, random_profile
@@ -180,7 +180,7 @@ def test_phase_listener_times_launch_and_finish_without_changing_the_step():
 
 
 def test_auto_rescales_the_profile_to_the_speed_the_check_ran_at():
-    from mergecomp.schedulers.auto.decisions import refit_profile
+    from mergecomp.planning.auto.decisions import refit_profile
     profile = dataclasses.replace(hand_profile(), optimizer_step=0.5)
     # The check's forward passes took 1.5 s (median, pooled over two ranks that timed the
     # same) against the profile's 1.0 s: every processor-side time × 1.5, the network left
@@ -206,7 +206,7 @@ def test_auto_rescales_the_profile_to_the_speed_the_check_ran_at():
 
 def test_the_refit_leaves_out_compressed_samples_of_a_communicator_whose_phases_wait():
     from mergecomp.planning.costmodel import phases_are_local
-    from mergecomp.schedulers.auto.decisions import refit_profile
+    from mergecomp.planning.auto.decisions import refit_profile
     samples = {"launch": {"compress": [(100, 0.3)], "fp32": [(100, 0.1)]},
                "finish": {"compress": [(100, 0.2), (200, 0.3)]}}
     assert phases_are_local("allgather") and phases_are_local("allreduce") and not phases_are_local("ps")

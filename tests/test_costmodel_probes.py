@@ -128,7 +128,7 @@ def test_fit_from_smallest_follows_the_large_sizes_and_keeps_the_small_ones_cost
 def test_the_memory_is_charged_for_the_share_it_runs_on():
     from mergecomp.planning.costmodel import group_cost
     from mergecomp.planning.profile import LinearCost, WireSize
-    from mergecomp.planning.sendcost import SendCost
+    from mergecomp.communicators.cost import SendCost
     send = SendCost(LinearCost(), WireSize(1.0), LinearCost())
     memory, copy = LinearCost(0.0, 1.0), LinearCost()
     whole = group_cost(send, copy, 400, 1600, memory).encode

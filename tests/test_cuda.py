@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from mergecomp import compressors
-from mergecomp.runtime import launch
+from mergecomp.distributed import launch
 from mergecomp.compressors.testing import check_compressor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

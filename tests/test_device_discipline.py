@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from mergecomp import communicators, compressors, memories
-from mergecomp.backends import torch_dist
-from mergecomp.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed.backends import torch_dist
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
 from tests.distributed import run_ranks
 
 CPU = torch.device("cpu")

@@ -275,7 +275,7 @@ def test_a_corrupted_checkpoint_is_refused():
 
 # -- the example -----------------------------------------------------------------------------------
 def _example(rank, world_size, folder):
-    from tests.test_examples import load_example
+    from tests.examples import load_example
     module = load_example("diloco")
     first = module.train(module.parse_args(["--steps", "8", "--sync-every", "4", "--checkpoint", folder]))
     again = module.train(module.parse_args(["--steps", "4", "--sync-every", "4", "--checkpoint", folder]))

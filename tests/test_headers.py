@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 
 from mergecomp import communicators, compressors, memories
-from mergecomp.backends import serialize, torch_dist
-from mergecomp.backends.horovod import _walk_blobs
-from mergecomp.backends.serialize import (HeaderError, check_blob_size, pack, pack_bounded,
+from mergecomp.distributed.backends import serialize, torch_dist
+from mergecomp.distributed.backends.horovod import _walk_blobs
+from mergecomp.distributed.backends.serialize import (HeaderError, check_blob_size, pack, pack_bounded,
                                           payload_limit, shape_header, shapes_from_header,
                                           unpack_bounded)
-from mergecomp.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
 from mergecomp.communicators.ps import decode, encode
 from tests.distributed import run_ranks
 

@@ -8,9 +8,10 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp import communicators, compressors, memories
-from mergecomp.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
+from mergecomp.planning.measure import measure_link_costs
 from mergecomp.runtime import regroup
-from mergecomp.runtime.topology import LOCAL_SIZE_VARIABLE, NodeLayout, node_layout
+from mergecomp.distributed.topology import LOCAL_SIZE_VARIABLE, NodeLayout, node_layout
 from tests.distributed import run_ranks
 
 LENGTHS = (1, 3, 7, 1001)  # fewer elements than ranks per node, odd, and not divisible
@@ -126,7 +127,7 @@ def feedback_worker(rank, world_size):
     assert torch.equal(hierarchical.state_dict()["memory"][next(iter(residuals))][shard], residual)
     # the links' costs, probed through the node groups, count in no backend
     counted = (backend.bytes_sent, hierarchical.inter.bytes_sent, hierarchical.intra.bytes_sent)
-    costs = hierarchical.link_costs(sizes=(2 ** 10, 2 ** 12))
+    costs = measure_link_costs(hierarchical, sizes=(2 ** 10, 2 ** 12))
     assert sorted(costs) == ["inter_allgather", "inter_allreduce", "intra_allgather", "intra_allreduce"]
     assert (backend.bytes_sent, hierarchical.inter.bytes_sent, hierarchical.intra.bytes_sent) == counted
     assert hierarchical.hierarchy == {"local_size": 2, "inner": "allgather", "gather": "allreduce"}

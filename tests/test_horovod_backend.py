@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from mergecomp import communicators, compressors, memories
-from mergecomp.backends import backend_kind, default_backend
-from mergecomp.backends.horovod import HorovodBackend
+from mergecomp.distributed.backends import backend_kind, default_backend
+from mergecomp.distributed.backends.horovod import HorovodBackend
 from tests.distributed import run_ranks
 
 HOROVOD_ENV = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1", "HOROVOD_LOCAL_RANK": "0",

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mergecomp.runtime import launch
-from mergecomp.runtime.launch import LaunchInfo, SpawnedProcessError
+from mergecomp.distributed import launch
+from mergecomp.distributed.launch import LaunchInfo, SpawnedProcessError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -219,7 +219,7 @@ def test_cuda_device_without_cuda_is_refused():
 
 ALLREDUCE_PROGRAM = """
 import torch, torch.distributed as dist
-from mergecomp.runtime import launch
+from mergecomp.distributed import launch
 info = launch.init_distributed(timeout_s=60)
 value = torch.tensor([info.rank + 1.0])
 dist.all_reduce(value)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mergecomp
-from mergecomp.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
 from mergecomp.runtime import StepLifecycle, check_nonfinite_policy
 from tests.distributed import run_ranks
 

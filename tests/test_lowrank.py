@@ -319,7 +319,7 @@ def test_bad_arguments_are_explained(name, kwargs, message):
 # --------------------------------------------------------------------- real ranks
 def _exchange_worker(rank, world_size, steps):
     from mergecomp import communicators, memories
-    from mergecomp.backends.torch_dist import TorchDistributedBackend
+    from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
     backend = TorchDistributedBackend()
     results = {}
     for kind, name, kwargs in (("allreduce", "powersgd", dict(rank=2)),
@@ -362,7 +362,7 @@ def test_multi_rank_exchange_equals_the_single_process_reference():
 # ---------------------------------------------------------------------- training
 def _train_worker(rank, world_size, names, steps):
     from mergecomp import communicators, memories
-    from mergecomp.backends.torch_dist import TorchDistributedBackend
+    from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
     backend = TorchDistributedBackend()
     gen = torch.Generator().manual_seed(0)
     images = torch.randn(512, 1, 8, 8, generator=gen)

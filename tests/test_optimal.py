@@ -10,7 +10,7 @@ from mergecomp.planning.costmodel import predict
 from mergecomp.plan import Group, ParamInfo, Plan
 from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
 from mergecomp.schedulers.binary import BinarySearchScheduler
-from mergecomp.schedulers.optimal import OptimalScheduler
+from mergecomp.planning.optimal import OptimalScheduler
 
 
 def random_profile(rng, n, communicator="allgather"):

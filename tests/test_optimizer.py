@@ -115,7 +115,7 @@ def randk_worker(rank, world_size):
         c = mergecomp.compressors.create("randk", compress_ratio=0.2, seed=3)
         communicator = mergecomp.communicators.create(
             comm, compressor=c, memory=mergecomp.memories.create("none"),
-            backend=mergecomp.backends.default_backend())
+            backend=mergecomp.distributed.backends.default_backend())
         torch.manual_seed(rank)
         reduced.append(communicator.finish(communicator.start(torch.randn(100), "layer")))
     return ctx.indices.tolist(), reduced
@@ -131,7 +131,7 @@ def test_randk_indices_shared_and_allreduce_equals_allgather():
 
 
 def allgather_sizes_worker(rank, world_size):
-    backend = mergecomp.backends.default_backend()
+    backend = mergecomp.distributed.backends.default_backend()
     # Rank r sends r values (rank 0 sends nothing) and a scalar of another dtype.
     mine = (torch.arange(rank, dtype=torch.float32), torch.tensor(rank, dtype=torch.int64))
     gathered = backend.allgather_async(mine, same_shapes=False).wait()
@@ -152,7 +152,7 @@ def test_allgather_variable_and_empty_payloads_complete():
 
 
 def test_a_payload_over_its_bound_is_refused():
-    from mergecomp.backends.serialize import pack_bounded, unpack_bounded
+    from mergecomp.distributed.backends.serialize import pack_bounded, unpack_bounded
     parts = (torch.arange(3, dtype=torch.float16), torch.arange(3, dtype=torch.int32))
     blob = pack_bounded(parts, (torch.Size([5]), torch.Size([5])), "cpu")
     assert [t.tolist() for t in unpack_bounded(blob, [torch.float16, torch.int32])] == [[0, 1, 2], [0, 1, 2]]
@@ -378,7 +378,7 @@ def test_unknown_names_and_bad_ratios():
 
 
 def byte_counting_worker(rank, world_size):
-    backend = mergecomp.backends.default_backend()
+    backend = mergecomp.distributed.backends.default_backend()
     counts = {}
     for name, op in (
             ("allreduce", lambda: backend.allreduce_async([torch.ones(300)]).wait()),

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mergecomp.runtime import launch
-from mergecomp.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed import launch
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
 
 from .distributed import run_ranks
 
@@ -21,7 +21,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RAISING_SCRIPT = """
 import os, sys, time, torch, mergecomp, mergecomp.ddp
-from mergecomp.runtime import launch
+from mergecomp.distributed import launch
 entry, bad = sys.argv[1], int(sys.argv[2])
 info = launch.init_distributed()
 torch.manual_seed(0)
@@ -91,7 +91,7 @@ def test_an_exception_on_one_rank_reaches_the_others_at_once_by_name(tmp_path, e
     other = outputs[1 - bad]
     assert all(p.returncode != 0 for p in processes), outputs
     assert "ValueError: bad batch 17" in outputs[bad], outputs[bad]
-    assert "mergecomp.runtime.watchdog.PeerLost" in other, other
+    assert "mergecomp.distributed.watchdog.PeerLost" in other, other
     assert re.search(rf"rank {bad} \(.*\) raised ValueError\('bad batch 17'\) at step 1", other), other
     assert f"Ranks [{bad}] raised an exception that ended their script" in other, other
     assert "its script ended or called" not in other and "shard the data" not in other, other
@@ -125,7 +125,7 @@ def test_a_job_started_with_too_few_ranks_fails_within_the_timeout_saying_so(tmp
                           capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started
     assert done.returncode != 0
-    assert "mergecomp.runtime.launch.RendezvousError: 1 of the 2 ranks the job expects (WORLD_SIZE=2) " \
+    assert "mergecomp.distributed.launch.RendezvousError: 1 of the 2 ranks the job expects (WORLD_SIZE=2) " \
            "joined the rendezvous" in done.stderr, done.stderr
     assert "--nproc_per_node 2 alone.py" in done.stderr and "set WORLD_SIZE to the number of " \
            "processes started" in done.stderr, done.stderr

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp import communicators, compressors, memories
-from mergecomp.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
 from mergecomp.communicators.ps import decode, encode, shard_sizes
 from mergecomp.compressors.base import Compressor, Context
 from mergecomp.compressors.sparsifier import index_dtype, scatter_values

@@ -12,7 +12,7 @@ import mergecomp
 from mergecomp.plan import Group, ParamInfo, Plan, valid_sends
 from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize
 from mergecomp.planning.simulate import network_collectives
-from mergecomp.schedulers.optimal import OptimalScheduler
+from mergecomp.planning.optimal import OptimalScheduler
 from tests.distributed import run_ranks
 
 SPARSE = "compress:sparse_allreduce"

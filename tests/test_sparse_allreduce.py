@@ -9,8 +9,8 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp import communicators, compressors, memories
-from mergecomp.backends.serialize import HeaderError
-from mergecomp.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed.backends.serialize import HeaderError
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
 from mergecomp.communicators.ps import shard_sizes
 from mergecomp.communicators.sparse_allreduce import SHAPE_HEADER_BYTES
 from tests.distributed import run_ranks
@@ -233,7 +233,7 @@ def test_distributed_optimizer_trains_through_the_sparse_allreduce():
 def test_the_cost_model_prices_it_and_plans_with_it():
     from mergecomp.planning.costmodel import communicator_formula, predict, priced_collectives, send_costs
     from mergecomp.plan import Group, Plan
-    from mergecomp.schedulers.optimal import OptimalScheduler
+    from mergecomp.planning.optimal import OptimalScheduler
     from tests.test_costmodel import hand_profile
 
     cls = communicator_formula("sparse_allreduce")

@@ -270,7 +270,7 @@ def test_the_received_coordinates_give_the_same_verdict_as_the_whole_average():
     compressor = mergecomp.compressors.create("topk", compress_ratio=0.1)
     from mergecomp.communicators.allgather import AllgatherCommunicator
     from mergecomp.communicators.base import Handle
-    from mergecomp.runtime.agreement import nonfinite_flag
+    from mergecomp.kernels.finite import nonfinite_flag
     g = torch.randn(1000)
     payloads = [compressor.compress(g * (r + 1), "g")[0] for r in range(3)]
     ctx = compressor.compress(g, "g")[1]
@@ -460,7 +460,7 @@ def test_a_dtype_the_compressor_cannot_carry_is_refused_at_construction():
         warnings.simplefilter("ignore", UserWarning)  # torch: complex modules are experimental
         model = nn.Linear(3, 2).to(torch.complex64)
 
-    class OneRank(mergecomp.backends.Backend):
+    class OneRank(mergecomp.distributed.backends.Backend):
         rank, size = 0, 1
 
         def allgather_object(self, obj):

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mergecomp.runtime import launch, watchdog
-from mergecomp.backends.torch_dist import TorchDistributedBackend
-from mergecomp.runtime.watchdog import Beacon, CollectiveTimeout, PeerLost
+from mergecomp.distributed import launch, watchdog
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed.watchdog import Beacon, CollectiveTimeout, PeerLost
 from tests.distributed import run_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -223,8 +223,8 @@ def test_a_rank_that_stalls_makes_the_others_time_out_naming_it():
 
 EARLY_EXIT_SCRIPT = """
 import sys, time, torch
-from mergecomp.runtime import launch
-from mergecomp.backends.torch_dist import TorchDistributedBackend
+from mergecomp.distributed import launch
+from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
 info = launch.init_distributed(timeout_s=5)
 backend = TorchDistributedBackend()
 steps = 2 if info.rank == 1 else 6
@@ -259,7 +259,7 @@ def test_a_script_that_ends_early_exits_and_the_others_fail_within_seconds(tmp_p
     assert processes[1].returncode == 0, err1
     left = float(re.search(r"RANK 1 LEFT ([\d.]+)", out1).group(1))
     assert processes[0].returncode != 0 and "RANK 0 LEFT" not in out0
-    assert "mergecomp.runtime.watchdog.PeerLost" in err0, err0
+    assert "mergecomp.distributed.watchdog.PeerLost" in err0, err0
     assert "rank 1" in err0 and "left the job at step 1" in err0, err0
     assert finished - left < 30, "rank 0 was not told within seconds that rank 1 left"
 

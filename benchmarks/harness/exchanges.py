@@ -103,7 +103,7 @@ def exchange_components(compressor_spec: str, contender: str, backend):
 
 
 def exchanges_worker(args):
-    from mergecomp.backends import default_backend
+    from mergecomp.distributed.backends import default_backend
     work = harness.prepare(args)
     warnings.simplefilter("ignore", UserWarning)
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 import torch
 
 from mergecomp.plan import is_compressed
-from mergecomp.runtime import launch
+from mergecomp.distributed import launch
 from .workload import Workload
 
 

@@ -6,8 +6,8 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
-from mergecomp.runtime import launch
-from mergecomp.backends.base import Backend
+from mergecomp.distributed import launch
+from mergecomp.distributed.backends.base import Backend
 
 
 def run_mode(prog: str, doc: str, modes: Dict[str, Callable[[List[str]], int]], argv=None,

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mergecomp.runtime import launch
+from mergecomp.distributed import launch
 from . import models
 
 

@@ -4,7 +4,6 @@ One short training run of each example on 2 gloo ranks through its own loading c
 resume from per-rank checkpoints, flag errors, and the command lines as a user types them.
 """
 import contextlib
-import importlib.util
 import io
 import math
 import os
@@ -16,16 +15,10 @@ import torch
 
 from benchmarks.tests.dataset_files import WIKI_WORDS, write_cifar, write_wikitext
 from tests.distributed import run_ranks
+from tests.examples import load_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
-
-
-def load_example(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_example(rank, world_size, name, argv):

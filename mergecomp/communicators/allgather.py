@@ -9,7 +9,7 @@ values) travels in one asynchronous collective, padded to the bound with its sha
 front; the padding is what the ranks' largest payload would have cost anyway when the
 count reaches k, as DGC's usually does.  Without a bound (GradDrop, ATOMO) the backend
 exchanges sizes first, which blocks the hook until every rank has reached it; the sizes
-peers announce are checked against :func:`~mergecomp.backends.serialize.payload_limit`
+peers announce are checked against :func:`~mergecomp.distributed.backends.serialize.payload_limit`
 before anything is allocated for them.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from . import register
-from ..backends.serialize import payload_limit
+from ..distributed.backends.serialize import payload_limit
 from ..compressors.base import accepts_keyword
-from ..planning.sendcost import SendCost, collective_cost
+from .cost import SendCost, collective_cost
 from .base import Communicator
 
 

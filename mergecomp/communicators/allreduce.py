@@ -6,7 +6,7 @@ compressors whose payloads add up: FP32/FP16/BF16, shared-index rand-k, PowerSGD
 from __future__ import annotations
 
 from . import register
-from ..planning.sendcost import SendCost, collective_cost
+from .cost import SendCost, collective_cost
 from .base import Communicator
 
 

@@ -14,7 +14,8 @@ from typing import Any, Dict, Generator, Optional
 
 import torch
 
-from ..backends.base import Backend, Work
+from ..distributed.backends.base import Backend, Work
+from ..kernels.finite import nonfinite_flag
 from ..compressors.base import AllReduce, Compressor, Context, GroupLayout, accepts_keyword, accepts_layout
 from ..memories.base import Memory
 
@@ -111,7 +112,6 @@ class Communicator:
         average; a communicator that knows where the received values landed (the
         allgather of a sparsifier: the received indices, the rest of the sum is zero)
         reads the sum there only, the same answer for O(k·N) instead of O(n)."""
-        from ..runtime.agreement import nonfinite_flag  # the runtime imports this module
         received = handle.extra.pop("received_indices", None)
         if received is None:
             return nonfinite_flag(average)

@@ -24,7 +24,7 @@ n elements on M nodes of L ranks:
 
 ``start`` blocks for step 1 and the encoding (inside the backward hook) and launches step 2
 asynchronously; ``finish`` waits for it, decodes and runs step 3.  The node layout comes
-from the launcher (:func:`mergecomp.runtime.topology.node_layout`: ``LOCAL_WORLD_SIZE`` under
+from the launcher (:func:`mergecomp.distributed.topology.node_layout`: ``LOCAL_WORLD_SIZE`` under
 torchrun) or ``local_size``; every rank's layout is checked before the process groups are
 made.  The groups (one per node, one per local rank) are made once per layout with
 ``torch.distributed.new_group`` on every rank in the same order, and reused by every
@@ -49,12 +49,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import register
-from ..backends.base import Backend
+from . import register, registry
+from ..distributed.backends.base import Backend
 from ..compressors.base import GroupLayout, clip_layout
-from ..planning.sendcost import SendCost, collective_cost
-from ..planning.profile import LinearCost, WireSize
-from ..runtime import topology
+from .cost import LinearCost, SendCost, WireSize, collective_cost
+
+from ..distributed import topology
 from .base import Communicator, Handle
 from .shard_state import fold_shards, spread_to_shards
 
@@ -98,7 +98,7 @@ class _LinkBackend:
     @staticmethod
     def make(group, parent: Backend) -> Backend:
         # Imported here: the torch backend imports the runtime, which imports communicators.
-        from ..backends.torch_dist import TorchDistributedBackend
+        from ..distributed.backends.torch_dist import TorchDistributedBackend
 
         class Counted(TorchDistributedBackend):
             def _count_allreduce(self, tensors):
@@ -136,13 +136,12 @@ class HierarchicalCommunicator(Communicator):
         inner: the communicator between nodes (a registered name); None takes the
             compressor's recommendation (allreduce for summable ones, allgather otherwise).
         local_size: ranks per node; None reads the launcher's (see
-            :func:`mergecomp.runtime.topology.node_layout`).
+            :func:`mergecomp.distributed.topology.node_layout`).
     """
 
     def __init__(self, compressor, memory, backend, inner: Optional[str] = None,
                  local_size: Optional[int] = None):
         super().__init__(compressor, memory, backend)
-        from . import registry
         inner = compressor.recommended_communicator if inner is None else inner
         if not isinstance(inner, str) or inner == "hierarchical" or inner not in registry.available():
             raise ValueError(f"inner must name the communicator between nodes, one of "
@@ -279,20 +278,15 @@ class HierarchicalCommunicator(Communicator):
         return {"local_size": self.local_size, "inner": self.inner_name,
                 "gather": "allreduce" if self._gather_by_sum else "allgather"}
 
-    def link_costs(self, sizes=(2 ** 12, 2 ** 18, 2 ** 22)) -> Dict[str, LinearCost]:
-        """The intra- and inter-node collective costs :meth:`send_cost` prices with, timed
-        through this communicator's own groups (a collective: every rank, same sizes), keyed
-        as in ``Profile.collectives`` (``intra_allreduce``, ``inter_allgather`` …)."""
-        from ..planning.measure import measure_collective_cost
-        costs = {}
-        for link, backend in (("intra", self.intra), ("inter", self.inter)):
-            for kind in ("allreduce", "allgather"):
-                costs[f"{link}_{kind}"] = measure_collective_cost(backend, kind, sizes)
-        return costs
+    def link_backends(self) -> Dict[str, Backend]:
+        """The backends over this communicator's own groups, by link (``"intra"``: inside the
+        node, ``"inter"``: the same local rank across nodes): what
+        :func:`mergecomp.planning.measure.measure_link_costs` times the links through."""
+        return {"intra": self.intra, "inter": self.inter}
 
     #: The collectives the formula prices with: the flat allreduce (raw groups) and the
     #: intra- and inter-node ones, measured through this communicator's groups
-    #: (:meth:`link_costs`).
+    #: (:func:`mergecomp.planning.measure.measure_link_costs`).
     cost_collectives = ("allreduce", "intra_allreduce", "intra_allgather", "inter_allreduce",
                         "inter_allgather")
     #: start() waits for the intra-node allreduce: not local work only.
@@ -307,7 +301,6 @@ class HierarchicalCommunicator(Communicator):
         shard of n/L elements between M nodes, priced with the inter-node collectives
         (``profile.hierarchy``: ``local_size``, ``inner``, ``gather``).  The memory runs on
         the shard only (``memory_share`` 1/L)."""
-        from . import registry
         hierarchy = profile.hierarchy or {}
         local, inner = int(hierarchy.get("local_size", 1)), hierarchy.get("inner", "allgather")
         if profile.world_size % local:

@@ -51,10 +51,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import register
-from ..planning.sendcost import SendCost, collective_cost
+from .cost import SendCost, collective_cost
 from .base import Communicator, Handle
-from ..backends.serialize import (MAX_DIMS, blob_size, check_blob_size, header_error, pack, payload_limit,
+from ..distributed.backends.serialize import (MAX_DIMS, blob_size, check_blob_size, header_error, pack, payload_limit,
                                   unpack)
+from .. import compressors
 from ..compressors.base import Compressor, Context, GroupLayout, accepts_layout, clip_layout
 from ..memories.none import NoneMemory
 from ..staging import StagedDict
@@ -161,7 +162,6 @@ class PSCommunicator(Communicator):
         if self.compressor.average:
             return self.compressor
         if self._vote_compressor is None:
-            from .. import compressors
             self._vote_compressor = compressors.create("signsgd")
         return self._vote_compressor
 

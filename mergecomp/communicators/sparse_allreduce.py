@@ -68,13 +68,13 @@ import torch
 from . import register
 from .base import Communicator
 from .ps import shard_sizes
-from ..backends.serialize import MAX_DIMS, header_error
+from ..distributed.backends.serialize import MAX_DIMS, header_error
 from ..compressors.base import Compressor
 from ..kernels import Scratch, exact_top_k
 from ..compressors.sparsifier import SparseCompressor, index_dtype, num_selected
 from ..memories.none import NoneMemory
 from ..memories.residual import ResidualMemory
-from ..planning.sendcost import SendCost, collective_cost
+from .cost import SendCost, collective_cost
 from ..staging import StagedDict
 
 

@@ -65,6 +65,7 @@ a payload that shares its memory is copied by the memories before they touch it.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -278,7 +279,6 @@ class Compressor:
 def constructor_arguments(compressor) -> List[Tuple[str, Any]]:
     """(name, value) of each ``__init__`` argument of ``compressor``'s class that the instance
     keeps as an attribute of the same name, in signature order."""
-    import inspect
     try:
         parameters = inspect.signature(type(compressor).__init__).parameters
     except (TypeError, ValueError):
@@ -294,7 +294,6 @@ def constructor_arguments(compressor) -> List[Tuple[str, Any]]:
 
 def accepts_keyword(method, keyword: str) -> bool:
     """Whether ``method`` takes ``keyword`` (by name, or through ``**kwargs``)."""
-    import inspect
     try:
         parameters = inspect.signature(method).parameters
     except (TypeError, ValueError):

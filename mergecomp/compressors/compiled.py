@@ -16,6 +16,7 @@ pass through unchanged.  Check a compiled plugin against its eager self with
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Optional
 
@@ -105,7 +106,6 @@ def compiled(cls, backend="inductor", mode: Optional[str] = None):
 
 def _signature(function):
     """The eager method's signature, so that keyword checks (``layout=``) see the same one."""
-    import inspect
     try:
         return inspect.signature(function)
     except (TypeError, ValueError):  # pragma: no cover

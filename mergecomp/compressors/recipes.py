@@ -33,6 +33,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional
 
+from ..registry import registry_of
+
 
 class RecipeWarning(UserWarning):
     """A compressor's recipe contradicts the settings of the optimizer or memory it was given."""
@@ -134,7 +136,7 @@ def recipe_of(compressor) -> Optional[Recipe]:
 def _memory_name(memory) -> Optional[str]:
     if memory is None or isinstance(memory, str):
         return memory
-    from .. import memories
+    memories = registry_of("memory")
     for name in memories.available():
         if type(memory) is memories.get(name):
             return name

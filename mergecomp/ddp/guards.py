@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..backends import Backend
+from ..distributed.backends import Backend
 
 
 def check_every_rank_registered(backend: Backend, first: torch.Tensor) -> None:

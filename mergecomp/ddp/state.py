@@ -16,7 +16,7 @@ from .. import checkpoint, communicators, arguments, compressors
 from . import buckets, guards
 from .buckets import BucketKey
 from ..runtime.agreement import StepOutcome
-from ..backends import Backend
+from ..distributed.backends import Backend
 from ..communicators.base import Communicator
 from ..communicators.ps import PSCommunicator
 from ..compressors import recipes
@@ -123,7 +123,7 @@ class HookState:
 
     # -- the process-local half (rebuilt after unpickling) -------------------------------------
     def _connect(self, process_group) -> None:
-        from ..backends.torch_dist import TorchDistributedBackend
+        from ..distributed.backends.torch_dist import TorchDistributedBackend
         self.backend: Backend = TorchDistributedBackend(process_group)  # DDP runs on torch.distributed
         self.communicator = communicators.create(self.communicator_name, compressor=self.compressor,
                                                  memory=self.memory, backend=self.backend,

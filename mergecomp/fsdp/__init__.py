@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import arguments, communicators
-from ..backends.torch_dist import TorchDistributedBackend
+from ..distributed.backends.torch_dist import TorchDistributedBackend
 from ..checkpoint import GroupSpec
 from ..compressors import create as create_compressor
 from ..compressors.base import Compressor, check_dtypes

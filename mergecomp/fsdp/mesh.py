@@ -6,7 +6,7 @@ group.  :func:`mergecomp.fsdp.register` compresses the second hop only, so the m
 it on the slow link: the ranks of one node form a shard group (the fast link, NVLink or
 PCIe), and the ranks with the same local rank on every node form a replica group (the
 network between nodes).  :func:`node_mesh` builds that mesh from the job's node layout
-(:mod:`mergecomp.runtime.topology`: the launcher's ranks per node, or ``local_size``),
+(:mod:`mergecomp.distributed.topology`: the launcher's ranks per node, or ``local_size``),
 checked on every rank first, so a job whose ranks read different layouts stops, naming
 them, instead of building process groups that do not match.
 """
@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..backends.torch_dist import TorchDistributedBackend
-from ..runtime.topology import LOCAL_SIZE_VARIABLE, agreed_layout
+from ..distributed.backends.torch_dist import TorchDistributedBackend
+from ..distributed.topology import LOCAL_SIZE_VARIABLE, agreed_layout
 
 #: The mesh's dimension names, the ones FSDP2's HSDP expects: replicate first, then shard.
 MESH_DIM_NAMES = ("replicate", "shard")

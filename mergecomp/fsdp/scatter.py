@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 
 from .. import communicators
-from ..backends.base import Work
-from ..backends.serialize import pack, unpack
+from ..distributed.backends.base import Work
+from ..distributed.backends.serialize import pack, unpack
 from ..communicators.base import Communicator, Handle
 from ..compressors.base import Compressor, GroupLayout, ParamView
 from ..memories.base import Memory
+from ..kernels.finite import nonfinite_flag
 from ..memories.none import NoneMemory
 
 #: What FSDP's reduce-scatter may be asked to do; anything else is refused by name.
@@ -248,7 +249,6 @@ class ScatterCommunicator(Communicator):
         return shape.shard_of(total, rank) if fits else total.view(world, -1)[rank]
 
     def nonfinite_flag(self, handle: Handle, average: torch.Tensor) -> torch.Tensor:
-        from ..runtime.agreement import nonfinite_flag
         return nonfinite_flag(average)
 
 

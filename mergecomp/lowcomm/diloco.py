@@ -45,7 +45,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .. import arguments, checkpoint, communicators, compressors
-from ..backends import Backend, default_backend
+from ..distributed.backends import Backend, default_backend
 from ..communicators.base import Communicator
 from ..compressors import recipes
 from ..compressors.base import Compressor, ParamView

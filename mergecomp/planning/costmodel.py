@@ -86,7 +86,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from .. import communicators
 from ..plan import COMPRESS_VIA, Plan, send_communicator
 from .profile import LinearCost, Profile, WireSize
-from .sendcost import SendCost, collective_cost
+from ..communicators.cost import SendCost, collective_cost
 
 #: Elementwise passes over a group after decoding: the division by the world size, and the
 #: copy of each slice into ``p.grad``.
@@ -191,7 +191,7 @@ def communicator_formula(name: str) -> type:
         raise NoCostFormula(
             f"communicator {name!r} ({cls.__module__}.{cls.__qualname__}) declares no cost formula, so "
             "the cost model cannot price its compressed groups. Give the class a classmethod "
-            "send_cost(cls, codec, profile) returning a mergecomp.planning.sendcost.SendCost, and "
+            "send_cost(cls, codec, profile) returning a mergecomp.communicators.cost.SendCost, and "
             "cost_collectives naming the collectives it uses (see AllgatherCommunicator in "
             "mergecomp/communicators/allgather.py); or use a schedule that needs no cost model "
             "(a fusion-num, 'bucket' or 'binary').")

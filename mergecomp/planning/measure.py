@@ -25,12 +25,19 @@ buffers extrapolate badly to groups of tens of megabytes.
 from __future__ import annotations
 
 import contextlib
+import copy as copying
 import statistics
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import communicators, compressors, memories
+from ..communicators.base import Handle
+from ..compressors.base import ParamView, accepts_layout, payload_nbytes
+from ..distributed.backends.base import Completed
+from ..plan import COMPRESS_VIA
+from .costmodel import priced_collectives
 from .profile import (COLLECTIVE_KINDS, CodecCost, LinearCost, Profile, TensorTiming, WireSize, fit_from_smallest,
                       fit_linear)
 
@@ -187,7 +194,6 @@ def probe_layout(numel: int, views: Optional[Sequence[int]]):
     EF-SignSGD has one scale per view, and decodes a group of several views with a
     further pass that spreads the scales over the elements; a probe of one view would
     time only the fast path of a group of one parameter."""
-    from ..compressors.base import ParamView
     if views is None:
         return None
     sizes = [int(v) for v in views if int(v) > 0]
@@ -204,7 +210,6 @@ def probe_layout(numel: int, views: Optional[Sequence[int]]):
 
 def _compress(compressor, tensor: torch.Tensor, name: str, layout):
     """``compressor.compress`` with ``layout`` when there is one and the compressor takes one."""
-    from ..compressors.base import accepts_layout
     if layout is not None and accepts_layout(compressor.compress):
         return compressor.compress(tensor, name, layout=layout)
     return compressor.compress(tensor, name)
@@ -217,7 +222,6 @@ def _encode_once(compressor, tensor: torch.Tensor, layout=None):
     A multi-round compressor (PowerSGD) is driven through its rounds on this rank alone,
     each request summed over one rank (itself); its wire bytes are those of every round.
     """
-    from ..compressors.base import accepts_layout, payload_nbytes
     if compressor.multi_round:
         if layout is not None and accepts_layout(compressor.rounds):
             rounds = compressor.rounds(tensor, "profile", layout=layout)
@@ -309,7 +313,6 @@ def measure_memory_cost(memory, compressor, sizes: Sequence[int] = (2 ** 12, 2 *
     neither read nor changed.  ``update`` gets a payload of ``compressor`` (as in the
     communicator); for a multi-round compressor only ``compensate`` runs, as there.
     """
-    import copy as copying
     sizes = _check_sizes(sizes, "measure_memory_cost sizes")
     device = torch.device(device)
     probe = copying.deepcopy(memory)
@@ -352,8 +355,6 @@ def measure_finish_cost(communicator, sizes: Sequence[int], device="cpu", repeat
     Local work only (no collective).  Communicators whose finish phase runs collectives
     (``ps``'s second phase, multi-round compressors) cannot be probed this way.
     """
-    from ..backends.base import Completed
-    from ..communicators.base import Handle
     sizes = _check_sizes(sizes, "measure_finish_cost sizes")
     kind = getattr(communicator, "name", None)
     if kind not in ("allreduce", "allgather"):
@@ -410,6 +411,18 @@ def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12,
         everyone = backend.allgather_object(local)
     slowest = [max(per_size) for per_size in zip(*everyone)]
     return fit_linear(actual, slowest)
+
+
+def measure_link_costs(communicator, sizes: Sequence[int] = (2 ** 12, 2 ** 18, 2 ** 22)) -> Dict[str, LinearCost]:
+    """The intra- and inter-node collective costs of a node layout, timed through the groups
+    of ``communicator`` (the hierarchical exchange's ``link_backends()``), keyed as in
+    ``Profile.collectives`` (``intra_allreduce``, ``inter_allgather`` …).  A collective:
+    every rank, the same sizes."""
+    costs = {}
+    for link, backend in communicator.link_backends().items():
+        for kind in ("allreduce", "allgather"):
+            costs[f"{link}_{kind}"] = measure_collective_cost(backend, kind, sizes)
+    return costs
 
 
 def _time_collective(backend, kind: str, sizes: Sequence[int], repeats: int, device: torch.device,
@@ -494,24 +507,22 @@ def profile_from_timeline(timeline: List[TensorTiming], forward: float, backward
     the timeline's parameters (``views``, :func:`probe_layout`): what the optimizer's
     groups run.
     """
-    from .. import compressors
     device = torch.device(device)
     views = [t.numel for t in timeline]
     codecs = {compressor_name: measure_compression_cost(compressor, compression_sizes, device, views=views)}
     for half in ("fp16", "bf16"):
         if half not in codecs:
             codecs[half] = measure_compression_cost(compressors.create(half), compression_sizes, device)
-    from .costmodel import priced_collectives
     kinds = list(dict.fromkeys(["allreduce", *priced_collectives(communicator),
                                 *(kind for kind in extra_collectives if kind in COLLECTIVE_KINDS)]))
     collectives = {kind: measure_collective_cost(backend, kind, collective_sizes)
                    for kind in kinds if kind in COLLECTIVE_KINDS}
     hierarchy = {}
     if any(kind not in COLLECTIVE_KINDS for kind in kinds):  # a node layout's links (hierarchical)
-        if not callable(getattr(communicator_object, "link_costs", None)):
+        if not callable(getattr(communicator_object, "link_backends", None)):
             raise ValueError(f"communicator {communicator!r} prices the links of a node layout: pass the "
-                             "job's communicator as communicator_object, which measures them")
-        collectives.update(communicator_object.link_costs(collective_sizes))
+                             "job's communicator as communicator_object, whose groups they are measured through")
+        collectives.update(measure_link_costs(communicator_object, collective_sizes))
         hierarchy = dict(communicator_object.hierarchy)
     finish = {}
     if communicator_object is not None:
@@ -546,8 +557,6 @@ def measure_finish_costs(communicator, compressor_name: str, sizes: Sequence[int
     refuse the plan) or whose finish runs collectives is left out: the formula prices it.
     ``views``: compressed payloads carry the layout of groups fused from parameters of
     those sizes (:func:`probe_layout`)."""
-    from .. import communicators, compressors, memories
-    from ..plan import COMPRESS_VIA
     costs = {}
     for send in ("fp32", "fp16", "bf16"):
         raw = communicators.create("allreduce", compressor=compressors.create("none" if send == "fp32" else send),

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..plan import ParamInfo
+from ..communicators.cost import LinearCost, WireSize  # the cost terms, a leaf the communicators import too
 
 FORMAT = "mergecomp-profile/1"
 COLLECTIVE_KINDS = ("allreduce", "allgather", "alltoall")
@@ -86,42 +87,6 @@ def is_measured_send(send) -> bool:
 
 
 # ------------------------------------------------------------------------------ linear costs
-@dataclass(frozen=True)
-class LinearCost:
-    """``intercept + slope·x`` seconds; x is elements or bytes, as the field using it says."""
-
-    intercept: float = 0.0
-    slope: float = 0.0
-
-    def __post_init__(self):
-        for what in ("intercept", "slope"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-                    or value == float("inf"):
-                raise ValueError(f"a cost's {what} must be a finite number ≥ 0 seconds, got {value!r}")
-
-    def __call__(self, x: float) -> float:
-        return self.intercept + self.slope * x
-
-    def __add__(self, other: "LinearCost") -> "LinearCost":
-        return LinearCost(self.intercept + other.intercept, self.slope + other.slope)
-
-    def scaled(self, intercept_factor: float, slope_factor: float) -> "LinearCost":
-        """The cost of ``intercept_factor`` calls that together handle ``slope_factor``·x."""
-        return LinearCost(self.intercept * intercept_factor, self.slope * slope_factor)
-
-    def to_dict(self) -> dict:
-        return {"intercept": self.intercept, "slope": self.slope}
-
-    @classmethod
-    def from_dict(cls, data, what: str = "cost") -> "LinearCost":
-        try:
-            return cls(float(data["intercept"]), float(data["slope"]))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{what}: expected {{'intercept': seconds, 'slope': seconds per unit}}, "
-                             f"got {data!r} ({error})") from None
-
-
 def _checked_points(xs: Sequence[float], ys: Sequence[float], fit: str) -> Tuple[List[float], List[float]]:
     """``xs`` and ``ys`` as floats, or a ValueError naming ``fit`` and what is wrong: as many
     of each, two distinct sizes at least, times finite and ≥ 0."""
@@ -187,33 +152,6 @@ def fit_from_smallest(xs: Sequence[float], ys: Sequence[float]) -> LinearCost:
     slope = sum((x - x0) * (y - y0) for x, y in zip(xs, ys)) / sum((x - x0) ** 2 for x in xs)
     slope = max(slope, 0.0)
     return LinearCost(max(y0 - slope * x0, 0.0), slope)
-
-
-@dataclass(frozen=True)
-class WireSize:
-    """Bytes one rank puts on the wire for n elements: ``header + per_element·n``.
-
-    ``per_element=None`` means the tensor travels at its own width (raw FP32 sends).
-    """
-
-    per_element: Optional[float] = None
-    header: float = 0.0
-
-    def __call__(self, numel: int, element_size: int) -> float:
-        per = element_size if self.per_element is None else self.per_element
-        return self.header + per * numel
-
-    def to_dict(self) -> dict:
-        return {"per_element": self.per_element, "header": self.header}
-
-    @classmethod
-    def from_dict(cls, data, what: str = "wire") -> "WireSize":
-        try:
-            per = data["per_element"]
-            return cls(None if per is None else float(per), float(data.get("header", 0.0)))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{what}: expected {{'per_element': bytes, 'header': bytes}}, got "
-                             f"{data!r} ({error})") from None
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,9 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from .. import compressors
 from ..plan import COMPRESS_VIA, is_compressed
+from .optimal import OptimalScheduler
 from .costmodel import send_costs
 from .measure import measure_compression_cost, measure_copy_cost
 from .profile import LINK_KINDS, LinearCost, Profile, TensorTiming, scaled_compute
@@ -206,7 +208,6 @@ def build_model(spec: str) -> "torch.nn.Module":
 
 def with_codecs(profile: Profile, compressor_name: str, compressor) -> Profile:
     """``profile`` with the compressor's, FP16's and the copy costs, measured where missing."""
-    from .. import compressors
     codecs = dict(profile.codecs)
     for name, make in ((compressor_name, lambda: compressor), ("fp16", lambda: compressors.create("fp16"))):
         if name not in codecs and name not in ("none", "fp32"):
@@ -224,7 +225,7 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
     ``base`` carries the timeline, codecs (the configured compressor and fp16) and copy
     cost; ``bandwidth`` is in bytes/s, ``latency`` in seconds, ``efficiency`` the fraction
     of the bandwidth the collectives reach; ``chunk_mb`` lets the optimal plan send large
-    tensors in pieces (:class:`~mergecomp.schedulers.optimal.OptimalScheduler`).
+    tensors in pieces (:class:`~mergecomp.planning.optimal.OptimalScheduler`).
     ``via``: other communicators the optimal plan may send compressed groups by, group
     by group (``"compress:<name>"``, e.g. ``sparse_allreduce`` beside the allgather); each
     also gets a row of its own, the best plan whose compressed groups all go by it.
@@ -234,7 +235,6 @@ def simulate(base: Profile, workers: Sequence[int], bandwidth: float, latency: f
     ``hierarchical`` topology's inner exchange is the allreduce for a summable compressor,
     else the allgather.
     """
-    from ..schedulers.optimal import OptimalScheduler
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose one of {sorted(TOPOLOGIES)}")
     if topology == "ring" and not summable:
@@ -352,7 +352,6 @@ def _compressor_kwargs(pairs: Sequence[str]) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .. import compressors
     args = _parse_args(argv)
     try:
         workers = [int(w) for w in args.workers.split(",") if w.strip()]

@@ -33,7 +33,7 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
-from ..backends.base import Backend, Work
+from ..distributed.backends.base import Backend, Work
 
 _MAX_HASH_BITS = 20
 
@@ -162,30 +162,3 @@ def describe_disagreement(everyone: List[Mapping[str, Any]], where: str) -> str:
     if not lines:  # a hash collision of different facts is impossible; equal facts, different hashes
         lines.append("  (the facts agree but their hashes do not: ranks run different mergecomp versions?)")
     return f"ranks disagree {where}; nothing was exchanged:\n" + "\n".join(lines)
-
-
-def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on ``tensor``'s device: True when it holds a NaN or an Inf.
-
-    One read pass (a sum: NaN and ±Inf survive it, as Inf − Inf = NaN), no host sync.
-    16-bit tensors are summed in float32 so a large finite gradient does not overflow.
-    """
-    if tensor.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=tensor.device)
-    if tensor.dtype in (torch.float16, torch.bfloat16):
-        total = tensor.sum(dtype=torch.float32)
-    elif tensor.is_complex():
-        total = torch.view_as_real(tensor).sum()
-    else:
-        total = tensor.sum()
-    return ~torch.isfinite(total)
-
-
-def zero_if(tensor: torch.Tensor, flag: torch.Tensor) -> None:
-    """Zero ``tensor`` in place where ``flag`` (0-d bool) is True, so a compressor never sees
-    a NaN.  On the CPU a branch (no pass when finite); elsewhere without a host sync."""
-    if tensor.device.type == "cpu":
-        if bool(flag):
-            tensor.zero_()
-    else:
-        tensor.masked_fill_(flag, 0)

@@ -39,11 +39,12 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .agreement import StepOutcome
-from ..backends import Backend
+from ..distributed.backends import Backend
 from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
 from .. import communicators
 from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan
+from ..planning.costmodel import priced_collectives
 from .regroup import Layout, group_sizes, regroup_state
 from .step import InFlight, Listeners, StepLifecycle
 from ..schedulers.base import Scheduler
@@ -294,7 +295,6 @@ class Reducer:
         """Registered communicators other than the job's that a ``"compress:<name>"`` send
         mode can use here (they carry the compressor and memory) and that have a cost
         formula; building one has no effect on training (it holds no state until used)."""
-        from ..planning.costmodel import priced_collectives
         found = []
         for name in communicators.available():
             if type(self.communicator) is communicators.get(name) or not priced_collectives(name):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 import torch
+from ..plan import CannotRegroup  # what a plan switch raises, defined beside the plan
 
 #: group name → [(parameter name, first element, end element)] in buffer order
 Layout = Dict[str, List[Tuple[str, int, int]]]
@@ -27,10 +28,6 @@ Layout = Dict[str, List[Tuple[str, int, int]]]
 def group_sizes(layout: Layout) -> Dict[str, int]:
     """Elements per group of ``layout``."""
     return {group: sum(stop - start for _, start, stop in pieces) for group, pieces in layout.items()}
-
-
-class CannotRegroup(Exception):
-    """The state holds something that cannot follow its parameters into new groups."""
 
 
 def _pieces(tensors: Dict[str, torch.Tensor], layout: Layout) -> Dict[str, List[Tuple[int, int, torch.Tensor]]]:

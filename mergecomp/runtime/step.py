@@ -33,8 +33,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .. import communicators, compressors, memories
-from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, nonfinite_flag, zero_if
-from ..backends.base import Backend
+from .agreement import NonFiniteGradient, StepAgreement, StepOutcome
+from ..kernels.finite import nonfinite_flag, zero_if
+from ..distributed.backends.base import Backend
 from ..communicators.base import Communicator, Handle
 from ..compressors.base import GroupLayout
 from ..plan import check_send, is_compressed, send_communicator

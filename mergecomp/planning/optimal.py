@@ -68,11 +68,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import register
-from .base import Scheduler, split_by_type
-from ..planning.costmodel import _OFF_COMPUTE_INTERFERENCE, SendCost, START, advance, finish_time, group_cost, send_costs
+from ..schedulers import register
+from ..schedulers.base import Scheduler, split_by_type
+from .costmodel import _OFF_COMPUTE_INTERFERENCE, SendCost, START, advance, finish_time, group_cost, send_costs
 from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan, check_send, send_communicator
-from ..planning.profile import Profile, TensorTiming
+from .profile import Profile, TensorTiming
 
 
 def checked_chunk_mb(value, who: str = "chunk_mb") -> Optional[float]:

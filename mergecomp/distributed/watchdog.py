@@ -2,7 +2,7 @@
 
 A collective waits for every rank of the group.  When one rank stops taking part — it
 crashed, was killed, left its training loop early, or is stuck in work of its own — the
-others block until the process group's timeout (see :func:`mergecomp.runtime.launch.init_distributed`)
+others block until the process group's timeout (see :func:`mergecomp.distributed.launch.init_distributed`)
 or until the network library notices that the rank's connections closed.  What the
 network library then reports ("Timed out waiting 60000ms for recv", "Connection closed
 by peer [10.0.0.7]:41234") names no rank and no step.
@@ -11,7 +11,7 @@ Each rank therefore keeps a small *progress beacon* in the process group's key-v
 store (the one ``torch.distributed`` rendezvoused through, hosted by rank 0's process or
 by torchrun's agent): one key per rank holding the last step it started, how many
 collectives it had issued by then, whether it is running, has left the job
-(:func:`mergecomp.runtime.launch.shutdown`, also run at interpreter exit) or has failed, and
+(:func:`mergecomp.distributed.launch.shutdown`, also run at interpreter exit) or has failed, and
 when.  Writing it costs one small store request per step.  When a collective fails, the
 backend reads every rank's beacon and raises :class:`CollectiveTimeout` or
 :class:`PeerLost` naming the ranks that are behind, where they last were, and what to do.
@@ -89,7 +89,7 @@ class Progress:
         origin = f" ({self.host}, pid {self.pid})" if self.host else ""
         if self.state == LEFT:
             what = (f"left the job {where}{ago}: its script ended or called "
-                    f"mergecomp.runtime.launch.shutdown()")
+                    f"mergecomp.distributed.launch.shutdown()")
         elif self.state == RAISED:
             what = (f"raised {self.note} {where}{ago}, which ended its script (its log has "
                     f"the traceback)")
@@ -324,7 +324,7 @@ def _advice(kind, progress, behind, rank, step, timeout) -> str:
         current = f" (now {timeout:g}s)" if timeout is not None else ""
         advice.append(f"If a rank is legitimately slow, raise the timeout{current}: "
                       f"{TIMEOUT_VARIABLE}=<seconds> in the environment, or "
-                      f"mergecomp.runtime.launch.init_distributed(timeout_s=...).")
+                      f"mergecomp.distributed.launch.init_distributed(timeout_s=...).")
     return "What to do: " + " ".join(advice)
 
 
@@ -358,7 +358,7 @@ def beacon_for(group=None) -> Optional[Beacon]:
 
 
 def beacons() -> List[Beacon]:
-    """The beacons this process created (what :func:`mergecomp.runtime.launch.shutdown` marks)."""
+    """The beacons this process created (what :func:`mergecomp.distributed.launch.shutdown` marks)."""
     return list(_beacons.values())
 
 

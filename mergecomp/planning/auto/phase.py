@@ -14,10 +14,10 @@ hands over.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from ...plan import Plan
-from ...planning.profile import Profile
+from ..profile import Profile
 from .settings import AutoSettings
 
 
@@ -63,6 +63,10 @@ class Search:
     log: Optional[Callable[[str], None]]
     #: This process's rank, set by the scheduler at every step (only rank 0 logs).
     rank: int = 0
+    #: ``profile(context)``: the phase that profiles the run, where the search starts and
+    #: where it goes back to when steps drift.  The scheduler sets it, so that the phases,
+    #: each handing on to a later one, import no earlier one.
+    profile: Optional[Callable[[Any], "Phase"]] = None
 
     def say(self, text: str) -> None:
         if self.log is not None and self.rank == 0:
@@ -90,5 +94,4 @@ class Starting(Phase):
     name = "start"
 
     def after_step(self, context, seconds):
-        from .profiling import Profiling
-        return Profiling(self.search, context)
+        return self.search.profile(context)

@@ -3,26 +3,26 @@
 It changes the plan between steps (:meth:`~AutoScheduler.after_step`), in
 three phases that every rank runs in lockstep — the same step counts, collectives at the
 same steps, rank 0 deciding and broadcasting.  Each phase is an object in
-:mod:`mergecomp.schedulers.auto` that returns the phase of the next step:
+:mod:`mergecomp.planning.auto` that returns the phase of the next step:
 
-1. **profile** (:mod:`~mergecomp.schedulers.auto.profiling`): ``profile_steps`` steps with
+1. **profile** (:mod:`~mergecomp.planning.auto.profiling`): ``profile_steps`` steps with
    the whole model raw in one FP32 group while ready listeners timestamp every
    gradient, then probes, then ``interference_steps`` steps twice with a dummy allreduce
    beside backward (how much a collective slows backward, and backward a collective).
    The result is a :class:`~mergecomp.planning.profile.Profile` (saved with ``profile_out``).
-2. **check** (:mod:`~mergecomp.schedulers.auto.racing`): the DP's plans, MergeComp's fixed
+2. **check** (:mod:`~mergecomp.planning.auto.racing`): the DP's plans, MergeComp's fixed
    plans for each of ``fusion_candidates`` and DDP's buckets
-   (:mod:`~mergecomp.schedulers.auto.planning`), each run for real for ``check_steps``
+   (:mod:`~mergecomp.planning.auto.planning`), each run for real for ``check_steps``
    counted steps (the first step after a switch not counted), in up to ``check_rounds``
    rounds, each later round only for the contenders: the faster half (at least two),
    plus any within ``contender_margin`` of the fastest.  Visits are compared at one
    compute speed (``speed_correction``), and the lowest median wins — except that a lossy
    plan must beat the fastest all-FP32 plan by more than ``compression_margin``, or the
-   FP32 one is kept (:mod:`~mergecomp.schedulers.auto.decisions` says why).  So a
+   FP32 one is kept (:mod:`~mergecomp.planning.auto.decisions` says why).  So a
    mispredicting cost model cannot make training slower than the best uncompressed plan,
    DDP's buckets or the best fixed fusion-num measured.  The profile is then refitted to
    the launch and finish costs and the compute speed timed in the check, and saved again.
-3. **watch** (:mod:`~mergecomp.schedulers.auto.watching`): every ``watch_every`` steps the
+3. **watch** (:mod:`~mergecomp.planning.auto.watching`): every ``watch_every`` steps the
    median step time (the slowest rank's) is compared with the winner's; after two windows
    in a row more than ``drift`` slower, it profiles and checks again.
 
@@ -40,12 +40,13 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .. import register
-from ..base import AdaptiveScheduler, SchedulerContext
+from ...schedulers import register
+from ...schedulers.base import AdaptiveScheduler, SchedulerContext
 from ...plan import Plan, is_compressed
-from ...planning.profile import Profile
+from ..profile import Profile
 from .phase import Findings, Phase, ReportRow, Search, Starting
 from .planning import profiling_plan
+from .profiling import Profiling
 from .settings import AutoSettings
 
 
@@ -87,6 +88,7 @@ class AutoScheduler(AdaptiveScheduler):
             fusion_candidates=tuple(fusion_candidates), compression_margin=compression_margin,
             speed_correction=speed_correction, chunk_mb=chunk_mb)
         self._search = Search(self.settings, Findings(), log)
+        self._search.profile = lambda context: Profiling(self._search, context)
         self._phase: Phase = Starting(self._search)
         #: Steps seen (``after_step`` calls), the search's included.
         self.steps = 0

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .serialize import header_error
+
 Tensors = Tuple[torch.Tensor, ...]
 
 #: The most bytes one rank's value may take in :meth:`Backend.allgather_object` and
@@ -35,7 +37,7 @@ class Work:
     """An operation in flight: ``wait()`` blocks until done and returns its result.
 
     ``explain(error)``, when given, turns what a handle's ``wait()`` raised into a clearer
-    error (a :class:`mergecomp.runtime.watchdog.CollectiveError` naming the ranks behind), or
+    error (a :class:`mergecomp.distributed.watchdog.CollectiveError` naming the ranks behind), or
     returns None to let the original error through.
     """
 
@@ -182,8 +184,8 @@ class Backend:
         fixed-size blob; without it a backend whose collectives need sizes up front
         exchanges the shapes first, a blocking collective: the caller waits for every rank.
         ``limit`` is the most bytes a rank's payload may take: shapes received from a peer
-        that claim more raise :class:`~mergecomp.backends.serialize.HeaderError` before
-        anything is allocated (see :func:`~mergecomp.backends.serialize.payload_limit`).
+        that claim more raise :class:`~mergecomp.distributed.backends.serialize.HeaderError` before
+        anything is allocated (see :func:`~mergecomp.distributed.backends.serialize.payload_limit`).
 
         Every tensor handed in must be on one device, the group's: the collective's
         buffers, headers included, are made there (NCCL takes CUDA tensors only).
@@ -279,7 +281,6 @@ def _bytes_tensor(payload: bytes, device: torch.device) -> torch.Tensor:
 
 
 def _checked_length(size: int, source: int) -> int:
-    from .serialize import header_error
     if not 0 <= size <= JSON_LIMIT:
         raise header_error(source, f"it announces a {size}-byte JSON value; at most {JSON_LIMIT} "
                                    f"bytes are allowed")
@@ -288,7 +289,6 @@ def _checked_length(size: int, source: int) -> int:
 
 def _decode(data: torch.Tensor, source: int, op: str) -> Any:
     """The value rank ``source`` sent; TypeError if it could not send one."""
-    from .serialize import header_error
     try:
         tag, value = json.loads(data.cpu().numpy().tobytes().decode("utf-8"))
     except (ValueError, TypeError):

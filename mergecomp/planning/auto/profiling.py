@@ -30,7 +30,7 @@ the shortest rank's median (the rank that waited least) is taken on both sides.
 The dummy allreduces are measurement, not training traffic: they run inside
 ``backend.uncounted()``.  Every rank runs these steps in lockstep (the same collectives
 at the same steps); the last one hands over to the check
-(:class:`~mergecomp.schedulers.auto.racing.Checking`).
+(:class:`~mergecomp.planning.auto.racing.Checking`).
 """
 from __future__ import annotations
 
@@ -41,10 +41,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ...planning.profile import LinearCost, Profile, TensorTiming, collective_slowdown_factor, interference_factor
+from ..profile import LinearCost, Profile, TensorTiming, collective_slowdown_factor, interference_factor
 from .instruments import DummyBesideBackward, PhaseSamples, ReadyTimes
 from .phase import Phase, Search
 from .planning import check_priceable, profiling_plan
+from .racing import Checking
+from ..costmodel import priced_collectives
+from ..measure import profile_from_timeline
 
 
 class Profiling(Phase):
@@ -82,7 +85,6 @@ class Profiling(Phase):
                                                        self.search.findings.carriers)
         if self.search.settings.interference_steps:
             return Interference(self.search, context, alone, self.live)
-        from .racing import Checking
         return Checking.begin(self.search, context, self.live)
 
 
@@ -91,8 +93,6 @@ def measure_profile(context, ready: ReadyTimes, optimizer_steps: List[float],
     """Median ready times (first pass dropped as warm-up) → timeline → the probes → a full
     profile, with the collectives the ``carriers``' formulas need (the communicators of
     ``"compress:<name>"`` modes).  A collective: every rank calls it at the same step."""
-    from ...planning.costmodel import priced_collectives
-    from ...planning.measure import profile_from_timeline
     by_name = dict(context.named_parameters())
     medians = ready.medians()
     order = sorted(medians, key=medians.get)
@@ -242,5 +242,4 @@ class Slowdown(_DummyBesideBackwardPhase):
         else:
             self.search.say("auto scheduler: no slowdown step had its collective done before the end "
                             "of backward; the profile keeps collective_slowdown 1.0")
-        from .racing import Checking
         return Checking.begin(self.search, context, self.live)

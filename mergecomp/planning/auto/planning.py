@@ -1,6 +1,6 @@
 """The plans the ``auto`` scheduler's check runs, from the profile of the live run.
 
-Three plans from the DP (:class:`~mergecomp.schedulers.optimal.OptimalScheduler`) — the
+Three plans from the DP (:class:`~mergecomp.planning.optimal.OptimalScheduler`) — the
 optimum, the best plan without compression, the best plan compressing every group, each
 free to send tensors over ``chunk_mb`` in pieces when that is set — and, where compressed
 groups may also travel by other communicators (``"compress:<name>"`` send modes: a flat
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence
 
-from ...planning.costmodel import NoCostFormula, communicator_formula, predict, priced_collectives
+from ..costmodel import NoCostFormula, communicator_formula, predict, priced_collectives
 from ...plan import COMPRESS_VIA, ParamInfo, Plan
-from ...planning.profile import Profile
-from ..bucket import BucketScheduler
-from ..fixed import FixedScheduler
+from ..profile import Profile
+from ...schedulers.bucket import BucketScheduler
+from ...schedulers.fixed import FixedScheduler
 from ..optimal import OptimalScheduler
 from .phase import Candidate
 from .settings import AutoSettings

@@ -79,7 +79,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     ``timeout_s`` bounds every collective's wait for the other ranks (see
     :func:`collective_timeout`: default from MERGECOMP_TIMEOUT, else
     :data:`DEFAULT_TIMEOUT_S`); a collective that runs out of it raises
-    :class:`mergecomp.runtime.watchdog.CollectiveTimeout` naming the ranks behind.  The start-up
+    :class:`mergecomp.distributed.watchdog.CollectiveTimeout` naming the ranks behind.  The start-up
     rendezvous waits as long when ``timeout_s`` or MERGECOMP_TIMEOUT is given, else
     :data:`RENDEZVOUS_TIMEOUT_S`; ranks that do not all meet in that time raise
     :class:`RendezvousError`, saying how many joined.  :func:`shutdown` is registered to
@@ -134,10 +134,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
 
 def _rendezvous_timeout_s() -> float:
     """The start-up wait as the user may have set it: the documented setting is the
-    package's ``mergecomp.runtime.launch.RENDEZVOUS_TIMEOUT_S`` (defined here, re-exported
-    there), so it is read there at each call."""
-    from .. import launch
-    return launch.RENDEZVOUS_TIMEOUT_S
+    package's ``mergecomp.distributed.launch.RENDEZVOUS_TIMEOUT_S`` (defined here, re-exported
+    there), so it is read there at each call (the package is loaded: it imported this module)."""
+    return sys.modules[__package__].RENDEZVOUS_TIMEOUT_S
 
 
 class RendezvousError(RuntimeError):
@@ -180,7 +179,7 @@ def _rendezvous_error(error: BaseException, info: LaunchInfo, waited_s: float,
         waited = (f"The wait was the configured timeout ({TIMEOUT_VARIABLE} or timeout_s=); "
                   f"raise it if the ranks start far apart.")
     else:
-        waited = (f"The wait was the start-up default (mergecomp.runtime.launch.RENDEZVOUS_TIMEOUT_S); "
+        waited = (f"The wait was the start-up default (mergecomp.distributed.launch.RENDEZVOUS_TIMEOUT_S); "
                   f"set {TIMEOUT_VARIABLE}=<seconds> or init_distributed(timeout_s=...) to "
                   f"fail sooner.")
     first_line = text.strip().splitlines()[0] if text.strip() else "-"
@@ -292,7 +291,7 @@ def shutdown(linger_s: float = SHUTDOWN_LINGER_S) -> None:
     at once, without waiting for the other ranks.
 
     Ranks still waiting in a collective for this one then fail within seconds, with an error
-    that says this rank left (:class:`mergecomp.runtime.watchdog.PeerLost`), instead of hanging until
+    that says this rank left (:class:`mergecomp.distributed.watchdog.PeerLost`), instead of hanging until
     their timeout.  At the end of training every rank has completed the same collectives, so
     nothing is lost by not waiting.  The rank hosting the rendezvous store (rank 0, unless
     torchrun's agent hosts it) keeps the store up after destroying its group until every rank

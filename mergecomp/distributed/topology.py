@@ -14,7 +14,7 @@ horovodrun        ``HOROVOD_LOCAL_SIZE``
 emulated cluster  ``benchmarks/cluster.py --nodes M --workers-per-node L`` sets torchrun's
 ================  ====================================================================
 
-:func:`node_layout` reads them through :func:`mergecomp.runtime.launch.detect`;
+:func:`node_layout` reads them through :func:`mergecomp.distributed.launch.detect`;
 ``MERGECOMP_LOCAL_SIZE`` or the ``local_size`` argument overrides what the launcher says
 (a job started with one process per node and threads inside, a scheduler that sets the
 variables wrongly).  The layout assumes the launchers' own numbering: the ranks of a node
@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
+
+from .launch import detect
 
 #: Overrides the launcher's ranks per node (an integer ≥ 1).
 LOCAL_SIZE_VARIABLE = "MERGECOMP_LOCAL_SIZE"
@@ -89,7 +91,7 @@ def node_layout(rank: int, world_size: int, local_size: Optional[int] = None,
     """This rank's :class:`NodeLayout` in a job of ``world_size`` ranks.
 
     Ranks per node, first found: ``local_size``; ``MERGECOMP_LOCAL_SIZE``; the launcher's
-    local size (:func:`~mergecomp.runtime.launch.detect`), whose local rank must then be
+    local size (:func:`~mergecomp.distributed.launch.detect`), whose local rank must then be
     ``rank % local_size``; a launch that says nothing (one process, or RANK/WORLD_SIZE
     alone) is one node holding every rank.  Raises ValueError naming the value and where
     it came from when it does not fit the job.
@@ -109,7 +111,6 @@ def node_layout(rank: int, world_size: int, local_size: Optional[int] = None,
             raise ValueError(f"{LOCAL_SIZE_VARIABLE}={env[LOCAL_SIZE_VARIABLE]!r} must be an integer ≥ 1 "
                              "(ranks per node); unset it to use the launcher's")
         return NodeLayout(rank, world_size, value, LOCAL_SIZE_VARIABLE)
-    from .launch import detect
     info = detect(env)
     if info.launcher == "single" or info.world_size != world_size:
         return NodeLayout(rank, world_size, world_size, "one node: the launcher names no nodes")

@@ -35,9 +35,9 @@ import dataclasses
 import statistics
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ...planning.costmodel import predict
+from ..costmodel import predict
 from ...plan import Plan
-from ...planning.profile import FINISH_SENDS, LinearCost, Profile, fit_live_costs, scaled_compute
+from ..profile import FINISH_SENDS, LinearCost, Profile, fit_live_costs, scaled_compute
 
 #: One visit of a candidate: its counted step seconds (each the slowest rank's) and the
 #: median forward seconds of those steps (None: no forward was timed).

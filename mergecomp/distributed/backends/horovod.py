@@ -5,7 +5,7 @@ Written against Horovod's documented ``horovod.torch`` API (0.28.1 and its main 
 dimensions may differ per rank), ``alltoall_async(tensor, splits=, name=)`` whose
 ``synchronize`` gives ``(output, received_splits)``, ``broadcast_`` and ``barrier``.
 Small values (``broadcast_object``, ``allgather_object``) travel as JSON through these
-tensor collectives (:class:`~mergecomp.backends.base.Backend`), never through Horovod's
+tensor collectives (:class:`~mergecomp.distributed.backends.base.Backend`), never through Horovod's
 pickling ``*_object`` calls.  Horovod matches collectives across ranks by name, so
 every call gets a name from a per-backend counter: the same on every rank, because every
 rank issues the same collectives in the same order.

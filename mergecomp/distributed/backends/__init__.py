@@ -7,7 +7,9 @@ whose processes see only mpirun's variables and cannot be told from a plain mpir
 import os
 from typing import Mapping, Optional
 
+from ..launch import detect
 from .base import Backend, Completed, Work
+from .torch_dist import TorchDistributedBackend
 
 BACKEND_VARIABLE = "MERGECOMP_BACKEND"
 BACKENDS = ("torch", "horovod")
@@ -15,7 +17,6 @@ BACKENDS = ("torch", "horovod")
 
 def backend_kind(environ: Optional[Mapping[str, str]] = None) -> str:
     """``"torch"`` or ``"horovod"``: what :func:`default_backend` builds for this launch."""
-    from ..runtime.launch import detect
     env = os.environ if environ is None else environ
     asked = env.get(BACKEND_VARIABLE, "").strip().lower()
     if asked:
@@ -40,7 +41,6 @@ def default_backend() -> Backend:
                else f"this process was started by horovodrun (HOROVOD_RANK="
                     f"{os.environ.get('HOROVOD_RANK')})")
         return HorovodBackend(why=why)
-    from .torch_dist import TorchDistributedBackend
     return TorchDistributedBackend()
 
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Optional
 
-from ...planning.costmodel import phases_are_local
+from ..costmodel import phases_are_local
 from ...plan import Plan
-from ...runtime.regroup import CannotRegroup
+from ...plan import CannotRegroup
 from . import decisions
 from .instruments import ForwardTimer, PhaseSamples
 from .phase import Candidate, Phase, Search
 from .planning import plan_candidates
+from .watching import Watching
 
 
 class Checking(Phase):
@@ -130,7 +131,6 @@ class Checking(Phase):
 
     # -- the end ----------------------------------------------------------------------------
     def _choose(self, context) -> Phase:
-        from .watching import Watching
         search, settings, findings = self.search, self.search.settings, self.search.findings
         backend = context.backend
         lead = backend.rank == 0

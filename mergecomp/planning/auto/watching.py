@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import List, Optional
 
-from ...runtime.regroup import CannotRegroup
+from ...plan import CannotRegroup
 from . import decisions
 from .phase import Phase, Search
 
@@ -45,9 +45,8 @@ class Watching(Phase):
         self.strikes = self.strikes + 1 if decisions.drifted(median, best[2], self.search.settings.drift) else 0
         if self.strikes < 2:
             return self
-        from .profiling import Profiling
         try:
-            following = Profiling(self.search, context)
+            following = self.search.profile(context)
         except CannotRegroup as reason:
             self.search.say(f"auto scheduler: steps drifted but the plan cannot change ({reason})")
             self.strikes = 0

@@ -9,7 +9,7 @@ from ..optimal import checked_chunk_mb
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """The ``auto`` scheduler's settings (see :class:`~mergecomp.schedulers.auto.AutoScheduler`
+    """The ``auto`` scheduler's settings (see :class:`~mergecomp.planning.auto.AutoScheduler`
     for what each one does); a clear error for each bad value."""
 
     profile_steps: int = 5

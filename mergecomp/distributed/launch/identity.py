@@ -1,5 +1,5 @@
 """Who am I in the job: the launcher, rank, world size, local layout and rendezvous
-address, read from the variables each launcher sets (see :mod:`mergecomp.runtime.launch`)."""
+address, read from the variables each launcher sets (see :mod:`mergecomp.distributed.launch`)."""
 from __future__ import annotations
 
 import os

@@ -3,9 +3,9 @@
 Every buffer a collective needs (size headers, padded blobs, receive buffers) is made on
 the device of the tensors handed in, never on the CPU by default: NCCL takes CUDA tensors
 only.  Sizes and shapes that peers send are checked before anything is allocated with
-them (:mod:`mergecomp.backends.serialize`).  A collective that fails because a rank did
-not take part raises :class:`mergecomp.runtime.watchdog.CollectiveTimeout` or
-:class:`~mergecomp.runtime.watchdog.PeerLost`, naming the ranks behind from their progress
+them (:mod:`mergecomp.distributed.backends.serialize`).  A collective that fails because a rank did
+not take part raises :class:`mergecomp.distributed.watchdog.CollectiveTimeout` or
+:class:`~mergecomp.distributed.watchdog.PeerLost`, naming the ranks behind from their progress
 beacons (:meth:`mark_step`).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime import watchdog
+from .. import watchdog
 from .base import Backend, Completed, Work
 from .serialize import (HeaderError, blob_size, check_blob_size, header_error, pack, pack_bounded,
                         shape_header, shapes_from_header, unpack, unpack_bounded)
@@ -36,7 +36,7 @@ class TorchDistributedBackend(Backend):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                "torch.distributed is not initialised: call mergecomp.runtime.launch.init_distributed() "
+                "torch.distributed is not initialised: call mergecomp.distributed.launch.init_distributed() "
                 "first (it reads torchrun / mpirun / horovodrun variables), or launch with "
                 "'torchrun --nproc_per_node N script.py'")
         self.group = group
