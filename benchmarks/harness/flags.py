@@ -9,9 +9,8 @@ import torch
 
 import mergecomp
 
-from . import models
 from .running import NoProcessGroup, run_workers
-from .workload import add_workload_arguments, check_workload_arguments
+from .workload import add_workload_arguments, check_workload_arguments, model_spec
 
 
 # ------------------------------------------------------------------------ DDP baselines --
@@ -171,7 +170,8 @@ def build_optimizer(args, work) -> mergecomp.DistributedOptimizer:
     args.memory = args.memory or compressor.recommended_memory
     args.comm = args.comm or compressor.recommended_communicator
     plan = mergecomp.Plan.load(args.plan_in) if args.plan_in else None
-    base = torch.optim.SGD(work.model.parameters(), lr=args.lr)
+    replayed = getattr(work.model, "replay_optimizer", None)  # a replayed model's step waits its traced time
+    base = replayed() if replayed else torch.optim.SGD(work.model.parameters(), lr=args.lr)
     return mergecomp.DistributedOptimizer(
         base, work.model.named_parameters(), compressor=compressor,
         memory=memory if args.compress else "none",
@@ -217,7 +217,7 @@ def run_or_table(args, worker, table) -> int:
 def check_names(args) -> None:
     """Fail fast, before any process starts (ValueError): names that do not exist, a
     compressor the communicator cannot carry, a --plan-in that is no plan of this model."""
-    models.get(args.model)
+    model_spec(args)
     mergecomp.schedulers.get(args.scheduler)
     if args.scheduler == "optimal" and not args.profile_in:
         build_scheduler(args)  # raises the explanation
@@ -242,7 +242,7 @@ def check_plan(args) -> None:
     model is built on the meta device: names and sizes, no memory)."""
     plan = mergecomp.Plan.load(args.plan_in)
     with torch.device("meta"):
-        model = models.get(args.model).build()
+        model = model_spec(args).build()
     params = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
     try:
         plan.validate([name for name, _ in params], dict(params))

@@ -36,6 +36,16 @@ def add_workload_arguments(p) -> None:
     p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
                    help="when output is not a terminal (a log file, a pipe), print a progress line "
                         "this often during warm-up and timing (default 10; 0: off)")
+    replay = p.add_argument_group("replayed compute (benchmarks/harness/replay)")
+    replay.add_argument("--replay", default=None, metavar="TRACE",
+                        help="train a replayed model instead of --model: forward and backward wait the "
+                             "durations of TRACE (benchmarks/replay.py record) and its gradients appear "
+                             "in the real model's order, sizes and dtypes; the exchange runs for real")
+    replay.add_argument("--replay-shrink", type=int, default=1, metavar="S",
+                        help="with --replay: divide every parameter's first dimension by S (about 1/S "
+                             "of the bytes: many workers in one host's memory; default 1)")
+    replay.add_argument("--replay-time-scale", type=float, default=1.0, metavar="D",
+                        help="with --replay: multiply every replayed duration by D (default 1)")
 
 
 def check_workload_arguments(p, args) -> None:
@@ -48,6 +58,26 @@ def check_workload_arguments(p, args) -> None:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
     if not 0 <= args.progress_every < float("inf"):
         p.error(f"--progress-every must be a number of seconds ≥ 0 (0: off), got {args.progress_every}")
+    replay = getattr(args, "replay", None)
+    if replay is None and (args.replay_shrink != 1 or args.replay_time_scale != 1.0):
+        p.error("--replay-shrink and --replay-time-scale change a replayed model: add --replay TRACE")
+    if args.replay_shrink < 1:
+        p.error(f"--replay-shrink must be an integer ≥ 1, got {args.replay_shrink}")
+    if not 0 < args.replay_time_scale < float("inf"):
+        p.error(f"--replay-time-scale must be a factor > 0, got {args.replay_time_scale}")
+    if replay is not None:
+        try:
+            args.model = model_spec(args).name
+        except ValueError as error:
+            p.error(f"--replay {replay}: {error}")
+
+
+def model_spec(args) -> models.ModelSpec:
+    """What ``args`` train: the replayed trace of ``--replay``, else ``--model``."""
+    if getattr(args, "replay", None):
+        from .replay import replay_spec
+        return replay_spec(args.replay, getattr(args, "replay_shrink", 1), getattr(args, "replay_time_scale", 1.0))
+    return models.get(args.model)
 
 
 class Progress:
@@ -126,9 +156,11 @@ def prepare(args) -> Workload:
         cores = os.cpu_count() or 1
         torch.set_num_threads(args.threads or max(1, cores // max(1, info.local_world_size)))
     torch.manual_seed(args.seed)
-    spec = models.get(args.model)
+    spec = model_spec(args)
     batch_size = args.batch_size or spec.default_batch_size
     options = getattr(args, "model_options", None) or {}
+    if getattr(args, "replay", None):  # each rank draws its own gradients
+        options = {**options, "seed": args.seed + info.rank}
     model = spec.build(**options).to(device)
     generator = torch.Generator(device=device).manual_seed(args.seed + info.rank)
     inputs, targets = spec.batch(batch_size, device=device, generator=generator, **options)
