@@ -127,9 +127,19 @@ def parse_rounds_arguments(p: argparse.ArgumentParser, argv):
 
 
 def build_compressor(args):
-    """The compressor from the flags; --compress-ratio goes to those that take one."""
+    """The compressor from the flags; --compress-ratio goes to those that take one;
+    ``--replay-codecs gpu`` replays its cost on the committed GPU table's."""
     if not args.compress:
         return mergecomp.compressors.create("none")
+    compressor = _real_compressor(args)
+    if getattr(args, "replay_codecs", "real") == "gpu":
+        from .replay.codec import replayed
+        from .scaling import gpu_codec
+        return replayed(compressor, gpu_codec(args.compressor), getattr(args, "replay_time_scale", 1.0))
+    return compressor
+
+
+def _real_compressor(args):
     cls = mergecomp.compressors.get(args.compressor)
     kwargs = {}
     if args.compress_ratio is not None:

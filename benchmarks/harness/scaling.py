@@ -31,10 +31,29 @@ def _line(ms_small: float, ms_large: float, small: int = 10 ** 6, large: int = 2
 
 
 CLONE = _line(0.02, 0.10)  # clone() of 1M / 25M FP32 elements
+#: Compress + decompress on one H100, ms at 1M and 25M FP32 elements: the committed table
+#: ``benchmarks/results/2026-11-24-compressors-cuda/compressors.md``.
+GPU_TABLE = {"batched_powersgd": (0.42, 0.66), "bf16": (0.04, 0.16), "dgc": (0.50, 1.07),
+             "efsignsgd": (0.54, 2.36), "fp16": (0.04, 0.15), "graddrop": (0.54, 0.94),
+             "onebit": (0.44, 2.35), "powersgd": (0.08, 0.19), "qsgd": (0.88, 1.57), "randk": (0.80, 6.90),
+             "signsgd": (0.29, 2.13), "signum": (0.33, 2.28), "tbq": (0.26, 0.47), "terngrad": (0.89, 5.36),
+             "topk": (0.40, 1.04)}
 GPU_CODECS = {
-    "topk": CodecCost(_line(0.40, 1.04), CLONE, WireSize(0.01 * 8, 0.0), add=CLONE),
-    "fp16": CodecCost(_line(0.04, 0.15), CLONE, WireSize(2.0, 0.0)),
+    "topk": CodecCost(_line(*GPU_TABLE["topk"]), CLONE, WireSize(0.01 * 8, 0.0), add=CLONE),
+    "fp16": CodecCost(_line(*GPU_TABLE["fp16"]), CLONE, WireSize(2.0, 0.0)),
 }
+
+
+def gpu_codec(name: str) -> CodecCost:
+    """What compressor ``name`` costs on the GPU of the committed table: the table's compress +
+    decompress round trip as the encode, a clone as the decode and as each further payload's
+    addition (the sparse sums' scatter-add touches k elements, a clone all n: an upper bound).
+    The wire bytes are left to the compressor itself."""
+    if name not in GPU_TABLE:
+        raise ValueError(f"the committed GPU table has no row for compressor {name!r}; it has "
+                         f"{', '.join(sorted(GPU_TABLE))} (run benchmarks/compressors.py --devices cuda "
+                         "on a GPU for the others), or replay the codecs as they run here (real)")
+    return CodecCost(_line(*GPU_TABLE[name]), CLONE, WireSize(None, 0.0), add=CLONE)
 GPU_COPY = LinearCost(CLONE.intercept, CLONE.slope / 4)  # per byte
 
 LINKS = {"1gbit": 1e9 / 8, "10gbit": 10e9 / 8, "25gbit": 25e9 / 8, "100gbit": 100e9 / 8,

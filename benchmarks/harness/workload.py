@@ -46,6 +46,10 @@ def add_workload_arguments(p) -> None:
                              "of the bytes: many workers in one host's memory; default 1)")
     replay.add_argument("--replay-time-scale", type=float, default=1.0, metavar="D",
                         help="with --replay: multiply every replayed duration by D (default 1)")
+    replay.add_argument("--replay-codecs", choices=("real", "gpu"), default="real",
+                        help="with --replay: compress for real on this host's cores (real, the "
+                             "default), or wait what the committed GPU table says the compressor "
+                             "costs, sending the real payload (gpu; benchmarks/harness/replay/codec.py)")
 
 
 def check_workload_arguments(p, args) -> None:
@@ -59,8 +63,9 @@ def check_workload_arguments(p, args) -> None:
     if not 0 <= args.progress_every < float("inf"):
         p.error(f"--progress-every must be a number of seconds ≥ 0 (0: off), got {args.progress_every}")
     replay = getattr(args, "replay", None)
-    if replay is None and (args.replay_shrink != 1 or args.replay_time_scale != 1.0):
-        p.error("--replay-shrink and --replay-time-scale change a replayed model: add --replay TRACE")
+    if replay is None and (args.replay_shrink != 1 or args.replay_time_scale != 1.0 or args.replay_codecs != "real"):
+        p.error("--replay-shrink, --replay-time-scale and --replay-codecs change a replayed model: "
+                "add --replay TRACE")
     if args.replay_shrink < 1:
         p.error(f"--replay-shrink must be an integer ≥ 1, got {args.replay_shrink}")
     if not 0 < args.replay_time_scale < float("inf"):

@@ -1,0 +1,111 @@
+"""Replayed compression: the real compressor's payloads, sizes and checks, its cost waited
+instead of computed."""
+import time
+
+import pytest
+import torch
+
+import mergecomp
+from benchmarks.harness.replay.codec import replayed
+from benchmarks.harness.scaling import gpu_codec
+from mergecomp.compressors.sparsifier import SparseCompressor
+from mergecomp.planning.profile import CodecCost, LinearCost, WireSize
+
+COST = CodecCost(LinearCost(0.001, 1e-9), LinearCost(0.0005, 1e-9), WireSize(None, 0.0), add=LinearCost(0.0, 1e-9))
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """Every sleep the replayed codec asks for (none actually slept)."""
+    asked = []
+    monkeypatch.setattr(time, "sleep", asked.append)
+    return asked
+
+
+def test_a_replayed_topk_is_a_topk_and_sends_the_real_payload(waits):
+    real = mergecomp.compressors.create("topk", compress_ratio=0.01)
+    twin = replayed(mergecomp.compressors.create("topk", compress_ratio=0.01), COST)
+    assert isinstance(twin, type(real)) and isinstance(twin, SparseCompressor)
+    assert twin.compress_ratio == 0.01 and twin.sums_in_place and not twin.summable
+    g = torch.randn(10_000)
+    expected, _ = real.compress(g, "group0")
+    first, ctx = twin.compress(g, "group0")
+    again, _ = twin.compress(torch.randn(10_000), "group0")
+    for a, b, c in zip(expected, first, again):
+        assert a.shape == b.shape == c.shape and a.dtype == b.dtype == c.dtype
+        assert torch.equal(b, c)        # the first step's payload, sent again
+    # The first call computes, then waits what is left of the cost; the second only waits.
+    assert len(waits) <= 2 and all(w <= COST.encode(10_000) for w in waits)
+    assert waits[-1] == pytest.approx(COST.encode(10_000), rel=0.5)
+    first[0].zero_()                    # what the caller does to a payload stays with it
+    assert not torch.equal(twin.compress(g, "group0")[0][0], first[0])
+
+
+def test_sums_and_decodes_wait_their_cost_and_write_into_a_lent_buffer(waits):
+    twin = replayed(mergecomp.compressors.create("topk", compress_ratio=0.01), COST)
+    payloads = [twin.compress(torch.randn(5_000), "g")[0] for _ in range(3)]
+    ctx = twin.compress(torch.randn(5_000), "g")[1]
+    waits.clear()
+    total = twin.decompress_sum(payloads, ctx)
+    out = torch.empty(5_000)
+    again = twin.decompress_sum(payloads, ctx, out=out)
+    assert again.data_ptr() == out.data_ptr() and torch.equal(again, total)
+    assert waits[-1] == pytest.approx(COST.decode(5_000) + 2 * COST.add(5_000), rel=0.5)
+    assert twin.decompress(payloads[0], ctx).shape == total.shape
+
+
+def test_powersgd_rounds_replay_the_same_collectives(waits):
+    make = lambda: mergecomp.compressors.create("powersgd", rank=2)
+    twin = replayed(make(), COST)
+    grad = torch.randn(64, 32)
+    layout = (mergecomp.compressors.base.ParamView("w", torch.Size([64, 32]), 0),)
+
+    def run(compressor):
+        shapes = []
+        rounds = compressor.rounds(grad.reshape(-1), "g", layout=layout)
+        request = next(rounds)
+        while True:
+            shapes.append([tuple(t.shape) for t in request.tensors])
+            try:
+                request = rounds.send(tuple(t.clone() for t in request.tensors))
+            except StopIteration as stop:
+                return shapes, stop.value
+
+    real_shapes, _ = run(make())
+    first_shapes, first = run(twin)
+    again_shapes, again = run(twin)
+    assert real_shapes == first_shapes == again_shapes and len(real_shapes) == 2
+    assert torch.equal(first, again)
+
+
+def test_the_gpu_table_prices_the_campaigns_compressors_and_refuses_others():
+    for name in ("topk", "fp16", "powersgd", "dgc"):
+        cost = gpu_codec(name)
+        assert cost.encode(25_000_000) > cost.encode(1_000_000) > 0
+    with pytest.raises(ValueError, match="no row for compressor 'atomo'"):
+        gpu_codec("atomo")
+    with pytest.raises(ValueError, match="time scale must be > 0"):
+        replayed(mergecomp.compressors.create("fp16"), COST, time_scale=0)
+
+
+def test_compress_benchmark_trains_a_replay_with_replayed_codecs_through_the_sparse_allreduce(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from benchmarks.harness.replay import ReplayParam, ReplayTrace
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    trace = ReplayTrace("toy", tuple(ReplayParam(f"layer{i}.weight", (64, 100), "torch.float32", 0.002 * i)
+                                     for i in range(6)), forward_time=0.005, unit="sample", batch_size=4)
+    trace.save(str(tmp_path / "trace.json"))
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "compress_benchmark.py"), "--nproc", "2", "--threads", "1",
+         "--replay", str(tmp_path / "trace.json"), "--replay-codecs", "gpu", "--compress", "--compressor", "topk",
+         "--compress-ratio", "0.05", "--comm", "sparse_allreduce", "--fusion-num", "2", "--num-warmup-batches", "1",
+         "--num-batches-per-iter", "2", "--num-iters", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["model"] == "replay:toy" and result["num_params"] == 6 * 6400 and result["groups"] == 2
+    assert "ReplayedTopKCompressor" in done.stdout
