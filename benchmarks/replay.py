@@ -79,23 +79,47 @@ def record_main(argv) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an argument of the model's builder, e.g. d_model=768 (repeatable)")
+    p.add_argument("--batch-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an argument of the model's batch, e.g. seq_len=128 (repeatable)")
+    p.add_argument("--name", default=None, help="the model's name in the trace (default: --model)")
     args = p.parse_args(argv)
     for name in ("batch_size", "steps", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
-    return _finish_trace(trace_here(args.model, args.batch_size, args.steps, args.threads, args.seed), args)
+    build = _options(p, "--model-option", args.model_option)
+    batch = _options(p, "--batch-option", args.batch_option)
+    trace = trace_here(args.model, args.batch_size, args.steps, args.threads, args.seed, build, batch)
+    if args.name or build or batch:
+        trace = dataclasses.replace(trace, model=args.name or args.model,
+                                    extra={**trace.extra, "model_options": build, "batch_options": batch})
+    return _finish_trace(trace, args)
 
 
-def trace_here(model: str, batch_size, steps: int, threads: int, seed: int = 42) -> ReplayTrace:
-    """The trace of ``model`` timed in this process with ``threads`` torch threads."""
+def _options(p, flag: str, pairs) -> dict:
+    """KEY=VALUE pairs as a dict, values as Python literals where they parse."""
+    options = {}
+    for pair in pairs:
+        try:
+            options.update([harness.parse_spec(f"x:{pair}")[1].popitem()])
+        except (ValueError, KeyError) as error:
+            p.error(f"{flag} {pair!r}: {error}")
+    return options
+
+
+def trace_here(model: str, batch_size, steps: int, threads: int, seed: int = 42,
+               build=None, batch=None) -> ReplayTrace:
+    """The trace of ``model`` (built with ``build``, fed a batch with ``batch`` options)
+    timed in this process with ``threads`` torch threads."""
     spec = models.get(model)
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     batch_size = batch_size or spec.default_batch_size
     generator = torch.Generator().manual_seed(seed)
-    return record(spec.build(), spec.batch(batch_size, generator=generator), spec.loss, steps=steps,
-                  name=model, unit=spec.unit, batch_size=batch_size)
+    return record(spec.build(**(build or {})), spec.batch(batch_size, generator=generator, **(batch or {})),
+                  spec.loss, steps=steps, name=model, unit=spec.unit, batch_size=batch_size)
 
 
 def from_profile_main(argv) -> int:

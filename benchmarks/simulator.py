@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mergecomp
 from benchmarks import harness
-from benchmarks.harness import scaling
+from benchmarks.harness import hostload, scaling
 from benchmarks.harness.cluster import Cluster, parse_profile
 from mergecomp.planning.costmodel import predict
 from mergecomp.plan import COMPRESS_VIA, SEND_MODES, Plan, is_compressed, send_communicator, valid_sends
@@ -517,6 +517,13 @@ rounds of its predicted over its measured step time, minus one; the saved-profil
 the profile's single prediction against the median measured step.  ``--json`` saves both
 with every round's numbers, the profile and each round's compute (to predict again offline);
 ``--table`` prints the saved results as one markdown table.
+
+**Host-bound windows.**  Each window's steps are watched by the host-bound indicator
+(:mod:`benchmarks.harness.hostload`): how long, per second, each rank's threads waited for
+a core.  A plan whose slowest rank waited 0.1 s per second or more was timed on a host
+that set its step, not on the links: the log and the table mark it ``host-bound``, and it
+checks nothing.  Many ranks on few cores: replay the compute (``--replay TRACE``, see
+``benchmarks/replay.py``) and slow the links until the indicator stays low.
 """
 
 
@@ -726,18 +733,20 @@ def rounds_worker(args):
                 clock.new_round()
         return switch
 
-    steps = {label: (clock if label == COMPUTE else (lambda: timed(1))) for label in plans}
+    steps, loads = hostload.watched({label: (clock if label == COMPUTE else (lambda: timed(1))) for label in plans})
     mine = harness.interleaved_windows(steps, args.rounds, args.window,
                                             before={label: before(label) for label in plans})
     phases = window_phases(recorder, marks)
     everyone = optimizer.backend.allgather_object(
-        (mine, clock.summaries(phases.get(COMPUTE, []), args.window), phases))
+        (mine, clock.summaries(phases.get(COMPUTE, []), args.window), phases,
+         {label: load.summary() for label, load in loads.items()}))
     if work.rank != 0:  # rank 0 predicts, from its profile
         return harness.finish({}, None, work)
-    measured = {label: [max(times[label][r] for times, _, _ in everyone) for r in range(args.rounds)]
+    measured = {label: [max(times[label][r] for times, _, _, _ in everyone) for r in range(args.rounds)]
                 for label in plans}
     modelled = modelled_profile(profile, work.size, args, efficiency)
-    rounds = [round_profile(modelled, [summaries[r] for _, summaries, _ in everyone]) for r in range(args.rounds)]
+    rounds = [round_profile(modelled, [summaries[r] for _, summaries, _, _ in everyone]) for r in range(args.rounds)]
+    host = {label: hostload.combine([load[label] for _, _, _, load in everyone]) for label in plans}
     result = {
         "model": args.model, "batch_size": work.batch_size, "workers": work.size, "compressor": args.compressor,
         "workers_per_node": args.workers_per_node, "communicator": optimizer.communicator.name,
@@ -749,12 +758,15 @@ def rounds_worker(args):
         "compute": [{"forward_s": p.forward_time, "backward_s": p.backward_time,
                      "speed": p.backward_time / profile.backward_time if profile.backward_time > 0 else 1.0}
                     for p in rounds],
+        "replay": args.replay and {"trace": args.replay, "shrink": args.replay_shrink,
+                                   "time_scale": args.replay_time_scale, "codecs": args.replay_codecs},
+        "host_compute_window": host[COMPUTE],
         "plans": {}, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         # What the predictions were made from, to predict again offline with another model:
         # the profile as measured (its collectives, not the α-β model's) and every rank's
         # compute summary of every round.
         "measured_profile": profile.to_dict(),
-        "round_compute": [[summaries[r] for _, summaries, _ in everyone] for r in range(args.rounds)]}
+        "round_compute": [[summaries[r] for _, summaries, _, _ in everyone] for r in range(args.rounds)]}
     for label, plan in plans.items():
         if label == COMPUTE:
             continue
@@ -766,14 +778,15 @@ def rounds_worker(args):
             "plan": plan.to_dict(),
             "measured_s": measured[label], "predicted_s": predicted, "saved_profile_s": saved,
             "error": statistics.median(p / m - 1 for p, m in zip(predicted, measured[label])),
-            "saved_profile_error": saved / statistics.median(measured[label]) - 1}
+            "saved_profile_error": saved / statistics.median(measured[label]) - 1, "host": host[label]}
         row = result["plans"][label]
-        row["phases"] = [rank_phases.get(label, []) for _, _, rank_phases in everyone]
+        row["phases"] = [rank_phases.get(label, []) for _, _, rank_phases, _ in everyone]
         typical = sorted(range(args.rounds), key=predicted.__getitem__)[args.rounds // 2]
         work.log(f"{label:<12} {row['groups']} groups ({row['compressed']} compressed): measured "
                  f"{statistics.median(measured[label]) * 1e3:.1f} ms, predicted from each round's compute "
                  f"{statistics.median(predicted) * 1e3:.1f} ms (error {row['error']:+.1%}), from the saved "
-                 f"profile {saved * 1e3:.1f} ms ({row['saved_profile_error']:+.1%})\n"
+                 f"profile {saved * 1e3:.1f} ms ({row['saved_profile_error']:+.1%}); core wait "
+                 f"{host[label]['core_wait']:.3f}{' HOST-BOUND' if hostload.host_bound(host[label]) else ''}\n"
                  f"{label}'s phases, predicted from round {typical}'s compute (its median prediction):\n"
                  + phase_table(predict(plan, rounds[typical]), row["phases"]))
     return harness.finish(result, args.json, work)
@@ -787,8 +800,8 @@ def layout(result: dict) -> str:
 
 def rounds_table(paths) -> str:
     lines = ["| workers | plan | groups (compressed) | measured ms | predicted ms, same rounds | error | "
-             "rounds within 15% | saved profile ms | saved-profile error | compute × profile |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "rounds within 15% | saved profile ms | saved-profile error | compute × profile | core wait |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     results = sorted(harness.saved_results(paths, "plans", "benchmarks/simulator.py rounds"),
                      key=lambda r: (r["workers"], r.get("workers_per_node", 1)))
     for r in results:
@@ -799,8 +812,16 @@ def rounds_table(paths) -> str:
                          f"{statistics.median(row['measured_s']) * 1e3:.1f} | "
                          f"{statistics.median(row['predicted_s']) * 1e3:.1f} | {row['error']:+.1%} | "
                          f"{within}/{len(row['measured_s'])} | {row['saved_profile_s'] * 1e3:.1f} | "
-                         f"{row['saved_profile_error']:+.1%} | {min(speeds):.2f}–{max(speeds):.2f} |")
+                         f"{row['saved_profile_error']:+.1%} | {min(speeds):.2f}–{max(speeds):.2f} | "
+                         f"{host_cell(row.get('host'))} |")
     return "\n".join(lines)
+
+
+def host_cell(indicator) -> str:
+    """The core wait of a plan's windows, marked when it refuses the row (older results: –)."""
+    if not indicator:
+        return "–"
+    return f"{indicator['core_wait']:.3f}" + (" host-bound" if hostload.host_bound(indicator) else "")
 
 
 def rounds_main(argv) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 #: The default refusal threshold: threads waiting for a core, on average, per worker.  At
 #: 0.1 a worker's exchange lost about a tenth of the window to the queue: more than that
@@ -118,6 +118,22 @@ class HostLoad:
         return {"wall_s": self.wall, "core_wait": self.wait / wall, "cpu": self.cpu / wall,
                 "host_pressure": self.pressure / wall if _cpu_pressure() is not None else None,
                 "host_busy": self.busy / self.ticks if self.ticks else None, "cores": os.cpu_count()}
+
+
+def watched(steps: Dict[str, Callable[[], None]]) -> Tuple[Dict[str, Callable[[], None]], Dict[str, "HostLoad"]]:
+    """``steps`` (name → one step) each measured by a :class:`HostLoad` of its own: the
+    wrapped steps, and the loads by name (for :func:`~benchmarks.harness.timing.interleaved_windows`)."""
+    loads = {name: HostLoad() for name in steps}
+
+    def wrap(step, load):
+        def measured():
+            load.start()
+            try:
+                step()
+            finally:
+                load.stop()
+        return measured
+    return {name: wrap(step, loads[name]) for name, step in steps.items()}, loads
 
 
 def combine(ranks: List[Dict[str, float]]) -> Dict[str, float]:
