@@ -45,7 +45,7 @@ from mergecomp.plan import COMPRESS_VIA, SEND_MODES, Plan, is_compressed, send_c
 from mergecomp.planning.profile import Profile, scaled_compute
 from mergecomp.schedulers.fixed import FixedScheduler
 from mergecomp.planning.optimal import OptimalScheduler
-from mergecomp.planning.simulate import measured_link_efficiency, node_profile
+from mergecomp.planning.simulate import measured_latency, measured_link_efficiency, node_profile
 from mergecomp.runtime.regroup import CannotRegroup
 
 HERE = os.path.abspath(__file__)
@@ -539,8 +539,9 @@ def parse_rounds(argv):
     p.add_argument("--net-profile", default=os.environ.get("MERGECOMP_NET_PROFILE"),
                    help="the network profile of the links (default: the one benchmarks/cluster.py "
                         "runs this worker behind)")
-    p.add_argument("--latency-us", type=float, default=50.0,
-                   help="per-message latency the simulator assumes (default 50)")
+    p.add_argument("--latency-us", default="50",
+                   help="per-message latency the simulator assumes (default 50), or 'profile': the "
+                        "run's own allreduce probe's, per ring step (planning.simulate.measured_latency)")
     p.add_argument("--link-efficiency", default="profile",
                    help="fraction of the line rate the simulated collectives reach, or 'profile' "
                         "(default): the fraction the run's own allreduce probe reached")
@@ -559,8 +560,13 @@ def parse_rounds(argv):
         args.plans = parse_plans(args.plans)
     except ValueError as error:
         p.error(str(error))
-    if not args.latency_us >= 0:
-        p.error(f"--latency-us must be ≥ 0, got {args.latency_us}")
+    if args.latency_us != "profile":
+        try:
+            args.latency_us = float(args.latency_us)
+        except ValueError:
+            p.error(f"--latency-us must be microseconds ≥ 0 or 'profile', got {args.latency_us!r}")
+        if not args.latency_us >= 0:
+            p.error(f"--latency-us must be ≥ 0, got {args.latency_us}")
     if args.link_efficiency != "profile":
         try:
             args.link_efficiency = float(args.link_efficiency)
@@ -663,7 +669,8 @@ def modelled_profile(profile: Profile, workers: int, args, efficiency: float) ->
     if workers % local:
         raise ValueError(f"--workers-per-node {local} does not divide the {workers} workers")
     intra = None if args.intra_gbit is None else args.intra_gbit * 1e9 / 8
-    return node_profile(profile, workers // local, local, args.link_rate, args.latency_us * 1e-6,
+    latency = measured_latency(profile) if args.latency_us == "profile" else args.latency_us * 1e-6
+    return node_profile(profile, workers // local, local, args.link_rate, latency,
                         efficiency, intra_bandwidth=intra)
 
 
@@ -753,6 +760,7 @@ def rounds_worker(args):
         "intra_gbit": args.intra_gbit,
         "compress_ratio": args.compress_ratio, "net_profile": args.net_profile, "search_steps": search_steps,
         "rounds": args.rounds, "window": args.window, "link_efficiency": efficiency,
+        "latency_us": args.latency_us,
         "interference": profile.interference, "collective_slowdown": profile.collective_slowdown,
         "profile": {"forward_s": profile.forward_time, "backward_s": profile.backward_time},
         "compute": [{"forward_s": p.forward_time, "backward_s": p.backward_time,

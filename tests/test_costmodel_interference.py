@@ -14,7 +14,7 @@ from mergecomp.plan import Group, Plan
 from mergecomp.planning.measure import measure_memory_cost
 from mergecomp.planning.profile import LinearCost, Profile, interference_factor
 from mergecomp.planning.optimal import OptimalScheduler
-from mergecomp.planning.simulate import measured_link_efficiency, network_collectives
+from mergecomp.planning.simulate import measured_latency, measured_link_efficiency, network_collectives
 from tests.test_costmodel import hand_profile
 from tests.test_optimal import brute_force, random_profile
 
@@ -157,3 +157,14 @@ def test_link_efficiency_scales_the_bandwidth():
     assert measured_link_efficiency(hand_profile(), 2000.0) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="at least 2 workers"):
         measured_link_efficiency(dataclasses.replace(hand_profile(), world_size=1), 1000.0)
+
+
+def test_the_latency_of_a_profile_is_its_allreduce_intercept_per_ring_step():
+    profile = dataclasses.replace(hand_profile(), world_size=4,
+                                  collectives={"allreduce": LinearCost(0.012, 1e-3)})
+    assert measured_latency(profile) == pytest.approx(0.012 / 6)
+    assert network_collectives(4, 1e3, measured_latency(profile))["allreduce"].intercept == pytest.approx(0.012)
+    with pytest.raises(ValueError, match="no measured allreduce"):
+        measured_latency(dataclasses.replace(profile, collectives={}))
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        measured_latency(dataclasses.replace(profile, world_size=1))

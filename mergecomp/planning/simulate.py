@@ -172,6 +172,22 @@ def measured_link_efficiency(profile: Profile, bandwidth: float) -> float:
     return min(1.0, 2 * (world - 1) / (world * bandwidth) / measured.slope)
 
 
+def measured_latency(profile: Profile) -> float:
+    """The per-step latency (seconds) the profile's measured allreduce shows: its intercept
+    (the cost of a message too small to take any time on the wire) over the ring's
+    2(N−1) steps.  On an emulated cluster whose workers share a few cores, a step's latency
+    is the host's (waking the thread that receives, the kernel's network stack) rather than
+    the wire's, and grows with the workers per core: an assumed wire latency misses it."""
+    if profile.world_size < 2:
+        raise ValueError(f"the profile was taken on {profile.world_size} worker; a latency needs a "
+                         "profile of at least 2 workers on the network in question")
+    measured = profile.collectives.get("allreduce")
+    if measured is None:
+        raise ValueError(f"the profile has no measured allreduce ({sorted(profile.collectives)}); "
+                         "re-profile with the auto scheduler, or give the latency as a number")
+    return measured.intercept / (2 * (profile.world_size - 1))
+
+
 def model_profile(model: "torch.nn.Module", compute_time: float, forward_fraction: float = 1 / 3) -> Profile:
     """A profile skeleton (timeline only) for ``model``'s trainable parameters."""
     if not compute_time > 0:
