@@ -167,14 +167,50 @@ def run_main(argv) -> int:
 
 # ------------------------------------------------------------------------------- table --
 
+def repredict(result: dict, latency_us) -> dict:
+    """``result`` (a ``simulator.py rounds`` result) predicted again from what it saved — the
+    measured profile and every round's compute — with the latency ``latency_us``
+    (microseconds, or ``"profile"``): the network model changed, the measurements kept."""
+    import copy
+    import statistics
+    from benchmarks import simulator
+    from benchmarks.harness.cluster import parse_profile
+    from mergecomp.plan import Plan
+    from mergecomp.planning.costmodel import predict
+    from mergecomp.planning.profile import Profile
+    profile = Profile.from_dict(result["measured_profile"])
+    link = argparse.Namespace(workers_per_node=result.get("workers_per_node", 1), intra_gbit=result.get("intra_gbit"),
+                              link_rate=parse_profile(result["net_profile"]).rate_bps / 8, latency_us=latency_us)
+    modelled = simulator.modelled_profile(profile, result["workers"], link, result["link_efficiency"])
+    rounds = [simulator.round_profile(modelled, ranks) for ranks in result["round_compute"]]
+    again = copy.deepcopy(result)
+    again["latency_us"] = latency_us
+    for row in again["plans"].values():
+        plan = Plan.from_dict(row["plan"])
+        row["predicted_s"] = [predict(plan, p).iteration_time for p in rounds]
+        row["error"] = statistics.median(p / m - 1 for p, m in zip(row["predicted_s"], row["measured_s"]))
+    return again
+
+
 def table_main(argv) -> int:
     p = argparse.ArgumentParser(prog="scale_check.py table", description="Print a table of the saved cells.")
     p.add_argument("table", choices=sorted(scalecheck.TABLES))
     p.add_argument("folder")
     p.add_argument("--max-core-wait", type=float, default=hostload.MAX_CORE_WAIT,
                    help=f"refuse plans whose core wait reaches this (default {hostload.MAX_CORE_WAIT})")
+    p.add_argument("--latency-us", default=None,
+                   help="predict again from the saved measurements with this latency (microseconds, or "
+                        "'profile': each run's allreduce probe's); default: the predictions as saved")
     args = p.parse_args(argv)
     results = scalecheck.load(args.folder)
+    if args.latency_us is not None:
+        latency = args.latency_us
+        if latency != "profile":
+            try:
+                latency = float(latency)
+            except ValueError:
+                p.error(f"--latency-us must be microseconds ≥ 0 or 'profile', got {latency!r}")
+        results = {name: repredict(r, latency) for name, r in results.items()}
     if args.table == "claims":
         wanted = {f"{w}" if l == 1 else f"{n}x{l}" for n, l in scalecheck.TABLES["claims"] for w in [n * l]}
         results = {k: v for k, v in results.items() if k.rsplit("-", 1)[1] in wanted}

@@ -107,3 +107,32 @@ def test_layouts_replace_the_tables_for_a_smoke_run():
     for bad in ("1", "2x", "x2", "", "four"):
         with pytest.raises(ValueError, match="--layouts"):
             scalecheck.parse_layouts(bad)
+
+
+def test_a_replayed_rounds_run_keeps_the_host_load_and_predicts_again_offline(tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+    from benchmarks.harness.replay import ReplayParam, ReplayTrace
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ReplayTrace("toy", tuple(ReplayParam(f"layer{i}.weight", (64, 200), "torch.float32", 0.003 * i)
+                             for i in range(5)), forward_time=0.01).save(str(tmp_path / "toy.json"))
+    out = tmp_path / "toy-topk-2.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "simulator.py"), "rounds", "--nproc", "2", "--threads", "1",
+         "--replay", str(tmp_path / "toy.json"), "--replay-codecs", "gpu", "--compressor", "topk",
+         "--compress-ratio", "0.05", "--net-profile", "1gbit", "--link-efficiency", "0.9", "--num-warmup-batches", "1",
+         "--plans", "fp32-2,compress:sparse_allreduce-2", "--rounds", "2", "--window", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["model"] == "replay:toy" and result["replay"]["codecs"] == "gpu"
+    for row in result["plans"].values():
+        assert row["host"]["ranks"] == 2 and row["host"]["core_wait"] >= 0
+    same = scale_check.repredict(result, result["latency_us"])
+    for label, row in result["plans"].items():
+        assert same["plans"][label]["predicted_s"] == pytest.approx(row["predicted_s"])
+    slower = scale_check.repredict(result, 5000.0)   # 5 ms per ring step
+    assert all(slower["plans"][k]["predicted_s"][0] > row["predicted_s"][0] for k, row in result["plans"].items())
+    assert scale_check.main(["table", "simulator", str(tmp_path), "--latency-us", "profile"]) == 0
+    assert "| replay:toy | 2 | topk | fp32-2 |" in capsys.readouterr().out
