@@ -22,8 +22,8 @@ on a V100-class GPU).  ``from-profile`` takes a mergecomp profile (``--profile-o
 run of ``--model``.
 
 ``compare`` is the check that replaying is faithful: on the ranks of ``--nproc`` (or
-under a launcher), each rank trains the real ``--model`` and its replay (traced first, in
-the launching process, at the ranks' thread count) with the same exchange, in interleaved
+under a launcher), each rank traces the real ``--model`` where it trains it, then trains
+the real model and its replay with the same exchange, in interleaved
 windows (``--rounds`` of ``--window`` steps: both see the same host), and reports each
 one's step time, their ratio, and the host-bound indicator of each
 (:mod:`benchmarks.harness.hostload`).  On a quiet host the replayed step is within 10% of
@@ -36,7 +36,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
 
@@ -144,7 +143,10 @@ def show_main(argv) -> int:
 
 def compare_worker(args):
     work = harness.prepare(args)
-    trace = ReplayTrace.load(args.trace_path)
+    # Each rank traces its real model where it trains it: beside the other ranks, on its share of the cores.
+    trace = record(work.model, (work.inputs, work.targets), work.spec.loss, steps=args.trace_steps,
+                   name=args.model, unit=work.spec.unit, batch_size=work.batch_size)
+    work.log(describe(trace))
     replayed_model = ReplayModel(trace, seed=args.seed + work.rank).to(work.device)
     inputs, targets = replay_batch(1, device=work.device)
     replayed_spec = dataclasses.replace(work.spec, name=f"replay:{trace.model}", loss=replay_loss)
@@ -196,19 +198,12 @@ def compare_main(argv) -> int:
     if args.replay:
         p.error("compare traces --model itself; drop --replay")
     harness.check_names(args)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // (args.nproc or 1))
-    trace = trace_here(args.model, args.batch_size, args.trace_steps, threads, args.seed)
-    print(describe(trace), flush=True)
     started = harness.provenance()
-    with tempfile.TemporaryDirectory() as folder:
-        args.trace_path = os.path.join(folder, "trace.json")
-        trace.save(args.trace_path)
-        if args.nproc is not None:
-            from mergecomp.runtime import launch
-            results = launch.spawn(compare_worker, args.nproc, args=(args,))
-            result = results[0] if isinstance(results, list) else None
-        else:
-            result = compare_worker(args)
+    if args.nproc is not None:
+        from mergecomp.runtime import launch
+        result = launch.spawn(compare_worker, args.nproc, args=(args,))[0]
+    else:
+        result = compare_worker(args)
     if args.out and result:
         os.makedirs(args.out, exist_ok=True)
         harness.save_with_provenance(os.path.join(args.out, "compare.json"), result, started)

@@ -176,3 +176,23 @@ def test_replay_spec_builds_the_shrunk_and_scaled_model(tmp_path):
     assert model.trace.forward_time == pytest.approx(0.2) and model.trace.backward_time == pytest.approx(0.1)
     inputs, targets = spec.batch(4, device="cpu")
     assert spec.loss(model(inputs), targets).dim() == 0
+
+
+def test_compare_times_the_real_model_and_its_replay_on_the_same_ranks(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "replay.py"), "compare", "--model", "resnet20",
+         "--batch-size", "2", "--nproc", "2", "--threads", "1", "--compress", "--compressor", "topk",
+         "--compress-ratio", "0.01", "--fusion-num", "2", "--rounds", "2", "--window", "1",
+         "--num-warmup-batches", "1", "--trace-steps", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "replayed / real:" in done.stdout
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert result["workers"] == 2 and result["ratio"] > 0
+    assert set(result["real"]["host"]) >= {"core_wait", "cpu_total"} and len(result["replayed"]["rounds_s"]) == 2
+    assert json.loads((tmp_path / "manifest.json").read_text())["runs"][0]["command"].startswith("python ")
