@@ -59,7 +59,8 @@ def _rel(path: str) -> str:
     return os.path.relpath(path, ROOT) if inside else path
 
 
-PYTHON = _rel(sys.executable) if os.path.commonpath([os.path.abspath(sys.executable), ROOT]) == ROOT else "python"
+#: This interpreter, as the commands name it (a virtual environment in the checkout: relative).
+PYTHON = _rel(sys.executable)
 
 
 def _run_logged(command, log_path: str, timeout_s: float) -> int:
