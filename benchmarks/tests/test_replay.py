@@ -74,10 +74,10 @@ def test_gradients_come_in_trace_order_after_the_gaps():
     model(torch.zeros(1)).sum().backward()
     order = sorted(stamps, key=stamps.get)
     assert order == [p.name for p in trace.params]
-    # Waits never end early: each gradient comes no sooner than the trace says.
-    first = stamps[order[0]]
-    assert first - start >= 0.03
-    assert all(stamps[p.name] - first >= p.ready - 1e-3 for p in trace.params)
+    # Waits never end early: each gradient comes no sooner than the trace says, counted from
+    # the step's start (a late wake-up is taken off the next waits, so the schedule holds
+    # from the start, not from the first gradient).
+    assert all(stamps[p.name] - start >= trace.forward_time + p.ready for p in trace.params)
 
 
 def test_waiting_costs_no_processor_time():
