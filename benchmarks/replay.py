@@ -45,6 +45,7 @@ from benchmarks import harness
 from benchmarks.harness import hostload, models
 from benchmarks.harness.replay import ReplayModel, ReplayTrace, from_profile, record
 from benchmarks.harness.replay.model import replay_batch, replay_loss
+from mergecomp.distributed import launch
 from mergecomp.planning.profile import Profile
 
 
@@ -200,7 +201,6 @@ def compare_main(argv) -> int:
     harness.check_names(args)
     started = harness.provenance()
     if args.nproc is not None:
-        from mergecomp.runtime import launch
         result = launch.spawn(compare_worker, args.nproc, args=(args,))[0]
     else:
         result = compare_worker(args)

@@ -32,16 +32,22 @@ exiting 0, where the host cannot make them.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
 
-from benchmarks import harness
+from benchmarks import harness, simulator
 from benchmarks.harness import hostload, scalecheck
+from benchmarks.harness.cluster import netns_support, parse_profile
+from mergecomp.plan import Plan
+from mergecomp.planning.costmodel import predict
+from mergecomp.planning.profile import Profile
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -172,13 +178,6 @@ def repredict(result: dict, latency_us) -> dict:
     """``result`` (a ``simulator.py rounds`` result) predicted again from what it saved — the
     measured profile and every round's compute — with the latency ``latency_us``
     (microseconds, or ``"profile"``): the network model changed, the measurements kept."""
-    import copy
-    import statistics
-    from benchmarks import simulator
-    from benchmarks.harness.cluster import parse_profile
-    from mergecomp.plan import Plan
-    from mergecomp.planning.costmodel import predict
-    from mergecomp.planning.profile import Profile
     profile = Profile.from_dict(result["measured_profile"])
     link = argparse.Namespace(workers_per_node=result.get("workers_per_node", 1), intra_gbit=result.get("intra_gbit"),
                               link_rate=parse_profile(result["net_profile"]).rate_bps / 8, latency_us=latency_us)
@@ -246,7 +245,6 @@ def real8_main(argv) -> int:
     p.add_argument("--out", required=True, help="folder for the results, logs and manifest")
     p.add_argument("--dry-run", action="store_true", help="check the prerequisites, print the commands, run nothing")
     args = p.parse_args(argv)
-    from benchmarks.harness.cluster import netns_support
     out = os.path.abspath(args.out)
     cores = os.cpu_count() or 1
     problems = []
@@ -271,7 +269,6 @@ def real8_main(argv) -> int:
         print(f"{name}: exit {code}", flush=True)
         failed += code != 0
     if not failed:
-        from benchmarks import simulator
         paths = [os.path.join(out, f"{name}.json") for name, _ in real8_commands(out)]
         print(simulator.rounds_table(paths))
     return 1 if failed else 0

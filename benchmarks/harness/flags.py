@@ -9,7 +9,9 @@ import torch
 
 import mergecomp
 
+from .replay.codec import replayed
 from .running import NoProcessGroup, run_workers
+from .scaling import gpu_codec
 from .workload import add_workload_arguments, check_workload_arguments, model_spec
 
 
@@ -133,8 +135,6 @@ def build_compressor(args):
         return mergecomp.compressors.create("none")
     compressor = _real_compressor(args)
     if getattr(args, "replay_codecs", "real") == "gpu":
-        from .replay.codec import replayed
-        from .scaling import gpu_codec
         return replayed(compressor, gpu_codec(args.compressor), getattr(args, "replay_time_scale", 1.0))
     return compressor
 

@@ -12,6 +12,7 @@ import torch
 
 from mergecomp.distributed import launch
 from . import models
+from .replay import replay_spec
 
 
 def add_workload_arguments(p) -> None:
@@ -80,7 +81,6 @@ def check_workload_arguments(p, args) -> None:
 def model_spec(args) -> models.ModelSpec:
     """What ``args`` train: the replayed trace of ``--replay``, else ``--model``."""
     if getattr(args, "replay", None):
-        from .replay import replay_spec
         return replay_spec(args.replay, getattr(args, "replay_shrink", 1), getattr(args, "replay_time_scale", 1.0))
     return models.get(args.model)
 
