@@ -20,24 +20,14 @@ from __future__ import annotations
 import zlib
 from typing import Dict
 
+from ..kernels.hashing import MASK64, splitmix64
 from ..staging import StagedDict
 from .base import Compressor
-
-_MASK64 = (1 << 64) - 1
-
-
-def splitmix64(value: int) -> int:
-    """The SplitMix64 finaliser (Steele et al., OOPSLA 2014): a bijection of 64-bit words that
-    mixes every input bit into every output bit."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
 
 
 def stream_seed(seed: int, rank: int, name: str) -> int:
     """A 64-bit word for (seed, rank, group name): distinct streams for distinct triples."""
-    return splitmix64(splitmix64(splitmix64(int(seed) & _MASK64) ^ (int(rank) & _MASK64)) ^ zlib.crc32(name.encode()))
+    return splitmix64(splitmix64(splitmix64(int(seed) & MASK64) ^ (int(rank) & MASK64)) ^ zlib.crc32(name.encode()))
 
 
 class RandomStreams:
@@ -61,7 +51,7 @@ class RandomStreams:
         base = self._bases.get(name)
         if base is None:
             base = self._bases[name] = stream_seed(self.seed, self.rank, name)
-        return splitmix64((base + step) & _MASK64) % ((1 << 31) - (numel + 1) // 2)
+        return splitmix64((base + step) & MASK64) % ((1 << 31) - (numel + 1) // 2)
 
     def commit(self) -> None:
         self.steps.commit()

@@ -21,6 +21,7 @@ import torch
 
 from . import native, numpy_cpu
 from .buckets import bucket_parts
+from .hashing import HASH_MULTIPLIERS, as_int32
 from .packing import decode_values, pack_bits, unpack_bits
 from .scratch import Scratch
 
@@ -29,8 +30,9 @@ ROUNDING_BITS = 16
 MAX_ROUNDED_LEVEL = 255
 
 
-#: Constants of the integer hash behind :func:`random_int16` (C. Wellons' "lowbias32").
-_HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B - (1 << 32))
+#: The multipliers of the integer hash behind :func:`random_int16` (:mod:`.hashing`), as the
+#: int32 values torch multiplies by.
+_HASH_MULTIPLIERS = tuple(as_int32(m) for m in HASH_MULTIPLIERS)
 
 
 def _xorshift_right(words: torch.Tensor, shift: int, spare: torch.Tensor) -> torch.Tensor:
