@@ -216,15 +216,15 @@ def test_packing_kernels_agree_between_numpy_and_torch(bits, monkeypatch):
         assert _same_bits(a, b)
 
 
-def test_uniform_subset_is_distinct_reproducible_and_uniform():
-    from mergecomp.compressors.randk import uniform_subset
-    first = uniform_subset(10_000, 100, torch.Generator().manual_seed(4))
-    assert torch.equal(first, uniform_subset(10_000, 100, torch.Generator().manual_seed(4)))
+def test_random_subset_is_distinct_reproducible_and_uniform():
+    from mergecomp.kernels import random_subset
+    first = random_subset(10_000, 100, 4, "cpu")
+    assert torch.equal(first, random_subset(10_000, 100, 4, "cpu"))
+    assert not torch.equal(first, random_subset(10_000, 100, 5, "cpu"))
     assert first.dtype == torch.int64 and torch.unique(first).numel() == 100
     assert int(first.min()) >= 0 and int(first.max()) < 10_000
     # 2000 draws of 10 of 200: each index is picked 100 times on average (σ ≈ 9.7).
-    generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(200)
-    for _ in range(2000):
-        counts[uniform_subset(200, 10, generator)] += 1
+    for key in range(2000):
+        counts[random_subset(200, 10, key, "cpu")] += 1
     assert counts.min() > 100 - 5 * 9.7 and counts.max() < 100 + 5 * 9.7

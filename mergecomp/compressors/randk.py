@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import random_subset
+from ..kernels.hashing import MASK64, splitmix64
 from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, check_ratio
-from ..kernels import uniform_subset
 from .recipes import Recipe
 from .sparsifier import num_selected
 
@@ -34,8 +35,9 @@ class RandKContext(Context):
 class RandKCompressor(Compressor):
     """Keep k = ratio·n coordinates chosen uniformly at random.
 
-    The indices come from a generator seeded by (seed, group name, step), identical on
-    every rank, so only the k values travel and payloads are summable (allreduce works).
+    The indices are the first k values of a permutation keyed by (seed, group name, step)
+    (``kernels.random_subset``), identical on every rank and every device, so only the
+    k values travel and payloads are summable (allreduce works).
     With ``unbiased=True`` values are scaled by n/k, making the estimate unbiased; the
     default leaves them unscaled for use with residual memory (error feedback).
 
@@ -81,10 +83,9 @@ class RandKCompressor(Compressor):
     def _indices(self, name: str, numel: int, device) -> torch.Tensor:
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        generator = torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + step) % (2 ** 63))
-        k = num_selected(numel, self.compress_ratio)
-        return uniform_subset(numel, k, generator).to(device)
+        group = splitmix64(splitmix64(self.seed & MASK64) ^ zlib.crc32(name.encode()))
+        key = splitmix64((group + step) & MASK64)
+        return random_subset(numel, num_selected(numel, self.compress_ratio), key, device)
 
     def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)

@@ -26,8 +26,9 @@ buckets                ``bucket_norms``, ``bucket_peaks`` (one fp32 per bucket),
 quantize               ``quantize_packed`` (stochastic rounding to integer levels, packed),
                        ``dequantize_packed``, ``random_int16``, ``random_key``
 selection              ``exact_top_k``, ``sampled_threshold``, ``BlockPeaks`` (indices of
-                       the elements at or above a threshold), ``uniform_subset`` (k random
-                       indices, the same for the same generator state)
+                       the elements at or above a threshold)
+subsets                ``random_subset`` (rand-k's k indices: a keyed permutation's first k,
+                       the same on every device for the same key)
 momentum               ``momentum_correction`` (DGC's momentum and velocity in one pass,
                        with the velocity's block peaks for the selection that follows)
 scratch                ``Scratch``: per-thread reusable work buffers
@@ -38,11 +39,12 @@ from .packing import bits_for, decode_values, pack_bits, packed_nbytes, unpack_b
 from .quantize import dequantize_packed, quantize_packed, random_int16, random_key
 from .momentum import momentum_correction
 from .scratch import Scratch
-from .selection import BlockPeaks, exact_top_k, sampled_threshold, uniform_subset
+from .selection import BlockPeaks, exact_top_k, sampled_threshold
 from .signs import pack_signs, sign_bits, signs_and_side_means, unpack_signs
+from .subsets import random_subset
 
 __all__ = ["Scratch", "bits_for", "packed_nbytes", "pack_bits", "unpack_bits", "decode_values",
            "sign_bits", "pack_signs", "unpack_signs", "signs_and_side_means",
            "bucket_norms", "bucket_peaks", "padded_fp32_buckets", "check_bucket_size", "num_buckets",
            "quantize_packed", "dequantize_packed", "random_int16", "random_key",
-           "exact_top_k", "sampled_threshold", "BlockPeaks", "uniform_subset", "momentum_correction"]
+           "exact_top_k", "sampled_threshold", "BlockPeaks", "random_subset", "momentum_correction"]

@@ -3,7 +3,7 @@
 Why numpy: on the CPU some of torch's elementwise kernels cost several times numpy's SIMD
 loops for the same work: a sign test of the float's bits into bool (``numpy.less``), 8
 flags into 1 byte (``numpy.packbits``), a 256-row table lookup (``numpy.take``), the
-integer hash of the random lanes, a count of set bytes.  Where torch is as fast (broadcast
+integer hash of the random lanes, a count of set bytes, rand-k's index permutation.  Where torch is as fast (broadcast
 products, conversions, clamps, 2- and 4-bit lane packing) the kernels keep torch.  A CPU
 tensor and its ``.numpy()`` share memory, so the functions here read torch tensors and
 return torch tensors without copies.  The ops of :mod:`mergecomp.kernels` call
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .hashing import HASH_MULTIPLIERS
 
 
 def on_cpu(tensor: torch.Tensor) -> bool:
@@ -87,3 +89,31 @@ def hash_words(words: torch.Tensor, multipliers, spare: torch.Tensor) -> None:
         np.multiply(unsigned, np.uint32(multiplier % (1 << 32)), out=unsigned)
         np.right_shift(unsigned, np.uint32(16), out=spare)
         np.bitwise_xor(unsigned, spare, out=unsigned)
+
+
+def _feistel_words(values: np.ndarray, half: int, keys) -> np.ndarray:
+    """``kernels.subsets.feistel`` on uint32 words: wrapping products, logical shifts."""
+    left, right = values >> np.uint32(half), values & np.uint32((1 << half) - 1)
+    shift, sixteen = np.uint32(32 - half), np.uint32(16)
+    multipliers = [np.uint32(m) for m in HASH_MULTIPLIERS]
+    for key in keys:
+        mixed = right ^ np.uint32(key)
+        for multiplier in multipliers:
+            np.multiply(mixed, multiplier, out=mixed)
+            mixed ^= mixed >> sixteen
+        mixed >>= shift
+        mixed ^= left
+        left, right = right, mixed
+    return (left << np.uint32(half)) | right
+
+
+def feistel_subset(numel: int, k: int, half: int, keys) -> torch.Tensor:
+    """``kernels.random_subset`` on the CPU: π(0..k−1) as new int64, cycle walking the
+    values at or above ``numel`` (the Feistel network of :mod:`mergecomp.kernels.subsets`)."""
+    values = _feistel_words(np.arange(k, dtype=np.uint32), half, keys)
+    outside = np.flatnonzero(values >= numel)
+    while outside.size:
+        walked = _feistel_words(values[outside], half, keys)
+        values[outside] = walked
+        outside = outside[walked >= numel]
+    return torch.from_numpy(values.astype(np.int64))

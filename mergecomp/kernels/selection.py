@@ -1,4 +1,4 @@
-"""Selection for the sparsifiers: exact top-k, threshold selection (DGC, GradDrop), random k.
+"""Selection for the sparsifiers: exact top-k, threshold selection (DGC, GradDrop).
 
 Threshold selection the plain way — ``(g.abs() >= t).nonzero()`` — writes an n-element
 |g| and an n-element bool mask and reads the mask twice (nonzero counts, then writes):
@@ -13,14 +13,12 @@ half pass the full-pass way is cheaper and is used instead.
 The block peaks of fp32 CPU tensors come from one native pass where the kernels are built
 (or from no pass at all, when the kernel that wrote the tensor attached them: DGC's
 momentum correction does), else from two torch reductions on the tensor's device; the selection itself is torch.
-Rand-k's random subsets (:func:`uniform_subset`) come from numpy's sampler on the CPU,
-whatever the device, so every rank and device picks the same indices.
+Rand-k's random subsets are :mod:`.subsets`.
 """
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from . import native
@@ -151,18 +149,3 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     if candidates.numel() < k:  # only with a NaN (a NaN peak or threshold fails every comparison)
         return torch.topk(flat.abs(), k, sorted=False).indices
     return candidates[torch.topk(blocks.flat[candidates].abs(), k, sorted=False).indices]
-
-
-def uniform_subset(numel: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """k distinct indices drawn uniformly from range(numel), in O(k) when k ≪ n.
-
-    numpy's ``Generator.choice(numel, k, replace=False)`` (Floyd's sampling with a hash set
-    when k is small against n, a partial shuffle otherwise), seeded by one draw from
-    ``generator``, so every rank with the same generator state gets the same indices: cheaper
-    than drawing with replacement, sorting, dropping duplicates and permuting in torch.  For
-    dense selections a full permutation is cheaper.
-    """
-    if 4 * k > numel:
-        return torch.randperm(numel, generator=generator)[:k]
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
-    return torch.from_numpy(np.random.default_rng(seed).choice(numel, k, replace=False))

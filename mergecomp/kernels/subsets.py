@@ -1,0 +1,106 @@
+"""Rand-k's indices: the first k values of a keyed permutation of range(n), on any device.
+
+Rand-k sends k values and no indices: every rank derives the same k indices from a key
+shared through the seed (group name and step mixed in).  They must then be the same on
+every rank *and every device*: a rank on a GPU and one on a CPU, or a run resumed on
+other hardware, must pick the same coordinates.  A sampler with a generator (numpy's, or
+torch's ``randperm``) gives neither on a GPU without drawing on the host and copying.
+Here index j of the subset is π(j), π a pseudo-random bijection of [0, n) computed from
+(key, j) alone: k independent evaluations (one per thread, on a GPU), numpy's unsigned
+32-bit loops on the CPU (:func:`~mergecomp.kernels.numpy_cpu.feistel_subset`), torch ops
+on other devices: the same integers everywhere.
+
+The permutation is a balanced Feistel network on 2h bits, 2^(2h) ≥ n: a value is split
+into its high and low h bits (L, R), and each of :data:`ROUNDS` rounds maps (L, R) to
+(R, L xor F_r(R)), F_r(R) the top h bits of ``hash32(R xor K_r)`` (the counter hash of
+:mod:`.hashing`), K_r 31 bits of ``splitmix64(key + r)``.  A Feistel network is a bijection
+whatever its round functions; a value that lands at or above n is sent through the
+network again until it falls below n ("cycle walking", as format-preserving encryption
+does), which keeps a bijection of [0, n).  The domain is less than 4n, so a value walks
+fewer than 4 times on average.  The k indices are distinct because π is a bijection.
+
+Unbiased: for a fixed input, two rounds with independent uniform round functions already
+make the output uniform over the domain, so every index is drawn with probability k/n up
+to the quality of the hash; more rounds make pairs of outputs independent too (with four,
+counts of pairs of indices drawn together were still off by 5σ on a 20-element group; with
+six they are within chance).  ``tests/test_fast_paths.py`` counts indices over many keys.
+
+Cost on one CPU core, measured at 25M elements: 250,000 indices in about 24 ms and 2.5M in
+about 450 ms, where numpy's ``Generator.choice``, which drew them before, took about 42 ms
+and 1.6 s on the same (shared, noisy) machine; on other devices the same torch ops.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import numpy_cpu
+from .hashing import HASH_MULTIPLIERS, MASK64, splitmix64
+
+#: Feistel rounds: two already make one output uniform; six make pairs of outputs
+#: independent as far as counts over many keys can tell.
+ROUNDS = 6
+
+#: The permutation works on 32-bit words: at most 2^32 elements.
+MAX_NUMEL = 1 << 32
+
+
+def half_bits(numel: int) -> int:
+    """h, the width of each Feistel half: the smallest h ≥ 1 with 2^(2h) ≥ ``numel``."""
+    return max(1, ((int(numel) - 1).bit_length() + 1) // 2)
+
+
+def round_keys(key: int):
+    """The :data:`ROUNDS` 31-bit round keys of a 64-bit ``key``."""
+    return tuple(splitmix64((int(key) + r) & MASK64) >> 33 for r in range(ROUNDS))
+
+
+def _hash32(words: torch.Tensor) -> torch.Tensor:
+    """``hashing.hash32`` of int64 words holding values in [0, 2^32).  Each product is taken
+    as low·m + ((high·m) mod 2^16)·2^16 on the 16-bit halves, so no int64 overflows."""
+    for multiplier in HASH_MULTIPLIERS:
+        low, high = words & 0xFFFF, words >> 16
+        words = (low * multiplier + (((high * multiplier) & 0xFFFF) << 16)) & 0xFFFFFFFF
+        words = words ^ (words >> 16)
+    return words
+
+
+def feistel(values: torch.Tensor, half: int, keys) -> torch.Tensor:
+    """One pass of the network over int64 ``values`` in [0, 2^(2·half))."""
+    left, right = values >> half, values & ((1 << half) - 1)
+    for round_key in keys:
+        left, right = right, left ^ (_hash32(right ^ round_key) >> (32 - half))
+    return (left << half) | right
+
+
+def check_subset(numel: int, k: int) -> None:
+    """ValueError unless 0 ≤ k ≤ numel ≤ :data:`MAX_NUMEL`."""
+    if not 0 <= int(k) <= int(numel):
+        raise ValueError(f"a random subset of {numel} elements cannot hold {k}: need 0 ≤ k ≤ n")
+    if int(numel) > MAX_NUMEL:
+        raise ValueError(f"rand-k's index permutation covers at most 2^32 elements, got a group of "
+                         f"{numel}: split the group (a smaller schedule's groups, or more of them)")
+
+
+def random_subset(numel: int, k: int, key: int, device) -> torch.Tensor:
+    """k distinct int64 indices of range(``numel``) on ``device``: π(0), ..., π(k − 1) for the
+    permutation π of ``key`` (any integer; taken modulo 2^64).  The same integers on every
+    device for the same (numel, k, key).
+    """
+    check_subset(numel, k)
+    if torch.device(device).type == "cpu":
+        return numpy_cpu.feistel_subset(numel, k, half_bits(numel), round_keys(key))
+    return torch_subset(numel, k, key, device)
+
+
+def torch_subset(numel: int, k: int, key: int, device) -> torch.Tensor:
+    """:func:`random_subset` in torch ops on ``device`` (int64 words: no uint32 type needed):
+    the path of devices other than the CPU, and the reference the CPU path is tested against."""
+    check_subset(numel, k)
+    half, keys = half_bits(numel), round_keys(key)
+    values = feistel(torch.arange(k, dtype=torch.int64, device=device), half, keys)
+    outside = (values >= numel).nonzero().view(-1)
+    while outside.numel():  # cycle walking: only the values still outside go round again
+        walked = feistel(values[outside], half, keys)
+        values[outside] = walked
+        outside = outside[walked >= numel]
+    return values
