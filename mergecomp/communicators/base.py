@@ -113,9 +113,7 @@ class Communicator:
         allgather of a sparsifier: the received indices, the rest of the sum is zero)
         reads the sum there only, the same answer for O(k·N) instead of O(n)."""
         received = handle.extra.pop("received_indices", None)
-        if received is None:
-            return nonfinite_flag(average)
-        return nonfinite_flag(average.reshape(-1).index_select(0, received))
+        return nonfinite_flag(average, received)
 
     def _launch_request(self, request) -> Work:
         if not isinstance(request, AllReduce):

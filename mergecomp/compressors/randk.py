@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import random_subset
+from ..kernels import random_subset, scatter
 from ..kernels.hashing import MASK64, splitmix64
 from ..staging import StagedDict
 from . import register
@@ -36,8 +36,9 @@ class RandKCompressor(Compressor):
     """Keep k = ratio·n coordinates chosen uniformly at random.
 
     The indices are the first k values of a permutation keyed by (seed, group name, step)
-    (``kernels.random_subset``), identical on every rank and every device, so only the
-    k values travel and payloads are summable (allreduce works).
+    (``kernels.random_subset``), identical on every rank and every device (a GPU draws
+    them itself, the same integers as a CPU), so only the k values travel and payloads
+    are summable (allreduce works).
     With ``unbiased=True`` values are scaled by n/k, making the estimate unbiased; the
     default leaves them unscaled for use with residual memory (error feedback).
 
@@ -98,8 +99,7 @@ class RandKCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         dense = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payload[0].device)
-        dense[ctx.indices] = payload[0].to(ctx.dtype)
-        return dense.view(ctx.shape)
+        return scatter(dense, ctx.indices, payload[0], "set").view(ctx.shape)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """k values in the input dtype; the indices are not sent."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import scatter
 from .base import Compressor, Context
 
 
@@ -37,8 +38,7 @@ def num_selected(numel: int, ratio: float) -> int:
 def scatter_values(values: torch.Tensor, indices: torch.Tensor, ctx: Context) -> torch.Tensor:
     """Dense tensor of ``ctx``'s shape with ``values`` at ``indices``, zero elsewhere."""
     dense = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
-    dense[indices.long()] = values.to(ctx.dtype)
-    return dense.view(ctx.shape)
+    return scatter(dense, indices, values, "set").view(ctx.shape)
 
 
 class SparseCompressor(Compressor):
@@ -76,7 +76,7 @@ class SparseCompressor(Compressor):
         else:
             total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payloads[0][0].device)
         for values, indices in payloads:
-            total.index_add_(0, indices.long(), values.to(ctx.dtype))
+            scatter(total, indices, values, "add")
         return total
 
     def subtract_sent(self, flat: torch.Tensor, payload, ctx) -> None:
@@ -86,7 +86,7 @@ class SparseCompressor(Compressor):
             flat.sub_(self.decompress(payload, ctx).reshape(-1).to(flat.dtype))
             return
         values, indices = payload
-        flat.index_add_(0, indices.long(), values.to(flat.dtype), alpha=-1)
+        scatter(flat, indices, values, "subtract")
 
     def transmitted_indices(self, payload, ctx) -> torch.Tensor:
         """Flat indices of the coordinates this payload sent."""

@@ -29,6 +29,8 @@ selection              ``exact_top_k``, ``sampled_threshold``, ``BlockPeaks`` (i
                        the elements at or above a threshold)
 subsets                ``random_subset`` (rand-k's k indices: a keyed permutation's first k,
                        the same on every device for the same key)
+scatter                ``scatter`` (the sparse decode: values set, added or subtracted)
+finite                 ``nonfinite_flag`` (any NaN or Inf, without a host sync), ``zero_if``
 momentum               ``momentum_correction`` (DGC's momentum and velocity in one pass,
                        with the velocity's block peaks for the selection that follows)
 scratch                ``Scratch``: per-thread reusable work buffers
@@ -39,6 +41,8 @@ from .packing import bits_for, decode_values, pack_bits, packed_nbytes, unpack_b
 from .quantize import dequantize_packed, quantize_packed, random_int16, random_key
 from .momentum import momentum_correction
 from .scratch import Scratch
+from .finite import nonfinite_flag, zero_if
+from .scatter import scatter
 from .selection import BlockPeaks, exact_top_k, sampled_threshold
 from .signs import pack_signs, sign_bits, signs_and_side_means, unpack_signs
 from .subsets import random_subset
@@ -47,4 +51,5 @@ __all__ = ["Scratch", "bits_for", "packed_nbytes", "pack_bits", "unpack_bits", "
            "sign_bits", "pack_signs", "unpack_signs", "signs_and_side_means",
            "bucket_norms", "bucket_peaks", "padded_fp32_buckets", "check_bucket_size", "num_buckets",
            "quantize_packed", "dequantize_packed", "random_int16", "random_key",
-           "exact_top_k", "sampled_threshold", "BlockPeaks", "random_subset", "momentum_correction"]
+           "exact_top_k", "sampled_threshold", "BlockPeaks", "random_subset", "momentum_correction",
+           "scatter", "nonfinite_flag", "zero_if"]

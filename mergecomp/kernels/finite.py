@@ -1,17 +1,25 @@
 """Is a tensor finite?  The check every exchange runs before a compressor sees a gradient and
 after the average arrives: a NaN must never reach a residual, a compressor's state or a
-parameter (a sparsifier could drop it, an SVD would fail, error feedback would keep it)."""
+parameter (a sparsifier could drop it, an SVD would fail, error feedback would keep it).
+
+The check must not wait for the host: it returns a 0-d bool tensor on the tensor's device,
+which the step's agreement allreduce carries.  The torch path is one reduction (a sum: NaN
+and ±Inf survive it, as Inf − Inf = NaN); 16-bit tensors are summed in fp32 so a large
+finite gradient does not overflow.  A sparse allgather's check reads only the received
+indices.
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 
-def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on ``tensor``'s device: True when it holds a NaN or an Inf.
-
-    One read pass (a sum: NaN and ±Inf survive it, as Inf − Inf = NaN), no host sync.
-    16-bit tensors are summed in float32 so a large finite gradient does not overflow.
-    """
+def nonfinite_flag(tensor: torch.Tensor, indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A 0-d bool tensor on ``tensor``'s device: True when it holds a NaN or an Inf (only the
+    elements of the flattened tensor at ``indices`` are read when they are given)."""
+    if indices is not None:
+        tensor = tensor.reshape(-1).index_select(0, indices)
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=tensor.device)
     if tensor.dtype in (torch.float16, torch.bfloat16):

@@ -1,0 +1,28 @@
+"""The sparse decode: a payload's values set, added or subtracted at their indices.
+
+Top-k, DGC, GradDrop and rand-k decode by scattering c values into a dense buffer; the
+allgather communicator adds every rank's payload into one buffer, rank after rank; error
+feedback subtracts what was sent.  :func:`scatter` is that one operation.  The torch path
+is ``index_put_``/``index_add_`` after widening the indices to int64 and converting the
+values to the buffer's dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+#: What :func:`scatter` does at each index.
+MODES = ("set", "add", "subtract")
+
+
+def scatter(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, mode: str = "add") -> torch.Tensor:
+    """``out`` (a flat tensor, changed in place and returned) with ``values`` converted to its
+    dtype and written (``"set"``), added (``"add"``) or subtracted (``"subtract"``) at
+    ``indices`` (int32 or int64, distinct within one call for ``"set"``)."""
+    if mode not in MODES:
+        raise ValueError(f"scatter mode must be one of {MODES}, got {mode!r}")
+    indices, values = indices.long(), values.to(out.dtype)
+    if mode == "set":
+        out[indices] = values
+    else:
+        out.index_add_(0, indices, values, alpha=1 if mode == "add" else -1)
+    return out
