@@ -8,13 +8,15 @@ they run.  Each operation picks, per call, from the tensor it is given:
   is built and not switched off (``MERGECOMP_NATIVE=0``, :func:`native.disabled`);
 * numpy's vectorised loops (:mod:`.numpy_cpu`) for the CPU work torch does slowly there
   (1-bit packing, the sign test, the random-bit hash, table lookups);
-* torch ops on the tensor's own device otherwise: the CUDA path, and the fallback on the
-  CPU.
+* Triton kernels (:mod:`.triton`) for a CUDA tensor where ``triton`` imports: one fused
+  kernel per operation, imported on the first CUDA tensor, compiled by Triton on first use;
+* torch ops on the tensor's own device otherwise: CUDA without Triton, and the fallback on
+  the CPU.
 
 Every backend gives the same bits for the same inputs and random key
-(``tests/test_native_kernels.py`` and ``tests/test_fast_paths.py`` compare them); the one
-exception is 1-bit SGD's two side means, sums whose last bits depend on the order of
-addition.
+(``tests/test_native_kernels.py``, ``tests/test_fast_paths.py`` and
+``tests/test_triton_kernels.py`` compare them); the one exception is 1-bit SGD's two side
+means, sums whose last bits depend on the order of addition.
 
 =====================  ====================================================================
 packing                ``pack_bits``, ``unpack_bits``, ``decode_values`` (a 256-row table

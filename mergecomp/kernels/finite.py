@@ -6,7 +6,8 @@ The check must not wait for the host: it returns a 0-d bool tensor on the tensor
 which the step's agreement allreduce carries.  The torch path is one reduction (a sum: NaN
 and ±Inf survive it, as Inf − Inf = NaN); 16-bit tensors are summed in fp32 so a large
 finite gradient does not overflow.  A sparse allgather's check reads only the received
-indices.
+indices.  On a GPU with Triton one kernel tests every element instead
+(:mod:`.triton.finite`), through the indices without gathering them first.
 """
 from __future__ import annotations
 
@@ -14,10 +15,15 @@ from typing import Optional
 
 import torch
 
+from . import triton as gpu
+
 
 def nonfinite_flag(tensor: torch.Tensor, indices: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A 0-d bool tensor on ``tensor``'s device: True when it holds a NaN or an Inf (only the
     elements of the flattened tensor at ``indices`` are read when they are given)."""
+    if gpu.usable(tensor) and tensor.is_floating_point():
+        from .triton import finite as triton_finite
+        return triton_finite.nonfinite_flag(tensor, indices)
     if indices is not None:
         tensor = tensor.reshape(-1).index_select(0, indices)
     if tensor.numel() == 0:

@@ -8,8 +8,9 @@ on the input's device: the only Python loops run over the ≤ 8 code positions i
 never over elements.  Widths that do not divide 8 (3, 5, 6, 7 bits) are packed as
 bit-planes through the 1-bit path, so they also cost exactly ⌈n·b/8⌉ bytes.
 On the CPU, 1-bit packing and unpacking go through numpy's packbits/unpackbits and the
-1-bit table decode through the native kernel where it is built (:mod:`.native`); the
-torch ops here serve every other device and width, with the same bits.
+1-bit table decode through the native kernel where it is built (:mod:`.native`); CUDA
+tensors go through one Triton kernel per call where Triton is present
+(:mod:`.triton.packing`); the torch ops here serve every other case, with the same bits.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Optional
 import torch
 
 from . import native, numpy_cpu
+from . import triton as gpu
 from .scratch import Scratch
 
 
@@ -137,6 +139,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = flat.numel()
     if bits == 8:
         return flat.clone()
+    if gpu.usable(flat):
+        from .triton import packing as triton_packing
+        return triton_packing.pack_bits(flat, bits)
     if 8 % bits:
         planes = _bit_planes(flat, bits)
         return pack_bits(planes, 1)
@@ -177,6 +182,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, scratch: Optional[S
     packed = packed.reshape(-1)
     if bits == 8:
         return packed[:numel]
+    if gpu.usable(packed):
+        from .triton import packing as triton_packing
+        return triton_packing.unpack_bits(packed.view(torch.uint8), bits, numel)
     if 8 % bits:
         planes = unpack_bits(packed, 1, numel * bits).view(numel, bits)
         codes = planes[:, 0].clone()
@@ -222,6 +230,9 @@ def decode_values(packed: torch.Tensor, bits: int, numel: int, values: torch.Ten
         raise ValueError(f"{numel} codes of {bits} bits need {need} packed bytes, "
                          f"got {packed.numel()}: the payload was truncated or mismatched")
     packed = packed.reshape(-1)[:need].view(torch.uint8)
+    if gpu.usable(packed):
+        from .triton import packing as triton_packing
+        return triton_packing.decode_values(packed, bits, numel, values)
     if bits == 1 and values.element_size() in (2, 4, 8) and native.usable(packed) and native.usable(values):
         return native.decode_bits(packed, numel, values)
     if 8 % bits:

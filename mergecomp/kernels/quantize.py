@@ -9,9 +9,10 @@ drawn from torch's generator), and write into reusable
 n-element temporaries on every step.
 
 :func:`quantize_packed` and :func:`dequantize_packed` are the quantisers' two ops: fp32 on
-the CPU goes through one fused native pass where the kernels are built, everything else
-through the torch ops below on the tensor's device (numpy for the CPU's integer hash); both
-give the same bits.
+the CPU goes through one fused native pass where the kernels are built, CUDA tensors
+through one Triton kernel where Triton is present (:mod:`.triton.quantize`), everything
+else through the torch ops below on the tensor's device (numpy for the CPU's integer
+hash); all give the same bits for the same key.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import List, Optional
 import torch
 
 from . import native, numpy_cpu
+from . import triton as gpu
 from .buckets import bucket_parts
 from .hashing import HASH_MULTIPLIERS, as_int32
 from .packing import decode_values, pack_bits, unpack_bits
@@ -150,13 +152,17 @@ def quantize_packed(tensor: torch.Tensor, bucket_size: int, factors: torch.Tenso
                     scratch: Scratch, key: Optional[int] = None) -> torch.Tensor:
     """``pack_bits(stochastic_codes(parts, factors, offset, ...), bits)``: the packed codes.
 
-    fp32 CPU tensors go through the fused native kernel (one pass, the same bits, the
-    same random lanes for the same generator state), everything else through the torch
-    ops on ``tensor``'s buckets (:func:`~mergecomp.kernels.buckets.bucket_parts`).
-    Both use the random lanes of ``key`` (one drawn from torch's default generator when None).
+    CUDA tensors go through one Triton kernel where Triton is present, fp32 CPU tensors
+    through the fused native kernel (one pass each, the same bits, the same random lanes
+    for the same key), everything else through the torch ops on ``tensor``'s buckets
+    (:func:`~mergecomp.kernels.buckets.bucket_parts`).  All use the random lanes of ``key``
+    (one drawn from torch's default generator when None).
     """
     if key is None:
         key = random_key(tensor.numel())
+    if gpu.usable(tensor):
+        from .triton import quantize as triton_quantize
+        return triton_quantize.quantize_packed(tensor, bucket_size, factors, offset, bits, key)
     if tensor.dtype == torch.float32 and native.usable(tensor):
         return native.stochastic_codes(tensor, bucket_size, factors, offset, key, bits)
     parts = bucket_parts(tensor, bucket_size, scratch)
@@ -167,9 +173,13 @@ def dequantize_packed(packed: torch.Tensor, bits: int, numel: int, offset: int, 
                       bucket_size: int, dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
     """Inverse of :func:`quantize_packed`: new tensor of ``dtype``, (c − offset)·scale_b.
 
-    On the CPU one native pass; elsewhere, for 1 and 2 bits, a 256-row table gather of
-    c − offset (rows of 4 and 8 values), then the scaling, and for wider codes unpacking.
+    On a GPU with Triton, and on the CPU where the native kernels are built, one pass;
+    elsewhere, for 1 and 2 bits, a 256-row table gather of c − offset (rows of 4 and 8
+    values), then the scaling, and for wider codes unpacking.
     """
+    if gpu.usable(packed):
+        from .triton import quantize as triton_quantize
+        return triton_quantize.dequantize_packed(packed, bits, numel, offset, scales, bucket_size, dtype)
     if native.usable(packed):
         values = native.dequantize(packed, numel, bits, bucket_size, scales, offset)
         return values if dtype == torch.float32 else values.to(dtype)

@@ -4,11 +4,14 @@ Top-k, DGC, GradDrop and rand-k decode by scattering c values into a dense buffe
 allgather communicator adds every rank's payload into one buffer, rank after rank; error
 feedback subtracts what was sent.  :func:`scatter` is that one operation.  The torch path
 is ``index_put_``/``index_add_`` after widening the indices to int64 and converting the
-values to the buffer's dtype.
+values to the buffer's dtype; a CUDA buffer goes through one Triton kernel that reads both
+as they are (:mod:`.triton.scatter`), with the same bits.
 """
 from __future__ import annotations
 
 import torch
+
+from . import triton as gpu
 
 #: What :func:`scatter` does at each index.
 MODES = ("set", "add", "subtract")
@@ -20,6 +23,9 @@ def scatter(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, mode
     ``indices`` (int32 or int64, distinct within one call for ``"set"``)."""
     if mode not in MODES:
         raise ValueError(f"scatter mode must be one of {MODES}, got {mode!r}")
+    if gpu.usable(out) and out.is_contiguous() and out.dim() == 1:
+        from .triton import scatter as triton_scatter
+        return triton_scatter.scatter(out, indices, values, mode)
     indices, values = indices.long(), values.to(out.dtype)
     if mode == "set":
         out[indices] = values

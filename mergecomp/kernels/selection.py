@@ -13,7 +13,11 @@ half pass the full-pass way is cheaper and is used instead.
 The block peaks of fp32 CPU tensors come from one native pass where the kernels are built
 (or from no pass at all, when the kernel that wrote the tensor attached them: DGC's
 momentum correction does), else from two torch reductions on the tensor's device; the selection itself is torch.
-Rand-k's random subsets are :mod:`.subsets`.
+
+On a GPU the block peaks do not pay (a bool mask, ``nonzero`` and gathers cost more than
+``torch.topk``): where Triton is present, DGC's sample is one kernel and the selection an
+ordered compaction in two reads of the tensor (:mod:`.triton.selection`), with the same
+indices, in the same ascending order.  Rand-k's random subsets are :mod:`.subsets`.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import math
 import torch
 
 from . import native
+from . import triton as gpu
 from .scratch import Scratch
 
 #: Elements per block: short enough that few blocks pass at sparse densities, long enough
@@ -76,8 +81,11 @@ def sampled_threshold(flat: torch.Tensor, k: int, sample_ratio: float, min_sampl
     stride = max(1, n // max(1, min(n, wanted)))
     # A NaN would rank first in topk and make the threshold NaN (nothing would pass); an inf
     # threshold would pass only infs.  Both are mapped in the sample, not in the tensor.
-    largest = torch.finfo(flat.dtype).max
-    sample = flat[::stride].abs().nan_to_num_(nan=0.0, posinf=largest)
+    if gpu.usable(flat):  # one kernel: the strided read, |·| and the mapping
+        from .triton import selection as triton_selection
+        sample = triton_selection.sample_magnitudes(flat, stride)
+    else:
+        sample = flat[::stride].abs().nan_to_num_(nan=0.0, posinf=torch.finfo(flat.dtype).max)
     top = max(1, min(sample.numel(), math.ceil(margin * k * sample.numel() / n)))
     return torch.topk(sample, top, sorted=False).values.min()
 
@@ -86,27 +94,39 @@ class BlockPeaks:
     """The peak |g| of every block of :data:`BLOCK` elements of a flat tensor, read once.
 
     Keeps the peaks so that a second threshold (DGC lowers it when too few pass) costs only
-    the passing blocks, not another pass over the tensor.
+    the passing blocks, not another pass over the tensor.  The peaks are read on first use:
+    on a GPU with Triton the selection does without them (an ordered compaction of the
+    whole tensor), and only top-k's threshold asks for them.
     """
 
     def __init__(self, flat: torch.Tensor, scratch: Scratch):
         self.flat = flat if flat.is_contiguous() else flat.contiguous()
-        flat = self.flat
         self.scratch = scratch
-        self.whole = flat.numel() // BLOCK  # blocks of exactly BLOCK elements; the rest is the tail
-        if not self.whole:
-            self.peaks = None
-        elif attached_peaks(flat) is not None:  # computed when the tensor was written
-            self.peaks = attached_peaks(flat)
+        self.whole = self.flat.numel() // BLOCK  # blocks of exactly BLOCK elements; the rest is the tail
+        self._peaks = None
+        self._compact = gpu.usable(self.flat)
+
+    @property
+    def peaks(self):
+        """fp32 peak |g| of each whole block (None when there is none), read once."""
+        flat = self.flat
+        if self._peaks is not None or not self.whole:
+            return self._peaks
+        if attached_peaks(flat) is not None:  # computed when the tensor was written
+            self._peaks = attached_peaks(flat)
         elif flat.dtype == torch.float32 and native.usable(flat):  # one pass instead of two
-            self.peaks = native.bucket_peaks(flat[: self.whole * BLOCK], BLOCK)
+            self._peaks = native.bucket_peaks(flat[: self.whole * BLOCK], BLOCK)
         else:
             rows = flat[: self.whole * BLOCK].view(self.whole, BLOCK)
-            self.peaks = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg())
+            self._peaks = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg())
+        return self._peaks
 
     def indices_at_least(self, threshold: torch.Tensor) -> torch.Tensor:
         """Ascending int64 indices i with |flat[i]| ≥ threshold."""
         flat, n = self.flat, self.flat.numel()
+        if self._compact:
+            from .triton import selection as triton_selection
+            return triton_selection.indices_at_least(flat, threshold)
         if self.peaks is None:
             return self._full_pass(threshold)
         blocks = (self.peaks >= threshold).nonzero().view(-1)

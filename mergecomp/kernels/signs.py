@@ -6,8 +6,9 @@ tensors at several times the cost.  Bits are packed 8 to a byte, the first eleme
 top bit (:func:`~mergecomp.kernels.packing.pack_bits`).
 
 Backends: on the CPU one native pass reads and packs the signs (and, for 1-bit SGD, sums
-both sides) where the kernels are built; elsewhere numpy (CPU) or torch (any device) make
-a flag pass and a packing pass.  The bits are the same; 1-bit SGD's means are sums, whose
+both sides) where the kernels are built; on a GPU one Triton kernel does the same
+(:mod:`.triton.packing`); elsewhere numpy (CPU) or torch (any device) make a flag pass and
+a packing pass.  The bits are the same; 1-bit SGD's means are sums, whose
 last bits differ between the native pass (double) and the torch reductions (fp32).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Tuple
 import torch
 
 from . import native, numpy_cpu
+from . import triton as gpu
 from .packing import decode_values, pack_bits
 from .scratch import Scratch
 
@@ -58,6 +60,9 @@ def sign_bits(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
 
 def pack_signs(tensor: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     """⌈n/8⌉ bytes: bit i is set where element i has its sign bit set (is negative, or −0.0)."""
+    if gpu.usable(tensor):
+        from .triton import packing as triton_packing
+        return triton_packing.pack_signs(tensor)
     if native.usable(tensor):
         return native.pack_signs(tensor)
     return pack_bits(sign_bits(tensor, scratch), 1)
@@ -81,6 +86,13 @@ def signs_and_side_means(tensor: torch.Tensor, scratch: Scratch) -> Tuple[torch.
     The side with the sign bit set is "negative" (−0.0 included); an empty side has mean 0.
     Both side sums come from two reductions: sum(g⁺) = (Σg + Σ|g|)/2, sum(g⁻) = (Σg − Σ|g|)/2.
     """
+    if gpu.usable(tensor):
+        # One pass: the sign bits, both sums (fp32, per program, then summed) and the count.
+        from .triton import packing as triton_packing
+        packed, total, absolute, num_negative = triton_packing.signs_and_side_sums(tensor)
+        num_positive = tensor.numel() - num_negative
+        return packed, torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
+                                    (total - absolute) / 2 / num_negative.clamp(min=1)])
     if tensor.dtype == torch.float32 and native.usable(tensor):
         # One pass: the sign bits and both sums, in double.
         packed, total, absolute, num_negative = native.onebit_encode(tensor)

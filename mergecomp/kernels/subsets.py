@@ -6,9 +6,10 @@ every rank *and every device*: a rank on a GPU and one on a CPU, or a run resume
 other hardware, must pick the same coordinates.  A sampler with a generator (numpy's, or
 torch's ``randperm``) gives neither on a GPU without drawing on the host and copying.
 Here index j of the subset is π(j), π a pseudo-random bijection of [0, n) computed from
-(key, j) alone: k independent evaluations (one per thread, on a GPU), numpy's unsigned
-32-bit loops on the CPU (:func:`~mergecomp.kernels.numpy_cpu.feistel_subset`), torch ops
-on other devices: the same integers everywhere.
+(key, j) alone: k independent evaluations, one per thread on a GPU
+(:mod:`mergecomp.kernels.triton.subsets`), numpy's unsigned 32-bit loops on the CPU
+(:func:`~mergecomp.kernels.numpy_cpu.feistel_subset`), torch ops on other devices: the same
+integers everywhere.
 
 The permutation is a balanced Feistel network on 2h bits, 2^(2h) ≥ n: a value is split
 into its high and low h bits (L, R), and each of :data:`ROUNDS` rounds maps (L, R) to
@@ -23,11 +24,12 @@ Unbiased: for a fixed input, two rounds with independent uniform round functions
 make the output uniform over the domain, so every index is drawn with probability k/n up
 to the quality of the hash; more rounds make pairs of outputs independent too (with four,
 counts of pairs of indices drawn together were still off by 5σ on a 20-element group; with
-six they are within chance).  ``tests/test_fast_paths.py`` counts indices over many keys.
+six they are within chance).  ``tests/test_triton_kernels.py`` counts indices and pairs
+over many keys.
 
 Cost on one CPU core, measured at 25M elements: 250,000 indices in about 24 ms and 2.5M in
 about 450 ms, where numpy's ``Generator.choice``, which drew them before, took about 42 ms
-and 1.6 s on the same (shared, noisy) machine; on other devices the same torch ops.
+and 1.6 s on the same (shared, noisy) machine; on a GPU, one kernel.
 """
 from __future__ import annotations
 
@@ -84,9 +86,14 @@ def check_subset(numel: int, k: int) -> None:
 def random_subset(numel: int, k: int, key: int, device) -> torch.Tensor:
     """k distinct int64 indices of range(``numel``) on ``device``: π(0), ..., π(k − 1) for the
     permutation π of ``key`` (any integer; taken modulo 2^64).  The same integers on every
-    device for the same (numel, k, key).
+    device for the same (numel, k, key); a CUDA device draws them in one Triton kernel where
+    Triton is present.
     """
     check_subset(numel, k)
+    from . import triton as triton_backend
+    if k and triton_backend.usable_on(device):
+        from .triton.subsets import random_subset as on_gpu
+        return on_gpu(numel, k, key, device)
     if torch.device(device).type == "cpu":
         return numpy_cpu.feistel_subset(numel, k, half_bits(numel), round_keys(key))
     return torch_subset(numel, k, key, device)
@@ -94,7 +101,7 @@ def random_subset(numel: int, k: int, key: int, device) -> torch.Tensor:
 
 def torch_subset(numel: int, k: int, key: int, device) -> torch.Tensor:
     """:func:`random_subset` in torch ops on ``device`` (int64 words: no uint32 type needed):
-    the path of devices other than the CPU, and the reference the CPU path is tested against."""
+    the path of devices without Triton, and the reference the other paths are tested against."""
     check_subset(numel, k)
     half, keys = half_bits(numel), round_keys(key)
     values = feistel(torch.arange(k, dtype=torch.int64, device=device), half, keys)
