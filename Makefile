@@ -11,9 +11,13 @@
 # torch is installed only when none is importable: TORCH_SPEC (default torch==2.13.0,
 # the CPU build on machines that provide it) is installed before the package so pip
 # never pulls a CUDA build by accident.  Override, e.g. make setup TORCH_SPEC="torch==2.4.1".
+# Triton (TRITON_SPEC, default triton==3.6.0) is installed the same way, only when none is
+# importable and only on Linux, without dependencies (it has none that matter): the GPU
+# kernels' tests run under its interpreter on the CPU.  Installing it never touches torch.
 
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
 ifdef VIRTUAL_ENV
 PY := $(VIRTUAL_ENV)/bin/python
 else
@@ -29,6 +33,9 @@ $(STAMP): setup.py pyproject.toml Makefile mergecomp/kernels/native_kernels.c
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(CURDIR)/.venv
 	@$(PY) -c "import torch" 2>/dev/null && echo "using installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
 	  || $(PY) -m pip install "$(TORCH_SPEC)"
+	@$(PY) -c "import triton" 2>/dev/null || test "$$(uname -s)" != Linux \
+	  || $(PY) -m pip install --no-deps "$(TRITON_SPEC)" \
+	  || echo "$(TRITON_SPEC) did not install: the Triton kernel tests will be skipped"
 	$(PY) -m pip install --no-build-isolation -e ".[test,bench,plots]"
 	@touch $@
 

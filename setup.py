@@ -40,6 +40,12 @@ setup(
         # TensorBoard event files of mergecomp.StepLog(tensorboard=True); its CSV needs nothing.
         "tensorboard": ["tensorboard"],
         "integrations": ["lightning>=2.1,<3", "accelerate>=0.26"],
+        # The fused GPU kernels (mergecomp/kernels/triton), used for CUDA tensors when triton
+        # imports.  CUDA builds of torch ship a triton already, which this keeps; tested with
+        # 3.6.0.  `make setup` installs triton==3.6.0 on Linux for the CPU tests of the kernels
+        # (under Triton's interpreter), outside the extras, so that pip never weighs a torch
+        # against another triton pin.
+        "gpu": ["triton>=3.0"],
         # scikit-learn: the digits dataset of the convergence benchmark; Lightning and
         # Accelerate: the integration tests.  None of them constrains torch below 2.1.
         # pytest within the releases the suite is run on: a new minor release may refuse
