@@ -6,8 +6,16 @@ available) the table gives the median time of compress + decompress (PowerSGD: i
 rounds with the identity in place of the allreduces), the input bandwidth in GB/s, the
 bytes on the wire, and the ratio to ``tensor.clone()`` timed in the same run: a clone
 reads and writes every byte once, the floor any compressor that touches its input pays.
-DGC rows also compare its selection (``compress``: the values and indices it sends) with
-``torch.topk`` of |g| on the same tensor, the exact selection it replaces.
+The sparsifiers' rows (DGC, top-k, GradDrop) also compare their selection (``compress``:
+the values and indices they send) with ``torch.topk`` of |g| on the same tensor, the exact
+selection they replace.
+
+The tensor is handed over as one parameter of matrix shape (rows × cols = n, as square as
+n allows: 1000 × 1000 for 1M, 5000 × 5000 for 25M), as a layer's gradient arrives, so the
+compressors that factor each layer (PowerSGD, ATOMO) factor a matrix: given a flat vector
+they would send it raw and the row would measure nothing.  Elementwise compressors do not
+look at the shape.  On CUDA, the kernels run on Triton where it is present (the header
+says; ``MERGECOMP_TRITON=0`` times the torch path instead).
 
 Timings run on one thread by default (``--threads``) so that numbers from shared
 machines stay comparable.  ATOMO above ``--atomo-max`` elements is skipped: its SVD is
@@ -42,8 +50,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from benchmarks import harness
 from mergecomp import compressors
+from mergecomp.compressors.base import ParamView
 from mergecomp.kernels import native
+from mergecomp.kernels import triton as gpu_kernels
 from mergecomp.compressors.single_process import run_locally
+from mergecomp.compressors.sparsifier import num_selected
 
 
 def parse_size(text: str) -> int:
@@ -88,13 +99,30 @@ def paired_median_ms(fn, reference, device: torch.device, reps: int):
 #: Compressors with fused native CPU kernels (``mergecomp/kernels/native_kernels.c``).
 NATIVE_KERNELS = ("signsgd", "efsignsgd", "signum", "onebit", "terngrad", "qsgd")
 
+#: Sparsifiers whose selection is timed against ``torch.topk`` of |g|.
+SELECTORS = ("dgc", "topk", "graddrop")
+
+
+def matrix_shape(numel: int):
+    """(rows, cols) with rows · cols = ``numel`` and rows the largest divisor ≤ √numel."""
+    rows = max(1, int(numel ** 0.5))
+    while numel % rows:
+        rows -= 1
+    return rows, numel // rows
+
+
+def matrix_layout(numel: int):
+    """The benchmark tensor as one parameter of shape :func:`matrix_shape`."""
+    return (ParamView("bench", torch.Size(matrix_shape(numel)), 0),)
+
 
 def benchmark_compressor(name: str, tensor: torch.Tensor, reps: int, compare_fallback: bool = False):
     compressor = compressors.create(name)
+    layout = matrix_layout(tensor.numel())
     state = {}
 
     def step():
-        state["decoded"], state["nbytes"] = run_locally(compressor, tensor, "bench")
+        state["decoded"], state["nbytes"] = run_locally(compressor, tensor, "bench", layout)
 
     ms, clone_ms = paired_median_ms(step, tensor.clone, tensor.device, reps)
     row = {"compressor": name, "ms": ms, "gbps": tensor.numel() * tensor.element_size() / ms / 1e6,
@@ -104,17 +132,18 @@ def benchmark_compressor(name: str, tensor: torch.Tensor, reps: int, compare_fal
 
         def fallback_step():
             with native.disabled():
-                run_locally(fallback, tensor, "bench")
+                run_locally(fallback, tensor, "bench", layout)
 
         fallback_ms, native_ms = paired_median_ms(fallback_step, step, tensor.device, reps)
         row["note"] = (f"torch/numpy path {fallback_ms:.2f} ms, native {native_ms:.2f} ms "
                        f"alternately: {fallback_ms / native_ms:.1f}x faster")
-    if name == "dgc":  # selection against selection: DGC's compress, |g| and an exact top-k
-        k = max(1, int(tensor.numel() * compressor.density()))
+    if name in SELECTORS:  # selection against selection: compress, |g| and an exact top-k
+        ratio = compressor.density() if name == "dgc" else compressor.compress_ratio
+        k = num_selected(tensor.numel(), ratio)
         topk_ms, select_ms = paired_median_ms(lambda: torch.topk(tensor.abs(), k, sorted=False),
                                               lambda: compressor.compress(tensor, "bench"), tensor.device, reps)
-        row["note"] = (f"selection {select_ms:.1f} ms, torch.topk {topk_ms:.1f} ms: "
-                       f"dgc selects {topk_ms / select_ms:.1f}x faster")
+        row["note"] = (f"selection {select_ms:.2f} ms, torch.topk {topk_ms:.2f} ms: "
+                       f"{name} selects {topk_ms / select_ms:.1f}x faster")
     return row
 
 
@@ -151,7 +180,8 @@ def speed_main(argv) -> int:
     torch.set_num_threads(args.threads)
 
     print(f"torch {torch.__version__}, {args.threads} CPU thread(s), median of {args.reps}; "
-          f"CPU quantisers on {native.status()}\n")
+          f"CPU quantisers on {native.status()}; CUDA tensors on {gpu_kernels.status()}; "
+          f"one matrix parameter per tensor ({' and '.join('×'.join(map(str, matrix_shape(s))) for s in sizes)})\n")
     print("| device | elements | compressor | ms | GB/s in | wire | clone ms | × clone | note |")
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
     for device in map(torch.device, devices):
