@@ -5,6 +5,11 @@
 # make bench  the default benchmark sweep (see benchmarks/)
 # make plots  redraw the figures docs/results.md shows from the committed results
 # make horovod  build Horovod 0.28.1 for the installed torch and install it (docs/horovod.md)
+# make gpu-check OUT=<folder>  on a machine with a GPU: the CUDA tests, the Triton kernels, the
+#               compressor speeds and a training-step profile, every result a file in OUT; it uses
+#               the machine's python (GPU_PYTHON, default python3) with PYTHONPATH=. and installs
+#               nothing (benchmarks/gpu_check.py).  make gpu-check-dry-run rehearses it on the CPU
+#               (into build/gpu-check-dry-run).
 #
 # Set-up: an active virtual environment is used as it is; otherwise .venv is created
 # (with access to system packages, so a torch already installed there is respected).
@@ -18,6 +23,8 @@
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
+GPU_PYTHON ?= python3
+OUT ?= benchmarks/results/$(shell date +%Y-%m-%d)-gpu-check
 ifdef VIRTUAL_ENV
 PY := $(VIRTUAL_ENV)/bin/python
 else
@@ -25,7 +32,7 @@ PY := $(CURDIR)/.venv/bin/python
 endif
 STAMP := $(dir $(PY)).mergecomp-installed
 
-.PHONY: setup demo test test-harness test-all bench plots horovod clean
+.PHONY: setup demo test test-harness test-all bench plots horovod gpu-check gpu-check-dry-run clean
 
 setup: $(STAMP)
 
@@ -60,6 +67,12 @@ plots: setup
 
 horovod: setup
 	bash tools/build_horovod.sh $(PY)
+
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT)
+
+gpu-check-dry-run: setup
+	$(PY) benchmarks/gpu_check.py --dry-run --out build/gpu-check-dry-run
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache

@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""What each compressor costs in a training step: one process (world size 1), bf16 autocast.
+
+Two models of the sizes that matter: a ResNet-50 (bottleneck blocks 3-4-6-3, 25.6M
+parameters, 224×224 images) and a GPT-2 small (12 layers of width 768, 12 heads, 50,257
+tokens, 124M parameters, 1,024-token sequences).  Both are defined here, a few dozen
+lines each, so this script needs nothing beyond torch and mergecomp.  For each model,
+``mergecomp.DistributedOptimizer`` wraps plain SGD with each compressor (its recommended
+memory and communicator, the default schedule) and a step — forward, backward with the
+exchange, optimizer step — is timed after warm-up steps; the dense step (``none``) is the
+baseline, and a compressor's share of its step is (its step − the dense step) / its step.
+At world size 1 the collectives move nothing over a network: what is left is the
+compressors' own work and the data path around it.
+
+    python benchmarks/step_profile.py --device cuda --out results/     # step-profile.json, .md
+    python benchmarks/step_profile.py --device cpu --tiny --out build/profile   # a rehearsal
+
+Each compressor gets at most ``--per-compressor-s`` seconds (a first step slower than that
+ends its row), and the whole run ``--budget-s``: rows not reached are listed as such.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mergecomp  # noqa: E402
+from mergecomp import compressors  # noqa: E402
+from mergecomp.kernels import triton as gpu_kernels  # noqa: E402
+from mergecomp.distributed import launch  # noqa: E402
+
+
+class Bottleneck(nn.Module):
+    """ResNet's 1×1 → 3×3 → 1×1 block with a projection shortcut where the shape changes."""
+
+    def __init__(self, inputs: int, width: int, stride: int):
+        super().__init__()
+        outputs = 4 * width
+        self.conv1, self.bn1 = nn.Conv2d(inputs, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, outputs, 1, bias=False), nn.BatchNorm2d(outputs)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or inputs != outputs:
+            self.shortcut = nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        return F.relu(self.bn3(self.conv3(y)) + self.shortcut(x))
+
+
+def resnet(blocks=(3, 4, 6, 3), base: int = 64, classes: int = 1000) -> nn.Module:
+    """ResNet-50 with the defaults (He et al. 2016, table 1)."""
+    layers = [nn.Conv2d(3, base, 7, 2, 3, bias=False), nn.BatchNorm2d(base), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    inputs = base
+    for stage, count in enumerate(blocks):
+        width = base * 2 ** stage
+        for index in range(count):
+            layers.append(Bottleneck(inputs, width, 2 if index == 0 and stage > 0 else 1))
+            inputs = 4 * width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inputs, classes)]
+    return nn.Sequential(*layers)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and a 4× GELU MLP."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, width // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, length, width))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2 (Radford et al. 2019) with the small model's defaults; the output layer shares
+    the token embedding."""
+
+    def __init__(self, layers: int = 12, width: int = 768, heads: int = 12, vocab: int = 50_257, context: int = 1024):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens):
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.tokens.weight.T
+
+
+def workloads(tiny: bool) -> Dict[str, Tuple[Callable[[], nn.Module], Callable[[torch.device], tuple]]]:
+    """name → (model factory, batch factory (inputs, loss function of the output))."""
+    def images(batch, size, classes):
+        def make(device):
+            generator = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(batch, 3, size, size, device=device, generator=generator)
+            y = torch.randint(0, classes, (batch,), device=device, generator=generator)
+            return x, lambda out: F.cross_entropy(out.float(), y)
+        return make
+
+    def text(batch, length, vocab):
+        def make(device):
+            generator = torch.Generator(device=device).manual_seed(0)
+            tokens = torch.randint(0, vocab, (batch, length + 1), device=device, generator=generator)
+            return tokens[:, :-1], lambda out: F.cross_entropy(out.float().flatten(0, 1), tokens[:, 1:].flatten())
+        return make
+
+    if tiny:
+        return {"resnet-tiny": (lambda: resnet((1, 1, 1, 1), base=4, classes=10), images(2, 32, 10)),
+                "gpt-tiny": (lambda: GPT(layers=2, width=32, heads=2, vocab=128, context=16), text(2, 16, 128))}
+    return {"resnet50": (resnet, images(64, 224, 1000)),
+            "gpt2-small": (GPT, text(8, 1024, 50_257))}
+
+
+#: Options that keep a compressor quiet at world size 1 without changing its work.
+OPTIONS = {"dgc": {"warmup": 0}}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_model(name: str, make_model, make_batch, device: torch.device, names: List[str], steps: int,
+                  warmup: int, per_compressor_s: float, deadline: float) -> List[dict]:
+    """One row per compressor: the median step time, or why there is none."""
+    model = make_model().to(device)
+    inputs, loss_of = make_batch(device)
+    parameters = sum(p.numel() for p in model.parameters())
+    rows = []
+    for compressor in names:
+        row = {"model": name, "parameters": parameters, "compressor": compressor}
+        rows.append(row)
+        if time.perf_counter() > deadline:
+            row["note"] = "not reached: time budget spent"
+            continue
+        optimizer = None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # recipe advice for training runs: not a timing
+                optimizer = mergecomp.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=1e-4), model=model,
+                    compressor=compressors.create(compressor, **OPTIONS.get(compressor, {})))
+                times = []
+                started = time.perf_counter()
+                for step in range(warmup + steps):
+                    _synchronize(device)
+                    begin = time.perf_counter()
+                    optimizer.zero_grad(set_to_none=False)
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        loss = loss_of(model(inputs))
+                    loss.backward()
+                    optimizer.step()
+                    _synchronize(device)
+                    if step >= warmup:
+                        times.append((time.perf_counter() - begin) * 1e3)
+                    if time.perf_counter() - started > per_compressor_s:
+                        row["note"] = f"stopped after {step + 1} steps: over {per_compressor_s:g} s"
+                        break
+            if times:
+                row["step_ms"] = statistics.median(times)
+                row["steps_timed"] = len(times)
+            if not math.isfinite(float(loss)):
+                row["note"] = "the loss is not finite"
+        except Exception as error:  # recorded; the next compressor runs
+            row["error"] = f"{type(error).__name__}: {error}"
+        finally:
+            if optimizer is not None:
+                optimizer.remove_hooks()
+        print(json.dumps(row), flush=True)
+    dense = next((r["step_ms"] for r in rows if r["compressor"] == "none" and "step_ms" in r), None)
+    for row in rows:
+        if dense is not None and "step_ms" in row:
+            row["share"] = (row["step_ms"] - dense) / row["step_ms"]
+    return rows
+
+
+def write_table(rows: List[dict], path: str, header: str) -> None:
+    with open(path, "w") as f:
+        f.write(header + "\n\n| model | parameters | compressor | step ms | × dense | share of the step | note |\n")
+        f.write("|---|---:|---|---:|---:|---:|---|\n")
+        dense = {r["model"]: r.get("step_ms") for r in rows if r["compressor"] == "none"}
+        for row in rows:
+            ms = row.get("step_ms")
+            ratio = f"{ms / dense[row['model']]:.2f}" if ms and dense.get(row["model"]) else ""
+            share = f"{100 * row['share']:.0f}%" if "share" in row else ""
+            note = row.get("error") or row.get("note", "")
+            f.write(f"| {row['model']} | {row['parameters']:,} | {row['compressor']} | "
+                    f"{'' if ms is None else f'{ms:.1f}'} | {ratio} | {share} | {note} |\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (NCCL, 1 rank) or cpu (gloo)")
+    parser.add_argument("--tiny", action="store_true", help="tiny models: a rehearsal of the code path")
+    parser.add_argument("--models", default=None, help="comma-separated models (default both)")
+    parser.add_argument("--compressors", default=None, help="comma-separated (default: every registered one)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per compressor (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--per-compressor-s", type=float, default=20.0)
+    parser.add_argument("--budget-s", type=float, default=600.0, help="the whole run")
+    parser.add_argument("--out", required=True, help="folder for step-profile.json and step-profile.md")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    launch.init_distributed(device=args.device)  # a 1-rank group: NCCL on a GPU, gloo on a CPU
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    chosen = workloads(args.tiny)
+    models = args.models.split(",") if args.models else list(chosen)
+    chosen_names = args.compressors.split(",") if args.compressors else compressors.available()
+    # the dense baseline first; ATOMO, whose SVDs are the slowest by far, last
+    names = ["none"] + sorted((n for n in chosen_names if n not in ("none", "fp32")), key=lambda n: (n == "atomo", n))
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for index, model in enumerate(models):
+        now = time.perf_counter()  # each model gets its share of what is left of the budget
+        deadline = now + (started + args.budget_s - now) / (len(models) - index)
+        rows += profile_model(model, *chosen[model], device, names, args.steps, args.warmup, args.per_compressor_s, deadline)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    header = (f"Training step per compressor, world size 1, bf16 autocast, {device} "
+              f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), median of {args.steps} "
+              f"after {args.warmup}; kernels: {gpu_kernels.status()}")
+    with open(os.path.join(args.out, "step-profile.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    write_table(rows, os.path.join(args.out, "step-profile.md"), header)
+    launch.shutdown()
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
