@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Tuple, Union
 
-import torch
 
 from . import compressors, memories
 from .communicators.base import Communicator
@@ -77,15 +76,6 @@ def check_schedule(schedule, accepted: str, plan: bool = True) -> None:
     kinds = (int, str, Scheduler) + ((Plan,) if plan else ())
     if isinstance(schedule, bool) or not isinstance(schedule, kinds):
         raise TypeError(_wrong("schedule", schedule, accepted))
-
-
-def vet_optimizer(optimizer: torch.optim.Optimizer, compressor: Compressor, memory: Memory) -> None:
-    """Let the components that own part of the update (the ``dgc`` memory's or SIGNUM's
-    momentum) refuse an optimizer that would apply it again (their ``check_optimizer``)."""
-    for component in (compressor, memory):
-        check = getattr(component, "check_optimizer", None)
-        if callable(check):
-            check(optimizer)
 
 
 def _compressor(value) -> Compressor:

@@ -12,7 +12,6 @@ as under DDP: clip it, unscale it (AMP's ``GradScaler``), then ``step()``.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 import warnings
@@ -22,27 +21,27 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 
 from . import checkpoint, communicators, arguments, compressors, schedulers
-from .runtime.agreement import RanksDisagree, describe_disagreement
 from .distributed.backends import Backend, default_backend
 from .communicators.base import Communicator
-from .compressors import recipes
 from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
-from .runtime.reducer import GroupState, Reducer, broadcast_tensors, config_digest
-from .runtime.step import check_communicator_options, check_nonfinite_policy
+from .runtime import gate
+from .runtime.reducer import GroupState, Reducer
+from .runtime.step import SharedSurface, StepLifecycle, check_communicator_options, check_nonfinite_policy
 from .schedulers.base import Scheduler, SchedulerContext
 from .schedulers.fixed import FixedScheduler
 
 #: How the groups are formed when the caller does not say: four groups balanced by bytes
 #: (fusion of a few groups is what lets compression overlap backward; see docs/design.md).
 DEFAULT_SCHEDULE = 4
-#: Format of the ``"mergecomp"`` part of a state dict.
-STATE_FORMAT = 2
+#: Format of the ``"mergecomp"`` part of a state dict (3: the envelope every entry point shares,
+#: :func:`mergecomp.runtime.gate.seal_state`; 2 and older are read too).
+STATE_FORMAT = 3
 Schedule = Union[int, str, Scheduler, Plan]
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
     """Wraps ``optimizer`` so that gradients are averaged, compressed, over all ranks.
 
     Args:
@@ -112,18 +111,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             named_parameters = model.named_parameters()
         if named_parameters is not None:
             named_parameters = list(named_parameters)
-        params = _trainable_params(optimizer, named_parameters)
-        self._check_same_model(params)
+        params = gate.trainable_parameters(optimizer, named_parameters)
+        gate.check_same_parameters(self.backend, params)
         # What is watched for parameters that join the training later (_take_in_new_parameters).
         self._model = model
         self._given_names = {id(p): n for n, p in named_parameters or ()}
-        self._frozen = _frozen_params(optimizer, named_parameters)
+        self._frozen = [(n, p) for n, p in gate.named_in_optimizer(optimizer, self._given_names)
+                        if not p.requires_grad]
         self._group_count = len(optimizer.param_groups)
 
         self.compressor, self.memory, communicator = arguments.resolve(compressor, memory, communicator)
         self.communicator = communicator if isinstance(communicator, Communicator) else communicators.create(
             communicator, compressor=self.compressor, memory=self.memory, backend=self.backend)
-        self._check_components(params)
+        # Components that own part of the update (DGC's or SIGNUM's momentum) vet the optimizer;
+        # the compressor must carry the parameters' dtypes; its recipe may warn.
+        gate.vet_optimizer(self.optimizer, self.compressor, self.memory, {p.dtype for _, p in params})
         fixed_plan = schedule if isinstance(schedule, Plan) else None
         if isinstance(schedule, int):
             schedule = FixedScheduler(schedule)
@@ -133,12 +135,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             schedule = FixedScheduler(DEFAULT_SCHEDULE)  # not used: the plan is fixed
         self.scheduler = schedule
         options = check_communicator_options(communicator_options)
-        config = config_digest(self.compressor, self.memory, self.communicator, self.scheduler,
-                               backward_passes_per_step, bool(find_unused_parameters), nonfinite,
-                               *([options] if options else []))  # older configurations keep their digest
-        self._check_same_configuration(config)
+        config = gate.config_digest(self.compressor, self.memory, self.communicator, self.scheduler,
+                                    backward_passes_per_step, bool(find_unused_parameters), nonfinite,
+                                    *([options] if options else []))  # older configurations keep their digest
+        gate.check_ranks_agree(self.backend, "on the configuration at construction", {
+            "compressor": repr(self.compressor), "memory": repr(self.memory),
+            "communicator": repr(self.communicator), "scheduler": repr(self.scheduler), "config": config})
         # Frozen parameters too: equal everywhere, they can be unfrozen later.
-        self._sync_initial_state(params + self._frozen, model, initial_sync)
+        gate.start_from_rank0(self.backend, params + self._frozen, model, initial_sync)
         self.reducer = Reducer(params, self.communicator, self.backend, self.scheduler, plan=fixed_plan,
                                backward_passes_per_step=backward_passes_per_step,
                                find_unused_parameters=bool(find_unused_parameters),
@@ -148,88 +152,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                    self.communicator.memory, self.communicator)
         self._last_step_end: Optional[float] = None
 
-    # ------------------------------------------------------------------ construction --
-    def _check_same_model(self, params: List[Tuple[str, torch.nn.Parameter]]) -> None:
-        """Every rank must hold the same trainable parameters, or collectives would hang."""
-        signature = [[n, list(p.shape), str(p.dtype)] for n, p in params]  # JSON: lists
-        everyone = self.backend.allgather_object(signature)
-        for rank, theirs in enumerate(everyone):
-            if theirs != signature:
-                mine = dict((n, (s, d)) for n, s, d in signature)
-                other = dict((n, (s, d)) for n, s, d in theirs)
-                diff = next((f"{n}: {mine.get(n)} here vs {other.get(n)} on rank {rank}"
-                             for n in list(mine) + list(other) if mine.get(n) != other.get(n)),
-                            "same parameters in a different order")
-                raise ValueError(
-                    f"rank {self.backend.rank} and rank {rank} hold different models "
-                    f"({len(signature)} vs {len(theirs)} trainable parameters; first difference: "
-                    f"{diff}). Build the same model on every rank before wrapping the optimizer.")
-
-    def _check_components(self, params) -> None:
-        """Components that own part of the update (DGC's or SIGNUM's momentum) vet the
-        optimizer; the compressor must carry the parameters' dtypes; its recipe may warn."""
-        arguments.vet_optimizer(self.optimizer, self.compressor, self.memory)
-        compressors.check_dtypes(self.compressor, sorted({p.dtype for _, p in params}, key=str))
-        recipes.warn_if_contradicted(self.compressor, self.optimizer, self.memory)
-
-    def _check_same_configuration(self, config: str) -> None:
-        """Compressor, memory, communicator and scheduler (with their arguments and seeds)
-        must be the same on every rank: a clear error naming each rank's, never a mismatch
-        inside a collective."""
-        mine = {"compressor": repr(self.compressor), "memory": repr(self.memory),
-                "communicator": repr(self.communicator), "scheduler": repr(self.scheduler),
-                "config": config}
-        everyone = self.backend.allgather_object(mine)
-        if any(theirs != mine for theirs in everyone):
-            raise RanksDisagree(describe_disagreement(everyone, "on the configuration at construction"))
-
-    def _sync_initial_state(self, params, model: Optional[torch.nn.Module], how: str) -> None:
-        """Every rank starts from rank 0's parameters (and the model's buffers)."""
-        tensors = [p for _, p in params]
-        names = [n for n, _ in params]
-        if model is not None:
-            for name, buffer in model.named_buffers():
-                tensors.append(buffer)
-                names.append(name)
-        if self.backend.size == 1 or not tensors:
-            return
-        if how == "broadcast":
-            with torch.no_grad():
-                broadcast_tensors(self.backend, tensors, src=0)
-            return
-        copies = [t.detach().clone() for t in tensors]
-        with torch.no_grad():
-            broadcast_tensors(self.backend, copies, src=0)
-        differs = None
-        for name, t, theirs in zip(names, tensors, copies):
-            if not torch.equal(t.detach(), theirs):
-                gap = (t.detach().double() - theirs.double()).abs().max().item() \
-                    if t.dtype.is_floating_point else "not equal"
-                differs = f"{name!r} (max difference {gap})"
-                break
-        everyone = self.backend.allgather_object(differs)  # every rank raises alike
-        bad = [(rank, what) for rank, what in enumerate(everyone) if what is not None]
-        if bad:
-            listed = "; ".join(f"rank {rank}: {what}" for rank, what in bad)
-            raise ValueError(
-                f"ranks start from a different model than rank 0 ({listed}). Seed every rank "
-                "alike, load the same checkpoint everywhere, or use initial_sync='broadcast' to "
-                "copy rank 0's model.")
-
     # ----------------------------------------------------------------- reducer surface --
     @property
     def plan(self) -> Optional[Plan]:
         return self.reducer.plan
 
     @property
-    def steps(self) -> int:
-        """Steps applied so far."""
-        return self.reducer.steps
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps dropped on every rank because a gradient was NaN or Inf."""
-        return self.reducer.skipped_steps
+    def lifecycle(self) -> StepLifecycle:
+        """The step lifecycle the exchange runs through (its listeners, counters, epoch)."""
+        return self.reducer.lifecycle
 
     @property
     def last_sync_time(self) -> float:
@@ -247,19 +178,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def add_ready_listener(self, callback):
         """See :meth:`mergecomp.runtime.reducer.Reducer.add_ready_listener`."""
         return self.reducer.add_ready_listener(callback)
-
-    def add_phase_listener(self, callback):
-        """See :meth:`mergecomp.runtime.reducer.Reducer.add_phase_listener`."""
-        return self.reducer.add_phase_listener(callback)
-
-    def add_step_listener(self, callback):
-        """See :meth:`mergecomp.runtime.reducer.Reducer.add_step_listener`."""
-        return self.reducer.add_step_listener(callback)
-
-    def add_step_log(self, log):
-        """Record every step's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
-        handle whose ``remove()`` detaches it."""
-        return log.attach(self.reducer)
 
     def set_plan(self, plan: Plan) -> None:
         """See :meth:`mergecomp.runtime.reducer.Reducer.set_plan`."""
@@ -362,7 +280,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._model is not None:
             names.update((id(p), n) for n, p in self._model.named_parameters())
         new, frozen = [], []
-        for name, p in _named_in_optimizer(self.optimizer, names):
+        for name, p in gate.named_in_optimizer(self.optimizer, names):
             if id(p) not in known:
                 (new if p.requires_grad else frozen).append((name, p))
         self._frozen = frozen
@@ -388,13 +306,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "zero_grad() (between step() and the next backward) to lose no step.",
                 RuntimeWarning, stacklevel=3)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Tell epoch-scheduled components (DGC's density warm-up) the current epoch.
-
-        Call it on every rank with the same epoch; the next step checks that they did.
-        """
-        self.reducer.set_epoch(epoch)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.reducer.zero_grad_called()
@@ -413,16 +324,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reducer = self.reducer
         return {
             "optimizer": self.optimizer.state_dict(),
-            "mergecomp": checkpoint.seal({
-                "format": STATE_FORMAT,
-                "plan": reducer.plan.to_dict() if reducer.plan is not None else None,
-                "communicator": reducer.compression_state(),  # raw groups share its memory
-                "steps": reducer.steps,
-                "epoch": reducer.epoch,
-                "rank": self.backend.rank,
-                "world_size": self.backend.size,
-                "config": reducer.config,
-            }),
+            "mergecomp": gate.seal_state("wrapper", STATE_FORMAT, self.backend, reducer.config,
+                                         self.lifecycle.state_dict(), {
+                                             "plan": reducer.plan.to_dict() if reducer.plan is not None else None,
+                                             "communicator": reducer.compression_state(),  # raw groups share its memory
+                                         }),
         }
 
     def _share_inner(self) -> None:
@@ -463,10 +369,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if plan is not None:
                 reducer.install_plan(plan)
             reducer.load_compression_state(ours.get("communicator", {}))
-            if ours.get("epoch") is not None:
-                reducer.set_epoch(int(ours["epoch"]))
-        reducer.note_loaded(_state_digest(state_dict["optimizer"], ours.get("config"), ours.get("steps")),
-                            steps=int(ours.get("steps", 0)))
+        counters = gate.lifecycle_state(ours)
+        self.lifecycle.load_state_dict(counters)
+        reducer.note_loaded(_state_digest(state_dict["optimizer"], ours.get("config"), counters["steps"]),
+                            steps=int(counters["steps"] or 0))
 
     def _checked_compression_state(self, ours: Dict[str, Any]) -> Optional[Plan]:
         """Every check of the checkpoint's compression state, before anything changes:
@@ -486,36 +392,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             state = GroupState(index, group, by_name)
             groups[state.name] = checkpoint.GroupSpec(state.numel, state.params[0][1].dtype, state.layout)
         checkpoint.verify(ours, "compression state", source, groups)
-        self._check_state_belongs_here(ours, checkpoint.describe_source(source))
+        gate.check_envelope(ours, "wrapper", STATE_FORMAT, self.backend, self.reducer.config, checkpoint.ADVICE,
+                            described=f"compressor {self.compressor!r}, memory {self.memory!r}, communicator "
+                                      f"{type(self.communicator).__name__}, scheduler {self.scheduler!r}")
         if problem is not None:
             raise checkpoint.CheckpointError(
                 f"{checkpoint.describe_source(source)}: its plan does not fit this model: {problem}")
         checkpoint.check_state(self.communicator, ours.get("communicator", {}), groups, source)
         return plan if ours.get("plan") is not None else None
-
-    def _check_state_belongs_here(self, ours: Dict[str, Any], where: str) -> None:
-        rank, size = self.backend.rank, self.backend.size
-        if ours.get("format", 1) > STATE_FORMAT:
-            raise ValueError(f"{where}: it has state format {ours['format']}, newer than this "
-                             f"mergecomp reads ({STATE_FORMAT}): upgrade mergecomp")
-        if "world_size" in ours and ours["world_size"] != size:
-            raise ValueError(
-                f"{where}: it was saved by a run of {ours['world_size']} ranks, this run has {size}: "
-                "error-feedback state is per rank and cannot be split or merged. Resume with "
-                "load_state_dict(state, restore_compression=False) to keep the optimizer's state and "
-                "restart compression state from zero.")
-        if "rank" in ours and ours["rank"] != rank:
-            raise ValueError(
-                f"{where}: it was saved by rank {ours['rank']}, and rank {rank} is loading it: "
-                "residuals are per rank, so every rank must load the file it saved (e.g. "
-                "f'ckpt.rank{rank}.pt'), or pass restore_compression=False.")
-        if "config" in ours and ours["config"] != self.reducer.config:
-            raise ValueError(
-                f"{where}: it belongs to another configuration (digest {ours['config']}, this run "
-                f"{self.reducer.config}: compressor {self.compressor!r}, memory {self.memory!r}, "
-                f"communicator {type(self.communicator).__name__}, scheduler {self.scheduler!r}): its "
-                "compression state would be misread. Build the same configuration, or pass "
-                "restore_compression=False to restore only the optimizer's state.")
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (e.g. before wrapping them again)."""
@@ -524,43 +408,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, {self.communicator!r}, "
                 f"scheduler={self.scheduler!r}, ranks={self.backend.size})")
-
-
-def _trainable_params(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
-    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
-    else:
-        named = list(named_parameters)
-        if named and not (isinstance(named[0], tuple) and len(named[0]) == 2):
-            raise ValueError("named_parameters must yield (name, parameter) pairs, e.g. "
-                             "model.named_parameters()")
-        counts = collections.Counter(n for n, _ in named)
-        duplicates = sorted(n for n, c in counts.items() if c > 1)
-        if duplicates:
-            raise ValueError(f"named_parameters has duplicate names {duplicates[:5]}")
-        known = {id(p) for _, p in named}
-        unnamed = sum(1 for p in in_optimizer if id(p) not in known)
-        if unnamed:
-            raise ValueError(f"{unnamed} parameters of the optimizer are missing from "
-                             "named_parameters; pass model.named_parameters() of the model "
-                             "whose parameters the optimizer holds")
-        wanted = {id(p) for p in in_optimizer}
-        named = [(n, p) for n, p in named if id(p) in wanted]
-    return [(n, p) for n, p in named if p.requires_grad]
-
-
-def _frozen_params(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
-    """The optimizer's parameters that do not require gradients now (they may later)."""
-    names = {id(p): n for n, p in named_parameters or ()}
-    return [(n, p) for n, p in _named_in_optimizer(optimizer, names) if not p.requires_grad]
-
-
-def _named_in_optimizer(optimizer, names: Dict[int, str]) -> List[Tuple[str, torch.nn.Parameter]]:
-    """The optimizer's parameters in order, named from ``names``, else ``param.<i>`` by
-    position (as the wrapper names them without ``named_parameters``)."""
-    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
-    return [(names.get(id(p), f"param.{i}"), p) for i, p in enumerate(in_optimizer)]
 
 
 def _check_schedule(schedule: Optional[Schedule]) -> Schedule:

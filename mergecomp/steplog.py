@@ -106,18 +106,20 @@ class StepLog:
 
     # -- attaching ---------------------------------------------------------------------------
     def attach(self, source) -> _Detach:
-        """Listen to ``source`` (the wrapper's reducer or the DDP hook's state; prefer
-        ``optimizer.add_step_log(log)`` / ``state.add_step_log(log)``).  Attaches nothing
-        on ranks other than 0.  One source per log."""
+        """Listen to ``source``: an entry point's step lifecycle, or an object holding one
+        (``.lifecycle``; prefer ``optimizer.add_step_log(log)``, ``state.add_step_log(log)``,
+        ``diloco.add_step_log(log)``).  Attaches nothing on ranks other than 0.  One source
+        per log."""
         if self._source is not None:
             raise RuntimeError("this StepLog is attached already; make one StepLog per optimizer "
                                "or hook state (each in its own log_dir)")
+        source = getattr(source, "lifecycle", source)
         self._source = source
-        if source.backend.rank != 0:
+        if source.rank != 0:
             return _Detach([])
         self._open()
-        self._bytes_before = source.backend.bytes_sent
-        return _Detach([source.add_phase_listener(self._on_phase), source.add_step_listener(self._on_step)])
+        self._bytes_before = source.bytes_sent
+        return _Detach([source.phase_listeners.add(self._on_phase), source.step_listeners.add(self._on_step)])
 
     def _open(self) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
@@ -179,8 +181,8 @@ class StepLog:
 
     def _write(self, step: int) -> None:
         source, n, sums = self._source, self._steps, self._sums
-        sent = (source.backend.bytes_sent - self._bytes_before) / n
-        self._bytes_before = source.backend.bytes_sent
+        sent = (source.bytes_sent - self._bytes_before) / n
+        self._bytes_before = source.bytes_sent
         fp32 = sums["fp32_bytes"] / n
         row: Dict[str, Any] = {
             "step": step, "skipped": self._skipped, "skipped_total": source.skipped_steps,

@@ -52,7 +52,7 @@ import torch
 from . import register, registry
 from ..distributed.backends.base import Backend
 from ..compressors.base import GroupLayout, clip_layout
-from .cost import LinearCost, SendCost, WireSize, collective_cost
+from .cost import SendCost, WireSize, collective_cost
 
 from ..distributed import topology
 from .base import Communicator, Handle

@@ -12,18 +12,23 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed
 
-from .. import checkpoint, communicators, arguments, compressors
+from .. import checkpoint, communicators, arguments
 from . import buckets, guards
 from .buckets import BucketKey
+from ..runtime import gate
 from ..runtime.agreement import StepOutcome
 from ..distributed.backends import Backend
+from ..distributed.backends.torch_dist import TorchDistributedBackend
 from ..communicators.base import Communicator
 from ..communicators.ps import PSCommunicator
 from ..compressors import recipes
 from ..compressors.base import Compressor, GroupLayout, ParamView
 from ..memories.base import Memory
-from ..runtime.reducer import config_digest
-from ..runtime.step import InFlight, StepLifecycle, check_nonfinite_policy
+from ..runtime.step import InFlight, SharedSurface, StepLifecycle, check_nonfinite_policy
+
+#: Format of a hook state (2: the envelope every entry point shares,
+#: :func:`mergecomp.runtime.gate.seal_state`; 1, without ``format``, is read too).
+STATE_FORMAT = 2
 
 
 class _Bucket:
@@ -44,7 +49,7 @@ class _Deferred:
         self.index, self.buffer, self.layout, self.future = index, buffer, layout, future
 
 
-class HookState:
+class HookState(SharedSurface):
     """What :func:`hook` keeps between calls; pass it to ``register_comm_hook``.
 
     Args:
@@ -91,31 +96,25 @@ class HookState:
         self._frozen = guards.frozen_parameters(model)
         self._conversion_check = guards.watch_conversion(model)
         self._know(model)
+        self._dtypes = set()
         if model is not None:
             guards.refuse_sparse_gradients(model)
-            compressors.check_dtypes(self.compressor, sorted(
-                {p.dtype for p in model.parameters() if p.requires_grad}, key=str))
-        #: Steps whose buckets were exchanged (DDP's backward passes that reduced).
-        self.steps = 0
-        self.epoch: Optional[int] = None
+            self._dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
         self.layouts: Dict[int, BucketKey] = {}
         self.loaded = ""
         self.process_group = process_group
         self._connect(process_group)
         self._advised: Optional[str] = None  # the recipe advice already given, not repeated
-        if optimizer is not None:
-            self.check_optimizer(optimizer)
-        else:  # what can be judged without the optimizer: the memory and the ratio
-            self._advised = recipes.warn_if_contradicted(self.compressor, None, self.memory)
+        # Without the optimizer, what can be judged alone: the dtypes, the memory and the ratio.
+        self.check_optimizer(optimizer)
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
+    def check_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[str]:
         """Vet the optimizer that steps on this hook's averages, as ``DistributedOptimizer``
         vets the one it wraps: components that own the momentum (the ``dgc`` memory, SIGNUM)
         refuse one with its own (ValueError), and a setting that contradicts the compressor's
         recipe warns (:class:`~mergecomp.compressors.recipes.RecipeWarning`).  Returns the
         recipe's advice, or None."""
-        arguments.vet_optimizer(optimizer, self.compressor, self.memory)
-        message = recipes.advice(self.compressor, optimizer, self.memory)
+        message = gate.vet_optimizer(optimizer, self.compressor, self.memory, self._dtypes, warn=False)
         if message is not None and message != self._advised:
             recipes.warn(message)
             self._advised = message
@@ -123,12 +122,11 @@ class HookState:
 
     # -- the process-local half (rebuilt after unpickling) -------------------------------------
     def _connect(self, process_group) -> None:
-        from ..distributed.backends.torch_dist import TorchDistributedBackend
         self.backend: Backend = TorchDistributedBackend(process_group)  # DDP runs on torch.distributed
         self.communicator = communicators.create(self.communicator_name, compressor=self.compressor,
                                                  memory=self.memory, backend=self.backend,
                                                  **self.communicator_options)
-        self.config = config_digest(self.compressor, self.memory, self.communicator, self.sends, self.nonfinite)
+        self.config = gate.config_digest(self.compressor, self.memory, self.communicator, self.sends, self.nonfinite)
         self.lifecycle = StepLifecycle(self.communicator, self.backend, self.facts, self.nonfinite)
         self._registration_checked = False
         #: Whether per-bucket state can move to DDP's rebuilt buckets; a parameter server's
@@ -143,25 +141,6 @@ class HookState:
         self._regather = False  # this step's buckets are DDP's first iteration's (see exchange)
         self._steps_here = 0  # steps since this state was built, unpickled or loaded
 
-    def add_phase_listener(self, callback):
-        """As the wrapper's (:meth:`mergecomp.runtime.reducer.Reducer.add_phase_listener`): the
-        ``"launch"`` of each bucket and its ``"finish"`` (waits timed apart)."""
-        return self.lifecycle.phase_listeners.add(callback)
-
-    def add_step_listener(self, callback):
-        """As the wrapper's (:meth:`mergecomp.runtime.reducer.Reducer.add_step_listener`)."""
-        return self.lifecycle.step_listeners.add(callback)
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps dropped because a gradient was NaN or Inf."""
-        return self.lifecycle.skipped_steps
-
-    def add_step_log(self, log):
-        """Record every step's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
-        handle whose ``remove()`` detaches it.  Not kept when the state is pickled."""
-        return log.attach(self)
-
     def _know(self, model: Optional[torch.nn.Module]) -> None:
         """Remember the model's parameter shapes and dtypes by name (to check a checkpoint's
         state against them) and the DDP wrapper, weakly (to tell its first iteration)."""
@@ -171,23 +150,9 @@ class HookState:
                         if module is not None else {})
         self._ddp = weakref.ref(model) if isinstance(model, DistributedDataParallel) else None
 
-    def communicators(self) -> List[Communicator]:
-        """Every communicator the hook sends with (compressed first)."""
-        return self.lifecycle.communicators()
-
     def facts(self) -> Dict[str, Any]:
-        return {"steps": self.steps, "epoch": self.epoch, "config": self.config, "state": self.loaded}
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell epoch-scheduled components (DGC's density warm-up) the epoch; on every rank."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        if self.lifecycle.in_step:
-            raise RuntimeError("set_epoch() must be called between steps, not during backward")
-        self.epoch = epoch
-        for component in (self.compressor, self.memory):
-            if hasattr(component, "set_epoch"):
-                component.set_epoch(epoch)
+        """What ranks must agree on besides the lifecycle's step count and epoch."""
+        return {"config": self.config, "state": self.loaded}
 
     # -- one bucket ------------------------------------------------------------------------------
     def exchange(self, bucket) -> torch.futures.Future:
@@ -336,7 +301,7 @@ class HookState:
         self.lifecycle.end_step(self._complete)
         if self._step_keys != self.layouts:
             self._move_state(self._step_keys)
-        self.steps += 1
+        self.lifecycle.count_step()
         self._steps_here += 1
         for d in deferred:
             d.future.set_result(d.buffer)
@@ -387,11 +352,9 @@ class HookState:
     def state_dict(self) -> Dict[str, Any]:
         """Tensors and plain data only (``torch.load(weights_only=True)`` reads it back),
         sealed with a checksum that :meth:`load_state_dict` verifies."""
-        return checkpoint.seal({
-            "communicator": self.communicator.state_dict(), "steps": self.steps, "epoch": self.epoch,
-            "layouts": {i: [list(p) for p in key] for i, key in self.layouts.items()},
-            "skipped_steps": self.skipped_steps, "config": self.config,
-            "rank": self.backend.rank, "world_size": self.backend.size})
+        return gate.seal_state("ddp", STATE_FORMAT, self.backend, self.config, self.lifecycle.state_dict(), {
+            "communicator": self.communicator.state_dict(),
+            "layouts": {i: [list(p) for p in key] for i, key in self.layouts.items()}})
 
     def load_state_dict(self, state: Dict[str, Any], restore_compression: bool = True) -> None:
         """Restore a state saved by :meth:`state_dict` on this rank of a run like this one.
@@ -421,40 +384,24 @@ class HookState:
                 raise
             groups = buckets.group_specs(self._shapes, layouts)
             checkpoint.verify(state, "hook state", source, groups)
-            self._check_state_belongs_here(state, where)
+            gate.check_envelope(state, "ddp", STATE_FORMAT, self.backend, self.config, checkpoint.ADVICE,
+                                described=f"{self.compressor!r}, {self.memory!r}, {self.communicator_name}")
             checkpoint.check_state(self.communicator, state.get("communicator", {}), groups, source)
             self.communicator.load_state_dict(state.get("communicator", {}))
         else:
             self._connect_state(None)
-        self.steps = int(state.get("steps", 0))
-        if state.get("epoch") is not None:
-            self.set_epoch(int(state["epoch"]))
+        self.lifecycle.load_state_dict(gate.lifecycle_state(state))
         self.layouts = layouts
-        self.lifecycle.restore(state.get("skipped_steps", 0))
-        self.loaded = config_digest(self.steps, self.config, sorted(self.layouts.items()))
+        self.loaded = gate.config_digest(self.steps, self.config, sorted(self.layouts.items()))
         self._steps_here = 0
-
-    def _check_state_belongs_here(self, state: Dict[str, Any], where: str) -> None:
-        rank, size = self.backend.rank, self.backend.size
-        fix = "or pass restore_compression=False to restore only the step count"
-        if state.get("world_size", size) != size:
-            raise ValueError(f"{where}: it was saved by a run of {state['world_size']} ranks, "
-                             f"this run has {size}: error-feedback state is per rank; {fix}")
-        if state.get("rank", rank) != rank:
-            raise ValueError(f"{where}: it was saved by rank {state['rank']}, and rank {rank} is "
-                             f"loading it: every rank must load the state it saved; {fix}")
-        if state.get("config", self.config) != self.config:
-            raise ValueError(f"{where}: it belongs to another configuration (digest "
-                             f"{state['config']}, this one {self.config}): build the same compressor, "
-                             f"memory and communicator, {fix}")
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickled with a checkpoint like PyTorch's ``PowerSGDState``: the configuration and
         the state, not the process group; unpickling reconnects to the default group."""
         kept = {k: v for k, v in self.__dict__.items()
                 if k in ("compressor", "memory", "communicator_name", "communicator_options", "sends",
-                         "nonfinite", "steps", "epoch", "layouts", "loaded")}
-        kept["skipped_steps"] = self.skipped_steps
+                         "nonfinite", "layouts", "loaded", "_dtypes")}
+        kept["lifecycle"] = self.lifecycle.state_dict()
         kept["state"] = checkpoint.seal(self.communicator.state_dict())
         kept["names"] = None  # ids of parameters mean nothing in another process
         return kept
@@ -463,7 +410,10 @@ class HookState:
         """Checks the compression state (checksum, finite values; its shapes are checked
         against the buckets when they arrive) before anything is rebuilt."""
         state = kept.pop("state")
-        skipped = kept.pop("skipped_steps", 0)
+        counters = gate.lifecycle_state(kept)
+        for older in ("lifecycle", "steps", "epoch", "skipped_steps"):
+            kept.pop(older, None)
+        kept.setdefault("_dtypes", set())
         where = "the pickled HookState"
         checkpoint.verify(state, "compression state", None, where=where)
         checkpoint.check_finite(state, "compression state", None, {}, "communicator", where=where)
@@ -475,7 +425,7 @@ class HookState:
         self._conversion_check = None
         self._know(None)
         self._connect(None)
-        self.lifecycle.restore(skipped)
+        self.lifecycle.load_state_dict(counters)
         self.communicator.load_state_dict(state)
 
     def attach(self, model: torch.nn.Module) -> "HookState":

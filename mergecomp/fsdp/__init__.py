@@ -29,7 +29,7 @@ per unit.  ``memory="none"`` keeps none; PowerSGD keeps its error and factors pe
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,9 @@ from .. import arguments, communicators
 from ..distributed.backends.torch_dist import TorchDistributedBackend
 from ..checkpoint import GroupSpec
 from ..compressors import create as create_compressor
-from ..compressors.base import Compressor, check_dtypes
+from ..compressors.base import Compressor
 from ..memories.base import Memory
-from ..runtime.agreement import StepAgreement
+from ..runtime import gate
 from ..runtime.step import StepLifecycle, check_nonfinite_policy
 from .backward import BackwardStep
 from .mesh import node_mesh
@@ -56,7 +56,8 @@ __all__ = ["register", "node_mesh", "CompressedReduceScatter", "ReplicaAllReduce
 
 
 def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk",
-             memory: Union[str, Memory] = "auto", nonfinite: str = "skip", **options: Any) -> FSDPCompression:
+             memory: Union[str, Memory] = "auto", nonfinite: str = "skip", *,
+             optimizer: Optional[torch.optim.Optimizer] = None, **options: Any) -> FSDPCompression:
     """Compress the gradient exchange of every FSDP2 unit in ``model``.
 
     Call it after ``fully_shard`` (on the layers, then the root) and before training.
@@ -65,7 +66,10 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     (``residual`` for the sparsifiers); ``nonfinite``: what a NaN/Inf gradient on any rank
     does to the backward: ``"skip"`` drops it on every rank (every gradient NaN, state as
     before, a warning), ``"raise"`` drops it and raises ``NonFiniteGradient`` from
-    ``loss.backward()``, ``"off"`` does not check.
+    ``loss.backward()``, ``"off"`` does not check.  ``optimizer``: the optimizer that steps
+    on the model, vetted as the wrapper vets its own: a memory that takes SGD's momentum over
+    (top-k's, DGC's) applies it before the exchange, a component that owns the momentum
+    refuses one with its own, and a setting that contradicts the compressor's recipe warns.
     """
     units = fsdp_units(model)
     for name, module in units:
@@ -82,11 +86,16 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     groups = [(index, name, module, param_group(name, module)) for index, (name, module) in enumerate(units)]
     groups = [entry for entry in groups if entry[3] is not None]
     shapes = {index: unit_shape(name, group) for index, name, _, group in groups}
-    check_dtypes(compressor, {p.dtype for p in model.parameters() if p.requires_grad}
-                 | {shape.dtype for shape in shapes.values()})
+    gate.vet_optimizer(optimizer, compressor, memory, {p.dtype for p in model.parameters() if p.requires_grad}
+                       | {shape.dtype for shape in shapes.values()})
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("mergecomp.fsdp.register needs torch.distributed initialised (fully_shard "
+                           "does too): call mergecomp.launch.init_distributed() first")
     hsdp = _check_mesh(groups)
-    _check_ranks_agree(model, units, compressor, memory, hsdp)
     world = TorchDistributedBackend()
+    layout = [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]
+    config = f"{compressor!r} {memory!r} hsdp={hsdp}"
+    gate.check_ranks_agree(world, "at mergecomp.fsdp.register", {"config": config, "layout": layout})
     if hsdp:
         meshes = {index: take_over(name, group) for index, name, _, group in groups}
         replicate = meshes[groups[0][0]][1]
@@ -96,12 +105,9 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
         shard = groups[0][3].mesh_info.shard_process_group
         communicator = ScatterCommunicator(compressor, memory, TorchDistributedBackend(shard),
                                            {f"group{index}": shape for index, shape in shapes.items()})
-    layout = [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]
-    config = f"{compressor!r} {memory!r} hsdp={hsdp}"
-    backward: BackwardStep = None  # bound below; the facts read its step count
 
     def facts() -> Dict[str, Any]:
-        return {"config": config, "layout": layout, "steps": backward.steps}
+        return {"config": config, "layout": layout}
 
     lifecycle = StepLifecycle(communicator, world, facts, nonfinite)
     backward = BackwardStep(model, lifecycle)
@@ -160,16 +166,3 @@ def _check_mesh(groups) -> bool:
     if len(seen) > 1:
         raise ValueError(f"FSDP units shard over different rank groups {sorted(seen)}: use one mesh for every unit")
     return kinds.pop()
-
-
-def _check_ranks_agree(model: torch.nn.Module, units, compressor: Compressor, memory: Memory, hsdp: bool) -> None:
-    """Raise :class:`~mergecomp.runtime.agreement.RanksDisagree` on every rank, naming what
-    differs, unless every rank registered the same compressor, memory and units."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("mergecomp.fsdp.register needs torch.distributed initialised (fully_shard "
-                           "does too): call mergecomp.launch.init_distributed() first")
-    facts = {"config": f"{compressor!r} {memory!r} hsdp={hsdp}",
-             "layout": [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]}
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    agreement = StepAgreement(TorchDistributedBackend(), device)
-    agreement.check(agreement.preflight(facts), facts, "at mergecomp.fsdp.register")

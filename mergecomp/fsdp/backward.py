@@ -20,7 +20,7 @@ final by then):
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Optional
 
 import torch
 
@@ -34,9 +34,12 @@ class BackwardStep:
     def __init__(self, model: torch.nn.Module, lifecycle: StepLifecycle):
         self.model = model
         self.lifecycle = lifecycle
-        #: Backwards settled on this rank (committed or dropped): the step number ranks agree on.
-        self.steps = 0
         self._queued = False
+
+    @property
+    def steps(self) -> int:
+        """Backwards settled on this rank (committed or dropped): the step count ranks agree on."""
+        return self.lifecycle.steps
 
     @property
     def dropped(self) -> int:
@@ -54,7 +57,7 @@ class BackwardStep:
             flight = lifecycle.launch(index, buffer, layout, lend=True)
             return lifecycle.finish_now(flight)
         except BaseException:
-            self._abandon()
+            lifecycle.abort()
             raise
 
     def _queue_end(self) -> None:
@@ -73,9 +76,9 @@ class BackwardStep:
         try:
             outcome = lifecycle.end_step(_ignore)
         except BaseException:
-            self._abandon()
+            lifecycle.abort()
             raise
-        self.steps += 1
+        lifecycle.count_step()
         if not outcome.finite:
             self._poison_gradients()
         lifecycle.close_step()
@@ -85,25 +88,12 @@ class BackwardStep:
         if not self._queued:
             self.end()
 
-    def _abandon(self) -> None:
-        """An error inside the step: forget what it staged, on this rank."""
-        for communicator in self.lifecycle.communicators():
-            communicator.rollback()
-        self.lifecycle.discard_step()
-
     def _poison_gradients(self) -> None:
         with torch.no_grad():
             for parameter in self.model.parameters():
                 if parameter.grad is not None:
                     grad = parameter.grad
                     (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("nan"))
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"steps": self.steps, "skipped_steps": self.lifecycle.skipped_steps}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.steps = int(state.get("steps", 0))
-        self.lifecycle.restore(int(state.get("skipped_steps", 0)))
 
 
 def _ignore(flight, average, outcome) -> None:

@@ -3,16 +3,22 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ..checkpoint import CheckpointError, GroupSpec, SOURCE, check_finite, check_shapes, describe_source, seal, verify
+from ..checkpoint import CheckpointError, GroupSpec, SOURCE, check_finite, check_shapes, verify
 from ..compressors.base import Compressor
 from ..memories.base import Memory
+from ..runtime import gate
+from ..runtime.step import SharedSurface
 from .backward import BackwardStep
+
+#: Format of FSDP compression state (2: the envelope every entry point shares,
+#: :func:`mergecomp.runtime.gate.seal_state`; 1 is read too).
+STATE_FORMAT = 2
 
 _ADVICE = ("Nothing was loaded. Load an earlier checkpoint, or go on without this one: error feedback "
            "then restarts from zero")
 
 
-class FSDPCompression:
+class FSDPCompression(SharedSurface):
     """The compressed exchange of every FSDP unit of a model.
 
     ``units``: each unit's name → what exchanges it (a
@@ -37,33 +43,6 @@ class FSDPCompression:
         """The shared :class:`~mergecomp.runtime.step.StepLifecycle` (its listeners, its counts)."""
         return self.backward.lifecycle
 
-    # -- listeners and the step log (as the DDP hook's state) ----------------------------------
-    def add_phase_listener(self, callback):
-        """``callback(phase, group, seconds)`` at each unit's ``"launch"`` and ``"finish"``."""
-        return self.lifecycle.phase_listeners.add(callback)
-
-    def add_step_listener(self, callback):
-        """``callback(step, outcome)`` when a backward is settled on every rank."""
-        return self.lifecycle.step_listeners.add(callback)
-
-    def add_step_log(self, log):
-        """Record every backward's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
-        handle whose ``remove()`` detaches it."""
-        return log.attach(self)
-
-    def communicators(self):
-        return self.lifecycle.communicators()
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.lifecycle.skipped_steps
-
-    @property
-    def backend(self) -> "_Counted":
-        """This rank's collectives as the step log counts them: the exchange's and the
-        agreement's together."""
-        return _Counted(self.lifecycle.backend, self.lifecycle.communicator.backend)
-
     @property
     def wire_bytes(self) -> int:
         """Bytes this rank has sent for every unit so far."""
@@ -78,12 +57,7 @@ class FSDPCompression:
     @property
     def dropped(self) -> int:
         """Backwards dropped because a gradient was non-finite on some rank."""
-        return self.backward.dropped
-
-    @property
-    def steps(self) -> int:
-        """Backwards settled (committed or dropped)."""
-        return self.backward.steps
+        return self.lifecycle.skipped_steps
 
     # -- checkpoints -------------------------------------------------------------------------
     def _configuration(self) -> str:
@@ -97,9 +71,9 @@ class FSDPCompression:
         """This rank's residuals, compressor state and step count, sealed with a checksum.
         Save one file per rank (``mergecomp.save(state.state_dict(), f"fsdp.rank{rank}.pt")``)
         beside FSDP's own checkpoint of the model and optimizer."""
-        return seal({"configuration": self._configuration(), "rank": self.rank, "world_size": self.world_size,
-                     "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict(),
-                     "backward": self.backward.state_dict()})
+        return gate.seal_state("fsdp", STATE_FORMAT, self.lifecycle.backend,
+                               gate.config_digest(self._configuration()), self.lifecycle.state_dict(),
+                               {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()})
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` after every check passed (checksum, configuration, rank,
@@ -111,21 +85,16 @@ class FSDPCompression:
             raise error.advise(_ADVICE) from None
         self.memory.load_state_dict(state.get("memory", {}))
         self.compressor.load_state_dict(state.get("compressor", {}))
-        self.backward.load_state_dict(state.get("backward", {}))
+        self.lifecycle.load_state_dict(gate.lifecycle_state(state))
 
     def _check(self, state: Dict[str, Any]) -> None:
         if not isinstance(state, dict):
             raise CheckpointError(f"FSDP compression state must be the dict state_dict() returned, got "
                                   f"{type(state).__name__}")
         source: Optional[str] = state.get(SOURCE)
-        where = describe_source(source)
         verify(state, "FSDP compression state", source, self.groups())
-        for key, here in (("configuration", self._configuration()), ("rank", self.rank),
-                          ("world_size", self.world_size)):
-            if state.get(key) != here:
-                raise CheckpointError(f"{where}: it was saved with {key} {state.get(key)!r}, this run has "
-                                      f"{here!r}: residuals belong to one rank of one configuration; "
-                                      f"load each rank's own file of the same run")
+        gate.check_envelope(state, "fsdp", STATE_FORMAT, self.lifecycle.backend,
+                            gate.config_digest(self._configuration()), _ADVICE, described=self._configuration())
         groups = self.groups()
         check_finite(state, "FSDP compression state", source, groups)
         check_shapes(self.memory, state.get("memory", {}), groups, f"the {self.memory!r} state", source)
@@ -134,20 +103,3 @@ class FSDPCompression:
     def __repr__(self) -> str:
         return (f"FSDPCompression({self.compressor!r}, {self.memory!r}, units={list(self.units)}"
                 f"{', hsdp' if self.hsdp else ''})")
-
-
-class _Counted:
-    """Two backends' counters summed (the step lifecycle's, for the agreement, and the
-    exchange's process group), with the first one's rank."""
-
-    def __init__(self, *backends):
-        self._backends = {id(b): b for b in backends}.values()
-        self.rank = backends[0].rank
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(b.bytes_sent for b in self._backends)
-
-    @property
-    def wire_bytes(self) -> int:
-        return sum(b.wire_bytes for b in self._backends)

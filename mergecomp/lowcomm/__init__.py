@@ -1,9 +1,9 @@
 """Low-communication training: local steps between exchanges (DiLoCo, streaming DiLoCo).
 
-:class:`DiLoCo` wraps the user's optimizer; :class:`~mergecomp.lowcomm.schedule.SyncSchedule`
+:class:`DiLoCo` wraps the user's optimizer; :class:`~mergecomp.lowcomm.fragments.SyncSchedule`
 says when each fragment is exchanged.  See docs/low-communication.md.
 """
-from .diloco import DiLoCo, recommended_outer_momentum
-from .schedule import SyncSchedule
+from .diloco import DiLoCo, nesterov_sgd, recommended_outer_momentum
+from .fragments import SyncSchedule
 
-__all__ = ["DiLoCo", "SyncSchedule", "recommended_outer_momentum"]
+__all__ = ["DiLoCo", "SyncSchedule", "nesterov_sgd", "recommended_outer_momentum"]

@@ -10,7 +10,7 @@ exchanges each rank trains alone with its *inner* optimizer; then, per fragment,
 
     Δᵢ = θ̄ − θᵢ                       this rank's pseudo-gradient (the weights' change)
     Δ̄  = average over ranks of Δᵢ       through the configured compressor, memory, communicator
-    θ̄  ← outer_step(θ̄, Δ̄)               SGD with Nesterov momentum (lr 0.7, momentum 0.9)
+    θ̄  ← outer optimizer's step(Δ̄)     SGD with Nesterov momentum (lr 0.7, momentum 0.9), or yours
     θᵢ ← (1 − mix)·θ̄ + mix·θᵢ           every rank restarts from the new anchor (mix = 0)
 
 so an exchange sends one compressed copy of the fragment every ``sync_every`` inner steps
@@ -32,32 +32,35 @@ without momentum, the paper's 0.9.  docs/low-communication.md has the measuremen
 Why a wrapper of the inner optimizer, like :class:`~mergecomp.DistributedOptimizer`: the
 training loop stays ``loss.backward(); opt.step()``, LR schedulers and gradient clipping act
 on the inner optimizer as usual, and the outer step, which is not a gradient step of the
-user's, belongs to this object.  The exchange itself is the shared
-:class:`~mergecomp.runtime.step.StepLifecycle`: a preflight of what ranks must agree on,
-the non-finite check, commit or rollback of compressor and memory state.
+user's, belongs to this object.  The outer step is a real optimizer's ``step()`` (as in
+torchft's ``local_sgd``): ``outer_optimizer`` builds it over the anchors.  The exchange
+itself is the shared :class:`~mergecomp.runtime.step.StepLifecycle` (a preflight of what
+ranks must agree on, the non-finite check, commit or rollback of compressor and memory
+state), and construction and checkpoints pass the shared :mod:`~mergecomp.runtime.gate`.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import arguments, checkpoint, communicators, compressors
-from ..distributed.backends import Backend, default_backend
+from .. import arguments, checkpoint, communicators
 from ..communicators.base import Communicator
-from ..compressors import recipes
-from ..compressors.base import Compressor, ParamView
+from ..compressors.base import Compressor
+from ..distributed.backends import Backend, default_backend
 from ..memories.base import Memory, check_number
-from ..runtime.agreement import RanksDisagree, describe_disagreement
-from ..runtime.reducer import broadcast_tensors, config_digest
-from ..runtime.step import StepLifecycle, check_nonfinite_policy
 from ..momentum import optimizer_momentum
-from .schedule import SyncSchedule, fragment_cuts
+from ..runtime import gate
+from ..runtime.step import SharedSurface, StepLifecycle, check_nonfinite_policy
+from .fragments import Fragment, SyncSchedule, fragment_cuts
 
 #: The outer momentum for an inner optimizer with heavy-ball momentum, and the paper's otherwise.
 HEAVY_BALL_OUTER_MOMENTUM, PAPER_OUTER_MOMENTUM = 0.5, 0.9
+
+#: Builds the outer optimizer over the fragments' anchors (flat tensors, one per fragment).
+OuterOptimizer = Callable[[List[torch.Tensor]], torch.optim.Optimizer]
 
 
 def heavy_ball(optimizer) -> list:
@@ -73,95 +76,31 @@ def recommended_outer_momentum(optimizer) -> float:
     return HEAVY_BALL_OUTER_MOMENTUM if heavy_ball(optimizer) else PAPER_OUTER_MOMENTUM
 
 
-#: Format of the ``"mergecomp"`` part of a DiLoCo state dict.
-STATE_FORMAT = 1
+def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> OuterOptimizer:
+    """The default outer optimizer: ``torch.optim.SGD`` with Nesterov momentum over the anchors,
+    fused where torch has a fused kernel for them (float32 and float64 on CPU and CUDA: the
+    same arithmetic, without a temporary of the fragment's size per step)."""
+
+    def build(anchors: List[torch.Tensor]) -> torch.optim.Optimizer:
+        options = dict(lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+        if all(a.dtype in (torch.float32, torch.float64) and a.device.type in ("cpu", "cuda") for a in anchors):
+            try:
+                return torch.optim.SGD(anchors, fused=True, **options)
+            except (TypeError, RuntimeError, ValueError):  # a torch without the fused kernel here
+                pass
+        return torch.optim.SGD(anchors, **options)
+
+    return build
+
+
+#: Format of the ``"mergecomp"`` part of a DiLoCo state dict (2: the envelope every entry
+#: point shares, :func:`mergecomp.runtime.gate.seal_state`, and one outer optimizer).
+STATE_FORMAT = 2
 ADVICE = ("Nothing was loaded. Load an earlier checkpoint of this rank (every rank saves and "
           "loads its own: the local weights differ between exchanges)")
 
 
-class Fragment:
-    """A contiguous run of parameters exchanged together: their flat anchor, outer optimizer
-    and the buffer their pseudo-gradient is formed in.
-
-    An exchange is every H inner steps a handful of passes over the fragment, and nothing
-    else: the pseudo-gradient is written parameter by parameter into ``delta``, a buffer
-    kept from one exchange to the next (a new one each time would cost a fresh allocation
-    of the fragment's size, page faults included), and the outer step and the merge write
-    in place.  The price is one more copy of the fragment held between exchanges (two with
-    overlap: the pseudo-gradient in flight is kept for a checkpoint taken meanwhile).
-    """
-
-    def __init__(self, index: int, params: List[Tuple[str, torch.nn.Parameter]], outer_lr: float,
-                 outer_momentum: float, nesterov: bool):
-        self.index, self.params = index, params
-        dtypes = sorted({str(p.dtype) for _, p in params})
-        if len(dtypes) > 1:
-            raise ValueError(f"fragment {index} ({params[0][0]} .. {params[-1][0]}) mixes dtypes {dtypes}: "
-                             "its pseudo-gradient is one flat buffer; use parameters of one dtype, or more "
-                             "fragments so that a dtype change falls between two")
-        offset, views = 0, []
-        for name, p in params:
-            views.append(ParamView(name, p.shape, offset))
-            offset += p.numel()
-        self.layout, self.numel = tuple(views), offset
-        self.anchor = self.flat().clone()
-        self.delta = torch.empty_like(self.anchor)
-        self.kept: Optional[torch.Tensor] = None  # with overlap: the pseudo-gradient in flight, for checkpoints
-        self.outer = torch.optim.SGD([self.anchor], lr=outer_lr, momentum=outer_momentum,
-                                     nesterov=nesterov and outer_momentum > 0)
-
-    def flat(self) -> torch.Tensor:
-        """The local weights, as one new flat tensor."""
-        return torch.cat([p.detach().reshape(-1) for _, p in self.params])
-
-    def _pairs(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(anchor slice, delta slice, local weights) per parameter, in the parameter's shape."""
-        for view, (_, p) in zip(self.layout, self.params):
-            end = view.offset + view.numel
-            yield self.anchor[view.offset:end].view(p.shape), self.delta[view.offset:end].view(p.shape), p.detach()
-
-    def pseudo_gradient(self) -> torch.Tensor:
-        """Δ = anchor − local weights, written into ``delta`` (one pass, no new tensor)."""
-        for anchor, delta, local in self._pairs():
-            torch.sub(anchor, local, out=delta)
-        return self.delta
-
-    def outer_step(self, average: torch.Tensor) -> None:
-        """The outer SGD step on ``anchor`` with gradient ``average``: the arithmetic of
-        ``torch.optim.SGD`` (its momentum buffer in ``outer.state``, so checkpoints are the
-        optimizer's own), written in place; the Nesterov look-ahead goes into ``delta``,
-        free once the exchange has finished (``average`` may be ``delta`` itself)."""
-        group = self.outer.param_groups[0]
-        lr, momentum = group["lr"], group["momentum"]
-        step = average
-        with torch.no_grad():
-            if momentum != 0:
-                state = self.outer.state[self.anchor]
-                buffer = state.get("momentum_buffer")
-                if buffer is None:
-                    state["momentum_buffer"] = buffer = average.detach().clone()
-                else:
-                    buffer.mul_(momentum).add_(average)
-                step = torch.add(average, buffer, alpha=momentum, out=self.delta) if group["nesterov"] else buffer
-            self.anchor.add_(step, alpha=-lr)
-
-    def merge(self, mix: float) -> None:
-        """Local weights ← (1 − mix)·anchor + mix·local, in place (mix = 0: the anchor)."""
-        with torch.no_grad():
-            for anchor, _, local in self._pairs():
-                if mix == 0.0:
-                    local.copy_(anchor)
-                else:
-                    torch.lerp(anchor, local, mix, out=local)
-
-    def write(self, flat: torch.Tensor) -> None:
-        """Set the local weights from a flat tensor."""
-        with torch.no_grad():
-            for view, (_, p) in zip(self.layout, self.params):
-                p.copy_(flat[view.offset:view.offset + view.numel].view_as(p))
-
-
-class DiLoCo(torch.optim.Optimizer):
+class DiLoCo(SharedSurface, torch.optim.Optimizer):
     """Wraps the inner ``optimizer``: ``step()`` is an inner step, and every ``sync_every``
     steps (per fragment) an outer step on the pseudo-gradient averaged over ranks.
 
@@ -172,10 +111,16 @@ class DiLoCo(torch.optim.Optimizer):
             ``param.<i>``); their order cuts the fragments.
         model: its parameters and buffers are copied from rank 0 at construction.
         sync_every: H, inner steps between two exchanges of a fragment.
-        outer_lr, outer_momentum, nesterov: the outer SGD (0.7, 0.9, Nesterov in the paper,
-            with an inner AdamW; outer momentum 0.5 with an inner SGD with momentum, which is
-            warned about otherwise; lr 1 and momentum 0 make the new anchor the plain average
-            of the ranks' weights).
+        outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD (0.7, 0.9,
+            Nesterov in the paper, with an inner AdamW; outer momentum 0.5 with an inner SGD
+            with momentum, which is warned about otherwise; lr 1 and momentum 0 make the new
+            anchor the plain average of the ranks' weights).
+        outer_optimizer: your own instead, as a function that builds it over the anchors (a
+            list of flat tensors, one per fragment), e.g.
+            ``lambda anchors: torch.optim.SGD(anchors, lr=0.7, momentum=0.9, nesterov=True)``
+            or ``functools.partial(torch.optim.AdamW, lr=...)``; it is :attr:`outer_optimizer`
+            (LR schedulers act on it) and its state is checkpointed.  Each fragment's anchor
+            gets a gradient only when its own exchange ends.
         compressor, memory, communicator: how the pseudo-gradient travels, as for
             :class:`~mergecomp.DistributedOptimizer` (default: uncompressed allreduce).
         fragments: K contiguous fragments balanced by size, at staggered offsets (streaming).
@@ -193,6 +138,7 @@ class DiLoCo(torch.optim.Optimizer):
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None, *,
                  sync_every: int, model: Optional[torch.nn.Module] = None,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_optimizer: Optional[OuterOptimizer] = None,
                  compressor: Union[str, Compressor] = "none", memory: Union[None, str, Memory] = "auto",
                  communicator: Union[None, str, Communicator] = "auto",
                  fragments: int = 1, overlap: int = 0, mix: Optional[float] = None,
@@ -202,6 +148,10 @@ class DiLoCo(torch.optim.Optimizer):
                             f"got {type(optimizer).__name__}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if outer_optimizer is not None and not callable(outer_optimizer):
+            raise TypeError(f"outer_optimizer must build the outer optimizer from a list of tensors (e.g. "
+                            f"lambda anchors: torch.optim.SGD(anchors, lr=0.7, momentum=0.9, nesterov=True)), "
+                            f"got {outer_optimizer!r}")
         self.schedule = SyncSchedule(sync_every, fragments, overlap)
         outer_lr = check_number(outer_lr, "outer_lr", 0.0, float("inf"), low_open=True, high_open=True,
                                 advice="DiLoCo uses 0.7.")
@@ -215,28 +165,40 @@ class DiLoCo(torch.optim.Optimizer):
                                 "anchor)", 0.0, 1.0, high_open=True, advice="0 replaces them; the streaming "
                                 "paper uses 0.5 with overlap.")
         self.nonfinite = check_nonfinite_policy(nonfinite)
-        _warn_if_heavy_ball(optimizer, outer_momentum)
+        if outer_optimizer is None:
+            _warn_if_heavy_ball(optimizer, outer_momentum)
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
         self._share_inner()
         self.backend = backend if backend is not None else default_backend()
 
-        params = _named_trainable(optimizer, named_parameters if named_parameters is not None
-                                  else model.named_parameters() if model is not None else None)
+        params = gate.trainable_parameters(optimizer, named_parameters, model, who="the inner optimizer")
         if not params:
             raise ValueError("the inner optimizer has no parameter that requires a gradient: nothing to train")
         self.compressor, self.memory, communicator = arguments.resolve(compressor, memory, communicator)
         self.communicator = communicator if isinstance(communicator, Communicator) else communicators.create(
             communicator, compressor=self.compressor, memory=self.memory, backend=self.backend)
-        compressors.check_dtypes(self.compressor, sorted({p.dtype for _, p in params}, key=str))
-        recipes.warn_if_contradicted(self.compressor, None, self.memory)
-        self.config = config_digest(self.compressor, self.memory, self.communicator, self.schedule,
-                                    outer_lr, outer_momentum, nesterov, self.mix, nonfinite)
-        self._check_ranks_agree(params)
-        _broadcast_model(self.backend, params, model)
+        # The compressor acts on the pseudo-gradient, not on the inner optimizer's gradient:
+        # its recipe is judged without the inner optimizer.
+        gate.vet_optimizer(None, self.compressor, self.memory, {p.dtype for _, p in params})
+        outer = "default" if outer_optimizer is None else _describe(outer_optimizer)
+        self.config = gate.config_digest(self.compressor, self.memory, self.communicator, self.schedule,
+                                         outer_lr, outer_momentum, nesterov, self.mix, nonfinite,
+                                         *([outer] if outer_optimizer is not None else []))
+        gate.check_same_parameters(self.backend, params)
+        gate.check_ranks_agree(self.backend, "on the model or the DiLoCo configuration at construction", {
+            "compressor": repr(self.compressor), "memory": repr(self.memory),
+            "communicator": repr(self.communicator), "sync_every": self.schedule.sync_every,
+            "fragments": self.schedule.fragments, "overlap": self.schedule.overlap,
+            "outer_optimizer": outer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+            "nesterov": nesterov, "mix": self.mix, "nonfinite": nonfinite, "config": self.config})
+        gate.start_from_rank0(self.backend, params, model)
         cuts = [0] + fragment_cuts([p.numel() for _, p in params], fragments) + [len(params)]
-        self.fragments = [Fragment(f, params[a:b], outer_lr, outer_momentum, nesterov)
-                          for f, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        self.fragments = [Fragment(f, params[a:b]) for f, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        build = outer_optimizer if outer_optimizer is not None else nesterov_sgd(outer_lr, outer_momentum, nesterov)
+        self.outer_optimizer = _built_outer(build, [f.anchor for f in self.fragments])
+        for fragment in self.fragments:
+            fragment.outer = self.outer_optimizer
         self.lifecycle = StepLifecycle(self.communicator, self.backend, self._facts, nonfinite)
         self.lifecycle.dropped_means = ("the outer step was not applied: anchor, outer momentum, compressor and "
                                         "memory state are as before, every fragment's weights are back at its anchor")
@@ -246,31 +208,15 @@ class DiLoCo(torch.optim.Optimizer):
         self._pending: Optional[Dict[str, Any]] = None  # it, as a checkpoint resumes it
         self._relaunch = False  # a loaded checkpoint's exchange is launched again at the next step
 
-    # -- construction ----------------------------------------------------------------------------
-    def _check_ranks_agree(self, params) -> None:
-        """Same parameters and configuration on every rank, or an error naming each rank's."""
-        mine = {"parameters": [[n, list(p.shape), str(p.dtype)] for n, p in params],
-                "compressor": repr(self.compressor), "memory": repr(self.memory),
-                "communicator": repr(self.communicator), "config": self.config}
-        everyone = self.backend.allgather_object(mine)
-        if any(theirs != mine for theirs in everyone):
-            raise RanksDisagree(describe_disagreement(everyone, "on the model or the DiLoCo configuration at "
-                                                                "construction"))
-
     def _share_inner(self) -> None:
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
 
     def _facts(self) -> Dict[str, Any]:
-        return {"steps": self.inner_steps, "outer_steps": self.outer_steps, "config": self.config,
+        return {"inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "config": self.config,
                 "fragment": self._exchange}
 
     # -- the step --------------------------------------------------------------------------------
-    @property
-    def skipped_steps(self) -> int:
-        """Outer steps dropped on every rank because a pseudo-gradient was NaN or Inf."""
-        return self.lifecycle.skipped_steps
-
     def step(self, closure=None):
         """An inner step; then, on schedule, finish a fragment's exchange and launch the next."""
         loss = None
@@ -286,24 +232,27 @@ class DiLoCo(torch.optim.Optimizer):
         for f in self.schedule.finishing(self.inner_steps) if overlap else ():
             self._finish(f)  # before the next launch: one exchange in flight at a time
         for f in self.schedule.launching(self.inner_steps):
-            fragment = self.fragments[f]
-            self._launch(f, self.inner_steps, fragment.pseudo_gradient())
+            self._launch(f, self.inner_steps, None)
             if not overlap:
                 self._finish(f)
         return loss
 
-    def _launch(self, f: int, step: int, delta: torch.Tensor) -> None:
+    def _launch(self, f: int, step: int, delta: Optional[torch.Tensor]) -> None:
+        """Begin an exchange of fragment ``f`` (its pseudo-gradient now, or ``delta`` from a
+        checkpoint)."""
         fragment = self.fragments[f]
-        if self.schedule.overlap:  # a checkpoint taken before it finishes launches it again
-            if fragment.kept is None:  # the communicator may write into ``delta``: keep a copy
-                fragment.kept = torch.empty_like(delta)
-            self._pending = {"fragment": f, "step": step, "delta": fragment.kept.copy_(delta)}
         self._exchange = f
-        self.lifecycle.begin(step, delta.device)
+        self.lifecycle.begin(step, fragment.anchor.device)
         try:
+            if delta is None:
+                delta = fragment.pseudo_gradient()
+            if self.schedule.overlap:  # a checkpoint taken before it finishes launches it again
+                if fragment.kept is None:  # the communicator may write into ``delta``: keep a copy
+                    fragment.kept = torch.empty_like(delta)
+                self._pending = {"fragment": f, "step": step, "delta": fragment.kept.copy_(delta)}
             self.lifecycle.launch(f, delta, fragment.layout, "compress", lend=True)
         except BaseException:
-            self.lifecycle.discard_step()
+            self.lifecycle.abort()
             self._exchange = self._pending = None
             raise
 
@@ -311,6 +260,9 @@ class DiLoCo(torch.optim.Optimizer):
         fragment, averages = self.fragments[f], []
         try:
             outcome = self.lifecycle.end_step(lambda flight, average, outcome: averages.append(average))
+        except BaseException:
+            self.lifecycle.abort()
+            raise
         finally:
             self._exchange = self._pending = None
         if outcome.finite:
@@ -322,6 +274,7 @@ class DiLoCo(torch.optim.Optimizer):
             # this fragment alone would leave them to poison it again, one drop after another)
             for each in self.fragments:
                 each.merge(0.0)
+        self.lifecycle.count_step()
         self.lifecycle.close_step()
 
     @contextlib.contextmanager
@@ -345,22 +298,20 @@ class DiLoCo(torch.optim.Optimizer):
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The inner optimizer's state and this rank's DiLoCo state, sealed: the anchors, the
-        outer optimizers, compressor and memory state, the counters, this rank's local weights
+        outer optimizer, compressor and memory state, the counters, this rank's local weights
         (they differ between ranks until the next exchange) and an exchange still in flight
         (launched again when the checkpoint resumes).  Every rank saves its own."""
         return {
             "optimizer": self.optimizer.state_dict(),
-            "mergecomp": checkpoint.seal({
-                "format": STATE_FORMAT, "kind": "diloco",
+            "mergecomp": gate.seal_state("diloco", STATE_FORMAT, self.backend, self.config,
+                                         self.lifecycle.state_dict(), {
                 "anchors": [f.anchor.detach().clone() for f in self.fragments],
-                "outer": [f.outer.state_dict() for f in self.fragments],
+                "outer": self.outer_optimizer.state_dict(),
                 "local": [f.flat() for f in self.fragments],
                 "communicator": self.communicator.state_dict(),
                 "pending": None if self._pending is None else {**self._pending,
                                                                "delta": self._pending["delta"].clone()},
                 "inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
-                "skipped_steps": self.skipped_steps,
-                "rank": self.backend.rank, "world_size": self.backend.size, "config": self.config,
             }),
         }
 
@@ -375,51 +326,65 @@ class DiLoCo(torch.optim.Optimizer):
             raise checkpoint.CheckpointError("the state is not one DiLoCo.state_dict() wrote (no 'mergecomp' "
                                              "part of kind 'diloco')", ADVICE)
         source = ours.get(checkpoint.SOURCE)
-        where = checkpoint.describe_source(source)
         groups = {f"group{f.index}": checkpoint.GroupSpec(f.numel, f.anchor.dtype, f.layout) for f in self.fragments}
         try:
             checkpoint.verify(ours, "DiLoCo state", source, groups)
-            self._check_belongs_here(ours, where)
+            gate.check_envelope(ours, "diloco", STATE_FORMAT, self.backend, self.config, ADVICE,
+                                described=f"{self.compressor!r}, {self.memory!r}, {self.schedule!r}")
+            self._check_shapes(ours, checkpoint.describe_source(source))
             for key in ("anchors", "outer"):
-                checkpoint.check_finite(ours[key], "DiLoCo state", source, groups, key)
+                checkpoint.check_finite({key: ours.get(key)}, "DiLoCo state", source, groups)
             checkpoint.check_state(self.communicator, ours.get("communicator", {}), groups, source)
         except checkpoint.CheckpointError as error:
             raise error.advise(ADVICE) from None
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._share_inner()
-        for fragment, anchor, outer, local in zip(self.fragments, ours["anchors"], ours["outer"], ours["local"]):
+        for fragment, anchor, local in zip(self.fragments, ours["anchors"], ours["local"]):
             fragment.anchor.data.copy_(anchor)
-            fragment.outer.load_state_dict(outer)
             fragment.write(local)
+        self.outer_optimizer.load_state_dict(ours["outer"])
         self.communicator.load_state_dict(ours.get("communicator", {}))
         self.inner_steps, self.outer_steps = int(ours["inner_steps"]), int(ours["outer_steps"])
-        self.lifecycle.restore(ours.get("skipped_steps", 0))
+        self.lifecycle.load_state_dict(gate.lifecycle_state(ours))
         self._pending = ours.get("pending")
         self._relaunch = self._pending is not None
 
-    def _check_belongs_here(self, ours: Dict[str, Any], where: str) -> None:
-        rank, size = self.backend.rank, self.backend.size
-        problems = []
-        if ours.get("format", 1) > STATE_FORMAT:
-            problems.append(f"it has state format {ours['format']}, newer than this mergecomp reads "
-                            f"({STATE_FORMAT}): upgrade mergecomp")
-        if ours.get("world_size") != size or ours.get("rank") != rank:
-            problems.append(f"it was saved by rank {ours.get('rank')} of {ours.get('world_size')}, and rank "
-                            f"{rank} of {size} is loading it: each rank loads the file it saved "
-                            f"(e.g. f'ckpt.rank{{rank}}.pt') in a run of as many ranks")
-        if ours.get("config") != self.config:
-            problems.append(f"it belongs to another configuration (digest {ours.get('config')}, this run "
-                            f"{self.config}: {self.compressor!r}, {self.memory!r}, {self.schedule!r})")
+    def _check_shapes(self, ours: Dict[str, Any], where: str) -> None:
         shapes = [tuple(a.shape) for a in ours.get("anchors", [])]
         wanted = [(f.numel,) for f in self.fragments]
-        if not problems and shapes != wanted:
-            problems.append(f"its anchors have shapes {shapes}, this model's fragments {wanted}")
-        if problems:
-            raise checkpoint.CheckpointError(f"{where}: " + "; ".join(problems), ADVICE)
+        local = [tuple(a.shape) for a in ours.get("local", [])]
+        if shapes != wanted or local != wanted:
+            raise checkpoint.CheckpointError(f"{where}: its anchors have shapes {shapes} and its local weights "
+                                             f"{local}, this model's fragments {wanted}", ADVICE)
+        if not isinstance(ours.get("outer"), dict) or "param_groups" not in ours["outer"]:
+            raise checkpoint.CheckpointError(f"{where}: its outer optimizer state is not an optimizer's "
+                                             f"state_dict ({type(ours.get('outer')).__name__})", ADVICE)
 
     def __repr__(self) -> str:
         return (f"DiLoCo({type(self.optimizer).__name__}, {self.schedule!r}, {self.communicator!r}, "
                 f"ranks={self.backend.size})")
+
+
+def _built_outer(build: OuterOptimizer, anchors: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """The outer optimizer ``build`` makes over ``anchors``, checked: a torch optimizer that
+    steps exactly the anchors."""
+    built = build(list(anchors))
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(f"outer_optimizer built a {type(built).__name__}, not a torch.optim.Optimizer")
+    stepped = [p for group in built.param_groups for p in group["params"]]
+    if len(stepped) != len(anchors) or {id(p) for p in stepped} != {id(a) for a in anchors}:
+        raise ValueError(f"outer_optimizer must step exactly the {len(anchors)} anchor tensor(s) it is given "
+                         f"(one per fragment), got an optimizer over {len(stepped)} tensor(s)")
+    return built
+
+
+def _describe(build: Callable) -> str:
+    """What ranks compare of a user's outer optimizer factory: its name (a function's
+    qualified name, or a partial's function and arguments)."""
+    func = getattr(build, "func", None)
+    if func is not None:
+        return f"{getattr(func, '__qualname__', repr(func))}(*{getattr(build, 'args', ())}, **{getattr(build, 'keywords', {})})"
+    return getattr(build, "__qualname__", type(build).__name__)
 
 
 def _warn_if_heavy_ball(optimizer, outer_momentum: float) -> None:
@@ -433,29 +398,3 @@ def _warn_if_heavy_ball(optimizer, outer_momentum: float) -> None:
             f"Use outer_momentum={HEAVY_BALL_OUTER_MOMENTUM} (mergecomp.lowcomm.recommended_outer_momentum), "
             f"or an inner AdamW with the paper's {PAPER_OUTER_MOMENTUM}; docs/low-communication.md has the "
             f"measurements", UserWarning, stacklevel=3)
-
-
-def _named_trainable(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
-    """The optimizer's parameters that require gradients, in the order of ``named_parameters``
-    (else the optimizer's, named ``param.<i>``)."""
-    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
-    else:
-        named = list(named_parameters)
-        known = {id(p) for _, p in named}
-        missing = sum(1 for p in in_optimizer if id(p) not in known)
-        if missing:
-            raise ValueError(f"{missing} parameters of the inner optimizer are missing from named_parameters; "
-                             "pass model.named_parameters() of the model the optimizer trains")
-        wanted = {id(p) for p in in_optimizer}
-        named = [(n, p) for n, p in named if id(p) in wanted]
-    return [(n, p) for n, p in named if p.requires_grad]
-
-
-def _broadcast_model(backend: Backend, params, model: Optional[torch.nn.Module]) -> None:
-    """Every rank starts from rank 0's parameters (and the model's buffers)."""
-    tensors = [p for _, p in params] + ([b for _, b in model.named_buffers()] if model is not None else [])
-    if backend.size > 1 and tensors:
-        with torch.no_grad():
-            broadcast_tensors(backend, tensors, src=0)

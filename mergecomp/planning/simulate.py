@@ -44,6 +44,8 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
+import torch
+
 from .. import compressors
 from ..plan import COMPRESS_VIA, is_compressed
 from .optimal import OptimalScheduler
@@ -188,7 +190,7 @@ def measured_latency(profile: Profile) -> float:
     return measured.intercept / (2 * (profile.world_size - 1))
 
 
-def model_profile(model: "torch.nn.Module", compute_time: float, forward_fraction: float = 1 / 3) -> Profile:
+def model_profile(model: torch.nn.Module, compute_time: float, forward_fraction: float = 1 / 3) -> Profile:
     """A profile skeleton (timeline only) for ``model``'s trainable parameters."""
     if not compute_time > 0:
         raise ValueError(f"--compute-time must be > 0 seconds (forward + backward of one "
@@ -205,7 +207,7 @@ def model_profile(model: "torch.nn.Module", compute_time: float, forward_fractio
                    backward_time=backward)
 
 
-def build_model(spec: str) -> "torch.nn.Module":
+def build_model(spec: str) -> torch.nn.Module:
     """The module built by ``MODULE:FACTORY`` (a function of no arguments), for ``--model``."""
     module_name, sep, factory_name = spec.partition(":")
     if not sep or not module_name or not factory_name:

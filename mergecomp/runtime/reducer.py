@@ -32,8 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-import zlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -46,7 +45,7 @@ from .. import communicators
 from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan
 from ..planning.costmodel import priced_collectives
 from .regroup import Layout, group_sizes, regroup_state
-from .step import InFlight, Listeners, StepLifecycle
+from .step import InFlight, Listeners, SharedSurface, StepLifecycle
 from ..schedulers.base import Scheduler
 
 
@@ -109,7 +108,7 @@ class GroupState:
             "(model.to(...)), then build the optimizer and DistributedOptimizer around it.")
 
 
-class Reducer:
+class Reducer(SharedSurface):
     """Runs the exchange of ``named_params``' gradients by a plan, from autograd hooks.
 
     Args:
@@ -158,10 +157,6 @@ class Reducer:
         self.synchronized = False
         self._awaiting_step = False
         self._written: Dict[str, torch.Tensor] = {}
-        #: Steps applied (counted by the owner through :meth:`step_done`).
-        self.steps = 0
-        #: The epoch set by :meth:`set_epoch`, None before (part of what ranks must agree on).
-        self.epoch: Optional[int] = None
         #: Digest of the last loaded state (ranks must have loaded alike).
         self.loaded = ""
         #: Parameters taken in after construction (:meth:`add_params`), in order.
@@ -192,32 +187,16 @@ class Reducer:
         handle to stop."""
         return self.ready_listeners.add(callback)
 
-    def add_phase_listener(self, callback: Callable[[str, InFlight, float], None]) -> RemovableHandle:
-        """Call ``callback(phase, group, seconds)`` after each group's ``"launch"`` (gather,
-        memory, compression, collective start) and ``"finish"`` (decode, aggregate, average,
-        write-back, after the collective is done); ``group`` has ``index``, ``send``,
-        ``numel``.  Timing only."""
-        return self.lifecycle.phase_listeners.add(callback)
-
-    def add_step_listener(self, callback: Callable[[int, StepOutcome], None]) -> RemovableHandle:
-        """Call ``callback(step, outcome)`` when a step's exchange is settled (committed or
-        dropped, before a ``NonFiniteGradient`` is raised); with phase listeners attached,
-        each group also has ``wait_seconds`` (blocked on its collective) by then."""
-        return self.lifecycle.step_listeners.add(callback)
-
     @property
-    def skipped_steps(self) -> int:
-        """Steps dropped because a gradient was non-finite."""
-        return self.lifecycle.skipped_steps
-
-    def communicators(self) -> List[Communicator]:
-        """Every communicator this reducer sends with (compressed, then raw widths)."""
-        return self.lifecycle.communicators()
+    def steps(self) -> int:
+        """Steps applied (counted through :meth:`step_done`)."""
+        return self.lifecycle.steps
 
     def facts(self) -> Dict[str, Any]:
-        """What every rank must agree on before a step's exchange (see mergecomp.runtime.agreement)."""
-        facts = {"plan": self.plan.digest() if self.plan is not None else None, "steps": self.steps,
-                 "epoch": self.epoch, "config": self.config, "state": self.loaded}
+        """What every rank must agree on before a step's exchange besides the lifecycle's
+        step count and epoch (see mergecomp.runtime.agreement)."""
+        facts = {"plan": self.plan.digest() if self.plan is not None else None,
+                 "config": self.config, "state": self.loaded}
         if self.added:
             facts["added"] = self.added
         return facts
@@ -388,7 +367,13 @@ class Reducer:
             group.remaining -= 1
             complete = complete or group.remaining == 0
         if complete:
-            self._launch_ready_groups()
+            try:
+                self._launch_ready_groups()
+            except BaseException:  # a disagreement, a lost peer: nothing of the step is kept
+                self.lifecycle.abort()
+                self._reset_iteration()
+                self._in_backward = False
+                raise
 
     def _begin_backward_pass(self, name: str) -> None:
         """First gradient of a backward pass: check the step is a fresh one, launch the
@@ -453,8 +438,9 @@ class Reducer:
                 self._launch(self.groups[self._next_launch])
             used = self._used_map() if self.find_unused_parameters else None
             outcome = self.lifecycle.end_step(self._write_back, active=active, used=used, joining=self.joining)
-        finally:
-            self.lifecycle.discard_step()
+        except BaseException:
+            self.lifecycle.abort()
+            raise
         self._reset_iteration()
         self.synchronized = True
         self._awaiting_step = True
@@ -539,7 +525,7 @@ class Reducer:
         joins the facts); ``steps``, when it holds a step count, continues it."""
         self.loaded = digest
         if steps is not None:
-            self.steps = steps
+            self.lifecycle.steps = steps
             self.synchronized = False
 
     def zero_grad_called(self) -> None:
@@ -550,47 +536,12 @@ class Reducer:
         """The owner's step is over (``applied``: its optimizer stepped): the next exchange,
         with or without a backward pass, is a new step."""
         if applied:
-            self.steps += 1
+            self.lifecycle.count_step()
         self._awaiting_step = False
         self.synchronized = False
-
-    def set_epoch(self, epoch: int) -> None:
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        if self.in_iteration():
-            raise RuntimeError("set_epoch() must be called between steps, not during backward")
-        self.epoch = epoch
-        for component in (self.communicator.compressor, self.communicator.memory):
-            if hasattr(component, "set_epoch"):
-                component.set_epoch(epoch)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (e.g. before wrapping them again)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-
-def config_digest(*parts: Any) -> str:
-    """A short digest of configuration reprs (what ranks must agree on)."""
-    text = "|".join(repr(p) for p in parts)
-    return f"{zlib.crc32(text.encode()):08x}"
-
-
-def broadcast_tensors(backend: Backend, tensors: Iterable[torch.Tensor], src: int = 0) -> None:
-    """Overwrite ``tensors`` on every rank with rank ``src``'s, one collective per dtype and
-    device (the tensors are flattened into one buffer each)."""
-    buckets: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = collections.OrderedDict()
-    for t in tensors:
-        buckets.setdefault((t.dtype, t.device), []).append(t)
-    for (dtype, device), members in buckets.items():
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        if flat.numel() == 0:
-            continue
-        wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # gloo has no bool
-        backend.broadcast(wire, src)
-        offset = 0
-        for t in members:
-            n = t.numel()
-            t.data.copy_(flat[offset:offset + n].view_as(t))
-            offset += n

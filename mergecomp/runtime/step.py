@@ -21,13 +21,20 @@ futures.  Everything between is here, in this order:
 4. :meth:`StepLifecycle.close_step`: the step listeners, then the warning or
    :class:`~mergecomp.runtime.agreement.NonFiniteGradient` of a dropped step, raised once the
    entry point has closed its step so that a caller who catches it can go on.
+
+An error inside a step (a collective that failed, a disagreement) ends in
+:meth:`StepLifecycle.abort`: every communicator rolls back what the step staged, and the
+step is forgotten.  The lifecycle keeps its own counters (the step count ranks agree on,
+the dropped steps, the epoch) and saves them in one :meth:`~StepLifecycle.state_dict`;
+:class:`SharedSurface` is what every entry point offers its users from them (listeners, the
+step log, ``set_epoch``, ``skipped_steps``, ``steps``, ``communicators()``).
 """
 from __future__ import annotations
 
 import collections
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -38,7 +45,8 @@ from ..kernels.finite import nonfinite_flag, zero_if
 from ..distributed.backends.base import Backend
 from ..communicators.base import Communicator, Handle
 from ..compressors.base import GroupLayout
-from ..plan import check_send, is_compressed, send_communicator
+from ..plan import is_compressed, send_communicator
+from .sendmodes import SendModeState, check_communicator_options
 
 #: What a non-finite step does: skip it on every rank (default), raise, or go unchecked.
 NONFINITE_POLICIES = ("skip", "raise", "off")
@@ -50,9 +58,6 @@ NONFINITE_POLICIES = ("skip", "raise", "off")
 #: compressor and memory through another registered communicator.
 SEND_MODES = ("compress", "fp32", "fp16", "bf16", "exact")
 
-#: What a communicator's ``state_dict`` holds that the configured compressor and memory
-#: (shared by every compressed send mode) already hold.
-SHARED_STATE = ("compressor", "memory")
 
 
 def check_nonfinite_policy(nonfinite: Any) -> str:
@@ -61,26 +66,6 @@ def check_nonfinite_policy(nonfinite: Any) -> str:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}: 'skip' "
                          "drops a NaN/Inf step on every rank, 'raise' stops, 'off' does not check")
     return nonfinite
-
-
-def check_communicator_options(options: Optional[Mapping[str, Mapping[str, Any]]]) -> Dict[str, Dict[str, Any]]:
-    """``{communicator name: keyword arguments}`` for the communicators of
-    ``"compress:<name>"`` send modes, checked: registered names, mappings of keywords."""
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise TypeError(f"communicator_options must map communicator names to keyword arguments, e.g. "
-                        f"{{'sparse_allreduce': {{'keep': None}}}}, got {options!r}")
-    known = communicators.available()
-    checked = {}
-    for name, kwargs in options.items():
-        if name not in known:
-            raise ValueError(f"communicator_options names {name!r}, which is not a registered "
-                             f"communicator; registered: {', '.join(known)}")
-        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-            raise TypeError(f"communicator_options[{name!r}] must map keyword names to values, got {kwargs!r}")
-        checked[name] = dict(kwargs)
-    return checked
 
 
 class Listeners:
@@ -126,7 +111,7 @@ class InFlight:
 Deliver = Callable[[InFlight, torch.Tensor, StepOutcome], None]
 
 
-class StepLifecycle:
+class StepLifecycle(SendModeState):
     """One rank's steps: preflight, launches, ordered finishing, outcome, commit or rollback,
     the non-finite policy, listeners and messages (see the module for the order).
 
@@ -160,9 +145,17 @@ class StepLifecycle:
         self.backend = backend
         self._facts = facts
         self._by_send: Dict[str, Communicator] = {"compress": communicator}
+        #: Whether each send mode built so far goes through the compressor (checked for NaN).
+        self._compresses: Dict[str, bool] = {"compress": True}
         self.agreement: Optional[StepAgreement] = None
         #: Steps dropped because a gradient was non-finite.
         self.skipped_steps = 0
+        #: The step count every rank agrees on (part of the preflight's facts).  The entry
+        #: point says when a step counts (:meth:`count_step`): the wrapper counts the steps
+        #: its optimizer applied, the others every exchange settled.
+        self.steps = 0
+        #: The epoch :meth:`set_epoch` set, None before (part of the preflight's facts).
+        self.epoch: Optional[int] = None
         self.phase_listeners = Listeners()
         self.step_listeners = Listeners()
         self._step: Optional[int] = None  # the step begun, until its end
@@ -195,81 +188,12 @@ class StepLifecycle:
                 self._by_send[send] = communicators.create(
                     "allreduce", compressor=compressors.create("none" if send in ("fp32", "exact") else send),
                     memory=memories.create("none") if exact else self.communicator.memory, backend=self.backend)
+            self._compresses[send] = is_compressed(send)
         return self._by_send[send]
-
-    def _compressing_via(self, name: str, send: str) -> Communicator:
-        """Communicator ``name`` around the configured compressor and memory (see
-        :meth:`communicator_for`); a clear error for one that cannot carry them or that
-        would hold state no plan switch or checkpoint could keep."""
-        check_send(send, "send mode")
-        main = self.communicator
-        options = dict(self.communicator_options.get(name, {}))
-        if type(main) is communicators.get(name) and not options:
-            return main
-        try:
-            built = communicators.create(name, compressor=main.compressor, memory=main.memory,
-                                         backend=self.backend, **options)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"send mode {send!r}: {error}") from None
-        if callable(getattr(built, "check_foldable", None)):
-            built.check_foldable()
-        own = sorted(set(built.state_dict()) - set(SHARED_STATE))
-        if own and not callable(getattr(built, "fold_owner_residuals", None)):
-            raise ValueError(
-                f"send mode {send!r}: the {name} communicator keeps state of its own ({own}) that "
-                "cannot follow a group into another plan or a checkpoint while another communicator "
-                f"is the job's; make {name!r} the job's communicator instead")
-        return built
 
     def communicators(self) -> List[Communicator]:
         """Every communicator this rank sends with (compressed first, then the others)."""
         return list({id(c): c for c in self._by_send.values()}.values())
-
-    # -- state of the compressed send modes ------------------------------------------------------
-    def compression_state(self, sizes: Mapping[str, int]) -> Dict[str, Any]:
-        """The configured communicator's state, with what the other compressed send modes'
-        communicators hold on their own (the sparse allreduce's owner residuals) folded into
-        its memory's per-group residuals (``sizes``: elements per group name): the sum of
-        everything held back is unchanged, and a plan switch or a checkpoint can move it."""
-        state = self.communicator.state_dict()
-        for communicator in self.communicators():
-            fold = getattr(communicator, "fold_owner_residuals", None)
-            if communicator is not self.communicator and fold is not None:
-                state = dict(state, memory=fold(state.get("memory", {}), sizes))
-        return state
-
-    def fold_shard_state(self, state: Dict[str, Any], sizes: Mapping[str, int]) -> Dict[str, Any]:
-        """``state`` (from :meth:`compression_state`) with the per-shard state of every
-        communicator that keeps it (the hierarchical exchange's) folded into per-rank state of
-        whole groups, which a plan switch can regroup; no communication.  Pair it with
-        :meth:`spread_shard_state` once the new plan is installed."""
-        for communicator in self.communicators():
-            fold = getattr(communicator, "fold_shard_state", None)
-            if callable(fold):
-                state = fold(state, dict(sizes))
-        return state
-
-    def spread_shard_state(self, groups: Sequence[Tuple[str, str, int]]) -> None:
-        """Give each communicator that keeps per-shard state the groups it sends from now on
-        (``groups``: ``(name, send mode, numel)`` in plan order), so that it cuts their
-        per-rank state into shards.  A collective inside each node where such a communicator
-        is in use: call it on every rank with the same plan."""
-        done = set()
-        for _, send, _ in groups:
-            communicator = self.communicator_for(send)
-            spread = getattr(communicator, "spread_shard_state", None)
-            if not is_compressed(send) or id(communicator) in done or not callable(spread):
-                continue
-            done.add(id(communicator))
-            spread([(name, numel) for name, other, numel in groups
-                    if is_compressed(other) and self.communicator_for(other) is communicator])
-
-    def forget_owner_state(self) -> None:
-        """Drop what :meth:`compression_state` folded into the memory (once that state is
-        loaded), so that it is not counted twice."""
-        for communicator in self.communicators():
-            if communicator is not self.communicator and callable(getattr(communicator, "drop_owner_residuals", None)):
-                communicator.drop_owner_residuals()
 
     # -- a step ----------------------------------------------------------------------------------
     @property
@@ -283,14 +207,19 @@ class StepLifecycle:
             self.agreement = StepAgreement(self.backend, device)
         self._step = step
         self.backend.mark_step(step)
-        self._preflight = self.agreement.preflight(self._facts())
+        self._preflight = self.agreement.preflight(self.facts())
+
+    def facts(self) -> Dict[str, Any]:
+        """What ranks must agree on before a step's exchange: the lifecycle's step count and
+        epoch, and the entry point's facts (plan digest, configuration, loaded state)."""
+        return {"steps": self.steps, "epoch": self.epoch, **self._facts()}
 
     def check_preflight(self) -> None:
         """Wait for the preflight (once per step); on a disagreement every rank raises
         :class:`~mergecomp.runtime.agreement.RanksDisagree` naming it."""
         if self._preflight is not None:
             work, self._preflight = self._preflight, None
-            self.agreement.check(work, self._facts(), f"at step {self._step}")
+            self.agreement.check(work, self.facts(), f"at step {self._step}")
 
     def launch(self, index: int, buffer: torch.Tensor, layout: Optional[GroupLayout], send: str = "compress",
                *, lend: bool = False, owner: Any = None, since: Optional[float] = None) -> InFlight:
@@ -304,8 +233,9 @@ class StepLifecycle:
         self.check_preflight()
         listening = bool(self.phase_listeners)
         started = since if since is not None else time.perf_counter() if listening else 0.0
-        flight = InFlight(index, buffer, send, self.communicator_for(send), owner)
-        if is_compressed(send) and self.nonfinite != "off":
+        communicator = self._by_send.get(send) or self.communicator_for(send)
+        flight = InFlight(index, buffer, send, communicator, owner)
+        if self._compresses[send] and self.nonfinite != "off":
             # A compressor must never see a NaN (a sparsifier could drop it, an SVD would
             # fail, error feedback would keep it): flag it and send zeros; the step is dropped.
             flight.local_nonfinite = nonfinite_flag(buffer)
@@ -369,14 +299,59 @@ class StepLifecycle:
                       "(nonfinite='raise' stops instead)", RuntimeWarning, stacklevel=3)
 
     def discard_step(self) -> None:
-        """Forget the step begun (after it ended, or after an error inside it)."""
+        """Forget the step begun (after it ended)."""
         self._step = None
         self._preflight = None
         self._flights = []
 
-    def restore(self, skipped_steps: int) -> None:
-        """Continue the count of dropped steps of a loaded checkpoint."""
-        self.skipped_steps = int(skipped_steps)
+    def abort(self) -> None:
+        """An error inside the step: every communicator rolls back what the step staged in
+        compressor and memory state, then the step is forgotten, on this rank."""
+        for communicator in self.communicators():
+            communicator.rollback()
+        self.discard_step()
+
+    def count_step(self) -> None:
+        """One more step counts (the entry point says which do; see :attr:`steps`)."""
+        self.steps += 1
+
+    # -- the lifecycle's own state ---------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Tell epoch-scheduled components (DGC's density warm-up) the epoch.  Call it on every
+        rank with the same epoch, between steps; the next step's preflight checks that they did."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if self.in_step:
+            raise RuntimeError("set_epoch() must be called between steps, not during backward")
+        self.epoch = epoch
+        for component in (self.communicator.compressor, self.communicator.memory):
+            if hasattr(component, "set_epoch"):
+                component.set_epoch(epoch)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The lifecycle's own counters: the step count, the dropped steps, the epoch."""
+        return {"steps": self.steps, "skipped_steps": self.skipped_steps, "epoch": self.epoch}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the counters of a checkpoint (between steps); the epoch reaches the
+        components again."""
+        self.steps = int(state.get("steps", 0) or 0)
+        self.skipped_steps = int(state.get("skipped_steps", 0) or 0)
+        if state.get("epoch") is not None:
+            self.set_epoch(int(state["epoch"]))
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has handed to collectives: the agreement's and every
+        communicator's (each backend once, however many communicators share it)."""
+        backends = {id(self.backend): self.backend}
+        for communicator in self.communicators():
+            backends.setdefault(id(communicator.backend), communicator.backend)
+        return sum(backend.bytes_sent for backend in backends.values())
 
     # -- the end of a step, piece by piece -------------------------------------------------------
     def _finish(self, flight: InFlight) -> torch.Tensor:
@@ -427,3 +402,53 @@ class StepLifecycle:
         deliver(flight, average, outcome)
         self.phase_listeners("finish", flight, flight.finish_seconds + time.perf_counter() - started)
 
+
+
+class SharedSurface:
+    """What every entry point offers its users, the same way, from its step lifecycle
+    (``self.lifecycle``): listeners, the step log, the epoch, the counters, the
+    communicators.  The wrapper, the DDP hook's state, FSDP2's and DiLoCo inherit it."""
+
+    lifecycle: StepLifecycle
+
+    def add_phase_listener(self, callback: Callable[[str, InFlight, float], None]) -> RemovableHandle:
+        """Call ``callback(phase, group, seconds)`` after each group's ``"launch"`` (gather,
+        memory, compression, collective start) and ``"finish"`` (decode, aggregate, average,
+        hand-over, after the collective is done); ``group`` has ``index``, ``send``,
+        ``numel``.  Timing only; ``.remove()`` the handle to stop."""
+        return self.lifecycle.phase_listeners.add(callback)
+
+    def add_step_listener(self, callback: Callable[[int, StepOutcome], None]) -> RemovableHandle:
+        """Call ``callback(step, outcome)`` when a step's exchange is settled (committed or
+        dropped, before a ``NonFiniteGradient`` is raised); with phase listeners attached,
+        each group also has ``wait_seconds`` (blocked on its collective) by then."""
+        return self.lifecycle.step_listeners.add(callback)
+
+    def add_step_log(self, log):
+        """Record every step's exchange in ``log`` (a :class:`mergecomp.StepLog`); returns a
+        handle whose ``remove()`` detaches it."""
+        return log.attach(self.lifecycle)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell epoch-scheduled components (DGC's density warm-up) the current epoch.  Call it
+        on every rank with the same epoch, between steps; the next step checks that they did."""
+        self.lifecycle.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> Optional[int]:
+        """The epoch :meth:`set_epoch` set (None before)."""
+        return self.lifecycle.epoch
+
+    @property
+    def steps(self) -> int:
+        """The steps counted so far (see :attr:`StepLifecycle.steps`)."""
+        return self.lifecycle.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped on every rank because a gradient was NaN or Inf."""
+        return self.lifecycle.skipped_steps
+
+    def communicators(self) -> List[Communicator]:
+        """Every communicator this entry point sends with (compressed first)."""
+        return self.lifecycle.communicators()
