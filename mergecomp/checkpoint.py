@@ -176,6 +176,11 @@ def _tensors(value, path: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
             yield from _tensors(item, f"{path}.{i}")
 
 
+def tensors_of(value: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor in a nested state (dicts, lists, tuples)."""
+    return _tensors(value)
+
+
 def summarize(tensor: torch.Tensor, spec: Optional[GroupSpec] = None) -> str:
     """Its first non-finite value, or its largest magnitude, with where it is."""
     flat = tensor.detach().reshape(-1)

@@ -54,7 +54,7 @@ from ..memories.base import Memory, check_number
 from ..momentum import optimizer_momentum
 from ..runtime import gate
 from ..runtime.step import SharedSurface, StepLifecycle, check_nonfinite_policy
-from .fragments import Fragment, SyncSchedule, fragment_cuts
+from .fragments import Fragment, SyncSchedule, fragment_cuts, parameter_changes
 
 #: The outer momentum for an inner optimizer with heavy-ball momentum, and the paper's otherwise.
 HEAVY_BALL_OUTER_MOMENTUM, PAPER_OUTER_MOMENTUM = 0.5, 0.9
@@ -109,7 +109,9 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
             its ``step()`` runs unchanged at every call.
         named_parameters: ``model.named_parameters()`` (default: ``model``'s, else
             ``param.<i>``); their order cuts the fragments.
-        model: its parameters and buffers are copied from rank 0 at construction.
+        model: its parameters and buffers are copied from rank 0 at construction, and its
+            parameters are watched: one replaced or unfrozen later is refused at the next
+            exchange instead of drifting apart between ranks.
         sync_every: H, inner steps between two exchanges of a fragment.
         outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD (0.7, 0.9,
             Nesterov in the paper, with an inner AdamW; outer momentum 0.5 with an inner SGD
@@ -132,7 +134,15 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
             they were, and every fragment's local weights go back to its anchor), ``"raise"``
             (the same, then :class:`~mergecomp.NonFiniteGradient`), ``"off"`` (unchecked).
         backend: a collective backend; the torch.distributed default group if omitted.
+
+    Mixed precision: DiLoCo takes part in ``torch.amp.GradScaler``'s protocol
+    (``scaler.step(opt)``): an inner step whose gradient overflowed is skipped as the scaler
+    asks, but still counts, so that every rank reaches the same exchanges.
     """
+
+    #: ``GradScaler.step`` calls :meth:`step` every time, with ``found_inf`` and ``grad_scale``
+    #: set, instead of skipping it: a skipped call would put this rank off the ranks' schedule.
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None, *,
@@ -175,6 +185,7 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
         params = gate.trainable_parameters(optimizer, named_parameters, model, who="the inner optimizer")
         if not params:
             raise ValueError("the inner optimizer has no parameter that requires a gradient: nothing to train")
+        self._model = model
         self.compressor, self.memory, communicator = arguments.resolve(compressor, memory, communicator)
         self.communicator = communicator if isinstance(communicator, Communicator) else communicators.create(
             communicator, compressor=self.compressor, memory=self.memory, backend=self.backend)
@@ -207,6 +218,7 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
         self._exchange: Optional[int] = None  # the fragment whose exchange is in flight
         self._pending: Optional[Dict[str, Any]] = None  # it, as a checkpoint resumes it
         self._relaunch = False  # a loaded checkpoint's exchange is launched again at the next step
+        self._changed: Optional[str] = None  # what of the model changed since construction
 
     def _share_inner(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -214,11 +226,14 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
 
     def _facts(self) -> Dict[str, Any]:
         return {"inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "config": self.config,
-                "fragment": self._exchange}
+                "fragment": self._exchange, "parameters": self._changed}
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, closure=None):
-        """An inner step; then, on schedule, finish a fragment's exchange and launch the next."""
+        """An inner step; then, on schedule, finish a fragment's exchange and launch the next.
+
+        Under ``GradScaler.step(opt)`` an inner step whose gradient overflowed is skipped (the
+        scaler's ``found_inf``) and still counted, as on every rank."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -226,7 +241,8 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
         if self._relaunch:
             self._relaunch = False
             self._launch(self._pending["fragment"], self._pending["step"], self._pending["delta"].clone())
-        self.optimizer.step()
+        if self._inner_step_wanted():
+            self.optimizer.step()
         self.inner_steps += 1
         overlap = self.schedule.overlap
         for f in self.schedule.finishing(self.inner_steps) if overlap else ():
@@ -237,13 +253,38 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
                 self._finish(f)
         return loss
 
+    def _inner_step_wanted(self) -> bool:
+        """False when ``GradScaler.step`` found an overflow; the gradients unscaled otherwise
+        (when the scaler has not already done it: ``grad_scale`` set)."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item() > 0):
+            return False
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            inverse = scale.double().reciprocal().float()
+            with torch.no_grad():
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(inverse.to(p.grad.device))
+        return True
+
     def _launch(self, f: int, step: int, delta: Optional[torch.Tensor]) -> None:
         """Begin an exchange of fragment ``f`` (its pseudo-gradient now, or ``delta`` from a
-        checkpoint)."""
+        checkpoint).  What changed in the model joins the preflight: a change on some ranks
+        only is a disagreement every rank names; one on every rank is refused everywhere."""
         fragment = self.fragments[f]
+        self._changed = parameter_changes(self.fragments, self._trainable_now())
         self._exchange = f
         self.lifecycle.begin(step, fragment.anchor.device)
         try:
+            self.lifecycle.check_preflight()
+            if self._changed is not None:
+                raise RuntimeError(
+                    f"DiLoCo: {self._changed}: the exchange would no longer "
+                    "average what each rank trains, and the ranks' models would drift apart. Change the "
+                    "model (and its inner optimizer) before building DiLoCo, or build a new DiLoCo "
+                    "after the change (from a checkpoint's weights).")
             if delta is None:
                 delta = fragment.pseudo_gradient()
             if self.schedule.overlap:  # a checkpoint taken before it finishes launches it again
@@ -255,6 +296,18 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
             self.lifecycle.abort()
             self._exchange = self._pending = None
             raise
+
+    def _trainable_now(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        """The parameters that require a gradient now: the inner optimizer's, and the model's
+        (each once, named from the model where it has them)."""
+        names = {id(p): name for fragment in self.fragments for name, p in fragment.params}
+        if self._model is not None:
+            names.update((id(p), name) for name, p in self._model.named_parameters())
+        found = {id(p): (names.get(id(p), f"param.{i}"), p)
+                 for i, (_, p) in enumerate(gate.named_in_optimizer(self.optimizer, names)) if p.requires_grad}
+        if self._model is not None:
+            found.update((id(p), (name, p)) for name, p in self._model.named_parameters() if p.requires_grad)
+        return list(found.values())
 
     def _finish(self, f: int) -> None:
         fragment, averages = self.fragments[f], []
@@ -317,7 +370,10 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved on this rank of a run like this one; every
-        check runs before anything changes (a refusal leaves this object as it was)."""
+        check runs before anything changes (a refusal leaves this object as it was): the
+        checksum, the envelope, and finite values in everything that reaches the weights (the
+        anchors, the local weights, the outer and inner optimizers' state, an exchange in
+        flight, compressor and memory state)."""
         if self._exchange is not None:
             raise RuntimeError("load_state_dict() with an exchange in flight: load before the first step, "
                                "or between an exchange's end and the next launch")
@@ -332,8 +388,9 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
             gate.check_envelope(ours, "diloco", STATE_FORMAT, self.backend, self.config, ADVICE,
                                 described=f"{self.compressor!r}, {self.memory!r}, {self.schedule!r}")
             self._check_shapes(ours, checkpoint.describe_source(source))
-            for key in ("anchors", "outer"):
+            for key in ("anchors", "outer", "local", "pending"):
                 checkpoint.check_finite({key: ours.get(key)}, "DiLoCo state", source, groups)
+            gate.check_finite_state(state_dict.get("optimizer", {}), "the inner optimizer's state", source)
             checkpoint.check_state(self.communicator, ours.get("communicator", {}), groups, source)
         except checkpoint.CheckpointError as error:
             raise error.advise(ADVICE) from None

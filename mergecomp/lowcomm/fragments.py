@@ -15,7 +15,7 @@ what it launched, in launch order, before the next launch: the step lifecycle's 
 
 A :class:`Fragment` holds one contiguous run of parameters: its flat *anchor* (the weights
 every rank shares since the last outer step) and the buffer its pseudo-gradient is formed
-in.
+in.  :func:`parameter_changes` says what of the model changed since the fragments were cut.
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ class Fragment:
         self.delta = torch.empty_like(self.anchor)
         self.kept: Optional[torch.Tensor] = None  # with overlap: the pseudo-gradient in flight, for checkpoints
         self.outer: Optional[torch.optim.Optimizer] = None  # set by DiLoCo once every anchor exists
+        #: Each parameter's storage when the fragment was cut (see :func:`parameter_changes`).
+        self.storage = [_storage(p) for _, p in params]
 
     def flat(self) -> torch.Tensor:
         """The local weights, as one new flat tensor."""
@@ -149,3 +151,32 @@ class Fragment:
         with torch.no_grad():
             for view, (_, p) in zip(self.layout, self.params):
                 p.copy_(flat[view.offset:view.offset + view.numel].view_as(p))
+
+
+def _storage(p: torch.Tensor) -> Tuple[int, Tuple[int, ...], str, str]:
+    return (p.data_ptr(), tuple(p.shape), str(p.dtype), str(p.device))
+
+
+def parameter_changes(fragments: Sequence[Fragment], trainable: Sequence[Tuple[str, torch.nn.Parameter]]
+                      ) -> Optional[str]:
+    """What changed since the fragments were cut, or None: a parameter whose tensor was
+    replaced (``param.data = ...``), a parameter that now requires a gradient (a layer
+    unfrozen, a param group added), a module's parameter replaced by a new one
+    (``model.fc = nn.Linear(...)``).  ``trainable``: the parameters that require a gradient
+    now (the inner optimizer's, and the model's when it is known).  Any of these would let
+    each rank train weights the exchange never averages (or average weights no rank trains
+    any more): the ranks' models would drift apart without a word.  A layer frozen later is
+    no change: its pseudo-gradient is zero on every rank."""
+    cut = {id(p): name for fragment in fragments for name, p in fragment.params}
+    for fragment in fragments:
+        for (name, p), storage in zip(fragment.params, fragment.storage):
+            if _storage(p) != storage:
+                return (f"parameter {name!r} now holds another tensor (param.data = ... or a .to() in "
+                        f"place: shape {list(storage[1])} {storage[2]} on {storage[3]} became "
+                        f"{list(p.shape)} {p.dtype} on {p.device})")
+    new = [name for name, p in trainable if id(p) not in cut]
+    if new:
+        return (f"parameter(s) {new[:5]}{' ...' if len(new) > 5 else ''} now require a gradient and were "
+                "not there when DiLoCo was built (a layer unfrozen, a param group added, or a module's "
+                "parameters replaced, e.g. model.fc = nn.Linear(...))")
+    return None

@@ -255,6 +255,17 @@ def check_envelope(state: Mapping[str, Any], kind: str, format: int, backend: Ba
         raise checkpoint.CheckpointError(f"{where}: " + "; ".join(problems), advice)
 
 
+def check_finite_state(state: Any, what: str, source: Optional[str]) -> None:
+    """Refuse ``state`` (an optimizer's ``state_dict()``, say) if a tensor in it holds NaN or
+    Inf, naming the tensor by its path: loaded, it would reach the parameters at the next
+    step (AdamW's moments), and no finite run leaves one there."""
+    for path, tensor in checkpoint.tensors_of(state):
+        if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
+            raise checkpoint.CheckpointError(
+                f"{checkpoint.describe_source(source)}: {what} holds non-finite values in {path}: "
+                f"{checkpoint.summarize(tensor)}; loaded, they would reach the parameters at the next step")
+
+
 def lifecycle_state(state: Mapping[str, Any]) -> Dict[str, Any]:
     """The step lifecycle's counters of a checkpoint (``steps``, ``skipped_steps``,
     ``epoch``), from its envelope or, in an older state, from the keys it kept them under."""
@@ -269,4 +280,4 @@ def lifecycle_state(state: Mapping[str, Any]) -> Dict[str, Any]:
 
 __all__ = ["trainable_parameters", "named_in_optimizer", "check_same_parameters", "check_ranks_agree",
            "config_digest", "start_from_rank0", "broadcast_tensors", "vet_optimizer", "seal_state",
-           "check_envelope", "lifecycle_state", "ENVELOPE"]
+           "check_envelope", "check_finite_state", "lifecycle_state", "ENVELOPE"]
