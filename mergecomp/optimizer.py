@@ -347,7 +347,8 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         afresh (error feedback restarts from zero, which is safe).
 
         Compression state is checked before anything is loaded (:mod:`mergecomp.checkpoint`):
-        its checksum, finite values, and the shapes and dtypes this run's groups need; a
+        its checksum, finite values, and the shapes and dtypes this run's groups need; the
+        wrapped optimizer's state must be finite too (it steps the parameters next); a
         refusal (:class:`~mergecomp.checkpoint.CheckpointError`) names the tensor and the
         file (when read with :func:`mergecomp.load`), and leaves this optimizer as it was.
         """
@@ -355,6 +356,7 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         if reducer.in_iteration():
             raise RuntimeError("load_state_dict() must be called between steps, not during backward")
         if "mergecomp" not in state_dict:  # a plain optimizer checkpoint
+            gate.check_finite_state(state_dict, "the wrapped optimizer's state", None)
             self.optimizer.load_state_dict(state_dict)
             self._share_inner()
             reducer.note_loaded(_state_digest(self.optimizer.state_dict()))
@@ -363,6 +365,9 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         plan = None
         if restore_compression:
             plan = self._checked_compression_state(ours)
+        # What steps the parameters next (Adam's moments, a momentum buffer) must be finite too.
+        gate.check_finite_state(state_dict.get("optimizer", {}), "the wrapped optimizer's state",
+                                ours.get(checkpoint.SOURCE))
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._share_inner()
         if restore_compression:

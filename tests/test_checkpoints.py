@@ -6,6 +6,7 @@ wrapper (``DistributedOptimizer.load_state_dict``) and the DDP hook
 (``HookState.load_state_dict``).  The refusal must name what is wrong and the file, and the
 parameters and compression state must be as before the attempt.
 """
+import copy
 import io
 import os
 import re
@@ -276,3 +277,29 @@ def test_an_unpickled_hook_state_is_checked_too():
     for message in run_ranks(pickle_worker, 2):
         assert message and message.startswith("the pickled HookState: its compression state does not match")
         assert "memory.residuals.group1 changed" in message and "first inf at element 0" in message
+
+
+def _nan_in_the_wrapped_optimizers_state(rank, world_size):
+    model = make_model()
+    opt = mergecomp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
+                                         compressor="topk")
+    train(model, lambda loss: (opt.zero_grad(), loss().backward(), opt.step()), 2, rank)
+    before = snapshot(model, opt.state_dict())
+    said = []
+    # copies: an optimizer's state_dict() hands out its live tensors
+    for state in (copy.deepcopy(opt.state_dict()), copy.deepcopy(opt.state_dict()["optimizer"])):
+        inner = state["optimizer"] if "mergecomp" in state else state
+        next(iter(inner["state"].values()))["exp_avg_sq"].view(-1)[1] = float("nan")
+        try:
+            opt.load_state_dict(state)
+            said.append(None)
+        except CheckpointError as error:
+            said.append(str(error))
+    return said, snapshot(model, opt.state_dict()) == before
+
+
+def test_nan_in_the_wrapped_optimizers_state_never_reaches_the_parameters():
+    for said, untouched in run_ranks(_nan_in_the_wrapped_optimizers_state, 2):
+        assert untouched
+        assert all(m is not None and "the wrapped optimizer's state holds non-finite values in state.0.exp_avg_sq" in m
+                   for m in said), said
