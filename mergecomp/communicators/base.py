@@ -81,11 +81,22 @@ class Communicator:
                                   **({"out": tensor.view(-1)} if lent else {}))
             request = next(rounds)
             return Handle(name, tensor.shape, self._launch_request(request), rounds=rounds)
-        payload, ctx = self._encode(self.compressor.compress, compensated, name, layout)
-        self.memory.update(compensated, name, self.compressor, payload, ctx)
+        payload, ctx = self._compressed(compensated, name, layout)
         output = tensor.view(-1) if in_place and tensor.is_contiguous() else None
         return Handle(name, tensor.shape, self._launch(payload, ctx, name), ctx=ctx, output=output,
                       payload=payload)
+
+    def encode(self, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout] = None):
+        """Error feedback and compression of one buffer, as a single-round exchange does it
+        before its collective: compensate → compress → update.  Returns ``(payload, ctx)``.
+        A communicator that sends several buffers in one collective (FSDP2's scatter) encodes
+        each with this."""
+        return self._compressed(self.memory.compensate(tensor, name), name, layout)
+
+    def _compressed(self, compensated: torch.Tensor, name: str, layout: Optional[GroupLayout]):
+        payload, ctx = self._encode(self.compressor.compress, compensated, name, layout)
+        self.memory.update(compensated, name, self.compressor, payload, ctx)
+        return payload, ctx
 
     def _encode(self, method, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout], **options):
         """``compress``/``rounds`` with the layout, for compressors that take one."""

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .. import communicators
 from ..distributed.backends.base import Work
@@ -40,7 +39,6 @@ from ..distributed.backends.serialize import pack, unpack
 from ..communicators.base import Communicator, Handle
 from ..compressors.base import Compressor, GroupLayout, ParamView
 from ..memories.base import Memory
-from ..kernels.finite import nonfinite_flag
 from ..memories.none import NoneMemory
 
 #: What FSDP's reduce-scatter may be asked to do; anything else is refused by name.
@@ -155,10 +153,6 @@ class ScatterCommunicator(Communicator):
         self.wire_bytes: Dict[str, int] = {}
         self.uncompressed_bytes: Dict[str, int] = {}
 
-    @property
-    def group(self):
-        return self.backend.group
-
     def _count(self, unit: str, sent: int, reference: int) -> None:
         self.wire_bytes[unit] = self.wire_bytes.get(unit, 0) + int(sent)
         self.uncompressed_bytes[unit] = self.uncompressed_bytes.get(unit, 0) + int(reference)
@@ -197,28 +191,20 @@ class ScatterCommunicator(Communicator):
             total = total / divisor
         return total
 
-    # -- the three exchanges ---------------------------------------------------------------------
+    # -- the three exchanges, each through the backend (its timeouts, counters, failure reports) --
     def _reduce_scatter(self, chunks: torch.Tensor, unit: str, rank: int):
         payloads, ctx = [], None
         for j in range(chunks.shape[0]):
-            payload, chunk_ctx = self.compressor.compress(chunks[j], chunk_name(unit, j))
+            payload, chunk_ctx = self.encode(chunks[j], chunk_name(unit, j))
             payloads.append(payload[0].reshape(-1))
             ctx = chunk_ctx if j == rank else ctx
-        send = torch.stack(payloads)
-        out = torch.empty_like(send[0])
-        dist.reduce_scatter_single(output=out, input=send.reshape(-1), group=self.group)
-        # counted as the backend counts an all-to-all: every chunk but this rank's own leaves
-        self.backend._count_alltoall(list(send))
-        return self.compressor.decompress((out,), ctx)
+        return self.compressor.decompress((self.backend.reduce_scatter(torch.stack(payloads)),), ctx)
 
     def _all_to_all(self, chunks: torch.Tensor, unit: str, rank: int):
         world = chunks.shape[0]
         blobs, shapes, dtypes, ctx = [], None, None, None
         for j in range(world):
-            key = chunk_name(unit, j)
-            compensated = self.memory.compensate(chunks[j], key)
-            payload, chunk_ctx = self.compressor.compress(compensated, key)
-            self.memory.update(compensated, key, self.compressor, payload, chunk_ctx)
+            payload, chunk_ctx = self.encode(chunks[j], chunk_name(unit, j))
             if shapes is None:
                 shapes, dtypes = [p.shape for p in payload], [p.dtype for p in payload]
             elif [p.shape for p in payload] != shapes:
@@ -227,12 +213,8 @@ class ScatterCommunicator(Communicator):
             if j == rank:
                 ctx = chunk_ctx
             blobs.append(pack(tuple(payload), chunks.device))
-        send = torch.cat(blobs)
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=self.group)
-        self.backend._count_alltoall(blobs)
-        per_rank = received.view(world, -1)
-        payloads = [unpack(per_rank[source], shapes, dtypes) for source in range(world)]
+        received = self.backend.alltoall_fixed(torch.stack(blobs))
+        payloads = [unpack(received[source], shapes, dtypes) for source in range(world)]
         return self.compressor.decompress_sum(payloads, ctx)
 
     def _whole(self, chunks: torch.Tensor, unit: str, rank: int):
@@ -248,8 +230,6 @@ class ScatterCommunicator(Communicator):
             total = total * world  # the inner communicator averaged; scaling is applied in finish()
         return shape.shard_of(total, rank) if fits else total.view(world, -1)[rank]
 
-    def nonfinite_flag(self, handle: Handle, average: torch.Tensor) -> torch.Tensor:
-        return nonfinite_flag(average)
 
 
 __all__: List[str] = ["ScatterCommunicator", "UnitShape", "chunk_name", "exchange_mode", "scale_of"]

@@ -199,6 +199,23 @@ class Backend:
         before the receive buffer is allocated)."""
         raise NotImplementedError
 
+    def reduce_scatter(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Row r of the sum over ranks of ``chunks`` ((world, n), the same shape and dtype on
+        every rank) for this rank r (blocking): FSDP's reduce-scatter.  Counted as an
+        all-to-all (every row but this rank's own leaves it).  This default allreduces the
+        whole and keeps the row: a backend with a reduce-scatter of its own sends less."""
+        _check_rows(chunks, self.size, "reduce_scatter")
+        (total,) = self.allreduce_async([chunks.clone()]).wait()
+        return total[self.rank]
+
+    def alltoall_fixed(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Row r of ``chunks`` ((world, n), the same shape and dtype on every rank) to rank r;
+        returns (world, n), row s from rank s (blocking).  Every row has the same size on every
+        rank, so no size travels first.  This default goes through :meth:`alltoall`."""
+        _check_rows(chunks, self.size, "alltoall_fixed")
+        rows = self.alltoall([row.reshape(-1).view(torch.uint8) for row in chunks], limit=chunks[0].nbytes)
+        return torch.stack([row.view(chunks.dtype) for row in rows]).view_as(chunks)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` with rank ``src``'s, in place (blocking); returns it."""
         raise NotImplementedError
@@ -239,6 +256,11 @@ class Backend:
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+
+def _check_rows(chunks: torch.Tensor, world: int, op: str) -> None:
+    if chunks.dim() != 2 or chunks.shape[0] != world:
+        raise ValueError(f"{op} takes one row per rank, a ({world}, n) tensor, got shape {tuple(chunks.shape)}")
 
 
 def _encode(obj: Any, op: str, rank: int) -> bytes:

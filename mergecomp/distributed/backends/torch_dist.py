@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import watchdog
-from .base import Backend, Completed, Work
+from .base import Backend, Completed, Work, _check_rows
 from .serialize import (HeaderError, blob_size, check_blob_size, header_error, pack, pack_bounded,
                         shape_header, shapes_from_header, unpack, unpack_bounded)
 
@@ -163,6 +163,22 @@ class TorchDistributedBackend(Backend):
                                    input_split_sizes=counts, group=self.group)
         return list(torch.split(recv, recv_sizes))
 
+    def reduce_scatter(self, chunks: torch.Tensor) -> torch.Tensor:
+        _check_rows(chunks, self._size, "reduce_scatter")
+        out = torch.empty_like(chunks[0])
+        self._count_alltoall(list(chunks))
+        with self._guard("reduce_scatter"):
+            dist.reduce_scatter_tensor(out, chunks.contiguous().view(-1), group=self.group)
+        return out
+
+    def alltoall_fixed(self, chunks: torch.Tensor) -> torch.Tensor:
+        _check_rows(chunks, self._size, "alltoall_fixed")
+        received = torch.empty_like(chunks)
+        self._count_alltoall(list(chunks))
+        with self._guard("alltoall"):
+            dist.all_to_all_single(received.view(-1), chunks.contiguous().view(-1), group=self.group)
+        return received
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self.collectives += 1
         if self._rank == src:
@@ -185,3 +201,4 @@ class TorchDistributedBackend(Backend):
     def barrier(self) -> None:
         with self._guard("barrier"):
             dist.barrier(group=self.group)
+
