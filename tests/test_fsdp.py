@@ -67,8 +67,11 @@ def _errors(rank):
         found["twice"] = None
     except RuntimeError as error:
         found["twice"] = str(error)
-    try:  # rank 1 asks for another compression ratio
-        mergecomp.fsdp.register(_model(), compressor="topk", compress_ratio=0.1 if rank == 0 else 0.2)
+    try:  # rank 1 asks for another compression ratio: named at the first backward, before any payload
+        apart = _model()
+        mergecomp.fsdp.register(apart, compressor="topk", compress_ratio=0.1 if rank == 0 else 0.2)
+        x, y = _batch(rank, 0)
+        torch.nn.functional.mse_loss(apart(x), y).backward()
         found["disagree"] = None
     except mergecomp.RanksDisagree as error:
         found["disagree"] = str(error)

@@ -13,51 +13,20 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..distributed.backends import Backend
+from ..runtime import gate
 
 
 def check_every_rank_registered(backend: Backend, first: torch.Tensor) -> None:
     """Once, before the first exchange: fail clearly if some rank runs DDP without this hook.
 
-    A rank without the hook sends DDP's own allreduce of its first bucket, where this
-    rank would send the preflight: collectives of different sizes, which gloo answers by
-    aborting one process and resetting the others' connections.  So the first collective
-    of a hook rank is shaped exactly like that allreduce (the first bucket's size and
-    dtype) and pairs with it: each hook rank writes a large marker into its own element,
-    and an element without its marker names a rank that did not register (a rank's
-    gradient is far below the marker).  It runs once per state, so the steps cost the
-    same as before.
+    A rank without the hook sends DDP's own allreduce of its first bucket, where this rank
+    would send the preflight; so the first collective of a hook rank is shaped exactly like
+    that allreduce and pairs with it (:func:`mergecomp.runtime.gate.check_registered`).
     """
-    size, rank = backend.size, backend.rank
-    if size == 1 or first.numel() == 0:
-        return
-    marker = registration_marker(first.dtype, size)
-    probe = torch.zeros(first.numel(), dtype=first.dtype, device=first.device)
-    slots = first.numel() >= size
-    probe[rank if slots else 0] = marker
-    (total,) = backend.allreduce_async([probe]).wait()
-    seen = total[:size if slots else 1].real if total.is_complex() else total[:size if slots else 1]
-    seen = seen.double().tolist()
-    if slots:
-        missing = [r for r, value in enumerate(seen) if not value > marker / 2]
-    else:
-        count = round(seen[0] / marker) if seen[0] == seen[0] else 0
-        missing = [] if count == size else None
-    if missing == []:
-        return
-    which = (f"rank(s) {missing}" if missing is not None
-             else f"{size - count} of the {size} ranks (which ones cannot be told: the first bucket "
-                  f"has fewer elements than there are ranks)")
-    error = RuntimeError(
-        f"the mergecomp DDP communication hook is not registered on {which} (this is rank {rank} of "
-        f"{size}): those ranks run DDP's own allreduce while this one compresses, so their "
-        "collectives cannot meet. Register the hook on every rank, with the same arguments "
-        "(mergecomp.ddp.register(ddp_model, ...) or ddp_model.register_comm_hook(state, "
-        "mergecomp.ddp.hook)), before the first backward. The ranks without it received this "
-        "check's markers as their first bucket's gradient and fail at their next collective.")
-    beacon = getattr(backend, "beacon", None)
-    if beacon is not None:  # the progress records then say why this rank stopped
-        beacon.fail(str(error))
-    raise error
+    gate.check_registered(
+        backend, first, "allreduce", "the mergecomp DDP communication hook", "DDP's own allreduce",
+        "Register the hook on every rank, with the same arguments (mergecomp.ddp.register(ddp_model, ...) "
+        "or ddp_model.register_comm_hook(state, mergecomp.ddp.hook)), before the first backward.")
 
 
 def check_frozen(frozen: List[Tuple[str, torch.nn.Parameter]]) -> None:
@@ -144,10 +113,5 @@ class ConversionCheck:
                     "gradients, so each rank would train on its own. Convert or move the model first, "
                     "then build DistributedDataParallel and register the hook.")
 
-
-def registration_marker(dtype: torch.dtype, size: int) -> float:
-    """A value far above any gradient that ``size`` ranks can sum without overflow."""
-    real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
-    return float(torch.finfo(real).max) / (4 * size) if real.is_floating_point else 1.0
 
 

@@ -47,7 +47,7 @@ from .mesh import node_mesh
 from .replica import ReplicaAllReduce, is_hsdp, take_over
 from .scatter import ScatterCommunicator, UnitShape, chunk_name, exchange_mode
 from .state import FSDPCompression
-from .units import CompressedReduceScatter, fsdp_units, param_group, unit_shape
+from .units import CompressedReduceScatter, explain_fsdp_collectives, fsdp_units, param_group, unit_shape
 
 #: Set on each unit that carries mergecomp's exchange.
 _MARK = "_mergecomp_fsdp"
@@ -92,10 +92,12 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
         raise RuntimeError("mergecomp.fsdp.register needs torch.distributed initialised (fully_shard "
                            "does too): call mergecomp.launch.init_distributed() first")
     hsdp = _check_mesh(groups)
+    # No collective here: a rank that never registers would meet it with FSDP's first
+    # all-gather.  The first exchange checks that every rank registered, then each step's
+    # preflight that they agree on the configuration and the units.
     world = TorchDistributedBackend()
     layout = [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]
     config = f"{compressor!r} {memory!r} hsdp={hsdp}"
-    gate.check_ranks_agree(world, "at mergecomp.fsdp.register", {"config": config, "layout": layout})
     if hsdp:
         meshes = {index: take_over(name, group) for index, name, _, group in groups}
         replicate = meshes[groups[0][0]][1]
@@ -110,7 +112,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
         return {"config": config, "layout": layout}
 
     lifecycle = StepLifecycle(communicator, world, facts, nonfinite)
-    backward = BackwardStep(model, lifecycle)
+    backward = BackwardStep(model, lifecycle, "allreduce" if hsdp else "reduce_scatter")
     installed: Dict[str, Any] = {}
     for index, name, module, group in groups:
         if hsdp:
@@ -121,6 +123,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
             unit = CompressedReduceScatter(name, index, backward, communicator)
             module.set_custom_reduce_scatter(unit)
         installed[name] = unit
+        explain_fsdp_collectives(module, world, reduce_scatter=hsdp)
         setattr(module, _MARK, True)
     return FSDPCompression(installed, compressor, memory, dist.get_rank(), dist.get_world_size(), backward,
                            _state_groups(shapes, compressor, memory, hsdp), hsdp)

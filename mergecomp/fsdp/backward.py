@@ -25,15 +25,20 @@ from typing import Optional
 import torch
 
 from ..compressors.base import GroupLayout
+from ..runtime import gate
 from ..runtime.step import StepLifecycle
 
 
 class BackwardStep:
     """Drives ``lifecycle`` for an FSDP2 ``model``: one lifecycle step per backward."""
 
-    def __init__(self, model: torch.nn.Module, lifecycle: StepLifecycle):
+    def __init__(self, model: torch.nn.Module, lifecycle: StepLifecycle, collective: str):
         self.model = model
         self.lifecycle = lifecycle
+        #: The collective a rank without mergecomp runs where this one exchanges a unit
+        #: (FSDP's ``"reduce_scatter"``, or under HSDP the replicas' ``"allreduce"``).
+        self.collective = collective
+        self._registration_checked = False
         self._queued = False
 
     @property
@@ -50,6 +55,8 @@ class BackwardStep:
         """Exchange unit ``index``'s ``buffer`` now and return the result (the step settles
         at the end of the backward)."""
         lifecycle = self.lifecycle
+        if not self._registration_checked:
+            self._check_registered(buffer)
         if not lifecycle.in_step:
             lifecycle.begin(self.steps, buffer.device)
             self._queue_end()
@@ -59,6 +66,17 @@ class BackwardStep:
         except BaseException:
             lifecycle.abort()
             raise
+
+    def _check_registered(self, buffer: torch.Tensor) -> None:
+        """Once, before the first exchange: a rank without mergecomp runs FSDP's own collective
+        for this unit where this rank would run the preflight, so the first collective is
+        shaped like FSDP's and pairs with it (:func:`mergecomp.runtime.gate.check_registered`)."""
+        self._registration_checked = True
+        gate.check_registered(
+            self.lifecycle.communicator.backend, buffer, self.collective,
+            "mergecomp.fsdp.register", f"FSDP's own {self.collective.replace('_', '-')}",
+            "Call mergecomp.fsdp.register(model, ...) on every rank, with the same arguments, after "
+            "fully_shard and before the first backward.")
 
     def _queue_end(self) -> None:
         try:

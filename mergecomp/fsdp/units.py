@@ -14,6 +14,10 @@ try:  # FSDP2's public module and its custom-collective interface (torch >= 2.6 
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 except ImportError:  # pragma: no cover - an older torch
     FSDPModule, ReduceScatter = None, object
+try:  # a custom all-gather came later than a custom reduce-scatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+except ImportError:  # pragma: no cover - an older torch
+    AllGather = object
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -55,6 +59,51 @@ class CompressedReduceScatter(ReduceScatter):
         output_tensor.copy_(average.reshape(output_tensor.shape))
         self.backward.end_if_direct()
         return None
+
+
+class ExplainedAllGather(AllGather):
+    """FSDP's own all-gather of a unit's parameters, unchanged, except that a rank lost or
+    stopped while it waits is named (``backend.explained``: the ranks behind, from the
+    progress records) instead of surfacing as the collective library's raw error."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        with self.backend.explained("FSDP's all-gather"):
+            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return self.backend.explained_work(work, "FSDP's all-gather")
+
+
+class ExplainedReduceScatter(ReduceScatter):
+    """FSDP's own reduce-scatter inside the shard group (under HSDP, where mergecomp
+    compresses the replicas' all-reduce only), unchanged, its failures named as in
+    :class:`ExplainedAllGather`."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False):
+        with self.backend.explained("FSDP's reduce-scatter"):
+            work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return self.backend.explained_work(work, "FSDP's reduce-scatter")
+
+
+def explain_fsdp_collectives(module: torch.nn.Module, backend, reduce_scatter: bool) -> None:
+    """Install :class:`ExplainedAllGather` on ``module`` (and :class:`ExplainedReduceScatter`
+    when ``reduce_scatter``), where this torch lets a unit take a custom one."""
+    gather = getattr(module, "set_custom_all_gather", None)
+    if callable(gather) and AllGather is not object:
+        gather(ExplainedAllGather(backend))
+    if reduce_scatter:
+        module.set_custom_reduce_scatter(ExplainedReduceScatter(backend))
 
 
 def fsdp_units(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:

@@ -126,6 +126,62 @@ def config_digest(*parts: Any) -> str:
     return f"{zlib.crc32(text.encode()):08x}"
 
 
+def check_registered(backend: Backend, like: torch.Tensor, collective: str, what: str, theirs: str,
+                     fix: str) -> None:
+    """Once, before an entry point's first exchange: fail clearly if some rank runs the
+    framework's own collective (``theirs``) where this rank runs mergecomp's.
+
+    Collectives of different sizes are what gloo answers by aborting one process and
+    resetting the others' connections, and NCCL by hanging.  So this rank's first collective
+    is shaped exactly like the framework's (``collective``: ``"allreduce"`` of a tensor like
+    ``like``, or ``"reduce_scatter"`` of ``like`` as (world, n) rows) and pairs with it: each
+    registered rank writes a large marker into its own element (of every row), and an
+    element without its marker names a rank that did not register (a rank's gradient is far
+    below the marker).  It costs one collective, once.
+    """
+    size, rank = backend.size, backend.rank
+    if size == 1 or like.numel() == 0:
+        return
+    marker = registration_marker(like.dtype, size)
+    if collective == "reduce_scatter":
+        probe = torch.zeros((size, like.numel() // size), dtype=like.dtype, device=like.device)
+        slots = probe.shape[1] >= size
+        probe[:, rank if slots else 0] = marker
+        total = backend.reduce_scatter(probe)
+    else:
+        probe = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        slots = like.numel() >= size
+        probe[rank if slots else 0] = marker
+        (total,) = backend.allreduce_async([probe]).wait()
+    seen = total[:size if slots else 1].real if total.is_complex() else total[:size if slots else 1]
+    seen = seen.double().tolist()
+    if slots:
+        missing = [r for r, value in enumerate(seen) if not value > marker / 2]
+    else:
+        count = round(seen[0] / marker) if seen[0] == seen[0] else 0
+        missing = [] if count == size else None
+    if missing == []:
+        return
+    which = (f"rank(s) {missing}" if missing is not None
+             else f"{size - count} of the {size} ranks (which ones cannot be told: the first buffer "
+                  f"has fewer elements than there are ranks)")
+    error = RuntimeError(
+        f"{what} is not registered on {which} (this is rank {rank} of {size}): those ranks run "
+        f"{theirs} while this one compresses, so their collectives cannot meet. {fix} The ranks "
+        "without it received this check's markers as their first gradient and fail at their next "
+        "collective.")
+    beacon = getattr(backend, "beacon", None)
+    if beacon is not None:  # the progress records then say why this rank stopped
+        beacon.fail(str(error))
+    raise error
+
+
+def registration_marker(dtype: torch.dtype, size: int) -> float:
+    """A value far above any gradient that ``size`` ranks can sum without overflow."""
+    real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
+    return float(torch.finfo(real).max) / (4 * size) if real.is_floating_point else 1.0
+
+
 # -- the same model everywhere ---------------------------------------------------------------
 def start_from_rank0(backend: Backend, params: NamedParameters, model: Optional[torch.nn.Module] = None,
                      how: str = "broadcast") -> None:
@@ -280,4 +336,4 @@ def lifecycle_state(state: Mapping[str, Any]) -> Dict[str, Any]:
 
 __all__ = ["trainable_parameters", "named_in_optimizer", "check_same_parameters", "check_ranks_agree",
            "config_digest", "start_from_rank0", "broadcast_tensors", "vet_optimizer", "seal_state",
-           "check_envelope", "check_finite_state", "lifecycle_state", "ENVELOPE"]
+           "check_envelope", "check_finite_state", "check_registered", "lifecycle_state", "registration_marker", "ENVELOPE"]

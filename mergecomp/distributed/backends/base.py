@@ -127,6 +127,18 @@ class Backend:
         beacons (torch.distributed) names the ranks that fell behind when a collective
         fails; this default keeps none."""
 
+    def explained(self, op: str):
+        """A context manager for a collective issued outside this backend (a framework's own:
+        FSDP's all-gather) on a group this backend's ranks belong to: a timeout or a lost peer
+        inside it becomes the same named error this backend's collectives raise.  Nothing is
+        counted.  This default explains nothing."""
+        return contextlib.nullcontext()
+
+    def explained_work(self, work, op: str):
+        """``work`` (an async handle of a collective issued outside this backend), whose
+        ``wait()`` failures are explained as in :meth:`explained`.  This default returns it."""
+        return work
+
     # -- accounting -------------------------------------------------------------------
     @staticmethod
     def _nbytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -86,6 +86,14 @@ class TorchDistributedBackend(Backend):
                 raise
             raise clearer from error
 
+    def explained(self, op: str):
+        return self._guard(op)
+
+    def explained_work(self, work, op: str):
+        if work is None:
+            return None
+        return _ExplainedWork(work, self._explain(op, self.collectives))
+
     def _checked(self, op: str, finalize):
         """``finalize`` with a bad peer header recorded in the beacon, as in :meth:`_guard`."""
         def run():
@@ -202,3 +210,29 @@ class TorchDistributedBackend(Backend):
         with self._guard("barrier"):
             dist.barrier(group=self.group)
 
+
+class _ExplainedWork(dist.Work):
+    """A torch.distributed Work whose ``wait()`` failures are the backend's named errors (a
+    ``dist.Work`` itself, so code that checks ``isinstance(work, dist.Work)`` still waits)."""
+
+    def __init__(self, inner, explain):
+        super().__init__()
+        self._inner, self._explain_error = inner, explain
+
+    def wait(self, timeout=None):
+        try:
+            return self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        except Exception as error:
+            clearer = self._explain_error(error)
+            if clearer is None:
+                raise
+            raise clearer from error
+
+    def is_completed(self):
+        return self._inner.is_completed()
+
+    def is_success(self):
+        return self._inner.is_success()
+
+    def get_future(self):
+        return self._inner.get_future()
