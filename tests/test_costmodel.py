@@ -5,7 +5,8 @@ import torch
 from mergecomp import compressors
 from mergecomp.planning.costmodel import predict, send_costs
 from mergecomp.plan import Group, Plan
-from mergecomp.planning.measure import BackwardTimer, measure_collective_cost, measure_compression_cost, measure_copy_cost
+from mergecomp.planning.measure import measure_collective_cost, measure_compression_cost, measure_copy_cost
+from mergecomp.planning.timeline import BackwardTimer
 from mergecomp.planning.profile import CodecCost, LinearCost, Profile, TensorTiming, WireSize, fit_linear
 from tests.distributed import run_ranks
 

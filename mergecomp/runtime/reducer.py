@@ -29,7 +29,6 @@ thin facade over this class (it adds the wrapped optimizer's ``step``).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -41,10 +40,8 @@ from .agreement import StepOutcome
 from ..distributed.backends import Backend
 from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
-from .. import communicators
-from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan
-from ..planning.costmodel import priced_collectives
-from .regroup import Layout, group_sizes, regroup_state
+from ..plan import Group, ParamInfo, Plan
+from .plans import PlanHolder
 from .step import InFlight, Listeners, SharedSurface, StepLifecycle
 from ..schedulers.base import Scheduler
 
@@ -108,7 +105,7 @@ class GroupState:
             "(model.to(...)), then build the optimizer and DistributedOptimizer around it.")
 
 
-class Reducer(SharedSurface):
+class Reducer(SharedSurface, PlanHolder):
     """Runs the exchange of ``named_params``' gradients by a plan, from autograd hooks.
 
     Args:
@@ -146,6 +143,7 @@ class Reducer(SharedSurface):
         self.lifecycle = StepLifecycle(communicator, backend, self.facts, nonfinite, communicator_options)
 
         self.plan: Optional[Plan] = None
+        self._plan_digest: Optional[str] = None
         self.groups: List[GroupState] = []
         self._group_of: Dict[str, List[GroupState]] = {}
         self._ready_order: List[str] = []
@@ -195,51 +193,11 @@ class Reducer(SharedSurface):
     def facts(self) -> Dict[str, Any]:
         """What every rank must agree on before a step's exchange besides the lifecycle's
         step count and epoch (see mergecomp.runtime.agreement)."""
-        facts = {"plan": self.plan.digest() if self.plan is not None else None,
+        facts = {"plan": self._plan_digest,
                  "config": self.config, "state": self.loaded}
         if self.added:
             facts["added"] = self.added
         return facts
-
-    def add_params(self, named_params: Sequence[Tuple[str, torch.nn.Parameter]]) -> None:
-        """Exchange these parameters too, from the next backward on (between steps only).
-
-        For a layer unfrozen during training or a param group added to the optimizer: left
-        out, each rank would apply its own gradient to them.  Once a plan exists, the new
-        parameters get groups of their own after the planned ones (one per dtype and
-        device), so the planned groups and their error-feedback state stay as they are;
-        the next step's preflight checks that every rank took in the same parameters.
-        """
-        if self.in_iteration():
-            raise RuntimeError("parameters can be added between steps only, not during backward")
-        named = [(n, p) for n, p in named_params if n not in self.position]
-        if not named:
-            return
-        for name, p in named:
-            self.position[name] = len(self.params)
-            self.params.append((name, p))
-            self.numels[name] = p.numel()
-            self._passes[name] = 0
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(name)))
-        self.added = self.added + [n for n, _ in named]
-        if self.plan is not None:
-            kinds: Dict[Tuple[str, str], List[str]] = collections.OrderedDict()
-            for name, p in reversed(named):  # backward usually reaches later layers first
-                kinds.setdefault((str(p.dtype), str(p.device)), []).append(name)
-            self.install_plan(Plan(list(self.plan.groups) + [Group(tuple(names)) for names in kinds.values()]))
-
-    # ------------------------------------------------------------------------ planning --
-    def _make_plan(self) -> Plan:
-        """Rank 0 plans from its recorded backward order; every rank receives that plan."""
-        plan = None
-        if self.backend.rank == 0:
-            seen = set(self._ready_order)
-            # Parameters that got no gradient here go last, in reverse definition order
-            # (the order backward usually produces).
-            order = self._ready_order + [n for n, _ in reversed(self.params) if n not in seen]
-            plan = self.scheduler.plan(self.param_infos(order))
-        sent = self.backend.broadcast_object(plan.to_dict() if plan is not None else None, src=0)
-        return Plan.from_dict(sent)
 
     def install_plan(self, plan: Plan, check_ranks: bool = False) -> None:
         """Check the plan against the model (and, with ``check_ranks``, across ranks by
@@ -260,72 +218,13 @@ class Reducer(SharedSurface):
                 raise ValueError(f"plan group {group.index} mixes dtypes/devices {sorted(kinds)}; "
                                  "a fused buffer needs one of each")
         self.plan, self.groups = plan, groups
+        self._plan_digest = plan.digest()  # what ranks agree on each step: computed once per plan
         # A sliced parameter is in several groups: its gradient completes a piece of each.
         self._group_of = {}
         for group in self.groups:
             for n, _ in group.params:
                 self._group_of.setdefault(n, []).append(group)
         self._reset_iteration()
-
-    def layout(self, plan: Plan) -> Layout:
-        return {f"group{i}": pieces for i, pieces in enumerate(plan.pieces(self.numels))}
-
-    def carriers(self) -> List[str]:
-        """Registered communicators other than the job's that a ``"compress:<name>"`` send
-        mode can use here (they carry the compressor and memory) and that have a cost
-        formula; building one has no effect on training (it holds no state until used)."""
-        found = []
-        for name in communicators.available():
-            if type(self.communicator) is communicators.get(name) or not priced_collectives(name):
-                continue
-            try:
-                self.lifecycle.communicator_for(COMPRESS_VIA + name)
-            except ValueError:
-                continue
-            found.append(name)
-        return found
-
-    def compression_state(self) -> Dict[str, Any]:
-        """The compressed groups' state (the configured communicator's, with what other
-        compressed send modes hold folded into its memory: see
-        :meth:`StepLifecycle.compression_state`)."""
-        if self.plan is None:
-            return self.communicator.state_dict()
-        sizes = group_sizes(self.layout(self.plan))
-        return self.lifecycle.compression_state(sizes)
-
-    def load_compression_state(self, state: Dict[str, Any]) -> None:
-        """Load what :meth:`compression_state` returned; the other send modes' own state
-        is in it already."""
-        self.communicator.load_state_dict(state)
-        self.lifecycle.forget_owner_state()
-
-    def set_plan(self, plan: Plan) -> None:
-        """Switch to ``plan`` between steps; call it on every rank with the same plan (the
-        next step's preflight checks that they did).
-
-        Per-group error-feedback state follows its parameters into the new groups (see
-        :mod:`mergecomp.runtime.regroup`), so the switch is exact; the hierarchical exchange's
-        per-shard state is folded into whole groups first and cut into shards again after
-        (:mod:`mergecomp.communicators.shard_state`: a collective inside each node).  Raises
-        :class:`~mergecomp.runtime.regroup.CannotRegroup`, changing nothing, when some state cannot
-        move (PowerSGD's matrices, PS shard residuals): keep the current plan then.
-        """
-        if self.in_iteration():
-            raise RuntimeError("set_plan() must be called between steps (after backward has "
-                               "finished and before the next one), not in the middle of an iteration")
-        plan.validate((n for n, _ in self.params), self.numels)
-        if self.plan is None:
-            self.install_plan(plan)
-            return
-        old, new = self.layout(self.plan), self.layout(plan)
-        # Raw groups share this memory and their casts are stateless; other compressed send
-        # modes' own state is folded into it: this is all the state.
-        folded = self.lifecycle.fold_shard_state(self.compression_state(), group_sizes(old))
-        moved = regroup_state(folded, old, new)  # raises, changing nothing
-        self.install_plan(plan)
-        self.load_compression_state(moved)
-        self.lifecycle.spread_shard_state([(group.name, group.send, group.numel) for group in self.groups])
 
     def in_iteration(self) -> bool:
         """Whether a step's exchange is under way (between its first gradient and its end)."""
