@@ -61,21 +61,12 @@ from .. import arguments, schedulers
 from ..compressors.base import Compressor
 from ..memories.base import Memory
 from ..plan import ParamInfo
-from .state import HookState
+from .state import HookState, hook
 
-HookState.__module__ = __name__  # its public name, in reprs and pickles: mergecomp.ddp.HookState
+# Their public names, in reprs and pickles: mergecomp.ddp.HookState, mergecomp.ddp.hook.
+HookState.__module__ = hook.__module__ = __name__
 
 __all__ = ["HookState", "hook", "register", "bucket_caps"]
-
-
-def hook(state: HookState, bucket):
-    """The DDP communication hook: ``ddp_model.register_comm_hook(state, mergecomp.ddp.hook)``."""
-    return state.exchange(bucket)
-
-
-# DDP checks the annotations as objects (this module's are strings): give it the real ones.
-hook.__annotations__ = {"state": HookState, "bucket": torch.distributed.GradBucket,
-                        "return": torch.futures.Future[torch.Tensor]}
 
 
 def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "none",

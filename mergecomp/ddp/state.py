@@ -440,3 +440,13 @@ class HookState(SharedSurface):
 
     def __repr__(self) -> str:
         return f"HookState({self.communicator!r}, steps={self.steps}, ranks={self.backend.size})"
+
+
+def hook(state: HookState, bucket):
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, mergecomp.ddp.hook)``."""
+    return state.exchange(bucket)
+
+
+# DDP checks the annotations as objects (this module's are strings): give it the real ones.
+hook.__annotations__ = {"state": HookState, "bucket": torch.distributed.GradBucket,
+                        "return": torch.futures.Future[torch.Tensor]}

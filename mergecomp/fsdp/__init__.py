@@ -17,7 +17,7 @@ of its own shard.  :func:`register` compresses, unit by unit:
   is (:mod:`mergecomp.fsdp.replica`); :func:`node_mesh` builds the 2-D mesh from the
   node layout, so that the replicas span nodes and the shards stay inside a node.
 
-Every backward is one step of the shared step lifecycle (:mod:`mergecomp.fsdp.backward`):
+Every backward is one step of the shared step lifecycle (:class:`mergecomp.fsdp.units.BackwardStep`):
 ranks agree on configuration, units and step before anything travels; a NaN/Inf gradient
 never reaches a compressor or a residual, and drops the backward on every rank (or raises
 with ``nonfinite="raise"``).
@@ -41,13 +41,13 @@ from ..compressors import create as create_compressor
 from ..compressors.base import Compressor
 from ..memories.base import Memory
 from ..runtime import gate
-from ..runtime.step import StepLifecycle, check_nonfinite_policy
-from .backward import BackwardStep
+from ..runtime.step import check_nonfinite_policy
 from .mesh import node_mesh
 from .replica import ReplicaAllReduce, is_hsdp, take_over
 from .scatter import ScatterCommunicator, UnitShape, chunk_name, exchange_mode
 from .state import FSDPCompression
-from .units import CompressedReduceScatter, explain_fsdp_collectives, fsdp_units, param_group, unit_shape
+from .units import (BackwardStep, CompressedReduceScatter, explain_fsdp_collectives, fsdp_units, param_group,
+                    unit_shape)
 
 #: Set on each unit that carries mergecomp's exchange.
 _MARK = "_mergecomp_fsdp"
@@ -107,12 +107,8 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
         shard = groups[0][3].mesh_info.shard_process_group
         communicator = ScatterCommunicator(compressor, memory, TorchDistributedBackend(shard),
                                            {f"group{index}": shape for index, shape in shapes.items()})
-
-    def facts() -> Dict[str, Any]:
-        return {"config": config, "layout": layout}
-
-    lifecycle = StepLifecycle(communicator, world, facts, nonfinite)
-    backward = BackwardStep(model, lifecycle, "allreduce" if hsdp else "reduce_scatter")
+    backward = BackwardStep(model, communicator, world, nonfinite, {"config": config, "layout": layout},
+                            "allreduce" if hsdp else "reduce_scatter")
     installed: Dict[str, Any] = {}
     for index, name, module, group in groups:
         if hsdp:

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..compressors.base import GroupLayout
-from .backward import BackwardStep
+from .units import BackwardStep
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo

@@ -8,7 +8,7 @@ from ..compressors.base import Compressor
 from ..memories.base import Memory
 from ..runtime import gate
 from ..runtime.step import SharedSurface
-from .backward import BackwardStep
+from .units import BackwardStep
 
 #: Format of FSDP compression state (2: the envelope every entry point shares,
 #: :func:`mergecomp.runtime.gate.seal_state`; 1 is read too).
