@@ -10,8 +10,9 @@ beacons (:meth:`mark_step`).
 """
 from __future__ import annotations
 
+import collections
 from contextlib import contextmanager
-from typing import Any, List, Optional, Sequence
+from typing import Any, Deque, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,10 @@ from .. import watchdog
 from .base import Backend, Completed, Work, _check_rows
 from .serialize import (HeaderError, blob_size, check_blob_size, header_error, pack, pack_bounded,
                         shape_header, shapes_from_header, unpack, unpack_bounded)
+
+
+#: How many of the latest collectives' handles a backend keeps (see ``_kept``).
+KEPT_WORKS = 256
 
 
 class TorchDistributedBackend(Backend):
@@ -44,6 +49,9 @@ class TorchDistributedBackend(Backend):
         self._size = dist.get_world_size(group)
         self.device = self._default_device()
         self.beacon = watchdog.beacon_for(group)
+        #: The handles of the latest collectives (this step's), kept until the next step begins
+        #: (:meth:`_kept`); bounded, for a backend that never marks a step.
+        self._step_works: Deque[Any] = collections.deque(maxlen=KEPT_WORKS)
 
     def _default_device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":
@@ -62,6 +70,19 @@ class TorchDistributedBackend(Backend):
     def mark_step(self, step: int) -> None:
         if self.beacon is not None:
             self.beacon.mark(step, self.collectives)
+        self._step_works.clear()  # the last step's collectives are done: released here, on this thread
+
+    def _kept(self, work):
+        """``work``, also kept here until the next step begins.
+
+        A collective launched during backward captures the autograd engine's thread-local
+        state, which holds a Python object (torch stashes a context there), so destroying its
+        handle takes the GIL.  If gloo's worker thread dropped the last reference, that could
+        happen while the main thread destroys the process group holding the GIL and joining
+        that very worker (a script's teardown: a deadlock).  Held here, the handles are only
+        ever released by this process's own Python code."""
+        self._step_works.append(work)
+        return work
 
     def _explain(self, op: str, number: int):
         """For a Work: what a failure of collective ``op`` (this rank's ``number``-th) means."""
@@ -92,7 +113,7 @@ class TorchDistributedBackend(Backend):
     def explained_work(self, work, op: str):
         if work is None:
             return None
-        return _ExplainedWork(work, self._explain(op, self.collectives))
+        return _ExplainedWork(self._kept(work), self._explain(op, self.collectives))
 
     def _checked(self, op: str, finalize):
         """``finalize`` with a bad peer header recorded in the beacon, as in :meth:`_guard`."""
@@ -106,7 +127,7 @@ class TorchDistributedBackend(Backend):
         tensors = tuple(tensors)
         self._count_allreduce(tensors)
         with self._guard("allreduce"):
-            handles = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors if t.numel()]
+            handles = [self._kept(dist.all_reduce(t, group=self.group, async_op=True)) for t in tensors if t.numel()]
         return Work(handles, lambda: tensors, explain=self._explain("allreduce", self.collectives))
 
     def allgather_async(self, tensors: Sequence[torch.Tensor], same_shapes: bool,
@@ -120,7 +141,7 @@ class TorchDistributedBackend(Backend):
             received = [torch.empty_like(blob) for _ in range(self._size)]
             self._count_allgather([blob])
             with self._guard("allgather"):
-                handle = dist.all_gather(received, blob, group=self.group, async_op=True)
+                handle = self._kept(dist.all_gather(received, blob, group=self.group, async_op=True))
             return Work([handle], self._checked("allgather", lambda: [
                 unpack_bounded(r, dtypes, bound, source) for source, r in enumerate(received)]),
                 explain=self._explain("allgather", self.collectives))
@@ -132,7 +153,7 @@ class TorchDistributedBackend(Backend):
             gathered = [torch.empty_like(header) for _ in range(self._size)]
             self._count_allgather([header])
             with self._guard("allgather (shape exchange)"):
-                dist.all_gather(gathered, header, group=self.group)
+                self._kept(dist.all_gather(gathered, header, group=self.group, async_op=True)).wait()
                 shapes_per_rank = [shapes_from_header(h, source) for source, h in enumerate(gathered)]
                 sizes = [check_blob_size(shapes, dtypes, limit, source)
                          for source, shapes in enumerate(shapes_per_rank)]
@@ -144,7 +165,7 @@ class TorchDistributedBackend(Backend):
         received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self._size)]
         self._count_allgather([blob])
         with self._guard("allgather"):
-            handle = dist.all_gather(received, blob, group=self.group, async_op=True)
+            handle = self._kept(dist.all_gather(received, blob, group=self.group, async_op=True))
 
         def finalize():
             return [unpack(r, s, dtypes) for r, s in zip(received, shapes_per_rank)]
@@ -160,15 +181,15 @@ class TorchDistributedBackend(Backend):
         all_sizes = [torch.empty_like(send_sizes) for _ in range(self._size)]
         self._count_allgather([send_sizes])
         with self._guard("alltoall (size exchange)"):
-            dist.all_gather(all_sizes, send_sizes, group=self.group)
+            self._kept(dist.all_gather(all_sizes, send_sizes, group=self.group, async_op=True)).wait()
             recv_sizes = [self._received_size(sizes, source, limit)
                           for source, sizes in enumerate(all_sizes)]
         send = torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks])
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
         self._count_alltoall(chunks)
         with self._guard("alltoall"):
-            dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
-                                   input_split_sizes=counts, group=self.group)
+            self._kept(dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
+                                              input_split_sizes=counts, group=self.group, async_op=True)).wait()
         return list(torch.split(recv, recv_sizes))
 
     def reduce_scatter(self, chunks: torch.Tensor) -> torch.Tensor:
@@ -176,7 +197,8 @@ class TorchDistributedBackend(Backend):
         out = torch.empty_like(chunks[0])
         self._count_alltoall(list(chunks))
         with self._guard("reduce_scatter"):
-            dist.reduce_scatter_tensor(out, chunks.contiguous().view(-1), group=self.group)
+            self._kept(dist.reduce_scatter_tensor(out, chunks.contiguous().view(-1), group=self.group,
+                                                  async_op=True)).wait()
         return out
 
     def alltoall_fixed(self, chunks: torch.Tensor) -> torch.Tensor:
@@ -184,7 +206,8 @@ class TorchDistributedBackend(Backend):
         received = torch.empty_like(chunks)
         self._count_alltoall(list(chunks))
         with self._guard("alltoall"):
-            dist.all_to_all_single(received.view(-1), chunks.contiguous().view(-1), group=self.group)
+            self._kept(dist.all_to_all_single(received.view(-1), chunks.contiguous().view(-1), group=self.group,
+                                              async_op=True)).wait()
         return received
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -192,7 +215,7 @@ class TorchDistributedBackend(Backend):
         if self._rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
         with self._guard("broadcast"):
-            dist.broadcast(tensor, src=src, group=self.group)
+            self._kept(dist.broadcast(tensor, src=src, group=self.group, async_op=True)).wait()
         return tensor
 
     def _received_size(self, sizes: torch.Tensor, source: int, limit: Optional[int]) -> int:
@@ -208,7 +231,7 @@ class TorchDistributedBackend(Backend):
 
     def barrier(self) -> None:
         with self._guard("barrier"):
-            dist.barrier(group=self.group)
+            self._kept(dist.barrier(group=self.group, async_op=True)).wait()
 
 
 class _ExplainedWork(dist.Work):
