@@ -26,8 +26,7 @@ from .sparsifier import SparseCompressor, index_dtype, num_selected
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 #: The step-counted warm-up that the warning without epochs advises, as a share of the run's
-#: steps: on both language-model tasks (1,500 steps) a fifth did better than a fifteenth,
-#: and none at all fell far behind in short runs (docs/results.md).
+#: steps (why a fifth: docs/results.md#lm-topk-lag).
 WARMUP_FRACTION_ADVICE = 0.2
 
 
@@ -65,11 +64,7 @@ class DGCCompressor(SparseCompressor):
     compressor completes (counted at each committed step, so a dropped step does not count;
     saved in ``state_dict()``), and the epochs no longer matter.
 
-    Density and language models: at the paper's 0.1% the benchmark's character LSTM and
-    GPT trail dense at equal steps, as the plain-torch Algorithm 1 does (the GPT reaches
-    dense in twice the steps); at 1% with a warm-up over a fifth of the run both reach
-    dense at equal steps, as digits does, where the ``topk`` compressor at 1%, without
-    masking and warm-up, still lags on the GPT (docs/results.md#lm-topk-lag).
+    Density, warm-up and language models: docs/results.md#lm-topk-lag.
 
     The epoch is part of ``state_dict()`` (a resumed run keeps its density).  NaN
     elements are never selected (a NaN fails the threshold test) and do not disturb the

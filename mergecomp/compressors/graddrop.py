@@ -33,9 +33,7 @@ class GradDropCompressor(SparseCompressor):
     and recipe: the residual with SGD's momentum before the exchange
     (``memories.create("residual", momentum="optimizer")``; under Adam, or SGD without
     momentum, plain error feedback) and each rank's gradient clipped before it is
-    accumulated.  With the momentum after the exchange and the averaged gradient clipped, it
-    trailed dense by more than top-k does on the language-model benchmark's transformer
-    (docs/results.md).
+    accumulated (why: docs/results.md#lm-catch-up).
 
     How close to R·n: the sample has m = max(``min_samples``, ``sample_ratio``·n,
     ``sample_survivors``/R) elements (the whole tensor when that reaches n, and then the

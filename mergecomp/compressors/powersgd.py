@@ -57,11 +57,8 @@ class PowerSGDCompressor(Compressor):
     new to a group starts afresh, and state of a view the group does not factor (or of
     another shape) raises ValueError.
 
-    ``rank`` defaults to 4, the paper's rank for its language model (an LSTM on WikiText-2):
-    on the language-model benchmark's transformer rank 2 was still 13% short of dense's
-    loss after twice the steps dense needed, where rank 4 reached it, and rank 4 is at
-    parity on the LSTM and the digits CNN too (docs/results.md); it sends about twice rank
-    2's bytes.
+    ``rank`` defaults to 4, the paper's rank for its language model (an LSTM on WikiText-2),
+    at about twice rank 2's bytes; why not 2: docs/results.md#lm-catch-up.
 
     Math and factors are fp32 whatever the gradient dtype (fp64 stays fp64); raw values
     travel in the gradient's dtype (with fp16/bf16 gradients the first round then has two

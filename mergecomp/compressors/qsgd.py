@@ -37,9 +37,8 @@ class QSGDCompressor(StochasticCompressor):
     ``rollback()`` (:mod:`~mergecomp.compressors.streams`).
 
     ``bucket_size`` is 128 by default, a quarter of the paper's 512: the variance bound
-    √d/s·‖v‖² halves, for a quarter of a bit more per element (one fp32 norm per 128).  At
-    512 the added variance cost a transformer's validation loss several times what one
-    seed moves it; at 128 it is within that on every task measured (docs/results.md).
+    √d/s·‖v‖² halves, for a quarter of a bit more per element (one fp32 norm per 128); what
+    that does to accuracy: docs/results.md#lm-momentum-placement.
 
     Wire for n elements: ⌈n·b/8⌉ bytes of codes + 4·⌈n/bucket_size⌉ bytes of fp32 norms.
     """

@@ -27,11 +27,10 @@ class TernGradCompressor(StochasticCompressor):
 
     Each bucket is first clipped to ±c·σ (``clip=c``, σ its standard deviation; 2.5 by
     default, the paper's setting for all its experiments), which lowers the variance, set by
-    the bucket's largest element, at the price of a bias on the clipped outliers: on the
-    language-model tasks of ``benchmarks/convergence.py`` the unclipped variant trails dense
-    SGD several times further.  ``clip=None`` is unbiased: E[S·sign(v)·b] = v (up to 2^-16
-    of S: the Bernoulli draw uses 16 random bits, see ``kernels.quantize.stochastic_codes``).  The ternary value travels as
-    a 2-bit code (0 → −S, 1 → 0, 2 → +S); the scale is one fp32 per bucket (the paper uses
+    the bucket's largest element, at the price of a bias on the clipped outliers (the two
+    variants' accuracy: docs/results.md#lm-more-rows).  ``clip=None`` is unbiased:
+    E[S·sign(v)·b] = v (up to 2^-16 of S: the Bernoulli draw uses 16 random bits, see
+    ``kernels.quantize.stochastic_codes``).  The ternary value travels as a 2-bit code (0 → −S, 1 → 0, 2 → +S); the scale is one fp32 per bucket (the paper uses
     one per layer; a fused group spans several layers, hence the buckets).  The Bernoulli
     draws come from a private stream per group, seeded from ``seed`` and this process's
     rank, saved in ``state_dict()`` and rewound by ``rollback()``.

@@ -28,17 +28,8 @@ class TopKCompressor(SparseCompressor):
     has m taken over, so each rank accumulates u ← m·u + g, compresses u plus its residual,
     and SGD steps on the exchanged sum without momentum; with any other optimizer, or none,
     it is plain error feedback.  Why: heavy-ball momentum applied after an error-feedback
-    exchange replays a backlog released in one step for 1/(1 − m) steps, which the
-    language-model benchmark's transformer did not survive; applied before, it came closer
-    to dense on every language-model task measured and held on digits (docs/results.md).
-
-    On a transformer language model its steps early in training lag dense SGD's, and it
-    reaches dense's loss only in about twice dense's steps; a plain-torch top-k does the
-    same, so the lag is the algorithm's.  What reached dense at equal steps there (and on
-    the LSTM and digits) is the ``dgc`` compressor at the same ``compress_ratio``: DGC's
-    momentum factor masking and its density warm-up (``warmup_steps`` = a fifth of the
-    run's steps when the loop is not epoch-based), at more bytes during the warm-up
-    (docs/results.md#lm-topk-lag).
+    exchange replays a backlog released in one step for 1/(1 − m) steps.  What it reaches on
+    the benchmark's tasks: docs/results.md#lm-momentum-placement and #lm-topk-lag.
 
     Exact (the same selection as ``torch.topk``, up to ties), found through block peaks
     (``kernels.exact_top_k``) instead of a top-k over all n elements.
