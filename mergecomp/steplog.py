@@ -36,18 +36,31 @@ attaches nothing, and with no log attached no step pays for any of it.  Columns:
 
 ``every=N`` writes one row per N steps, its bytes, density and seconds averaged over those
 N steps (a long run's CSV stays small; the residual norm is read on written steps only).
+
+A log is never worth a training run.  Writing fails (a full disk, a lost mount): the log
+warns once, saying what failed, and stops; the step goes on exactly as on the other ranks.
+A run that resumes into the same ``log_dir`` continues its ``steps.csv``: rows of steps
+before the run's first step stay, rows of that step and later ones (the steps it takes again,
+when it resumes from an earlier checkpoint than the log's last row) are replaced, so the file
+stays one table in step order.  A run killed while writing a row can leave a partial last
+line: :func:`read_rows` skips it, and the next run that writes into the folder removes it.
 """
 from __future__ import annotations
 
 import csv
 import math
 import os
-from typing import Any, Dict, List, Optional
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
 
 from .plan import is_compressed
 
 COLUMNS = ("step", "skipped", "skipped_total", "bytes_sent", "fp32_bytes", "compression_ratio",
            "density", "compress_s", "wait_s", "decode_s", "ef_norm")
+#: The columns that hold whole numbers (the others are floats; an empty cell is ``None``).
+INTEGER_COLUMNS = ("step", "skipped", "skipped_total")
+#: The CSV's name inside ``log_dir``.
+CSV_NAME = "steps.csv"
 
 #: What to install for the TensorBoard writer.
 TENSORBOARD_INSTALL = "pip install tensorboard   (or: pip install 'mergecomp[tensorboard]')"
@@ -86,6 +99,8 @@ class StepLog:
         tensorboard: write TensorBoard events (needs the ``tensorboard`` package; an
             ImportError saying how to install it otherwise, raised here, not mid-run).
         every: write one row per this many steps (≥ 1).
+
+    ``stopped`` is None while the log writes; once a write failed, it says what failed.
     """
 
     def __init__(self, log_dir: str, *, csv: bool = True, tensorboard: bool = False, every: int = 1):
@@ -100,8 +115,14 @@ class StepLog:
         self.every = every
         self._want_csv, self._want_tensorboard = csv, tensorboard
         self._writer_class = tensorboard_writer() if tensorboard else None  # fail before training
+        self._csv_path = os.path.join(self.log_dir, CSV_NAME)
         self._csv_file = self._csv = self._tensorboard = None
         self._source = None
+        self._handles: List[Any] = []
+        self._first_step: Optional[int] = None  # the first step this run logs (rank 0)
+        self._last_row: Optional[int] = None  # the step of the last row this run wrote
+        self.stopped: Optional[str] = None  # why the log stopped writing, once it did
+        self._closed = False
         self._reset_window()
 
     # -- attaching ---------------------------------------------------------------------------
@@ -117,19 +138,79 @@ class StepLog:
         self._source = source
         if source.rank != 0:
             return _Detach([])
-        self._open()
         self._bytes_before = source.bytes_sent
-        return _Detach([source.phase_listeners.add(self._on_phase), source.step_listeners.add(self._on_step)])
+        self._handles = [source.phase_listeners.add(self._on_phase), source.step_listeners.add(self._on_step)]
+        self._guarded(f"opening the step log in {self.log_dir}", self._open)
+        return _Detach(self._handles)
 
     def _open(self) -> None:
+        """Make the folder, set aside a ``steps.csv`` of other columns, start TensorBoard's
+        writer.  The CSV itself opens at the first row, when the run's first step is known."""
         os.makedirs(self.log_dir, exist_ok=True)
         if self._want_csv:
-            path = os.path.join(self.log_dir, "steps.csv")
-            self._csv_file = open(path, "w", newline="")
-            self._csv = csv.writer(self._csv_file)
-            self._csv.writerow(COLUMNS)
+            self._set_aside_foreign_csv()
         if self._writer_class is not None:
             self._tensorboard = self._writer_class(log_dir=self.log_dir)
+
+    def _set_aside_foreign_csv(self) -> None:
+        """A ``steps.csv`` whose header is not :data:`COLUMNS` (another version's columns, or
+        not a step log) cannot be continued as one table: rename it to the first free
+        ``steps.csv.N`` and say so, rather than mixing tables or erasing it."""
+        header = _first_line(self._csv_path)
+        if header is None or header == ",".join(COLUMNS):
+            return  # no file, an empty one, a partial header (a kill while writing it), or ours
+        number = 1
+        while os.path.exists(f"{self._csv_path}.{number}"):
+            number += 1
+        os.replace(self._csv_path, f"{self._csv_path}.{number}")
+        warnings.warn(f"mergecomp.StepLog: {self._csv_path} has other columns ({header[:120]!r}), not a "
+                      f"step log this version can continue; it was kept as {self._csv_path}.{number} "
+                      "and a new steps.csv begun", RuntimeWarning, stacklevel=4)
+
+    def _open_csv(self) -> None:
+        """Continue ``steps.csv``: keep its header and its rows of steps before this run's first
+        step, drop the rest (a partial last line, rows of the steps this run takes again), append."""
+        kept = _kept_bytes(self._csv_path, self._first_step)
+        if os.path.exists(self._csv_path) and os.path.getsize(self._csv_path) > kept:
+            os.truncate(self._csv_path, kept)
+        self._csv_file = open(self._csv_path, "a", newline="")
+        self._csv = csv.writer(self._csv_file)
+        if kept == 0:
+            self._csv.writerow(COLUMNS)
+
+    # -- failing -----------------------------------------------------------------------------
+    def _guarded(self, doing: str, action, *args) -> None:
+        """Run ``action``; if the disk refuses (OSError: full, gone, read-only), stop the log
+        with one warning instead of ending the run.  The listeners run inside the step on
+        rank 0 only, so an error here would leave rank 0 a step behind the others."""
+        if self.stopped is not None:
+            return
+        try:
+            action(*args)
+        except OSError as error:
+            self._stop(doing, error)
+
+    def _stop(self, doing: str, error: OSError) -> None:
+        for handle in self._handles:  # no step pays for a log that writes nothing
+            handle.remove()
+        self._handles = []
+        self._close_quietly()
+        kept = ("no rows were written" if self._last_row is None
+                else f"its rows up to step {self._last_row} are kept")
+        self.stopped = f"{doing} failed ({type(error).__name__}: {error})"
+        warnings.warn(f"mergecomp.StepLog: {self.stopped}; the step log stops here ({kept}) and "
+                      "training goes on. Free space or give another log_dir to log the next run.",
+                      RuntimeWarning, stacklevel=2)
+
+    def _close_quietly(self) -> None:
+        """Close the files after a failure: what they still buffer is lost either way."""
+        for closer in (getattr(self._csv_file, "close", None), getattr(self._tensorboard, "close", None)):
+            if closer is not None:
+                try:
+                    closer()
+                except OSError:
+                    pass
+        self._csv_file = self._csv = self._tensorboard = None
 
     # -- listening -----------------------------------------------------------------------------
     def _reset_window(self) -> None:
@@ -168,6 +249,8 @@ class StepLog:
         return int(transmitted(payload, group.handle.ctx).numel())
 
     def _on_step(self, step: int, outcome) -> None:
+        if self._first_step is None:
+            self._first_step = step
         self._steps += 1
         self._skipped += 0 if outcome.finite else 1
         for group in self._groups:
@@ -175,8 +258,8 @@ class StepLog:
             # groups without a "finish" of their own count their decoding alone
             self._sums["decode_s"] += self._decoded.get(id(group), getattr(group, "finish_seconds", 0.0))
         self._groups, self._decoded = [], {}
-        if self._steps >= self.every:
-            self._write(step)
+        if self._steps >= self.every and not self._closed:
+            self._guarded(f"writing the row of step {step} to {self.log_dir}", self._write, step)
             self._reset_window()
 
     def _write(self, step: int) -> None:
@@ -192,13 +275,19 @@ class StepLog:
             "compress_s": sums["compress_s"] / n, "wait_s": sums["wait_s"] / n,
             "decode_s": sums["decode_s"] / n, "ef_norm": self._error_norm(),
         }
-        if self._csv is not None:
+        if self._want_csv:
+            if self._csv is None:
+                self._open_csv()
             self._csv.writerow(["" if row[c] is None else _cell(row[c]) for c in COLUMNS])
             self._csv_file.flush()  # a run that dies keeps its rows
         if self._tensorboard is not None:
             for column in COLUMNS[1:]:
                 if row[column] is not None and math.isfinite(row[column]):
                     self._tensorboard.add_scalar(f"mergecomp/{column}", row[column], step)
+            # the writer writes on a thread of its own: its flush waits for it and raises
+            # what it met (a full disk), here rather than at some later row or at close()
+            self._tensorboard.flush()
+        self._last_row = step
 
     def _error_norm(self) -> Optional[float]:
         memories = {id(c.memory): c.memory for c in self._source.communicators()}
@@ -208,13 +297,18 @@ class StepLog:
 
     # -- closing -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Flush and close the files (rows already written stay if a run dies first)."""
+        """Flush and close the files (rows already written stay if a run dies first); later
+        steps write no rows."""
+        self._closed = True
+        self._guarded(f"closing the step log in {self.log_dir}", self._close)
+
+    def _close(self) -> None:
         if self._csv_file is not None:
-            self._csv_file.close()
-            self._csv_file = self._csv = None
+            csv_file, self._csv_file, self._csv = self._csv_file, None, None
+            csv_file.close()
         if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+            tensorboard, self._tensorboard = self._tensorboard, None
+            tensorboard.close()
 
     def __enter__(self) -> "StepLog":
         return self
@@ -232,3 +326,72 @@ def _cell(value: Any) -> str:
     if isinstance(value, float) and not value.is_integer():
         return f"{value:.6g}"
     return str(int(value)) if isinstance(value, float) and math.isfinite(value) else str(value)
+
+
+def read_rows(log_dir: str) -> List[Dict[str, Any]]:
+    """The rows of ``log_dir``'s ``steps.csv``, numbers parsed (whole numbers as ``int``, an
+    empty cell as ``None``).  A line that is not a whole row is skipped: the partial last line
+    a run killed while writing leaves.  ValueError for a file with other columns."""
+    path = os.path.join(os.fspath(log_dir), CSV_NAME)
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    header = lines[0].decode("utf-8", "replace").rstrip("\r")
+    if len(lines) == 1 and ",".join(COLUMNS).startswith(header):
+        return []  # an empty file, or a header cut short
+    if header != ",".join(COLUMNS):
+        raise ValueError(f"{path} is not a step log: its columns are {header[:200]!r}, a step log's "
+                         f"are {','.join(COLUMNS)}")
+    rows = []
+    for line in lines[1:-1]:  # the last piece follows the last newline: empty, or a partial row
+        row = _parse_row(line)
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+def _parse_row(line: bytes) -> Optional[Dict[str, Any]]:
+    """One CSV line as a row, or None if it is not a whole one."""
+    cells = line.decode("utf-8", "replace").rstrip("\r").split(",")
+    if len(cells) != len(COLUMNS):
+        return None
+    row: Dict[str, Any] = {}
+    try:
+        for column, cell in zip(COLUMNS, cells):
+            row[column] = None if cell == "" else int(cell) if column in INTEGER_COLUMNS else float(cell)
+    except ValueError:
+        return None
+    return row
+
+
+def _first_line(path: str) -> Optional[str]:
+    """The first whole line of ``path`` (no line end), or None if it has none or is missing."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except FileNotFoundError:
+        return None
+    if b"\n" not in head:  # a header cut short by a kill is no other table
+        text = head.decode("utf-8", "replace")
+        return None if ",".join(COLUMNS).startswith(text) else text
+    return head.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")
+
+
+def _kept_bytes(path: str, first_step: Optional[int]) -> int:
+    """How many leading bytes of the step log at ``path`` a run starting at ``first_step``
+    keeps: the header and every whole row of an earlier step, up to the first row of a later
+    one (rows are in step order) or a partial last line.  0: no file, or no whole header."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    lines = data.split(b"\n")
+    if len(lines) == 1:
+        return 0
+    kept = len(lines[0]) + 1
+    for line in lines[1:-1]:
+        row = _parse_row(line)
+        if row is not None and first_step is not None and row["step"] >= first_step:
+            break
+        kept += len(line) + 1  # a line that is no row stays as it was; readers skip it
+    return kept
