@@ -176,3 +176,101 @@ def test_values_between_ranks_travel_as_json_and_anything_else_fails_on_every_ra
         assert "rank 1 passed a value that JSON cannot carry: the value has the key 0 of type int: JSON keys are strings" in errors[0]
         assert "rank 0 passed a value that JSON cannot carry: the value is of type Tensor" in errors[1] and "travel as JSON" in errors[1]
         assert "the value is of type object" in errors[2]
+
+
+# -- hostile JSON from a peer ------------------------------------------------------------------------
+
+#: Bytes a peer may send instead of what Backend._encode writes, and what the refusal says.
+HOSTILE = [
+    (b'["ok",' + b"[" * 100_000 + b"]" * 100_000 + b"]", "nests deeper than 32 lists or objects"),
+    (b'["ok",' + b"[" * 100 + b"]" * 100 + b"]", "nests deeper than 32 lists or objects"),
+    (b'["ok",' + b'{"a":' * 100 + b"1" + b"}" * 100 + b"]", "nests deeper than 32 lists or objects"),
+    (b'{"ok": 1, "x": 2}', 'is no ["ok", value] or ["error", why]'),
+    (b'["ok"]', 'is no ["ok", value] or ["error", why]'),
+    (b"5", 'is no ["ok", value] or ["error", why]'),
+    (b'["maybe", 1]', 'is no ["ok", value] or ["error", why]'),
+    (b'["error", {"why": 1}]', 'error is {"why": 1}, not a message'),
+    (b'["ok", 1', "bytes are not a JSON value"),
+    (b"\xff\xfe", "bytes are not a JSON value"),
+]
+
+
+def _send_from_rank_1(rank, payload):
+    """Make this process send ``payload`` as its next JSON value when it is rank 1."""
+    from mergecomp.distributed.backends import base
+    if rank == 1:
+        base._encode = lambda obj, op, sender: payload
+
+
+def hostile_worker(rank, world_size):
+    from mergecomp.distributed.backends.expect import NUMBER, OBJECT, STRING, list_of, optional, tuple_of
+    from mergecomp.distributed.backends.serialize import HeaderError
+    from mergecomp.runtime.agreement import StepAgreement
+    real_encode = __import__("mergecomp.distributed.backends.base", fromlist=["_encode"])._encode
+    backend = TorchDistributedBackend()
+    seen = []
+
+    def attempt(call):
+        try:
+            call()
+            seen.append(None)
+        except HeaderError as error:
+            seen.append(str(error))
+        except BaseException as error:  # anything but the header error fails the test
+            seen.append(f"{type(error).__name__}: {error}")
+
+    for payload, _ in HOSTILE:
+        _send_from_rank_1(rank, payload)
+        attempt(lambda: backend.allgather_object({"fine": 1}))
+        attempt(lambda: backend.broadcast_object({"fine": 1}, src=1))
+    # well-formed JSON of another form than the receiver expects
+    for good, bad, expect in (({}, [1, 2], OBJECT), ("ab", {"a": 1}, STRING), (0.5, "0.5", NUMBER),
+                              ([0.5], [0.5, "x"], list_of(NUMBER)),
+                              ([["a", 1]], [[1], [2]], list_of(tuple_of(STRING, NUMBER))),
+                              (None, 0.5, optional(STRING))):
+        _send_from_rank_1(rank, real_encode(bad, "allgather_object", rank))
+        attempt(lambda: backend.allgather_object(good, expect=expect))
+    # the step agreement: facts that differ, and a peer whose facts are no object
+    _send_from_rank_1(rank, b'["ok", [["plan", "p"], ["steps", 3]]]')
+    agreement = StepAgreement(backend, torch.device("cpu"))
+    facts = {"plan": "p", "steps": rank}
+    attempt(lambda: agreement.check(agreement.preflight(facts), facts, "at step 3"))
+    return seen
+
+
+def test_a_hostile_json_value_from_a_peer_is_a_header_error_naming_it_on_every_rank():
+    """Deep nesting, an envelope of another shape, bytes that are not JSON, and JSON of another
+    form than the call expects: each is refused as a bad header from rank 1, on both ranks,
+    never a RecursionError or TypeError (or a value used as if it were right)."""
+    for seen in run_ranks(hostile_worker, 2):
+        assert len(seen) == 2 * len(HOSTILE) + 7
+        for index, (_, said) in enumerate(HOSTILE):
+            for message in seen[2 * index:2 * index + 2]:
+                assert message is not None and message.startswith("rank 1 sent a header"), message
+                assert said in message, message
+        shapes = seen[2 * len(HOSTILE):]
+        assert all(m is not None and m.startswith("rank 1 sent a header") for m in shapes), shapes
+        assert "its allgather_object value is not a JSON object: the value is [1, 2], not a JSON object" in shapes[0]
+        assert "the value is {\"a\": 1}, not a string" in shapes[1]
+        assert "the value is \"0.5\", not a number" in shapes[2]
+        assert "the value[1] is \"x\", not a number" in shapes[3]
+        assert "the value[0] is [1], not [a string, a number]" in shapes[4]
+        assert "the value is 0.5, not None or a string" in shapes[5]
+        assert "its allgather_object value is not a JSON object" in shapes[6]  # the agreement's facts
+
+
+def test_expected_forms_say_where_a_value_differs():
+    from mergecomp.distributed.backends.expect import (DTYPE_NAME, INT, NUMBER, fields, index_below, list_of,
+                                           object_of, tuple_of)
+    samples = object_of(list_of(tuple_of(INT, NUMBER)))
+    form = tuple_of(fields(launch=samples, finish=samples), list_of(NUMBER))
+    assert form.problem([{"launch": {"fp32": [[10, 0.5]]}, "finish": {}}, [0.1]]) is None
+    assert form.problem([{"launch": {}}, []]) == "the value[0] has no 'finish'"
+    assert form.problem([{"launch": {"fp32": [[10.5, 0.5]]}, "finish": {}}, []]) == \
+        "the value[0]['launch']['fp32'][0][0] is 10.5, not a whole number"
+    assert index_below(3).problem(3) == "the value is 3, not a whole number from 0 to 2"
+    assert index_below(3).problem(True) is not None  # a boolean is no index
+    assert object_of(DTYPE_NAME).problem({"memory/residuals": "float32"}) is None
+    assert object_of(DTYPE_NAME).problem({"memory/residuals": "save"}) == \
+        "the value['memory/residuals'] is \"save\", not the name of a torch dtype"
+    assert list_of(NUMBER, length=2).problem([1.0]) == "the value has 1 items, not 2"

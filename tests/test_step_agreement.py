@@ -463,7 +463,7 @@ def test_a_dtype_the_compressor_cannot_carry_is_refused_at_construction():
     class OneRank(mergecomp.distributed.backends.Backend):
         rank, size = 0, 1
 
-        def allgather_object(self, obj):
+        def allgather_object(self, obj, expect=None):
             return [obj]
 
     with pytest.raises(ValueError, match="cannot carry complex64 gradients.*view_as_real"):

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 
 import torch
 
+from ..distributed.backends.expect import DTYPE_NAME, object_of
+
 #: numel → (this rank's first element, its end): the shard of a group of numel elements.
 Bounds = Callable[[int], Tuple[int, int]]
 
@@ -92,7 +94,7 @@ def spread_to_shards(parts: Dict[str, Dict[str, Any]], groups: Sequence[Tuple[st
                 if found:
                     held[f"{part}/{field}"] = str(found[0].dtype).replace("torch.", "")
     agreed: Dict[str, str] = {}
-    for seen in intra.allgather_object(held):
+    for seen in intra.allgather_object(held, expect=object_of(DTYPE_NAME)):
         for path, dtype in seen.items():
             agreed.setdefault(path, dtype)
     result: Dict[str, Dict[str, Any]] = {}

@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
 
+from .backends.expect import INT, STRING, one_of, tuple_of
 from .launch import detect
 
 #: Overrides the launcher's ranks per node (an integer ≥ 1).
@@ -134,7 +135,8 @@ def agreed_layout(backend, local_size: Optional[int] = None,
         layout, mine = node_layout(backend.rank, backend.size, local_size, environ), None
     except (TypeError, ValueError) as error:
         layout, mine = None, str(error)
-    everyone = backend.allgather_object(mine if layout is None else [layout.local_size, layout.source])
+    everyone = backend.allgather_object(mine if layout is None else [layout.local_size, layout.source],
+                                        expect=one_of(STRING, tuple_of(INT, STRING)))
     problems = [f"rank {rank}: {value}" for rank, value in enumerate(everyone) if isinstance(value, str)]
     if problems:
         raise ValueError("the node layout cannot be read on every rank; " + "; ".join(problems))

@@ -35,6 +35,7 @@ from .. import communicators, compressors, memories
 from ..communicators.base import Handle
 from ..compressors.base import ParamView, accepts_layout, payload_nbytes
 from ..distributed.backends.base import Completed
+from ..distributed.backends.expect import NUMBER, list_of
 from ..plan import COMPRESS_VIA
 from .costmodel import priced_collectives
 from .timeline import BackwardTimer, _synchronize
@@ -285,7 +286,7 @@ def measure_collective_cost(backend, kind: str, sizes: Sequence[int] = (2 ** 12,
     world = backend.size
     with backend.uncounted():
         local, actual = _time_collective(backend, kind, sizes, repeats, device, world)
-        everyone = backend.allgather_object(local)
+        everyone = backend.allgather_object(local, expect=list_of(NUMBER, length=len(local)))
     slowest = [max(per_size) for per_size in zip(*everyone)]
     return fit_linear(actual, slowest)
 

@@ -34,6 +34,7 @@ from typing import Any, List, Mapping, Optional
 import torch
 
 from ..distributed.backends.base import Backend, Work
+from ..distributed.backends.expect import OBJECT
 
 _MAX_HASH_BITS = 20
 
@@ -113,7 +114,7 @@ class StepAgreement:
         size = self.backend.size
         if total * total == squares * size:  # every hash equal: zero variance
             return
-        everyone = self.backend.allgather_object(dict(facts))
+        everyone = self.backend.allgather_object(dict(facts), expect=OBJECT)
         raise RanksDisagree(describe_disagreement(everyone, where))
 
     # -- after the exchange ------------------------------------------------------------------

@@ -35,6 +35,7 @@ from .. import checkpoint
 from ..compressors import recipes
 from ..compressors.base import Compressor, check_dtypes
 from ..distributed.backends.base import Backend
+from ..distributed.backends.expect import INT, OBJECT, STRING, list_of, optional, tuple_of
 from ..memories.base import Memory
 from .agreement import RanksDisagree, describe_disagreement
 
@@ -85,7 +86,7 @@ def check_same_parameters(backend: Backend, params: NamedParameters) -> None:
     exchanges would pair different tensors or hang: a ValueError on every rank naming the
     first difference."""
     signature = [[n, list(p.shape), str(p.dtype)] for n, p in params]  # JSON: lists
-    everyone = backend.allgather_object(signature)
+    everyone = backend.allgather_object(signature, expect=list_of(tuple_of(STRING, list_of(INT), STRING)))
     for rank, theirs in enumerate(everyone):
         if theirs != signature:
             mine = dict((n, (s, d)) for n, s, d in signature)
@@ -105,7 +106,7 @@ def check_ranks_agree(backend: Backend, where: str, facts: Mapping[str, Any]) ->
     that differs and every rank's value.  Give readable fields (``sync_every``,
     ``compressor``), not only a digest of them."""
     mine = {key: _plain(value) for key, value in facts.items()}
-    everyone = backend.allgather_object(mine)
+    everyone = backend.allgather_object(mine, expect=OBJECT)
     if any(theirs != mine for theirs in everyone):
         raise RanksDisagree(describe_disagreement(everyone, where))
 
@@ -213,7 +214,7 @@ def start_from_rank0(backend: Backend, params: NamedParameters, model: Optional[
                 if t.dtype.is_floating_point else "not equal"
             differs = f"{name!r} (max difference {gap})"
             break
-    everyone = backend.allgather_object(differs)  # every rank raises alike
+    everyone = backend.allgather_object(differs, expect=optional(STRING))  # every rank raises alike
     bad = [(rank, what) for rank, what in enumerate(everyone) if what is not None]
     if bad:
         listed = "; ".join(f"rank {rank}: {what}" for rank, what in bad)

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from .. import communicators
+from ..distributed.backends.serialize import header_error
 from ..plan import COMPRESS_VIA, Group, Plan
 from ..planning.costmodel import priced_collectives
 from .regroup import Layout, group_sizes, regroup_state
@@ -61,7 +62,10 @@ class PlanHolder:
             order = self._ready_order + [n for n, _ in reversed(self.params) if n not in seen]
             plan = self.scheduler.plan(self.param_infos(order))
         sent = self.backend.broadcast_object(plan.to_dict() if plan is not None else None, src=0)
-        return Plan.from_dict(sent)
+        try:
+            return Plan.from_dict(sent)
+        except ValueError as error:  # every rank reads the same bytes: every rank raises alike
+            raise header_error(0, f"the plan it broadcast does not read ({error})") from None
 
     def layout(self, plan: Plan) -> Layout:
         return {f"group{i}": pieces for i, pieces in enumerate(plan.pieces(self.numels))}

@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .agreement import StepOutcome
 from ..distributed.backends import Backend
+from ..distributed.backends.expect import STRING
 from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
 from ..plan import Group, ParamInfo, Plan
@@ -204,7 +205,7 @@ class Reducer(SharedSurface, PlanHolder):
         digest: a collective), then build the groups."""
         plan.validate((n for n, _ in self.params), self.numels)
         if check_ranks:
-            digests = self.backend.allgather_object(plan.digest())
+            digests = self.backend.allgather_object(plan.digest(), expect=STRING)
             if len(set(digests)) != 1:
                 raise ValueError(f"ranks were given different plans (digests {digests}); load "
                                  "the same plan on every rank or let rank 0 plan")

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from . import register
+from ..distributed.backends.expect import NUMBER
 from .base import AdaptiveScheduler, SchedulerContext, split_by_type
 from ..plan import Group, ParamInfo, Plan, SEND_MODES
 
@@ -77,7 +78,7 @@ class BinarySearchScheduler(AdaptiveScheduler):
             self.plan(context.param_infos(context.plan.order()))
         if self.done:
             return
-        self.report(context.plan, max(context.backend.allgather_object(seconds)))
+        self.report(context.plan, max(context.backend.allgather_object(seconds, expect=NUMBER)))
         following = self.best if self.done else self.propose()
         if following.digest() != context.plan.digest():
             context.set_plan(following)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .expect import Expect, shown
 from .serialize import header_error
 
 Tensors = Tuple[torch.Tensor, ...]
@@ -31,6 +32,10 @@ Tensors = Tuple[torch.Tensor, ...]
 #: :meth:`Backend.broadcast_object`: a length from a peer beyond it is refused before
 #: anything is allocated.  Plans, digests and timings take kilobytes.
 JSON_LIMIT = 64 << 20
+#: How deeply a peer's JSON value may nest (lists and objects inside each other): far beyond
+#: anything mergecomp exchanges (a plan nests four deep), far below what would exhaust
+#: Python's recursion in the code that reads, compares or prints it.
+JSON_MAX_DEPTH = 32
 
 
 class Work:
@@ -238,7 +243,7 @@ class Backend:
         """Where the JSON bytes travel: the backend's device (NCCL takes CUDA tensors only)."""
         return torch.device(getattr(self, "device", None) or "cpu")
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0, expect: Optional[Expect] = None) -> Any:
         """Rank ``src``'s ``obj`` on every rank.
 
         ``obj`` travels as JSON (UTF-8 bytes in a uint8 tensor, after an int64 length), so
@@ -246,6 +251,13 @@ class Backend:
         strings, finite or non-finite floats, ints, booleans and None; anything else raises
         TypeError on every rank, after the same two collectives.  Nothing a peer sends is
         unpickled.  Uncounted: not part of what training sends.
+
+        What arrives is checked before it is returned, on every rank alike (``src`` reads its
+        own bytes back): bytes that are not this method's JSON, a value nested deeper than
+        ``JSON_MAX_DEPTH``, or one not of the form ``expect``
+        (:mod:`mergecomp.distributed.backends.expect`) raise
+        :class:`~mergecomp.distributed.backends.serialize.HeaderError`
+        naming rank ``src``.
         """
         payload = _encode(obj, "broadcast_object", self.rank) if self.rank == src else b""
         with self.uncounted():
@@ -255,15 +267,16 @@ class Backend:
             data = (_bytes_tensor(payload, self.json_device) if self.rank == src else
                     torch.empty(size, dtype=torch.uint8, device=self.json_device))
             self.broadcast(data, src=src)
-        return _decode(data, src, "broadcast_object")
+        return _decode(data, src, "broadcast_object", expect)
 
-    def allgather_object(self, obj: Any) -> List[Any]:
-        """Every rank's ``obj``, in rank order; JSON as in :meth:`broadcast_object`."""
+    def allgather_object(self, obj: Any, expect: Optional[Expect] = None) -> List[Any]:
+        """Every rank's ``obj``, in rank order; JSON, and checked against ``expect``, as in
+        :meth:`broadcast_object` (every rank reads every value, so every rank raises alike)."""
         payload = _encode(obj, "allgather_object", self.rank)
         data = _bytes_tensor(payload, self.json_device)
         with self.uncounted():
             gathered = self.allgather_async([data], same_shapes=False, limit=JSON_LIMIT).wait()
-        return [_decode(parts[0], source, "allgather_object")
+        return [_decode(parts[0], source, "allgather_object", expect)
                 for source, parts in enumerate(gathered)]
 
     def barrier(self) -> None:
@@ -321,14 +334,43 @@ def _checked_length(size: int, source: int) -> int:
     return size
 
 
-def _decode(data: torch.Tensor, source: int, op: str) -> Any:
-    """The value rank ``source`` sent; TypeError if it could not send one."""
+def _decode(data: torch.Tensor, source: int, op: str, expect: Optional[Expect] = None) -> Any:
+    """The value rank ``source`` sent; TypeError if it could not send one (its own
+    :func:`_encode` said why); HeaderError for anything else than what :func:`_encode` writes,
+    or a value not of the form ``expect``."""
     try:
-        tag, value = json.loads(data.cpu().numpy().tobytes().decode("utf-8"))
-    except (ValueError, TypeError):
+        envelope = json.loads(data.cpu().numpy().tobytes().decode("utf-8"))
+    except RecursionError:  # nested deeper than the JSON reader goes
+        raise header_error(source, f"its {op} value nests deeper than {JSON_MAX_DEPTH} lists or "
+                                   "objects") from None
+    except ValueError:  # not UTF-8, not JSON, an integer of too many digits
         raise header_error(source, f"its {op} bytes are not a JSON value") from None
+    if _nests_deeper(envelope, 1 + JSON_MAX_DEPTH):  # the envelope is one list more
+        raise header_error(source, f"its {op} value nests deeper than {JSON_MAX_DEPTH} lists or objects")
+    if not (isinstance(envelope, list) and len(envelope) == 2 and envelope[0] in ("ok", "error")):
+        raise header_error(source, f"its {op} bytes are not a value this method sent: "
+                                   f"{shown(envelope)} is no [\"ok\", value] or [\"error\", why]")
+    tag, value = envelope
     if tag == "error":
+        if not isinstance(value, str):
+            raise header_error(source, f"its {op} error is {shown(value)}, not a message")
         raise TypeError(value)
-    if tag != "ok":
-        raise header_error(source, f"its {op} bytes are not a JSON value")
+    problem = expect.problem(value) if expect is not None else None
+    if problem is not None:
+        raise header_error(source, f"its {op} value is not {expect.what}: {problem}")
     return value
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value``'s lists and dicts nest more than ``limit`` deep (a number or string:
+    0), found without recursion, so a hostile value cannot exhaust the stack here."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False

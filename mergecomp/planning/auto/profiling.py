@@ -41,6 +41,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ...distributed.backends.expect import INT, NUMBER, optional, tuple_of
 from ..profile import LinearCost, Profile, TensorTiming, collective_slowdown_factor, interference_factor
 from .instruments import DummyBesideBackward, PhaseSamples, ReadyTimes
 from .phase import Phase, Search
@@ -137,7 +138,7 @@ def dummy_tensor(context, profile: Profile, alone: List[float], spans: float, le
     nbytes = None
     if backend.rank == 0:
         nbytes = dummy_bytes(profile.collectives["allreduce"], spans * statistics.median(alone), least, most)
-    nbytes = backend.broadcast_object(nbytes, src=0)
+    nbytes = backend.broadcast_object(nbytes, src=0, expect=INT)
     return torch.zeros(max(1, nbytes // 4), device=context.named_parameters()[0][1].device)
 
 
@@ -194,7 +195,7 @@ class Interference(_DummyBesideBackwardPhase):
 
     def conclude(self, context) -> Phase:
         mine = interference_factor(self.alone, self.overlapped) if self.overlapped else None
-        factors = [f for f in context.backend.allgather_object(mine) if f is not None]
+        factors = [f for f in context.backend.allgather_object(mine, expect=optional(NUMBER)) if f is not None]
         findings = self.search.findings
         if factors:
             findings.profile = dataclasses.replace(findings.profile, interference=statistics.mean(factors))
@@ -229,7 +230,7 @@ class Slowdown(_DummyBesideBackwardPhase):
                 backend.allreduce_async([dummy.tensor]).wait()
                 alone.append(time.perf_counter() - began)
         mine = (statistics.median(alone), statistics.median(self.overlapped) if self.overlapped else None)
-        everyone = backend.allgather_object(mine)
+        everyone = backend.allgather_object(mine, expect=tuple_of(NUMBER, optional(NUMBER)))
         overlapped = [o for _, o in everyone if o is not None]
         findings = self.search.findings
         if overlapped:

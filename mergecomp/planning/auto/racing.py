@@ -24,6 +24,9 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Optional
 
+from ...distributed.backends.expect import (INT, NUMBER, OBJECT, STRING, fields, index_below, list_of,
+                                           object_of, optional, tuple_of)
+from ...distributed.backends.serialize import header_error
 from ..costmodel import phases_are_local
 from ...plan import Plan
 from ...plan import CannotRegroup
@@ -53,9 +56,13 @@ class Checking(Phase):
         found = (plan_candidates(findings.profile, settings, search.say, findings.carriers)
                  if backend.rank == 0 else None)
         sent = backend.broadcast_object(
-            None if found is None else [[c.label, c.plan.to_dict(), c.predicted] for c in found], src=0)
-        self.candidates: List[Candidate] = [Candidate(label, Plan.from_dict(plan), predicted)
-                                            for label, plan, predicted in sent]
+            None if found is None else [[c.label, c.plan.to_dict(), c.predicted] for c in found], src=0,
+            expect=list_of(tuple_of(STRING, OBJECT, optional(NUMBER))))
+        try:
+            self.candidates: List[Candidate] = [Candidate(label, Plan.from_dict(plan), predicted)
+                                                for label, plan, predicted in sent]
+        except ValueError as error:  # every rank reads the same bytes: every rank raises alike
+            raise header_error(0, f"a candidate plan it broadcast does not read ({error})") from None
         #: Candidates (indices) still to visit in this round, and this round's field.
         self.queue: List[int] = list(range(len(self.candidates)))
         self.racing: List[int] = list(self.queue)
@@ -85,7 +92,10 @@ class Checking(Phase):
                 self.forwards.append(forward)
         if len(self.visit_steps) < self.search.settings.check_steps + 1:
             return self
-        everyone = context.backend.allgather_object((self.visit_steps[1:], self.visit_forwards))
+        steps = len(self.visit_forwards)
+        everyone = context.backend.allgather_object(
+            (self.visit_steps[1:], self.visit_forwards),
+            expect=tuple_of(list_of(optional(NUMBER), length=steps), list_of(optional(NUMBER), length=steps)))
         visit = decisions.slowest_rank_visit(everyone)
         index = self.queue.pop(0)
         if visit is not None:
@@ -109,7 +119,7 @@ class Checking(Phase):
                 return self
             self.round += 1
             field = self._contenders() if backend.rank == 0 else None
-            self.queue = backend.broadcast_object(field, src=0)
+            self.queue = backend.broadcast_object(field, src=0, expect=list_of(index_below(len(self.candidates))))
             self.racing = list(self.queue)
             if self.round >= self.search.settings.check_rounds or len(self.queue) <= 1:
                 return self._choose(context)
@@ -134,9 +144,10 @@ class Checking(Phase):
         search, settings, findings = self.search, self.search.settings, self.search.findings
         backend = context.backend
         lead = backend.rank == 0
+        medians = list_of(tuple_of(index_below(len(self.candidates)), NUMBER))
         pairs = backend.broadcast_object(  # JSON keys are strings: the indices go as pairs
             [list(self._medians(correct=True).items()), list(self._medians(correct=False).items())]
-            if lead else None, src=0)
+            if lead else None, src=0, expect=tuple_of(medians, medians))
         figures, timed = ({int(index): seconds for index, seconds in sent} for sent in pairs)
         forwards = sorted(decisions.visit_forwards(self.visits))
         if forwards and settings.speed_correction:
@@ -180,7 +191,10 @@ class Checking(Phase):
     def _refit(self, context):
         """The profile at the check's speed, with launch and finish lines timed in the run."""
         search, profile = self.search, self.search.findings.profile
-        everyone = context.backend.allgather_object((self.live.samples, self.forwards))
+        samples = object_of(list_of(tuple_of(INT, NUMBER)))  # {send: [(elements, seconds)]}
+        everyone = context.backend.allgather_object(
+            (self.live.samples, self.forwards),
+            expect=tuple_of(fields(launch=samples, finish=samples), list_of(NUMBER)))
         refit = decisions.refit_profile(profile, [samples for samples, _ in everyone],
                                         [f for _, forwards in everyone for f in forwards],
                                         search.settings.live_forward_samples,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import List, Optional
 
+from ...distributed.backends.expect import NUMBER, optional
 from ...plan import CannotRegroup
 from . import decisions
 from .phase import Phase, Search
@@ -39,7 +40,8 @@ class Watching(Phase):
         timed = [s for s in self.samples if s is not None]
         self.samples = []
         median = decisions.slowest_typical_step(
-            context.backend.allgather_object(statistics.median(timed) if timed else None))
+            context.backend.allgather_object(statistics.median(timed) if timed else None,
+                                             expect=optional(NUMBER)))
         if median is None:
             return self
         self.strikes = self.strikes + 1 if decisions.drifted(median, best[2], self.search.settings.drift) else 0
