@@ -259,6 +259,13 @@ def test_a_hostile_json_value_from_a_peer_is_a_header_error_naming_it_on_every_r
         assert "its allgather_object value is not a JSON object" in shapes[6]  # the agreement's facts
 
 
+def test_a_disagreement_among_facts_that_are_no_object_names_the_rank():
+    from mergecomp.distributed.backends.serialize import HeaderError
+    from mergecomp.runtime.agreement import describe_disagreement
+    with pytest.raises(HeaderError, match=r"rank 1 sent a header .*: its set of facts is \[1, 2\], not a JSON object"):
+        describe_disagreement([{"steps": 1}, [1, 2]], "at construction")
+
+
 def test_expected_forms_say_where_a_value_differs():
     from mergecomp.distributed.backends.expect import (DTYPE_NAME, INT, NUMBER, fields, index_below, list_of,
                                            object_of, tuple_of)

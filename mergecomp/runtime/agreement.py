@@ -35,6 +35,7 @@ import torch
 
 from ..distributed.backends.base import Backend, Work
 from ..distributed.backends.expect import OBJECT
+from ..distributed.backends.serialize import header_error
 
 _MAX_HASH_BITS = 20
 
@@ -151,7 +152,12 @@ def agreement_nbytes(world_size: int, parameters_mapped: int = 0) -> int:
 
 
 def describe_disagreement(everyone: List[Mapping[str, Any]], where: str) -> str:
-    """One message naming every fact on which ranks differ, with each rank's value."""
+    """One message naming every fact on which ranks differ, with each rank's value (a rank
+    whose facts are no JSON object is named in a HeaderError instead)."""
+    for rank, facts in enumerate(everyone):
+        problem = OBJECT.problem(facts, "its set of facts")
+        if problem is not None:
+            raise header_error(rank, problem)
     keys = sorted({k for facts in everyone for k in facts})
     lines = []
     for key in keys:
