@@ -53,6 +53,33 @@ def refuse_optimizer_momentum(optimizer, component: str, advice: str) -> None:
 #: The attribute of an optimizer whose momentum a memory has taken over: its hooks' handles.
 _TAKEN = "_mergecomp_momentum_taken"
 
+#: Where a framework's optimizer wrapper keeps the optimizer it wraps: Accelerate's
+#: ``AcceleratedOptimizer`` and mergecomp's ``DistributedOptimizer`` (``optimizer``),
+#: Lightning's ``LightningOptimizer`` (``_optimizer``).
+_WRAPPED = ("optimizer", "_optimizer")
+
+
+def innermost(optimizer):
+    """The optimizer that really steps inside ``optimizer``'s wrappers: followed through an
+    attribute of :data:`_WRAPPED` for as long as it holds a ``torch.optim.Optimizer`` with the
+    very same ``param_groups`` (a wrapper that shares them, rather than an object that merely
+    owns another optimizer)."""
+    seen = {id(optimizer)}
+    while True:
+        inner = next((getattr(optimizer, name) for name in _WRAPPED
+                      if isinstance(getattr(optimizer, name, None), torch.optim.Optimizer)), None)
+        if inner is None or id(inner) in seen or inner.param_groups is not optimizer.param_groups:
+            return optimizer
+        seen.add(id(inner))
+        optimizer = inner
+
+
+def _named(optimizer, inner) -> str:
+    """``inner``'s class, and the wrapper's when they differ (for messages)."""
+    if inner is optimizer:
+        return type(inner).__name__
+    return f"{type(inner).__name__} (inside {type(optimizer).__name__})"
+
 
 def take_over_momentum(optimizer, memory, component: str) -> None:
     """Move SGD's heavy-ball momentum into ``memory`` (DGC's momentum correction) instead of
@@ -70,6 +97,10 @@ def take_over_momentum(optimizer, memory, component: str) -> None:
     decay.  A momentum schedule (OneCycleLR's) is followed: each step's value is the
     memory's for the next exchange.
 
+    A framework's wrapper around the SGD (Accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``) is looked through (:func:`innermost`): the SGD inside
+    is the one taken over.
+
     Refused (ValueError, with what to do): an optimizer other than SGD with a momentum
     (Adam's first moment is not heavy-ball momentum), parameter groups with different
     momenta or Nesterov flags (one memory serves every group), a dampening, and a memory
@@ -80,10 +111,13 @@ def take_over_momentum(optimizer, memory, component: str) -> None:
     if not found:
         return
     index, setting, value = found[0]
+    # A framework's wrapper (Accelerate's, Lightning's) steps the SGD it wraps: the hooks go
+    # on that SGD, where they run whichever object's step() the loop calls.
+    wrapper, optimizer = optimizer, innermost(optimizer)
     if not isinstance(optimizer, torch.optim.SGD):
         raise ValueError(
             f"{component} applies momentum itself, but parameter group {index} of "
-            f"{type(optimizer).__name__} has {setting}={value}, which would apply a second one; it "
+            f"{_named(wrapper, optimizer)} has {setting}={value}, which would apply a second one; it "
             f"takes over only torch.optim.SGD's heavy-ball momentum. Use SGD (its momentum moves into "
             f"the memory), or set {setting} to 0 and give the momentum to the memory.")
     momentum, nesterov = _shared_momentum(optimizer, component)

@@ -51,6 +51,16 @@ def test_accelerate_trains_through_mergecomps_hook():
                  "--epochs", "2"]))
 
 
+def test_accelerate_with_dgc_takes_the_sgd_momentum_over_through_accelerates_wrapper():
+    """The docstring's second command: the dgc memory looks through AcceleratedOptimizer to
+    the SGD inside and takes its momentum over (it refused the wrapper before)."""
+    pytest.importorskip("accelerate", reason="pip install -e .[test] installs Accelerate")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    (_, first_loss, _, _, steps0), (_, last_loss, _, _, steps1) = _run(
+        [torchrun, "--nproc_per_node", "2", "examples/accelerate_ddp.py", "--compressor", "dgc", "--epochs", "2"])
+    assert last_loss < first_loss and steps1 > steps0 > 0
+
+
 def test_lightning_strategy_refuses_a_second_hook():
     pytest.importorskip("lightning")
     from mergecomp.integrations.lightning import MergecompDDPStrategy

@@ -175,3 +175,62 @@ def test_residual_memory_momentum_is_staged_saved_and_checked():
     with pytest.raises(ValueError, match=r"given momentum=0.5.*has momentum=0.9"):
         memories.create("residual", momentum=0.5).check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
     memories.create("residual", momentum="optimizer").check_optimizer(torch.optim.Adam(params(), lr=0.1))  # no refusal
+
+
+# -- through a framework's optimizer wrapper -----------------------------------------------------------
+
+def _train_accelerate(rank, world_size):
+    """The DDP hook under Accelerate: prepare() wraps the SGD in an AcceleratedOptimizer,
+    whose momentum the dgc memory takes over on the SGD inside."""
+    import mergecomp.ddp
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model = _model()
+    sgd = _inner(model, "momentum")
+    prepared, optimizer = accelerator.prepare(model, sgd)
+    assert type(optimizer).__name__ == "AcceleratedOptimizer"
+    state = mergecomp.ddp.register(prepared, compressor="topk", memory="dgc", optimizer=optimizer)
+    _six_steps(rank, prepared, optimizer)
+    return ([p.detach().clone() for p in model.parameters()], state.memory.momentum,
+            sgd.param_groups[0]["momentum"], any("momentum_buffer" in s for s in sgd.state.values()))
+
+
+def test_an_accelerate_optimizer_has_its_sgd_momentum_taken_over():
+    pytest.importorskip("accelerate", reason="pip install -e .[test] installs Accelerate")
+    for (mine, memory_momentum, users, buffers), theirs in zip(run_ranks(_train_accelerate, 2),
+                                                                run_ranks(_train_ddp, 2, False)):
+        assert memory_momentum == 0.9 and users == 0.9  # in the memory; the user's value kept
+        assert not buffers  # the SGD inside stepped without a momentum of its own
+        for a, b in zip(mine, theirs):  # as plain SGD with the momentum given to the memory
+            assert torch.equal(a, b)
+
+
+def test_a_lightning_optimizer_has_its_sgd_momentum_taken_over():
+    pytest.importorskip("lightning", reason="pip install -e .[test] installs Lightning")
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    p = params()
+    sgd = torch.optim.SGD(p, lr=0.1, momentum=0.8)
+    wrapped = LightningOptimizer(sgd)
+    memory = memories.create("dgc")
+    memory.check_optimizer(wrapped)
+    assert memory.momentum == 0.8 and len(sgd._optimizer_step_pre_hooks) == 1
+    p[0].grad = torch.full((3,), 2.0)
+    sgd.step()  # what LightningOptimizer.step calls, through its strategy
+    assert torch.allclose(p[0].detach(), torch.full((3,), 1 - 0.1 * 2))
+    assert "momentum_buffer" not in sgd.state[p[0]] and sgd.param_groups[0]["momentum"] == 0.8
+
+
+def test_a_wrapped_optimizer_that_is_not_sgd_is_named_with_its_wrapper():
+    from mergecomp.momentum import innermost
+
+    class Wrapper(torch.optim.Optimizer):  # as Accelerate's: shares the inner's param_groups
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+    adam = torch.optim.Adam(params(), lr=0.1)
+    assert innermost(Wrapper(Wrapper(adam))) is adam
+    with pytest.raises(ValueError, match=r"group 0 of Adam \(inside Wrapper\) has betas\[0\]=0.9"):
+        memories.create("dgc").check_optimizer(Wrapper(adam))
