@@ -1,7 +1,6 @@
 """Faults of the DDP hook and the wrapper at runtime, on real gloo ranks: the first steps
 compressed while DDP rebuilds its buckets, sparse gradients, a model converted after
 wrapping, parameters that join the training later, and a hook registered on some ranks only."""
-import time
 import warnings
 
 import pytest
@@ -240,18 +239,17 @@ def one_rank_hook_worker(rank, world_size, unregistered):
     if rank not in unregistered:
         mergecomp.ddp.register(ddp, compressor="topk", memory="residual")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    started = time.perf_counter()
-    message = _error(lambda: [_step(ddp, opt, step, rank) for step in range(2)])
-    return message, time.perf_counter() - started
+    return _error(lambda: [_step(ddp, opt, step, rank) for step in range(2)])
 
 
 @pytest.mark.parametrize("world_size,unregistered", [(2, (1,)), (3, (0,))])
 def test_a_hook_registered_on_some_ranks_only_names_the_others(world_size, unregistered):
     results = run_ranks(one_rank_hook_worker, world_size, unregistered)
-    for rank, (message, seconds) in enumerate(results):
+    for rank, message in enumerate(results):
         if rank in unregistered:
             assert message is not None  # DDP's own allreduce fails at its next collective
         else:
             assert message.startswith(f"RuntimeError: the mergecomp DDP communication hook is not "
                                       f"registered on rank(s) {list(unregistered)}")
-            assert "Register the hook on every rank" in message and seconds < 10
+            # the hook's own check, not a collective's timeout
+            assert "Register the hook on every rank" in message and "timed out" not in message

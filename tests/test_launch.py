@@ -152,20 +152,24 @@ def test_spawn_runs_a_real_gloo_allreduce():
     assert results == [("spawn", 0, 2, True, 3.0), ("spawn", 1, 2, True, 3.0)]
 
 
-def _rank_one_fails_while_rank_zero_waits():
+def _rank_one_fails_while_rank_zero_waits(marker):
     info = launch.init_distributed(timeout_s=120)
     if info.rank == 1:
         raise RuntimeError("boom on purpose")
-    dist.barrier()  # blocks: rank 1 never arrives
+    # Blocked outside any collective, so no peer's failure reaches it: only spawn can stop it.
+    time.sleep(150)
+    with open(marker, "w") as f:  # reached only if spawn waited for it instead
+        f.write("the wait ended")
 
 
-def test_a_failing_child_stops_the_others_and_reports_its_rank():
-    started = time.monotonic()
+def test_a_failing_child_stops_the_others_and_reports_its_rank(tmp_path):
+    marker = str(tmp_path / "rank0-ended")
     with pytest.raises(SpawnedProcessError, match="spawned rank 1 raised") as caught:
-        launch.spawn(_rank_one_fails_while_rank_zero_waits, 2, timeout_s=100)
+        launch.spawn(_rank_one_fails_while_rank_zero_waits, 2, args=(marker,), timeout_s=300)
     assert caught.value.rank == 1 and "boom on purpose" in caught.value.child_traceback
     assert caught.value.exitcode == 1
-    assert time.monotonic() - started < 60, "the blocked rank was not terminated"
+    # rank 0 was terminated in its barrier, not left to reach the barrier's timeout
+    assert not os.path.exists(marker), "the blocked rank was not terminated"
 
 
 def _exit_with_code(code):

@@ -1,12 +1,12 @@
-"""Faults that cross ranks: an exception on one rank reaches the others at once and by name,
-a job started with the wrong number of ranks fails within the configured timeout, and the
-small values ranks exchange travel as JSON, never pickle."""
+"""Faults that cross ranks: an exception on one rank reaches the others at once and by name
+(a lost peer, not a collective's timeout), a job started with the wrong number of ranks fails
+at the configured timeout saying so, and the small values ranks exchange travel as JSON,
+never pickle.  No test asserts on wall time: each asserts which error ended the wait."""
 import os
 import pickle
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from .distributed import run_ranks
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RAISING_SCRIPT = """
-import os, sys, time, torch, mergecomp, mergecomp.ddp
+import os, sys, torch, mergecomp, mergecomp.ddp
 from mergecomp.distributed import launch
 entry, bad = sys.argv[1], int(sys.argv[2])
 info = launch.init_distributed()
@@ -39,13 +39,12 @@ try:
         optimizer.zero_grad()
         loss = net(torch.randn(4, 8)).sum()
         if info.rank == bad and step == 2:
-            print(f"RAISED {time.time():.3f}", flush=True)
             raise ValueError("bad batch 17")
         loss.backward()
         optimizer.step()
 except Exception as error:
     if info.rank != bad:
-        print(f"FAILED {time.time():.3f}", flush=True)
+        print(f"FAILED with {type(error).__name__}", flush=True)
     raise
 """  # the exception is not caught on the rank that raises: it ends the script
 
@@ -64,12 +63,6 @@ def _environment(launcher, rank, world_size, port):
                    OMPI_COMM_WORLD_LOCAL_SIZE=str(world_size))
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return env
-
-
-def _seconds_to_fail(outputs, bad):
-    raised = float(re.search(r"RAISED ([\d.]+)", outputs[bad]).group(1))
-    return [float(re.search(r"FAILED ([\d.]+)", out).group(1)) - raised
-            for rank, out in enumerate(outputs) if rank != bad]
 
 
 @pytest.mark.parametrize("entry, bad, launcher", [("wrapper", 1, "env"), ("ddp", 0, "mpirun")])
@@ -95,7 +88,8 @@ def test_an_exception_on_one_rank_reaches_the_others_at_once_by_name(tmp_path, e
     assert re.search(rf"rank {bad} \(.*\) raised ValueError\('bad batch 17'\) at step 1", other), other
     assert f"Ranks [{bad}] raised an exception that ended their script" in other, other
     assert "its script ended or called" not in other and "shard the data" not in other, other
-    assert max(_seconds_to_fail(outputs, bad)) < 2.0, outputs
+    # at once: the rank's connections closed (PeerLost), no collective waited for its timeout
+    assert "FAILED with PeerLost" in other and "CollectiveTimeout" not in other, other
 
 
 def test_under_torchrun_an_exception_on_rank_0_reaches_the_others_at_once(tmp_path):
@@ -112,24 +106,24 @@ def test_under_torchrun_an_exception_on_rank_0_reaches_the_others_at_once(tmp_pa
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert re.search(r"rank 0 \(.*\) raised ValueError\('bad batch 17'\)", output), output
-    assert max(_seconds_to_fail([output, output], 0)) < 2.0, output
+    assert "FAILED with PeerLost" in output and "CollectiveTimeout" not in output, output
 
 
-def test_a_job_started_with_too_few_ranks_fails_within_the_timeout_saying_so(tmp_path):
+def test_a_job_started_with_too_few_ranks_fails_at_the_timeout_saying_so(tmp_path):
     script = tmp_path / "alone.py"
     script.write_text("from mergecomp import launch\nlaunch.init_distributed()\n")
     env = _environment("env", 0, 2, launch.free_port())
     env["MERGECOMP_TIMEOUT"] = "2"
-    started = time.monotonic()
+    # timeout=120: a guard against a hang, far beyond the 2 s configured, not a timing
     done = subprocess.run([sys.executable, str(script)], env=env, cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - started
     assert done.returncode != 0
     assert "mergecomp.distributed.launch.RendezvousError: 1 of the 2 ranks the job expects (WORLD_SIZE=2) " \
            "joined the rendezvous" in done.stderr, done.stderr
     assert "--nproc_per_node 2 alone.py" in done.stderr and "set WORLD_SIZE to the number of " \
            "processes started" in done.stderr, done.stderr
-    assert elapsed < 2 + 15, "the rendezvous did not end at the configured timeout"
+    # the wait that ended was the configured one, not the start-up default
+    assert "within 2s" in done.stderr and "The wait was the configured timeout" in done.stderr, done.stderr
 
 
 def test_the_default_rendezvous_wait_is_named_in_the_message():

