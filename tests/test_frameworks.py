@@ -61,6 +61,28 @@ def test_accelerate_with_dgc_takes_the_sgd_momentum_over_through_accelerates_wra
     assert last_loss < first_loss and steps1 > steps0 > 0
 
 
+def test_register_on_a_model_accelerate_left_alone_says_to_build_it_with_cpu_true():
+    """Without GPUs, Accelerator() runs each process alone, prepare() wraps nothing, and the
+    hook has no DDP to register on: the error says why and what to build instead."""
+    pytest.importorskip("accelerate", reason="pip install -e .[test] installs Accelerate")
+    program = ("import torch, mergecomp, mergecomp.ddp\n"
+               "from accelerate import Accelerator\n"
+               "model = Accelerator(cpu=True).prepare(torch.nn.Linear(4, 2))\n"
+               "try:\n"
+               "    mergecomp.ddp.register(model, compressor='topk')\n"
+               "except TypeError as error:\n"
+               "    print(error)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "register() needs the DistributedDataParallel-wrapped model, got Linear" in done.stdout, done.stdout
+    assert "Accelerate prepared it for 1 process, so it wrapped nothing" in done.stdout
+    assert "Accelerator(cpu=True)" in done.stdout and "--num_processes 2" in done.stdout
+
+
 def test_lightning_strategy_refuses_a_second_hook():
     pytest.importorskip("lightning")
     from mergecomp.integrations.lightning import MergecompDDPStrategy

@@ -89,9 +89,8 @@ def frameworks_worker(rank, world_size, snippets):
     exec(snippets["DDP"], names)
     _train(names["ddp"], names["optimizer"], _user_names(rank)["loader"])
     results["DDP"] = (type(names["state"].compressor).__name__, [p.detach().clone() for p in names["ddp"].parameters()])
-    from accelerate import Accelerator
-    model = _user_names(rank)["build_model"]()
-    names = {"accelerator": Accelerator(cpu=True), "model": model, "loader": _user_names(rank)["loader"],
+    model = _user_names(rank)["build_model"]()  # the block builds its Accelerator, as a CPU machine needs
+    names = {"model": model, "loader": _user_names(rank)["loader"],
              "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     exec(snippets["Accelerate"], names)
     _train(names["model"], names["optimizer"], names["loader"])
@@ -126,6 +125,79 @@ def plugin_worker(rank, world_size, code):
 def test_the_plugin_snippet_trains_with_its_compressor():
     (name, params0), (_, params1) = run_ranks(plugin_worker, 2, python_block(README, "Write a plugin"))
     assert name == "HalfSign" and all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+# ------------------------------------------------------------ the other pages' code, on CPU ranks
+
+class Layers(nn.Module):
+    """The reader's model of docs/fsdp.md: its blocks shard ``model.layers``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(6, 16), nn.Linear(16, 3)])
+
+    def forward(self, x):
+        return self.layers[1](torch.tanh(self.layers[0](x)))
+
+
+def _one_step(model, rank):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(model, optimizer, _user_names(rank)["loader"][:1])
+
+
+def docs_worker(rank, world_size, blocks, folder):
+    """Each page's block in a namespace of its own holding the reader's names, in ``folder``
+    (the blocks write checkpoints and logs where they run)."""
+    os.chdir(folder)
+    seen = {}
+    names = {"model": Layers()}
+    exec(blocks["fsdp: Use"], names)
+    _one_step(names["model"], rank)
+    seen["fsdp"] = names["state"].wire_bytes > 0
+    exec(blocks["fsdp: Checkpoints"], dict(names, rank=rank))  # the page's script, continued
+    names = {"model": Layers(), "nodes": 2, "ranks_per_node": 1}
+    exec(blocks["fsdp: HSDP"], names)
+    _one_step(names["model"], rank)
+    seen["hsdp"] = names["state"].hsdp
+    os.environ["MERGECOMP_LOCAL_SIZE"] = "1"  # what the page says to try HSDP on one machine
+    names = {"model": Layers()}
+    exec(blocks["fsdp: HSDP node_mesh"], names)
+    _one_step(names["model"], rank)
+    seen["node_mesh"] = names["state"].hsdp
+    names = {"model": _user_names(rank)["build_model"]()}
+    exec(blocks["hierarchical"], names)
+    _one_step(names["model"], rank)
+    seen["hierarchical"] = type(names["communicator"]).__name__
+    del os.environ["MERGECOMP_LOCAL_SIZE"]
+    names = {"model": _user_names(rank)["build_model"]()}
+    exec(blocks["sparse-allreduce"], names)
+    _train(names["model"], names["optimizer"], _user_names(rank)["loader"])
+    seen["sparse"] = type(names["communicator"]).__name__
+    exec(blocks["faults: Checkpoints"], dict(names, rank=rank))
+    names = {"model": names["model"], "optimizer": names["optimizer"]}
+    exec(blocks["step-log"], names)
+    seen["files"] = sorted(os.listdir(folder))
+    return seen
+
+
+def test_the_pages_code_runs_as_written_on_cpu_ranks(tmp_path):
+    docs = os.path.join(ROOT, "docs")
+    fsdp = fenced(os.path.join(docs, "fsdp.md"), {"python"})
+    hsdp = [code for heading, code in fsdp if heading.startswith("HSDP")]
+    blocks = {"fsdp: Use": python_block(os.path.join(docs, "fsdp.md"), "Use"),
+              "fsdp: Checkpoints": python_block(os.path.join(docs, "fsdp.md"), "Checkpoints"),
+              "fsdp: HSDP": hsdp[0], "fsdp: HSDP node_mesh": hsdp[1],
+              "hierarchical": python_block(os.path.join(docs, "hierarchical.md"), "Use"),
+              "sparse-allreduce": fenced(os.path.join(docs, "sparse-allreduce.md"), {"python"})[0][1],
+              "faults: Checkpoints": python_block(os.path.join(docs, "faults.md"), "Checkpoints"),
+              "step-log": fenced(os.path.join(docs, "step-log.md"), {"python"})[0][1]}
+    assert 'init_device_mesh("cuda"' not in hsdp[0]  # a CPU machine has no "cuda" mesh
+    for rank, seen in enumerate(run_ranks(docs_worker, 2, blocks, str(tmp_path))):
+        assert seen["fsdp"] and seen["hsdp"] and seen["node_mesh"], seen
+        assert seen["hierarchical"] == "HierarchicalCommunicator" and seen["sparse"] == "SparseAllreduceCommunicator"
+        written = {f"fsdp-compression.rank{rank}.pt", f"ckpt.rank{rank}.pt"} | ({"runs"} if rank == 0 else set())
+        assert written <= set(seen["files"]), seen  # rank 0 writes the step log
 
 
 # ------------------------------------------------------------------- the conformance kit's page

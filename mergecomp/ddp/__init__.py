@@ -52,6 +52,7 @@ step), :mod:`.buckets` (state that follows DDP's re-bucketing and checkpoints), 
 """
 from __future__ import annotations
 
+import sys
 from typing import List, Union
 
 import torch
@@ -73,11 +74,28 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "none"
              memory: Union[str, Memory] = "auto", communicator: str = "auto", **options) -> HookState:
     """Build a :class:`HookState` for the DDP-wrapped ``model`` and register :func:`hook`."""
     if not hasattr(model, "register_comm_hook"):
-        raise TypeError(f"register() needs the DistributedDataParallel-wrapped model, got "
-                        f"{type(model).__name__}: wrap it first (DDP(model, bucket_cap_mb_list=...))")
+        raise TypeError(_not_ddp(model))
     state = HookState(model, compressor, memory, communicator, **options)
     model.register_comm_hook(state, hook)
     return state
+
+
+def _not_ddp(model) -> str:
+    """Why ``model`` cannot take the hook, and what to do; under Accelerate, the usual cause:
+    without GPUs, ``Accelerator()`` runs each process alone and prepare() wraps nothing."""
+    message = (f"register() needs the DistributedDataParallel-wrapped model, got {type(model).__name__}: wrap "
+               f"it first (DistributedDataParallel(model, bucket_cap_mb_list=mergecomp.ddp.bucket_caps(model, 4)))")
+    accelerate = sys.modules.get("accelerate.state")
+    # Accelerate's state is shared by its instances: read it, never create it here
+    shared = getattr(getattr(accelerate, "PartialState", None), "_shared_state", None) or {}
+    if shared.get("num_processes") == 1:
+        message += ("; Accelerate prepared it for 1 process, so it wrapped nothing. Without a GPU, "
+                    "Accelerate joins the processes of a job only when built with Accelerator(cpu=True) "
+                    "(e.g. Accelerator(cpu=not torch.cuda.is_available())); launch several processes "
+                    "(accelerate launch --multi_gpu --num_processes 2, or torchrun --nproc_per_node 2)")
+    elif not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        message += "; torch.distributed is not initialised here: call mergecomp.launch.init_distributed() first"
+    return message
 
 
 def bucket_caps(model: torch.nn.Module, schedule: Union[int, str, schedulers.Scheduler] = 4) -> List[float]:
