@@ -244,3 +244,23 @@ def test_the_cost_model_prices_hierarchical_and_flat():
     assert predict(plan, hierarchical).iteration_time < predict(plan, flat).iteration_time
     assert "intra_allreduce" in priced_collectives("hierarchical")
     assert Profile.from_json(hierarchical.to_json()).hierarchy == {"local_size": 2, "inner": "allgather"}
+
+
+# --------------------------------------------------------------------------- one node
+def one_node_worker(rank, world_size, local_size):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make("hierarchical", "topk", "residual", local_size=local_size)
+    return [str(w.message) for w in caught if "hierarchical communicator runs on one node" in str(w.message)]
+
+
+def test_on_one_node_rank_0_says_to_use_a_flat_communicator():
+    """One node of 2 ranks: nothing crosses a slow link and the bytes double; said once per job."""
+    warned, other = run_ranks(one_node_worker, 2, 2)
+    assert len(warned) == 1 and other == [], (warned, other)
+    assert "(2 ranks per node, from local_size=, for all 2 ranks)" in warned[0]
+    assert "about 2x the bytes of an FP32 allreduce" in warned[0]
+    assert "use a flat communicator (communicator='allgather', TopKCompressor's recommendation)" in warned[0]
+    assert "MERGECOMP_LOCAL_SIZE" in warned[0]
+    assert run_ranks(one_node_worker, 2, 1) == [[], []]  # two nodes of one rank: nothing to say

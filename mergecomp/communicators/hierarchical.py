@@ -28,7 +28,9 @@ from the launcher (:func:`mergecomp.distributed.topology.node_layout`: ``LOCAL_W
 torchrun) or ``local_size``; every rank's layout is checked before the process groups are
 made.  The groups (one per node, one per local rank) are made once per layout with
 ``torch.distributed.new_group`` on every rank in the same order, and reused by every
-hierarchical communicator of the job.  With one node (M = 1) step 2 exchanges with no one;
+hierarchical communicator of the job.  With one node (M = 1) step 2 exchanges with no one
+and the two dense exchanges send about twice an FP32 allreduce's bytes: rank 0 warns, naming
+the flat communicator to use;
 with one rank per node (L = 1) steps 1 and 3 move nothing and the exchange is the inner
 communicator's.
 
@@ -44,6 +46,7 @@ What cannot move (PowerSGD's matrices of a shard) still keeps the plan
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import replace
 from typing import Any, Dict, Optional, Tuple
 
@@ -125,6 +128,20 @@ class _LinkBackend:
         return Counted(group)
 
 
+def _warn_one_node(layout: topology.NodeLayout, compressor) -> None:
+    """Say, once per job (rank 0), that a one-node job gains nothing here and pays double:
+    with no second node there is no slow link to spare, and the two dense exchanges inside
+    the node (the sum, then the shards back) send about twice an FP32 allreduce's bytes."""
+    flat = compressor.recommended_communicator
+    warnings.warn(
+        f"mergecomp: the hierarchical communicator runs on one node ({layout.local_size} ranks per node, "
+        f"from {layout.source}, for all {layout.world_size} ranks): nothing crosses a link between nodes, "
+        f"and each rank sends its dense gradient inside the node twice, about 2x the bytes of an FP32 "
+        f"allreduce. On one node use a flat communicator (communicator={flat!r}, {type(compressor).__name__}'s "
+        f"recommendation); if the job does span several nodes, the launcher did not say so: set "
+        f"MERGECOMP_LOCAL_SIZE to the ranks per node (or pass local_size=)", UserWarning, stacklevel=3)
+
+
 @register("hierarchical")
 class HierarchicalCommunicator(Communicator):
     """Intra-node allreduce, ``inner`` compressed exchange of a 1/L shard between nodes,
@@ -171,6 +188,8 @@ class HierarchicalCommunicator(Communicator):
         self.local_size = self.layout.local_size
         import torch.distributed as dist
         self._gather_by_sum = dist.get_backend(intra_group) == "gloo"
+        if self.layout.num_nodes == 1 and self.local_size > 1 and backend.rank == 0:
+            _warn_one_node(self.layout, compressor)
 
     # -- the pipeline --------------------------------------------------------------------------
     def _shard(self, numel: int) -> Tuple[int, int, int]:
