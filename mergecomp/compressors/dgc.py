@@ -20,7 +20,7 @@ import torch
 from . import register
 from .base import Context, check_ratio
 from ..kernels import BlockPeaks, Scratch, sampled_threshold
-from .recipes import Recipe, warn
+from .recipes import Recipe, first_rank_of_job, warn
 from .sparsifier import SparseCompressor, index_dtype, num_selected
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
@@ -57,7 +57,8 @@ class DGCCompressor(SparseCompressor):
     training loop reports: call ``optimizer.set_epoch(epoch)`` at the start of every epoch
     (the DistributedOptimizer and the DDP hook state pass it on).  A compressor never told an
     epoch (a throughput benchmark, a loop without epochs) sends at ``compress_ratio`` from
-    the first step, and warns once that its warm-up is off (pass ``warmup=0`` to mean it).
+    the first step, and warns once (on rank 0) that its warm-up is off (pass ``warmup=0`` to
+    mean it).
     ``warmup_steps=S`` measures the warm-up in steps instead, for runs that
     are not epoch-based (a language model on a long stream, a fixed step budget): the density
     decays exponentially from 25% to ``compress_ratio`` over the first S steps this
@@ -179,11 +180,11 @@ class DGCCompressor(SparseCompressor):
         """Say once, at the first step, that the warm-up asked for is not happening: a loop
         without ``set_epoch`` (a step-counted run, a framework that does not report epochs)
         would otherwise lose the warm-up without a word.  Checked at the first step only, so
-        later steps pay nothing for it."""
+        later steps pay nothing for it; said on rank 0 only, since every rank would say it."""
         if self._warmup_checked:
             return
         self._warmup_checked = True
-        if not self.warmup_is_off():
+        if not self.warmup_is_off() or not first_rank_of_job():
             return
         epochs = self._warmup_epochs()
         warn(f"{self!r}: no epoch was set before its first step and warmup_steps=0, so its "

@@ -215,6 +215,21 @@ def warn(message: str, stacklevel: Optional[int] = None) -> None:
                   stacklevel=stacklevel if stacklevel is not None else _first_level_outside_package())
 
 
+def first_rank_of_job() -> bool:
+    """Whether this process is rank 0 of its job, or runs alone: advice every rank would give
+    alike (a compressor's, at its first step) is given once per job, on rank 0, rather than
+    once per rank.  The rank comes from torch.distributed once it is initialised, else from
+    the launcher's variables (torchrun's, Open MPI's, MPICH's, Horovod's)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    for variable in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"):
+        value = os.environ.get(variable, "").strip()
+        if value:
+            return value == "0"
+    return True
+
+
 def _first_level_outside_package() -> int:
     """``warnings.warn``'s stacklevel, counted from its caller here, of the first frame whose
     code is in neither the mergecomp package nor torch (a warning raised inside a step comes
