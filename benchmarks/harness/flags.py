@@ -57,10 +57,18 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--compressor", default="none", help="compressor name (see --list)")
     p.add_argument("--compress-ratio", type=float, default=None,
                    help="fraction kept by sparsifiers (topk, randk, dgc, graddrop, ...)")
+    p.add_argument("--warmup-steps", type=int, default=None, metavar="STEPS",
+                   help="dgc: its density warm-up over the first STEPS steps (a benchmark sets no "
+                        "epoch; about a fifth of the run's steps; 0: none). Without it DGC sends "
+                        "--compress-ratio from the first step and says so once")
+    # Listed from the registries, so every built-in and plugin is named.
     p.add_argument("--memory", default=None,
-                   help="error-feedback memory: none, residual, dgc (default: the compressor's recommended)")
+                   help=f"error-feedback memory: {', '.join(mergecomp.memories.available())} "
+                        "(default: the compressor's recommended)")
     p.add_argument("--comm", default=None,
-                   help="communicator: allreduce, allgather, ps (default: the compressor's recommended)")
+                   help=f"communicator: {', '.join(mergecomp.communicators.available())} (default: the "
+                        "compressor's recommended; hierarchical needs several nodes, see "
+                        "docs/hierarchical.md)")
     p.add_argument("--fusion-num", type=int, default=1,
                    help="0: one group per tensor, 1: one group, y: y groups balanced by bytes")
     p.add_argument("--scheduler", default="fixed",
@@ -89,7 +97,8 @@ def check_arguments(p: argparse.ArgumentParser, args) -> None:
     if not args.compress:
         given = [f"{flag} {value}" for flag, value, unset in (
             ("--compressor", args.compressor, "none"), ("--compress-ratio", args.compress_ratio, None),
-            ("--memory", args.memory, None), ("--comm", args.comm, None)) if value != unset]
+            ("--warmup-steps", args.warmup_steps, None), ("--memory", args.memory, None),
+            ("--comm", args.comm, None)) if value != unset]
         if given:
             p.error(f"{', '.join(given)} without --compress: compression is off, so "
                     f"{'it' if len(given) == 1 else 'they'} would be ignored and every gradient sent "
@@ -142,12 +151,18 @@ def build_compressor(args):
 def _real_compressor(args):
     cls = mergecomp.compressors.get(args.compressor)
     kwargs = {}
+    import inspect
+    accepted = inspect.signature(cls).parameters
     if args.compress_ratio is not None:
-        import inspect
-        if "compress_ratio" not in inspect.signature(cls).parameters:
+        if "compress_ratio" not in accepted:
             raise ValueError(f"--compress-ratio was given but compressor {args.compressor!r} takes no "
                              "ratio; drop the flag or choose a sparsifier (topk, randk, dgc, ...)")
         kwargs["compress_ratio"] = args.compress_ratio
+    if getattr(args, "warmup_steps", None) is not None:
+        if "warmup_steps" not in accepted:
+            raise ValueError(f"--warmup-steps was given but compressor {args.compressor!r} has no density "
+                             "warm-up; drop the flag (it is dgc's)")
+        kwargs["warmup_steps"] = args.warmup_steps
     return mergecomp.compressors.create(args.compressor, **kwargs)
 
 

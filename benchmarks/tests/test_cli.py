@@ -59,6 +59,8 @@ def test_op_profile_prints_the_operators_of_a_step():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| aten::")]
     assert any(line.startswith("| aten::convolution_backward |") for line in rows), done.stdout
     assert done.stdout.count("Operators over") == 1  # rank 0 reports, every rank stepped
+    # DGC without an epoch or --warmup-steps says so once per job, not once per rank
+    assert done.stderr.count("no epoch was set before its first step") == 1, done.stderr[-3000:]
 
 
 def test_bad_flags_exit_with_a_clear_message(capsys):
@@ -128,6 +130,28 @@ def test_help_keeps_the_examples_lines_and_explains_every_flag():
     parser = compress_benchmark.build_parser()
     assert "--compress --compressor dgc \\\n        --comm allgather --memory dgc" in parser.format_help()
     assert [a.option_strings for a in parser._actions if not a.help] == []
+
+
+def test_help_names_every_registered_communicator_and_memory():
+    import compress_benchmark
+    import mergecomp
+    text = " ".join(compress_benchmark.build_parser().format_help().split())
+    for name in mergecomp.communicators.available() + mergecomp.memories.available():
+        assert name in text, name
+    assert "hierarchical" in text and "sparse_allreduce" in text
+
+
+def test_warmup_steps_reaches_dgc_and_is_refused_elsewhere(capsys):
+    import compress_benchmark
+    from benchmarks.harness.flags import build_compressor
+    args = compress_benchmark.parse_args(["--compress", "--compressor", "dgc", "--warmup-steps", "30"])
+    assert build_compressor(args).warmup_steps == 30
+    main = compress_benchmark.main
+    assert "compressor 'topk' has no density warm-up" in refusal(
+        main, ["--compress", "--compressor", "topk", "--warmup-steps", "30"], capsys)
+    assert "--warmup-steps 30 without --compress" in refusal(main, ["--warmup-steps", "30"], capsys)
+    assert "warmup_steps must be a non-negative integer" in refusal(
+        main, ["--compress", "--compressor", "dgc", "--warmup-steps", "-1"], capsys)
 
 
 def test_plural_words_agree_with_their_numbers():
