@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .workload import Workload
+from .workload import Workload, on_terminal
 
 
 def make_timer(step: Callable[[], None], device: torch.device) -> Callable[[int], float]:
@@ -91,7 +91,8 @@ def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str,
     """
     series: Dict[str, List[float]] = {"rates": [], "step_times": []}
     work.progress.phase("timed", args.num_iters * args.num_batches_per_iter)
-    iterations, write = _progress(args.num_iters, show=work.rank == 0 and sys.stderr.isatty())
+    iterations, write = _progress(args.num_iters,
+                                  show=work.rank == 0 and on_terminal(sys.stderr, work.info.launcher))
     for i in iterations:
         before = counters()
         seconds = timed(args.num_batches_per_iter)
@@ -107,8 +108,9 @@ def run_iterations(timed, work: Workload, args, counters: Callable[[], Dict[str,
 
 def _progress(iterations: int, show: bool):
     """``range(iterations)`` and a function that prints a line: with a progress bar on
-    stderr when ``show`` (rank 0 on a terminal: in logs the bar's carriage returns garble
-    lines), the bar's own ``write``, which keeps the bar below the lines.
+    stderr when ``show`` (rank 0 on a person's terminal, :func:`on_terminal`: in logs and
+    through mpirun's forwarding the bar's carriage returns garble lines), the bar's own
+    ``write``, which keeps the bar below the lines.
 
     The bar gets a thread lock.  tqdm's default lock adds a multiprocessing semaphore,
     created by every bar even a disabled one; a rank ends without the interpreter's

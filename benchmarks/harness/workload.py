@@ -85,14 +85,29 @@ def model_spec(args) -> models.ModelSpec:
     return models.get(args.model)
 
 
+#: Launchers that give their ranks a terminal of their own and forward what it shows line
+#: by line (Open MPI's pseudo-terminals, which horovodrun's MPI mode uses): a progress bar's
+#: carriage returns do not survive that, so its log would show no progress at all.
+FAKED_TERMINAL_LAUNCHERS = ("mpirun", "horovodrun")
+
+
+def on_terminal(stream, launcher: str) -> bool:
+    """Whether ``stream`` reaches a person's terminal, where a progress bar redraws in place:
+    a terminal, and not one that ``launcher`` (:attr:`LaunchInfo.launcher`) made for its
+    ranks (:data:`FAKED_TERMINAL_LAUNCHERS`)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and launcher not in FAKED_TERMINAL_LAUNCHERS
+
+
 class Progress:
     """Plain progress lines for output that is not a terminal.
 
     On a terminal the timed iterations get a progress bar.  Redirected to a log file or a
-    pipe, a bar's carriage returns garble the lines, and without one a long warm-up (minutes
+    pipe, or under a launcher that forwards its ranks' terminals line by line (mpirun), a
+    bar's carriage returns garble or hide the lines, and without one a long warm-up (minutes
     for a large model on CPUs) prints nothing at all.  So there, rank 0 counts the steps and
     prints a line such as ``warm-up: step 4 of 10, 41 s`` at most once per ``every_s``
-    seconds; :meth:`phase` names what the steps are for.
+    seconds; :meth:`phase` names what the steps are for (see :func:`on_terminal`).
     """
 
     def __init__(self, show: bool = False, every_s: float = 10.0):
@@ -170,7 +185,7 @@ def prepare(args) -> Workload:
     generator = torch.Generator(device=device).manual_seed(args.seed + info.rank)
     inputs, targets = spec.batch(batch_size, device=device, generator=generator, **options)
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    progress = Progress(show=info.rank == 0 and not sys.stdout.isatty(),
+    progress = Progress(show=info.rank == 0 and not on_terminal(sys.stdout, info.launcher),
                         every_s=getattr(args, "progress_every", 10.0))
     return Workload(info, device, spec, batch_size, model, inputs, targets, num_params, progress)
 
