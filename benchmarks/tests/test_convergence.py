@@ -94,3 +94,22 @@ def test_bytes_per_step_come_from_the_backend(rows):
     # One fp32 allreduce of every gradient, and the step's agreement (checks and outcome).
     assert dense["bytes_per_step"] == 4 * parameters + agreement_nbytes(2)
     assert 0 < topk["bytes_per_step"] < dense["bytes_per_step"] / 20
+
+
+def _progress_lines(rank, world_size):
+    import contextlib
+    import dataclasses
+    import io
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        convergence.train_one(convergence.parse_spec("fp16"), 0, dataclasses.replace(OPTIONS, epochs=2),
+                              convergence.load_digits_split(), rank, world_size)
+    return printed.getvalue()
+
+
+def test_rank_0_prints_a_line_at_each_epoch():
+    printed, silent = run_ranks(_progress_lines, 2)
+    lines = printed.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["fp16 seed 0: epoch 1 of 2", "fp16 seed 0: epoch 2 of 2"]
+    assert all("test accuracy" in line and "train loss" in line for line in lines), lines
+    assert silent == ""

@@ -70,3 +70,26 @@ def test_rows_record_curve_bytes_and_recipe(rows):
     assert topk["clip_mode"] == "local" and "clip_norm=0.707" in topk["memory_repr"]
     assert dense["clip_mode"] == "averaged"
 
+
+
+def _progress_lines(rank, world_size):
+    import contextlib
+    import dataclasses
+    import io
+    torch.set_num_threads(1)
+    lm.TASKS[TINY.name] = TINY
+    options = dataclasses.replace(OPTIONS, steps=4, eval_every=2)
+    corpus = convergence.load_task_data(options)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        convergence.train_lm(convergence.parse_spec("fp16"), 0, options, corpus, rank, world_size)
+    return printed.getvalue()
+
+
+def test_rank_0_prints_a_line_at_each_evaluation():
+    """A row that trains for minutes shows its progress before its row of the table."""
+    printed, silent = run_ranks(_progress_lines, 2)
+    lines = printed.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["fp16 seed 0: step 2 of 4", "fp16 seed 0: step 4 of 4"]
+    assert all("validation loss" in line and line.endswith(" s)") for line in lines), lines
+    assert silent == ""
