@@ -254,10 +254,19 @@ def matrix_table(paths) -> str:
                                                                          "benchmarks/headline.py"))
 
 
+def per_round_ratio(numerator: Dict[str, Any], denominator: Dict[str, Any]) -> float:
+    """The median over rounds of ``numerator``'s step time over ``denominator``'s in the same
+    round (> 1: ``denominator`` is faster).  Both ran in the same round, minutes apart at
+    most, so the machine's drift between rounds cancels in each ratio, which it does not in
+    a ratio of the two medians (taken from different rounds)."""
+    return statistics.median(a / b for a, b in zip(numerator["step_s_rounds"], denominator["step_s_rounds"]))
+
+
 def summary(paths, ours: str) -> str:
     """One row per cell: ``ours`` against DDP's 16-bit hook, the zero-cost bound and the
-    fastest DDP configuration of the cell (each a median of per-round ratios, the rounds
-    interleaved), with DDP fp16 against the bound for scale and ``ours``' phases."""
+    fastest DDP configuration of the cell (by median step time), with DDP fp16 against the
+    bound for scale and ``ours``' phases.  Every ratio is the same statistic, the median of
+    per-round ratios (:func:`per_round_ratio`; the rounds interleaved)."""
     lines = ["| model | link | workers | × ddp-fp16 | × bound | × best DDP (which) | ddp-fp16 × bound "
              "| compress / wait / decode ms |",
              "|---|---|---:|---:|---:|---|---:|---|"]
@@ -275,10 +284,10 @@ def summary(paths, ours: str) -> str:
         entry = configurations[ours]
         ddps = {name: c for name, c in configurations.items() if name.startswith("ddp-")}
         best = min(ddps, key=lambda name: ddps[name]["step_s"])
-        versus_best = statistics.median(b / s for b, s in zip(ddps[best]["step_s_rounds"], entry["step_s_rounds"]))
+        baseline, bound = configurations[BASELINE], configurations["bound"]
         lines.append(f"| {result['model']} | {result['link']} | {result['workers']} | "
-                     f"{entry['versus_ddp_fp16']:.2f} | {entry['scaling_vs_bound']:.2f} | "
-                     f"{versus_best:.2f} ({best}) | {configurations[BASELINE]['scaling_vs_bound']:.2f} | "
+                     f"{per_round_ratio(baseline, entry):.2f} | {per_round_ratio(bound, entry):.2f} | "
+                     f"{per_round_ratio(ddps[best], entry):.2f} ({best}) | {per_round_ratio(bound, baseline):.2f} | "
                      f"{phase_text(entry.get('phases_s'))} |")
     return "\n".join(lines)
 

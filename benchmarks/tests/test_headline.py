@@ -42,11 +42,33 @@ def test_a_cell_measures_every_configuration_side_by_side(tmp_path):
     assert summary.returncode == 0, summary.stderr
     row = summary.stdout.strip().splitlines()[-1]
     assert row.startswith("| resnet20 | loopback | 2 | ") and "(ddp-" in row
-    assert f"{ours['versus_ddp_fp16']:.2f} | {ours['scaling_vs_bound']:.2f} |" in row
+    per_round = [sorted(b / s for b, s in zip(configurations[name]["step_s_rounds"], ours["step_s_rounds"]))
+                 for name in ("ddp-fp16", "bound")]
+    medians = [(r[0] + r[1]) / 2 for r in per_round]  # two rounds
+    assert f"| {medians[0]:.2f} | {medians[1]:.2f} |" in row
 
     other = headline("--summary", str(out), "--ours", "auto-topk")
     assert other.returncode != 0
     assert "has no configuration 'auto-topk'" in other.stderr and "pass one of them as --ours" in other.stderr
+
+
+def test_every_ratio_of_the_summary_is_a_median_of_per_round_ratios(tmp_path):
+    """Three rounds where the median of per-round ratios and the ratio of medians differ in
+    every column: each column takes the former, so '× best DDP' equals '× ddp-fp16' when DDP
+    fp16 is the best."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import headline as module
+    rounds = {"bound": [1.0, 2.0, 1.0], "ddp-fp32": [9.0, 9.0, 9.0], "ddp-fp16": [3.0, 4.0, 2.0],
+              "auto-dgc": [1.0, 3.0, 4.0]}
+    result = {"model": "vgg16", "link": "1gbit", "workers": 2, "rounds": 3, "window": 1,
+              "configurations": {name: {"step_s": sorted(r)[1], "step_s_rounds": r} for name, r in rounds.items()}}
+    path = tmp_path / "cell.json"
+    path.write_text(json.dumps(result))
+    row = module.summary([str(path)], "auto-dgc").splitlines()[-1]
+    # × ddp-fp16: median(3/1, 4/3, 2/4) = 1.33 (of the medians: 3/3 = 1.00); × bound: median(1, 2/3,
+    # 1/4) = 0.67 (1/3 = 0.33); ddp-fp16 × bound: median(1/3, 2/4, 1/2) = 0.50 (1/3 = 0.33)
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[3:7] == ["1.33", "0.67", "1.33 (ddp-fp16)", "0.50"], row
 
 
 def test_summary_refuses_a_file_that_is_not_a_headline_result(tmp_path):
