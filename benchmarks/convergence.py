@@ -672,7 +672,10 @@ def run_benchmark(specs: Sequence[Spec], options: Options, workers: int,
     def one(spec: Spec):
         began = time.perf_counter()
         try:
-            results = launch.spawn(worker, workers, args=([spec], options), timeout_s=timeout_s)
+            # several groups at once need a port each, whatever MASTER_PORT says
+            port = launch.free_port() if jobs > 1 else None
+            results = launch.spawn(worker, workers, args=([spec], options), master_port=port,
+                                   timeout_s=timeout_s)
         except (launch.SpawnedProcessError, TimeoutError) as error:
             message = str(error).strip().splitlines()
             error_row = dict(label=spec.label, error=message[-1] if message else repr(error))

@@ -205,11 +205,31 @@ def test_single_process_still_gets_a_one_rank_gloo_group():
     assert launch.spawn(_init_without_any_launcher, 1) == [("single", 1, "gloo", "127.0.0.1")]
 
 
-def test_bad_spawn_arguments():
+def test_bad_spawn_arguments(monkeypatch):
     with pytest.raises(ValueError, match="nprocs must be a positive integer, got 0"):
         launch.spawn(_exit_with_code, 0)
     with pytest.raises(ValueError, match="master_port must be a TCP port .* got 0"):
         launch.spawn(_exit_with_code, 1, master_port=0)
+    for bad in ("http", "0", "70000"):
+        monkeypatch.setenv("MASTER_PORT", bad)
+        with pytest.raises(ValueError, match=f"MASTER_PORT='{bad}' in the environment is not a TCP port.*"
+                                             "unset it to let spawn pick a free port"):
+            launch.spawn(_exit_with_code, 1)
+
+
+def _the_port():
+    """The port this rank's job met at, after an allreduce through it."""
+    info = launch.init_distributed(timeout_s=60)
+    dist.all_reduce(torch.ones(1))
+    return str(info.master_port)
+
+
+def test_spawn_meets_at_the_environments_master_port(monkeypatch):
+    port = launch.free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert launch.spawn(_the_port, 2, timeout_s=120) == [str(port), str(port)]
+    other = launch.free_port()  # an argument wins over the environment
+    assert launch.spawn(_the_port, 1, master_port=other, timeout_s=120) == [str(other)]
 
 
 def test_cuda_device_without_cuda_is_refused():

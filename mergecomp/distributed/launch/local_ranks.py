@@ -46,6 +46,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
 
     Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
     MASTER_PORT and MERGECOMP_LAUNCHER=spawn, so ``fn`` can call :func:`init_distributed`.
+    The port is ``master_port``, else the environment's ``MASTER_PORT`` (a port the job was
+    told to use, e.g. one a firewall opens), else a free one; a ``MASTER_PORT`` that is no
+    port is refused (ValueError) before any process starts.
     ``fn`` and ``args`` must be picklable (module-level function), as with any "spawn" start.
 
     When a process raises or dies, the others are terminated (they may be blocked in a
@@ -57,7 +60,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
     if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
         raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
                          f"{timeout_s!r}")
-    port = free_port() if master_port is None else master_port
+    port = _environment_port() if master_port is None else master_port
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ValueError(f"master_port must be a TCP port in [1, 65535], got {master_port!r}")
     ctx = mp.get_context("spawn")
@@ -79,6 +82,22 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
         _stop(processes)
         for pipe in pipes:
             pipe.close()
+
+
+def _environment_port() -> int:
+    """``MASTER_PORT`` from the environment when it is set, else a free port."""
+    text = os.environ.get("MASTER_PORT", "").strip()
+    if not text:
+        return free_port()
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise ValueError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} in the environment is not a TCP port, and "
+                         f"spawn's ranks would meet there: set it to a port in [1, 65535], or unset it to let "
+                         f"spawn pick a free port")
+    return port
 
 
 def _run_child(fn, args, env, sender) -> None:
