@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import watchdog
+from ..launch.session import release_before_shutdown
 from .base import Backend, Completed, Work, _check_rows
 from .serialize import (HeaderError, blob_size, check_blob_size, header_error, pack, pack_bounded,
                         shape_header, shapes_from_header, unpack, unpack_bounded)
@@ -52,6 +53,7 @@ class TorchDistributedBackend(Backend):
         #: The handles of the latest collectives (this step's), kept until the next step begins
         #: (:meth:`_kept`); bounded, for a backend that never marks a step.
         self._step_works: Deque[Any] = collections.deque(maxlen=KEPT_WORKS)
+        release_before_shutdown(self)
 
     def _default_device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":
@@ -71,6 +73,10 @@ class TorchDistributedBackend(Backend):
         if self.beacon is not None:
             self.beacon.mark(step, self.collectives)
         self._step_works.clear()  # the last step's collectives are done: released here, on this thread
+
+    def release(self) -> None:
+        """Drop the collectives' handles this backend keeps (before its group is destroyed)."""
+        self._step_works.clear()
 
     def _kept(self, work):
         """``work``, also kept here until the next step begins.

@@ -10,6 +10,7 @@ import socket
 import stat
 import sys
 import time
+import weakref
 from datetime import timedelta
 from typing import List, Mapping, Optional
 
@@ -286,6 +287,18 @@ def _register_exit_handler() -> None:
         _exit_handler_registered = True
 
 
+#: What keeps collectives' handles alive (the backends, weakly): released before the process
+#: group is destroyed, so that nothing of the group outlives it (see ``release_before_shutdown``).
+_holders: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def release_before_shutdown(holder) -> None:
+    """Have :func:`shutdown` call ``holder.release()`` before it destroys the process group:
+    a handle kept past it would keep the group's connections open, and the other ranks would
+    wait out their timeout instead of learning at once that this rank left."""
+    _holders.add(holder)
+
+
 def shutdown(linger_s: float = SHUTDOWN_LINGER_S) -> None:
     """Leave the job: record it in this rank's progress beacon and destroy the process group
     at once, without waiting for the other ranks.
@@ -311,6 +324,8 @@ def shutdown(linger_s: float = SHUTDOWN_LINGER_S) -> None:
         hosts_store = (dist.get_rank() == 0
                        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
         world_size = dist.get_world_size()
+        for holder in list(_holders):
+            holder.release()
         dist.destroy_process_group()
         _close_collective_sockets()
         if hosts_store and world_size > 1 and beacons:
