@@ -73,7 +73,7 @@ def test_without_dense_trains_only_the_rows_named():
 
 def test_finished_rows_are_handed_on_as_each_spec_finishes(monkeypatch):
     """A long table that is stopped keeps the rows already trained (``--out``'s partial file)."""
-    def spawn(worker, world_size, args, timeout_s=None):
+    def spawn(worker, world_size, args, master_port=None, timeout_s=None):
         spec = args[0][0]
         if spec.label == "fp16":
             raise TimeoutError("ranks did not finish in 1 s")
