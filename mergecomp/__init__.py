@@ -23,6 +23,7 @@ from .distributed import backends, launch
 from .runtime.agreement import NonFiniteGradient, RanksDisagree
 from .distributed.watchdog import CollectiveError, CollectiveTimeout, PeerLost
 from .steplog import StepLog
+from .runtime.drift import DriftController, DriftReading
 from .lowcomm import DiLoCo  # noqa: E402  (low-communication: docs/low-communication.md)
 
 __version__ = "0.1.0"
@@ -30,4 +31,4 @@ __version__ = "0.1.0"
 __all__ = ["DistributedOptimizer", "StepLog", "Plan", "Group", "ParamInfo", "compressors", "memories",
            "communicators", "schedulers", "backends", "ddp", "fsdp", "checkpoint", "save", "load", "launch", "NonFiniteGradient", "RanksDisagree", "CollectiveError",
            "CollectiveTimeout", "PeerLost", "__version__"]
-__all__ += ["DiLoCo", "lowcomm"]
+__all__ += ["DiLoCo", "lowcomm", "DriftController", "DriftReading"]

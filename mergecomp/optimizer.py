@@ -27,6 +27,7 @@ from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
 from .runtime import gate
+from .runtime.drift import DriftController, drift_meter
 from .runtime.reducer import GroupState, Reducer
 from .runtime.step import SharedSurface, StepLifecycle, check_communicator_options, check_nonfinite_policy
 from .schedulers.base import Scheduler, SchedulerContext
@@ -69,6 +70,11 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
             (default: dropped on every rank, ``p.grad`` is NaN, compressor and error-feedback
             state stay as before it, a warning and :attr:`skipped_steps` say so; AMP's
             ``GradScaler`` then skips as usual), ``"raise"``, or ``"off"`` (unchecked, as DDP).
+        controller: the quality controller (:mod:`mergecomp.runtime.drift`): ``"auto"`` (the
+            default) measures how far the compressed exchange lags dense and raises a
+            group's density (or rank) where it lags, within a byte budget; ``"off"`` only
+            measures (the step log shows it, and a warning says when the run will miss
+            dense); a :class:`~mergecomp.DriftController` with settings of your own.
         communicator_options: keyword arguments of the communicators a plan's
             ``"compress:<name>"`` groups travel by, per name (e.g. ``{"sparse_allreduce":
             {"keep": None}}``); see :mod:`mergecomp.plan`.
@@ -88,6 +94,7 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
                  initial_sync: str = "broadcast",
                  nonfinite: str = "skip",
                  communicator_options: Optional[Dict[str, Dict[str, Any]]] = None,
+                 controller: Union[str, None, DriftController] = "auto",
                  backend: Optional[Backend] = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -135,18 +142,22 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
             schedule = FixedScheduler(DEFAULT_SCHEDULE)  # not used: the plan is fixed
         self.scheduler = schedule
         options = check_communicator_options(communicator_options)
+        meter = drift_meter(controller)
+        steering = [repr(meter.controller)] if controller != "auto" else []
         config = gate.config_digest(self.compressor, self.memory, self.communicator, self.scheduler,
                                     backward_passes_per_step, bool(find_unused_parameters), nonfinite,
-                                    *([options] if options else []))  # older configurations keep their digest
+                                    *([options] if options else []), *steering)  # older ones keep their digest
         gate.check_ranks_agree(self.backend, "on the configuration at construction", {
             "compressor": repr(self.compressor), "memory": repr(self.memory),
-            "communicator": repr(self.communicator), "scheduler": repr(self.scheduler), "config": config})
+            "communicator": repr(self.communicator), "scheduler": repr(self.scheduler),
+            "controller": repr(meter.controller), "config": config})
         # Frozen parameters too: equal everywhere, they can be unfrozen later.
         gate.start_from_rank0(self.backend, params + self._frozen, model, initial_sync)
         self.reducer = Reducer(params, self.communicator, self.backend, self.scheduler, plan=fixed_plan,
                                backward_passes_per_step=backward_passes_per_step,
                                find_unused_parameters=bool(find_unused_parameters),
                                nonfinite=nonfinite, config=config, communicator_options=options)
+        self.reducer.lifecycle.meter = meter
         # What an adaptive scheduler sees of this job, in place of the optimizer itself.
         self._scheduler_context = SchedulerContext(self.reducer, self.optimizer, self.backend, self.compressor,
                                                    self.communicator.memory, self.communicator)
@@ -204,12 +215,24 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
                 loss = closure()
         outcome = self.reducer.synchronize()
         self._drop_unexchanged(self._take_in_new_parameters())
+        self._watch_clipping()
         applied = outcome.finite and outcome.active_ranks > 0
         if applied:
             self.optimizer.step()
         self.reducer.step_done(applied)
         self._after_step()
         return loss
+
+    def _watch_clipping(self) -> None:
+        """On a measured step: a loop that clipped the averages after the exchange, against
+        the compressor's recipe, is told once (rank 0; every rank sees the same averages)."""
+        watch = self.reducer.clip_watch
+        ratio = watch.changed()
+        if ratio is None:
+            return
+        message = watch.advise(self.compressor, self.communicator.memory, ratio)
+        if message is not None and self.backend.rank == 0:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _after_step(self) -> None:
         """Let an adaptive scheduler (auto, binary) measure this step and switch plans."""

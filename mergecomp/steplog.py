@@ -33,6 +33,13 @@ attaches nothing, and with no log attached no step pays for any of it.  Columns:
 - ``ef_norm``: the L2 norm of what error feedback holds back after the step (residual
   memory: the residuals; DGC: the velocities); empty for a memory that holds nothing.
   Computed only on the steps written.
+- ``drift``: how many steps of update the compressed exchange holds back, averaged over
+  ranks (:mod:`mergecomp.runtime.drift`: the residuals against the update flowing in), as
+  last measured in the row's steps (it is measured every few steps); empty before the first
+  measurement, and for a compressor that holds nothing back.  TensorBoard also gets each
+  group's (``mergecomp/drift/<group>``).
+- ``density_scale``: how many times its configured density (or rank) the quality controller
+  has the compressed groups send, weighted by their elements (1: the configured setting).
 
 ``every=N`` writes one row per N steps, its bytes, density and seconds averaged over those
 N steps (a long run's CSV stays small; the residual norm is read on written steps only).
@@ -56,7 +63,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .plan import is_compressed
 
 COLUMNS = ("step", "skipped", "skipped_total", "bytes_sent", "fp32_bytes", "compression_ratio",
-           "density", "compress_s", "wait_s", "decode_s", "ef_norm")
+           "density", "compress_s", "wait_s", "decode_s", "ef_norm", "drift", "density_scale")
 #: The columns that hold whole numbers (the others are floats; an empty cell is ``None``).
 INTEGER_COLUMNS = ("step", "skipped", "skipped_total")
 #: The CSV's name inside ``log_dir``.
@@ -118,6 +125,7 @@ class StepLog:
         self._csv_path = os.path.join(self.log_dir, CSV_NAME)
         self._csv_file = self._csv = self._tensorboard = None
         self._source = None
+        self._drift_step = -1  # the step of the last drift reading written
         self._handles: List[Any] = []
         self._first_step: Optional[int] = None  # the first step this run logs (rank 0)
         self._last_row: Optional[int] = None  # the step of the last row this run wrote
@@ -264,6 +272,10 @@ class StepLog:
 
     def _write(self, step: int) -> None:
         source, n, sums = self._source, self._steps, self._sums
+        reading = source.drift
+        fresh = reading is not None and reading.step > self._drift_step
+        if fresh:
+            self._drift_step = reading.step
         sent = (source.bytes_sent - self._bytes_before) / n
         self._bytes_before = source.bytes_sent
         fp32 = sums["fp32_bytes"] / n
@@ -274,6 +286,8 @@ class StepLog:
             "density": sums["sent"] / sums["coordinates"] if self._density_known and sums["coordinates"] else None,
             "compress_s": sums["compress_s"] / n, "wait_s": sums["wait_s"] / n,
             "decode_s": sums["decode_s"] / n, "ef_norm": self._error_norm(),
+            "drift": reading.lag if fresh else None,
+            "density_scale": source.meter.density_scale() if source.meter is not None else None,
         }
         if self._want_csv:
             if self._csv is None:
@@ -284,6 +298,9 @@ class StepLog:
             for column in COLUMNS[1:]:
                 if row[column] is not None and math.isfinite(row[column]):
                     self._tensorboard.add_scalar(f"mergecomp/{column}", row[column], step)
+            for group, lag in (reading.groups.items() if fresh else ()):
+                if math.isfinite(lag):
+                    self._tensorboard.add_scalar(f"mergecomp/drift/{group}", lag, step)
             # the writer writes on a thread of its own: its flush waits for it and raises
             # what it met (a full disk), here rather than at some later row or at close()
             self._tensorboard.flush()

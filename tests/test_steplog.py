@@ -185,18 +185,19 @@ def _fill_disk_after(lines):
     steplog.open = open_on_small_disk  # shadows the builtin in that module
 
 
-def _fail_tensorboard_writes(after):
-    """Make TensorBoard's event files refuse every record after ``after``, as on a full disk
-    (this process only).  The records are written on the writer's own thread."""
+def _fail_tensorboard_writes():
+    """Make TensorBoard's event files refuse every record once the returned switch is
+    called, as on a full disk (this process only).  The records are written on the
+    writer's own thread."""
     from tensorboard.summary.writer import record_writer
-    real_write, written = record_writer.RecordWriter.write, []
+    real_write, full = record_writer.RecordWriter.write, []
 
     def write(self, data):
-        if len(written) >= after:
+        if full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        written.append(data)
         return real_write(self, data)
     record_writer.RecordWriter.write = write
+    return lambda: full.append(True)
 
 
 def _wrapper(seed=0):
@@ -209,9 +210,13 @@ def _wrapper(seed=0):
 
 
 def full_disk_worker(rank, world_size, log_dir, fail):
+    disk_full = None
     if rank == 0:
         # CSV: the header and two rows; TensorBoard: the file's version record and one row's scalars
-        _fill_disk_after(3) if fail == "csv" else _fail_tensorboard_writes(1 + len(steplog.COLUMNS) - 1)
+        if fail == "csv":
+            _fill_disk_after(3)
+        else:
+            disk_full = _fail_tensorboard_writes()
     model, optimizer = _wrapper()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -222,6 +227,8 @@ def full_disk_worker(rank, world_size, log_dir, fail):
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()  # rank 0's log fails inside this call
             optimizer.step()
+            if disk_full is not None and step == 0:
+                disk_full()  # TensorBoard's disk fills once the first row is written
         log.close()
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     messages = [str(w.message) for w in caught if "StepLog" in str(w.message)]
@@ -322,11 +329,11 @@ def test_a_resumed_run_continues_the_log(tmp_path):
 
 def test_read_rows_skips_what_is_not_a_whole_row_and_refuses_another_table(tmp_path):
     header = ",".join(steplog.COLUMNS)
-    (tmp_path / "steps.csv").write_text(f"{header}\r\n0,0,0,10,40,4,0.1,0.5,0,0.1,\r\n1,0,0,10,4")
+    (tmp_path / "steps.csv").write_text(f"{header}\r\n0,0,0,10,40,4,0.1,0.5,0,0.1,,2.5,1\r\n1,0,0,10,4")
     assert steplog.read_rows(str(tmp_path)) == [
         {"step": 0, "skipped": 0, "skipped_total": 0, "bytes_sent": 10.0, "fp32_bytes": 40.0,
          "compression_ratio": 4.0, "density": 0.1, "compress_s": 0.5, "wait_s": 0.0, "decode_s": 0.1,
-         "ef_norm": None}]
+         "ef_norm": None, "drift": 2.5, "density_scale": 1.0}]
     (tmp_path / "steps.csv").write_text(header[:7])  # killed while writing the header
     assert steplog.read_rows(str(tmp_path)) == []
     (tmp_path / "steps.csv").write_text("epoch,loss\n1,2\n")

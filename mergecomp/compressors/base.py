@@ -76,6 +76,58 @@ import torch
 Payload = Tuple[torch.Tensor, ...]
 
 
+def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """‖tensor‖² as a 0-d float32 tensor on its device (one read pass, no host sync)."""
+    return torch.linalg.vector_norm(tensor, dtype=torch.float32).square()
+
+
+
+class DriftTerms:
+    """How far a step's exchange lags dense training, as the component that holds the
+    difference sees it: an error-feedback memory (its residual), or a compressor with error
+    feedback of its own (PowerSGD's error).  The step lifecycle sets :attr:`measuring` on the
+    steps it measures, reads :meth:`drift_terms` per group and calls :meth:`forget_drift`
+    (:mod:`mergecomp.runtime.drift`)."""
+
+    #: Set by the step lifecycle on the steps it measures the drift on (:meth:`drift_terms`).
+    measuring = False
+
+    def drift_terms(self, name: str):
+        """``(held², incoming²)`` of group ``name`` on a measuring step (0-d float32 tensors,
+        no host sync): the squared norm of what this component holds back once the step
+        has been compressed, and of the update dense training would have applied this step
+        (the gradient, or the momentum where a memory applies it before the exchange).  Their
+        ratio is how many steps of update the exchange lags dense by
+        (:mod:`mergecomp.runtime.drift`).  None for a component that holds nothing back, or
+        when the step was not measured."""
+        terms = self.__dict__.get("_drift_terms", {})
+        if name in terms:
+            return terms[name]
+        pieces = [found for key, found in terms.items() if key.startswith(name + "#")]
+        if not pieces:  # a group exchanged in pieces (FSDP2's chunks: "group0#shard1") adds them up
+            return None
+        return tuple(sum(parts) for parts in zip(*pieces))
+
+    def forget_drift(self) -> None:
+        """Drop the measured terms (the lifecycle has read them)."""
+        self.__dict__.pop("_drift_terms", None)
+        self.__dict__.pop("_drift_incoming", None)
+
+    def _note_incoming(self, name: str, tensor: torch.Tensor) -> None:
+        """On a measuring step: the update dense training would apply for group ``name``."""
+        if self.measuring:
+            self.__dict__.setdefault("_drift_incoming", {})[name] = squared_norm(tensor)
+
+    def _note_held(self, name: str, *tensors: torch.Tensor) -> None:
+        """On a measuring step: what group ``name`` holds back after its compression (in one
+        tensor or several pieces; none: nothing)."""
+        if self.measuring:
+            incoming = self.__dict__.get("_drift_incoming", {}).pop(name, None)
+            if incoming is not None:
+                held = sum((squared_norm(t) for t in tensors), torch.zeros((), device=incoming.device))
+                self.__dict__.setdefault("_drift_terms", {})[name] = (held, incoming)
+
+
 @dataclass(frozen=True)
 class Context:
     """What every decoder needs: the shape and dtype of the original tensor.
@@ -162,7 +214,7 @@ class AllReduce:
     tensors: Tuple[torch.Tensor, ...]
 
 
-class Compressor:
+class Compressor(DriftTerms):
     """Base class of every gradient compressor.  See the module docstring for the contract."""
 
     name = "compressor"
@@ -191,6 +243,37 @@ class Compressor:
     #: with a private random stream that must differ between ranks (stochastic rounding)
     #: derive it from their seed and this.
     process_rank = 0
+    #: What the quality controller (:class:`mergecomp.runtime.drift.DriftController`) may raise
+    #: for one group when its exchange lags dense: ``"density"`` (a sparsifier's share of
+    #: coordinates), ``"rank"`` (a low-rank factorisation's rank), or None (nothing to raise).
+    knob: Optional[str] = None
+
+    def group_scale(self, name: str) -> float:
+        """How many times its configured density (or rank) group ``name`` sends now: 1 unless
+        the quality controller raised it.  The same on every rank: the controller decides from
+        quantities every rank agreed on."""
+        scales = self.__dict__.get("_group_scales")
+        if not scales:
+            return 1.0
+        # a piece of a group (FSDP2's chunks: "group0#shard1") is sent as its group is
+        return scales.get(name, scales.get(name.split("#", 1)[0], 1.0))
+
+    def set_group_scale(self, name: str, scale: float) -> None:
+        """Send group ``name`` at ``scale`` times the configured density (or rank), from its next
+        step on; 1 restores the configuration.  Only a compressor with a :attr:`knob`."""
+        if self.knob is None:
+            raise ValueError(f"{type(self).__name__} has no density or rank to raise (knob is None)")
+        if not (isinstance(scale, (int, float)) and scale >= 1.0 and math.isfinite(scale)):
+            raise ValueError(f"a group's scale must be a finite number ≥ 1, got {scale!r}")
+        scales = self.__dict__.setdefault("_group_scales", {})
+        if scale == 1.0:
+            scales.pop(name, None)
+        else:
+            scales[name] = float(scale)
+
+    def scaled_ratio(self, name: str, ratio: float) -> float:
+        """``ratio`` (a density) times group ``name``'s scale, at most 1."""
+        return min(1.0, ratio * self.group_scale(name))
 
     def set_process_rank(self, rank: int) -> None:
         """Called once by the communicator that carries this compressor."""

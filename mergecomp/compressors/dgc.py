@@ -13,6 +13,8 @@ On the wire: c ≤ k values (gradient dtype, or fp16) and c int32 indices.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Optional, Sequence
 
 import torch
@@ -28,6 +30,15 @@ PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 #: The step-counted warm-up that the warning without epochs advises, as a share of the run's
 #: steps (why a fifth: docs/results.md#lm-topk-lag).
 WARMUP_FRACTION_ADVICE = 0.2
+
+
+@dataclass(frozen=True)
+class DensityContext(Context):
+    """DGC's context: the density this group's payload was selected at (the warm-up's, times
+    the group's scale), which bounds its size; agreed by every rank, so a layout field."""
+
+    density: float = 0.0
+    layout_fields = ("density",)
 
 
 @register("dgc")
@@ -197,12 +208,15 @@ class DGCCompressor(SparseCompressor):
              f"early in training, while the weights change fast, cost accuracy (Lin et al. 2018, "
              f"section 3.3)")
 
+    knob = "density"
+
     def compress(self, tensor, name, layout=None):
         self._warn_if_warmup_off()
         self._compressed = True
         flat = tensor.reshape(-1)
         n = flat.numel()
-        k = num_selected(n, self.density())
+        density = self.scaled_ratio(name, self.density())
+        k = num_selected(n, density)
         if k >= n:
             indices = torch.arange(n, device=flat.device)
         else:
@@ -222,12 +236,14 @@ class DGCCompressor(SparseCompressor):
             raise ValueError(f"group {name!r} has {n} elements, too many for int32 indices; "
                              f"use index_bits=64")
         wire_index = torch.int32 if self.index_bits == 32 else torch.int64
-        return (values, indices.to(wire_index)), Context(tensor.shape, tensor.dtype)
+        return (values, indices.to(wire_index)), DensityContext(tensor.shape, tensor.dtype, density)
 
     def payload_bound(self, ctx):
         """At most k = density·n values and indices (see the class docstring); the density
-        depends on the epoch, which every rank sets alike."""
-        k = min(num_selected(ctx.numel, self.density()), ctx.numel)
+        depends on the epoch and on the group's scale (the quality controller's), which every
+        rank sets alike."""
+        density = getattr(ctx, "density", None)
+        k = min(num_selected(ctx.numel, self.density() if density is None else density), ctx.numel)
         return (torch.Size([k]), torch.Size([k]))
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):

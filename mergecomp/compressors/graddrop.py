@@ -72,13 +72,16 @@ class GradDropCompressor(SparseCompressor):
         self.sample_survivors = sample_survivors
         self._scratch = Scratch()
 
+    knob = "density"
+
     def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)
         n = flat.numel()
         if not n:
             indices = torch.empty(0, dtype=index_dtype(n), device=flat.device)
             return (flat[:0], indices), Context(tensor.shape, tensor.dtype)
-        threshold = sampled_threshold(flat, num_selected(n, self.compress_ratio), self.sample_ratio,
+        threshold = sampled_threshold(flat, num_selected(n, self.scaled_ratio(name, self.compress_ratio)),
+                                      self.sample_ratio,
                                       self.min_samples, survivors=self.sample_survivors)
         indices = BlockPeaks(flat, self._scratch).indices_at_least(threshold)
         return (flat[indices], indices.to(index_dtype(n))), Context(tensor.shape, tensor.dtype)

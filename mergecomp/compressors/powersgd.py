@@ -90,9 +90,13 @@ class PowerSGDCompressor(Compressor):
         self._steps = StagedDict()    # group → steps exchanged (seeds the draws without warm start)
 
     # -- which views are factored ----------------------------------------------------------
-    def matrix_rank(self, rows: int, cols: int) -> int:
-        """The rank k a rows × cols matrix is approximated with."""
-        return min(self.rank, rows, cols)
+    knob = "rank"
+
+    def matrix_rank(self, rows: int, cols: int, name: Optional[str] = None) -> int:
+        """The rank k a rows × cols matrix (of group ``name``: its scale raises the rank, see
+        :attr:`knob`) is approximated with."""
+        rank = self.rank if name is None else max(self.rank, round(self.rank * self.group_scale(name)))
+        return min(rank, rows, cols)
 
     def factors(self, rows: int, cols: int) -> bool:
         """Whether a rows × cols matrix gains enough to be factored (PyTorch's rule)."""
@@ -119,9 +123,11 @@ class PowerSGDCompressor(Compressor):
             m = layer_matrix(flat, matrix, dtype)
             error = errors.get(matrix.view.name)
             inputs.append(m if error is None else m + error.to(m.device))
+        if self.measuring:  # the drift: the whole gradient comes in, the errors are held back
+            self._note_incoming(name, flat)
 
         n_raw = raw_numel(raw)
-        p_sizes = [matrix.rows * self.matrix_rank(matrix.rows, matrix.cols) for matrix in matrices]
+        p_sizes = [matrix.rows * self.matrix_rank(matrix.rows, matrix.cols, name) for matrix in matrices]
         one_buffer = tensor.dtype == dtype or not matrices or n_raw == 0
         if one_buffer:  # one collective for the raw values and every P
             buffer = torch.empty(n_raw + sum(p_sizes), dtype=dtype if matrices else tensor.dtype,
@@ -133,7 +139,7 @@ class PowerSGDCompressor(Compressor):
             p_part = torch.empty(sum(p_sizes), dtype=dtype, device=flat.device)
             request = (raw_part, p_part)
         gather_raw(flat, raw, out=raw_part)
-        ps = _split_views(p_part, [(m.rows, self.matrix_rank(m.rows, m.cols)) for m in matrices])
+        ps = _split_views(p_part, [(m.rows, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])
         for matrix, m, p in zip(matrices, inputs, ps):
             torch.matmul(m, orthonormalize(self._start_query(name, matrix, queries, step, m)), out=p)
 
@@ -146,13 +152,14 @@ class PowerSGDCompressor(Compressor):
             out = torch.empty(flat.numel(), dtype=tensor.dtype, device=flat.device)
         scatter_raw(raw_sum, raw, out)
         if not matrices:
+            self._note_held(name)  # every view went raw: nothing held back
             return out.view(tensor.shape)
 
         p_hats = [orthonormalize(p) for p in _split_views(
-            p_sum, [(m.rows, self.matrix_rank(m.rows, m.cols)) for m in matrices])]
-        q_buffer = torch.empty(sum(m.cols * self.matrix_rank(m.rows, m.cols) for m in matrices),
+            p_sum, [(m.rows, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])]
+        q_buffer = torch.empty(sum(m.cols * self.matrix_rank(m.rows, m.cols, name) for m in matrices),
                                dtype=dtype, device=flat.device)
-        qs = _split_views(q_buffer, [(m.cols, self.matrix_rank(m.rows, m.cols)) for m in matrices])
+        qs = _split_views(q_buffer, [(m.cols, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])
         new_errors: Dict[str, torch.Tensor] = {}
         for matrix, m, p_hat, q in zip(matrices, inputs, p_hats, qs):
             torch.matmul(m.t(), p_hat, out=q)
@@ -160,11 +167,12 @@ class PowerSGDCompressor(Compressor):
                 new_errors[matrix.view.name] = torch.addmm(m, p_hat, q.t(), alpha=-1)
 
         (q_sum,) = yield AllReduce((q_buffer,))
-        q_sums = _split_views(q_sum, [(m.cols, self.matrix_rank(m.rows, m.cols)) for m in matrices])
+        q_sums = _split_views(q_sum, [(m.cols, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])
         for matrix, p_hat, q in zip(matrices, p_hats, q_sums):
             out[matrix.start:matrix.stop].view(matrix.rows, matrix.cols).copy_(p_hat @ q.t())
         if self.use_error_feedback:
             self._errors[name] = new_errors
+        self._note_held(name, *new_errors.values())
         if self.warm_start:
             self._queries[name] = {matrix.view.name: q for matrix, q in zip(matrices, q_sums)}
         self._steps[name] = step + 1
@@ -176,16 +184,18 @@ class PowerSGDCompressor(Compressor):
         if query is not None:
             return query.to(device=like.device, dtype=like.dtype)
         key = f"powersgd/{self.seed}/{name}/{matrix.view.name}/{0 if self.warm_start else step}"
-        return seeded_normal(key, matrix.cols, self.matrix_rank(matrix.rows, matrix.cols), like)
+        return seeded_normal(key, matrix.cols, self.matrix_rank(matrix.rows, matrix.cols, name), like)
 
     def _checked_state(self, name: str, matrices: Tuple[LayerMatrix, ...]):
         """This group's queries and errors, after checking they fit its factored views."""
         wanted = {m.view.name: m for m in matrices}
         found = []
         for kind, store, shape in (
-                ("warm-start queries", self._queries, lambda m: (m.cols, self.matrix_rank(m.rows, m.cols))),
+                ("warm-start queries", self._queries, lambda m: (m.cols, self.matrix_rank(m.rows, m.cols, name))),
                 ("errors", self._errors, lambda m: (m.rows, m.cols))):
             stored: Dict[str, torch.Tensor] = store.get(name, {})
+            if store is self._queries and stored:
+                stored = self._resized_queries(name, stored, wanted)
             # A view without state starts afresh (it joined the group in a plan switch); a
             # stored view the group no longer factors, or of another shape, is an error.
             if stored and (not set(stored) <= set(wanted) or any(
@@ -199,6 +209,25 @@ class PowerSGDCompressor(Compressor):
                     "a state_dict saved with this plan")
             found.append(stored)
         return found[0], found[1]
+
+    def _resized_queries(self, name: str, stored: Dict[str, torch.Tensor],
+                         wanted: Dict[str, LayerMatrix]) -> Dict[str, torch.Tensor]:
+        """The warm-start queries at the group's rank now: the controller raised (or lowered)
+        it since they were made, so each keeps its first columns, and new ones are seeded draws
+        (the power iteration goes on in the directions it had found)."""
+        resized = {}
+        for view, query in stored.items():
+            matrix = wanted.get(view)
+            rank = self.matrix_rank(matrix.rows, matrix.cols, name) if matrix is not None else query.shape[1]
+            if matrix is None or query.dim() != 2 or query.shape[0] != matrix.cols or query.shape[1] == rank:
+                resized[view] = query
+            elif query.shape[1] > rank:
+                resized[view] = query[:, :rank].contiguous()
+            else:
+                extra = seeded_normal(f"powersgd/{self.seed}/{name}/{view}/rank{rank}", matrix.cols,
+                                      rank - query.shape[1], query)
+                resized[view] = torch.cat([query, extra], dim=1)
+        return resized
 
     def compress(self, tensor, name, layout=None):
         raise TypeError("PowerSGD exchanges in two allreduce rounds and has no one-shot payload: "

@@ -81,12 +81,14 @@ class RandKCompressor(Compressor):
             paper="Mem-SGD (Stich et al., 2018, Algorithm 1) is plain SGD with memory",
             min_ratio=0.1, fold_momentum=True, memory="residual")
 
+    knob = "density"
+
     def _indices(self, name: str, numel: int, device) -> torch.Tensor:
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         group = splitmix64(splitmix64(self.seed & MASK64) ^ zlib.crc32(name.encode()))
         key = splitmix64((group + step) & MASK64)
-        return random_subset(numel, num_selected(numel, self.compress_ratio), key, device)
+        return random_subset(numel, num_selected(numel, self.scaled_ratio(name, self.compress_ratio)), key, device)
 
     def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)

@@ -61,9 +61,11 @@ class TopKCompressor(SparseCompressor):
         self.compress_ratio = check_ratio(compress_ratio)
         self._scratch = Scratch()
 
+    knob = "density"
+
     def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)
-        k = num_selected(flat.numel(), self.compress_ratio)
+        k = num_selected(flat.numel(), self.scaled_ratio(name, self.compress_ratio))
         indices = exact_top_k(flat, k, self._scratch)
         values = flat[indices]
         return (values, indices.to(index_dtype(flat.numel()))), Context(tensor.shape, tensor.dtype)

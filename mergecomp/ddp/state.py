@@ -24,6 +24,7 @@ from ..communicators.ps import PSCommunicator
 from ..compressors import recipes
 from ..compressors.base import Compressor, GroupLayout, ParamView
 from ..memories.base import Memory
+from ..runtime.drift import DriftController, drift_meter
 from ..runtime.step import InFlight, SharedSurface, StepLifecycle, check_nonfinite_policy
 
 #: Format of a hook state (2: the envelope every entry point shares,
@@ -66,6 +67,8 @@ class HookState(SharedSurface):
             DDP a dropped step's buckets are NaN on every rank (what an allreduce of a NaN
             gives), so the caller's ``GradScaler`` or NaN check skips it.
         process_group: the process group DDP uses (default: the default group).
+        controller: the quality controller, as for ``DistributedOptimizer`` (``"auto"``,
+            ``"off"`` or a :class:`~mergecomp.DriftController`).
         optimizer: the optimizer that will step on the averaged gradients, if known now:
             checked as the wrapper checks its own (:meth:`check_optimizer`).  It is not kept
             (the state pickles without it); frameworks that build it later call
@@ -81,8 +84,11 @@ class HookState(SharedSurface):
                  sends: Optional[Sequence[str]] = None,
                  nonfinite: str = "skip",
                  process_group: Optional[Any] = None,
-                 optimizer: Optional[torch.optim.Optimizer] = None):
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 controller: Union[str, None, DriftController] = "auto"):
         check_nonfinite_policy(nonfinite)  # before anything is built
+        drift_meter(controller)  # a wrong value is refused before anything is built
+        self.controller_setting = controller
         if isinstance(communicator, Communicator):
             raise TypeError("HookState takes the communicator by name (e.g. 'allgather', with "
                             "communicator_options=...), so that the state can be pickled with a "
@@ -126,8 +132,12 @@ class HookState(SharedSurface):
         self.communicator = communicators.create(self.communicator_name, compressor=self.compressor,
                                                  memory=self.memory, backend=self.backend,
                                                  **self.communicator_options)
-        self.config = gate.config_digest(self.compressor, self.memory, self.communicator, self.sends, self.nonfinite)
+        meter = drift_meter(self.controller_setting)
+        steering = [repr(meter.controller)] if self.controller_setting != "auto" else []
+        self.config = gate.config_digest(self.compressor, self.memory, self.communicator, self.sends, self.nonfinite,
+                                         *steering)  # the default keeps older configurations' digests
         self.lifecycle = StepLifecycle(self.communicator, self.backend, self.facts, self.nonfinite)
+        self.lifecycle.meter = meter
         self._registration_checked = False
         #: Whether per-bucket state can move to DDP's rebuilt buckets; a parameter server's
         #: shard residuals cannot (servers hold them), nor can state without parameter names:
@@ -400,7 +410,7 @@ class HookState(SharedSurface):
         the state, not the process group; unpickling reconnects to the default group."""
         kept = {k: v for k, v in self.__dict__.items()
                 if k in ("compressor", "memory", "communicator_name", "communicator_options", "sends",
-                         "nonfinite", "layouts", "loaded", "_dtypes")}
+                         "nonfinite", "layouts", "loaded", "_dtypes", "controller_setting")}
         kept["lifecycle"] = self.lifecycle.state_dict()
         kept["state"] = checkpoint.seal(self.communicator.state_dict())
         kept["names"] = None  # ids of parameters mean nothing in another process
@@ -414,6 +424,7 @@ class HookState(SharedSurface):
         for older in ("lifecycle", "steps", "epoch", "skipped_steps"):
             kept.pop(older, None)
         kept.setdefault("_dtypes", set())
+        kept.setdefault("controller_setting", "auto")
         where = "the pickled HookState"
         checkpoint.verify(state, "compression state", None, where=where)
         checkpoint.check_finite(state, "compression state", None, {}, "communicator", where=where)

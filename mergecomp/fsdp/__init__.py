@@ -41,6 +41,7 @@ from ..compressors import create as create_compressor
 from ..compressors.base import Compressor
 from ..memories.base import Memory
 from ..runtime import gate
+from ..runtime.drift import drift_meter
 from ..runtime.step import check_nonfinite_policy
 from .mesh import node_mesh
 from .replica import ReplicaAllReduce, is_hsdp, take_over
@@ -57,7 +58,8 @@ __all__ = ["register", "node_mesh", "CompressedReduceScatter", "ReplicaAllReduce
 
 def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk",
              memory: Union[str, Memory] = "auto", nonfinite: str = "skip", *,
-             optimizer: Optional[torch.optim.Optimizer] = None, **options: Any) -> FSDPCompression:
+             optimizer: Optional[torch.optim.Optimizer] = None, controller="auto",
+             **options: Any) -> FSDPCompression:
     """Compress the gradient exchange of every FSDP2 unit in ``model``.
 
     Call it after ``fully_shard`` (on the layers, then the root) and before training.
@@ -70,6 +72,8 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     on the model, vetted as the wrapper vets its own: a memory that takes SGD's momentum over
     (top-k's, DGC's) applies it before the exchange, a component that owns the momentum
     refuses one with its own, and a setting that contradicts the compressor's recipe warns.
+    ``controller``: the quality controller, as for ``DistributedOptimizer`` (``"auto"``,
+    ``"off"`` or a :class:`~mergecomp.DriftController`).
     """
     units = fsdp_units(model)
     for name, module in units:
@@ -78,6 +82,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
                                "mergecomp.fsdp.register once per model (its returned state holds the "
                                "compression for every unit)")
     nonfinite = check_nonfinite_policy(nonfinite)
+    meter = drift_meter(controller)
     if isinstance(compressor, str):
         compressor = create_compressor(compressor, **options)
     elif options:
@@ -97,7 +102,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     # preflight that they agree on the configuration and the units.
     world = TorchDistributedBackend()
     layout = [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]
-    config = f"{compressor!r} {memory!r} hsdp={hsdp}"
+    config = f"{compressor!r} {memory!r} hsdp={hsdp}" + ("" if controller == "auto" else f" {meter.controller!r}")
     if hsdp:
         meshes = {index: take_over(name, group) for index, name, _, group in groups}
         replicate = meshes[groups[0][0]][1]
@@ -109,6 +114,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
                                            {f"group{index}": shape for index, shape in shapes.items()})
     backward = BackwardStep(model, communicator, world, nonfinite, {"config": config, "layout": layout},
                             "allreduce" if hsdp else "reduce_scatter")
+    backward.lifecycle.meter = meter
     installed: Dict[str, Any] = {}
     for index, name, module, group in groups:
         if hsdp:

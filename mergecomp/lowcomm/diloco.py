@@ -53,6 +53,7 @@ from ..distributed.backends import Backend, default_backend
 from ..memories.base import Memory, check_number
 from ..momentum import optimizer_momentum
 from ..runtime import gate
+from ..runtime.drift import DriftController, drift_meter
 from ..runtime.step import SharedSurface, StepLifecycle, check_nonfinite_policy
 from .fragments import Fragment, SyncSchedule, fragment_cuts, parameter_changes
 
@@ -129,6 +130,9 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
         overlap: inner steps an exchange runs behind (0: finished in the step that launched it).
         mix: weight of the local weights when a fragment takes its new anchor; default 0
             without overlap, 0.5 with it (the paper's).
+        controller: the quality controller on the compressed outer exchange, as for
+            ``DistributedOptimizer`` (``"auto"``, ``"off"`` or a :class:`~mergecomp.DriftController`);
+            it measures and steers every exchange (``every`` counts exchanges, not inner steps).
         nonfinite: a pseudo-gradient with NaN/Inf on any rank: ``"skip"`` (the outer step is
             dropped on every rank: anchor, outer momentum, compressor and memory state stay as
             they were, and every fragment's local weights go back to its anchor), ``"raise"``
@@ -152,7 +156,8 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
                  compressor: Union[str, Compressor] = "none", memory: Union[None, str, Memory] = "auto",
                  communicator: Union[None, str, Communicator] = "auto",
                  fragments: int = 1, overlap: int = 0, mix: Optional[float] = None,
-                 nonfinite: str = "skip", backend: Optional[Backend] = None):
+                 nonfinite: str = "skip", controller: Union[str, None, DriftController] = "auto",
+                 backend: Optional[Backend] = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer (the inner optimizer), "
                             f"got {type(optimizer).__name__}")
@@ -175,6 +180,7 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
                                 "anchor)", 0.0, 1.0, high_open=True, advice="0 replaces them; the streaming "
                                 "paper uses 0.5 with overlap.")
         self.nonfinite = check_nonfinite_policy(nonfinite)
+        meter = drift_meter(controller)
         if outer_optimizer is None:
             _warn_if_heavy_ball(optimizer, outer_momentum)
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -195,14 +201,16 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
         outer = "default" if outer_optimizer is None else _describe(outer_optimizer)
         self.config = gate.config_digest(self.compressor, self.memory, self.communicator, self.schedule,
                                          outer_lr, outer_momentum, nesterov, self.mix, nonfinite,
-                                         *([outer] if outer_optimizer is not None else []))
+                                         *([outer] if outer_optimizer is not None else []),
+                                         *([repr(meter.controller)] if controller != "auto" else []))
         gate.check_same_parameters(self.backend, params)
         gate.check_ranks_agree(self.backend, "on the model or the DiLoCo configuration at construction", {
             "compressor": repr(self.compressor), "memory": repr(self.memory),
             "communicator": repr(self.communicator), "sync_every": self.schedule.sync_every,
             "fragments": self.schedule.fragments, "overlap": self.schedule.overlap,
             "outer_optimizer": outer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-            "nesterov": nesterov, "mix": self.mix, "nonfinite": nonfinite, "config": self.config})
+            "nesterov": nesterov, "mix": self.mix, "nonfinite": nonfinite,
+            "controller": repr(meter.controller), "config": self.config})
         gate.start_from_rank0(self.backend, params, model)
         cuts = [0] + fragment_cuts([p.numel() for _, p in params], fragments) + [len(params)]
         self.fragments = [Fragment(f, params[a:b]) for f, (a, b) in enumerate(zip(cuts, cuts[1:]))]
@@ -211,6 +219,7 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
         for fragment in self.fragments:
             fragment.outer = self.outer_optimizer
         self.lifecycle = StepLifecycle(self.communicator, self.backend, self._facts, nonfinite)
+        self.lifecycle.meter = meter
         self.lifecycle.dropped_means = ("the outer step was not applied: anchor, outer momentum, compressor and "
                                         "memory state are as before, every fragment's weights are back at its anchor")
         self.inner_steps = 0

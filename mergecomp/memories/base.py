@@ -18,8 +18,10 @@ from typing import Any, Dict
 
 import torch
 
+from ..compressors.base import DriftTerms
 
-class Memory:
+
+class Memory(DriftTerms):
     """Base class of error-feedback memories; the default does nothing."""
 
     name = "memory"

@@ -129,6 +129,7 @@ class DGCMemory(Memory):
         momentum, velocity = momentum_correction(tensor, momentum, velocity, self.momentum, self.nesterov,
                                                  new_u, new_v, scale)
         self.momenta[name], self.velocities[name] = momentum, velocity
+        self._note_incoming(name, momentum)
         return velocity
 
     def update(self, tensor, name, compressor, payload, ctx):
@@ -141,12 +142,14 @@ class DGCMemory(Memory):
             # from zero and the momentum is not masked, so a group sent uncompressed trains
             # with plain momentum SGD, as DGC treats uncompressed layers.
             self.velocities[name] = torch.zeros_like(velocity)
+            self._note_held(name)
             return
         flat_v, flat_u = velocity.reshape(-1), momentum.reshape(-1)
         if compressor.dense:
             # A 16-bit cast went out: the velocity keeps only its rounding error.
             sent = compressor.decompress(payload, ctx).reshape(-1).to(flat_v.dtype)
             self.velocities[name] = (flat_v - sent).view_as(velocity)
+            self._note_held(name, self.velocities[name])
             return
         # Zeroed in place when this step's compensate() made both tensors (they are pending,
         # so a rollback never sees them) and no payload tensor shares their memory (it may
@@ -176,6 +179,7 @@ class DGCMemory(Memory):
                     flat_u = flat_u.masked_fill(mask, 0)
         self.velocities[name] = flat_v.view_as(velocity)
         self.momenta[name] = flat_u.view_as(momentum)
+        self._note_held(name, flat_v)
 
     def commit(self):
         self._spares.recycle_commit(self.momenta, "u/")

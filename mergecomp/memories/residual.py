@@ -124,6 +124,7 @@ class ResidualMemory(Memory):
             self._spare(self._spares, name, tensor), scale)
         self.momenta[name] = momentum
         self._made[name] = compensated
+        self._note_incoming(name, momentum)
         return compensated
 
     def _with_momentum(self, tensor, name):
@@ -145,6 +146,7 @@ class ResidualMemory(Memory):
             tensor = clip_local(tensor, self.clip_norm)
         if self.sgd_momentum > 0.0:
             tensor = self._with_momentum(tensor, name)
+        self._note_incoming(name, tensor)
         residual = checked_state(self.residuals, name, tensor, "residual")
         if residual is None:
             self._made.pop(name, None)
@@ -162,6 +164,7 @@ class ResidualMemory(Memory):
         made = self._made.pop(name, None)
         if compressor.lossless:  # everything was sent exactly: nothing to carry
             self.residuals.pop(name, None)
+            self._note_held(name)
             return
         if made is tensor and not shares_memory(payload, (tensor,)):
             residual = tensor  # made by compensate() this step, sent already: it becomes the residual
@@ -170,6 +173,7 @@ class ResidualMemory(Memory):
             residual = tensor.clone() if spare is None else spare.copy_(tensor)
         subtract_sent(residual, compressor, payload, ctx)
         self.residuals[name] = residual
+        self._note_held(name, residual)
 
     def commit(self):
         self._made.clear()

@@ -33,6 +33,7 @@ class Residual16Memory(Memory):
         self.residuals = StagedDict()
 
     def compensate(self, tensor, name):
+        self._note_incoming(name, tensor)
         residual = self.residuals.get(name)
         if residual is None:
             return tensor
@@ -44,10 +45,12 @@ class Residual16Memory(Memory):
     def update(self, tensor, name, compressor, payload, ctx):
         if compressor.lossless:  # everything was sent exactly: nothing to carry
             self.residuals.pop(name, None)
+            self._note_held(name)
             return
         residual = tensor.clone()
         subtract_sent(residual, compressor, payload, ctx)
         self.residuals[name] = residual.reshape(-1).to(self._storage)
+        self._note_held(name, self.residuals[name])
 
     def commit(self):
         self.residuals.commit()

@@ -80,6 +80,8 @@ class StepOutcome:
     averaged_nonfinite: bool
     active_ranks: int
     used: Optional[torch.Tensor] = None
+    #: The sums over ranks of the ``extra`` numbers each rank added (the drift's terms).
+    extra: Optional[torch.Tensor] = None
 
     @property
     def finite(self) -> bool:
@@ -120,14 +122,17 @@ class StepAgreement:
 
     # -- after the exchange ------------------------------------------------------------------
     def outcome(self, local_nonfinite: Optional[torch.Tensor], averaged_nonfinite: Optional[torch.Tensor],
-                active: bool, used: Optional[torch.Tensor] = None) -> StepOutcome:
+                active: bool, used: Optional[torch.Tensor] = None,
+                extra: Optional[torch.Tensor] = None) -> StepOutcome:
         """Allreduce this rank's flags (0-d bool tensors or None) and return the common outcome.
 
         ``used`` (one entry per parameter, 1 where this rank has a gradient) comes back as
-        the number of ranks that used each parameter.
+        the number of ranks that used each parameter; ``extra`` (numbers every rank adds, as
+        many on each: the drift's terms) comes back summed over ranks.
         """
         size, rank = self.backend.size, self.backend.rank
-        flags = torch.zeros(size + 2 + (0 if used is None else used.numel()),
+        mapped = 0 if used is None else used.numel()
+        flags = torch.zeros(size + 2 + mapped + (0 if extra is None else extra.numel()),
                             dtype=torch.float32, device=self.device)
         if local_nonfinite is not None:
             flags[rank] = local_nonfinite.to(device=self.device, dtype=torch.float32)
@@ -135,12 +140,15 @@ class StepAgreement:
             flags[size] = averaged_nonfinite.to(device=self.device, dtype=torch.float32)
         flags[size + 1] = 1.0 if active else 0.0
         if used is not None:
-            flags[size + 2:] = used.to(device=self.device, dtype=torch.float32)
+            flags[size + 2:size + 2 + mapped] = used.to(device=self.device, dtype=torch.float32)
+        if extra is not None:
+            flags[size + 2 + mapped:] = extra.to(device=self.device, dtype=torch.float32)
         (summed,) = self.backend.allreduce_async([flags]).wait()
         head = summed[:size + 2].tolist()
         return StepOutcome(bad_ranks=[r for r in range(size) if head[r] > 0],
                            averaged_nonfinite=head[size] > 0, active_ranks=int(round(head[size + 1])),
-                           used=summed[size + 2:] if used is not None else None)
+                           used=summed[size + 2:size + 2 + mapped] if used is not None else None,
+                           extra=summed[size + 2 + mapped:] if extra is not None else None)
 
 
 def agreement_nbytes(world_size: int, parameters_mapped: int = 0) -> int:

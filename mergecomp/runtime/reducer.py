@@ -41,7 +41,8 @@ from ..distributed.backends import Backend
 from ..distributed.backends.expect import STRING
 from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
-from ..plan import Group, ParamInfo, Plan
+from ..plan import Group, ParamInfo, Plan, is_compressed
+from .drift import ClipWatch
 from .plans import PlanHolder
 from .step import InFlight, Listeners, SharedSurface, StepLifecycle
 from ..schedulers.base import Scheduler
@@ -166,6 +167,8 @@ class Reducer(SharedSurface, PlanHolder):
         #: Seconds the last synchronisation took (finishing groups, outcome, write-back).
         self.last_sync_time = 0.0
         self.ready_listeners = Listeners()
+        #: Notices a loop that clips the averages after the exchange (see DistributedOptimizer.step).
+        self.clip_watch = ClipWatch()
         if plan is not None:
             self.install_plan(plan, check_ranks=True)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
@@ -218,6 +221,8 @@ class Reducer(SharedSurface, PlanHolder):
             if len(kinds) > 1:
                 raise ValueError(f"plan group {group.index} mixes dtypes/devices {sorted(kinds)}; "
                                  "a fused buffer needs one of each")
+        if self.plan is not None and self.lifecycle.meter is not None:
+            self.lifecycle.meter.regrouped(self.communicator.compressor)
         self.plan, self.groups = plan, groups
         self._plan_digest = plan.digest()  # what ranks agree on each step: computed once per plan
         # A sliced parameter is in several groups: its gradient completes a piece of each.
@@ -345,6 +350,10 @@ class Reducer(SharedSurface, PlanHolder):
         self.synchronized = True
         self._awaiting_step = True
         self.last_outcome = outcome
+        reading = self.lifecycle.drift
+        if outcome.finite and reading is not None and reading.step == self.lifecycle.settled_step:
+            # a measured step: what the loop does to the averages before step() is watched
+            self.clip_watch.note([g.buffer for g in self.groups if g.buffer is not None and is_compressed(g.send)])
         self.last_sync_time = time.perf_counter() - started
         # Last, once the step is closed: a caller that catches a NonFiniteGradient can
         # zero_grad() and go on, as after a warning.

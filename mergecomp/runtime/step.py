@@ -46,6 +46,7 @@ from ..distributed.backends.base import Backend
 from ..communicators.base import Communicator, Handle
 from ..compressors.base import GroupLayout
 from ..plan import is_compressed, send_communicator
+from .drift import DriftMeter
 from .sendmodes import SendModeState, check_communicator_options
 
 #: What a non-finite step does: skip it on every rank (default), raise, or go unchecked.
@@ -156,6 +157,9 @@ class StepLifecycle(SendModeState):
         self.steps = 0
         #: The epoch :meth:`set_epoch` set, None before (part of the preflight's facts).
         self.epoch: Optional[int] = None
+        #: Measures how far the exchange lags dense (:mod:`mergecomp.runtime.drift`), when set.
+        self.meter: Optional[DriftMeter] = None
+        self._measuring = False
         self.phase_listeners = Listeners()
         self.step_listeners = Listeners()
         self._step: Optional[int] = None  # the step begun, until its end
@@ -207,6 +211,8 @@ class StepLifecycle(SendModeState):
             self.agreement = StepAgreement(self.backend, device)
         self._step = step
         self.backend.mark_step(step)
+        self._measuring = self.meter is not None and self.meter.start(
+            self.steps, self.communicator.compressor, self.communicator.memory)
         self._preflight = self.agreement.preflight(self.facts())
 
     def facts(self) -> Dict[str, Any]:
@@ -268,7 +274,10 @@ class StepLifecycle(SendModeState):
         try:
             self.check_preflight()  # a step with no groups launched none
             averages = [self._finish(flight) if flight.average is None else flight.average for flight in flights]
-            outcome = self._outcome(flights, averages, active, used, joining)
+            names, terms = self.meter.terms(flights) if self._measuring else ([], None)
+            outcome = self._outcome(flights, averages, active, used, joining, terms)
+            if outcome.extra is not None and outcome.finite:
+                self.meter.read(step, names, outcome.extra)
             self._keep_or_forget(outcome)
             if not outcome.finite:
                 self.skipped_steps += 1
@@ -280,6 +289,16 @@ class StepLifecycle(SendModeState):
             self.discard_step()
         self._settled = (step, outcome)
         return outcome
+
+    @property
+    def settled_step(self) -> Optional[int]:
+        """The step :meth:`end_step` settled last, until :meth:`close_step` (else None)."""
+        return self._settled[0] if self._settled is not None else None
+
+    @property
+    def drift(self):
+        """The latest :class:`~mergecomp.runtime.drift.DriftReading` (None: not measured yet)."""
+        return self.meter.reading if self.meter is not None else None
 
     def close_step(self) -> None:
         """The step listeners, then the policy's message for a dropped step: a warning
@@ -303,6 +322,9 @@ class StepLifecycle(SendModeState):
         self._step = None
         self._preflight = None
         self._flights = []
+        if self._measuring:
+            self.meter.stop()
+            self._measuring = False
 
     def abort(self) -> None:
         """An error inside the step: every communicator rolls back what the step staged in
@@ -329,16 +351,23 @@ class StepLifecycle(SendModeState):
                 component.set_epoch(epoch)
 
     def state_dict(self) -> Dict[str, Any]:
-        """The lifecycle's own counters: the step count, the dropped steps, the epoch."""
-        return {"steps": self.steps, "skipped_steps": self.skipped_steps, "epoch": self.epoch}
+        """The lifecycle's own state: the step count, the dropped steps, the epoch, and the
+        drift controller's (its scales, its budget spent)."""
+        state = {"steps": self.steps, "skipped_steps": self.skipped_steps, "epoch": self.epoch}
+        if self.meter is not None and self.meter.controller is not None:
+            state["controller"] = self.meter.controller.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the counters of a checkpoint (between steps); the epoch reaches the
-        components again."""
+        """Continue the state of a checkpoint (between steps); the epoch and the controller's
+        scales reach the components again."""
         self.steps = int(state.get("steps", 0) or 0)
         self.skipped_steps = int(state.get("skipped_steps", 0) or 0)
         if state.get("epoch") is not None:
             self.set_epoch(int(state["epoch"]))
+        if self.meter is not None and self.meter.controller is not None and "controller" in state:
+            self.meter.controller.load_state_dict(state["controller"])
+            self.meter.apply(self.communicator.compressor)
 
     @property
     def rank(self) -> int:
@@ -369,20 +398,21 @@ class StepLifecycle(SendModeState):
         return average
 
     def _outcome(self, flights: List[InFlight], averages: List[torch.Tensor], active: bool,
-                 used: Optional[torch.Tensor], joining: bool) -> StepOutcome:
-        """One small allreduce: non-finite flags, ranks still training, the used-map; none at
-        all with ``nonfinite="off"`` when neither ``join`` nor the used-map needs it."""
+                 used: Optional[torch.Tensor], joining: bool, terms: Optional[torch.Tensor]) -> StepOutcome:
+        """One small allreduce: non-finite flags, ranks still training, the used-map, the
+        drift's terms on a measured step; none at all with ``nonfinite="off"`` when neither
+        ``join``, the used-map nor a measurement needs it."""
         if self.nonfinite == "off":
-            if used is None and not joining:
+            if used is None and not joining and terms is None:
                 return StepOutcome([], False, self.backend.size if active else 0)
-            return self.agreement.outcome(None, None, active, used)
+            return self.agreement.outcome(None, None, active, used, terms)
         local = [f.local_nonfinite for f in flights if f.local_nonfinite is not None]
         local_flag = torch.stack(local).any() if local else None
         # Each communicator checks what it received (a sparse allgather: the k·N received
         # coordinates, not the whole sum).
         averaged_flag = torch.stack([f.communicator.nonfinite_flag(f.handle, a) for f, a in zip(flights, averages)]
                                     ).any() if averages else None
-        return self.agreement.outcome(local_flag, averaged_flag, active, used)
+        return self.agreement.outcome(local_flag, averaged_flag, active, used, terms)
 
     def _keep_or_forget(self, outcome: StepOutcome) -> None:
         """Commit what the step wrote into compressor and memory state, or roll it back, in
@@ -448,6 +478,17 @@ class SharedSurface:
     def skipped_steps(self) -> int:
         """Steps dropped on every rank because a gradient was NaN or Inf."""
         return self.lifecycle.skipped_steps
+
+    @property
+    def drift(self):
+        """The latest measurement of how far the compressed exchange lags dense
+        (:class:`~mergecomp.runtime.drift.DriftReading`; None before the first)."""
+        return self.lifecycle.drift
+
+    @property
+    def controller(self):
+        """The quality controller steering each group's density (None when it is off)."""
+        return self.lifecycle.meter.controller if self.lifecycle.meter is not None else None
 
     def communicators(self) -> List[Communicator]:
         """Every communicator this entry point sends with (compressed first)."""

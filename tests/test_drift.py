@@ -1,0 +1,270 @@
+"""The drift measure and the quality controller: the lag is what the memories hold against
+the update flowing in, the same on every rank; the controller raises and lowers groups within
+its budget, identically everywhere, and resumes exactly; a measured lag with nothing steering
+it, and a loop that clips after the exchange against the recipe, are told once."""
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mergecomp
+from mergecomp.runtime import drift
+from mergecomp.runtime.drift import DriftController, DriftReading
+
+from .distributed import run_ranks
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.randn(32, 16, generator=g)
+    return x, x[:, :4].sin()
+
+
+def _step(model, optimizer, rank, step, clip=None):
+    x, y = _batch(rank, step)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+
+
+# -- the measure -------------------------------------------------------------------------------
+def _measured(rank, world_size):
+    """Plain residual memory, SGD without momentum: the incoming update is the gradient."""
+    model = _model()
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                               compressor=mergecomp.compressors.create("topk", compress_ratio=0.05),
+                                               memory="residual", schedule=1, controller="off")
+    for step in range(10):
+        _step(model, optimizer, rank, step)
+    # step 10 is measured (every 10 steps): take the gradient and the residual it leaves by hand
+    memory = optimizer.communicator.memory
+    x, y = _batch(rank, 10)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    # the hook has run: the gradient this rank sent is gone into the exchange, so recompute it
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # the average, after backward
+    residual = memory.residuals["group0"].clone()
+    optimizer.step()
+    return optimizer.drift, float(residual.square().sum()), optimizer.steps
+
+
+def test_the_lag_is_the_residual_against_the_gradient_flowing_in_the_same_on_every_rank():
+    (reading0, held0, steps), (reading1, held1, _) = run_ranks(_measured, 2)
+    assert steps == 11
+    assert reading0 == reading1 and reading0.step == 10
+    assert set(reading0.groups) == {"group0"} and reading0.lag == pytest.approx(reading0.groups["group0"])
+    # Σ over ranks of ‖e‖² over Σ of ‖g‖²: with what each rank held, the lag fixes Σ‖g‖²
+    assert reading0.lag > 0 and math.isfinite(reading0.lag)
+    incoming = (held0 + held1) / reading0.lag ** 2
+    assert incoming > 0
+
+
+def test_lags_from_the_sums_over_ranks():
+    whole, groups = drift.lags(["a", "b"], torch.tensor([9.0, 1.0, 0.0, 3.0]))
+    assert groups == {"a": pytest.approx(3.0), "b": 0.0}
+    assert whole == pytest.approx(math.sqrt(9.0 / 4.0))
+    _, held_nothing = drift.lags(["c"], torch.tensor([0.0, 0.0]))
+    assert held_nothing == {"c": 0.0}
+
+
+# -- the controller, alone -------------------------------------------------------------------
+def _reading(step, **lags):
+    return DriftReading(step, max(lags.values()), dict(lags))
+
+
+def test_the_controller_doubles_a_lagging_group_and_halves_a_calm_one_after_its_patience():
+    controller = DriftController(raise_above=2.0, lower_below=0.5, byte_budget=4.0, patience=2, horizon=1000)
+    weights = {"group0": 100.0, "group1": 100.0}
+    assert controller.decide(_reading(0, group0=5.0, group1=1.0), weights, 10) == {"group0": 2.0}
+    assert controller.decide(_reading(10, group0=5.0, group1=1.0), weights, 10) == {"group0": 4.0}
+    assert controller.decide(_reading(20, group0=0.1, group1=1.0), weights, 10) == {}
+    assert controller.decide(_reading(30, group0=0.1, group1=1.0), weights, 10) == {"group0": 2.0}
+    assert controller.scales == {"group0": 2.0}
+    assert [scales for _, scales in controller.history] == [{"group0": 2.0}, {"group0": 4.0}, {"group0": 2.0}]
+
+
+def test_the_controller_never_spends_beyond_its_budget():
+    controller = DriftController(raise_above=1.0, lower_below=0.1, byte_budget=2.0, max_scale=16.0, front=3)
+    weights = {"group0": 1.0}
+    for step in range(0, 2000, 10):
+        controller.decide(_reading(step, group0=50.0), weights, 10)
+        rate = controller.scales.get("group0", 1.0)
+        credit = (controller.byte_budget - 1.0) * controller.front * 10
+        assert controller.spent + 10 * rate <= controller.byte_budget * (controller.base + 10) + credit + 1e-9
+    assert 1.0 < controller.bytes_ratio <= 2.0 + 1e-9  # it spent what it may, and no more
+    assert max(controller.scales.values()) <= 16.0
+
+
+def test_the_controller_state_round_trips():
+    controller = DriftController(raise_above=2.0, horizon=100)
+    controller.decide(_reading(0, group0=9.0), {"group0": 1.0}, 10)
+    again = DriftController(raise_above=2.0, horizon=100)
+    again.load_state_dict(controller.state_dict())
+    assert again.state_dict() == controller.state_dict()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(raise_above=1.0, lower_below=2.0), "lower_below"),
+    (dict(byte_budget=0.5), "byte_budget must be a finite number ≥ 1"),
+    (dict(patience=0), "patience must be a whole number ≥ 1"),
+    (dict(horizon=-1), "horizon must be the run's steps"),
+])
+def test_bad_controller_settings_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DriftController(**kwargs)
+
+
+def test_an_unknown_controller_setting_is_refused():
+    with pytest.raises(TypeError, match="controller must be 'auto'"):
+        drift.drift_meter("sometimes")
+
+
+# -- the controller, in a run --------------------------------------------------------------------
+def _steered(rank, world_size, compressor, steps):
+    model = _model()
+    controller = DriftController(raise_above=0.2, lower_below=0.01, byte_budget=3.0, horizon=steps, every=5)
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                               model=model, compressor=compressor, schedule=2,
+                                               controller=controller)
+    sent = []
+    for step in range(steps):
+        before = optimizer.backend.bytes_sent
+        _step(model, optimizer, rank, step)
+        sent.append(optimizer.backend.bytes_sent - before)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return dict(controller.scales), sent, weights, controller.bytes_ratio
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd"])
+def test_the_controller_raises_lagging_groups_alike_on_every_rank(name):
+    (scales0, sent0, weights0, ratio0), (scales1, _, weights1, _) = run_ranks(_steered, 2, name, 30)
+    assert scales0 == scales1 and scales0, "nothing was raised"
+    assert torch.equal(weights0, weights1)
+    assert 1.0 < ratio0 <= 3.0 + 1e-9
+    assert max(sent0[20:]) > sent0[2]  # a raised group sends more
+
+
+def _resumed(rank, world_size, folder):
+    def build():
+        model = _model()
+        return model, mergecomp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model, compressor="topk",
+            schedule=2, controller=DriftController(raise_above=0.2, byte_budget=3.0, horizon=40, every=5))
+
+    model, optimizer = build()
+    for step in range(40):
+        _step(model, optimizer, rank, step)
+    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    model, optimizer = build()
+    for step in range(20):
+        _step(model, optimizer, rank, step)
+    path = f"{folder}/ckpt.rank{rank}.pt"
+    mergecomp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    model, optimizer = build()
+    saved = mergecomp.load(path)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scales = dict(optimizer.controller.scales)
+    for step in range(20, 40):
+        _step(model, optimizer, rank, step)
+    resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return straight, resumed, scales, dict(optimizer.compressor.__dict__.get("_group_scales", {}))
+
+
+def test_a_resumed_run_steers_and_trains_bit_for_bit_as_one_that_never_stopped(tmp_path):
+    for straight, resumed, scales, _ in run_ranks(_resumed, 2, str(tmp_path)):
+        assert scales, "the checkpoint kept no scale"
+        assert torch.equal(straight, resumed)
+
+
+# -- what is told --------------------------------------------------------------------------------
+def _unsteered(rank, world_size):
+    drift.WARN_ABOVE = 0.05  # this process only: a lag any top-k run passes
+    model = _model()
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                               compressor=mergecomp.compressors.create("topk", compress_ratio=0.01),
+                                               controller="off")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(60):
+            _step(model, optimizer, rank, step)
+    return [str(w.message) for w in caught if "holds back" in str(w.message)]
+
+
+def test_a_lag_nothing_steers_is_told_once_on_rank_0():
+    said0, said1 = run_ranks(_unsteered, 2)
+    assert len(said0) == 1 and said1 == []
+    assert "the quality controller is off" in said0[0] and "controller='auto'" in said0[0]
+
+
+def _clipped_after(rank, world_size, how):
+    model = _model()
+    memory = (mergecomp.memories.create("residual", momentum="optimizer", clip_norm=0.5) if how == "local"
+              else "auto")
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                               model=model, compressor="topk", memory=memory, schedule=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(25):
+            x, y = _batch(rank, step)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if how in ("after", "local"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            elif how == "unscale":  # what GradScaler's unscale does: a power of two
+                for p in model.parameters():
+                    p.grad.mul_(2.0 ** -8)
+            optimizer.step()
+    return [str(w.message) for w in caught if "clips (or rescales)" in str(w.message)]
+
+
+@pytest.mark.parametrize("how, told", [("after", True), ("local", False), ("unscale", False), ("none", False)])
+def test_clipping_after_the_exchange_against_the_recipe_is_told_once(how, told):
+    said0, said1 = run_ranks(_clipped_after, 2, how)
+    assert said1 == []
+    assert len(said0) == (1 if told else 0), said0
+    if told:
+        assert "clip_norm=YOUR_CLIP / √ranks, momentum='optimizer'" in said0[0]
+
+
+# -- every entry point ---------------------------------------------------------------------------
+def _hook_reads(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+    model = DistributedDataParallel(_model())
+    state = mergecomp.ddp.register(model, compressor="topk",
+                                   controller=DriftController(raise_above=0.2, horizon=30, every=5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(30):
+        _step(model, optimizer, rank, step)
+    return state.drift, dict(state.controller.scales)
+
+
+def test_the_ddp_hook_measures_and_steers():
+    (reading0, scales0), (reading1, scales1) = run_ranks(_hook_reads, 2)
+    assert reading0 == reading1 and reading0 is not None and reading0.step == 25
+    assert scales0 == scales1 and scales0
+
+
+def _diloco_reads(rank, world_size):
+    model = _model(rank)
+    optimizer = mergecomp.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.05), model=model, sync_every=2,
+                                 outer_momentum=0.5, compressor="topk", memory="residual",
+                                 controller=DriftController(raise_above=0.05, horizon=20, every=2))
+    for step in range(40):
+        _step(model, optimizer, rank, step)
+    return optimizer.drift, dict(optimizer.controller.scales)
+
+
+def test_dilocos_compressed_exchange_is_measured_and_steered():
+    (reading0, scales0), (reading1, scales1) = run_ranks(_diloco_reads, 2)
+    assert reading0 == reading1 and reading0 is not None
+    assert scales0 == scales1 and scales0
