@@ -136,7 +136,10 @@ class DriftMeter:
         steering = self.controller is not None and getattr(compressor, "knob", None) is not None
         if steering:
             weights = {name: float(self._numels.get(name, 0)) for name in names}
-            for group, scale in self.controller.decide(self.reading, weights, self.every).items():
+            # the steps sent at the scales now in force: those since the last decision (the
+            # controller's count of steps, saved with it, so a resumed run counts the same)
+            since = max(1, step + 1 - int(self.controller.base))
+            for group, scale in self.controller.decide(self.reading, weights, since, self.every).items():
                 compressor.set_group_scale(group, scale)
         else:
             self._high = self._high + 1 if whole > WARN_ABOVE else 0
@@ -208,9 +211,9 @@ class DriftController:
         byte_budget: over the run, the compressed groups may send at most this many times
             the bytes of the configured setting (2: keep at least half of its saving).
         max_scale: the most a group's density (or rank) is multiplied by.
-        horizon: the run's length in steps, if known: the budget may then be spent early,
-            where the lag matters most; otherwise at most ``front`` measurements' worth of
-            it ahead of the run's pace.
+        horizon: the run's length in steps, if known: the whole budget may then be spent
+            early, where the lag matters most; otherwise that of the first ``front``
+            measurements (see :meth:`allowed`).
         front: see ``horizon``.
         every: steps between two measurements (and decisions).
 
@@ -250,14 +253,16 @@ class DriftController:
         #: (step, {group: scale}) after every decision that changed a scale.
         self.history: List[Tuple[int, Dict[str, float]]] = []
 
-    def decide(self, reading: DriftReading, weights: Mapping[str, float], steps: int) -> Dict[str, float]:
-        """The scales for the next steps from ``reading`` (every rank the same), ``weights``
-        (each group's share of the bytes at scale 1: its elements) and ``steps`` since the
-        last decision (the scales then in force sent that long).  Returns the groups whose
-        scale changed, with their new scale."""
+    def decide(self, reading: DriftReading, weights: Mapping[str, float], steps: int,
+               ahead: Optional[int] = None) -> Dict[str, float]:
+        """The scales for the next ``ahead`` steps (default ``steps``) from ``reading`` (every
+        rank the same), ``weights`` (each group's share of the bytes at scale 1: its
+        elements) and ``steps`` since the last decision (the scales then in force sent that
+        long).  Returns the groups whose scale changed, with their new scale."""
         total = sum(weights.values()) or 1.0
         self.spent += steps * sum(w * self.scales.get(g, 1.0) for g, w in weights.items()) / total
         self.base += steps
+        steps = ahead if ahead is not None else steps
         changed: Dict[str, float] = {}
         for group, lag in sorted(reading.groups.items(), key=lambda kv: -kv[1]):
             scale = self.scales.get(group, 1.0)
@@ -273,13 +278,13 @@ class DriftController:
                     self._calm[group] = 0
             else:
                 self._calm[group] = 0
-        for group in list(self.scales):  # over the budget: the calmest raised groups give back first
-            if not self._within(weights, total, steps, {**self.scales, **changed}):
-                calmest = min((g for g in {**self.scales, **changed} if {**self.scales, **changed}[g] > 1.0),
-                              key=lambda g: reading.groups.get(g, 0.0), default=None)
-                if calmest is None:
-                    break
-                changed[calmest] = max(1.0, {**self.scales, **changed}[calmest] / 2)
+        while not self._within(weights, total, steps, {**self.scales, **changed}):
+            # over the budget: the calmest raised group gives back first, half at a time
+            now = {**self.scales, **changed}
+            calmest = min((g for g in now if now[g] > 1.0), key=lambda g: reading.groups.get(g, 0.0), default=None)
+            if calmest is None:
+                break
+            changed[calmest] = max(1.0, now[calmest] / 2)
         for group, scale in changed.items():
             if scale == 1.0:
                 self.scales.pop(group, None)
@@ -292,11 +297,19 @@ class DriftController:
     def _affordable(self, weights, total, steps, group, wanted) -> bool:
         return self._within(weights, total, steps, {**self.scales, group: wanted})
 
+    def allowed(self, steps_so_far: float, every: int) -> float:
+        """The bytes-weighted steps the run may have sent after ``steps_so_far`` steps:
+        ``n + (byte_budget − 1) · max(H, n)`` with ``H`` the horizon (or ``front``
+        measurements).  Before ``H`` the whole extra of the first ``H`` steps may be spent
+        at once, where the lag is largest; from ``H`` on the run has sent at most
+        ``byte_budget`` times the configured setting's bytes."""
+        ahead = self.horizon if self.horizon is not None else self.front * every
+        return steps_so_far + (self.byte_budget - 1.0) * max(ahead, steps_so_far)
+
     def _within(self, weights, total, steps, scales) -> bool:
         """Whether sending at ``scales`` for the next ``steps`` keeps the run within budget."""
         rate = sum(w * scales.get(g, 1.0) for g, w in weights.items()) / total
-        credit = (self.byte_budget - 1.0) * (self.horizon if self.horizon is not None else self.front * steps)
-        return self.spent + steps * rate <= self.byte_budget * (self.base + steps) + credit
+        return self.spent + steps * rate <= self.allowed(self.base + steps, steps)
 
     @property
     def bytes_ratio(self) -> float:
