@@ -10,6 +10,8 @@
                                                    # (a language-model run: curves.png)
     .venv/bin/python benchmarks/plot.py benchmarks/results/<sweep>/summary.csv [--out DIR]
     .venv/bin/python benchmarks/plot.py benchmarks/results/<simulator rounds run>  # check.png
+    .venv/bin/python benchmarks/plot.py drift <convergence run> [--runs LABEL LABEL]  # drift.png
+                                                   # and controller.png (benchmarks/harness/drift_plots.py)
 
 A headline run's folder (``benchmarks/headline.py``'s JSON, one per model, link and worker
 count) gives ``headline.png``: per link, one group of bars per model, mergecomp's speed
@@ -652,14 +654,34 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
     return render(path, out or os.path.dirname(os.path.abspath(path)))
 
 
+def render_drift_figures(folder: str, out: Optional[str] = None, runs=None) -> List[str]:
+    """``drift.png``, and ``controller.png`` where a run recorded the controller's decisions."""
+    from benchmarks.harness import drift_plots
+    paths = [drift_plots.render_drift(folder, out)]
+    try:
+        paths.append(drift_plots.render_controller(folder, out, runs))
+    except ValueError as error:
+        if runs:  # asked for by name: say why not
+            raise
+        print(f"no controller.png: {error}", file=sys.stderr)
+    return paths
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="'results', a headline or convergence run's folder, or a summary.csv "
                                   "written by benchmarks/sweep.py")
+    p.add_argument("folder", nargs="?", help="with 'drift': the convergence run's folder")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: beside the data)")
+    p.add_argument("--runs", nargs="+", default=None, metavar="LABEL",
+                   help="with 'drift': the runs whose controller decisions controller.png shows")
     args = p.parse_args(argv)
+    if (args.source == "drift") != (args.folder is not None) or (args.runs and args.source != "drift"):
+        p.error("'drift' takes one convergence run's folder (plot.py drift DIR [--runs A B]); "
+                "every other source stands alone")
     try:
-        paths = render_any(args.source, args.out)
+        paths = render_drift_figures(args.folder, args.out, args.runs) if args.source == "drift" \
+            else render_any(args.source, args.out)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,175 @@
+"""Figures of the drift and the quality controller from a convergence run's ``convergence.json``.
+
+    python benchmarks/plot.py drift RESULTS_DIR [--runs LABEL LABEL]
+
+- ``drift.png``: one row per compressor: its validation loss against steps beside dense's
+  (left), and what the exchange held back (the drift, in steps' worth of gradient) with the
+  controller's density scale (right) over the same steps: whether the loss gap opens where
+  the drift rises, and whether the controller answered.
+- ``controller.png``: the controller's decisions over time for two runs (by default the two
+  with the most decisions; ``--runs`` names them): each group's density multiplier, step by
+  step, as the controller set it.
+
+The drift comes from each run's ``drift_trace`` (the step log's measurement rows), or, for a
+run without one, from the readings stored at its evaluations; seeds are averaged step by
+step where they share steps.  A run made by a mergecomp without the drift measure has
+neither: the figure says so instead of drawing empty axes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Dict, List, Optional, Sequence, Tuple
+
+DENSE = "none"
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: str) -> str:
+    """Without the date matplotlib would write in, so the same data gives the same bytes."""
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    _pyplot().close(fig)
+    return path
+
+
+def read(folder: str) -> dict:
+    path = os.path.join(folder, "convergence.json")
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as error:
+        raise ValueError(f"cannot read {path}: {error.strerror}; pass a folder written by "
+                         f"benchmarks/convergence.py --out") from None
+    if not isinstance(result, dict) or "runs" not in result:
+        raise ValueError(f"{path} has no 'runs': it is no result of benchmarks/convergence.py")
+    return result
+
+
+def _by_label(result: dict) -> Dict[str, List[dict]]:
+    runs: Dict[str, List[dict]] = {}
+    for run in result["runs"]:
+        runs.setdefault(run["label"], []).append(run)
+    return runs
+
+
+def _mean_by_step(series: Sequence[Sequence[Tuple[int, float]]]) -> Tuple[List[int], List[float]]:
+    """Steps every series has, and the mean of the series' values there."""
+    if not series:
+        return [], []
+    common = set.intersection(*(set(step for step, _ in s) for s in series))
+    steps = sorted(common)
+    values = [statistics.fmean(dict(s)[step] for s in series) for step in steps]
+    return steps, values
+
+
+def _lm_curve(run: dict) -> bool:
+    """Whether the run's curve is a language model's (points with a step and a validation
+    loss) rather than the digits' accuracies per epoch."""
+    return bool(run.get("curve")) and isinstance(run["curve"][0], dict)
+
+
+def drift_series(run: dict, key: str = "drift") -> List[Tuple[int, float]]:
+    """(step, value) of ``key`` (``drift`` or ``density_scale``): the trace's rows, else the
+    evaluations' readings."""
+    rows = run.get("drift_trace") or []
+    points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+    if points:
+        return points
+    readings = run.get("curve") if _lm_curve(run) else run.get("readings")
+    return [(point["step"], point[key]) for point in readings or [] if point.get(key) is not None]
+
+
+def loss_series(run: dict) -> List[Tuple[int, float]]:
+    """(step, validation loss) of a language-model run; (step, test accuracy) of a digits run."""
+    if _lm_curve(run):
+        return [(point["step"], point["valid_loss"]) for point in run["curve"]]
+    readings = run.get("readings") or []
+    return [(reading["step"], accuracy) for reading, accuracy in zip(readings, run.get("curve") or [])]
+
+
+def render_drift(folder: str, out: Optional[str] = None) -> str:
+    """``drift.png`` of a convergence run (see the module's docstring); its path."""
+    result = read(folder)
+    runs = _by_label(result)
+    labels = [label for label in runs if label != DENSE]
+    drifting = [label for label in labels if any(drift_series(run) for run in runs[label])]
+    if not drifting:
+        raise ValueError(f"{folder}: no run records a drift (no drift_trace rows, no drift at its "
+                         f"evaluations): it was trained by a mergecomp without the drift measure, or "
+                         f"has no compressed row")
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(drifting), 2, figsize=(10, 2.6 * len(drifting)), squeeze=False)
+    dense = _mean_by_step([loss_series(run) for run in runs.get(DENSE, [])])
+    digits = result.get("options", {}).get("task", "digits") == "digits"
+    for (loss_ax, drift_ax), label in zip(axes, drifting):
+        steps, loss = _mean_by_step([loss_series(run) for run in runs[label]])
+        if dense[0]:
+            loss_ax.plot(*dense, color="black", linewidth=1.8, label="dense")
+        loss_ax.plot(steps, loss, color="tab:blue", linewidth=1.2, label=label)
+        loss_ax.set_ylabel("test accuracy" if digits else "validation loss")
+        loss_ax.legend(fontsize=7)
+        drift_steps, drift = _mean_by_step([drift_series(run) for run in runs[label]])
+        drift_ax.plot(drift_steps, drift, color="tab:red", linewidth=1.0)
+        drift_ax.set_ylabel("drift (steps held back)", color="tab:red", fontsize=8)
+        scale_steps, scale = _mean_by_step([drift_series(run, "density_scale") for run in runs[label]])
+        if scale_steps:
+            twin = drift_ax.twinx()
+            twin.step(scale_steps, scale, where="post", color="tab:green", linewidth=1.0)
+            twin.set_ylabel("density scale", color="tab:green", fontsize=8)
+            twin.set_ylim(bottom=0.9)
+        drift_ax.set_title(label, fontsize=8)
+    for ax in axes[-1]:
+        ax.set_xlabel("training step")
+    options = result.get("options", {})
+    fig.suptitle(f"{options.get('task', '?')}, {options.get('optimizer', 'sgd')}, {result.get('workers', '?')} "
+                 f"workers, controller {options.get('controller') or 'at its default'}: loss and drift",
+                 fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "drift.png"))
+
+
+def decisions(run: dict) -> Dict[str, List[Tuple[int, float]]]:
+    """Each group's (step, scale) as the controller decided it."""
+    groups: Dict[str, List[Tuple[int, float]]] = {}
+    for decision in run.get("controller_decisions") or []:
+        for group, scale in decision["scales"].items():
+            groups.setdefault(group, []).append((decision["step"], scale))
+    return groups
+
+
+def render_controller(folder: str, out: Optional[str] = None, labels: Optional[Sequence[str]] = None) -> str:
+    """``controller.png``: the decisions of two runs of ``folder`` (``labels``, or the two
+    with the most decisions), one panel each; its path."""
+    result = read(folder)
+    first = {label: group[0] for label, group in _by_label(result).items()}
+    if labels:
+        unknown = [label for label in labels if label not in first]
+        if unknown:
+            raise ValueError(f"{folder} has no run labelled {unknown}; its labels: {sorted(first)}")
+        chosen = list(labels)
+    else:
+        chosen = sorted((label for label in first if first[label].get("controller_decisions")),
+                        key=lambda label: -len(first[label]["controller_decisions"]))[:2]
+    chosen = [label for label in chosen if first[label].get("controller_decisions")]
+    if not chosen:
+        raise ValueError(f"{folder}: no run records controller decisions (the controller was off, "
+                         f"decided nothing, or this mergecomp has none)")
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(chosen), figsize=(5.5 * len(chosen), 3.4), squeeze=False)
+    for ax, label in zip(axes[0], chosen):
+        for group, points in decisions(first[label]).items():
+            ax.step([p[0] for p in points], [p[1] for p in points], where="post", linewidth=1.0, label=group)
+        ax.set_title(f"{label} (seed {first[label].get('seed', '?')})", fontsize=8)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("density multiplier")
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle("the controller's decisions per group", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, os.path.join(out or folder, "controller.png"))
