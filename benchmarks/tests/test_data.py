@@ -230,7 +230,7 @@ def test_text_file_split_and_what_is_refused(tmp_path):
     corpus = text.load_text(str(path), "char", valid_fraction=0.2, test_fraction=0.1)
     assert (corpus.train.numel(), corpus.valid.numel(), corpus.test.numel()) == (140, 40, 20)
     assert corpus.vocab_size == 11
-    with pytest.raises(FileNotFoundError, match="neither 'pydoc', 'python' nor an existing file"):
+    with pytest.raises(FileNotFoundError, match="neither 'pydoc', 'python', 'kjv' nor an existing file"):
         text.load_text(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="level must be one of"):
         text.load_text(str(path), "byte")
