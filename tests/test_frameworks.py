@@ -34,7 +34,9 @@ def _check(epochs):
     (_, first_loss, _, _, steps0), (_, last_loss, sent, fp32, steps1) = epochs
     assert last_loss < first_loss / 2, epochs
     assert steps1 > steps0 > 0, epochs
-    assert sent < fp32 / 10, epochs  # top-k at 1%: values and indices, far below FP32
+    # top-k at 1%: values and indices, far below FP32, even where the quality controller raised
+    # the density within its byte budget (which a run this short may spend ahead)
+    assert sent < fp32 / 4, epochs
 
 
 def test_lightning_trains_through_mergecomps_hook():

@@ -77,7 +77,7 @@ def _ratio(held: float, incoming: float) -> float:
 
 #: A lag (steps of update held back) that, measured ``WARN_AFTER`` times in a row with nothing
 #: steering it, says the run will miss dense's quality (docs/results.md#quality-control).
-WARN_ABOVE = 4.0
+WARN_ABOVE = 1.5
 WARN_AFTER = 3
 
 
@@ -221,8 +221,8 @@ class DriftController:
     a compressor without one is measured (and warned about) but not steered.
     """
 
-    def __init__(self, raise_above: float = 4.0, lower_below: float = 1.0, byte_budget: float = 2.0,
-                 max_scale: float = 16.0, patience: int = 3, horizon: Optional[int] = None, front: int = 30,
+    def __init__(self, raise_above: float = 1.5, lower_below: float = 0.5, byte_budget: float = 2.0,
+                 max_scale: float = 16.0, patience: int = 3, horizon: Optional[int] = None, front: int = 10,
                  every: int = 10):
         checks = (("raise_above", raise_above, 0.0), ("lower_below", lower_below, 0.0),
                   ("byte_budget", byte_budget, 1.0), ("max_scale", max_scale, 1.0))
