@@ -309,7 +309,7 @@ def test_restart_step_clock_hands_the_scheduler_an_untimed_step():
 # ------------------------------------------------------------------ the scheduler's surface
 SURFACE = {"param_infos", "named_parameters", "plan", "set_plan", "add_ready_listener", "add_phase_listener",
            "add_step_listener", "time_optimizer_steps", "backend", "compressor", "memory", "communicator",
-           "carriers"}
+           "carriers", "density_scale"}
 
 
 class EveryOtherStep(mergecomp.schedulers.AdaptiveScheduler):

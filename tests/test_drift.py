@@ -267,3 +267,46 @@ def test_dilocos_compressed_exchange_is_measured_and_steered():
     (reading0, scales0), (reading1, scales1) = run_ranks(_diloco_reads, 2)
     assert reading0 == reading1 and reading0 is not None
     assert scales0 == scales1 and scales0
+
+
+# -- what the planner sees -----------------------------------------------------------------------
+def test_a_plan_is_priced_at_the_density_the_controller_chose():
+    from mergecomp.planning.costmodel import predict
+    from mergecomp.planning.profile import with_density
+    from mergecomp.plan import Group, Plan
+    from tests.test_costmodel import hand_profile
+    profile = hand_profile()
+    plan = Plan([Group(("a",), "compress"), Group(("b", "c"), "fp32")])
+    configured, raised = predict(plan, profile), predict(plan, with_density(profile, 4.0))
+    assert raised.groups[0].wire_bytes == 4 * configured.groups[0].wire_bytes
+    assert raised.groups[1].wire_bytes == configured.groups[1].wire_bytes  # FP32 sends as it did
+    took = lambda g: g.comm_end - g.comm_start
+    assert took(raised.groups[0]) > took(configured.groups[0])  # four times the bytes take longer
+    assert with_density(profile, 1.0) is profile
+    with pytest.raises(ValueError, match="density scale must be a finite number ≥ 1"):
+        with_density(profile, 0.5)
+
+
+def test_a_new_plan_keeps_the_scale_the_groups_sent_at():
+    class Knobbed:
+        knob = "density"
+
+        def __init__(self):
+            self._group_scales = {}
+
+        def set_group_scale(self, name, scale):
+            if scale == 1.0:
+                self._group_scales.pop(name, None)
+            else:
+                self._group_scales[name] = scale
+
+    compressor = Knobbed()
+    meter = drift.DriftMeter(10, DriftController())
+    meter._numels = {"group0": 300, "group1": 100}
+    meter.controller.scales = {"group0": 4.0}  # overall 3.25: the new groups start at 2
+    meter.regrouped(compressor, ["group0", "group1", "group2"])
+    assert meter.controller.scales == {"group0": 2.0, "group1": 2.0, "group2": 2.0}
+    assert compressor._group_scales == meter.controller.scales
+    meter.controller.scales = {}
+    meter.regrouped(compressor, ["group0"])
+    assert meter.controller.scales == {} and compressor._group_scales == {}

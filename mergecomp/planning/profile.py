@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -396,6 +397,23 @@ def scaled_compute(profile: Profile, factor: float) -> Profile:
         finish={k: _scaled(v, factor) for k, v in profile.finish.items()},
         launch={k: _scaled(v, factor) for k, v in profile.launch.items()},
         optimizer_step=profile.optimizer_step * factor)
+
+
+def with_density(profile: Profile, scale: float) -> Profile:
+    """``profile`` with the configured compressor sending ``scale`` times its configured
+    density (or rank): the payload bytes per element scale with it (a sparsifier sends
+    ``scale`` times the values and indices, a low-rank factorisation ``scale`` times the
+    columns), the header does not.  The quality controller's scales reach the planner this
+    way (:attr:`~mergecomp.schedulers.base.SchedulerContext.density_scale`): a plan is
+    priced at the bytes the groups send now, not at the configured setting's."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale >= 1.0 and math.isfinite(scale)):
+        raise ValueError(f"a density scale must be a finite number ≥ 1 (1: the configured setting), got {scale!r}")
+    codec = profile.codecs.get(profile.compressor)
+    if scale == 1.0 or codec is None or codec.wire.per_element is None:
+        return profile
+    wire = dataclasses.replace(codec.wire, per_element=codec.wire.per_element * scale)
+    return dataclasses.replace(profile, codecs={**profile.codecs,
+                                                profile.compressor: dataclasses.replace(codec, wire=wire)})
 
 
 def _scaled(cost: LinearCost, factor: float) -> LinearCost:

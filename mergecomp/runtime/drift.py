@@ -173,14 +173,19 @@ class DriftMeter:
         total = sum(self._numels.values())
         return sum(n * self.controller.scales.get(g, 1.0) for g, n in self._numels.items()) / total
 
-    def regrouped(self, compressor) -> None:
-        """The groups were regrouped (a new plan): a group's name now stands for other
-        parameters, so every group goes back to the configured setting (the budget spent so
-        far stays spent)."""
-        if self.controller is not None:
-            self.controller.scales.clear()
-            self.controller._calm.clear()
-            self.apply(compressor)
+    def regrouped(self, compressor, names: Sequence[str] = ()) -> None:
+        """The groups were regrouped (a new plan, priced at the scales now in force): a
+        group's name now stands for other parameters, so each new group in ``names`` starts
+        at the scale the old groups sent at overall (rounded down to a power of two), and
+        the controller steers each from there (the budget spent so far stays spent)."""
+        if self.controller is None:
+            return
+        overall = self.density_scale()
+        carried = 2.0 ** math.floor(math.log2(overall)) if overall > 1.0 else 1.0
+        self.controller.scales = {name: carried for name in names} if carried > 1.0 else {}
+        self.controller._calm.clear()
+        self._numels.clear()
+        self.apply(compressor)
 
     def apply(self, compressor) -> None:
         """Set ``compressor``'s group scales to the controller's (after its state was loaded)."""

@@ -222,7 +222,7 @@ class Reducer(SharedSurface, PlanHolder):
                 raise ValueError(f"plan group {group.index} mixes dtypes/devices {sorted(kinds)}; "
                                  "a fused buffer needs one of each")
         if self.plan is not None and self.lifecycle.meter is not None:
-            self.lifecycle.meter.regrouped(self.communicator.compressor)
+            self.lifecycle.meter.regrouped(self.communicator.compressor, [g.name for g in groups])
         self.plan, self.groups = plan, groups
         self._plan_digest = plan.digest()  # what ranks agree on each step: computed once per plan
         # A sliced parameter is in several groups: its gradient completes a piece of each.

@@ -84,7 +84,9 @@ class SchedulerContext:
     * Read-only facts: :attr:`backend` (collectives to agree on measurements; its
       ``rank``), :attr:`compressor`, :attr:`memory` and :attr:`communicator` (the cost
       model prices and probes the job's own), and :meth:`carriers` (the other
-      communicators a ``"compress:<name>"`` send mode may use).
+      communicators a ``"compress:<name>"`` send mode may use), and :attr:`density_scale`
+      (how many times their configured density the compressed groups send now: the
+      quality controller's choice, which the cost model prices plans at).
     """
 
     __slots__ = ("_exchange", "_inner", "_backend", "_compressor", "_memory", "_communicator")
@@ -157,6 +159,14 @@ class SchedulerContext:
     def communicator(self):
         """The job's communicator (the cost model prices its groups; the probes run it)."""
         return self._communicator
+
+    @property
+    def density_scale(self) -> float:
+        """How many times their configured density (or rank) the compressed groups send now,
+        weighted by their elements: the quality controller's choice (1 when it is off or
+        raised nothing).  The same on every rank; the cost model prices plans with it."""
+        meter = getattr(getattr(self._exchange, "lifecycle", None), "meter", None)
+        return meter.density_scale() if meter is not None else 1.0
 
     def carriers(self) -> Tuple[str, ...]:
         """Registered communicators besides the job's that can carry its compressor and

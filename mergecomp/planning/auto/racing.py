@@ -28,6 +28,7 @@ from ...distributed.backends.expect import (INT, NUMBER, OBJECT, STRING, fields,
                                            object_of, optional, tuple_of)
 from ...distributed.backends.serialize import header_error
 from ..costmodel import phases_are_local
+from ..profile import with_density
 from ...plan import Plan
 from ...plan import CannotRegroup
 from . import decisions
@@ -53,7 +54,8 @@ class Checking(Phase):
         backend = context.backend
         if backend.rank == 0 and settings.profile_out:
             findings.profile.save(settings.profile_out)
-        found = (plan_candidates(findings.profile, settings, search.say, findings.carriers)
+        priced = with_density(findings.profile, context.density_scale)  # the controller's scales
+        found = (plan_candidates(priced, settings, search.say, findings.carriers)
                  if backend.rank == 0 else None)
         sent = backend.broadcast_object(
             None if found is None else [[c.label, c.plan.to_dict(), c.predicted] for c in found], src=0,
