@@ -91,10 +91,17 @@ def take_over_momentum(optimizer, memory, component: str) -> None:
     rather than asking for a second optimizer the memory adopts the momentum ``m`` and
     Nesterov flag that every parameter group shares, and the optimizer's ``step()`` runs
     with ``momentum = 0`` (hooks put the user's values back when it returns, so
-    ``state_dict()``, schedulers and checkpoints see them unchanged).  SGD applies weight
-    decay inside its momentum, which scales its steady-state effect by 1/(1 − m); during the
-    step the weight decay is therefore ``weight_decay / (1 − m)``, the same steady-state
-    decay.  A momentum schedule (OneCycleLR's) is followed: each step's value is the
+    ``state_dict()``, schedulers and checkpoints see them unchanged).
+
+    The memory runs the momentum in gradient units (``u ← m·u + (1 − m)·g``,
+    :attr:`~mergecomp.memories.base.Memory.gradient_units`) and the step runs at
+    ``lr / (1 − m)``: the same steps as heavy-ball momentum at ``lr``, while what the
+    exchange writes into ``p.grad`` keeps a gradient's scale.  A loop that clips the
+    averaged gradient after the exchange, as under DDP, then clips at the scale it was
+    tuned for; a velocity, up to 1/(1 − m) times larger, clipped at a gradient's
+    threshold would shrink every step that much.  SGD's weight decay acts inside its
+    momentum, so at ``lr / (1 − m)`` without momentum it has its steady-state effect
+    unchanged.  A momentum schedule (OneCycleLR's) is followed: each step's value is the
     memory's for the next exchange.
 
     A framework's wrapper around the SGD (Accelerate's ``AcceleratedOptimizer``,
@@ -122,6 +129,7 @@ def take_over_momentum(optimizer, memory, component: str) -> None:
             f"the memory), or set {setting} to 0 and give the momentum to the memory.")
     momentum, nesterov = _shared_momentum(optimizer, component)
     memory.adopt_momentum(momentum, nesterov)
+    memory.gradient_units = True
     if getattr(optimizer, _TAKEN, None) is None:
         setattr(optimizer, _TAKEN, _install_hooks(optimizer, memory, component))
     else:  # a second vetting (a framework's second fit): the hooks follow this memory
@@ -148,26 +156,25 @@ def _shared_momentum(optimizer, component: str) -> Tuple[float, bool]:
 
 
 def _install_hooks(optimizer, memory, component: str) -> dict:
-    """Step hooks that run ``optimizer.step()`` with momentum 0 and weight decay / (1 − m),
-    and put the user's values back after it (or before anything reads them, if a step
-    raised)."""
+    """Step hooks that run ``optimizer.step()`` with momentum 0 at lr / (1 − m), and put the
+    user's values back after it (or before anything reads them, if a step raised)."""
     taken = {"memory": memory, "saved": None, "handles": []}
 
     def restore(*_):
         saved, taken["saved"] = taken["saved"], None
-        for group, (momentum, decay) in zip(optimizer.param_groups, saved or ()):
-            group["momentum"], group["weight_decay"] = momentum, decay
+        for group, (momentum, lr) in zip(optimizer.param_groups, saved or ()):
+            group["momentum"], group["lr"] = momentum, lr
 
     def before_step(*_):
         restore()  # a step that raised left them zeroed
         momentum, nesterov = _shared_momentum(optimizer, component)
         taken["memory"].adopt_momentum(momentum, nesterov, follow=True)
-        taken["saved"] = [(g["momentum"], g.get("weight_decay", 0)) for g in optimizer.param_groups]
+        taken["saved"] = [(g["momentum"], g["lr"]) for g in optimizer.param_groups]
         for group in optimizer.param_groups:
             m = group["momentum"]
             if m:
                 group["momentum"] = 0.0
-                group["weight_decay"] = group.get("weight_decay", 0) / (1.0 - m)
+                group["lr"] = group["lr"] / (1.0 - m)
 
     taken["handles"] = [optimizer.register_step_pre_hook(before_step),
                         optimizer.register_step_post_hook(restore),

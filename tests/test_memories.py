@@ -53,6 +53,8 @@ def _snapshot(memory):
 
 
 def _same(left, right):
+    if not isinstance(left, dict):  # a state's plain values (a momentum's units)
+        return left == right
     return (left.keys() == right.keys()
             and all(torch.equal(left[k], right[k]) for k in left))
 

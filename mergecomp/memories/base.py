@@ -25,6 +25,19 @@ class Memory(DriftTerms):
     """Base class of error-feedback memories; the default does nothing."""
 
     name = "memory"
+    #: True once the memory took SGD's momentum over (:func:`mergecomp.momentum.take_over_momentum`):
+    #: it then runs its momentum in gradient units, ``u ← m·u + (1 − m)·g``, and the optimizer
+    #: steps at ``lr / (1 − m)``: the same steps as heavy-ball ``u ← m·u + g`` at ``lr``, but what
+    #: the exchange delivers into ``p.grad`` has a gradient's scale, so a loop that clips the
+    #: averaged gradient after the exchange clips what dense training would (a velocity is up to
+    #: 1/(1 − m) times larger, and clipped at a gradient's threshold it would take steps that much
+    #: smaller).
+    gradient_units = False
+
+    def units_factor(self, momentum: float) -> float:
+        """What the gradient is multiplied by before it enters the momentum: ``1 − m`` in
+        gradient units, else 1."""
+        return 1.0 - momentum if self.gradient_units and 0.0 < momentum < 1.0 else 1.0
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Return the tensor to compress for group ``name`` (may be ``tensor`` itself)."""
@@ -83,6 +96,14 @@ def clip_local(tensor, clip_norm: float):
     return tensor if scale is None else tensor * scale
 
 
+def combined_scale(clip, units: float):
+    """Local clipping's factor (or None) times a momentum's :meth:`Memory.units_factor`, or
+    None when the product is 1: the one factor a fused momentum pass multiplies the gradient by."""
+    if units == 1.0:
+        return clip
+    return units if clip is None else clip * units
+
+
 def clip_scale(tensor, clip_norm: float):
     """The factor :func:`clip_local` multiplies ``tensor`` by, or None when it is short
     enough: for a memory that fuses the product into its own pass over the tensor."""
@@ -136,3 +157,25 @@ def check_flag(value, what: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{what} must be True or False, got {value!r}")
     return value
+
+
+UNITS = {False: "heavy-ball", True: "gradient"}
+
+
+def units_of(state: Dict[str, Any]) -> bool:
+    """Whether a saved momentum memory's state is in gradient units (states saved before
+    there were units are in heavy-ball units)."""
+    units = state.get("units", UNITS[False])
+    if units not in UNITS.values():
+        raise ValueError(f"memory state has units {units!r}; expected one of {sorted(UNITS.values())}")
+    return units == UNITS[True]
+
+
+def in_units(tensors: Dict[str, torch.Tensor], saved_in_gradient_units: bool, memory: "Memory",
+             momentum: float) -> Dict[str, torch.Tensor]:
+    """``tensors`` (copies) in ``memory``'s units, from the units they were saved in: the
+    same run resumed in either form takes the same steps."""
+    factor = memory.units_factor(momentum) if memory.gradient_units else 1.0
+    saved = (1.0 - momentum) if saved_in_gradient_units and 0.0 < momentum < 1.0 else 1.0
+    ratio = factor / saved
+    return {k: (v.clone() if ratio == 1.0 else v * ratio) for k, v in tensors.items()}

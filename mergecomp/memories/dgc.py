@@ -21,7 +21,7 @@ import torch
 
 from ..momentum import TAKES_OVER, take_over_momentum
 from . import register
-from .base import Memory, check_flag, check_number, checked_state, clip_scale, norm_of
+from .base import UNITS, Memory, check_flag, check_number, checked_state, clip_scale, combined_scale, in_units, norm_of, units_of
 from ..checkpoint import check_group_tensors
 from ..kernels.momentum import momentum_correction
 from ..staging import Spares, StagedDict, shares_memory
@@ -118,7 +118,8 @@ class DGCMemory(Memory):
 
     def compensate(self, tensor, name):
         # Local clipping's factor is applied inside the momentum correction's pass.
-        scale = clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None
+        scale = combined_scale(clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None,
+                               self.units_factor(self.momentum))
         momentum, velocity = self._state(name, tensor)
         # Into other tensors (spares this memory made earlier, when it has them), never the
         # committed ones changed in place: a step dropped after this (rollback) must find
@@ -195,14 +196,17 @@ class DGCMemory(Memory):
 
     def state_dict(self):
         return {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},
-                "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()}}
+                "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()},
+                "units": UNITS[self.gradient_units]}
 
     def check_state(self, state, groups):
         """Momenta and velocities are flat tensors of their group's size and dtype, one of
         each per group."""
-        unknown = sorted(set(state) - {"momenta", "velocities"})
+        unknown = sorted(set(state) - {"momenta", "velocities", "units"})
         if unknown:
-            raise ValueError(f"dgc memory state has unknown keys {unknown}; expected 'momenta', 'velocities'")
+            raise ValueError(f"dgc memory state has unknown keys {unknown}; expected 'momenta', 'velocities' "
+                             f"(and 'units')")
+        units_of(state)
         momenta, velocities = state.get("momenta", {}), state.get("velocities", {})
         check_group_tensors("dgc momentum", momenta, groups)
         check_group_tensors("dgc velocity", velocities, groups)
@@ -212,8 +216,9 @@ class DGCMemory(Memory):
 
     def load_state_dict(self, state):
         self._spares.clear()
-        self.momenta.replace({k: v.clone() for k, v in state.get("momenta", {}).items()})
-        self.velocities.replace({k: v.clone() for k, v in state.get("velocities", {}).items()})
+        saved = units_of(state)  # a state saved in the other units is converted
+        self.momenta.replace(in_units(state.get("momenta", {}), saved, self, self.momentum))
+        self.velocities.replace(in_units(state.get("velocities", {}), saved, self, self.momentum))
 
     def __repr__(self):
         masking = "" if self.masking else ", masking=False"

@@ -10,7 +10,8 @@ from typing import Optional, Union
 import torch
 
 from . import register
-from .base import Memory, check_flag, check_number, checked_state, clip_local, clip_scale, norm_of, subtract_sent
+from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_local, clip_scale, combined_scale,
+                   in_units, norm_of, subtract_sent, units_of)
 from ..kernels.momentum import momentum_correction
 from ..checkpoint import check_group_tensors
 from ..momentum import TAKES_OVER, take_over_momentum
@@ -114,7 +115,8 @@ class ResidualMemory(Memory):
         (:func:`~mergecomp.kernels.momentum.momentum_correction`: one native pass
         with local clipping's factor applied on the way, and the block peaks a top-k
         selection of e' reads), into spares, never into the committed u and e."""
-        scale = clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None
+        scale = combined_scale(clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None,
+                               self.units_factor(self.sgd_momentum))
         previous = checked_state(self.momenta, name, tensor, "momentum")
         residual = checked_state(self.residuals, name, tensor, "residual")
         zeros = torch.zeros_like(tensor) if previous is None or residual is None else None
@@ -145,7 +147,8 @@ class ResidualMemory(Memory):
         if self.clip_norm is not None:
             tensor = clip_local(tensor, self.clip_norm)
         if self.sgd_momentum > 0.0:
-            tensor = self._with_momentum(tensor, name)
+            units = self.units_factor(self.sgd_momentum)
+            tensor = self._with_momentum(tensor if units == 1.0 else tensor * units, name)
         self._note_incoming(name, tensor)
         residual = checked_state(self.residuals, name, tensor, "residual")
         if residual is None:
@@ -194,15 +197,17 @@ class ResidualMemory(Memory):
         momenta = self.momenta.committed()
         if momenta:  # only a memory with a momentum has them (older states have none)
             state["momenta"] = {k: v.detach().clone() for k, v in momenta.items()}
+            state["units"] = UNITS[self.gradient_units]
         return state
 
     def check_state(self, state, groups):
         """Residuals (and momenta, when there is a momentum) are flat tensors of their
         group's size and dtype."""
-        unknown = sorted(set(state) - {"residuals", "momenta"})
+        unknown = sorted(set(state) - {"residuals", "momenta", "units"})
         if unknown:
             raise ValueError(f"residual memory state has unknown keys {unknown}; expected 'residuals' "
-                             f"(and 'momenta')")
+                             f"(and 'momenta', 'units')")
+        units_of(state)
         check_group_tensors("residual", state.get("residuals", {}), groups)
         check_group_tensors("residual memory momentum", state.get("momenta", {}), groups)
 
@@ -210,8 +215,14 @@ class ResidualMemory(Memory):
         self._made.clear()
         self._spares.clear()
         self._momentum_spares.clear()
-        self.residuals.replace({k: v.clone() for k, v in state.get("residuals", {}).items()})
-        self.momenta.replace({k: v.clone() for k, v in state.get("momenta", {}).items()})
+        momenta = state.get("momenta", {})
+        # a state saved in the other units (an older run, or one whose momentum was not taken
+        # over) is converted: the residuals and momenta are both in the momentum's units
+        saved = units_of(state) if momenta else self.gradient_units
+        convert = (lambda tensors: in_units(tensors, saved, self, self.sgd_momentum)) if momenta else \
+            (lambda tensors: {k: v.clone() for k, v in tensors.items()})
+        self.residuals.replace(convert(state.get("residuals", {})))
+        self.momenta.replace(convert(momenta))
 
     def __repr__(self):
         clip = "" if self.clip_norm is None else f", clip_norm={self.clip_norm}"
