@@ -320,7 +320,9 @@ def check_finite_state(state: Any, what: str, source: Optional[str]) -> None:
         if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
             raise checkpoint.CheckpointError(
                 f"{checkpoint.describe_source(source)}: {what} holds non-finite values in {path}: "
-                f"{checkpoint.summarize(tensor)}; loaded, they would reach the parameters at the next step")
+                f"{checkpoint.summarize(tensor)}; loaded, they would reach the parameters at the next step",
+                "Nothing was loaded. Load an earlier checkpoint, or load only the model's weights and "
+                "start the optimizer afresh (its moments or momentum restart from zero)")
 
 
 def lifecycle_state(state: Mapping[str, Any]) -> Dict[str, Any]:
