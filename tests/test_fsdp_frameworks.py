@@ -21,7 +21,7 @@ def _run(command, timeout=240):
     assert len(epochs) == 2, done.stdout[-3000:]
     (_, first, _, _), (_, last, sent, own) = epochs
     assert last < first, epochs
-    # PowerSGD at rank 4 on this small model: about 4.5× fewer, fewer still where the quality
+    # PowerSGD at rank 4 on this small model: about 4.5× fewer, less where the quality
     # controller raised a rank within its byte budget (which a run this short may spend ahead)
     assert 0 < sent < own / 2, epochs
     return done.stdout
