@@ -200,6 +200,29 @@ def test_the_pages_code_runs_as_written_on_cpu_ranks(tmp_path):
         assert written <= set(seen["files"]), seen  # rank 0 writes the step log
 
 
+def diloco_worker(rank, world_size, blocks):
+    """Each DiLoCo block of docs/low-communication.md in a namespace of its own: the reader's
+    model, loader and loss function."""
+    seen = []
+    for code in blocks:
+        names = _user_names(rank)
+        names["model"] = names.pop("build_model")()
+        exec(code, names)
+        opt = names["opt"]
+        if not opt.inner_steps:  # a block that builds its optimizer and leaves the loop to the reader
+            _train(names["model"], opt, names["loader"])
+        seen.append((type(opt).__name__, type(opt.outer_optimizer).__name__, opt.inner_steps))
+    return seen
+
+
+def test_the_diloco_blocks_run_as_written_on_cpu_ranks():
+    blocks = [code for heading, code in fenced(os.path.join(ROOT, "docs", "low-communication.md"), {"python"})
+              if heading == "DiLoCo"]
+    assert len(blocks) == 3 and "outer_optimizer=lambda" in blocks[1] and "GradScaler" in blocks[2]
+    for seen in run_ranks(diloco_worker, 2, blocks):
+        assert seen == [("DiLoCo", "SGD", 3)] * 3, seen
+
+
 # ------------------------------------------------------------------- the conformance kit's page
 
 def test_the_kit_page_runs_and_prints_what_it_says():
