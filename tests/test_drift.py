@@ -253,6 +253,30 @@ def test_the_ddp_hook_measures_and_steers():
     assert scales0 == scales1 and scales0
 
 
+def _fsdp_reads(rank, world_size):
+    from tests.test_fsdp import _model as fsdp_model
+    from tests.test_fsdp import _batch as fsdp_batch
+    model = fsdp_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.05, optimizer=optimizer,
+                                    controller=DriftController(raise_above=0.2, lower_below=0.01, horizon=30,
+                                                               every=5))
+    for step in range(30):
+        x, y = fsdp_batch(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return state.drift, state.controller.history, full
+
+
+def test_fsdp_measures_and_steers_each_units_scatter():
+    pytest.importorskip("torch.distributed.fsdp")
+    (reading0, history0, _), (reading1, history1, _) = run_ranks(_fsdp_reads, 2)
+    assert reading0 == reading1 and reading0 is not None and reading0.groups
+    assert history0 == history1 and history0, "nothing was raised"
+
+
 def _diloco_reads(rank, world_size):
     model = _model(rank)
     optimizer = mergecomp.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.05), model=model, sync_every=2,
