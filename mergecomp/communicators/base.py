@@ -16,7 +16,8 @@ import torch
 
 from ..distributed.backends.base import Backend, Work
 from ..kernels.finite import nonfinite_flag
-from ..compressors.base import AllReduce, Compressor, Context, GroupLayout, accepts_keyword, accepts_layout
+from ..compressors.base import (AllReduce, Compressor, Context, GroupLayout, accepts_keyword, accepts_layout,
+                                payload_nbytes)
 from ..memories.base import Memory
 
 
@@ -96,6 +97,7 @@ class Communicator:
     def _compressed(self, compensated: torch.Tensor, name: str, layout: Optional[GroupLayout]):
         payload, ctx = self._encode(self.compressor.compress, compensated, name, layout)
         self.memory.update(compensated, name, self.compressor, payload, ctx)
+        self.memory.note_sent(name, payload_nbytes(payload))  # on a measured step, for the byte budget
         return payload, ctx
 
     def _encode(self, method, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout], **options):

@@ -108,10 +108,22 @@ class DriftTerms:
             return None
         return tuple(sum(parts) for parts in zip(*pieces))
 
+    def drift_sent(self, name: str) -> int:
+        """The payload bytes group ``name`` sent this measured step (its pieces summed; 0 when
+        not noted), which the quality controller's byte budget counts."""
+        sent = self.__dict__.get("_drift_sent", {})
+        return sum(n for key, n in sent.items() if key == name or key.split("#", 1)[0] == name)
+
+    def note_sent(self, name: str, nbytes: int) -> None:
+        """On a measuring step: group ``name`` (or a piece of it) sent ``nbytes`` of payload."""
+        if self.measuring:
+            self.__dict__.setdefault("_drift_sent", {})[name] = int(nbytes)
+
     def forget_drift(self) -> None:
         """Drop the measured terms (the lifecycle has read them)."""
         self.__dict__.pop("_drift_terms", None)
         self.__dict__.pop("_drift_incoming", None)
+        self.__dict__.pop("_drift_sent", None)
 
     def _note_incoming(self, name: str, tensor: torch.Tensor) -> None:
         """On a measuring step: the update dense training would apply for group ``name``."""

@@ -96,6 +96,7 @@ class DriftMeter:
         self._components: Tuple[Any, ...] = ()
         self._compressor = None
         self._numels: Dict[str, int] = {}
+        self._sent: Dict[str, int] = {}  # each measured group's payload bytes, the same on every rank
         self._high = 0  # measurements in a row above WARN_ABOVE with nothing steering the lag
         self.warned = False
 
@@ -109,10 +110,22 @@ class DriftMeter:
             component.measuring = True
         return True
 
+    def _bytes_at_scale_one(self, name: str) -> float:
+        """Group ``name``'s payload bytes this step over its scale: what the configured
+        setting sends now (a compressor that does not say, e.g. one exchanging in rounds,
+        counts its elements: the groups' shares are then by size)."""
+        sent = self._sent.get(name)
+        if not sent:
+            return 4.0 * self._numels.get(name, 0)
+        scale = self.controller.scales.get(name, 1.0) if self.controller is not None else 1.0
+        return sent / scale
+
     def terms(self, flights) -> Tuple[List[str], Optional[torch.Tensor]]:
-        """(group names, their (held², incoming²) pairs as one float32 vector) of the step's
-        compressed groups that hold something back, in launch order (the same on every rank)."""
-        names, values = [], []
+        """(group names, one float32 vector) of the step's compressed groups that hold
+        something back, in launch order (the same on every rank): their (held², incoming²)
+        pairs, then each one's payload bytes (summed over ranks with the rest, so that the
+        byte budget counts what every rank agrees on, even where payload sizes differ)."""
+        names, values, sent = [], [], []
         for flight in flights:
             found = None
             for component in self._components:
@@ -123,22 +136,27 @@ class DriftMeter:
                 names.append(flight.name)
                 values.extend(found)
                 self._numels[flight.name] = flight.numel
+                sent.append(float(self._components[0].drift_sent(flight.name)))
         if not values:
             return names, None
-        return names, torch.stack([v.to(values[0].device) for v in values])
+        device = values[0].device
+        return names, torch.cat([torch.stack([v.to(device) for v in values]),
+                                 torch.tensor(sent, dtype=torch.float32, device=device)])
 
     def read(self, step: int, names: Sequence[str], sums: torch.Tensor) -> DriftReading:
         """The reading from the sums over ranks (every rank the same); the controller, if
         any, decides from it."""
-        whole, groups = lags(names, sums)
+        pairs = 2 * len(names)
+        whole, groups = lags(names, sums[:pairs])
+        self._sent = dict(zip(names, sums[pairs:].double().tolist()))
         self.reading = DriftReading(step, whole, groups)
         compressor = self._compressor
         steering = self.controller is not None and getattr(compressor, "knob", None) is not None
         if steering:
-            weights = {name: float(self._numels.get(name, 0)) for name in names}
+            weights = {name: self._bytes_at_scale_one(name) for name in names}
             # the steps sent at the scales now in force: those since the last decision (the
             # controller's count of steps, saved with it, so a resumed run counts the same)
-            since = max(1, step + 1 - int(self.controller.base))
+            since = max(1, step + 1 - self.controller.steps)
             for group, scale in self.controller.decide(self.reading, weights, since, self.every).items():
                 compressor.set_group_scale(group, scale)
         else:
@@ -185,6 +203,7 @@ class DriftMeter:
         self.controller.scales = {name: carried for name in names} if carried > 1.0 else {}
         self.controller._calm.clear()
         self._numels.clear()
+        self._sent.clear()
         self.apply(compressor)
 
     def apply(self, compressor) -> None:
@@ -252,21 +271,25 @@ class DriftController:
         #: Each group's scale now (absent: 1), and how many measurements in a row it was calm.
         self.scales: Dict[str, float] = {}
         self._calm: Dict[str, int] = {}
-        #: Bytes-weighted steps sent so far, at the scales of the time, and at scale 1.
+        #: Bytes sent so far by the steered groups, at the scales of the time, and what the
+        #: configured setting would have sent; the steps they cover.
         self.spent = 0.0
         self.base = 0.0
+        self.steps = 0
         #: (step, {group: scale}) after every decision that changed a scale.
         self.history: List[Tuple[int, Dict[str, float]]] = []
 
     def decide(self, reading: DriftReading, weights: Mapping[str, float], steps: int,
                ahead: Optional[int] = None) -> Dict[str, float]:
         """The scales for the next ``ahead`` steps (default ``steps``) from ``reading`` (every
-        rank the same), ``weights`` (each group's share of the bytes at scale 1: its
-        elements) and ``steps`` since the last decision (the scales then in force sent that
-        long).  Returns the groups whose scale changed, with their new scale."""
+        rank the same), ``weights`` (each group's bytes per step at scale 1, as the step
+        measured sent them: a density warm-up's larger sends count in the setting's bytes)
+        and ``steps`` since the last decision (the scales then in force sent that long).
+        Returns the groups whose scale changed, with their new scale."""
         total = sum(weights.values()) or 1.0
-        self.spent += steps * sum(w * self.scales.get(g, 1.0) for g, w in weights.items()) / total
-        self.base += steps
+        self.spent += steps * sum(w * self.scales.get(g, 1.0) for g, w in weights.items())
+        self.base += steps * total
+        self.steps += steps
         steps = ahead if ahead is not None else steps
         changed: Dict[str, float] = {}
         for group, lag in sorted(reading.groups.items(), key=lambda kv: -kv[1]):
@@ -302,19 +325,23 @@ class DriftController:
     def _affordable(self, weights, total, steps, group, wanted) -> bool:
         return self._within(weights, total, steps, {**self.scales, group: wanted})
 
-    def allowed(self, steps_so_far: float, every: int) -> float:
-        """The bytes-weighted steps the run may have sent after ``steps_so_far`` steps:
-        ``n + (byte_budget − 1) · max(H, n)`` with ``H`` the horizon (or ``front``
-        measurements).  Before ``H`` the whole extra of the first ``H`` steps may be spent
-        at once, where the lag is largest; from ``H`` on the run has sent at most
-        ``byte_budget`` times the configured setting's bytes."""
-        ahead = self.horizon if self.horizon is not None else self.front * every
-        return steps_so_far + (self.byte_budget - 1.0) * max(ahead, steps_so_far)
+    def allowed(self, base: float, per_step: float, every: int) -> float:
+        """The bytes the run may have sent once the configured setting would have sent
+        ``base``: ``base + (byte_budget − 1) · max(H, base)``, with ``H`` the bytes of the
+        horizon's steps (or of ``front`` measurements') at ``per_step`` bytes a step.
+        Before ``H`` the whole extra of the first ``H`` may be spent at once, where the lag is
+        largest; from ``H`` on the run has sent at most ``byte_budget`` times the configured
+        setting's bytes."""
+        ahead = (self.horizon if self.horizon is not None else self.front * every) * per_step
+        return base + (self.byte_budget - 1.0) * max(ahead, base)
 
     def _within(self, weights, total, steps, scales) -> bool:
         """Whether sending at ``scales`` for the next ``steps`` keeps the run within budget."""
-        rate = sum(w * scales.get(g, 1.0) for g, w in weights.items()) / total
-        return self.spent + steps * rate <= self.allowed(self.base + steps, steps)
+        rate = sum(w * scales.get(g, 1.0) for g, w in weights.items())
+        # the configured setting's bytes a step, averaged over the run so far (one step's
+        # payloads vary: a threshold's selection, a density warm-up)
+        per_step = self.base / self.steps if self.steps else total
+        return self.spent + steps * rate <= self.allowed(self.base + steps * total, per_step, steps)
 
     @property
     def bytes_ratio(self) -> float:
@@ -323,12 +350,13 @@ class DriftController:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"scales": dict(self.scales), "calm": dict(self._calm), "spent": self.spent, "base": self.base,
-                "history": [[step, dict(scales)] for step, scales in self.history]}
+                "steps": self.steps, "history": [[step, dict(scales)] for step, scales in self.history]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.scales = {str(g): float(s) for g, s in dict(state.get("scales", {})).items()}
         self._calm = {str(g): int(c) for g, c in dict(state.get("calm", {})).items()}
         self.spent, self.base = float(state.get("spent", 0.0)), float(state.get("base", 0.0))
+        self.steps = int(state.get("steps", 0))
         self.history = [(int(step), {str(g): float(s) for g, s in dict(scales).items()})
                         for step, scales in state.get("history", [])]
 
