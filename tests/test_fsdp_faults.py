@@ -108,3 +108,25 @@ def test_register_on_one_rank_only_is_named_at_the_first_backward():
     assert "mergecomp.fsdp.register is not registered on rank(s) [1]" in message
     assert "FSDP's own reduce-scatter" in message and "on every rank" in message
     assert other is not None  # rank 1 fails at its next collective, it does not train on alone
+
+
+def _bytes_per_step(rank, world_size):
+    """HSDP on two nodes of one rank: the replicas' all-reduce is compressed (and checked first)."""
+    import mergecomp
+    from tests.test_fsdp import _batch
+    from tests.test_fsdp_hsdp import _model
+    model = _model(mergecomp.fsdp.node_mesh(local_size=1))
+    state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.1, controller="off")
+    sent = []
+    for step in range(3):
+        x, y = _batch(rank, step)
+        before = state.wire_bytes
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        model.zero_grad()
+        sent.append(state.wire_bytes - before)
+    return sent
+
+
+def test_the_registration_check_is_no_part_of_the_bytes_a_step_sends():
+    for sent in run_ranks(_bytes_per_step, 2):
+        assert sent[0] == sent[1] == sent[2] > 0, sent  # the first step's check went uncounted
