@@ -8,14 +8,16 @@ numbers per group added to the step's outcome allreduce, which runs anyway.  Thi
 times it on real models: for each task (the character LSTM and the character GPT of the
 convergence benchmark, on the Python distribution's help text) and each compressor, the
 same ranks train through ``mergecomp.DistributedOptimizer`` in alternating windows of
-``--window`` steps, one with the drift measured as shipped (``controller="off"``: measured,
+``--window`` steps (short, so that a busy host slows both windows of a pair alike), one with
+the drift measured as shipped (``controller="off"``: measured,
 not steered, so that both windows send the same bytes) and one with a meter that never
-measures, for ``--rounds`` rounds.  Each window's median step time is taken; the cost is
+measures, for ``--rounds`` rounds.  Each window's mean step time is taken (a measured
+window's one measured step included: the cost amortised as a run pays it); the cost is
 the median over rounds of (measured − unmeasured) / unmeasured, and the cost of a measured
 step alone is reported beside it.
 
     python benchmarks/drift_cost.py --out benchmarks/results/drift-cost
-    python benchmarks/drift_cost.py --tasks char-lstm --compressors topk --rounds 2 --window 20   # a rehearsal
+    python benchmarks/drift_cost.py --tasks char-lstm --compressors topk --rounds 2   # a rehearsal
 
 The step times come from the same processes in the same minutes, alternating, so a busy
 machine slows both alike; the ratio is what this benchmark claims, not the seconds.
@@ -77,7 +79,7 @@ def _worker(task_name: str, compressor: str, args) -> Dict[str, object]:
     rounds: List[Dict[str, float]] = []
     measured_steps: List[float] = []
     for _ in range(args.rounds):
-        medians = {}
+        means = {}
         for mode in ("measured", "unmeasured"):
             lifecycle.meter = meters[mode]
             seconds = []
@@ -88,11 +90,11 @@ def _worker(task_name: str, compressor: str, args) -> Dict[str, object]:
                 seconds.append(time.perf_counter() - start)
                 if mode == "measured" and meters["measured"].reading is not before:
                     measured_steps.append(seconds[-1])
-            # every rank agrees on the slowest rank's median (a step is as slow as its slowest rank)
-            median = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
-            torch.distributed.all_reduce(median, op=torch.distributed.ReduceOp.MAX)
-            medians[mode] = float(median)
-        rounds.append(medians)
+            # every rank agrees on the slowest rank's total (a step is as slow as its slowest rank)
+            mean = torch.tensor([sum(seconds) / len(seconds)], dtype=torch.float64)
+            torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
+            means[mode] = float(mean)
+        rounds.append(means)
     lifecycle.meter = meters["measured"]
     ratios = [(r["measured"] - r["unmeasured"]) / r["unmeasured"] for r in rounds]
     unmeasured = statistics.median(r["unmeasured"] for r in rounds)
@@ -122,8 +124,9 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--batch-size", type=int, default=12)
     p.add_argument("--warmup", type=int, default=20, help="steps before timing (default 20)")
-    p.add_argument("--rounds", type=int, default=6, help="alternations of the two windows (default 6)")
-    p.add_argument("--window", type=int, default=60, help="steps per window (default 60)")
+    p.add_argument("--rounds", type=int, default=40, help="alternations of the two windows (default 40)")
+    p.add_argument("--window", type=int, default=10,
+                   help="steps per window (default 10: one measured step in each measured window)")
     p.add_argument("--out", default=None, help="folder for drift-cost.json and drift-cost.md")
     args = p.parse_args(argv)
     for what in ("workers", "threads", "batch_size", "rounds", "window"):
