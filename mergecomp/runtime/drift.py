@@ -159,19 +159,32 @@ class DriftMeter:
             since = max(1, step + 1 - self.controller.steps)
             for group, scale in self.controller.decide(self.reading, weights, since, self.every).items():
                 compressor.set_group_scale(group, scale)
+            # steering, but held at the budget while the lag stays high: a larger budget would help
+            held = self.controller.starved and whole > WARN_ABOVE and self.controller.steps > self._front()
+            self._high = self._high + 1 if held else 0
         else:
             self._high = self._high + 1 if whole > WARN_ABOVE else 0
-            if self._high >= WARN_AFTER and not self.warned:
-                self.warned = True
-                self._warn(compressor)
+        if self._high >= WARN_AFTER and not self.warned:
+            self.warned = True
+            self._warn(compressor, steering)
         return self.reading
 
-    def _warn(self, compressor) -> None:
+    def _front(self) -> int:
+        """The steps over which the controller may spend ahead of its budget's pace."""
+        controller = self.controller
+        return controller.horizon if controller.horizon is not None else controller.front * self.every
+
+    def _warn(self, compressor, steering: bool = False) -> None:
         """Once per run (the same decision on every rank; rank 0 says it): the lag says the
-        run will miss dense, and nothing steers it."""
+        run will miss dense, and nothing steers it (or the controller is held at its budget)."""
         if getattr(compressor, "process_rank", 0) != 0:
             return
-        if self.controller is None:
+        if steering:
+            what = (f"the quality controller is held at its byte budget ({self.controller.byte_budget:g}× the "
+                    f"configured setting's bytes, {self.controller.bytes_ratio:.2g}× spent so far): a larger "
+                    f"budget, mergecomp.DriftController(byte_budget=...), or a denser setting would bring the "
+                    f"run closer to dense")
+        elif self.controller is None:
             what = ("the quality controller is off: turn it on (controller='auto', the default), which "
                     "raises the density or rank of the groups that lag, within a byte budget")
         else:
@@ -276,6 +289,7 @@ class DriftController:
         self.spent = 0.0
         self.base = 0.0
         self.steps = 0
+        self.starved = False
         #: (step, {group: scale}) after every decision that changed a scale.
         self.history: List[Tuple[int, Dict[str, float]]] = []
 
@@ -292,12 +306,16 @@ class DriftController:
         self.steps += steps
         steps = ahead if ahead is not None else steps
         changed: Dict[str, float] = {}
+        #: Whether a group that lags was left where it is for want of budget at this decision.
+        self.starved = False
         for group, lag in sorted(reading.groups.items(), key=lambda kv: -kv[1]):
             scale = self.scales.get(group, 1.0)
             if lag > self.raise_above and scale < self.max_scale:
                 wanted = min(self.max_scale, 2 * scale)
                 if self._affordable(weights, total, steps, group, wanted):
                     changed[group] = wanted
+                else:
+                    self.starved = True
                 self._calm[group] = 0
             elif lag < self.lower_below:
                 self._calm[group] = self._calm.get(group, 0) + 1
