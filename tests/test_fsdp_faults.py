@@ -20,17 +20,20 @@ import os, signal, sys, torch
 from torch.distributed.fsdp import fully_shard
 import mergecomp
 from mergecomp.distributed import launch
-how, bad, hsdp = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hsdp"
+how, bad, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 info = launch.init_distributed(timeout_s=6)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
 mesh = None
-if hsdp:
+if mode == "hsdp":
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2, info.world_size // 2), mesh_dim_names=("replicate", "shard"))
+wrap = fully_shard
+if mode == "replicate":
+    from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
 for layer in (model[0], model[2]):
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
+    wrap(layer, mesh=mesh)
+wrap(model, mesh=mesh)
 mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(6):

@@ -165,6 +165,10 @@ def docs_worker(rank, world_size, blocks, folder):
     exec(blocks["fsdp: HSDP node_mesh"], names)
     _one_step(names["model"], rank)
     seen["node_mesh"] = names["state"].hsdp
+    names = {"model": Layers()}
+    exec(blocks["fsdp: replicate"], names)
+    _one_step(names["model"], rank)
+    seen["replicate"] = names["state"].replicate and names["state"].wire_bytes > 0
     names = {"model": _user_names(rank)["build_model"]()}
     exec(blocks["hierarchical"], names)
     _one_step(names["model"], rank)
@@ -188,13 +192,15 @@ def test_the_pages_code_runs_as_written_on_cpu_ranks(tmp_path):
     blocks = {"fsdp: Use": python_block(os.path.join(docs, "fsdp.md"), "Use"),
               "fsdp: Checkpoints": python_block(os.path.join(docs, "fsdp.md"), "Checkpoints"),
               "fsdp: HSDP": hsdp[0], "fsdp: HSDP node_mesh": hsdp[1],
+              "fsdp: replicate": python_block(os.path.join(docs, "fsdp.md"),
+                                              "replicate: the all-reduce of whole gradients"),
               "hierarchical": python_block(os.path.join(docs, "hierarchical.md"), "Use"),
               "sparse-allreduce": fenced(os.path.join(docs, "sparse-allreduce.md"), {"python"})[0][1],
               "faults: Checkpoints": python_block(os.path.join(docs, "faults.md"), "Checkpoints"),
               "step-log": fenced(os.path.join(docs, "step-log.md"), {"python"})[0][1]}
     assert 'init_device_mesh("cuda"' not in hsdp[0]  # a CPU machine has no "cuda" mesh
     for rank, seen in enumerate(run_ranks(docs_worker, 2, blocks, str(tmp_path))):
-        assert seen["fsdp"] and seen["hsdp"] and seen["node_mesh"], seen
+        assert seen["fsdp"] and seen["hsdp"] and seen["node_mesh"] and seen["replicate"], seen
         assert seen["hierarchical"] == "HierarchicalCommunicator" and seen["sparse"] == "SparseAllreduceCommunicator"
         written = {f"fsdp-compression.rank{rank}.pt", f"ckpt.rank{rank}.pt"} | ({"runs"} if rank == 0 else set())
         assert written <= set(seen["files"]), seen  # rank 0 writes the step log

@@ -15,7 +15,11 @@ of its own shard.  :func:`register` compresses, unit by unit:
 - on a 2-D mesh (HSDP), the replicas' all-reduce of the already-sharded gradient only, the
   slow link between nodes, while FSDP's reduce-scatter within the shard group stays as it
   is (:mod:`mergecomp.fsdp.replica`); :func:`node_mesh` builds the 2-D mesh from the
-  node layout, so that the replicas span nodes and the shards stay inside a node.
+  node layout, so that the replicas span nodes and the shards stay inside a node;
+- on ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``: data
+  parallelism on FSDP2's machinery, whole parameters on a 1-D ``("replicate",)`` mesh),
+  the all-reduce of each unit's whole gradient over every rank, through the same hook
+  (:mod:`mergecomp.fsdp.replica`).
 
 Every backward is one step of the shared step lifecycle (:class:`mergecomp.fsdp.units.BackwardStep`):
 ranks agree on configuration, units and step before anything travels; a NaN/Inf gradient
@@ -24,8 +28,9 @@ with ``nonfinite="raise"``).
 
 Memory cost of error feedback: on a 1-D mesh the residual is kept on the sender for the
 gradient it compresses, i.e. one *unsharded* gradient per unit (as much memory per rank as
-the whole model's gradients, in the reduce dtype); under HSDP it is one gradient *shard*
-per unit.  ``memory="none"`` keeps none; PowerSGD keeps its error and factors per unit.
+the whole model's gradients, in the reduce dtype), as under ``replicate``; under HSDP it is
+one gradient *shard* per unit.  ``memory="none"`` keeps none; PowerSGD keeps its error and
+factors per unit.
 """
 from __future__ import annotations
 
@@ -44,9 +49,9 @@ from ..runtime import gate
 from ..runtime.drift import drift_meter
 from ..runtime.step import check_nonfinite_policy
 from .mesh import node_mesh
-from .replica import ReplicaAllReduce, is_hsdp, take_over
+from .replica import HSDP, REPLICATE, SHARD, ReplicaAllReduce, exchange_kind, take_over
 from .scatter import ScatterCommunicator, UnitShape, chunk_name, exchange_mode
-from .state import FSDPCompression
+from .state import FSDPCompression, configuration
 from .units import (BackwardStep, CompressedReduceScatter, explain_fsdp_collectives, fsdp_units, param_group,
                     unit_shape)
 
@@ -62,7 +67,8 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
              **options: Any) -> FSDPCompression:
     """Compress the gradient exchange of every FSDP2 unit in ``model``.
 
-    Call it after ``fully_shard`` (on the layers, then the root) and before training.
+    Call it after ``fully_shard`` or ``replicate`` (on the layers, then the root) and before
+    training.
     ``compressor``: a registered name (with ``options`` for it) or an instance;
     ``memory``: error feedback, ``"auto"`` for the compressor's recommendation
     (``residual`` for the sparsifiers); ``nonfinite``: what a NaN/Inf gradient on any rank
@@ -96,14 +102,15 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mergecomp.fsdp.register needs torch.distributed initialised (fully_shard "
                            "does too): call mergecomp.launch.init_distributed() first")
-    hsdp = _check_mesh(groups)
+    kind = _check_mesh(groups)
+    replicas = kind != SHARD  # the replicas' all-reduce is what is compressed
     # No collective here: a rank that never registers would meet it with FSDP's first
     # all-gather.  The first exchange checks that every rank registered, then each step's
     # preflight that they agree on the configuration and the units.
     world = TorchDistributedBackend()
     layout = [[name, [list(p.shape) for p in module.parameters()]] for name, module in units]
-    config = f"{compressor!r} {memory!r} hsdp={hsdp}" + ("" if controller == "auto" else f" {meter.controller!r}")
-    if hsdp:
+    config = configuration(compressor, memory, kind) + ("" if controller == "auto" else f" {meter.controller!r}")
+    if replicas:
         meshes = {index: take_over(name, group) for index, name, _, group in groups}
         replicate = meshes[groups[0][0]][1]
         communicator = communicators.create(carrier, compressor=compressor, memory=memory,
@@ -113,31 +120,33 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
         communicator = ScatterCommunicator(compressor, memory, TorchDistributedBackend(shard),
                                            {f"group{index}": shape for index, shape in shapes.items()})
     backward = BackwardStep(model, communicator, world, nonfinite, {"config": config, "layout": layout},
-                            "allreduce" if hsdp else "reduce_scatter")
+                            "allreduce" if replicas else "reduce_scatter")
     backward.lifecycle.meter = meter
     installed: Dict[str, Any] = {}
     for index, name, module, group in groups:
-        if hsdp:
-            replicas = dist.get_world_size(meshes[index][1])
-            unit = ReplicaAllReduce(name, index, group, backward, shapes[index].shard_layout(), replicas)
+        if replicas:
+            unit = ReplicaAllReduce(name, index, group, backward, shapes[index].shard_layout(),
+                                    dist.get_world_size(meshes[index][1]))
             module.set_all_reduce_hook(unit)
         else:
             unit = CompressedReduceScatter(name, index, backward, communicator)
             module.set_custom_reduce_scatter(unit)
         installed[name] = unit
-        explain_fsdp_collectives(module, world, reduce_scatter=hsdp)
+        if kind != REPLICATE:  # a replicate unit runs no collective of FSDP's any more
+            explain_fsdp_collectives(module, world, reduce_scatter=kind == HSDP)
         setattr(module, _MARK, True)
     return FSDPCompression(installed, compressor, memory, dist.get_rank(), dist.get_world_size(), backward,
-                           _state_groups(shapes, compressor, memory, hsdp), hsdp)
+                           _state_groups(shapes, compressor, memory, replicas), kind)
 
 
 def _state_groups(shapes: Dict[int, UnitShape], compressor: Compressor, memory: Memory,
-                  hsdp: bool) -> Dict[str, GroupSpec]:
-    """The key, size and dtype of every buffer the compressor and memory may keep state for."""
+                  replicas: bool) -> Dict[str, GroupSpec]:
+    """The key, size and dtype of every buffer the compressor and memory may keep state for
+    (``replicas``: the replicas' all-reduce of what each unit holds is compressed)."""
     found = {}
     for index, shape in shapes.items():
         label = f"group{index}"
-        if hsdp:
+        if replicas:
             found[label] = GroupSpec(shape.chunk_numel, shape.dtype, shape.shard_layout())
         elif exchange_mode(compressor, memory) == "whole":
             found[label] = GroupSpec(shape.chunk_numel * shape.world, shape.dtype, shape.whole_layout())
@@ -147,27 +156,37 @@ def _state_groups(shapes: Dict[int, UnitShape], compressor: Compressor, memory: 
     return found
 
 
-def _check_mesh(groups) -> bool:
-    """Whether the units are HSDP (all or none), after checking that their meshes span every
-    rank the same way: the per-step agreement and outcome vote run over all ranks."""
+def _check_mesh(groups) -> str:
+    """The units' :func:`~mergecomp.fsdp.replica.exchange_kind` (one for all of them), after
+    checking that their meshes span every rank the same way: the per-step agreement and
+    outcome vote run over all ranks."""
     if not groups:
         raise ValueError("no FSDP unit of the model has parameters: nothing to compress")
-    kinds = {is_hsdp(group) for _, _, _, group in groups}
-    if len(kinds) > 1:
-        names = [name for _, name, _, group in groups if is_hsdp(group)]
-        raise ValueError(f"FSDP units {names} are hybrid-sharded (HSDP) and the others are not: "
-                         "register() compresses one kind per model; shard every unit on the same mesh")
+    kinds = {name: exchange_kind(group) for _, name, _, group in groups}
+    if len(set(kinds.values())) > 1:
+        raise ValueError(f"FSDP units mix kinds of data parallelism {kinds} (shard: fully_shard on a 1-D "
+                         "mesh, hsdp: fully_shard on a 2-D mesh, replicate: replicate()): register() "
+                         "compresses one kind per model; wrap every unit the same way, on the same mesh")
     world = dist.get_world_size()
     seen = set()
     for _, name, _, group in groups:
-        info = group.mesh_info
-        ranks = tuple(dist.get_process_group_ranks(info.shard_process_group))
-        span = len(ranks) * (dist.get_world_size(info.replicate_process_group) if is_hsdp(group) else 1)
+        ranks, span = _mesh_span(group)
         if span != world:
-            raise ValueError(f"FSDP unit {name!r} is sharded over {span} of the {world} ranks: mergecomp.fsdp "
-                             "needs a mesh that spans every rank (its agreement and non-finite vote run over "
-                             "all of them)")
+            raise ValueError(f"FSDP unit {name!r} is {kinds[name]}-parallel over {span} of the {world} ranks: "
+                             "mergecomp.fsdp needs a mesh that spans every rank (its agreement and non-finite "
+                             "vote run over all of them)")
         seen.add(ranks)
     if len(seen) > 1:
-        raise ValueError(f"FSDP units shard over different rank groups {sorted(seen)}: use one mesh for every unit")
-    return kinds.pop()
+        raise ValueError(f"FSDP units reduce over different rank groups {sorted(seen)}: use one mesh for "
+                         "every unit")
+    return next(iter(kinds.values()))
+
+
+def _mesh_span(group):
+    """(the ranks of the group a unit reduces over first, how many ranks its mesh spans):
+    the shard group (times the replicas under HSDP), or under replicate the replicate group."""
+    info = group.mesh_info
+    kind = exchange_kind(group)
+    first = info.replicate_process_group if kind == REPLICATE else info.shard_process_group
+    ranks = tuple(dist.get_process_group_ranks(first))
+    return ranks, len(ranks) * (dist.get_world_size(info.replicate_process_group) if kind == HSDP else 1)

@@ -15,6 +15,15 @@ and ``full_tensor()`` are unchanged) and installs, through ``set_all_reduce_hook
 :class:`ReplicaAllReduce` that runs where FSDP's all-reduce ran: on the reduce-scatter's
 output, in place, through the compressor's communicator over the replicate group.  This
 reads FSDP2's parameter-group internals (``mesh_info``), checked on registration.
+
+``replicate`` (``torch.distributed._composable.replicate_with_fsdp``), PyTorch's data
+parallelism built on FSDP2's machinery, is the same exchange without a shard dimension:
+its units keep whole parameters on a 1-D ``("replicate",)`` mesh, FSDP's reduce-scatter is
+a local copy (a group of one) and its all-reduce averages the whole gradient over every
+rank.  :func:`take_over` gives such a unit's parameter group a mesh description that is
+neither sharded nor replicated, so FSDP runs neither collective, and the same
+:class:`ReplicaAllReduce` exchanges the whole gradient over the replicate group: error
+feedback then costs one gradient per unit, as under DDP.
 """
 from __future__ import annotations
 
@@ -29,16 +38,43 @@ try:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 except ImportError:  # pragma: no cover - an older torch
     FSDPMeshInfo = HSDPMeshInfo = None
+try:  # the mesh descriptions of replicate(), which came after HSDP's
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo, DDPMeshInfo
+except ImportError:  # pragma: no cover - an older torch
+    DataParallelMeshInfo = DDPMeshInfo = None
+
+#: What :func:`exchange_kind` answers: the collective of a unit that mergecomp compresses.
+SHARD, HSDP, REPLICATE = "shard", "hsdp", "replicate"
 
 
 def is_hsdp(param_group) -> bool:
-    """Whether FSDP2 would all-reduce this parameter group across replicas itself."""
+    """Whether FSDP2 would all-reduce this parameter group's shard across replicas itself."""
     return HSDPMeshInfo is not None and isinstance(getattr(param_group, "mesh_info", None), HSDPMeshInfo)
 
 
-def take_over(name: str, param_group) -> Tuple[object, object]:
-    """Make FSDP treat ``param_group`` as sharded over its shard dimension only (so it does
-    not all-reduce across replicas); return (shard group, replicate group)."""
+def is_replicated(param_group) -> bool:
+    """Whether the group is ``replicate``'s: whole parameters that FSDP2 all-reduces over
+    every replica, with no shard dimension."""
+    info = getattr(param_group, "mesh_info", None)
+    return (DDPMeshInfo is not None and isinstance(info, DDPMeshInfo)
+            and not (FSDPMeshInfo is not None and isinstance(info, FSDPMeshInfo)))
+
+
+def exchange_kind(param_group) -> str:
+    """Which of the unit's collectives mergecomp compresses: :data:`SHARD` (FSDP's
+    reduce-scatter, a 1-D ``fully_shard`` mesh), :data:`HSDP` (the replicas' all-reduce of
+    the shard) or :data:`REPLICATE` (``replicate``'s all-reduce of the whole gradient)."""
+    if is_hsdp(param_group):
+        return HSDP
+    return REPLICATE if is_replicated(param_group) else SHARD
+
+
+def take_over(name: str, param_group) -> Tuple[Optional[object], object]:
+    """Make FSDP skip the replicas' all-reduce of ``param_group`` (HSDP's or ``replicate``'s),
+    so that :class:`ReplicaAllReduce` runs it instead; return (shard group, replicate group),
+    the shard group None under ``replicate``."""
+    if is_replicated(param_group):
+        return _take_over_replicate(name, param_group)
     info = param_group.mesh_info
     if FSDPMeshInfo is None or not hasattr(info, "replicate_process_group"):
         raise RuntimeError(f"FSDP unit {name!r}: this torch's FSDP2 does not describe its HSDP mesh as "
@@ -54,14 +90,34 @@ def take_over(name: str, param_group) -> Tuple[object, object]:
     return info.shard_process_group, info.replicate_process_group
 
 
+def _take_over_replicate(name: str, param_group) -> Tuple[None, object]:
+    """Describe a ``replicate`` unit's mesh as neither sharded nor replicated.
+
+    FSDP2 picks its collectives by the type of ``mesh_info``: a sharded one reduce-scatters,
+    a replicated one all-reduces after the (local) reduce-scatter and only then calls the
+    all-reduce hook.  With the plain base description it runs neither: the reduce is a copy
+    of the whole gradient and the hook, :class:`ReplicaAllReduce`, is the exchange.  The
+    parameters keep their own ``Replicate()`` placements and mesh.
+    """
+    info = param_group.mesh_info
+    if DataParallelMeshInfo is None or not hasattr(info, "replicate_process_group"):  # pragma: no cover
+        raise RuntimeError(f"replicate unit {name!r}: this torch's FSDP2 does not describe replicate's mesh "
+                           "as mergecomp expects (a DDPMeshInfo with a replicate_process_group); use "
+                           "mergecomp.ddp.register with DistributedDataParallel on this torch")
+    param_group.mesh_info = DataParallelMeshInfo(mesh=info.mesh, replicate_mesh_dim=info.replicate_mesh_dim,
+                                                 dp_mesh_dims=info.dp_mesh_dims, spmd_mesh=info.spmd_mesh)
+    return None, info.replicate_process_group
+
+
 class ReplicaAllReduce:
-    """The replicas' all-reduce of one HSDP unit's gradient shard, compressed (the
-    ``set_all_reduce_hook`` of the unit).
+    """The replicas' all-reduce of one HSDP unit's gradient shard, or of one ``replicate``
+    unit's whole gradient, compressed (the ``set_all_reduce_hook`` of the unit).
 
     It averages across replicas, as FSDP's all-reduce does, or sums when the unit has a
-    gradient divide factor (FSDP's reduce-scatter then already applied it).  On the wire:
-    what the compressor's communicator sends for one shard, instead of FSDP's ring
-    all-reduce of 2·(R−1)/R of the shard in the reduce dtype for R replicas.
+    gradient divide factor (FSDP's reduce-scatter, or ``replicate``'s local copy, then already
+    applied it).  On the wire: what the compressor's communicator sends for one shard (the
+    whole gradient under ``replicate``), instead of FSDP's ring all-reduce of 2·(R−1)/R of it
+    in the reduce dtype for R replicas.
     """
 
     def __init__(self, name: str, index: int, param_group, backward: BackwardStep,
@@ -77,7 +133,7 @@ class ReplicaAllReduce:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if not self.param_group.all_reduce_grads:
             raise ValueError(f"FSDP unit {self.name!r}: set_requires_all_reduce(False) leaves the replicas' "
-                             "all-reduce for a later backward, which the compressed HSDP all-reduce does not "
+                             "all-reduce for a later backward, which the compressed replica all-reduce does not "
                              "do: accumulate with set_requires_gradient_sync(False) instead")
         flat = reduce_output.view(-1)
         layout = self.layout if self.layout is not None and _covers(self.layout, flat.numel()) else None

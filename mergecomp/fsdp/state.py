@@ -8,6 +8,7 @@ from ..compressors.base import Compressor
 from ..memories.base import Memory
 from ..runtime import gate
 from ..runtime.step import SharedSurface
+from .replica import HSDP, REPLICATE, SHARD
 from .units import BackwardStep
 
 #: Format of FSDP compression state (2: the envelope every entry point shares,
@@ -18,24 +19,36 @@ _ADVICE = ("Nothing was loaded. Load an earlier checkpoint, or go on without thi
            "then restarts from zero")
 
 
+def configuration(compressor: Compressor, memory: Memory, kind: str) -> str:
+    """What ranks and checkpoints must agree on: the compressor, the memory and which
+    collective is compressed (``kind``, as :func:`~mergecomp.fsdp.replica.exchange_kind`
+    says; the text for FSDP and HSDP is the one their checkpoints were sealed with)."""
+    mode = "replicate=True" if kind == REPLICATE else f"hsdp={kind == HSDP}"
+    return f"{compressor!r} {memory!r} {mode}"
+
+
 class FSDPCompression(SharedSurface):
     """The compressed exchange of every FSDP unit of a model.
 
     ``units``: each unit's name → what exchanges it (a
     :class:`~mergecomp.fsdp.units.CompressedReduceScatter`, or a
-    :class:`~mergecomp.fsdp.replica.ReplicaAllReduce` under HSDP); ``groups``: the state key
-    of every buffer the compressor and memory keep state for → its size and dtype;
-    ``hsdp``: whether the replicas' all-reduce is what is compressed.
+    :class:`~mergecomp.fsdp.replica.ReplicaAllReduce` under HSDP and ``replicate``);
+    ``groups``: the state key of every buffer the compressor and memory keep state for → its
+    size and dtype; ``kind``: the collective compressed, ``"shard"`` (FSDP's reduce-scatter),
+    ``"hsdp"`` (the replicas' all-reduce of a shard) or ``"replicate"`` (``replicate``'s
+    all-reduce of the whole gradient); ``hsdp`` and ``replicate`` say which of the last two.
     """
 
     def __init__(self, units: Dict[str, Any], compressor: Compressor, memory: Memory, rank: int,
-                 world_size: int, backward: BackwardStep, groups: Dict[str, GroupSpec], hsdp: bool):
+                 world_size: int, backward: BackwardStep, groups: Dict[str, GroupSpec], kind: str):
         self.units = units
         self.compressor = compressor
         self.memory = memory
         self.rank, self.world_size = rank, world_size
         self.backward = backward
-        self.hsdp = hsdp
+        self.kind = kind
+        self.hsdp = kind == HSDP
+        self.replicate = kind == REPLICATE
         self._groups = groups
 
     @property
@@ -61,7 +74,7 @@ class FSDPCompression(SharedSurface):
 
     # -- checkpoints -------------------------------------------------------------------------
     def _configuration(self) -> str:
-        return f"{self.compressor!r} {self.memory!r} hsdp={self.hsdp}"
+        return configuration(self.compressor, self.memory, self.kind)
 
     def groups(self) -> Dict[str, GroupSpec]:
         """Each state key → its size and dtype: what saved state must fit."""
@@ -102,4 +115,4 @@ class FSDPCompression(SharedSurface):
 
     def __repr__(self) -> str:
         return (f"FSDPCompression({self.compressor!r}, {self.memory!r}, units={list(self.units)}"
-                f"{', hsdp' if self.hsdp else ''})")
+                f"{'' if self.kind == SHARD else ', ' + self.kind})")

@@ -101,7 +101,7 @@ class BackwardStep:
             self.lifecycle.communicator.backend, buffer, self.collective,
             "mergecomp.fsdp.register", f"FSDP's own {self.collective.replace('_', '-')}",
             "Call mergecomp.fsdp.register(model, ...) on every rank, with the same arguments, after "
-            "fully_shard and before the first backward.")
+            "fully_shard (or replicate) and before the first backward.")
 
     def _queue_end(self) -> None:
         try:
@@ -235,11 +235,12 @@ def fsdp_units(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
         raise RuntimeError("mergecomp.fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"register() needs the model after fully_shard, got {type(model).__name__}")
+    # replicate()'s ReplicateModule is an FSDPModule too: its units are found the same way
     units = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not units:
         raise TypeError(f"{type(model).__name__} has no FSDP2 module: call "
-                        "torch.distributed.fsdp.fully_shard on its layers and on the model first "
-                        "(for DistributedDataParallel use mergecomp.ddp.register)")
+                        "torch.distributed.fsdp.fully_shard (or replicate_with_fsdp.replicate) on its "
+                        "layers and on the model first (for DistributedDataParallel use mergecomp.ddp.register)")
     return units
 
 
@@ -264,7 +265,8 @@ def unit_shape(name: str, group) -> Optional[UnitShape]:
                    for i, p in enumerate(group.fsdp_params))
     policy = group.mp_policy
     dtype = policy.reduce_dtype or policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
-    return UnitShape(params, group.mesh_info.shard_mesh_size, dtype)
+    # replicate's units have no shard dimension: one "shard", the whole padded gradient
+    return UnitShape(params, getattr(group.mesh_info, "shard_mesh_size", 1), dtype)
 
 
 __all__ = ["CompressedReduceScatter", "fsdp_units", "param_group", "unit_shape"]
