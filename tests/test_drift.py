@@ -357,3 +357,15 @@ def test_a_new_plan_keeps_the_scale_the_groups_sent_at():
     meter.controller.scales = {}
     meter.regrouped(compressor, ["group0"])
     assert meter.controller.scales == {} and compressor._group_scales == {}
+
+
+def test_a_group_that_gave_back_for_the_budget_waits_before_rising_again():
+    controller = DriftController(raise_above=1.0, lower_below=0.1, byte_budget=1.5, max_scale=16.0, front=1,
+                                 patience=3)
+    weights = {"group0": 1.0}
+    scales = []
+    for step in range(0, 600, 10):
+        controller.decide(_reading(step, group0=50.0), weights, 10)
+        scales.append(controller.scales.get("group0", 1.0))
+    changes = sum(a != b for a, b in zip(scales[20:], scales[21:]))
+    assert changes <= len(scales[20:]) // 3, scales  # at most one change in `patience` decisions, not every one

@@ -215,6 +215,7 @@ class DriftMeter:
         carried = 2.0 ** math.floor(math.log2(overall)) if overall > 1.0 else 1.0
         self.controller.scales = {name: carried for name in names} if carried > 1.0 else {}
         self.controller._calm.clear()
+        self.controller._cooling.clear()
         self._numels.clear()
         self._sent.clear()
         self.apply(compressor)
@@ -290,6 +291,8 @@ class DriftController:
         self.base = 0.0
         self.steps = 0
         self.starved = False
+        #: Decisions left before a group that gave back for the budget may be raised again.
+        self._cooling: Dict[str, int] = {}
         #: (step, {group: scale}) after every decision that changed a scale.
         self.history: List[Tuple[int, Dict[str, float]]] = []
 
@@ -308,11 +311,15 @@ class DriftController:
         changed: Dict[str, float] = {}
         #: Whether a group that lags was left where it is for want of budget at this decision.
         self.starved = False
+        for group in list(self._cooling):  # a group that gave back for the budget waits before rising again
+            self._cooling[group] -= 1
+            if self._cooling[group] <= 0:
+                del self._cooling[group]
         for group, lag in sorted(reading.groups.items(), key=lambda kv: -kv[1]):
             scale = self.scales.get(group, 1.0)
             if lag > self.raise_above and scale < self.max_scale:
                 wanted = min(self.max_scale, 2 * scale)
-                if self._affordable(weights, total, steps, group, wanted):
+                if group not in self._cooling and self._affordable(weights, total, steps, group, wanted):
                     changed[group] = wanted
                 else:
                     self.starved = True
@@ -331,6 +338,7 @@ class DriftController:
             if calmest is None:
                 break
             changed[calmest] = max(1.0, now[calmest] / 2)
+            self._cooling[calmest] = self.patience  # no raising it straight back: no flapping
         for group, scale in changed.items():
             if scale == 1.0:
                 self.scales.pop(group, None)
@@ -368,13 +376,15 @@ class DriftController:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"scales": dict(self.scales), "calm": dict(self._calm), "spent": self.spent, "base": self.base,
-                "steps": self.steps, "history": [[step, dict(scales)] for step, scales in self.history]}
+                "steps": self.steps, "cooling": dict(self._cooling),
+                "history": [[step, dict(scales)] for step, scales in self.history]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.scales = {str(g): float(s) for g, s in dict(state.get("scales", {})).items()}
         self._calm = {str(g): int(c) for g, c in dict(state.get("calm", {})).items()}
         self.spent, self.base = float(state.get("spent", 0.0)), float(state.get("base", 0.0))
         self.steps = int(state.get("steps", 0))
+        self._cooling = {str(g): int(c) for g, c in dict(state.get("cooling", {})).items()}
         self.history = [(int(step), {str(g): float(s) for g, s in dict(scales).items()})
                         for step, scales in state.get("history", [])]
 
