@@ -40,7 +40,9 @@ OPTIMIZERS = ("sgd", "adamw")
 #: A task missing here has no swept value yet: ``--lr`` is required for it.
 DENSE_LR = {
     "sgd": {"digits": 0.05, "char-lstm": 2.0, "char-gpt": 0.125},
-    "adamw": {},
+    # char-lstm: 0.001, 0.003, 0.01 tried at 4 workers, batch 12, cosine over 1,500 steps
+    # (benchmarks/results/2026-11-27-quality-control/adamw-sweep); 0.01 best, at the sweep's edge
+    "adamw": {"char-lstm": 0.01},
 }
 #: AdamW's weight decay and betas per task, from the same sweeps; torch's defaults
 #: (0.01, (0.9, 0.999)) for a task not swept.
