@@ -66,7 +66,9 @@ def test_rows_record_curve_bytes_and_recipe(rows):
     dense, topk = rows[convergence.DENSE], rows["topk:compress_ratio=0.1"]
     assert [p["step"] for p in dense["curve"]] == [0, 120, 240]
     assert dense["curve"][-1]["bytes"] == pytest.approx(dense["bytes_per_step"] * 240)
-    assert 0 < topk["bytes_per_step"] < dense["bytes_per_step"] / 4
+    # top-k at 10% (values and indices): a fifth of dense's bytes, and at most twice that with
+    # the quality controller's default budget over a run longer than its front (100 steps)
+    assert 0 < topk["bytes_per_step"] < dense["bytes_per_step"] / 2
     assert topk["clip_mode"] == "local" and "clip_norm=0.707" in topk["memory_repr"]
     assert dense["clip_mode"] == "averaged"
 
