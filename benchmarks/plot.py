@@ -52,6 +52,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
 SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-speed", "2026-11-24-scaling",
               "2026-11-24-simulator-8-ranks")
+#: Convergence runs whose drift and controller figures docs/results.md shows (``plot.py drift``'s).
+SHOWN_DRIFT_RUNS = ("2026-11-27-quality-control/sgd-on",)
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
@@ -635,7 +637,9 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
     if path == "results":
         if out:
             raise ValueError("'results' writes each figure beside its data; drop --out")
-        return [p for run in SHOWN_RUNS for p in render_any(os.path.join(ROOT, "benchmarks", "results", run))]
+        return ([p for run in SHOWN_RUNS for p in render_any(os.path.join(ROOT, "benchmarks", "results", run))]
+                + [p for run in SHOWN_DRIFT_RUNS
+                   for p in render_drift_figures(os.path.join(ROOT, "benchmarks", "results", run))])
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "scaling.json")):
             return [render_scaling(path, out)]
