@@ -97,7 +97,8 @@ class Communicator:
     def _compressed(self, compensated: torch.Tensor, name: str, layout: Optional[GroupLayout]):
         payload, ctx = self._encode(self.compressor.compress, compensated, name, layout)
         self.memory.update(compensated, name, self.compressor, payload, ctx)
-        self.memory.note_sent(name, payload_nbytes(payload))  # on a measured step, for the byte budget
+        if getattr(self.memory, "measuring", False):  # a measured step: the byte budget counts its payload
+            self.memory.note_sent(name, payload_nbytes(payload))
         return payload, ctx
 
     def _encode(self, method, tensor: torch.Tensor, name: str, layout: Optional[GroupLayout], **options):
