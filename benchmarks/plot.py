@@ -598,16 +598,8 @@ def render_simulator_check(folder: str, out: Optional[str] = None) -> str:
 
 
 def _read_convergence(folder: str) -> dict:
-    path = os.path.join(folder, "convergence.json")
-    try:
-        with open(path) as f:
-            result = json.load(f)
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror}; is {folder} a run of "
-                         f"benchmarks/convergence.py?") from None
-    if not isinstance(result, dict) or not {"rows", "runs"} <= set(result):
-        raise ValueError(f"{path} has no 'rows' and 'runs': it is no result of benchmarks/convergence.py")
-    return result
+    from benchmarks.harness import drift_plots  # as render_drift_figures imports it
+    return drift_plots.read(folder, ("rows", "runs"))
 
 
 def _pyplot():

@@ -39,7 +39,9 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def read(folder: str) -> dict:
+def read(folder: str, keys=("runs",)) -> dict:
+    """``folder``'s ``convergence.json`` (written by ``benchmarks/convergence.py --out``), which
+    must hold ``keys``; ValueError saying what is wrong otherwise."""
     path = os.path.join(folder, "convergence.json")
     try:
         with open(path) as f:
@@ -47,8 +49,9 @@ def read(folder: str) -> dict:
     except OSError as error:
         raise ValueError(f"cannot read {path}: {error.strerror}; pass a folder written by "
                          f"benchmarks/convergence.py --out") from None
-    if not isinstance(result, dict) or "runs" not in result:
-        raise ValueError(f"{path} has no 'runs': it is no result of benchmarks/convergence.py")
+    if not isinstance(result, dict) or not set(keys) <= set(result):
+        raise ValueError(f"{path} has no " + " and ".join(repr(k) for k in keys)
+                         + ": it is no result of benchmarks/convergence.py")
     return result
 
 
