@@ -189,41 +189,30 @@ def test_a_resumed_run_steers_and_trains_bit_for_bit_as_one_that_never_stopped(t
 
 
 # -- what is told --------------------------------------------------------------------------------
-def _unsteered(rank, world_size):
+def _told(rank, world_size, controller, steps):
+    """The lag warnings a top-k 1% run says over ``steps`` steps under ``controller``."""
     drift.WARN_ABOVE = 0.05  # this process only: a lag any top-k run passes
     model = _model()
-    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
-                                               compressor=mergecomp.compressors.create("topk", compress_ratio=0.01),
-                                               controller="off")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(60):
-            _step(model, optimizer, rank, step)
-    return [str(w.message) for w in caught if "holds back" in str(w.message)]
-
-
-def test_a_lag_nothing_steers_is_told_once_on_rank_0():
-    said0, said1 = run_ranks(_unsteered, 2)
-    assert len(said0) == 1 and said1 == []
-    assert "the quality controller is off" in said0[0] and "controller='auto'" in said0[0]
-
-
-def _held_at_budget(rank, world_size):
-    drift.WARN_ABOVE = 0.05  # this process only: a lag any top-k run passes
-    model = _model()
-    controller = DriftController(raise_above=0.05, lower_below=0.01, byte_budget=1.2, front=1, every=5)
+    if controller == "held":  # a budget too small for the lag
+        controller = DriftController(raise_above=0.05, lower_below=0.01, byte_budget=1.2, front=1, every=5)
     optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
                                                compressor=mergecomp.compressors.create("topk", compress_ratio=0.01),
                                                controller=controller)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(80):
+        for step in range(steps):
             _step(model, optimizer, rank, step)
     return [str(w.message) for w in caught if "holds back" in str(w.message)]
 
 
+def test_a_lag_nothing_steers_is_told_once_on_rank_0():
+    said0, said1 = run_ranks(_told, 2, "off", 60)
+    assert len(said0) == 1 and said1 == []
+    assert "the quality controller is off" in said0[0] and "controller='auto'" in said0[0]
+
+
 def test_a_controller_held_at_its_budget_while_the_lag_stays_high_says_so_once():
-    said0, said1 = run_ranks(_held_at_budget, 2)
+    said0, said1 = run_ranks(_told, 2, "held", 80)
     assert len(said0) == 1 and said1 == []
     assert "held at its byte budget (1.2×" in said0[0] and "byte_budget=" in said0[0]
 
