@@ -154,6 +154,19 @@ def test_dgc_sends_the_largest_elements_and_at_most_k():
     assert values.abs().min() >= x[unsent].abs().max()
 
 
+def test_dgc_sends_its_indices_ascending_when_it_caps_the_candidates_at_k():
+    """More candidates than k pass the sampled threshold (its margin lowers it), so DGC
+    picks k of them; the payload keeps them ascending, the order every device gives."""
+    torch.manual_seed(1)
+    x = torch.randn(65_541)
+    dgc = compressors.create("dgc", compress_ratio=0.001, warmup=0, sample_margin=3)
+    (values, indices), ctx = dgc.compress(x, "g")
+    k = dgc.payload_bound(ctx)[0].numel()
+    assert values.numel() == k and torch.all(indices[1:] > indices[:-1])
+    assert torch.equal(values, x[indices.long()])
+    assert set(indices.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
 def test_dgc_options_and_warmup_schedule():
     dgc = compressors.create("dgc", compress_ratio=0.001, warmup=4)
     assert [round(dgc.density(e), 6) for e in range(6)] == [0.25, 0.062872, 0.015811, 0.003976, 0.001, 0.001]

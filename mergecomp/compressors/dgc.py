@@ -41,6 +41,16 @@ class DensityContext(Context):
     layout_fields = ("density",)
 
 
+def _chosen_in_order(chosen: torch.Tensor, count: int) -> torch.Tensor:
+    """A mask of ``count`` candidates with ``chosen`` set: the chosen positions in ascending
+    order, in one pass of ``count`` bools.  ``torch.topk(sorted=False)`` returns its k in an
+    order of its own, which differs between the CPU and CUDA kernels; ascending indices make
+    the payload the same bytes on every device, as the wire format promises."""
+    mask = torch.zeros(count, dtype=torch.bool, device=chosen.device)
+    mask[chosen] = True
+    return mask
+
+
 @register("dgc")
 class DGCCompressor(SparseCompressor):
     """Send the elements whose magnitude passes a threshold estimated from a 1% sample.
@@ -227,8 +237,9 @@ class DGCCompressor(SparseCompressor):
                 if indices.numel() >= 0.8 * k:
                     break
                 threshold = threshold * 0.8
-            if indices.numel() > k:  # too many: exactly k among the candidates
-                indices = indices[torch.topk(flat[indices].abs(), k, sorted=False).indices]
+            if indices.numel() > k:  # too many: exactly k among the candidates, kept ascending
+                indices = indices[_chosen_in_order(torch.topk(flat[indices].abs(), k, sorted=False).indices,
+                                                   indices.numel())]
         values = flat[indices]
         if self.fp16_values and values.dtype == torch.float32:
             values = values.to(torch.float16)
