@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mergecomp  # noqa: E402
+import step_operators  # noqa: E402
 from mergecomp import compressors  # noqa: E402
 from mergecomp.kernels import triton as gpu_kernels  # noqa: E402
 from mergecomp.distributed import launch  # noqa: E402
@@ -143,8 +144,11 @@ def _synchronize(device: torch.device) -> None:
 
 
 def profile_model(name: str, make_model, make_batch, device: torch.device, names: List[str], steps: int,
-                  warmup: int, per_compressor_s: float, deadline: float) -> List[dict]:
-    """One row per compressor: the median step time, or why there is none."""
+                  warmup: int, per_compressor_s: float, deadline: float, operators: int = 0,
+                  operator_names: Tuple[str, ...] = (), operator_rows: Optional[List[dict]] = None) -> List[dict]:
+    """One row per compressor: the median step time, or why there is none.  For the
+    compressors in ``operator_names``, ``operators`` more steps run under torch's profiler
+    and their summary (``step_operators.summarise``) is appended to ``operator_rows``."""
     model = make_model().to(device)
     inputs, loss_of = make_batch(device)
     parameters = sum(p.numel() for p in model.parameters())
@@ -162,16 +166,22 @@ def profile_model(name: str, make_model, make_batch, device: torch.device, names
                 optimizer = mergecomp.DistributedOptimizer(
                     torch.optim.SGD(model.parameters(), lr=1e-4), model=model,
                     compressor=compressors.create(compressor, **OPTIONS.get(compressor, {})))
-                times = []
-                started = time.perf_counter()
-                for step in range(warmup + steps):
-                    _synchronize(device)
-                    begin = time.perf_counter()
+                losses = []
+
+                def one_step() -> None:
                     optimizer.zero_grad(set_to_none=False)
                     with torch.autocast(device.type, dtype=torch.bfloat16):
                         loss = loss_of(model(inputs))
                     loss.backward()
                     optimizer.step()
+                    losses[:] = [loss.detach()]
+
+                times = []
+                started = time.perf_counter()
+                for step in range(warmup + steps):
+                    _synchronize(device)
+                    begin = time.perf_counter()
+                    one_step()
                     _synchronize(device)
                     if step >= warmup:
                         times.append((time.perf_counter() - begin) * 1e3)
@@ -181,8 +191,12 @@ def profile_model(name: str, make_model, make_batch, device: torch.device, names
             if times:
                 row["step_ms"] = statistics.median(times)
                 row["steps_timed"] = len(times)
-            if not math.isfinite(float(loss)):
+            if not math.isfinite(float(losses[0])):
                 row["note"] = "the loss is not finite"
+            if operators and compressor in operator_names and operator_rows is not None and times:
+                prof = step_operators.profile_steps(one_step, operators, device)
+                operator_rows.append({"model": name, "compressor": compressor, "step_ms": row["step_ms"],
+                                      "summary": step_operators.summarise(prof, operators, device.type == "cuda")})
         except Exception as error:  # recorded; the next compressor runs
             row["error"] = f"{type(error).__name__}: {error}"
         finally:
@@ -221,7 +235,14 @@ def main(argv=None) -> int:
     parser.add_argument("--per-compressor-s", type=float, default=20.0)
     parser.add_argument("--budget-s", type=float, default=600.0, help="the whole run")
     parser.add_argument("--out", required=True, help="folder for step-profile.json and step-profile.md")
+    parser.add_argument("--operators", type=int, default=0, metavar="N",
+                        help="profile N more steps of each of --operator-compressors: operators, kernel launches "
+                             "and host reads per step, into step-operators.md and .json (0: off)")
+    parser.add_argument("--operator-compressors", default="none,fp16,topk,dgc,efsignsgd,qsgd,randk,powersgd",
+                        help="comma-separated compressors whose steps --operators profiles")
     args = parser.parse_args(argv)
+    if args.operators < 0:
+        parser.error(f"--operators must be ≥ 0 (steps to profile; 0 is off), got {args.operators}")
     started = time.perf_counter()
     device = torch.device(args.device)
     launch.init_distributed(device=args.device)  # a 1-rank group: NCCL on a GPU, gloo on a CPU
@@ -233,11 +254,13 @@ def main(argv=None) -> int:
     # the dense baseline first; ATOMO, whose SVDs are the slowest by far, last
     names = ["none"] + sorted((n for n in chosen_names if n not in ("none", "fp32")), key=lambda n: (n == "atomo", n))
     os.makedirs(args.out, exist_ok=True)
-    rows = []
+    rows, operator_rows = [], []
+    operator_names = tuple(args.operator_compressors.split(","))
     for index, model in enumerate(models):
         now = time.perf_counter()  # each model gets its share of what is left of the budget
         deadline = now + (started + args.budget_s - now) / (len(models) - index)
-        rows += profile_model(model, *chosen[model], device, names, args.steps, args.warmup, args.per_compressor_s, deadline)
+        rows += profile_model(model, *chosen[model], device, names, args.steps, args.warmup, args.per_compressor_s,
+                              deadline, args.operators, operator_names, operator_rows)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     header = (f"Training step per compressor, world size 1, bf16 autocast, {device} "
@@ -246,6 +269,11 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "step-profile.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     write_table(rows, os.path.join(args.out, "step-profile.md"), header)
+    if operator_rows:
+        with open(os.path.join(args.out, "step-operators.json"), "w") as f:
+            json.dump({"header": header, "steps": args.operators, "rows": operator_rows}, f, indent=1)
+        step_operators.write_table(operator_rows, os.path.join(args.out, "step-operators.md"),
+                                   f"{header}; {args.operators} profiled steps per row, counts per step")
     launch.shutdown()
     return 1 if any("error" in r for r in rows) else 0
 

@@ -61,10 +61,14 @@ def test_the_dry_run_runs_every_stage_on_the_cpu(tmp_path):
         (tmp_path / name).read_text()[-3000:] for stage in record["stages"] for name in stage.get("files", []))
     assert [stage["name"] for stage in record["stages"]] == [stage.name for stage in gpu_check.STAGES]
     for name in ("kernels.md", "kernels.json", "compressors-triton.md", "compressors-torch.md",
-                 "step-profile.md", "step-profile.json"):
+                 "step-profile.md", "step-profile.json", "step-operators.md", "step-operators.json"):
         assert (tmp_path / name).stat().st_size > 0, name
     kernels = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     assert kernels and all(row.get("matches", "yes") == "yes" and "error" not in row for row in kernels)
     profile = json.loads((tmp_path / "step-profile.json").read_text())["rows"]
     assert all("step_ms" in row for row in profile), profile
+    operators = json.loads((tmp_path / "step-operators.json").read_text())["rows"]
+    assert {row["compressor"] for row in operators} == {"none", "dgc"}
+    dense, dgc = (next(r["summary"] for r in operators if r["compressor"] == c) for c in ("none", "dgc"))
+    assert dgc["operators"] > dense["operators"] > 0 and dgc["host_reads"]["aten::nonzero"] >= 1
     assert "| cpu | 4,000 | powersgd |" in (tmp_path / "compressors-triton.md").read_text()
