@@ -24,7 +24,10 @@ the model per configuration, all with the same initial weights and batch:
   ``H=8:compressor=sparseloco``); ``--window`` must be a multiple of every H, so that each
   window holds the same number of exchanges whatever its phase.
 
-After warm-up, ``--rounds`` rounds each run one window of ``--window`` steps of every
+Warm-up ends, for mergecomp's configurations, once ``auto`` has settled and the quality
+controller (on by default) has passed its front, the first hundred steps in which it may
+spend a run's extra bytes at once: the timed steps are a long run's steady state, and the
+log says what the front sent.  Then ``--rounds`` rounds each run one window of ``--window`` steps of every
 configuration, the order rotated each round, a barrier and one untimed step before each
 window; a window's time is its slowest rank's.  Per configuration, the median over rounds
 gives the step time, and from it: throughput, the scaling factor against one worker
@@ -185,7 +188,8 @@ def build_configurations(args, work) -> Dict[str, Configuration]:
         optimizer = sgd(ddp, owns_momentum(state.compressor, state.memory), args.lr)
         state.check_optimizer(optimizer)  # a memory that takes SGD's momentum over does it now
         configurations[f"hook-{name}"] = Configuration(
-            f"hook-{name}", train_step(work, ddp, optimizer), lambda s=state: s.backend.bytes_sent)
+            f"hook-{name}", train_step(work, ddp, optimizer), lambda s=state: s.backend.bytes_sent,
+            entry_point=state)
 
     for spec in getattr(args, "diloco_specs", ()):
         model = copy.deepcopy(base)

@@ -21,9 +21,22 @@ class Configuration:
     the wire, where counted) and (mergecomp) its optimizer, whose phases are timed."""
 
     def __init__(self, name: str, step: Callable[[], None], bytes_sent: Callable[[], float],
-                 before: Callable[[], None] = None, optimizer=None, wire_bytes: Callable[[], float] = None):
+                 before: Callable[[], None] = None, optimizer=None, wire_bytes: Callable[[], float] = None,
+                 entry_point=None):
         self.name, self.step, self.bytes_sent, self.before, self.optimizer = name, step, bytes_sent, before, optimizer
         self.wire = wire_bytes if wire_bytes is not None else (lambda: 0.0)
+        #: The mergecomp entry point (optimizer, DDP hook state) whose quality controller
+        #: :func:`settle` runs past its front; read after warm-up (a hook builds it on its first step).
+        self.entry_point = entry_point if entry_point is not None else optimizer
+
+    @property
+    def controller(self):
+        """mergecomp's quality controller of this configuration, when it steers: None when it
+        is off, for a compressor it cannot steer (no knob: casts, signs), or not mergecomp."""
+        compressor = getattr(self.entry_point, "compressor", None)
+        if getattr(compressor, "knob", None) is None:
+            return None
+        return getattr(self.entry_point, "controller", None)
 
 
 def train_step(work, model, optimizer) -> Callable[[], None]:
@@ -58,7 +71,8 @@ def counted(name: str, step: Callable[[], None], per_step: float) -> Configurati
 
 
 def settle(configurations: Dict[str, Configuration], args, work) -> Dict[str, int]:
-    """Warm every configuration up; run each auto optimizer until its scheduler settles."""
+    """Warm every configuration up; run each auto optimizer until its scheduler settles, and
+    each quality controller past its front (:func:`settle_controller`)."""
     search = {}
     for name, configuration in configurations.items():
         for _ in range(max(3, args.num_warmup_batches)):
@@ -72,7 +86,27 @@ def settle(configurations: Dict[str, Configuration], args, work) -> Dict[str, in
             search[name] = steps
             work.log(f"{name}: auto settled after {steps} steps: "
                      + optimizer.plan.describe(optimizer.param_infos()).splitlines()[0])
+        if configuration.controller is not None:
+            settle_controller(name, configuration, work)
     return search
+
+
+def settle_controller(name: str, configuration: Configuration, work) -> int:
+    """Step until the quality controller has passed its front, the first ``front × every``
+    steps, in which it may spend the extra bytes of all of them at once (see
+    ``DriftController.allowed``); from then on a run sends at most ``byte_budget`` times
+    the configured bytes, and that steady state is what a long run's step time is made of.
+    Timing inside the front would charge a run's first hundred steps to every step."""
+    controller = configuration.controller
+    front = controller.front * controller.every if controller.horizon is None else 0
+    steps = 0
+    while controller.steps < front and steps < front:  # it counts the run's steps, warm-up's included
+        configuration.step()
+        steps += 1
+    work.log(f"{name}: quality controller past its front after {steps} more steps: bytes so far "
+             f"{controller.bytes_ratio:.2f}x the configured setting's, scales now "
+             f"{dict(controller.scales) or 'all 1'}")
+    return steps
 
 
 def timed_rounds(configurations: Dict[str, Configuration], args, wire_out: Dict[str, float] = None):

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEADLINE = os.path.join(ROOT, "benchmarks", "headline.py")
 
@@ -154,3 +156,44 @@ def test_fsdp_accuracy_runs_as_a_module_and_says_so_when_run_as_a_script():
     script = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fsdp.py"), "accuracy"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert script.returncode != 0 and "python -m benchmarks.fsdp accuracy" in script.stderr, script.stderr
+
+
+class _Controller:
+    """A quality controller's counters: one decision (10 steps) every 10 steps."""
+
+    def __init__(self, horizon=None):
+        self.front, self.every, self.horizon, self.steps = 10, 10, horizon, 0
+        self.bytes_ratio, self.scales = 3.5, {"group0": 8.0}
+
+
+class _Entry:
+    def __init__(self, controller, knob="density"):
+        self.controller = controller
+        self.compressor = type("Compressor", (), {"knob": knob})()
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def log(self, line):
+        self.lines.append(line)
+
+
+@pytest.mark.parametrize("horizon, expected", [(None, 100), (500, 0)])
+def test_timing_waits_for_the_quality_controller_to_pass_its_front(horizon, expected):
+    from benchmarks.harness.contenders import Configuration, settle_controller
+    controller, calls = _Controller(horizon), []
+
+    def step():
+        calls.append(1)
+        if len(calls) % controller.every == 0:
+            controller.steps += controller.every
+
+    configuration = Configuration("auto-dgc", step, lambda: 0.0, entry_point=_Entry(controller))
+    work = _Log()
+    assert configuration.controller is controller
+    assert settle_controller("auto-dgc", configuration, work) == expected == len(calls)
+    assert "past its front after" in work.lines[0] and "3.50x" in work.lines[0]
+    assert Configuration("bound", step, lambda: 0.0).controller is None
+    assert Configuration("auto-fp16", step, lambda: 0.0, entry_point=_Entry(controller, knob=None)).controller is None
