@@ -25,9 +25,10 @@ the model per configuration, all with the same initial weights and batch:
   window holds the same number of exchanges whatever its phase.
 
 Warm-up ends, for mergecomp's configurations, once ``auto`` has settled and the quality
-controller (on by default) has passed its front, the first hundred steps in which it may
-spend a run's extra bytes at once: the timed steps are a long run's steady state, and the
-log says what the front sent.  Then ``--rounds`` rounds each run one window of ``--window`` steps of every
+controller (on by default) is in its steady state: past its front (the first hundred steps,
+in which it may spend a run's extra bytes at once) and its byte budget spent, so the timed
+steps are a long run's, at most ``byte_budget`` times the configured bytes; the log says
+how many steps that took.  Then ``--rounds`` rounds each run one window of ``--window`` steps of every
 configuration, the order rotated each round, a barrier and one untimed step before each
 window; a window's time is its slowest rank's.  Per configuration, the median over rounds
 gives the step time, and from it: throughput, the scaling factor against one worker

@@ -91,19 +91,30 @@ def settle(configurations: Dict[str, Configuration], args, work) -> Dict[str, in
     return search
 
 
+#: Steady state: the controller has sent this share of its byte budget (or raises nothing).
+SPENT_SHARE = 0.9
+
+
 def settle_controller(name: str, configuration: Configuration, work) -> int:
-    """Step until the quality controller has passed its front, the first ``front × every``
-    steps, in which it may spend the extra bytes of all of them at once (see
-    ``DriftController.allowed``); from then on a run sends at most ``byte_budget`` times
-    the configured bytes, and that steady state is what a long run's step time is made of.
-    Timing inside the front would charge a run's first hundred steps to every step."""
+    """Step until the quality controller is in its steady state: past its front (the first
+    ``front × every`` steps, whose extra bytes it may spend at once: ``DriftController.allowed``)
+    and with its byte budget spent (:data:`SPENT_SHARE` of it) or no group raised.  Until then
+    it may send more than ``byte_budget`` times the configured bytes a step, catching up on an
+    allowance it has not used; a long run sends at most that many times over the run, so its
+    step time is the steady state's.  Timing before it would charge a run's first hundred
+    steps to every step.  At most three fronts of steps."""
     controller = configuration.controller
     front = controller.front * controller.every if controller.horizon is None else 0
     steps = 0
-    while controller.steps < front and steps < front:  # it counts the run's steps, warm-up's included
+
+    def steady() -> bool:
+        return controller.steps >= front and (
+            controller.bytes_ratio >= SPENT_SHARE * controller.byte_budget or not controller.scales)
+
+    while not steady() and steps < 3 * max(front, controller.every):  # it counts warm-up's steps too
         configuration.step()
         steps += 1
-    work.log(f"{name}: quality controller past its front after {steps} more steps: bytes so far "
+    work.log(f"{name}: quality controller settled after {steps} more steps: bytes so far "
              f"{controller.bytes_ratio:.2f}x the configured setting's, scales now "
              f"{dict(controller.scales) or 'all 1'}")
     return steps

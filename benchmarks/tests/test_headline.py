@@ -161,9 +161,9 @@ def test_fsdp_accuracy_runs_as_a_module_and_says_so_when_run_as_a_script():
 class _Controller:
     """A quality controller's counters: one decision (10 steps) every 10 steps."""
 
-    def __init__(self, horizon=None):
+    def __init__(self, horizon=None, bytes_ratio=1.9):
         self.front, self.every, self.horizon, self.steps = 10, 10, horizon, 0
-        self.bytes_ratio, self.scales = 3.5, {"group0": 8.0}
+        self.byte_budget, self.bytes_ratio, self.scales = 2.0, bytes_ratio, {"group0": 8.0}
 
 
 class _Entry:
@@ -180,20 +180,24 @@ class _Log:
         self.lines.append(line)
 
 
-@pytest.mark.parametrize("horizon, expected", [(None, 100), (500, 0)])
-def test_timing_waits_for_the_quality_controller_to_pass_its_front(horizon, expected):
+@pytest.mark.parametrize("horizon, catching_up, expected", [(None, 0, 100), (500, 0, 0), (None, 50, 150)])
+def test_timing_waits_for_the_quality_controller_to_settle(horizon, catching_up, expected):
+    """Past its front (100 steps, unless it knows the run's length), and its byte budget
+    spent: here it catches up on an unused allowance for ``catching_up`` more steps."""
     from benchmarks.harness.contenders import Configuration, settle_controller
-    controller, calls = _Controller(horizon), []
+    controller, calls = _Controller(horizon, bytes_ratio=1.0 if catching_up else 1.9), []
 
     def step():
         calls.append(1)
         if len(calls) % controller.every == 0:
             controller.steps += controller.every
+        if catching_up and len(calls) == 100 + catching_up:
+            controller.bytes_ratio = 1.85
 
     configuration = Configuration("auto-dgc", step, lambda: 0.0, entry_point=_Entry(controller))
     work = _Log()
     assert configuration.controller is controller
     assert settle_controller("auto-dgc", configuration, work) == expected == len(calls)
-    assert "past its front after" in work.lines[0] and "3.50x" in work.lines[0]
+    assert "settled after" in work.lines[0] and ("1.85x" if catching_up else "1.90x") in work.lines[0]
     assert Configuration("bound", step, lambda: 0.0).controller is None
     assert Configuration("auto-fp16", step, lambda: 0.0, entry_point=_Entry(controller, knob=None)).controller is None
