@@ -237,6 +237,35 @@ def test_auto_watch_ignores_untimed_steps_and_a_single_pause():
     assert drifted(1.26, 1.0, 0.25) and not drifted(1.25, 1.0, 0.25)
 
 
+class _Scaled(_OneRank):
+    """A one-rank context whose quality controller has set a density scale."""
+
+    density_scale = 1.0
+
+
+def test_auto_watch_takes_a_density_change_for_a_new_reference_not_for_drift():
+    """The controller doubles a group's density: steps get slower for a reason no plan
+    causes, so the watch re-measures its reference instead of profiling again; steps that
+    then drift from the new reference still count."""
+    said, profiling = [], object()
+    phase = watching(watch_every=2)
+    phase.search.log = said.append
+    phase.search.profile = lambda context: profiling
+    context = type("Context", (_Scaled,), {})
+    for seconds in (1.0, 1.0):
+        assert phase.after_step(context, seconds) is phase
+    context.density_scale = 2.0  # slower from here on: 1.6 s against the check's 1.0 s
+    for window in range(4):
+        for seconds in (1.6, 1.6):
+            assert phase.after_step(context, seconds) is phase
+    assert phase.strikes == 0 and phase.reference == 1.6 and said == []
+    for seconds in (2.1, 2.1, 2.1, 2.1):  # drifted from the new reference: two windows, two strikes
+        following = phase.after_step(context, seconds)
+    assert phase.strikes == 2 and following is profiling
+    assert said == ["auto scheduler: steps take 2100.0 ms against 1600.0 ms measured for the chosen plan; "
+                    "profiling again"]
+
+
 class _CannotSwitch(_OneRank):
     """A one-rank context whose job's state cannot follow a new plan."""
 
