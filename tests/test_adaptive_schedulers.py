@@ -198,6 +198,8 @@ def test_auto_scheduler_refuses_bad_check_settings():
 class _OneRank:
     """Just enough of a SchedulerContext for the watch phase of a single rank."""
 
+    density_scale = 1.0  # the quality controller's (1: it raised nothing)
+
     class backend:
         rank = 0
 
@@ -237,12 +239,6 @@ def test_auto_watch_ignores_untimed_steps_and_a_single_pause():
     assert drifted(1.26, 1.0, 0.25) and not drifted(1.25, 1.0, 0.25)
 
 
-class _Scaled(_OneRank):
-    """A one-rank context whose quality controller has set a density scale."""
-
-    density_scale = 1.0
-
-
 def test_auto_watch_takes_a_density_change_for_a_new_reference_not_for_drift():
     """The controller doubles a group's density: steps get slower for a reason no plan
     causes, so the watch re-measures its reference instead of profiling again; steps that
@@ -251,7 +247,7 @@ def test_auto_watch_takes_a_density_change_for_a_new_reference_not_for_drift():
     phase = watching(watch_every=2)
     phase.search.log = said.append
     phase.search.profile = lambda context: profiling
-    context = type("Context", (_Scaled,), {})
+    context = type("Context", (_OneRank,), {})  # its density_scale is set below
     for seconds in (1.0, 1.0):
         assert phase.after_step(context, seconds) is phase
     context.density_scale = 2.0  # slower from here on: 1.6 s against the check's 1.0 s

@@ -45,7 +45,7 @@ class Watching(Phase):
         best = self.search.findings.best
         if best is None:  # no candidate could be measured: nothing to compare with
             return self
-        scale = _density_scale(context)
+        scale = context.density_scale
         if self.scale is None:
             self.scale = scale
         self.samples.append(seconds)
@@ -77,8 +77,3 @@ class Watching(Phase):
         self.search.say(f"auto scheduler: steps take {median * 1e3:.1f} ms against {reference * 1e3:.1f} ms "
                         "measured for the chosen plan; profiling again")
         return following
-
-
-def _density_scale(context) -> float:
-    """The controller's density scale now (1 for a context that has none)."""
-    return getattr(context, "density_scale", 1.0)
