@@ -4,11 +4,12 @@ DGC's memory (momentum correction) and SIGNUM (sign of momentum) keep the moment
 themselves.  If the wrapped optimizer also had one — SGD's ``momentum`` or Adam's first
 moment ``betas[0]`` — gradients would be smoothed twice, silently.  Components that own
 the momentum call :func:`refuse_optimizer_momentum` from their ``check_optimizer``, or,
-for SGD's heavy-ball momentum, :func:`take_over_momentum` (the ``dgc`` memory).
+for SGD's heavy-ball momentum and Adam's first moment, :func:`take_over_momentum` (the
+``dgc`` memory, the residual memory that follows the optimizer).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -16,7 +17,7 @@ import torch
 #: ``momentum_role`` of a component that applies a momentum of its own and refuses an optimizer
 #: with one (SIGNUM, DeMo's memory).
 OWNS = "owns"
-#: ``momentum_role`` of a component that takes SGD's momentum over (:func:`take_over_momentum`).
+#: ``momentum_role`` of a component that takes the optimizer's momentum over (:func:`take_over_momentum`).
 TAKES_OVER = "takes over"
 
 
@@ -82,56 +83,72 @@ def _named(optimizer, inner) -> str:
 
 
 def take_over_momentum(optimizer, memory, component: str) -> None:
-    """Move SGD's heavy-ball momentum into ``memory`` (DGC's momentum correction) instead of
-    refusing it, so that a training script keeps its ``SGD(momentum=0.9)``.
+    """Move the optimizer's momentum into ``memory`` (DGC's momentum correction) instead of
+    refusing it, so that a training script keeps its ``SGD(momentum=0.9)`` or its ``AdamW``.
 
     Why: DGC's momentum correction (Lin et al., ICLR 2018, section 3.2) accumulates the
     velocity on each rank *before* the sparse exchange; the optimizer must then step on the
-    exchanged velocities as plain SGD.  A user's optimizer is wrapped, never replaced, so
-    rather than asking for a second optimizer the memory adopts the momentum ``m`` and
-    Nesterov flag that every parameter group shares, and the optimizer's ``step()`` runs
-    with ``momentum = 0`` (hooks put the user's values back when it returns, so
-    ``state_dict()``, schedulers and checkpoints see them unchanged).
+    exchanged velocities without a momentum of its own.  A user's optimizer is wrapped,
+    never replaced, so rather than asking for a second optimizer the memory adopts the
+    momentum every parameter group shares, and the optimizer's ``step()`` runs without it
+    (hooks put the user's values back when it returns, so ``state_dict()``, schedulers and
+    checkpoints see them unchanged).  What is taken over:
 
-    The memory runs the momentum in gradient units (``u ← m·u + (1 − m)·g``,
-    :attr:`~mergecomp.memories.base.Memory.gradient_units`) and the step runs at
-    ``lr / (1 − m)``: the same steps as heavy-ball momentum at ``lr``, while what the
-    exchange writes into ``p.grad`` keeps a gradient's scale.  A loop that clips the
-    averaged gradient after the exchange, as under DDP, then clips at the scale it was
-    tuned for; a velocity, up to 1/(1 − m) times larger, clipped at a gradient's
-    threshold would shrink every step that much.  SGD's weight decay acts inside its
-    momentum, so at ``lr / (1 − m)`` without momentum it has its steady-state effect
-    unchanged.  A momentum schedule (OneCycleLR's) is followed: each step's value is the
-    memory's for the next exchange.
+    - **SGD's heavy-ball momentum** ``m`` and Nesterov flag.  The memory runs the momentum
+      in gradient units (``u ← m·u + (1 − m)·g``,
+      :attr:`~mergecomp.memories.base.Memory.gradient_units`) and the step runs with
+      ``momentum = 0`` at ``lr / (1 − m)``: the same steps as heavy-ball momentum at ``lr``,
+      while what the exchange writes into ``p.grad`` keeps a gradient's scale.  A loop that
+      clips the averaged gradient after the exchange, as under DDP, then clips at the scale
+      it was tuned for; a velocity, up to 1/(1 − m) times larger, clipped at a gradient's
+      threshold would shrink every step that much.  SGD's weight decay acts inside its
+      momentum, so at ``lr / (1 − m)`` without momentum it has its steady-state effect
+      unchanged.
+    - **Adam's and AdamW's first moment** ``β1``.  ``u ← β1·u + (1 − β1)·g`` is Adam's
+      first moment itself, so the memory runs it and the optimizer steps with
+      ``betas = (0, β2)`` at the user's ``lr``: Adam's second moment and its normalised step
+      act on what the exchange delivered.  Why: error feedback releases a coordinate's
+      backlog in one step; Adam's first moment applied *after* the exchange smears that
+      burst over 1/(1 − β1) steps while its second moment is fed the bursts, where before
+      the exchange the first moment averages the gradients each rank computed, as dense
+      Adam does, and only the averaged moment is compressed (1-bit Adam's compressed stage,
+      Tang et al., ICML 2021, compresses the momentum for the same reason).  The first
+      moment's bias correction is left out: at β1 = 0 Adam divides the delivered moment by
+      the root of its own second moment, so a common scale cancels.  Adam's coupled weight
+      decay (``Adam(weight_decay=)``) then enters at β1 = 0, outside the moment; AdamW's is
+      decoupled and unchanged.
 
-    A framework's wrapper around the SGD (Accelerate's ``AcceleratedOptimizer``,
-    Lightning's ``LightningOptimizer``) is looked through (:func:`innermost`): the SGD inside
-    is the one taken over.
+    A momentum schedule (OneCycleLR's ``momentum`` or ``betas``) is followed: each step's
+    value is the memory's for the next exchange.  A framework's wrapper around the
+    optimizer (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is
+    looked through (:func:`innermost`): the optimizer inside is the one taken over.
 
-    Refused (ValueError, with what to do): an optimizer other than SGD with a momentum
-    (Adam's first moment is not heavy-ball momentum), parameter groups with different
-    momenta or Nesterov flags (one memory serves every group), a dampening, and a memory
-    given a momentum of its own that differs from the optimizer's.  Nothing happens for an
+    Refused (ValueError, with what to do): another optimizer with a momentum (RMSprop's,
+    NAdam's, whose first moments are not these), parameter groups with different momenta
+    or Nesterov flags (one memory serves every group), SGD's dampening, and a memory given a
+    momentum of its own that differs from the optimizer's.  Nothing happens for an
     optimizer without momentum: the memory keeps its own.
     """
     found = optimizer_momentum(optimizer)
     if not found:
         return
     index, setting, value = found[0]
-    # A framework's wrapper (Accelerate's, Lightning's) steps the SGD it wraps: the hooks go
-    # on that SGD, where they run whichever object's step() the loop calls.
+    # A framework's wrapper (Accelerate's, Lightning's) steps the optimizer it wraps: the
+    # hooks go on that optimizer, where they run whichever object's step() the loop calls.
     wrapper, optimizer = optimizer, innermost(optimizer)
-    if not isinstance(optimizer, torch.optim.SGD):
+    kind = _kind_of(optimizer)
+    if kind is None:
         raise ValueError(
             f"{component} applies momentum itself, but parameter group {index} of "
             f"{_named(wrapper, optimizer)} has {setting}={value}, which would apply a second one; it "
-            f"takes over only torch.optim.SGD's heavy-ball momentum. Use SGD (its momentum moves into "
-            f"the memory), or set {setting} to 0 and give the momentum to the memory.")
-    momentum, nesterov = _shared_momentum(optimizer, component)
+            f"takes over only torch.optim.SGD's heavy-ball momentum and torch.optim.Adam's or AdamW's "
+            f"first moment. Use one of those (its momentum moves into the memory), or set {setting} to 0 "
+            f"and give the momentum to the memory.")
+    momentum, nesterov = kind.shared(optimizer, component)
     memory.adopt_momentum(momentum, nesterov)
     memory.gradient_units = True
     if getattr(optimizer, _TAKEN, None) is None:
-        setattr(optimizer, _TAKEN, _install_hooks(optimizer, memory, component))
+        setattr(optimizer, _TAKEN, _install_hooks(optimizer, memory, component, kind))
     else:  # a second vetting (a framework's second fit): the hooks follow this memory
         getattr(optimizer, _TAKEN)["memory"] = memory
 
@@ -155,26 +172,61 @@ def _shared_momentum(optimizer, component: str) -> Tuple[float, bool]:
     return settings[0]
 
 
-def _install_hooks(optimizer, memory, component: str) -> dict:
-    """Step hooks that run ``optimizer.step()`` with momentum 0 at lr / (1 − m), and put the
-    user's values back after it (or before anything reads them, if a step raised)."""
+def _shared_first_moment(optimizer, component: str) -> Tuple[float, bool]:
+    """The β1 every parameter group of an Adam or AdamW shares (and no Nesterov flag);
+    ValueError naming the groups that differ."""
+    beta1s = [float(g["betas"][0]) for g in optimizer.param_groups]
+    if len(set(beta1s)) > 1:
+        listed = ", ".join(f"group {i}: betas[0]={b:g}" for i, b in enumerate(beta1s))
+        raise ValueError(
+            f"{component} takes over Adam's first moment into one memory for every parameter, but "
+            f"the parameter groups differ ({listed}). Give every group the same betas[0].")
+    return beta1s[0], False
+
+
+class _Kind(NamedTuple):
+    """How one optimizer family's momentum is taken over: the momentum and Nesterov flag its
+    groups share, the group settings a step changes, and their values for that step."""
+    shared: Callable
+    settings: Tuple[str, ...]
+    neutral: Callable  # group → {setting: value for a step without the momentum}
+
+
+_SGD = _Kind(_shared_momentum, ("momentum", "lr"),
+             lambda g: {"momentum": 0.0, "lr": g["lr"] / (1.0 - g["momentum"])} if g["momentum"] else {})
+_ADAM = _Kind(_shared_first_moment, ("betas",),
+              lambda g: {"betas": (0.0 if isinstance(g["betas"][0], float) else torch.zeros_like(g["betas"][0]),
+                                   g["betas"][1])} if float(g["betas"][0]) else {})
+
+
+def _kind_of(optimizer) -> Optional[_Kind]:
+    """How ``optimizer``'s momentum is taken over, or None where it cannot be (AdamW is an
+    Adam in torch)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return _SGD
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return _ADAM
+    return None
+
+
+def _install_hooks(optimizer, memory, component: str, kind: _Kind) -> dict:
+    """Step hooks that run ``optimizer.step()`` without its momentum (SGD at lr / (1 − m),
+    Adam at β1 = 0), and put the user's values back after it (or before anything reads
+    them, if a step raised)."""
     taken = {"memory": memory, "saved": None, "handles": []}
 
     def restore(*_):
         saved, taken["saved"] = taken["saved"], None
-        for group, (momentum, lr) in zip(optimizer.param_groups, saved or ()):
-            group["momentum"], group["lr"] = momentum, lr
+        for group, values in zip(optimizer.param_groups, saved or ()):
+            group.update(values)
 
     def before_step(*_):
-        restore()  # a step that raised left them zeroed
-        momentum, nesterov = _shared_momentum(optimizer, component)
+        restore()  # a step that raised left them changed
+        momentum, nesterov = kind.shared(optimizer, component)
         taken["memory"].adopt_momentum(momentum, nesterov, follow=True)
-        taken["saved"] = [(g["momentum"], g["lr"]) for g in optimizer.param_groups]
+        taken["saved"] = [{key: g[key] for key in kind.settings} for g in optimizer.param_groups]
         for group in optimizer.param_groups:
-            m = group["momentum"]
-            if m:
-                group["momentum"] = 0.0
-                group["lr"] = group["lr"] / (1.0 - m)
+            group.update(kind.neutral(group))
 
     taken["handles"] = [optimizer.register_step_pre_hook(before_step),
                         optimizer.register_step_post_hook(restore),

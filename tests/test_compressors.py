@@ -362,7 +362,7 @@ def test_dgc_memory_refuses_a_momentum_it_cannot_take_over():
     params = [torch.nn.Parameter(torch.zeros(2))]
     check_optimizer(torch.optim.SGD(params, lr=0.1, weight_decay=1e-4), DGCMemory())
     assert DGCMemory.needs_plain_optimizer is True
-    with pytest.raises(ValueError, match=r"group 0 of Adam has betas\[0\]=0.9"):
-        DGCMemory().check_optimizer(torch.optim.Adam(params, lr=0.1))
+    with pytest.raises(ValueError, match=r"group 0 of RMSprop has momentum=0.9"):
+        DGCMemory().check_optimizer(torch.optim.RMSprop(params, lr=0.1, momentum=0.9))
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.5"):
         DGCMemory(momentum=1.5)

@@ -1,5 +1,5 @@
 """Components that own the momentum refuse an optimizer that has one too (the dgc memory
-takes SGD's over instead: tests/test_momentum_takeover.py)."""
+takes SGD's and Adam's over instead: tests/test_momentum_takeover.py)."""
 import pytest
 import torch
 

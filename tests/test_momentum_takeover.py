@@ -1,4 +1,5 @@
-"""The dgc memory takes SGD's momentum over instead of refusing it (momentum correction)."""
+"""The dgc memory and the sparsifiers' residual memory take the optimizer's momentum over
+instead of refusing it (momentum correction): SGD's heavy-ball momentum, Adam's first moment."""
 import pytest
 import torch
 
@@ -57,10 +58,36 @@ def test_a_momentum_schedule_is_followed():
     assert memory.momentum == 0.85 and sgd.param_groups[0]["momentum"] == 0.85
 
 
+def test_adams_first_moment_moves_into_the_memory_and_back_after_each_step():
+    p = params()
+    adamw = torch.optim.AdamW(p, lr=0.1, betas=(0.8, 0.99), weight_decay=0.01)
+    memory = memories.create("dgc")
+    memory.check_optimizer(adamw)
+    assert (memory.momentum, memory.nesterov) == (0.8, False) and memory.gradient_units
+    seen = []
+    adamw.register_step_pre_hook(lambda opt, *_: seen.append(dict(opt.param_groups[0])))
+    p[0].grad = torch.full((3,), 2.0)
+    adamw.step()
+    # AdamW stepped at β1 = 0 and the user's lr: its first moment is the delivered gradient
+    assert seen[0]["betas"] == (0.0, 0.99) and seen[0]["lr"] == 0.1 and seen[0]["weight_decay"] == 0.01
+    assert torch.equal(adamw.state[p[0]]["exp_avg"], p[0].grad)
+    group = adamw.param_groups[0]  # the user's values, for schedulers and checkpoints
+    assert group["betas"] == (0.8, 0.99) and adamw.state_dict()["param_groups"][0]["betas"] == (0.8, 0.99)
+    group["betas"] = (0.85, 0.99)  # a schedule moves β1: the memory follows at the next step
+    adamw.step()
+    assert memory.momentum == 0.85 and group["betas"] == (0.85, 0.99)
+
+
 def test_what_cannot_be_taken_over_is_refused_with_what_to_do():
     dgc = memories.create("dgc")
-    with pytest.raises(ValueError, match=r"group 0 of Adam has betas\[0\]=0.9.*only torch.optim.SGD"):
-        dgc.check_optimizer(torch.optim.Adam(params(), lr=0.1))
+    with pytest.raises(ValueError, match=r"group 0 of RMSprop has momentum=0.9.*only torch.optim.SGD's heavy-ball "
+                                         r"momentum and torch.optim.Adam's or AdamW's first moment"):
+        dgc.check_optimizer(torch.optim.RMSprop(params(), lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"group 0 of NAdam has betas\[0\]=0.9"):
+        dgc.check_optimizer(torch.optim.NAdam(params(), lr=0.1))
+    two_betas = torch.optim.Adam([{"params": params()}, {"params": params(), "betas": (0.5, 0.999)}], lr=0.1)
+    with pytest.raises(ValueError, match=r"group 0: betas\[0\]=0.9, group 1: betas\[0\]=0.5"):
+        dgc.check_optimizer(two_betas)
     two = torch.optim.SGD([{"params": params()}, {"params": params(), "momentum": 0.5}], lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match=r"group 0: momentum=0.9.*group 1: momentum=0.5"):
         dgc.check_optimizer(two)
@@ -80,15 +107,23 @@ def _model():
 
 
 def _inner(model, name):
-    """The user's optimizer: SGD with momentum ("momentum"), without ("plain"), or Adam."""
-    if name == "adam":
-        return torch.optim.Adam(model.parameters(), lr=0.01)
+    """The user's optimizer: SGD with momentum ("momentum"), without ("plain"), Adam, or Adam
+    without its first moment ("adam, β1 0")."""
+    if name.startswith("adam"):
+        return torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.0 if "β1 0" in name else 0.9, 0.999))
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if name == "momentum" else 0.0)
 
 
 #: Memories built in the rank (instances do not travel to it): the rest go by name.
 _MEMORIES = {"dgc, momentum 0.9": lambda: memories.create("dgc", momentum=0.9),
-             "dgc without masking": lambda: memories.create("dgc", masking=False)}
+             "dgc without masking": lambda: memories.create("dgc", masking=False),
+             "residual, momentum 0.9 in gradient units": lambda: _in_gradient_units(
+                 memories.create("residual", momentum=0.9))}
+
+
+def _in_gradient_units(memory):
+    memory.gradient_units = True
+    return memory
 
 
 def _six_steps(rank, forward, optimizer):
@@ -100,11 +135,12 @@ def _six_steps(rank, forward, optimizer):
         optimizer.step()
 
 
-def _train(rank, world_size, optimizer_name, memory, compressor="topk"):
+def _train(rank, world_size, optimizer_name, memory, compressor="topk", inner_name=None):
     """A sparsifier (top-k unless told) through the wrapper: (parameters, the user's SGD
-    momentum afterwards, the momentum the residual memory applies, if it is one)."""
+    momentum afterwards, the momentum the residual memory applies, if it is one).
+    ``inner_name``: the optimizer that steps, when it is not ``optimizer_name``'s."""
     model = _model()
-    inner = _inner(model, optimizer_name)
+    inner = _inner(model, inner_name or optimizer_name)
     memory = _MEMORIES[memory]() if memory in _MEMORIES else memory
     optimizer = mergecomp.DistributedOptimizer(inner, model=model, compressor=compressor, memory=memory, schedule=2)
     _six_steps(rank, model, optimizer)
@@ -141,15 +177,16 @@ def test_the_ddp_hook_takes_the_momentum_of_the_optimizer_it_is_given():
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)  # the same steps, in gradient units
 
 
-@pytest.mark.parametrize("optimizer_name,same_as,momentum", [
-    ("momentum", "dgc without masking", 0.9),  # SGD's momentum before the exchange
-    ("plain", "residual", 0.0),                # nothing to take over: plain error feedback
-    ("adam", "residual", 0.0)])                # Adam keeps its moments, after the exchange
+@pytest.mark.parametrize("optimizer_name,same_as,stepping,momentum", [
+    ("momentum", "dgc without masking", "momentum", 0.9),  # SGD's momentum before the exchange
+    ("plain", "residual", "plain", 0.0),                   # nothing to take over: plain error feedback
+    # Adam's first moment before the exchange, Adam's step at β1 = 0 after it
+    ("adam", "residual, momentum 0.9 in gradient units", "adam, β1 0", 0.9)])
 @pytest.mark.parametrize("compressor", ["topk", "graddrop"])
-def test_sparsifiers_default_memory_takes_the_momentum_before_the_exchange(optimizer_name, same_as, momentum,
-                                                                            compressor):
+def test_sparsifiers_default_memory_takes_the_momentum_before_the_exchange(optimizer_name, same_as, stepping,
+                                                                            momentum, compressor):
     auto = run_ranks(_train, 2, optimizer_name, "auto", compressor)
-    explicit = run_ranks(_train, 2, optimizer_name, same_as, compressor)
+    explicit = run_ranks(_train, 2, optimizer_name, same_as, compressor, stepping)
     for (mine, _, adopted), (theirs, _, _) in zip(auto, explicit):
         assert adopted == momentum
         for a, b in zip(mine, theirs):
@@ -176,7 +213,11 @@ def test_residual_memory_momentum_is_staged_saved_and_checked():
     assert memories.create("residual").state_dict() == {"residuals": {}}  # no momentum, no momenta
     with pytest.raises(ValueError, match=r"given momentum=0.5.*has momentum=0.9"):
         memories.create("residual", momentum=0.5).check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
-    memories.create("residual", momentum="optimizer").check_optimizer(torch.optim.Adam(params(), lr=0.1))  # no refusal
+    # following the optimizer, it refuses nothing: an optimizer whose momentum it cannot take
+    # over keeps it (plain error feedback)
+    follows = memories.create("residual", momentum="optimizer")
+    follows.check_optimizer(torch.optim.RMSprop(params(), lr=0.1, momentum=0.9))
+    assert follows.sgd_momentum == 0.0
 
 
 # -- through a framework's optimizer wrapper -----------------------------------------------------------
@@ -232,10 +273,10 @@ def test_a_wrapped_optimizer_that_is_not_sgd_is_named_with_its_wrapper():
         @property
         def param_groups(self):
             return self.optimizer.param_groups
-    adam = torch.optim.Adam(params(), lr=0.1)
-    assert innermost(Wrapper(Wrapper(adam))) is adam
-    with pytest.raises(ValueError, match=r"group 0 of Adam \(inside Wrapper\) has betas\[0\]=0.9"):
-        memories.create("dgc").check_optimizer(Wrapper(adam))
+    rmsprop = torch.optim.RMSprop(params(), lr=0.1, momentum=0.9)
+    assert innermost(Wrapper(Wrapper(rmsprop))) is rmsprop
+    with pytest.raises(ValueError, match=r"group 0 of RMSprop \(inside Wrapper\) has momentum=0.9"):
+        memories.create("dgc").check_optimizer(Wrapper(rmsprop))
 
 
 # -- gradient units ----------------------------------------------------------------------------

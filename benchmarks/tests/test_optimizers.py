@@ -41,27 +41,24 @@ def test_adamw_keeps_its_rate_and_betas_where_nothing_owns_a_momentum():
     assert _row(ADAMW, "qsgd", momentum=0.8).betas == (0.8, 0.98)
 
 
-def test_under_adamw_a_memory_that_follows_sgds_momentum_is_plain_error_feedback():
-    row = _row(ADAMW, "topk")
-    assert row.betas == (0.9, 0.98) and row.momentum_in == "adam (plain error feedback)"
-
-
-@pytest.mark.parametrize("name", ["dgc", "signum"])
-def test_under_adamw_a_component_with_its_own_momentum_gets_beta1_zero(name):
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+def test_under_adamw_a_memory_that_takes_the_momentum_over_takes_beta1(name):
     row = _row(ADAMW, name)
+    assert row.betas == (0.9, 0.98) and row.momentum_in == "adam, β1 taken over by the memory"
+
+
+def test_under_adamw_a_component_that_owns_a_momentum_gets_beta1_zero():
+    row = _row(ADAMW, "signum")
     assert row.betas == (0.0, 0.98) and row.momentum_in == "adam, β1 in the compressor or memory"
 
 
-def test_the_dgc_memory_accepts_the_adamw_it_is_given():
-    """The refusal the benchmark avoids: AdamW with β1 0 passes the dgc memory's check, which
-    keeps its own momentum."""
+def test_the_dgc_memory_takes_over_the_adamw_it_is_given():
+    """The benchmark's AdamW keeps its betas: the dgc memory runs β1, AdamW steps at β1 0."""
     model = torch.nn.Linear(3, 2)
     memory = memories.create("dgc")
-    row = _row(ADAMW, "dgc")
-    memory.check_optimizer(optimizers.make(ADAMW, model.parameters(), row))
-    assert memory.momentum == 0.9
-    with pytest.raises(ValueError, match="betas"):
-        memories.create("dgc").check_optimizer(torch.optim.AdamW(model.parameters()))
+    adamw = optimizers.make(ADAMW, model.parameters(), _row(ADAMW, "dgc"))
+    memory.check_optimizer(adamw)
+    assert memory.momentum == 0.9 and memory.gradient_units and adamw.param_groups[0]["betas"] == (0.9, 0.98)
 
 
 def test_make_builds_the_optimizer_with_its_settings():

@@ -6,12 +6,13 @@ Distributed Training", ICLR 2018, Section 3.2 and Algorithm 1 (lines 6-12).
 How it combines with the wrapped optimizer: momentum moves *into* this memory.  Each rank
 accumulates velocity locally, u ← m·u + g, v ← v + u (Nesterov: u ← m·(u + g),
 v ← v + u + g), and the sparse compressor sends the largest entries of v, which are
-already momentum updates; the optimizer must then apply them as plain SGD steps.  If the
-optimizer also applied its momentum, momentum would be applied twice.  So an
+already momentum updates; the optimizer must then apply them without a momentum of its
+own.  If the optimizer also applied its momentum, momentum would be applied twice.  So an
 ``SGD(momentum=m)`` has its momentum taken over (:func:`check_optimizer`, through
 :func:`mergecomp.momentum.take_over_momentum`): the memory uses m and SGD's Nesterov flag,
 and SGD steps with momentum 0 while the learning rate schedule and weight decay stay with
-it.  An optimizer with another kind of momentum (Adam's first moment) is refused.
+it.  An ``Adam``/``AdamW`` has its first moment β1 taken over the same way (Adam steps at
+β1 = 0); an optimizer with another kind of momentum (RMSprop's, NAdam's) is refused.
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from ..staging import Spares, StagedDict, shares_memory
 
 
 def check_optimizer(optimizer, memory: "DGCMemory") -> None:
-    """Take over the momentum of an ``SGD(momentum=m)`` into ``memory``; ValueError for a
-    momentum it cannot take (Adam's, groups that differ, a dampening, a memory given
-    another momentum).  See :func:`mergecomp.momentum.take_over_momentum`."""
+    """Take over the momentum of an ``SGD(momentum=m)`` or an Adam's β1 into ``memory``;
+    ValueError for a momentum it cannot take (RMSprop's, groups that differ, a dampening, a
+    memory given another momentum).  See :func:`mergecomp.momentum.take_over_momentum`."""
     take_over_momentum(optimizer, memory, "the dgc memory (momentum correction)")
 
 
@@ -101,7 +102,7 @@ class DGCMemory(Memory):
                            or (given_nesterov is not None and given_nesterov != nesterov)):
             raise ValueError(
                 f"the dgc memory was given momentum={given_momentum}, nesterov={given_nesterov}, but the "
-                f"SGD optimizer it takes the momentum over from has momentum={momentum:g}, "
+                f"optimizer it takes the momentum over from has momentum={momentum:g}, "
                 f"nesterov={nesterov}: one momentum is applied, so give it once (leave the memory's "
                 f"None to take the optimizer's, or set the optimizer's momentum to 0).")
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
