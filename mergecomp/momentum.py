@@ -4,8 +4,8 @@ DGC's memory (momentum correction) and SIGNUM (sign of momentum) keep the moment
 themselves.  If the wrapped optimizer also had one — SGD's ``momentum`` or Adam's first
 moment ``betas[0]`` — gradients would be smoothed twice, silently.  Components that own
 the momentum call :func:`refuse_optimizer_momentum` from their ``check_optimizer``, or,
-for SGD's heavy-ball momentum and Adam's first moment, :func:`take_over_momentum` (the
-``dgc`` memory, the residual memory that follows the optimizer).
+for SGD's heavy-ball momentum (and Adam's first moment), :func:`take_over_momentum` (the
+``dgc`` memory; the residual memory that follows SGD's momentum).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _named(optimizer, inner) -> str:
     return f"{type(inner).__name__} (inside {type(optimizer).__name__})"
 
 
-def take_over_momentum(optimizer, memory, component: str) -> None:
+def take_over_momentum(optimizer, memory, component: str, adam: bool = True) -> None:
     """Move the optimizer's momentum into ``memory`` (DGC's momentum correction) instead of
     refusing it, so that a training script keeps its ``SGD(momentum=0.9)`` or its ``AdamW``.
 
@@ -116,7 +116,12 @@ def take_over_momentum(optimizer, memory, component: str) -> None:
       moment's bias correction is left out: at β1 = 0 Adam divides the delivered moment by
       the root of its own second moment, so a common scale cancels.  Adam's coupled weight
       decay (``Adam(weight_decay=)``) then enters at β1 = 0, outside the moment; AdamW's is
-      decoupled and unchanged.
+      decoupled and unchanged.  Only where ``adam`` (the ``dgc`` memory): measured on an
+      untuned character LSTM under AdamW, DGC's momentum correction with β1 taken over
+      trains as well as with AdamW at β1 = 0 by hand, while top-k's residual memory with β1
+      before the exchange trailed dense far more than plain error feedback before Adam's
+      moments (docs/results.md#quality-control), so that memory leaves Adam's moments to
+      Adam.
 
     A momentum schedule (OneCycleLR's ``momentum`` or ``betas``) is followed: each step's
     value is the memory's for the next exchange.  A framework's wrapper around the
@@ -137,13 +142,14 @@ def take_over_momentum(optimizer, memory, component: str) -> None:
     # hooks go on that optimizer, where they run whichever object's step() the loop calls.
     wrapper, optimizer = optimizer, innermost(optimizer)
     kind = _kind_of(optimizer)
-    if kind is None:
+    if kind is None or (kind is _ADAM and not adam):
+        takes = ("torch.optim.SGD's heavy-ball momentum and torch.optim.Adam's or AdamW's first moment"
+                 if adam else "torch.optim.SGD's heavy-ball momentum")
         raise ValueError(
             f"{component} applies momentum itself, but parameter group {index} of "
             f"{_named(wrapper, optimizer)} has {setting}={value}, which would apply a second one; it "
-            f"takes over only torch.optim.SGD's heavy-ball momentum and torch.optim.Adam's or AdamW's "
-            f"first moment. Use one of those (its momentum moves into the memory), or set {setting} to 0 "
-            f"and give the momentum to the memory.")
+            f"takes over only {takes}. Use one of those (its momentum moves into the memory), or set "
+            f"{setting} to 0 and give the momentum to the memory.")
     momentum, nesterov = kind.shared(optimizer, component)
     memory.adopt_momentum(momentum, nesterov)
     memory.gradient_units = True

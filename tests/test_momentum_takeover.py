@@ -117,8 +117,8 @@ def _inner(model, name):
 #: Memories built in the rank (instances do not travel to it): the rest go by name.
 _MEMORIES = {"dgc, momentum 0.9": lambda: memories.create("dgc", momentum=0.9),
              "dgc without masking": lambda: memories.create("dgc", masking=False),
-             "residual, momentum 0.9 in gradient units": lambda: _in_gradient_units(
-                 memories.create("residual", momentum=0.9))}
+             "dgc, momentum 0.9 in gradient units": lambda: _in_gradient_units(
+                 memories.create("dgc", momentum=0.9))}
 
 
 def _in_gradient_units(memory):
@@ -159,6 +159,16 @@ def test_the_wrapper_trains_sgd_with_momentum_as_momentum_correction():
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)  # the same steps, in gradient units
 
 
+def test_the_wrapper_trains_adam_with_its_first_moment_in_the_dgc_memory():
+    # the user's Adam (β1 0.9) with DGC: the memory runs β1, Adam steps at β1 = 0; the same
+    # as an Adam at β1 = 0 with the momentum given to the memory (in gradient units)
+    taken = run_ranks(_train, 2, "adam", "dgc", "dgc")
+    by_hand = run_ranks(_train, 2, "adam", "dgc, momentum 0.9 in gradient units", "dgc", "adam, β1 0")
+    for (mine, _, _), (theirs, _, _) in zip(taken, by_hand):
+        for a, b in zip(mine, theirs):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def _train_ddp(rank, world_size, taken_over):
     import mergecomp.ddp
     from torch.nn.parallel import DistributedDataParallel
@@ -180,8 +190,7 @@ def test_the_ddp_hook_takes_the_momentum_of_the_optimizer_it_is_given():
 @pytest.mark.parametrize("optimizer_name,same_as,stepping,momentum", [
     ("momentum", "dgc without masking", "momentum", 0.9),  # SGD's momentum before the exchange
     ("plain", "residual", "plain", 0.0),                   # nothing to take over: plain error feedback
-    # Adam's first moment before the exchange, Adam's step at β1 = 0 after it
-    ("adam", "residual, momentum 0.9 in gradient units", "adam, β1 0", 0.9)])
+    ("adam", "residual", "adam", 0.0)])                    # Adam keeps its moments, after the exchange
 @pytest.mark.parametrize("compressor", ["topk", "graddrop"])
 def test_sparsifiers_default_memory_takes_the_momentum_before_the_exchange(optimizer_name, same_as, stepping,
                                                                             momentum, compressor):
@@ -216,8 +225,12 @@ def test_residual_memory_momentum_is_staged_saved_and_checked():
     # following the optimizer, it refuses nothing: an optimizer whose momentum it cannot take
     # over keeps it (plain error feedback)
     follows = memories.create("residual", momentum="optimizer")
-    follows.check_optimizer(torch.optim.RMSprop(params(), lr=0.1, momentum=0.9))
-    assert follows.sgd_momentum == 0.0
+    for optimizer in (torch.optim.RMSprop(params(), lr=0.1, momentum=0.9), torch.optim.AdamW(params(), lr=0.1)):
+        follows.check_optimizer(optimizer)
+        assert follows.sgd_momentum == 0.0 and not optimizer._optimizer_step_pre_hooks
+    with pytest.raises(ValueError, match=r"group 0 of AdamW has betas\[0\]=0.9.*only torch.optim.SGD's heavy-ball "
+                                         r"momentum\. "):
+        memories.create("residual", momentum=0.9).check_optimizer(torch.optim.AdamW(params(), lr=0.1))
 
 
 # -- through a framework's optimizer wrapper -----------------------------------------------------------

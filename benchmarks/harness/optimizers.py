@@ -18,12 +18,13 @@ The momentum goes where a user told by the components would put it:
 
 - SGD: as :mod:`benchmarks.convergence` always did (the recipe's fold, a memory that takes
   SGD's momentum over, a component that owns a momentum and gets SGD without one);
-- AdamW: a memory that takes the optimizer's momentum over (top-k's and GradDrop's
-  residual memory that follows the optimizer, DGC's momentum correction) takes AdamW's first
-  moment over as the library does for a user's AdamW (:func:`mergecomp.momentum.take_over_momentum`):
-  AdamW keeps its betas and steps at β1 = 0 while the memory runs them; a component that
-  owns a momentum (SIGNUM, DeMo's memory) refuses AdamW's first moment, so AdamW gets
-  ``betas[0] = 0`` and the component keeps its own momentum, as its refusal says to do.
+- AdamW: as the library treats a user's AdamW.  DGC's memory takes AdamW's first moment
+  over (:func:`mergecomp.momentum.take_over_momentum`): AdamW keeps its betas and steps at
+  β1 = 0 while the memory runs β1; the residual memory that *follows* the optimizer's
+  momentum (top-k's and GradDrop's default) leaves Adam's moments to Adam and is plain
+  error feedback; a component that owns a momentum (SIGNUM, DeMo's memory) refuses AdamW's
+  first moment, so AdamW gets ``betas[0] = 0`` and the component keeps its own momentum,
+  as its refusal says to do.
 """
 from __future__ import annotations
 
@@ -84,8 +85,9 @@ class Hyper:
 class RowSettings:
     """What one row's optimizer gets: its learning rate, SGD's momentum or AdamW's betas,
     and where the momentum went (the table's words: ``optimizer``, ``taken over``,
-    ``folded into lr``, ``compressor/memory``, ``none``, ``adam``, ``adam, β1 in the
-    compressor or memory``, ``adam, β1 taken over by the memory``)."""
+    ``folded into lr``, ``compressor/memory``, ``none``, ``adam``, ``adam (plain error
+    feedback)``, ``adam, β1 in the compressor or memory``, ``adam, β1 taken over by the
+    memory``)."""
 
     lr: float
     momentum: float
@@ -123,8 +125,11 @@ def _adamw_row(hyper: Hyper, memory, compressor, spec_lr_scale, spec_momentum) -
     betas = (beta1, hyper.betas[1])
     if beta1 and _owns_momentum(compressor, memory):
         return RowSettings(lr, 0.0, (0.0, hyper.betas[1]), "adam, β1 in the compressor or memory")
-    if beta1 and momentum_roles.role(memory) == momentum_roles.TAKES_OVER:
-        return RowSettings(lr, 0.0, betas, "adam, β1 taken over by the memory")
+    if momentum_roles.role(memory) == momentum_roles.TAKES_OVER:
+        if getattr(memory, "follows_optimizer", False):  # takes SGD's only: Adam keeps its moments
+            return RowSettings(lr, 0.0, betas, "adam (plain error feedback)")
+        if beta1:
+            return RowSettings(lr, 0.0, betas, "adam, β1 taken over by the memory")
     return RowSettings(lr, 0.0, betas, "adam")
 
 

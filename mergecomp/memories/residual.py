@@ -36,10 +36,11 @@ class ResidualMemory(Memory):
     without its masking; Lin et al., ICLR 2018, section 3.2).  Why: heavy-ball momentum
     applied *after* an error-feedback exchange replays a backlog released in one step for
     1/(1 − m) steps.  ``momentum="optimizer"`` (top-k's recommendation) takes an
-    ``SGD(momentum=m)``'s m and Nesterov flag, or an Adam's or AdamW's first moment β1, over
-    through :meth:`check_optimizer` (see :func:`mergecomp.momentum.take_over_momentum`) and
-    is plain error feedback with any other optimizer, or none; a number must agree with the
-    optimizer's momentum, if it has one.
+    ``SGD(momentum=m)``'s m and Nesterov flag over through :meth:`check_optimizer` (see
+    :func:`mergecomp.momentum.take_over_momentum`) and is plain error feedback with any
+    other optimizer, or none; a number must agree with SGD's momentum, if it has one.  An
+    Adam's first moment stays with Adam, after the exchange: taken over, it trained worse
+    than plain error feedback before Adam's moments (docs/results.md#quality-control).
 
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
@@ -85,15 +86,14 @@ class ResidualMemory(Memory):
         return TAKES_OVER if self.follows_optimizer or self.sgd_momentum > 0.0 else None
 
     def check_optimizer(self, optimizer) -> None:
-        """Take the optimizer's momentum (SGD's, Adam's β1) over when this memory follows the
-        optimizer or has a momentum of its own (which the optimizer's must then equal);
-        nothing otherwise.  A memory that follows the optimizer refuses nothing: where the
-        momentum cannot be taken over (RMSprop's, groups that differ, a dampening) it stays
-        plain error feedback and the optimizer keeps it."""
+        """Take SGD's momentum over when this memory follows the optimizer or has a momentum
+        of its own (which SGD's must then equal); nothing otherwise.  A memory that follows
+        the optimizer refuses nothing: where the momentum is not taken over (Adam's, groups
+        that differ, a dampening) it stays plain error feedback and the optimizer keeps it."""
         if not self.follows_optimizer and self.sgd_momentum == 0.0:
             return
         try:
-            take_over_momentum(optimizer, self, "the residual memory's momentum")
+            take_over_momentum(optimizer, self, "the residual memory's momentum", adam=False)
         except ValueError:
             if not self.follows_optimizer:
                 raise
@@ -104,7 +104,7 @@ class ResidualMemory(Memory):
         if not (self.follows_optimizer or follow) and (momentum, nesterov) != (self.sgd_momentum, self.nesterov):
             raise ValueError(
                 f"the residual memory was given momentum={self.sgd_momentum}, nesterov={self.nesterov}, but the "
-                f"optimizer it takes the momentum over from has momentum={momentum:g}, nesterov={nesterov}: "
+                f"SGD optimizer it takes the momentum over from has momentum={momentum:g}, nesterov={nesterov}: "
                 f"one momentum is applied, so give it once (momentum='optimizer' takes SGD's).")
         self.sgd_momentum, self.nesterov = float(momentum), bool(nesterov)
 
