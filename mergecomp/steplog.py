@@ -40,6 +40,10 @@ attaches nothing, and with no log attached no step pays for any of it.  Columns:
   group's (``mergecomp/drift/<group>``).
 - ``density_scale``: how many times its configured density (or rank) the quality controller
   has the compressed groups send, weighted by their elements (1: the configured setting).
+- ``noise``: for an unbiased compressor without error feedback (QSGD, TernGrad, unbiased
+  rand-k), how large each rank's compression error is against its gradient,
+  ‖C(g) − g‖ / ‖g‖ over ranks, as last measured (``drift`` is then empty: nothing is held
+  back).  TensorBoard also gets each group's (``mergecomp/noise/<group>``).
 
 ``every=N`` writes one row per N steps, its bytes, density and seconds averaged over those
 N steps (a long run's CSV stays small; the residual norm is read on written steps only).
@@ -63,7 +67,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .plan import is_compressed
 
 COLUMNS = ("step", "skipped", "skipped_total", "bytes_sent", "fp32_bytes", "compression_ratio",
-           "density", "compress_s", "wait_s", "decode_s", "ef_norm", "drift", "density_scale")
+           "density", "compress_s", "wait_s", "decode_s", "ef_norm", "drift", "density_scale", "noise")
 #: The columns that hold whole numbers (the others are floats; an empty cell is ``None``).
 INTEGER_COLUMNS = ("step", "skipped", "skipped_total")
 #: The CSV's name inside ``log_dir``.
@@ -286,8 +290,9 @@ class StepLog:
             "density": sums["sent"] / sums["coordinates"] if self._density_known and sums["coordinates"] else None,
             "compress_s": sums["compress_s"] / n, "wait_s": sums["wait_s"] / n,
             "decode_s": sums["decode_s"] / n, "ef_norm": self._error_norm(),
-            "drift": reading.lag if fresh else None,
+            "drift": reading.lag if fresh and reading.kind == "lag" else None,
             "density_scale": source.meter.density_scale() if source.meter is not None else None,
+            "noise": reading.noise if fresh else None,
         }
         if self._want_csv:
             if self._csv is None:
@@ -298,9 +303,9 @@ class StepLog:
             for column in COLUMNS[1:]:
                 if row[column] is not None and math.isfinite(row[column]):
                     self._tensorboard.add_scalar(f"mergecomp/{column}", row[column], step)
-            for group, lag in (reading.groups.items() if fresh else ()):
-                if math.isfinite(lag):
-                    self._tensorboard.add_scalar(f"mergecomp/drift/{group}", lag, step)
+            for group, value in (reading.groups.items() if fresh else ()):
+                if math.isfinite(value):
+                    self._tensorboard.add_scalar(f"mergecomp/{reading.column}/{group}", value, step)
             # the writer writes on a thread of its own: its flush waits for it and raises
             # what it met (a full disk), here rather than at some later row or at close()
             self._tensorboard.flush()

@@ -189,6 +189,62 @@ def test_a_resumed_run_steers_and_trains_bit_for_bit_as_one_that_never_stopped(t
 
 
 # -- what is told --------------------------------------------------------------------------------
+def test_the_none_memory_measures_an_unbiased_compressors_noise():
+    from mergecomp import memories
+    memory, g = memories.create("none"), torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    qsgd = mergecomp.compressors.create("qsgd")
+    memory.measuring = True
+    sent = memory.compensate(g, "g")
+    payload, ctx = qsgd.compress(sent, "g")
+    memory.update(sent, "g", qsgd, payload, ctx)
+    error, incoming = memory.drift_terms("g")
+    decoded = qsgd.decompress(payload, ctx).reshape(-1)
+    assert torch.allclose(error, (decoded - g).square().sum()) and torch.allclose(incoming, g.square().sum())
+    assert 0 < float(error) and memory.drift_kind == "noise"
+    memory.forget_drift()
+    topk = mergecomp.compressors.create("topk")  # biased, no error feedback: not a variance
+    payload, ctx = topk.compress(memory.compensate(g, "g"), "g")
+    memory.update(g, "g", topk, payload, ctx)
+    assert memory.drift_terms("g") is None
+    memory.measuring = False
+    memory.update(memory.compensate(g, "g"), "g", qsgd, *qsgd.compress(g, "g"))
+    assert memory.drift_terms("g") is None  # an unmeasured step decodes nothing
+
+
+def _noisy(rank, world_size, folder, name):
+    model = _model()
+    compressor = mergecomp.compressors.create(name, **({"compress_ratio": 0.25, "unbiased": True}
+                                                        if name == "randk" else {}))
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                               compressor=compressor, memory="none", schedule=1)
+    if rank == 0:
+        optimizer.add_step_log(mergecomp.StepLog(folder))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(31):
+            _step(model, optimizer, rank, step)
+    for log in getattr(optimizer, "step_logs", []):
+        log.close()
+    return (optimizer.drift, dict(optimizer.controller.scales), [str(w.message) for w in caught],
+            [p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("name", ["qsgd", "randk"])
+def test_an_unbiased_exchange_logs_its_noise_and_is_not_steered(tmp_path, name):
+    from mergecomp.steplog import read_rows
+    (reading0, scales, said, p0), (reading1, _, _, p1) = run_ranks(_noisy, 2, str(tmp_path), name)
+    assert reading0 == reading1 and reading0.kind == "noise" and reading0.step == 30
+    assert 0 < reading0.noise < math.inf and set(reading0.groups) == {"group0"}
+    if name == "randk":  # unbiased rand-k at a quarter: E‖C(g) − g‖² = (1/ratio − 1)·‖g‖²
+        assert reading0.noise == pytest.approx(math.sqrt(3), rel=0.25)
+    assert scales == {} and not [m for m in said if "mergecomp:" in m]  # neither steered nor warned about
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    rows = read_rows(str(tmp_path))
+    measured = [row for row in rows if row["noise"] is not None]
+    assert [row["step"] for row in measured] == [0, 10, 20, 30] and all(row["drift"] is None for row in rows)
+    assert measured[-1]["noise"] == pytest.approx(reading0.noise)
+
+
 def _told(rank, world_size, controller, steps):
     """The lag warnings a top-k 1% run says over ``steps`` steps under ``controller``."""
     drift.WARN_ABOVE = 0.05  # this process only: a lag any top-k run passes

@@ -329,11 +329,11 @@ def test_a_resumed_run_continues_the_log(tmp_path):
 
 def test_read_rows_skips_what_is_not_a_whole_row_and_refuses_another_table(tmp_path):
     header = ",".join(steplog.COLUMNS)
-    (tmp_path / "steps.csv").write_text(f"{header}\r\n0,0,0,10,40,4,0.1,0.5,0,0.1,,2.5,1\r\n1,0,0,10,4")
+    (tmp_path / "steps.csv").write_text(f"{header}\r\n0,0,0,10,40,4,0.1,0.5,0,0.1,,2.5,1,\r\n1,0,0,10,4")
     assert steplog.read_rows(str(tmp_path)) == [
         {"step": 0, "skipped": 0, "skipped_total": 0, "bytes_sent": 10.0, "fp32_bytes": 40.0,
          "compression_ratio": 4.0, "density": 0.1, "compress_s": 0.5, "wait_s": 0.0, "decode_s": 0.1,
-         "ef_norm": None, "drift": 2.5, "density_scale": 1.0}]
+         "ef_norm": None, "drift": 2.5, "density_scale": 1.0, "noise": None}]
     (tmp_path / "steps.csv").write_text(header[:7])  # killed while writing the header
     assert steplog.read_rows(str(tmp_path)) == []
     (tmp_path / "steps.csv").write_text("epoch,loss\n1,2\n")

@@ -64,13 +64,14 @@ def keywords(choice: Optional[str], entry=None) -> Dict[str, Any]:
 
 def reading(optimizer) -> Dict[str, Optional[float]]:
     """The drift and the controller's scale now: ``{"drift": lag or None, "density_scale":
-    mean multiplier or None}``.  The scale here is the plain mean over the groups (the step
+    mean multiplier or None, "noise": an unbiased compressor's relative noise or None}``.  The scale here is the plain mean over the groups (the step
     log's column weighs each group by its bytes): the optimizer does not say the groups' sizes."""
     drift = getattr(optimizer, "drift", None)
     controller = getattr(optimizer, "controller", None)
     scales = getattr(controller, "scales", None) or {}
-    return {"drift": None if drift is None else float(drift.lag),
-            "density_scale": (sum(scales.values()) / len(scales)) if scales else None}
+    return {"drift": None if drift is None or getattr(drift, "kind", "lag") != "lag" else float(drift.lag),
+            "density_scale": (sum(scales.values()) / len(scales)) if scales else None,
+            "noise": None if drift is None or getattr(drift, "kind", "lag") != "noise" else float(drift.lag)}
 
 
 class Trace:
@@ -118,5 +119,5 @@ class Trace:
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
         return [{"step": row["step"], "drift": row["drift"], "density_scale": row.get("density_scale"),
-                 "ef_norm": row.get("ef_norm")}
-                for row in rows if row.get("drift") is not None]
+                 "ef_norm": row.get("ef_norm"), "noise": row.get("noise")}
+                for row in rows if row.get("drift") is not None or row.get("noise") is not None]

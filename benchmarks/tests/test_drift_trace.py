@@ -6,6 +6,7 @@ import types
 import pytest
 
 from benchmarks.harness import drift
+from mergecomp.runtime.drift import DriftReading
 
 
 def _optimizer(lag=None, scales=None, history=()):
@@ -16,9 +17,13 @@ def _optimizer(lag=None, scales=None, history=()):
 
 
 def test_the_reading_is_the_lag_and_the_mean_scale():
-    assert drift.reading(_optimizer()) == {"drift": None, "density_scale": None}
-    assert drift.reading(_optimizer(lag=2.5, scales={"g0": 1.0, "g1": 3.0})) == {"drift": 2.5, "density_scale": 2.0}
-    assert drift.reading(types.SimpleNamespace()) == {"drift": None, "density_scale": None}
+    assert drift.reading(_optimizer()) == {"drift": None, "density_scale": None, "noise": None}
+    assert drift.reading(_optimizer(lag=2.5, scales={"g0": 1.0, "g1": 3.0})) == {
+        "drift": 2.5, "density_scale": 2.0, "noise": None}
+    assert drift.reading(types.SimpleNamespace()) == {"drift": None, "density_scale": None, "noise": None}
+    noisy = _optimizer(lag=0.7)
+    noisy.drift = DriftReading(10, 0.7, {}, kind="noise")  # an unbiased compressor's noise, not a lag
+    assert drift.reading(noisy) == {"drift": None, "density_scale": None, "noise": 0.7}
 
 
 def test_the_controllers_decisions_are_recorded_on_rank_0():
@@ -43,15 +48,15 @@ class _Logged:
 
 def test_the_step_logs_measurement_rows_become_the_trace(monkeypatch):
     rows = [dict(step=1, drift=None, density_scale=None, ef_norm=0.1),
-            dict(step=10, drift=0.8, density_scale=1.0, ef_norm=0.3),
-            dict(step=20, drift=1.6, density_scale=1.5, ef_norm=0.4)]
+            dict(step=10, drift=0.8, density_scale=1.0, ef_norm=0.3, noise=None),
+            dict(step=20, drift=1.6, density_scale=1.5, ef_norm=0.4, noise=None)]
     monkeypatch.setattr(drift, "read_rows", lambda folder: rows)
     optimizer = _Logged()
     trace = drift.Trace(optimizer, rank=0)
     assert optimizer.logs and trace.folder
     record = trace.finish()
-    assert record["drift_trace"] == [dict(step=10, drift=0.8, density_scale=1.0, ef_norm=0.3),
-                                     dict(step=20, drift=1.6, density_scale=1.5, ef_norm=0.4)]
+    assert record["drift_trace"] == [dict(step=10, drift=0.8, density_scale=1.0, ef_norm=0.3, noise=None),
+                                     dict(step=20, drift=1.6, density_scale=1.5, ef_norm=0.4, noise=None)]
     import os
     assert not os.path.exists(trace.folder)
 

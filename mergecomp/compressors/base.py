@@ -91,6 +91,9 @@ class DriftTerms:
 
     #: Set by the step lifecycle on the steps it measures the drift on (:meth:`drift_terms`).
     measuring = False
+    #: What the terms measure: ``"lag"`` (what error feedback holds back) or ``"noise"``
+    #: (an unbiased compressor's error this step, which nothing holds: the ``none`` memory's).
+    drift_kind = "lag"
 
     def drift_terms(self, name: str):
         """``(held², incoming²)`` of group ``name`` on a measuring step (0-d float32 tensors,

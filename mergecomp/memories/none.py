@@ -5,10 +5,28 @@ from .base import Memory
 
 @register("none")
 class NoneMemory(Memory):
-    """Passes gradients through untouched; for unbiased or lossless compressors."""
+    """Passes gradients through untouched; for unbiased or lossless compressors.
+
+    What it measures on the drift's measured steps (:mod:`mergecomp.runtime.drift`): nothing
+    is held back, so there is no lag; for an unbiased compressor (QSGD, TernGrad, unbiased
+    rand-k) the exchange's *noise* instead, ``‖decode(compress(g)) − g‖`` against ``‖g‖``:
+    one decode of this rank's own payload per group on a measured step.  A biased compressor
+    without error feedback (signSGD's vote) and one with its own (PowerSGD) are not measured
+    here."""
+
+    #: What :meth:`drift_terms` measures: the compression's noise, not a held-back lag.
+    drift_kind = "noise"
 
     def compensate(self, tensor, name):
+        self._note_incoming(name, tensor)
         return tensor
 
     def update(self, tensor, name, compressor, payload, ctx):
+        if not self.measuring or name not in self.__dict__.get("_drift_incoming", {}):
+            return None
+        if compressor.unbiased is not True or compressor.lossless or compressor.error_feedback:
+            self.__dict__["_drift_incoming"].pop(name, None)
+            return None
+        decoded = compressor.decompress(payload, ctx).reshape(-1)
+        self._note_held(name, decoded - tensor.reshape(-1).to(decoded.dtype))
         return None

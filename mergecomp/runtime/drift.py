@@ -16,7 +16,12 @@ residual and each incoming update, on the steps measured: every ``every`` steps)
 squared norms travel in the step's outcome allreduce, which runs anyway: no collective of
 its own, and every rank reads the same sums, ``lag_g = √(Σ_r held² / Σ_r incoming²)``.  The
 whole model's lag is the same ratio over every group.  A compressor without error feedback
-(an unbiased quantiser with no memory) holds nothing back: it is not measured.
+holds nothing back.  For an unbiased one (QSGD, TernGrad, unbiased rand-k, with the ``none``
+memory) the reading is its *noise* instead (``kind="noise"``): the same ratio with the
+compression's error this step, ``C(g) − g``, in place of what is held (one decode of the
+rank's own payload per measured group).  Its meaning differs (a relative error, not steps
+behind), so it is logged apart (the step log's ``noise``), neither steered nor warned about:
+no threshold for it has been measured against dense's quality.
 
 **The controller.**  :class:`DriftController` raises a group's density (a sparsifier's share
 of coordinates) or rank (a low-rank factorisation's) when its lag passes ``raise_above``,
@@ -45,17 +50,33 @@ from ..compressors.base import squared_norm
 
 @dataclass(frozen=True)
 class DriftReading:
-    """One measurement, the same on every rank: ``lag`` of the whole model and of each group
-    (steps of update held back), at ``step``."""
+    """One measurement, the same on every rank, at ``step``: of the whole model and of each
+    group, the ``lag`` (``kind="lag"``: steps of update error feedback holds back) or, for an
+    unbiased compressor without error feedback (``kind="noise"``), the exchange's relative
+    noise ``√(Σ_r ‖C(g_r) − g_r‖² / Σ_r ‖g_r‖²)``: how large one rank's compression error is
+    against its gradient (averaging over N ranks divides the variance it adds by N)."""
 
     step: int
     lag: float
     groups: Dict[str, float] = field(default_factory=dict)
+    kind: str = "lag"
+
+    @property
+    def column(self) -> str:
+        """The step log's column for it: ``drift`` (a lag) or ``noise``."""
+        return "noise" if self.kind == "noise" else "drift"
+
+    @property
+    def noise(self) -> Optional[float]:
+        """The whole model's relative noise (a noise reading), else None."""
+        return self.lag if self.kind == "noise" else None
 
     def describe(self, limit: int = 4) -> str:
         worst = sorted(self.groups.items(), key=lambda kv: -kv[1])[:limit]
-        return (f"the exchange holds back {self.lag:.3g} steps of update (the most: "
-                + ", ".join(f"{name} {lag:.3g}" for name, lag in worst) + ")")
+        most = ", ".join(f"{name} {value:.3g}" for name, value in worst)
+        if self.kind == "noise":
+            return f"each rank's compressed gradient is off by {self.lag:.3g} times its norm (the most: {most})"
+        return f"the exchange holds back {self.lag:.3g} steps of update (the most: {most})"
 
 
 def lags(names: Sequence[str], sums: torch.Tensor) -> Tuple[float, Dict[str, float]]:
@@ -95,6 +116,7 @@ class DriftMeter:
         self.reading: Optional[DriftReading] = None
         self._components: Tuple[Any, ...] = ()
         self._compressor = None
+        self._kind = "lag"  # what the last step's terms measured (DriftTerms.drift_kind)
         self._numels: Dict[str, int] = {}
         self._sent: Dict[str, int] = {}  # each measured group's payload bytes, the same on every rank
         self._high = 0  # measurements in a row above WARN_ABOVE with nothing steering the lag
@@ -125,18 +147,22 @@ class DriftMeter:
         something back, in launch order (the same on every rank): their (held², incoming²)
         pairs, then each one's payload bytes (summed over ranks with the rest, so that the
         byte budget counts what every rank agrees on, even where payload sizes differ)."""
-        names, values, sent = [], [], []
+        names, values, sent, kinds = [], [], [], set()
         for flight in flights:
             found = None
             for component in self._components:
                 found = component.drift_terms(flight.name)
                 if found is not None:
+                    kinds.add(getattr(component, "drift_kind", "lag"))
                     break
             if found is not None:
                 names.append(flight.name)
                 values.extend(found)
                 self._numels[flight.name] = flight.numel
                 sent.append(float(self._components[0].drift_sent(flight.name)))
+        # one memory and one compressor per run: the groups measure one kind (a mix, which
+        # no built-in pairing makes, is read as a lag, the kind the controller acts on)
+        self._kind = "noise" if kinds == {"noise"} else "lag"
         if not values:
             return names, None
         device = values[0].device
@@ -149,8 +175,10 @@ class DriftMeter:
         pairs = 2 * len(names)
         whole, groups = lags(names, sums[:pairs])
         self._sent = dict(zip(names, sums[pairs:].double().tolist()))
-        self.reading = DriftReading(step, whole, groups)
+        self.reading = DriftReading(step, whole, groups, self._kind)
         compressor = self._compressor
+        if self._kind == "noise":  # measured and logged; no threshold to steer or warn by
+            return self.reading
         steering = self.controller is not None and getattr(compressor, "knob", None) is not None
         if steering:
             weights = {name: self._bytes_at_scale_one(name) for name in names}
