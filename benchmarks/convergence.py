@@ -299,7 +299,7 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
     if getattr(spec, "family", None) == "diloco":
         inner = optimizers.make(hyper, model.parameters(), optimizers.row_settings(
             hyper, None, None, None, None, None))
-        return lowcomm.build(spec, inner, model, **drift.keywords(options.controller, mergecomp.DiLoCo))
+        return lowcomm.build(spec, inner, model, **drift.keywords(options.controller, mergecomp.DiLoCo, _run_steps(options)))
     compressor = built = compressors.create(spec.name, **spec.kwargs)
     recipe = recipes.recipe_of(compressor) if options.use_recipes else None
     if (recipe is not None and recipe.min_ratio is not None and "compress_ratio" not in spec.kwargs
@@ -322,7 +322,7 @@ def build(spec: Spec, options: Options, model: nn.Module, world_size: int = 1):
     advice = recipes.advice(compressor, base, memory)
     optimizer = mergecomp.DistributedOptimizer(
         base, model.named_parameters(), compressor=compressor, memory=memory,
-        communicator=comm_name, schedule=options.fusion_num, **drift.keywords(options.controller))
+        communicator=comm_name, schedule=options.fusion_num, **drift.keywords(options.controller, steps=_run_steps(options)))
     raised = {"compress_ratio": compressor.compress_ratio} if compressor is not built else {}
     settings = {"compressor": repr(compressor), "memory": memory_name, "communicator": comm_name,
                 "memory_repr": repr(memory), "clip_mode": clip_mode if options.clip else None,
@@ -425,6 +425,12 @@ def train_one(spec: Spec, seed: int, options: Options, data, rank: int, world_si
 
 
 DEFAULT_LM_STEPS = tables.DEFAULT_LM_STEPS
+
+
+def _run_steps(options: "Options") -> Optional[int]:
+    """A language model's training steps (the controller's horizon); None for the digits,
+    which train in epochs."""
+    return None if options.task == "digits" else (options.steps or DEFAULT_LM_STEPS)
 #: Dense SGD's learning rate per task (momentum 0.9); AdamW's and the sweeps they come from:
 #: :data:`benchmarks.harness.optimizers.DENSE_LR`.  Every compressor's recipe scales SGD's.
 DENSE_LR = optimizers.DENSE_LR["sgd"]

@@ -29,7 +29,9 @@ import mergecomp
 from mergecomp.steplog import read_rows
 
 #: ``--controller``'s choices; None (the flag left out) keeps the library's default.
-CHOICES = ("on", "off")
+#: ``horizon``: on, told the run's length (``DriftController(horizon=steps)``), so that it may
+#: spend its whole budget early, where the lag is largest.
+CHOICES = ("on", "off", "horizon")
 #: The entry points' keyword and its values.
 KEYWORD = "controller"
 VALUES = {"on": "auto", "off": "off"}
@@ -56,9 +58,15 @@ def check(choice: Optional[str], entry=None) -> None:
                          f"out, or install a mergecomp that has it")
 
 
-def keywords(choice: Optional[str], entry=None) -> Dict[str, Any]:
-    """The entry point's keyword arguments for ``choice``: {} for the library's default."""
+def keywords(choice: Optional[str], entry=None, steps: Optional[int] = None) -> Dict[str, Any]:
+    """The entry point's keyword arguments for ``choice``: {} for the library's default;
+    ``horizon`` needs the run's ``steps``."""
     check(choice, entry)
+    if choice == "horizon":
+        if not steps:
+            raise ValueError("--controller horizon tells the controller the run's length: it needs a run "
+                             "counted in steps (a language model's --steps)")
+        return {KEYWORD: mergecomp.DriftController(horizon=int(steps))}
     return {} if choice is None else {KEYWORD: VALUES[choice]}
 
 

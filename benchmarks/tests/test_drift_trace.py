@@ -93,3 +93,11 @@ def _controlled_steps(rank, world_size):
     optimizer.remove_hooks()
     assert rank != 0 or reading["drift"] is not None and record["drift_trace"], (reading, record)
     return {"steps": 30}
+
+
+def test_the_horizon_choice_tells_the_controller_the_runs_steps():
+    chosen = drift.keywords("horizon", steps=1500)["controller"]
+    assert chosen.horizon == 1500 and chosen.byte_budget == 2.0
+    assert drift.keywords("on") == {"controller": "auto"} and drift.keywords(None) == {}
+    with pytest.raises(ValueError, match="needs a run counted in steps"):
+        drift.keywords("horizon")
