@@ -104,24 +104,19 @@ def take_over_momentum(optimizer, memory, component: str, adam: bool = True) -> 
       threshold would shrink every step that much.  SGD's weight decay acts inside its
       momentum, so at ``lr / (1 − m)`` without momentum it has its steady-state effect
       unchanged.
-    - **Adam's and AdamW's first moment** ``β1``.  ``u ← β1·u + (1 − β1)·g`` is Adam's
-      first moment itself, so the memory runs it and the optimizer steps with
-      ``betas = (0, β2)`` at the user's ``lr``: Adam's second moment and its normalised step
-      act on what the exchange delivered.  Why: error feedback releases a coordinate's
-      backlog in one step; Adam's first moment applied *after* the exchange smears that
-      burst over 1/(1 − β1) steps while its second moment is fed the bursts, where before
-      the exchange the first moment averages the gradients each rank computed, as dense
-      Adam does, and only the averaged moment is compressed (1-bit Adam's compressed stage,
-      Tang et al., ICML 2021, compresses the momentum for the same reason).  The first
-      moment's bias correction is left out: at β1 = 0 Adam divides the delivered moment by
-      the root of its own second moment, so a common scale cancels.  Adam's coupled weight
-      decay (``Adam(weight_decay=)``) then enters at β1 = 0, outside the moment; AdamW's is
-      decoupled and unchanged.  Only where ``adam`` (the ``dgc`` memory): measured on an
-      untuned character LSTM under AdamW, DGC's momentum correction with β1 taken over
-      trains as well as with AdamW at β1 = 0 by hand, while top-k's residual memory with β1
-      before the exchange trailed dense far more than plain error feedback before Adam's
-      moments (docs/results.md#quality-control), so that memory leaves Adam's moments to
-      Adam.
+    - **Adam's and AdamW's first moment** ``β1``, where ``adam`` (the ``dgc`` memory).
+      ``u ← β1·u + (1 − β1)·g`` is Adam's first moment itself, so the memory runs it as its
+      momentum correction and the optimizer steps with ``betas = (0, β2)`` at the user's
+      ``lr``: Adam's second moment and its normalised step act on what the exchange
+      delivered (1-bit Adam's compressed stage, Tang et al., ICML 2021, also compresses the
+      momentum).  The first moment's bias correction is left out: at β1 = 0 Adam divides
+      the delivered moment by the root of its own second moment, so a common scale cancels.
+      Adam's coupled weight decay (``Adam(weight_decay=)``) then enters at β1 = 0, outside
+      the moment; AdamW's is decoupled and unchanged.  Measured on an untuned character LSTM
+      under AdamW, DGC with β1 taken over trains as well as with AdamW at β1 = 0 set by hand
+      (what its refusal used to ask for), while top-k's residual memory with β1 before the
+      exchange trailed dense far more than plain error feedback before Adam's moments
+      (docs/results.md#quality-control): that memory leaves Adam's moments to Adam.
 
     A momentum schedule (OneCycleLR's ``momentum`` or ``betas``) is followed: each step's
     value is the memory's for the next exchange.  A framework's wrapper around the
