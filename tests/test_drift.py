@@ -103,6 +103,23 @@ def test_the_controller_never_spends_beyond_its_budget():
     assert max(controller.scales.values()) <= 16.0
 
 
+def test_a_warm_start_begins_every_group_high_and_the_budget_and_calm_bring_it_down():
+    controller = DriftController(raise_above=2.0, lower_below=0.5, patience=2, horizon=1000, start_scale=8)
+    weights = {"group0": 1.0, "group1": 1.0}
+    assert controller.decide(_reading(0, group0=0.0, group1=0.0), weights, 1) == {"group0": 8.0, "group1": 8.0}
+    assert controller.started and controller.history[0] == (0, {"group0": 8.0, "group1": 8.0})
+    controller.decide(_reading(10, group0=0.1, group1=3.0), weights, 10)
+    assert controller.decide(_reading(20, group0=0.1, group1=3.0), weights, 10) == {"group0": 4.0}  # calm twice
+    again = DriftController(raise_above=2.0, lower_below=0.5, patience=2, horizon=1000, start_scale=8)
+    again.load_state_dict(controller.state_dict())
+    assert again.started and again.decide(_reading(30, group0=3.0, group1=3.0), weights, 10) == {"group0": 8.0}
+    tight = DriftController(byte_budget=1.5, front=1, every=10, start_scale=16)  # a small front: trimmed at once
+    first = tight.decide(_reading(0, group0=0.0), {"group0": 1.0}, 1)
+    assert 1.0 < first["group0"] < 16.0 and tight.bytes_ratio <= 1.5
+    with pytest.raises(ValueError, match="start_scale must be a number from 1 to max_scale"):
+        DriftController(start_scale=32)
+
+
 def test_the_controller_state_round_trips():
     controller = DriftController(raise_above=2.0, horizon=100)
     controller.decide(_reading(0, group0=9.0), {"group0": 1.0}, 10)

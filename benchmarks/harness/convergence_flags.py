@@ -33,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=0,
                    help="language models: layers (default: the task's)")
     p.add_argument("--controller", choices=drift.CHOICES, default=None,
-                   help="the quality controller of DistributedOptimizer and DiLoCo, on or off, or "
-                        "horizon: on and told the run's --steps, so it may spend its budget early "
+                   help="the quality controller of DistributedOptimizer and DiLoCo, on or off; "
+                        "horizon: on and told the run's --steps, so it may spend its budget early; "
+                        "warm: every group starts at the largest scale; warm-horizon: both "
                         "(default: left out, the library's default)")
 
 
@@ -70,9 +71,9 @@ def resolve(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     elif args.embedding or args.hidden or args.layers:
         p.error(f"--embedding, --hidden and --layers size a language model; --task {args.task} "
                 f"trains a fixed CNN")
-    if args.controller == "horizon" and args.task not in lm.TASKS:
-        p.error(f"--controller horizon tells the controller the run's steps; --task {args.task} trains "
-                f"in epochs: use --controller on")
+    if args.controller in ("horizon", "warm-horizon") and args.task not in lm.TASKS:
+        p.error(f"--controller {args.controller} tells the controller the run's steps; --task {args.task} "
+                f"trains in epochs: use --controller on or warm")
     try:
         drift.check(args.controller)
         if args.diloco:

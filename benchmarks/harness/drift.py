@@ -30,8 +30,12 @@ from mergecomp.steplog import read_rows
 
 #: ``--controller``'s choices; None (the flag left out) keeps the library's default.
 #: ``horizon``: on, told the run's length (``DriftController(horizon=steps)``), so that it may
-#: spend its whole budget early, where the lag is largest.
-CHOICES = ("on", "off", "horizon")
+#: spend its whole budget early, where the lag is largest; ``warm``: every group starts at
+#: the largest scale and comes down as the budget and the calm rule say
+#: (``DriftController(start_scale=16)``); ``warm-horizon``: both.
+CHOICES = ("on", "off", "horizon", "warm", "warm-horizon")
+#: The choices that build a controller of their own: (start_scale, told the run's steps).
+BUILT = {"horizon": (1.0, True), "warm": (16.0, False), "warm-horizon": (16.0, True)}
 #: The entry points' keyword and its values.
 KEYWORD = "controller"
 VALUES = {"on": "auto", "off": "off"}
@@ -60,13 +64,14 @@ def check(choice: Optional[str], entry=None) -> None:
 
 def keywords(choice: Optional[str], entry=None, steps: Optional[int] = None) -> Dict[str, Any]:
     """The entry point's keyword arguments for ``choice``: {} for the library's default;
-    ``horizon`` needs the run's ``steps``."""
+    ``horizon`` and ``warm-horizon`` need the run's ``steps``."""
     check(choice, entry)
-    if choice == "horizon":
-        if not steps:
-            raise ValueError("--controller horizon tells the controller the run's length: it needs a run "
-                             "counted in steps (a language model's --steps)")
-        return {KEYWORD: mergecomp.DriftController(horizon=int(steps))}
+    if choice in BUILT:
+        start_scale, told = BUILT[choice]
+        if told and not steps:
+            raise ValueError(f"--controller {choice} tells the controller the run's length: it needs a run "
+                             f"counted in steps (a language model's --steps)")
+        return {KEYWORD: mergecomp.DriftController(horizon=int(steps) if told else None, start_scale=start_scale)}
     return {} if choice is None else {KEYWORD: VALUES[choice]}
 
 

@@ -101,3 +101,6 @@ def test_the_horizon_choice_tells_the_controller_the_runs_steps():
     assert drift.keywords("on") == {"controller": "auto"} and drift.keywords(None) == {}
     with pytest.raises(ValueError, match="needs a run counted in steps"):
         drift.keywords("horizon")
+    warm = drift.keywords("warm-horizon", steps=1500)["controller"]
+    assert (warm.start_scale, warm.horizon) == (16.0, 1500)
+    assert drift.keywords("warm")["controller"].start_scale == 16.0

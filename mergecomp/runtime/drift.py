@@ -282,6 +282,9 @@ class DriftController:
             measurements (see :meth:`allowed`).
         front: see ``horizon``.
         every: steps between two measurements (and decisions).
+        start_scale: the scale every group starts at, from the first decision (1: the
+            configured setting); the budget and the calm rule bring it down from there, a
+            density warm-up driven by the budget (as DGC's warm-up starts dense and decays).
 
     The scales act on the compressor's :attr:`~mergecomp.compressors.base.Compressor.knob`;
     a compressor without one is measured (and warned about) but not steered.
@@ -289,13 +292,17 @@ class DriftController:
 
     def __init__(self, raise_above: float = 1.5, lower_below: float = 0.5, byte_budget: float = 2.0,
                  max_scale: float = 16.0, patience: int = 3, horizon: Optional[int] = None, front: int = 10,
-                 every: int = 10):
+                 every: int = 10, start_scale: float = 1.0):
         checks = (("raise_above", raise_above, 0.0), ("lower_below", lower_below, 0.0),
                   ("byte_budget", byte_budget, 1.0), ("max_scale", max_scale, 1.0))
         for what, value, least in checks:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < least:
                 raise ValueError(f"DriftController {what} must be a finite number ≥ {least:g}, got {value!r}")
+        if isinstance(start_scale, bool) or not isinstance(start_scale, (int, float)) \
+                or not 1.0 <= start_scale <= max_scale:
+            raise ValueError(f"DriftController start_scale must be a number from 1 to max_scale ({max_scale!r}), "
+                             f"got {start_scale!r}")
         if not lower_below < raise_above:
             raise ValueError(f"DriftController lower_below ({lower_below!r}) must be below raise_above "
                              f"({raise_above!r}), or a group would be raised and lowered in turn")
@@ -308,6 +315,7 @@ class DriftController:
         self.raise_above, self.lower_below = float(raise_above), float(lower_below)
         self.byte_budget, self.max_scale = float(byte_budget), float(max_scale)
         self.patience, self.horizon, self.front = patience, horizon, front
+        self.start_scale = float(start_scale)
         #: Steps between two measurements (and decisions).
         self.every = every
         #: Each group's scale now (absent: 1), and how many measurements in a row it was calm.
@@ -323,6 +331,8 @@ class DriftController:
         self._cooling: Dict[str, int] = {}
         #: (step, {group: scale}) after every decision that changed a scale.
         self.history: List[Tuple[int, Dict[str, float]]] = []
+        #: Whether the first decision (which starts the groups at ``start_scale``) was taken.
+        self.started = False
 
     def decide(self, reading: DriftReading, weights: Mapping[str, float], steps: int,
                ahead: Optional[int] = None) -> Dict[str, float]:
@@ -343,7 +353,13 @@ class DriftController:
             self._cooling[group] -= 1
             if self._cooling[group] <= 0:
                 del self._cooling[group]
+        if not self.started:
+            self.started = True
+            if self.start_scale > 1.0:  # the warm start; the budget's give-back below trims it
+                changed.update({group: self.start_scale for group in reading.groups})
         for group, lag in sorted(reading.groups.items(), key=lambda kv: -kv[1]):
+            if group in changed:
+                continue
             scale = self.scales.get(group, 1.0)
             if lag > self.raise_above and scale < self.max_scale:
                 wanted = min(self.max_scale, 2 * scale)
@@ -404,7 +420,7 @@ class DriftController:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"scales": dict(self.scales), "calm": dict(self._calm), "spent": self.spent, "base": self.base,
-                "steps": self.steps, "cooling": dict(self._cooling),
+                "steps": self.steps, "cooling": dict(self._cooling), "started": self.started,
                 "history": [[step, dict(scales)] for step, scales in self.history]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -413,13 +429,16 @@ class DriftController:
         self.spent, self.base = float(state.get("spent", 0.0)), float(state.get("base", 0.0))
         self.steps = int(state.get("steps", 0))
         self._cooling = {str(g): int(c) for g, c in dict(state.get("cooling", {})).items()}
+        # a state from before the warm start: started once it had decided anything
+        self.started = bool(state.get("started", self.steps > 0))
         self.history = [(int(step), {str(g): float(s) for g, s in dict(scales).items()})
                         for step, scales in state.get("history", [])]
 
     def __repr__(self) -> str:
         return (f"DriftController(raise_above={self.raise_above:g}, lower_below={self.lower_below:g}, "
                 f"byte_budget={self.byte_budget:g}, max_scale={self.max_scale:g}, patience={self.patience}, "
-                f"horizon={self.horizon}, front={self.front}, every={self.every})")
+                f"horizon={self.horizon}, front={self.front}, every={self.every}"
+                + (f", start_scale={self.start_scale:g})" if self.start_scale != 1.0 else ")"))
 
 
 #: How often the drift is measured when the controller is off (for the step log and warnings).
