@@ -8,11 +8,11 @@ class NoneMemory(Memory):
     """Passes gradients through untouched; for unbiased or lossless compressors.
 
     What it measures on the drift's measured steps (:mod:`mergecomp.runtime.drift`): nothing
-    is held back, so there is no lag; for an unbiased compressor (QSGD, TernGrad, unbiased
-    rand-k) the exchange's *noise* instead, ``‖decode(compress(g)) − g‖`` against ``‖g‖``:
-    one decode of this rank's own payload per group on a measured step.  A biased compressor
-    without error feedback (signSGD's vote) and one with its own (PowerSGD) are not measured
-    here."""
+    is held back, so there is no lag; for an unbiased compressor (QSGD, TernGrad without
+    clipping, unbiased rand-k) the exchange's *noise* instead, ``‖decode(compress(g)) − g‖``
+    against ``‖g‖``: one decode of this rank's own payload per group on a measured step.  A
+    biased compressor without error feedback (signSGD's vote, clipped TernGrad) and one with
+    its own (PowerSGD) are not measured here."""
 
     #: What :meth:`drift_terms` measures: the compression's noise, not a held-back lag.
     drift_kind = "noise"
