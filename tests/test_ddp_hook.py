@@ -25,10 +25,13 @@ def _bucket_plan(layouts, sends="compress"):
     return mergecomp.Plan([mergecomp.Group(tuple(n for n, _ in layouts[i]), sends) for i in sorted(layouts)])
 
 
-def equivalence_worker(rank, world_size, compressor, memory, communicator):
+def equivalence_worker(rank, world_size, compressor, memory, communicator, start_scale=None):
+    def controller():  # None: the default; a warm start's scales must follow DDP's bucket rebuild
+        return {} if start_scale is None else {"controller": mergecomp.DriftController(start_scale=start_scale)}
     model = make_model()
     ddp = _ddp(model)
-    state = mergecomp.ddp.register(ddp, compressor=compressor, memory=memory, communicator=communicator)
+    state = mergecomp.ddp.register(ddp, compressor=compressor, memory=memory, communicator=communicator,
+                                   **controller())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hook_grads, layouts = [], []
     for step in range(4):
@@ -47,7 +50,8 @@ def equivalence_worker(rank, world_size, compressor, memory, communicator):
     twin = make_model()
     wrapper = mergecomp.DistributedOptimizer(
         torch.optim.SGD(twin.parameters(), lr=0.1), model=twin, compressor=compressor, memory=memory,
-        communicator=communicator, schedule=_bucket_plan(layouts[0], "fp32" if communicator == "ps" else "compress"))
+        communicator=communicator, schedule=_bucket_plan(layouts[0], "fp32" if communicator == "ps" else "compress"),
+        **controller())
     optimizer_grads = []
     for step in range(4):
         if step == 1:
@@ -70,6 +74,17 @@ def test_the_hook_averages_as_the_optimizer_does_with_the_same_groups(compressor
     for hook_grads, optimizer_grads, stable, steps in run_ranks(equivalence_worker, 2, compressor, memory,
                                                                 communicator):
         assert stable and steps == 4
+        for step, (a, b) in enumerate(zip(hook_grads, optimizer_grads)):
+            for got, want in zip(a, b):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+
+
+def test_the_hook_regroups_the_controllers_scales_when_ddp_rebuilds_its_buckets_as_the_wrapper_does():
+    # a warm start raises the buckets at step 0, to different scales once the budget trims
+    # them; DDP rebuilds its buckets after step 0, and the scales follow the new buckets as a
+    # plan switch's do (a bucket's name now stands for other parameters)
+    for hook_grads, optimizer_grads, stable, _ in run_ranks(equivalence_worker, 2, "topk", "residual", "allgather", 16):
+        assert stable
         for step, (a, b) in enumerate(zip(hook_grads, optimizer_grads)):
             for got, want in zip(a, b):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"step {step}")

@@ -343,6 +343,8 @@ class HookState(SharedSurface):
         moved = buckets.regrouped(held, self.layouts, keys, self.names is not None)
         self.layouts = dict(keys)
         self._connect_state(moved)
+        if self.lifecycle.meter is not None:  # a bucket's name now stands for other parameters
+            self.lifecycle.meter.regrouped(self.communicator.compressor, [f"group{i}" for i in sorted(keys)])
         sends = self.sends or ()
         self.lifecycle.spread_shard_state([
             (f"group{i}", sends[i] if i < len(sends) else "compress", sum(numel for _, numel in key))
