@@ -82,7 +82,8 @@ def _reading(step, **lags):
 
 
 def test_the_controller_doubles_a_lagging_group_and_halves_a_calm_one_after_its_patience():
-    controller = DriftController(raise_above=2.0, lower_below=0.5, byte_budget=4.0, patience=2, horizon=1000)
+    controller = DriftController(raise_above=2.0, lower_below=0.5, byte_budget=4.0, patience=2, horizon=1000,
+                                 start_scale=1)  # the rules alone, without the warm start
     weights = {"group0": 100.0, "group1": 100.0}
     assert controller.decide(_reading(0, group0=5.0, group1=1.0), weights, 10) == {"group0": 2.0}
     assert controller.decide(_reading(10, group0=5.0, group1=1.0), weights, 10) == {"group0": 4.0}
@@ -103,21 +104,27 @@ def test_the_controller_never_spends_beyond_its_budget():
     assert max(controller.scales.values()) <= 16.0
 
 
-def test_a_warm_start_begins_every_group_high_and_the_budget_and_calm_bring_it_down():
+def test_a_warm_start_sends_the_first_interval_high_then_the_rules_take_over():
     controller = DriftController(raise_above=2.0, lower_below=0.5, patience=2, horizon=1000, start_scale=8)
     weights = {"group0": 1.0, "group1": 1.0}
+    # the first decision starts every group at 8, whatever its lag (nothing is held yet)
     assert controller.decide(_reading(0, group0=0.0, group1=0.0), weights, 1) == {"group0": 8.0, "group1": 8.0}
     assert controller.started and controller.history[0] == (0, {"group0": 8.0, "group1": 8.0})
-    controller.decide(_reading(10, group0=0.1, group1=3.0), weights, 10)
-    assert controller.decide(_reading(20, group0=0.1, group1=3.0), weights, 10) == {"group0": 4.0}  # calm twice
     again = DriftController(raise_above=2.0, lower_below=0.5, patience=2, horizon=1000, start_scale=8)
-    again.load_state_dict(controller.state_dict())
-    assert again.started and again.decide(_reading(30, group0=3.0, group1=3.0), weights, 10) == {"group0": 8.0}
+    again.load_state_dict(controller.state_dict())  # a checkpoint inside the warm start ends it alike
+    # the next one ends it: back to the configured setting, and a lagging group doubles from there
+    assert controller.decide(_reading(10, group0=0.1, group1=3.0), weights, 10) == {"group0": 1.0, "group1": 2.0}
+    assert again.decide(_reading(10, group0=0.1, group1=3.0), weights, 10) == {"group0": 1.0, "group1": 2.0}
+    assert controller.decide(_reading(20, group0=0.1, group1=3.0), weights, 10) == {"group1": 4.0}
+    assert controller.bytes_ratio > 1.0  # the warm start's bytes count in the budget
     tight = DriftController(byte_budget=1.5, front=1, every=10, start_scale=16)  # a small front: trimmed at once
     first = tight.decide(_reading(0, group0=0.0), {"group0": 1.0}, 1)
-    assert 1.0 < first["group0"] < 16.0 and tight.bytes_ratio <= 1.5
+    assert 1.0 < first["group0"] < 16.0
+    off = DriftController(start_scale=1)
+    assert off.decide(_reading(0, group0=0.0), {"group0": 1.0}, 1) == {} and off.started
     with pytest.raises(ValueError, match="start_scale must be a number from 1 to max_scale"):
         DriftController(start_scale=32)
+    assert DriftController().start_scale == 1.0 and DriftController(max_scale=4, start_scale=None).start_scale == 4.0
 
 
 def test_the_controller_state_round_trips():
@@ -177,7 +184,8 @@ def _resumed(rank, world_size, folder):
         model = _model()
         return model, mergecomp.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model, compressor="topk",
-            schedule=2, controller=DriftController(raise_above=0.2, lower_below=0.01, byte_budget=3.0, horizon=40, every=5))
+            schedule=2, controller=DriftController(raise_above=0.2, lower_below=0.01, byte_budget=3.0, horizon=40, every=5,
+                                                   start_scale=1))  # raised by the lag, mid-run
 
     model, optimizer = build()
     for step in range(40):

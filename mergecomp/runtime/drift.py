@@ -282,9 +282,13 @@ class DriftController:
             measurements (see :meth:`allowed`).
         front: see ``horizon``.
         every: steps between two measurements (and decisions).
-        start_scale: the scale every group starts at, from the first decision (1: the
-            configured setting); the budget and the calm rule bring it down from there, a
-            density warm-up driven by the budget (as DGC's warm-up starts dense and decays).
+        start_scale: the warm start: every group sends at this scale for the first ``every``
+            steps after the first decision, as far as the budget's front allows, then at the
+            configured setting, and the rules take over (1, the default: no warm start; None:
+            ``max_scale``).  Why: under Adam a coordinate that a sparse exchange first sends
+            late meets a second moment that never saw it and takes an oversized step; a few
+            dense steps at the start give every coordinate one (measured:
+            docs/results.md#quality-control), as DGC's density warm-up does for its own.
 
     The scales act on the compressor's :attr:`~mergecomp.compressors.base.Compressor.knob`;
     a compressor without one is measured (and warned about) but not steered.
@@ -292,13 +296,15 @@ class DriftController:
 
     def __init__(self, raise_above: float = 1.5, lower_below: float = 0.5, byte_budget: float = 2.0,
                  max_scale: float = 16.0, patience: int = 3, horizon: Optional[int] = None, front: int = 10,
-                 every: int = 10, start_scale: float = 1.0):
+                 every: int = 10, start_scale: Optional[float] = 1.0):
         checks = (("raise_above", raise_above, 0.0), ("lower_below", lower_below, 0.0),
                   ("byte_budget", byte_budget, 1.0), ("max_scale", max_scale, 1.0))
         for what, value, least in checks:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < least:
                 raise ValueError(f"DriftController {what} must be a finite number ≥ {least:g}, got {value!r}")
+        if start_scale is None:
+            start_scale = max_scale
         if isinstance(start_scale, bool) or not isinstance(start_scale, (int, float)) \
                 or not 1.0 <= start_scale <= max_scale:
             raise ValueError(f"DriftController start_scale must be a number from 1 to max_scale ({max_scale!r}), "
@@ -333,6 +339,8 @@ class DriftController:
         self.history: List[Tuple[int, Dict[str, float]]] = []
         #: Whether the first decision (which starts the groups at ``start_scale``) was taken.
         self.started = False
+        #: The groups the warm start raised, until the decision that ends it.
+        self._warm: List[str] = []
 
     def decide(self, reading: DriftReading, weights: Mapping[str, float], steps: int,
                ahead: Optional[int] = None) -> Dict[str, float]:
@@ -353,13 +361,17 @@ class DriftController:
             self._cooling[group] -= 1
             if self._cooling[group] <= 0:
                 del self._cooling[group]
-        if not self.started:
-            self.started = True
-            if self.start_scale > 1.0:  # the warm start; the budget's give-back below trims it
-                changed.update({group: self.start_scale for group in reading.groups})
+        warm_start = not self.started and self.start_scale > 1.0
+        if warm_start:  # the first interval at start_scale; the budget's give-back below trims it
+            changed.update({group: self.start_scale for group in reading.groups})
+            self._warm = sorted(reading.groups)
+        elif self._warm:  # it lasts one interval: back to the configured setting, then the rules
+            changed.update({group: 1.0 for group in self._warm if self.scales.pop(group, 1.0) != 1.0})
+            self._warm = []
+        self.started = True
         for group, lag in sorted(reading.groups.items(), key=lambda kv: -kv[1]):
-            if group in changed:
-                continue
+            if warm_start:
+                break
             scale = self.scales.get(group, 1.0)
             if lag > self.raise_above and scale < self.max_scale:
                 wanted = min(self.max_scale, 2 * scale)
@@ -421,6 +433,7 @@ class DriftController:
     def state_dict(self) -> Dict[str, Any]:
         return {"scales": dict(self.scales), "calm": dict(self._calm), "spent": self.spent, "base": self.base,
                 "steps": self.steps, "cooling": dict(self._cooling), "started": self.started,
+                "warm": list(self._warm),
                 "history": [[step, dict(scales)] for step, scales in self.history]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -431,6 +444,7 @@ class DriftController:
         self._cooling = {str(g): int(c) for g, c in dict(state.get("cooling", {})).items()}
         # a state from before the warm start: started once it had decided anything
         self.started = bool(state.get("started", self.steps > 0))
+        self._warm = [str(g) for g in state.get("warm", [])]
         self.history = [(int(step), {str(g): float(s) for g, s in dict(scales).items()})
                         for step, scales in state.get("history", [])]
 
