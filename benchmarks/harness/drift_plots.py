@@ -139,12 +139,12 @@ def render_drift(folder: str, out: Optional[str] = None) -> str:
 
 
 def decisions(run: dict) -> Dict[str, List[Tuple[int, float]]]:
-    """Each group's (step, scale) as the controller decided it."""
-    groups: Dict[str, List[Tuple[int, float]]] = {}
-    for decision in run.get("controller_decisions") or []:
-        for group, scale in decision["scales"].items():
-            groups.setdefault(group, []).append((decision["step"], scale))
-    return groups
+    """Each group's (step, scale) as the controller decided it.  A decision records every
+    group's scale after it, leaving out those at 1: a group left out is back at 1."""
+    recorded = run.get("controller_decisions") or []
+    names = sorted({group for decision in recorded for group in decision["scales"]})
+    return {group: [(decision["step"], decision["scales"].get(group, 1.0)) for decision in recorded]
+            for group in names}
 
 
 def render_controller(folder: str, out: Optional[str] = None, labels: Optional[Sequence[str]] = None) -> str:

@@ -45,6 +45,8 @@ def test_the_two_runs_with_most_decisions_are_chosen_unless_named(tmp_path):
     folder = _write(tmp_path / "run", [_run("none"), _run("topk"), _run("dgc"), _run("powersgd", decisions=False)])
     runs = {r["label"]: r for r in drift_plots.read(folder)["runs"]}
     assert len(drift_plots.decisions(runs["topk"])["group0"]) == 10
+    back = {"controller_decisions": [dict(step=0, scales={"group0": 16.0}), dict(step=10, scales={})]}
+    assert drift_plots.decisions(back) == {"group0": [(0, 16.0), (10, 1.0)]}  # left out: back at 1
     drift_plots.render_controller(folder, str(tmp_path), ["dgc"])
     with pytest.raises(ValueError, match=r"no run labelled \['signsgd'\]"):
         drift_plots.render_controller(folder, str(tmp_path), ["signsgd"])
