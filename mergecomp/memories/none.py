@@ -18,15 +18,14 @@ class NoneMemory(Memory):
     drift_kind = "noise"
 
     def compensate(self, tensor, name):
-        self._note_incoming(name, tensor)
         return tensor
 
     def update(self, tensor, name, compressor, payload, ctx):
-        if not self.measuring or name not in self.__dict__.get("_drift_incoming", {}):
-            return None
-        if compressor.unbiased is not True or compressor.lossless or compressor.error_feedback:
-            self.__dict__["_drift_incoming"].pop(name, None)
-            return None
-        decoded = compressor.decompress(payload, ctx).reshape(-1)
-        self._note_held(name, decoded - tensor.reshape(-1).to(decoded.dtype))
+        # ``tensor`` is what compensate() passed through: this step's gradient.  Only a
+        # measured step of an unbiased compressor reads it (a decode and two norms).
+        if self.measuring and compressor.unbiased is True and not (compressor.lossless or compressor.error_feedback):
+            sent = tensor.reshape(-1)
+            decoded = compressor.decompress(payload, ctx).reshape(-1)
+            self._note_incoming(name, sent)
+            self._note_held(name, decoded - sent.to(decoded.dtype))
         return None
