@@ -23,7 +23,7 @@ from .distributed import backends, launch
 from .runtime.agreement import NonFiniteGradient, RanksDisagree
 from .distributed.watchdog import CollectiveError, CollectiveTimeout, PeerLost
 from .steplog import StepLog
-from .runtime.drift import DriftController, DriftReading
+from .runtime.controller import DriftController, DriftReading
 from .lowcomm import DiLoCo  # noqa: E402  (low-communication: docs/low-communication.md)
 
 __version__ = "0.1.0"

@@ -27,7 +27,8 @@ from .compressors.base import Compressor
 from .memories.base import Memory
 from .plan import ParamInfo, Plan
 from .runtime import gate
-from .runtime.drift import DriftController, drift_meter
+from .runtime.controller import DriftController
+from .runtime.drift import drift_meter
 from .runtime.reducer import GroupState, Reducer
 from .runtime.step import SharedSurface, StepLifecycle, check_communicator_options, check_nonfinite_policy
 from .schedulers.base import Scheduler, SchedulerContext

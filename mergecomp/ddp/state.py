@@ -24,7 +24,8 @@ from ..communicators.ps import PSCommunicator
 from ..compressors import recipes
 from ..compressors.base import Compressor, GroupLayout, ParamView
 from ..memories.base import Memory
-from ..runtime.drift import DriftController, drift_meter
+from ..runtime.controller import DriftController
+from ..runtime.drift import drift_meter
 from ..runtime.step import InFlight, SharedSurface, StepLifecycle, check_nonfinite_policy
 
 #: Format of a hook state (2: the envelope every entry point shares,

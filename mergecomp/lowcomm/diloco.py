@@ -53,7 +53,8 @@ from ..distributed.backends import Backend, default_backend
 from ..memories.base import Memory, check_number
 from ..momentum import optimizer_momentum
 from ..runtime import gate
-from ..runtime.drift import DriftController, drift_meter
+from ..runtime.controller import DriftController
+from ..runtime.drift import drift_meter
 from ..runtime.step import SharedSurface, StepLifecycle, check_nonfinite_policy
 from .fragments import Fragment, SyncSchedule, fragment_cuts, parameter_changes
 
