@@ -31,10 +31,11 @@ pytest.importorskip("triton", reason="triton is not installed: pip install merge
 
 from mergecomp import compressors  # noqa: E402
 from mergecomp import kernels  # noqa: E402
+import mergecomp.kernels.segments  # noqa: E402,F401  (kernels.segments)
 from mergecomp.kernels import Scratch  # noqa: E402
 from mergecomp.kernels import triton as gpu  # noqa: E402
 from mergecomp.kernels.subsets import ROUNDS, feistel, half_bits, round_keys, torch_subset  # noqa: E402
-from mergecomp.kernels.triton import finite, packing, quantize, scatter, selection, subsets  # noqa: E402
+from mergecomp.kernels.triton import finite, packing, quantize, scatter, segments, selection, subsets  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,6 +112,63 @@ def test_one_bit_means_match_the_cpu_to_rounding(kernels_on_device):
     expected_packed, expected_means = _cpu(kernels.signs_and_side_means, x, Scratch())
     assert _same_bits(packed, expected_packed)
     assert torch.allclose(means.cpu(), expected_means, rtol=1e-5)
+
+
+# --- per-view sums and scales ----------------------------------------------------------------------------
+
+#: Views of a 13,197-element group: tiny ones, an empty one, one over a block and one of exactly a block.
+VIEW_SPANS = ((0, 3), (3, 0), (3, 5000), (5003, 4097), (9100, 4096), (13196, 1))
+
+
+def test_the_block_table_cuts_the_grid_along_the_views():
+    starts, ends, views, counts = segments.block_table(VIEW_SPANS, "cpu")
+    assert counts.tolist() == [1, 0, 2, 2, 1, 1]
+    for start, end, view in zip(starts.tolist(), ends.tolist(), views.tolist()):
+        offset, size = VIEW_SPANS[view]
+        assert offset <= start < end <= offset + size and end - start <= segments.BLOCK
+    covered = sorted(i for start, end in zip(starts.tolist(), ends.tolist()) for i in range(start, end))
+    assert covered == list(range(13_197))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_view_sums_match_the_cpu_to_rounding(dtype, kernels_on_device):
+    x = _gradient(13_197, dtype)
+    sums = kernels.segments.view_abs_sums(x.to(kernels_on_device), VIEW_SPANS)
+    assert torch.allclose(sums.cpu(), _cpu(kernels.segments.view_abs_sums, x, VIEW_SPANS), rtol=1e-5, atol=1e-6)
+    packed, total, absolute, negatives = kernels.segments.signs_and_view_side_sums(
+        x.to(kernels_on_device), VIEW_SPANS, Scratch())
+    expected = _cpu(kernels.segments.signs_and_view_side_sums, x, VIEW_SPANS, Scratch())
+    assert _same_bits(packed, expected[0]) and torch.equal(negatives.cpu(), expected[3])
+    assert torch.allclose(total.cpu(), expected[1], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(absolute.cpu(), expected[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_scaling_views_gives_the_cpu_bits(dtype, kernels_on_device):
+    x = _gradient(13_197, dtype)
+    generator = torch.Generator().manual_seed(3)
+    scales, shifts = torch.rand(6, generator=generator), torch.randn(6, generator=generator)
+    scaled = kernels.segments.scale_views(x.clone().to(kernels_on_device), VIEW_SPANS, scales)  # in place
+    assert _same_bits(scaled, _cpu(kernels.segments.scale_views, x.clone(), VIEW_SPANS, scales))
+    bits = (x < 0).to(dtype)  # 1-bit SGD's use: μ⁺ + b·(μ⁻ − μ⁺) with b ∈ {0, 1}, exact products
+    shifted = kernels.segments.scale_views(bits.clone().to(kernels_on_device), VIEW_SPANS, scales, shifts)
+    assert _same_bits(shifted, _cpu(kernels.segments.scale_views, bits.clone(), VIEW_SPANS, scales, shifts))
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+def test_per_view_sign_compressors_send_and_decode_the_cpu_payload(name, kernels_on_device):
+    from mergecomp.compressors.base import ParamView
+    x = _gradient(13_197)
+    layout = tuple(ParamView(f"p{i}", torch.Size([size]), offset) for i, (offset, size) in enumerate(VIEW_SPANS))
+    payload, ctx = compressors.create(name).compress(x.to(kernels_on_device), "g", layout=layout)
+    with gpu.disabled():
+        expected, expected_ctx = compressors.create(name).compress(x.clone(), "g", layout=layout)
+    assert _same_bits(payload[0], expected[0])  # the sign bits
+    assert torch.allclose(payload[-1].cpu(), expected[-1], rtol=1e-5, atol=1e-6)  # the per-view scales or means
+    cpu_payload = [part.to(kernels_on_device) for part in expected]
+    decoded = compressors.create(name).decompress(cpu_payload, ctx)
+    with gpu.disabled():
+        assert _same_bits(decoded, compressors.create(name).decompress(expected, expected_ctx))
 
 
 # --- stochastic rounding ---------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ FLOATS = {"fp32": "i32", "fp16": "i16", "bf16": "i16", "fp64": "i64"}  # float â
 
 def specializations():
     """(kernel, argument types, constants) for every way the wrappers launch each kernel."""
-    from mergecomp.kernels.triton import finite, packing, quantize, scatter, selection, subsets
+    from mergecomp.kernels.triton import finite, packing, quantize, scatter, segments, selection, subsets
     counts = dict(numel="i32", nbytes="i32")
     for bits in range(1, 8):
         yield packing._pack_kernel, dict(codes_ptr="*u8", out_ptr="*u8", **counts), dict(BITS=bits, BLOCK=packing.BYTES_PER_PROGRAM)
@@ -72,6 +72,14 @@ def specializations():
     for (out, value), index, mode in itertools.product(pairs, ("i32", "i64"), scatter.MODES.values()):
         yield (scatter._scatter_kernel, dict(out_ptr=f"*{out}", indices_ptr=f"*{index}", values_ptr=f"*{value}", count="i32"),
                dict(MODE=mode, BLOCK=scatter.BLOCK))
+    table = dict(starts_ptr="*i64", ends_ptr="*i64")
+    for (value, same), (sides, absolute) in itertools.product(FLOATS.items(), ((False, False), (False, True), (True, False))):
+        yield (segments._view_sums_kernel, dict(values_ptr=f"*{value}", bits_ptr=f"*{same}" if sides else f"*{value}",
+                                                totals_ptr="*fp32", magnitudes_ptr="*fp32", negatives_ptr="*fp32", **table),
+               dict(SIDES=sides, ABSOLUTE=absolute, BLOCK=segments.BLOCK))
+    for value, shift in itertools.product(FLOATS, (False, True)):
+        yield (segments._scale_views_kernel, dict(x_ptr=f"*{value}", scales_ptr=f"*{value}", shifts_ptr=f"*{value}",
+                                                  views_ptr="*i64", **table), dict(SHIFT=shift, BLOCK=segments.BLOCK))
 
 
 def quick(specs):

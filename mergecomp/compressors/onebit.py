@@ -16,7 +16,8 @@ import torch
 
 from . import register
 from .base import Compressor, Context, check_layout
-from ..kernels import Scratch, decode_values, pack_bits, packed_nbytes, sign_bits, signs_and_side_means
+from ..kernels import Scratch, decode_values, packed_nbytes, signs_and_side_means
+from ..kernels.segments import scale_views, signs_and_view_side_sums
 from .recipes import Recipe
 from .views import Spans, layout_spans, span_lengths
 
@@ -73,19 +74,14 @@ class OneBitCompressor(Compressor):
         return (packed, means), Context(tensor.shape, tensor.dtype)
 
     def _compress_views(self, tensor, layout):
-        """Per-view means: the side sums and counts of every view in three segment sums."""
+        """Per-view means, from each view's side sums and count of negative elements."""
         flat = tensor.reshape(-1)
         spans = layout_spans(tuple(layout), flat.numel())
-        lengths = span_lengths(spans, str(flat.device))
-        negative = sign_bits(flat, self._scratch)
-        values = flat.to(torch.float32)
-        total = torch.segment_reduce(values, "sum", lengths=lengths)
-        absolute = torch.segment_reduce(values.abs(), "sum", lengths=lengths)  # not abs_: values may be the input
-        num_negative = torch.segment_reduce(negative.to(torch.float32), "sum", lengths=lengths)
-        num_positive = lengths - num_negative
+        packed, total, absolute, num_negative = signs_and_view_side_sums(flat, spans, self._scratch)
+        num_positive = span_lengths(spans, str(flat.device)) - num_negative
         means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
                              (total - absolute) / 2 / num_negative.clamp(min=1)], dim=1).reshape(-1)
-        return (pack_bits(negative, 1), means), OneBitContext(tensor.shape, tensor.dtype, spans)
+        return (packed, means), OneBitContext(tensor.shape, tensor.dtype, spans)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """⌈n/8⌉ bytes of signs + the two fp32 means of each view."""
@@ -101,9 +97,7 @@ class OneBitCompressor(Compressor):
         if means.numel() != 2 * len(spans):
             raise ValueError(f"1-bit SGD payload has {means.numel()} means but its context has "
                              f"{len(spans)} views (two means each): it was made with another layout")
-        lengths = span_lengths(spans, str(packed.device))
         pairs = means.to(ctx.dtype).view(-1, 2)
         negative = decode_values(packed, 1, ctx.numel, _ZERO_ONE.to(dtype=ctx.dtype, device=packed.device))
-        positive_mean = torch.repeat_interleave(pairs[:, 0], lengths, output_size=ctx.numel)
-        gap = torch.repeat_interleave(pairs[:, 1] - pairs[:, 0], lengths, output_size=ctx.numel)
-        return positive_mean.addcmul_(negative, gap).view(ctx.shape)
+        # μ⁺ + b·(μ⁻ − μ⁺) per view: b ∈ {0, 1}, so each element is one of its view's two means.
+        return scale_views(negative, spans, pairs[:, 1] - pairs[:, 0], shifts=pairs[:, 0]).view(ctx.shape)

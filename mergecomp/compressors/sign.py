@@ -35,6 +35,7 @@ from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, GroupLayout, check_layout
 from ..kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
+from ..kernels.segments import scale_views, view_abs_sums
 from ..kernels.signs import plus_minus_one
 from .recipes import Recipe
 from .views import Spans, layout_spans, span_lengths
@@ -314,13 +315,12 @@ class EFSignSGDCompressor(_SignCompressor):
         flat = tensor.reshape(-1)
         packed, flags, _ = self._encode(flat, ctx)
         spans = context_spans(ctx)
-        magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))
         if len(spans) == 1:
+            magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))
             scales = (magnitudes.sum(dtype=torch.float32) / max(1, flat.numel())).reshape(1)
         else:
-            lengths = span_lengths(spans, str(flat.device))
-            sums = torch.segment_reduce(magnitudes.to(torch.float32), "sum", lengths=lengths)
-            scales = sums / lengths.clamp(min=1)
+            sums = view_abs_sums(flat, spans, self._scratch)
+            scales = sums / span_lengths(spans, str(flat.device)).clamp(min=1)
         return (packed, flags, scales), ctx
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
@@ -340,6 +340,5 @@ class EFSignSGDCompressor(_SignCompressor):
             decoded = decode_values(packed, 1, ctx.numel, torch.cat([scale, -scale]))
         else:
             decoded = decode_values(packed, 1, ctx.numel, plus_minus_one(ctx.dtype, str(packed.device)))
-            lengths = span_lengths(spans, str(packed.device))
-            decoded.mul_(torch.repeat_interleave(scales.to(ctx.dtype), lengths, output_size=ctx.numel))
+            decoded = scale_views(decoded, spans, scales)
         return zero_flagged_views(decoded, flags, ctx).view(ctx.shape)

@@ -8,14 +8,9 @@ alike from the layout.
 from __future__ import annotations
 
 import functools
-from typing import Tuple
 
-import torch
-
+from ..kernels.segments import Spans, span_lengths  # noqa: F401  (the spans' type and lengths, for the compressors)
 from .base import GroupLayout, check_layout
-
-#: (offset, numel) of each parameter view of a group, in buffer order.
-Spans = Tuple[Tuple[int, int], ...]
 
 
 @functools.lru_cache(maxsize=256)
@@ -23,9 +18,3 @@ def layout_spans(layout: GroupLayout, numel: int) -> Spans:
     """The (offset, numel) spans of ``layout``'s views, checked to tile ``numel`` elements."""
     check_layout(layout, numel)
     return tuple((view.offset, view.numel) for view in layout)
-
-
-@functools.lru_cache(maxsize=256)
-def span_lengths(spans: Spans, device: str) -> torch.Tensor:
-    """The views' element counts as an int64 tensor on ``device`` (for segment sums)."""
-    return torch.tensor([size for _, size in spans], dtype=torch.int64, device=device)

@@ -15,8 +15,8 @@ they run.  Each operation picks, per call, from the tensor it is given:
 
 Every backend gives the same bits for the same inputs and random key
 (``tests/test_native_kernels.py``, ``tests/test_fast_paths.py`` and
-``tests/test_triton_kernels.py`` compare them); the one exception is 1-bit SGD's two side
-means, sums whose last bits depend on the order of addition.
+``tests/test_triton_kernels.py`` compare them); the exceptions are sums whose last bits
+depend on the order of addition: 1-bit SGD's side means and EF-SignSGD's per-view scales.
 
 =====================  ====================================================================
 packing                ``pack_bits``, ``unpack_bits``, ``decode_values`` (a 256-row table
@@ -33,6 +33,8 @@ subsets                ``random_subset`` (rand-k's k indices: a keyed permutatio
                        the same on every device for the same key)
 scatter                ``scatter`` (the sparse decode: values set, added or subtracted)
 finite                 ``nonfinite_flag`` (any NaN or Inf, without a host sync), ``zero_if``
+segments               ``view_abs_sums``, ``signs_and_view_side_sums``, ``scale_views``
+                       (one number per parameter view of a group: EF-SignSGD, 1-bit SGD)
 momentum               ``momentum_correction`` (DGC's momentum and velocity in one pass,
                        with the velocity's block peaks for the selection that follows)
 scratch                ``Scratch``: per-thread reusable work buffers

@@ -16,11 +16,13 @@ its output once, on the tensor's device and the current stream.
                         ``indices_at_least`` (ordered compaction)
 :mod:`.scatter`         ``scatter`` (the sparse decode: set, add or subtract)
 :mod:`.finite`          ``nonfinite_flag`` (any NaN or Inf, of a tensor or of some elements)
+:mod:`.segments`        ``view_sums``, ``view_side_sums``, ``scale_views_`` (one program per
+                        block of one parameter view: no per-element expansion)
 ======================  =================================================================
 
 Every kernel gives the bits of the torch/CPU path it replaces (the tests compare them,
 on the CPU under ``TRITON_INTERPRET=1`` and on a GPU), except where a sum's order differs
-(1-bit SGD's side sums).  The wire format does not change: a payload made on a GPU
+(1-bit SGD's side sums, the per-view sums).  The wire format does not change: a payload made on a GPU
 decodes on a CPU and back.
 
 When it runs: for a CUDA tensor when ``triton`` imports (``pip install mergecomp[gpu]``;

@@ -1,0 +1,81 @@
+"""Per-view sums and scales: the operations of compressors that keep one number per parameter.
+
+A fused group is its parameters' gradients back to back, each a view given as an
+(offset, numel) span.  EF-SignSGD sends each view's mean magnitude, 1-bit SGD each view's
+two side means; both sum every view on the way out and scale every view on the way in.
+
+On the CPU, and on CUDA without Triton, the torch path: ``torch.segment_reduce`` for the
+sums and ``torch.repeat_interleave`` to expand the per-view values before a multiply (the
+bits these compressors have always sent).  On a GPU with Triton one kernel per operation
+(:mod:`.triton.segments`), cut along the views: no n-element expansion, no slow segment
+kernels; the scaling gives the same bits, the sums the same values to rounding.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+
+from . import triton as gpu
+from .packing import pack_bits
+from .scratch import Scratch
+from .signs import pack_signs, sign_bits
+
+#: (offset, numel) of each view of a flat tensor, in order, tiling it.
+Spans = Tuple[Tuple[int, int], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def span_lengths(spans: Spans, device: str) -> torch.Tensor:
+    """The views' element counts as an int64 tensor on ``device`` (for segment sums)."""
+    return torch.tensor([size for _, size in spans], dtype=torch.int64, device=device)
+
+
+def view_abs_sums(flat: torch.Tensor, spans: Spans, scratch: Optional[Scratch] = None) -> torch.Tensor:
+    """fp32 (views,): Σ|v| of each view of ``flat`` (the torch path takes |v| into
+    ``scratch``'s "abs" buffer when given)."""
+    if gpu.usable(flat):
+        from .triton import segments
+        return segments.view_sums(flat, spans, absolute=True)
+    out = None if scratch is None else scratch.get("abs", flat.numel(), flat.dtype, flat.device)
+    magnitudes = torch.abs(flat, out=out)
+    return torch.segment_reduce(magnitudes.to(torch.float32), "sum", lengths=span_lengths(spans, str(flat.device)))
+
+
+def signs_and_view_side_sums(flat: torch.Tensor, spans: Spans, scratch: Scratch
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed sign bits, and per view, fp32: Σv, Σ|v|, the number of set sign bits).
+
+    1-bit SGD's encoder view by view; a set sign bit (−0.0 included) is "negative".  On a
+    GPU the signs are packed by one kernel and the three sums come from one read.
+    """
+    if gpu.usable(flat):
+        from .triton import segments
+        total, absolute, num_negative = segments.view_side_sums(flat, spans)
+        return pack_signs(flat, scratch), total, absolute, num_negative
+    lengths = span_lengths(spans, str(flat.device))
+    negative = sign_bits(flat, scratch)
+    values = flat.to(torch.float32)
+    total = torch.segment_reduce(values, "sum", lengths=lengths)
+    absolute = torch.segment_reduce(values.abs(), "sum", lengths=lengths)  # not abs_: values may be the input
+    num_negative = torch.segment_reduce(negative.to(torch.float32), "sum", lengths=lengths)
+    return pack_bits(negative, 1), total, absolute, num_negative
+
+
+def scale_views(flat: torch.Tensor, spans: Spans, scales: torch.Tensor,
+                shifts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each view v of ``flat`` (1-D, contiguous) as v·scale (+ shift) of that view, in the
+    tensor's dtype (``scales``/``shifts``: one value per view, converted to it first).
+
+    The result may be ``flat`` itself, overwritten: callers pass a tensor they own.
+    """
+    if gpu.usable(flat):
+        from .triton import segments
+        return segments.scale_views_(flat, spans, scales, shifts)
+    lengths = span_lengths(spans, str(flat.device))
+    expanded = torch.repeat_interleave(scales.to(flat.dtype), lengths, output_size=flat.numel())
+    if shifts is None:
+        return flat.mul_(expanded)
+    base = torch.repeat_interleave(shifts.to(flat.dtype), lengths, output_size=flat.numel())
+    return base.addcmul_(flat, expanded)
