@@ -133,8 +133,11 @@ def test_the_block_table_cuts_the_grid_along_the_views():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_view_sums_match_the_cpu_to_rounding(dtype, kernels_on_device):
     x = _gradient(13_197, dtype)
+    x[5003] = float("nan")  # stays in its own view's sum
     sums = kernels.segments.view_abs_sums(x.to(kernels_on_device), VIEW_SPANS)
-    assert torch.allclose(sums.cpu(), _cpu(kernels.segments.view_abs_sums, x, VIEW_SPANS), rtol=1e-5, atol=1e-6)
+    expected = _cpu(kernels.segments.view_abs_sums, x, VIEW_SPANS)
+    assert torch.isnan(sums[3]) and torch.allclose(sums.cpu(), expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+    x[5003] = 1.0
     packed, total, absolute, negatives = kernels.segments.signs_and_view_side_sums(
         x.to(kernels_on_device), VIEW_SPANS, Scratch())
     expected = _cpu(kernels.segments.signs_and_view_side_sums, x, VIEW_SPANS, Scratch())
@@ -155,16 +158,35 @@ def test_scaling_views_gives_the_cpu_bits(dtype, kernels_on_device):
     assert _same_bits(shifted, _cpu(kernels.segments.scale_views, bits.clone(), VIEW_SPANS, scales, shifts))
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_zero_view_flags_and_clearing_give_the_cpu_bits(dtype, kernels_on_device):
+    x = _gradient(13_197, dtype)
+    x[5003:9100] = 0.0  # a view all zero
+    x[9100:13_196] = -0.0  # one all −0.0
+    x[3] = 1e-300 if dtype == torch.float64 else 0.0  # a value below fp32's range is not zero
+    x[0:3] = float("nan")  # a NaN is not zero
+    for spans in (VIEW_SPANS, ((0, 13_197),)):
+        flags = kernels.segments.zero_view_flags(x.to(kernels_on_device), spans)
+        expected = _cpu(kernels.segments.zero_view_flags, x, spans)
+        assert _same_bits(flags, expected)
+        cleared = kernels.segments.clear_flagged_views(x.clone().to(kernels_on_device), flags, spans)
+        assert _same_bits(cleared, _cpu(kernels.segments.clear_flagged_views, x.clone(), expected, spans))
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "signsgd", "signum"])
 def test_per_view_sign_compressors_send_and_decode_the_cpu_payload(name, kernels_on_device):
     from mergecomp.compressors.base import ParamView
     x = _gradient(13_197)
+    x[5003:9100] = 0.0  # a view all zero: flagged
     layout = tuple(ParamView(f"p{i}", torch.Size([size]), offset) for i, (offset, size) in enumerate(VIEW_SPANS))
     payload, ctx = compressors.create(name).compress(x.to(kernels_on_device), "g", layout=layout)
     with gpu.disabled():
         expected, expected_ctx = compressors.create(name).compress(x.clone(), "g", layout=layout)
-    assert _same_bits(payload[0], expected[0])  # the sign bits
-    assert torch.allclose(payload[-1].cpu(), expected[-1], rtol=1e-5, atol=1e-6)  # the per-view scales or means
+    for part, expected_part in zip(payload, expected):
+        if part.is_floating_point():  # the per-view scales or means: sums, equal to rounding
+            assert torch.allclose(part.cpu(), expected_part, rtol=1e-5, atol=1e-6)
+        else:  # the sign bits and the zero-view flags
+            assert _same_bits(part, expected_part)
     cpu_payload = [part.to(kernels_on_device) for part in expected]
     decoded = compressors.create(name).decompress(cpu_payload, ctx)
     with gpu.disabled():

@@ -73,13 +73,19 @@ def specializations():
         yield (scatter._scatter_kernel, dict(out_ptr=f"*{out}", indices_ptr=f"*{index}", values_ptr=f"*{value}", count="i32"),
                dict(MODE=mode, BLOCK=scatter.BLOCK))
     table = dict(starts_ptr="*i64", ends_ptr="*i64")
-    for (value, same), (sides, absolute) in itertools.product(FLOATS.items(), ((False, False), (False, True), (True, False))):
+    yield (segments._view_totals_kernel, dict(partials_ptr="*fp32", bounds_ptr="*i64", out_ptr="*fp32", views="i32"),
+           dict(CHUNKS=10, CHUNK=segments.CHUNK))
+    modes = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
+    for (value, same), (sides, absolute, nonzero) in itertools.product(FLOATS.items(), modes):
         yield (segments._view_sums_kernel, dict(values_ptr=f"*{value}", bits_ptr=f"*{same}" if sides else f"*{value}",
                                                 totals_ptr="*fp32", magnitudes_ptr="*fp32", negatives_ptr="*fp32", **table),
-               dict(SIDES=sides, ABSOLUTE=absolute, BLOCK=segments.BLOCK))
+               dict(SIDES=sides, ABSOLUTE=absolute, NONZERO=nonzero, BLOCK=segments.BLOCK))
     for value, shift in itertools.product(FLOATS, (False, True)):
         yield (segments._scale_views_kernel, dict(x_ptr=f"*{value}", scales_ptr=f"*{value}", shifts_ptr=f"*{value}",
-                                                  views_ptr="*i64", **table), dict(SHIFT=shift, BLOCK=segments.BLOCK))
+                                                  views_ptr="*i64", **table),
+               dict(SHIFT=shift, CLEAR=False, BLOCK=segments.BLOCK))
+        yield (segments._scale_views_kernel, dict(x_ptr=f"*{value}", scales_ptr="*u8", shifts_ptr="*u8",
+                                                  views_ptr="*i64", **table), dict(SHIFT=False, CLEAR=True, BLOCK=segments.BLOCK))
 
 
 def quick(specs):

@@ -24,9 +24,8 @@ one element per view (its first); only a view whose first element is zero is rea
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -35,7 +34,7 @@ from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, GroupLayout, check_layout
 from ..kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
-from ..kernels.segments import scale_views, view_abs_sums
+from ..kernels.segments import clear_flagged_views, scale_views, view_abs_sums, zero_view_flags
 from ..kernels.signs import plus_minus_one
 from .recipes import Recipe
 from .views import Spans, layout_spans, span_lengths
@@ -47,44 +46,6 @@ class SignContext(Context):
 
     spans: Spans
     layout_fields = ("spans",)
-
-
-@functools.lru_cache(maxsize=256)
-def _first_elements(spans: Spans, device: str) -> Tuple[torch.Tensor, Tuple[int, ...]]:
-    """(index of each non-empty view's first element, on ``device``; those views' positions)."""
-    positions = tuple(i for i, (_, size) in enumerate(spans) if size)
-    return torch.tensor([spans[i][0] for i in positions], dtype=torch.int64, device=device), positions
-
-
-def zero_views(flat: torch.Tensor, spans: Spans) -> List[int]:
-    """Positions of the views that are all zero (±0.0; a NaN is not zero) in ``flat``.
-
-    One gather of the views' first elements; only the views whose first element is zero
-    are read in full.  Empty views count as zero.
-    """
-    if len(spans) == 1:
-        if not flat.numel():
-            return [0]
-        return [0] if flat[0].item() == 0 and not bool(flat.any()) else []
-    starts, positions = _first_elements(spans, str(flat.device))
-    zero = [i for i, (_, size) in enumerate(spans) if not size]
-    firsts = flat.index_select(0, starts).tolist() if starts.numel() else []
-    for j, first in enumerate(firsts):
-        if first == 0:
-            offset, size = spans[positions[j]]
-            if not bool(flat[offset: offset + size].any()):
-                zero.append(positions[j])
-    return sorted(zero)
-
-
-def pack_zero_flags(zero: List[int], views: int, device) -> torch.Tensor:
-    """⌈views/8⌉ bytes, bit i (first view in the top bit of byte 0) set for each view in ``zero``."""
-    flags = bytearray(packed_nbytes(views, 1))
-    for i in zero:
-        flags[i // 8] |= 0x80 >> (i % 8)
-    if not any(flags):
-        return torch.zeros(len(flags), dtype=torch.uint8, device=device)
-    return torch.tensor(list(flags), dtype=torch.uint8, device=device)
 
 
 def context_spans(ctx: Context) -> Spans:
@@ -99,13 +60,7 @@ def zero_flagged_views(decoded: torch.Tensor, flags: torch.Tensor, ctx: Context)
         raise ValueError(f"sign payload has {flags.numel()} bytes of zero-view flags but its context has "
                          f"{len(spans)} views ({packed_nbytes(len(spans), 1)} bytes): the payload was made "
                          f"with a different layout than the one decoding it")
-    for byte_index, byte in enumerate(flags.tolist()):
-        while byte:
-            bit = byte.bit_length() - 1  # the lowest view of this byte still set
-            offset, size = spans[byte_index * 8 + 7 - bit]
-            decoded[offset: offset + size] = 0
-            byte &= ~(1 << bit)
-    return decoded
+    return clear_flagged_views(decoded, flags, spans)
 
 
 class _SignCompressor(Compressor):
@@ -136,11 +91,10 @@ class _SignCompressor(Compressor):
         return spans
 
     def _encode(self, source: torch.Tensor, ctx: Context):
-        """(packed signs of ``source``, zero-view flags, positions of the zero views)."""
+        """(packed signs of ``source``, zero-view flags)."""
         flat = source.reshape(-1)
         spans = context_spans(ctx)
-        zero = zero_views(flat, spans)
-        return pack_signs(flat, self._scratch), pack_zero_flags(zero, len(spans), flat.device), zero
+        return pack_signs(flat, self._scratch), zero_view_flags(flat, spans)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """⌈n/8⌉ bytes of signs + ⌈views/8⌉ bytes of zero-view flags (+ a subclass's extras)."""
@@ -191,7 +145,7 @@ class SignSGDCompressor(_MajorityVote):
 
     def compress(self, tensor, name, layout=None):
         ctx = self._context(tensor, layout)
-        packed, flags, _ = self._encode(tensor, ctx)
+        packed, flags = self._encode(tensor, ctx)
         return (packed, flags), ctx
 
 
@@ -251,7 +205,7 @@ class SignumCompressor(_MajorityVote):
             self._spare[name] = momentum
         self._written.add(name)
         self.momenta[name] = updated
-        packed, flags, _ = self._encode(updated, ctx)
+        packed, flags = self._encode(updated, ctx)
         return (packed, flags), ctx
 
     def commit(self):
@@ -313,7 +267,7 @@ class EFSignSGDCompressor(_SignCompressor):
     def compress(self, tensor, name, layout=None):
         ctx = self._context(tensor, layout)
         flat = tensor.reshape(-1)
-        packed, flags, _ = self._encode(flat, ctx)
+        packed, flags = self._encode(flat, ctx)
         spans = context_spans(ctx)
         if len(spans) == 1:
             magnitudes = torch.abs(flat, out=self._scratch.get("abs", flat.numel(), flat.dtype, flat.device))

@@ -4,21 +4,27 @@ A fused group is its parameters' gradients back to back, each a view given as an
 (offset, numel) span.  EF-SignSGD sends each view's mean magnitude, 1-bit SGD each view's
 two side means; both sum every view on the way out and scale every view on the way in.
 
+The sign compressors also flag the views that are all zero (a rank with no gradient there
+abstains from the vote), one bit per view: :func:`zero_view_flags` finds them and
+:func:`clear_flagged_views` zeroes them in a decoded tensor.
+
 On the CPU, and on CUDA without Triton, the torch path: ``torch.segment_reduce`` for the
 sums and ``torch.repeat_interleave`` to expand the per-view values before a multiply (the
 bits these compressors have always sent).  On a GPU with Triton one kernel per operation
 (:mod:`.triton.segments`), cut along the views: no n-element expansion, no slow segment
-kernels; the scaling gives the same bits, the sums the same values to rounding.
+kernels; the scaling gives the same bits, the sums the same values to rounding.  The zero
+flags are found and applied there without reading anything back to the host (the torch
+path reads each view's first element, and a whole view only where that is zero).
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from . import triton as gpu
-from .packing import pack_bits
+from .packing import pack_bits, packed_nbytes, unpack_bits
 from .scratch import Scratch
 from .signs import pack_signs, sign_bits
 
@@ -79,3 +85,69 @@ def scale_views(flat: torch.Tensor, spans: Spans, scales: torch.Tensor,
         return flat.mul_(expanded)
     base = torch.repeat_interleave(shifts.to(flat.dtype), lengths, output_size=flat.numel())
     return base.addcmul_(flat, expanded)
+
+
+@functools.lru_cache(maxsize=256)
+def _first_elements(spans: Spans, device: str) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """(index of each non-empty view's first element, on ``device``; those views' positions)."""
+    positions = tuple(i for i, (_, size) in enumerate(spans) if size)
+    return torch.tensor([spans[i][0] for i in positions], dtype=torch.int64, device=device), positions
+
+
+def zero_views(flat: torch.Tensor, spans: Spans) -> List[int]:
+    """Positions of the views that are all zero (±0.0; a NaN is not zero) in ``flat``.
+
+    One gather of the views' first elements; only the views whose first element is zero
+    are read in full.  Empty views count as zero.
+    """
+    if len(spans) == 1:
+        if not flat.numel():
+            return [0]
+        return [0] if flat[0].item() == 0 and not bool(flat.any()) else []
+    starts, positions = _first_elements(spans, str(flat.device))
+    zero = [i for i, (_, size) in enumerate(spans) if not size]
+    firsts = flat.index_select(0, starts).tolist() if starts.numel() else []
+    for j, first in enumerate(firsts):
+        if first == 0:
+            offset, size = spans[positions[j]]
+            if not bool(flat[offset: offset + size].any()):
+                zero.append(positions[j])
+    return sorted(zero)
+
+
+def pack_zero_flags(zero: List[int], views: int, device) -> torch.Tensor:
+    """⌈views/8⌉ bytes, bit i (first view in the top bit of byte 0) set for each view in ``zero``."""
+    flags = bytearray(packed_nbytes(views, 1))
+    for i in zero:
+        flags[i // 8] |= 0x80 >> (i % 8)
+    if not any(flags):
+        return torch.zeros(len(flags), dtype=torch.uint8, device=device)
+    return torch.tensor(list(flags), dtype=torch.uint8, device=device)
+
+
+def zero_view_flags(flat: torch.Tensor, spans: Spans) -> torch.Tensor:
+    """⌈views/8⌉ bytes on ``flat``'s device: bit i (first view in the top bit of byte 0) set
+    where view i of ``flat`` is all ±0.0 (or empty; a NaN is not zero)."""
+    if gpu.usable(flat):
+        from .triton import segments
+        zero = segments.view_nonzero_counts(flat, spans) == 0
+        return pack_bits(zero.to(torch.uint8), 1)
+    return pack_zero_flags(zero_views(flat, spans), len(spans), flat.device)
+
+
+def clear_flagged_views(flat: torch.Tensor, flags: torch.Tensor, spans: Spans) -> torch.Tensor:
+    """``flat`` (1-D, contiguous) with the views flagged in ``flags`` set to +0.0, in place.
+
+    On a GPU one kernel reads the flags there and writes only the flagged views, where the
+    torch path reads the flags on the host first.
+    """
+    if gpu.usable(flat):
+        from .triton import segments
+        return segments.clear_views_(flat, spans, 1 - unpack_bits(flags, 1, len(spans)))
+    for byte_index, byte in enumerate(flags.tolist()):
+        while byte:
+            bit = byte.bit_length() - 1  # the lowest view of this byte still set
+            offset, size = spans[byte_index * 8 + 7 - bit]
+            flat[offset: offset + size] = 0
+            byte &= ~(1 << bit)
+    return flat
