@@ -17,9 +17,9 @@ import torch
 from . import register
 from .base import Compressor, Context, check_layout
 from ..kernels import Scratch, decode_values, packed_nbytes, signs_and_side_means
-from ..kernels.segments import scale_views, signs_and_view_side_sums
+from ..kernels.segments import scale_views, signs_and_view_side_sums, span_lengths
 from .recipes import Recipe
-from .views import Spans, layout_spans, span_lengths
+from .views import Spans, layout_spans
 
 #: 1-bit codes as 0 (clear: the non-negative side) and 1 (set: the negative side).
 _ZERO_ONE = torch.tensor([0.0, 1.0])

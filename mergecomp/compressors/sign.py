@@ -34,10 +34,10 @@ from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, GroupLayout, check_layout
 from ..kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
-from ..kernels.segments import clear_flagged_views, scale_views, view_abs_sums, zero_view_flags
+from ..kernels.segments import clear_flagged_views, scale_views, span_lengths, view_abs_sums, zero_view_flags
 from ..kernels.signs import plus_minus_one
 from .recipes import Recipe
-from .views import Spans, layout_spans, span_lengths
+from .views import Spans, layout_spans
 
 @dataclass(frozen=True)
 class SignContext(Context):

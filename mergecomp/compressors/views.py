@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from ..kernels.segments import Spans, span_lengths  # noqa: F401  (the spans' type and lengths, for the compressors)
+from ..kernels.segments import Spans
 from .base import GroupLayout, check_layout
 
 

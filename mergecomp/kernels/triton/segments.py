@@ -29,13 +29,10 @@ import triton
 import triton.language as tl
 
 from .common import on_device, round_to, widen
+from .packing import _SAME_WIDTH, _flat
 
 #: Elements per program (a program never spans two views).
 BLOCK = 4096
-
-#: Same-width integer view of each float dtype, whose sign is the float's sign bit.
-_SAME_WIDTH = {torch.float32: torch.int32, torch.float16: torch.int16,
-               torch.bfloat16: torch.int16, torch.float64: torch.int64}
 
 Spans = Tuple[Tuple[int, int], ...]
 
@@ -117,12 +114,13 @@ CHUNK = 1024
 
 
 @functools.lru_cache(maxsize=256)
-def _view_bounds(spans: Spans, device: str) -> torch.Tensor:
-    """Each view's first block and one past its last (int64 on ``device``): its first row
-    the firsts, its second the ends."""
+def _view_bounds(spans: Spans, device: str) -> Tuple[torch.Tensor, int]:
+    """Each view's first block and one past its last (int64 on ``device``: its first row
+    the firsts, its second the ends), and the chunks of CHUNK blocks the longest view takes."""
     counts = [triton.cdiv(size, BLOCK) for _, size in spans]
     ends = list(itertools.accumulate(counts))
-    return torch.tensor([[end - count for end, count in zip(ends, counts)], ends], dtype=torch.int64, device=device)
+    bounds = torch.tensor([[end - count for end, count in zip(ends, counts)], ends], dtype=torch.int64, device=device)
+    return bounds, triton.cdiv(max(counts, default=0), CHUNK)
 
 
 def _per_view(partials: torch.Tensor, spans: Spans) -> torch.Tensor:
@@ -130,41 +128,33 @@ def _per_view(partials: torch.Tensor, spans: Spans) -> torch.Tensor:
     read the lengths back to the host)."""
     out = torch.empty(len(spans), dtype=torch.float32, device=partials.device)
     if spans:
-        chunks = triton.cdiv(max(triton.cdiv(size, BLOCK) for _, size in spans), CHUNK)
+        bounds, chunks = _view_bounds(spans, str(partials.device))
         with on_device(partials):
-            _view_totals_kernel[(len(spans),)](partials, _view_bounds(spans, str(partials.device)), out,
-                                               len(spans), CHUNKS=chunks, CHUNK=CHUNK)
+            _view_totals_kernel[(len(spans),)](partials, bounds, out, len(spans), CHUNKS=chunks, CHUNK=CHUNK)
     return out
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    return flat if flat.is_contiguous() else flat.contiguous()
-
-
-def view_sums(tensor: torch.Tensor, spans: Spans, absolute: bool = False) -> torch.Tensor:
-    """fp32 (views,): each view's Σv, or Σ|v| with ``absolute``."""
+def _one_sum(tensor: torch.Tensor, spans: Spans, absolute: bool, nonzero: bool) -> torch.Tensor:
+    """fp32 (views,): one per-view sum of ``_view_sums_kernel`` (Σv, Σ|v| or the count of v ≠ 0)."""
     flat = _flat(tensor)
     starts, ends, _, _ = block_table(spans, str(flat.device))
     partials = torch.empty(starts.numel(), dtype=torch.float32, device=flat.device)
     if starts.numel():
         with on_device(flat):
             _view_sums_kernel[(starts.numel(),)](flat, flat, starts, ends, partials, partials, partials,
-                                                 SIDES=False, ABSOLUTE=absolute, NONZERO=False, BLOCK=BLOCK)
+                                                 SIDES=False, ABSOLUTE=absolute, NONZERO=nonzero, BLOCK=BLOCK)
     return _per_view(partials, spans)
+
+
+def view_sums(tensor: torch.Tensor, spans: Spans, absolute: bool = False) -> torch.Tensor:
+    """fp32 (views,): each view's Σv, or Σ|v| with ``absolute``."""
+    return _one_sum(tensor, spans, absolute, nonzero=False)
 
 
 def view_nonzero_counts(tensor: torch.Tensor, spans: Spans) -> torch.Tensor:
     """fp32 (views,): how many elements of each view are not zero (NaN counts; a view's
     count is 0 exactly when it is all ±0.0 or empty)."""
-    flat = _flat(tensor)
-    starts, ends, _, _ = block_table(spans, str(flat.device))
-    partials = torch.empty(starts.numel(), dtype=torch.float32, device=flat.device)
-    if starts.numel():
-        with on_device(flat):
-            _view_sums_kernel[(starts.numel(),)](flat, flat, starts, ends, partials, partials, partials,
-                                                 SIDES=False, ABSOLUTE=False, NONZERO=True, BLOCK=BLOCK)
-    return _per_view(partials, spans)
+    return _one_sum(tensor, spans, absolute=False, nonzero=True)
 
 
 def view_side_sums(tensor: torch.Tensor, spans: Spans) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
