@@ -192,6 +192,22 @@ def test_a_finished_child_exits_before_the_interpreter_teardown():
     assert launch.spawn(_done_then_aborting_teardown, 2, timeout_s=60) == ["done", "done"]
 
 
+def _done_then_stuck_leaving():
+    from mergecomp.distributed.launch import local_ranks
+    local_ranks.shutdown = lambda: time.sleep(300)  # stands in for a process group that never lets go
+    return "done"
+
+
+def test_a_child_stuck_after_its_result_is_terminated_and_the_results_returned():
+    began = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"spawned ranks \[0, 1\] sent their results but did not exit "
+                                            r"within 2 s .*terminated"):
+        assert launch.spawn(_done_then_stuck_leaving, 2, timeout_s=120, exit_grace_s=2) == ["done", "done"]
+    assert time.monotonic() - began < 100  # not the child's 300 s
+    with pytest.raises(ValueError, match="exit_grace_s must be a positive number of seconds, got 0"):
+        launch.spawn(_done_then_stuck_leaving, 1, exit_grace_s=0)
+
+
 def _init_without_any_launcher():
     for name in ("MERGECOMP_LAUNCHER", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT"):

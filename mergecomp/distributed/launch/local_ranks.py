@@ -7,6 +7,7 @@ import pickle
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable, List, Optional, Sequence
@@ -40,8 +41,14 @@ class SpawnedProcessError(RuntimeError):
         super().__init__(f"spawned rank {rank} {what}{after}{details}")
 
 
+#: Seconds a rank may take to exit once every rank's result is in (rank 0 lingers up to
+#: ``SHUTDOWN_LINGER_S`` for the others to leave; this is well beyond it).
+EXIT_GRACE_S = 60.0
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
-          master_port: Optional[int] = None, timeout_s: Optional[float] = None) -> List[Any]:
+          master_port: Optional[int] = None, timeout_s: Optional[float] = None,
+          exit_grace_s: float = EXIT_GRACE_S) -> List[Any]:
     """Run ``fn(*args)`` in ``nprocs`` local processes, as ranks of one job; return their results.
 
     Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
@@ -54,12 +61,19 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
     When a process raises or dies, the others are terminated (they may be blocked in a
     collective waiting for it) and :class:`SpawnedProcessError` is raised with its rank and
     traceback or exit code.  ``timeout_s`` bounds the whole run (TimeoutError).
+
+    Once every rank has sent its result the work is done; a rank that then does not exit
+    within ``exit_grace_s`` (stuck leaving its process group) is terminated with a
+    RuntimeWarning naming it, and the results are returned: a hang at the very end of a run
+    never blocks the caller.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
     if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
         raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
                          f"{timeout_s!r}")
+    if isinstance(exit_grace_s, bool) or not isinstance(exit_grace_s, (int, float)) or not exit_grace_s > 0:
+        raise ValueError(f"exit_grace_s must be a positive number of seconds, got {exit_grace_s!r}")
     port = _environment_port() if master_port is None else master_port
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ValueError(f"master_port must be a TCP port in [1, 65535], got {master_port!r}")
@@ -77,7 +91,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
         processes.append(process)
         pipes.append(receiver)
     try:
-        return _collect(processes, pipes, timeout_s)
+        return _collect(processes, pipes, timeout_s, exit_grace_s=exit_grace_s)
     finally:
         _stop(processes)
         for pipe in pipes:
@@ -148,27 +162,34 @@ class _Failure:
     exitcode: Optional[int] = None
 
 
-def _collect(processes, pipes, timeout_s, settle_s: float = 1.0) -> List[Any]:
+def _collect(processes, pipes, timeout_s, settle_s: float = 1.0, exit_grace_s: float = EXIT_GRACE_S) -> List[Any]:
     """Results of every rank, or SpawnedProcessError for the rank that failed first.
 
     When a rank fails, its peers usually fail a moment later (their collective lost a member);
     waiting ``settle_s`` for their reports lets the error name the rank that failed first.
+    Once every result is in, ranks still running after ``exit_grace_s`` are left to
+    :func:`_stop`, with a warning.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     results: dict = {}
     failures: dict = {}
     waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
     running = {process.sentinel: rank for rank, process in enumerate(processes)}
-    settle_until = None
+    settle_until = exit_until = None
     while running or waiting:
         now = time.monotonic()
         if settle_until is not None and now >= settle_until:
             break
-        if settle_until is None and deadline is not None and now >= deadline:
+        if exit_until is not None and now >= exit_until:
+            warnings.warn(f"spawned ranks {sorted(running.values())} sent their results but did not exit within "
+                          f"{exit_grace_s:g} s (stuck leaving the process group); they were terminated",
+                          RuntimeWarning, stacklevel=3)
+            break
+        if settle_until is None and exit_until is None and deadline is not None and now >= deadline:
             raise TimeoutError(f"spawned ranks {sorted(running.values())} did not finish within "
                                f"{timeout_s}s; they were terminated")
-        limits = [t - now for t in (deadline, settle_until) if t is not None]
-        for ready in wait(list(waiting) + list(running), min(limits) if limits else None):
+        limits = [t - now for t in (deadline, settle_until, exit_until) if t is not None]
+        for ready in wait(list(waiting) + list(running), max(0.0, min(limits)) if limits else None):
             if ready in waiting:
                 rank = waiting.pop(ready)
                 try:
@@ -189,6 +210,8 @@ def _collect(processes, pipes, timeout_s, settle_s: float = 1.0) -> List[Any]:
                 failures.setdefault(rank, _Failure(rank, time.time())).exitcode = process.exitcode
         if failures and settle_until is None:
             settle_until = time.monotonic() + settle_s
+        elif not failures and exit_until is None and len(results) == len(processes):
+            exit_until = time.monotonic() + exit_grace_s
     if failures:
         first = min(failures.values(), key=lambda failure: failure.when)
         others = sorted(rank for rank in failures if rank != first.rank)
