@@ -24,6 +24,18 @@ receives.  So ``rate`` is a full-duplex per-worker link, like a NIC on a non-blo
 The one-way delay is split over the two ends with ``netem`` when the kernel has ``sch_netem``;
 without it the cluster warns and shapes the rate only.
 
+A shaper must not drop what the worker's own TCP hands it.  A host's NIC pushes back on its
+sockets instead (TCP small queues hold about 1 ms of line rate per socket in the queue); but
+the kernel sizes that allowance, and its segmentation-offload packets (up to 64 KiB), for
+fast links, so behind a slow token bucket a worker talking to several peers at once (an
+all-to-all, an allgather's first steps) overflows its own bucket, and tbf silently drops the
+segments of an oversized packet that TCP already counted as sent: retransmissions and
+retransmission timeouts that no network would show (docs/design.md#emulated-links has the
+measurement).  So each worker namespace gets the allowance of its emulated link,
+``tcp_limit_output_bytes`` = 1 ms of the rate (at least 8 KiB), and packets no larger than
+the bucket (``gso_max_size``): then the worker's bucket drops nothing.  Where the kernel keeps that sysctl host-wide
+(older than per-namespace TCP settings) it is left alone, with a warning.
+
 Workers rendezvous with torch.distributed's env:// convention (MASTER_ADDR is worker 0's
 address, GLOO_SOCKET_IFNAME is ``eth0``), so gloo traffic goes over the shaped links.
 The ``loopback`` profile runs the workers in the host namespace over 127.0.0.1, unshaped, and
@@ -85,6 +97,11 @@ def _ip(*args: str, ns: Optional[str] = None, check: bool = True) -> subprocess.
         raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n"
                            f"{proc.stderr.strip()}")
     return proc
+
+
+def _bucket_bytes(rate_bps: float) -> int:
+    """A shaped link's token bucket: 1 ms of line rate, at least 16 KiB (a few full frames)."""
+    return max(16384, int(rate_bps / 8 * 1e-3))
 
 
 def _ensure_iproute2() -> None:
@@ -330,8 +347,9 @@ class Cluster:
                           f"{format_delay(self.profile.delay_s)} is NOT emulated, only its rate "
                           f"{format_rate(self.profile.rate_bps)}", stacklevel=3)
         for node in range(self.num_nodes):
-            self._shape(_IFNAME, f"{self.prefix}-w{node}")
-            self._shape(f"p{node}", self.switch_ns)
+            self._shape(_IFNAME, f"{self.prefix}-w{node}", self.sender_queue_bytes())
+            self._shape(f"p{node}", self.switch_ns, self.receiver_queue_bytes())
+            self._pace_sender(f"{self.prefix}-w{node}")
 
     def _has_netem(self) -> bool:
         probe = _ip("tc", "qdisc", "add", "dev", "br0", "root", "netem", "delay", "1ms",
@@ -339,20 +357,68 @@ class Cluster:
         _ip("tc", "qdisc", "del", "dev", "br0", "root", ns=self.switch_ns, check=False)
         return probe.returncode == 0
 
-    def _shape(self, dev: str, ns: str) -> None:
+    def sender_queue_bytes(self) -> int:
+        """The worker-side bucket's queue: what every socket of a node may have queued at once
+        (one per worker of another node, for each of the node's workers: an all-to-all), each
+        its allowance plus one packet, with a quarter to spare; never less than 100 ms of
+        line rate, the switch side's."""
+        limits = self.sender_limits()
+        local = self.workers_per_node or 1
+        sockets = local * max(1, self.num_workers - local)
+        each = limits["tcp_limit_output_bytes"] + limits["gso_max_size"]
+        return max(int(self.profile.rate_bps / 8 * 0.1) + _bucket_bytes(self.profile.rate_bps), int(1.25 * sockets * each))
+
+    def receiver_queue_bytes(self) -> int:
+        """The switch port's queue toward a node: room for every other node's burst at once
+        (an all-to-all's incast), 64 KiB each with a quarter to spare; never less than 100 ms
+        of line rate."""
+        senders = max(1, self.num_nodes - 1)
+        return max(int(self.profile.rate_bps / 8 * 0.1) + _bucket_bytes(self.profile.rate_bps),
+                   int(1.25 * senders * 65536))
+
+    def _shape(self, dev: str, ns: str, queue_bytes: Optional[int] = None) -> None:
         """Token bucket at the profile rate on ``dev``'s egress, netem for half the delay.
 
         The bucket holds 1 ms of line rate, at least 16 KiB (a few full frames), so short
         bursts pass as on a real NIC while any transfer longer than a few ms sees the rate.
         """
         rate = self.profile.rate_bps
-        burst = max(16384, int(rate / 8 * 1e-3))
+        queue = ["limit", str(queue_bytes)] if queue_bytes else ["latency", "100ms"]
         _ip("tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf",
-            "rate", f"{int(rate)}bit", "burst", str(burst), "latency", "100ms", ns=ns)
+            "rate", f"{int(rate)}bit", "burst", str(_bucket_bytes(rate)), *queue, ns=ns)
         if self.delay_emulated:
             half_us = max(1, int(round(self.profile.delay_s / 2 * 1e6)))
             _ip("tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
                 "delay", f"{half_us}us", "limit", "100000", ns=ns)
+
+    def sender_limits(self) -> Dict[str, int]:
+        """What a worker's TCP may queue on its shaped link: ``tcp_limit_output_bytes`` (1 ms
+        of the rate, at least 8 KiB) and ``gso_max_size`` (the token bucket's burst, at most
+        64 KiB)."""
+        rate = self.profile.rate_bps
+        return {"tcp_limit_output_bytes": max(8192, int(rate / 8 * 1e-3)),
+                "gso_max_size": min(65536, _bucket_bytes(rate))}
+
+    def _pace_sender(self, ns: str) -> None:
+        """Make the worker's TCP back off before its bucket overflows (see the module's
+        docstring): a per-namespace TCP queue allowance and packets the bucket can hold."""
+        limits = self.sender_limits()
+        _ip("ip", "link", "set", "dev", _IFNAME, "gso_max_size", str(limits["gso_max_size"]), ns=ns, check=False)
+        setting = "/proc/sys/net/ipv4/tcp_limit_output_bytes"
+        try:
+            with open(setting) as f:
+                host_value = f.read().strip()
+        except OSError:
+            return
+        _ip("sysctl", "-q", "-w", f"net.ipv4.tcp_limit_output_bytes={limits['tcp_limit_output_bytes']}",
+            ns=ns, check=False)
+        with open(setting) as f:
+            if f.read().strip() != host_value:  # the kernel keeps it host-wide: undo, say so
+                with open(setting, "w") as restore:
+                    restore.write(host_value)
+                warnings.warn("this kernel keeps net.ipv4.tcp_limit_output_bytes host-wide, not per network "
+                              "namespace: left as it is, so a worker sending to several peers at once can overflow "
+                              "its shaped link and retransmit", stacklevel=3)
 
     def teardown(self) -> None:
         """Stop the workers and delete every namespace this cluster made.  Safe to repeat."""
