@@ -51,6 +51,38 @@ def test_two_groups_compression_off_compute():
     assert p.iteration_time == pytest.approx(5.7)
 
 
+def test_a_launch_that_waits_for_its_first_phase_holds_backward():
+    """The sparse allreduce's and the PS's ``start`` waits for an all-to-all: the launch
+    waits for the channel, then for that phase, and backward waits with it."""
+    from mergecomp.communicators.cost import SendCost
+    raw = SendCost(LinearCost(), WireSize(), LinearCost(0.5, 0.003))
+    two_phase = SendCost(LinearCost(), WireSize(1.0), LinearCost(0.4, 0.001), blocking=LinearCost(0.1, 0.001))
+    plan = Plan([Group(("a",), "fp32"), Group(("b",), "compress"), Group(("c",), "fp32")])
+    held = predict(plan, hand_profile(), costs={"fp32": raw, "compress": two_phase})
+    a, b, c = held.groups
+    # a: 400 raw bytes from 1.0: 0.5 + 1.2 s → 2.7.  b (200 bytes) ready at 2.0 waits for the
+    # channel (2.7), then its first phase (0.1 + 0.2 s) → 3.0: backward is 1.0 s late; the
+    # rest, 0.6 − 0.3 s, ends at 3.3.  c ready at 3.0 + 1.0, on the channel to 5.7.
+    assert (b.comm_start, b.comm_end) == pytest.approx((2.7, 3.3))
+    assert (c.launch, c.comm_start, c.comm_end) == pytest.approx((4.0, 4.0, 5.7))
+    assert held.backward_end == pytest.approx(5.0)
+    assert held.iteration_time == pytest.approx(6.7)
+    free = dict(two_phase.__dict__, blocking=None)
+    started = predict(plan, hand_profile(), costs={"fp32": raw, "compress": SendCost(**free)})
+    assert started.backward_end == pytest.approx(4.0) and started.iteration_time == pytest.approx(6.0)
+    off = predict(plan, hand_profile(), costs={"fp32": raw, "compress": two_phase}, compression_on_compute=False)
+    assert off.backward_end == pytest.approx(4.0)  # the compression worker waits, not backward
+    assert off.groups[1].comm_end == pytest.approx(3.3)
+
+
+def test_the_sparse_allreduce_and_the_ps_launch_wait_for_their_all_to_all():
+    for name in ("sparse_allreduce", "ps"):
+        profile = hand_profile(communicator=name, world=4)
+        cost = send_costs(profile)["compress"]
+        assert cost.blocking == profile.collectives["alltoall"]
+    assert send_costs(hand_profile(communicator="allgather"))["compress"].blocking is None
+
+
 def test_three_groups_queue_on_one_channel():
     plan = Plan([Group(("a",), "fp32"), Group(("b",), "fp32"), Group(("c",), "fp32")])
     p = predict(plan, hand_profile())

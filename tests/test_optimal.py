@@ -66,6 +66,19 @@ def test_dp_matches_brute_force(seed):
     CHOSEN[seed] = frozenset(g.send for g in solution.plan.groups)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_matches_brute_force_when_launches_wait_for_an_all_to_all(seed):
+    rng = random.Random(100 + seed)
+    on_compute = seed % 2 == 0
+    profile = random_profile(rng, 6, "ps")
+    profile.collectives["alltoall"] = LinearCost(rng.uniform(1e-5, 5e-4), rng.choice([4e-10, 2e-9]))
+    solution = OptimalScheduler(profile, compression_on_compute=on_compute, max_states=None).solve()
+    assert solution.exact
+    assert solution.iteration_time == pytest.approx(brute_force(profile, ("fp32", "compress"), on_compute), rel=1e-12)
+    predicted = predict(solution.plan, profile, compression_on_compute=on_compute).iteration_time
+    assert predicted == pytest.approx(solution.iteration_time, rel=1e-12)
+
+
 def test_brute_force_cases_cover_raw_compressed_and_mixed_optima():
     if len(CHOSEN) < 10:
         pytest.skip("runs after test_dp_matches_brute_force")

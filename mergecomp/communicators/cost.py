@@ -95,6 +95,10 @@ class SendCost:
     codec, collective start) for n elements; when set it replaces copy + memory + encode.
     ``memory_share``: the fraction of the group the error-feedback memory runs on (the
     hierarchical exchange compensates only this rank's 1/L shard of the node's sum).
+    ``blocking``: the part of ``collective`` (seconds for the wire bytes) that the launch
+    waits for, a synchronous first phase such as an all-to-all, after which the relay work
+    also runs in the launch; None when the launch only starts the collective.  A blocking
+    launch waits for the channel, then for that phase: backward waits with it.
     """
 
     encode: LinearCost
@@ -106,6 +110,7 @@ class SendCost:
     finish: Optional[LinearCost] = None
     launch: Optional[LinearCost] = None
     memory_share: float = 1.0
+    blocking: Optional[LinearCost] = None
 
 
 def collective_cost(profile, kind: str, why: str) -> LinearCost:

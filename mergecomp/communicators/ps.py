@@ -336,15 +336,16 @@ class PSCommunicator(Communicator):
         """A compressed group: an alltoall of the payload in N shards, then an allgather of
         each server's recompressed 1/N shard.  A server sums N payloads of its shard and
         encodes one (relay work on the channel, between the two collectives); a worker
-        decodes N shards.  A dense decode-then-aggregate's summation passes are not
-        modelled."""
+        decodes N shards.  ``start`` waits for the alltoall and the server's work
+        (``blocking``): backward waits with it.  A dense decode-then-aggregate's summation
+        passes are not modelled."""
         alltoall = collective_cost(profile, "alltoall", "the PS communicator's first phase")
         allgather = collective_cost(profile, "allgather", "the PS communicator's second phase")
         world = profile.world_size
         serve = codec.decode.scaled(world, 1) if codec.add is None else \
             (codec.decode + codec.add.scaled(world - 1, world - 1)).scaled(1, 1 / world)
         return SendCost(codec.encode, codec.wire, alltoall + allgather.scaled(1, 1 / world),
-                        decode=codec.decode.scaled(world, 1), relay=serve + codec.encode.scaled(1, 1 / world))
+                        decode=codec.decode.scaled(world, 1), relay=serve + codec.encode.scaled(1, 1 / world), blocking=alltoall)
 
 
 def _names(payload) -> List[str]:

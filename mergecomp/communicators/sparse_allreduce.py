@@ -293,15 +293,16 @@ class SparseAllreduceCommunicator(Communicator):
         pairs by owner), then an allgather of each owner's ≈ 1/N of it.  The owner adds N
         pieces of ≈ k/N pairs and takes a top-k of its n/N partition (relay work on the
         channel, between the two collectives, priced as the codec's add and encode over 1/N
-        of the group); a rank scatters the N owner sums once (one decode).  Payload
-        headers and the all-to-all's size exchange are not modelled."""
+        of the group); a rank scatters the N owner sums once (one decode).  ``start``
+        waits for the all-to-all and the owner's sum (``blocking``): backward waits with
+        it.  Payload headers and the all-to-all's size exchange are not modelled."""
         alltoall = collective_cost(profile, "alltoall", "the sparse allreduce's first phase")
         allgather = collective_cost(profile, "allgather", "the sparse allreduce's second phase")
         world = profile.world_size
         gather = codec.add.scaled(world, 1 / world) if codec.add is not None else codec.decode.scaled(1, 1 / world)
         relay = gather + codec.encode.scaled(1, 1 / world)
         return SendCost(codec.encode, codec.wire, alltoall + allgather.scaled(1, 1 / world),
-                        decode=codec.decode, relay=relay)
+                        decode=codec.decode, relay=relay, blocking=alltoall)
 
 
 def _check_sparsifier(compressor: Compressor) -> None:

@@ -21,6 +21,11 @@ step, with the linear costs of :mod:`mergecomp.planning.profile`:
    encoding is done and the previous collective has finished, and takes
    ``collective(wire bytes) + relay(n)`` (relay: server-side work of a parameter server).
    Raw groups (``fp32``/``fp16``/``bf16``) send ``n × width`` bytes through allreduce.
+   A communicator whose launch waits for a first phase (the sparse allreduce's and the
+   PS's all-to-all, then the owners' or servers' sums: ``SendCost.blocking``) holds the
+   launch until the channel is free and that phase is done, so backward waits with it
+   (encoding off compute: the compression worker waits); the rest of the collective runs
+   on the channel as any other.
 4. **Finish** (in ``step()``, after backward): groups are finished in plan order; each waits
    for its collective, decodes, aggregates, averages and writes the result back into
    ``p.grad``.  ``finish(n)`` is the profile's measured cost of that whole phase for the
@@ -103,6 +108,7 @@ class GroupCost:
     communicate: float
     finish: float
     wire_bytes: float
+    blocking: Optional[float] = None  # the part of communicate the launch waits for
 
 
 def group_cost(send: SendCost, copy: LinearCost, numel: int, nbytes: int,
@@ -119,9 +125,10 @@ def group_cost(send: SendCost, copy: LinearCost, numel: int, nbytes: int,
         encode = send.launch(numel)
     else:
         encode = copy(nbytes) + memory(numel * send.memory_share) + send.encode(numel)
+    blocking = None if send.blocking is None else send.blocking(wire) + send.relay(numel)
     return GroupCost(encode=encode,
                      communicate=send.collective(wire) + send.relay(numel),
-                     finish=finish, wire_bytes=wire)
+                     finish=finish, wire_bytes=wire, blocking=blocking)
 
 
 def send_costs(profile: Profile, via: Sequence[str] = ()) -> Dict[str, SendCost]:
@@ -275,9 +282,13 @@ def advance(state: State, ready: float, cost: GroupCost, on_compute: bool,
         encoded = max(delay_or_worker, ready) + cost.encode
         new_first = encoded
     start = max(encoded, channel)
-    end = start + cost.communicate
+    begin, rest = start, cost.communicate
+    if cost.blocking is not None:  # the launch waits for the channel, then the first phase
+        begin, rest = start + cost.blocking, cost.communicate - cost.blocking
+        new_first = new_first + (begin - encoded) if on_compute else begin
+    end = begin + rest
     if on_compute:
-        end = end + stretch(cost.communicate, (backward_time + new_first) - start, slowdown)
+        end = end + stretch(rest, (backward_time + new_first) - begin, slowdown)
     finish_loop = max(finish_loop, end) + cost.finish
     return (new_first, end, finish_loop, finished + cost.finish), launch, encoded, start, end
 

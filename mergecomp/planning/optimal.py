@@ -300,10 +300,10 @@ class OptimalScheduler(Scheduler):
             origin = np.concatenate([np.full(len(fronts[i][0]), i) for i in sources])
             rows = np.concatenate([np.arange(len(fronts[i][0])) for i in sources])
             pieces = []
-            for mode, (encode, communicate, finish) in enumerate(tables):
+            for mode, (encode, communicate, finish, blocking) in enumerate(tables):
                 new = _advance_all(previous, ready, encode[origin, j], communicate[origin, j],
                                    finish[origin, j], on_compute, interference, since_of[origin],
-                                   slowdown, backward)
+                                   slowdown, backward, blocking[origin, j])
                 bounds = self._lower_bound(new, rest[j])
                 keep = np.flatnonzero(bounds < best_value)
                 pieces.append((new[keep], bounds[keep], origin[keep], np.full(len(keep), mode), rows[keep]))
@@ -339,15 +339,17 @@ class OptimalScheduler(Scheduler):
         return np.maximum(((backward + first) + tail) + finished, finish_loop)
 
     def _cost_tables(self, run_start: List[int], cost):
-        """Per send mode, (encode, communicate, finish) seconds of group [i, j) at [i, j]."""
+        """Per send mode, (encode, communicate, finish, blocking) seconds of group [i, j) at
+        [i, j]; blocking is NaN for a mode whose launch does not wait for its collective."""
         n = len(run_start)
         tables = []
         for send in self.sends:
-            table = np.zeros((3, n + 1, n + 1))
+            table = np.zeros((4, n + 1, n + 1))
             for j in range(1, n + 1):
                 for i in range(run_start[j - 1], j):
                     c = cost(i, j, send)
-                    table[:, i, j] = (c.encode, c.communicate, c.finish)
+                    table[:, i, j] = (c.encode, c.communicate, c.finish,
+                                      np.nan if c.blocking is None else c.blocking)
             tables.append(tuple(table))
         return tables
 
@@ -446,9 +448,10 @@ def _stretch_all(work, busy, interference: float):
 
 def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communicate: np.ndarray,
                  finish: np.ndarray, on_compute: bool, interference: float = 1.0,
-                 since=0.0, slowdown: float = 1.0, backward: float = 0.0) -> np.ndarray:
+                 since=0.0, slowdown: float = 1.0, backward: float = 0.0, blocking=None) -> np.ndarray:
     """:func:`mergecomp.planning.costmodel.advance` on every row of ``states`` at once (row-wise costs
-    and row-wise ``since``, the ready time of each row's previous launch)."""
+    and row-wise ``since``, the ready time of each row's previous launch; ``blocking``
+    row-wise, NaN where the launch does not wait for the collective)."""
     first, channel, finish_loop, finished = states.T
     if on_compute:
         busy = channel - (since + first)
@@ -458,9 +461,17 @@ def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communica
         encoded = np.maximum(first, ready) + encode
         new_first = encoded
     start = np.maximum(encoded, channel)
-    end = start + communicate
+    begin, rest = start, communicate
+    if blocking is not None:
+        waits = ~np.isnan(blocking)
+        if waits.any():
+            held = start + np.where(waits, blocking, 0.0)
+            begin = np.where(waits, held, start)
+            rest = np.where(waits, communicate - np.where(waits, blocking, 0.0), communicate)
+            new_first = np.where(waits, new_first + (held - encoded) if on_compute else held, new_first)
+    end = begin + rest
     if on_compute:
-        end = end + _stretch_all(communicate, (backward + new_first) - start, slowdown)
+        end = end + _stretch_all(rest, (backward + new_first) - begin, slowdown)
     finish_loop = np.maximum(finish_loop, end) + finish
     return np.stack([new_first, end, finish_loop, finished + finish], axis=1)
 
