@@ -63,15 +63,21 @@ def synthetic_profile(world, tensors=8, numel=2 ** 20, gbit=1.0):
 
 def test_optimal_picks_the_sparse_allreduce_at_many_ranks_and_the_allgather_at_two():
     params = synthetic_profile(2).params()
+
+    def sparse_share(plan):  # of the gradient's tensors (all equal), the share sent sparse
+        return sum(len(g.names) for g in plan.groups if g.send == SPARSE) / len(params)
+
+    # At 64 ranks the sparse allreduce carries the gradient.  Its launch waits for its
+    # all-to-all (and for the channel), so a first group may go by allgather beside backward.
     many = OptimalScheduler(synthetic_profile(64), communicators=("sparse_allreduce",),
                             sends=("compress", SPARSE)).plan(params)
-    assert {g.send for g in many.groups} == {SPARSE}, many.describe()
+    assert sparse_share(many) >= 0.75, many.describe()
     two = OptimalScheduler(synthetic_profile(2), communicators=("sparse_allreduce",),
                            sends=("compress", SPARSE)).plan(params)
     assert {g.send for g in two.groups} == {"compress"}, two.describe()
-    # with fp32 allowed too, the many-rank plan still sends its compressed groups sparse
+    # with fp32 allowed too, the many-rank plan still sends most of the gradient sparse
     mixed = OptimalScheduler(synthetic_profile(64), communicators=("sparse_allreduce",)).plan(params)
-    assert SPARSE in {g.send for g in mixed.groups} and "compress" not in {g.send for g in mixed.groups}
+    assert sparse_share(mixed) >= 0.75, mixed.describe()
 
 
 
