@@ -33,8 +33,9 @@ segments of an oversized packet that TCP already counted as sent: retransmission
 retransmission timeouts that no network would show (docs/design.md#emulated-links has the
 measurement).  So each worker namespace gets the allowance of its emulated link,
 ``tcp_limit_output_bytes`` = 1 ms of the rate (at least 8 KiB), and packets no larger than
-the bucket (``gso_max_size``): then the worker's bucket drops nothing.  Where the kernel keeps that sysctl host-wide
-(older than per-namespace TCP settings) it is left alone, with a warning.
+the bucket (``gso_max_size``): then the worker's bucket drops nothing.  Where the kernel
+keeps that sysctl host-wide (older than per-namespace TCP settings) it is left alone, with a
+warning.
 
 Workers rendezvous with torch.distributed's env:// convention (MASTER_ADDR is worker 0's
 address, GLOO_SOCKET_IFNAME is ``eth0``), so gloo traffic goes over the shaped links.
@@ -366,15 +367,20 @@ class Cluster:
         local = self.workers_per_node or 1
         sockets = local * max(1, self.num_workers - local)
         each = limits["tcp_limit_output_bytes"] + limits["gso_max_size"]
-        return max(int(self.profile.rate_bps / 8 * 0.1) + _bucket_bytes(self.profile.rate_bps), int(1.25 * sockets * each))
+        return max(self._least_queue_bytes(), int(1.25 * sockets * each))
 
     def receiver_queue_bytes(self) -> int:
         """The switch port's queue toward a node: room for every other node's burst at once
         (an all-to-all's incast), 64 KiB each with a quarter to spare; never less than 100 ms
         of line rate."""
         senders = max(1, self.num_nodes - 1)
-        return max(int(self.profile.rate_bps / 8 * 0.1) + _bucket_bytes(self.profile.rate_bps),
-                   int(1.25 * senders * 65536))
+        return max(self._least_queue_bytes(), int(1.25 * senders * 65536))
+
+    def _least_queue_bytes(self) -> int:
+        """A bucket's queue at the least: 100 ms of line rate beyond the bucket itself (what
+        tbf's ``latency 100ms`` gave before the queues were sized)."""
+        rate = self.profile.rate_bps
+        return int(rate / 8 * 0.1) + _bucket_bytes(rate)
 
     def _shape(self, dev: str, ns: str, queue_bytes: Optional[int] = None) -> None:
         """Token bucket at the profile rate on ``dev``'s egress, netem for half the delay.

@@ -303,7 +303,7 @@ class OptimalScheduler(Scheduler):
             for mode, (encode, communicate, finish, blocking) in enumerate(tables):
                 new = _advance_all(previous, ready, encode[origin, j], communicate[origin, j],
                                    finish[origin, j], on_compute, interference, since_of[origin],
-                                   slowdown, backward, blocking[origin, j])
+                                   slowdown, backward, None if blocking is None else blocking[origin, j])
                 bounds = self._lower_bound(new, rest[j])
                 keep = np.flatnonzero(bounds < best_value)
                 pieces.append((new[keep], bounds[keep], origin[keep], np.full(len(keep), mode), rows[keep]))
@@ -340,17 +340,19 @@ class OptimalScheduler(Scheduler):
 
     def _cost_tables(self, run_start: List[int], cost):
         """Per send mode, (encode, communicate, finish, blocking) seconds of group [i, j) at
-        [i, j]; blocking is NaN for a mode whose launch does not wait for its collective."""
+        [i, j]; blocking is None for a mode whose launch does not wait for its collective
+        (one SendCost prices every group of a mode, so it blocks for all or none)."""
         n = len(run_start)
         tables = []
         for send in self.sends:
             table = np.zeros((4, n + 1, n + 1))
+            blocks = False
             for j in range(1, n + 1):
                 for i in range(run_start[j - 1], j):
                     c = cost(i, j, send)
-                    table[:, i, j] = (c.encode, c.communicate, c.finish,
-                                      np.nan if c.blocking is None else c.blocking)
-            tables.append(tuple(table))
+                    blocks = c.blocking is not None
+                    table[:, i, j] = (c.encode, c.communicate, c.finish, c.blocking or 0.0)
+            tables.append((table[0], table[1], table[2], table[3] if blocks else None))
         return tables
 
     def _backtrack(self, fronts, row: int) -> List[Tuple[int, int, str]]:
@@ -451,7 +453,7 @@ def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communica
                  since=0.0, slowdown: float = 1.0, backward: float = 0.0, blocking=None) -> np.ndarray:
     """:func:`mergecomp.planning.costmodel.advance` on every row of ``states`` at once (row-wise costs
     and row-wise ``since``, the ready time of each row's previous launch; ``blocking``
-    row-wise, NaN where the launch does not wait for the collective)."""
+    row-wise, None when the launch does not wait for the collective)."""
     first, channel, finish_loop, finished = states.T
     if on_compute:
         busy = channel - (since + first)
@@ -462,13 +464,9 @@ def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communica
         new_first = encoded
     start = np.maximum(encoded, channel)
     begin, rest = start, communicate
-    if blocking is not None:
-        waits = ~np.isnan(blocking)
-        if waits.any():
-            held = start + np.where(waits, blocking, 0.0)
-            begin = np.where(waits, held, start)
-            rest = np.where(waits, communicate - np.where(waits, blocking, 0.0), communicate)
-            new_first = np.where(waits, new_first + (held - encoded) if on_compute else held, new_first)
+    if blocking is not None:  # the launch waits for the channel, then the first phase
+        begin, rest = start + blocking, communicate - blocking
+        new_first = new_first + (begin - encoded) if on_compute else begin
     end = begin + rest
     if on_compute:
         end = end + _stretch_all(rest, (backward + new_first) - begin, slowdown)
