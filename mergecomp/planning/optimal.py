@@ -73,6 +73,7 @@ from ..schedulers.base import Scheduler, split_by_type
 from .costmodel import _OFF_COMPUTE_INTERFERENCE, SendCost, START, advance, finish_time, group_cost, send_costs
 from ..plan import COMPRESS_VIA, Group, ParamInfo, Plan, check_send, send_communicator
 from .profile import Profile, TensorTiming
+from .vectorized import advance_all, pareto, stretch_all
 
 
 def checked_chunk_mb(value, who: str = "chunk_mb") -> Optional[float]:
@@ -301,7 +302,7 @@ class OptimalScheduler(Scheduler):
             rows = np.concatenate([np.arange(len(fronts[i][0])) for i in sources])
             pieces = []
             for mode, (encode, communicate, finish, blocking) in enumerate(tables):
-                new = _advance_all(previous, ready, encode[origin, j], communicate[origin, j],
+                new = advance_all(previous, ready, encode[origin, j], communicate[origin, j],
                                    finish[origin, j], on_compute, interference, since_of[origin],
                                    slowdown, backward, None if blocking is None else blocking[origin, j])
                 bounds = self._lower_bound(new, rest[j])
@@ -315,7 +316,7 @@ class OptimalScheduler(Scheduler):
             if len(chosen) > self.max_candidates:
                 exact = False
                 chosen = np.sort(np.argpartition(bounds, self.max_candidates)[:self.max_candidates])
-            chosen = chosen[_pareto(states[chosen], backward, on_compute)]
+            chosen = chosen[pareto(states[chosen], backward, on_compute)]
             if max_states is not None and len(chosen) > max_states:
                 exact = False
                 chosen = chosen[np.argsort(bounds[chosen], kind="stable")[:max_states]]
@@ -335,7 +336,7 @@ class OptimalScheduler(Scheduler):
         if not self.compression_on_compute:
             return np.maximum(backward + finished, finish_loop)
         last = self.profile.timeline[-1].ready
-        tail = _stretch_all(backward - last, channel - (last + first), self.profile.interference)
+        tail = stretch_all(backward - last, channel - (last + first), self.profile.interference)
         return np.maximum(((backward + first) + tail) + finished, finish_loop)
 
     def _cost_tables(self, run_start: List[int], cost):
@@ -439,68 +440,3 @@ class OptimalScheduler(Scheduler):
     def __repr__(self):
         return (f"OptimalScheduler({len(self.profile.timeline)} profiled tensors, sends={self.sends}, "
                 f"compression_on_compute={self.compression_on_compute})")
-
-
-def _stretch_all(work, busy, interference: float):
-    """:func:`mergecomp.planning.costmodel.stretch` elementwise (same operations, same order)."""
-    if interference == 1.0:
-        return np.zeros(np.broadcast(work, busy).shape)
-    return np.minimum((interference - 1.0) * work, (1.0 - 1.0 / interference) * np.maximum(busy, 0.0))
-
-
-def _advance_all(states: np.ndarray, ready: float, encode: np.ndarray, communicate: np.ndarray,
-                 finish: np.ndarray, on_compute: bool, interference: float = 1.0,
-                 since=0.0, slowdown: float = 1.0, backward: float = 0.0, blocking=None) -> np.ndarray:
-    """:func:`mergecomp.planning.costmodel.advance` on every row of ``states`` at once (row-wise costs
-    and row-wise ``since``, the ready time of each row's previous launch; ``blocking``
-    row-wise, None when the launch does not wait for the collective)."""
-    first, channel, finish_loop, finished = states.T
-    if on_compute:
-        busy = channel - (since + first)
-        new_first = (first + _stretch_all((ready - since) + encode, busy, interference)) + encode
-        encoded = ready + new_first
-    else:
-        encoded = np.maximum(first, ready) + encode
-        new_first = encoded
-    start = np.maximum(encoded, channel)
-    begin, rest = start, communicate
-    if blocking is not None:  # the launch waits for the channel, then the first phase
-        begin, rest = start + blocking, communicate - blocking
-        new_first = new_first + (begin - encoded) if on_compute else begin
-    end = begin + rest
-    if on_compute:
-        end = end + _stretch_all(rest, (backward + new_first) - begin, slowdown)
-    finish_loop = np.maximum(finish_loop, end) + finish
-    return np.stack([new_first, end, finish_loop, finished + finish], axis=1)
-
-
-def _pareto(states: np.ndarray, backward: float, on_compute: bool = True,
-            block: int = 512) -> np.ndarray:
-    """Indices of the rows whose states no other row dominates, in lexicographic order.
-
-    Dominance compares (A, F, K, H) with K = max(Q, T_b + A + H) on compute
-    (max(Q, T_b + H) off compute).  The final time is ``max(Q + R, X)``, where R is the
-    rest's Σ finish and X, the other terms, is at least T_b + A + H + R (backward ends no
-    earlier than T_b + A) and does not depend on Q; so replacing Q by K changes nothing,
-    and the final time is non-decreasing in (A, F, K, H).  Rows are visited in lexicographic order of their keys, so a dominating key comes
-    before every key it dominates; dominance being transitive, comparing each row with the
-    kept earlier ones suffices.  Among equal keys the first row is kept.
-    """
-    added = states[:, 0] + states[:, 3] if on_compute else states[:, 3]
-    keys = np.column_stack([states[:, 0], states[:, 1],
-                            np.maximum(states[:, 2], backward + added), states[:, 3]])
-    order = np.lexsort(keys.T[::-1])
-    keys = keys[order]
-    kept_rows, kept_keys = [], np.zeros((0, 4))
-    earlier = np.tri(block, block, -1, dtype=bool)
-    for begin in range(0, len(keys), block):
-        rows = keys[begin:begin + block]
-        size = len(rows)
-        dominated = (rows[None, :, :] <= rows[:, None, :]).all(axis=2)
-        dominated &= earlier[:size, :size]
-        dominated = dominated.any(axis=1)
-        if len(kept_keys):
-            dominated |= (kept_keys[None, :, :] <= rows[:, None, :]).all(axis=2).any(axis=1)
-        kept_rows.append(order[begin:begin + size][~dominated])
-        kept_keys = np.concatenate([kept_keys, rows[~dominated]])
-    return np.concatenate(kept_rows)
