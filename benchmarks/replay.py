@@ -198,6 +198,8 @@ def compare_main(argv) -> int:
     args = harness.parse_rounds_arguments(p, argv)
     if args.replay:
         p.error("compare traces --model itself; drop --replay")
+    if args.controller is None:  # both arms send the configured density: the replay's repeated
+        args.controller = "off"  # gradients would make the controller raise it in one arm only
     harness.check_names(args)
     started = harness.provenance()
     if args.nproc is not None:

@@ -47,7 +47,7 @@ from benchmarks.harness import hostload, scalecheck
 from benchmarks.harness.cluster import netns_support, parse_profile
 from mergecomp.plan import Plan
 from mergecomp.planning.costmodel import predict
-from mergecomp.planning.profile import Profile
+from mergecomp.planning.profile import Profile, with_density
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -187,7 +187,8 @@ def repredict(result: dict, latency_us) -> dict:
     again["latency_us"] = latency_us
     for row in again["plans"].values():
         plan = Plan.from_dict(row["plan"])
-        row["predicted_s"] = [predict(plan, p).iteration_time for p in rounds]
+        scale = row.get("density_scale", 1.0)  # the quality controller's, as the run sent
+        row["predicted_s"] = [predict(plan, with_density(p, scale)).iteration_time for p in rounds]
         row["error"] = statistics.median(p / m - 1 for p, m in zip(row["predicted_s"], row["measured_s"]))
     return again
 

@@ -42,7 +42,7 @@ from benchmarks.harness import hostload, scaling
 from benchmarks.harness.cluster import Cluster, parse_profile
 from mergecomp.planning.costmodel import predict
 from mergecomp.plan import COMPRESS_VIA, SEND_MODES, Plan, is_compressed, send_communicator, valid_sends
-from mergecomp.planning.profile import Profile, scaled_compute
+from mergecomp.planning.profile import Profile, scaled_compute, with_density
 from mergecomp.schedulers.fixed import FixedScheduler
 from mergecomp.planning.optimal import OptimalScheduler
 from mergecomp.planning.simulate import measured_latency, measured_link_efficiency, node_profile
@@ -674,6 +674,14 @@ def modelled_profile(profile: Profile, workers: int, args, efficiency: float) ->
                         efficiency, intra_bandwidth=intra)
 
 
+def density_scale(optimizer) -> float:
+    """How many times its configured density (or rank) the quality controller has the
+    compressed groups send now (1 when it is off or raised nothing): the bytes a window
+    sends, which its prediction must price (``with_density``)."""
+    meter = getattr(getattr(optimizer, "lifecycle", None), "meter", None)
+    return meter.density_scale() if meter is not None else 1.0
+
+
 def switch_plan(optimizer, plan) -> None:
     """``optimizer.set_plan(plan)``; where the error-feedback state cannot follow the new
     groups (the hierarchical communicator's per-shard residuals), it is dropped first: a
@@ -740,7 +748,15 @@ def rounds_worker(args):
                 clock.new_round()
         return switch
 
-    steps, loads = hostload.watched({label: (clock if label == COMPUTE else (lambda: timed(1))) for label in plans})
+    scales: Dict[str, List[float]] = {}
+
+    def plan_step(label):
+        def step_once():
+            timed(1)
+            scales.setdefault(label, []).append(density_scale(optimizer))
+        return step_once
+
+    steps, loads = hostload.watched({label: (clock if label == COMPUTE else plan_step(label)) for label in plans})
     mine = harness.interleaved_windows(steps, args.rounds, args.window,
                                             before={label: before(label) for label in plans})
     phases = window_phases(recorder, marks)
@@ -778,18 +794,22 @@ def rounds_worker(args):
     for label, plan in plans.items():
         if label == COMPUTE:
             continue
-        saved = predict(plan, modelled).iteration_time
-        predicted = [predict(plan, p).iteration_time for p in rounds]
+        scale = statistics.median(scales.get(label) or [1.0])  # the same on every rank
+        saved = predict(plan, with_density(modelled, scale)).iteration_time
+        predicted = [predict(plan, with_density(p, scale)).iteration_time for p in rounds]
         result["plans"][label] = {
             "groups": len(plan), "compressed": sum(is_compressed(g.send) for g in plan.groups),
             "sends": {send: sum(g.send == send for g in plan.groups) for send in sorted({g.send for g in plan.groups})},
-            "plan": plan.to_dict(),
+            "plan": plan.to_dict(), "density_scale": scale,
             "measured_s": measured[label], "predicted_s": predicted, "saved_profile_s": saved,
             "error": statistics.median(p / m - 1 for p, m in zip(predicted, measured[label])),
             "saved_profile_error": saved / statistics.median(measured[label]) - 1, "host": host[label]}
         row = result["plans"][label]
         row["phases"] = [rank_phases.get(label, []) for _, _, rank_phases, _ in everyone]
         typical = sorted(range(args.rounds), key=predicted.__getitem__)[args.rounds // 2]
+        if scale != 1.0:
+            work.log(f"{label}: the quality controller sent its compressed groups at {scale:.3g} times the "
+                     f"configured density (the prediction prices that; --controller off keeps the setting)")
         work.log(f"{label:<12} {row['groups']} groups ({row['compressed']} compressed): measured "
                  f"{statistics.median(measured[label]) * 1e3:.1f} ms, predicted from each round's compute "
                  f"{statistics.median(predicted) * 1e3:.1f} ms (error {row['error']:+.1%}), from the saved "

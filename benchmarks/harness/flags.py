@@ -62,6 +62,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "epoch; about a fifth of the run's steps; 0: none). Without it DGC sends "
                         "--compress-ratio from the first step and says so once")
     # Listed from the registries, so every built-in and plugin is named.
+    p.add_argument("--controller", choices=("on", "off"), default=None,
+                   help="the quality controller (it raises a group's density where the exchange lags "
+                        "dense, so the bytes sent change): on or off (default: the library's, on; off "
+                        "with --replay, whose repeated gradients do not train)")
     p.add_argument("--memory", default=None,
                    help=f"error-feedback memory: {', '.join(mergecomp.memories.available())} "
                         "(default: the compressor's recommended)")
@@ -188,8 +192,24 @@ def build_scheduler(args):
     return mergecomp.schedulers.create(name)
 
 
+def controller_setting(args) -> str:
+    """``--controller`` as DistributedOptimizer's keyword: the flag, else ``"off"`` for a
+    replayed model and the library's default (``"auto"``) otherwise.
+
+    Why off in a replay: its gradients are the same window of one random pool every step,
+    and its codecs resend the first step's payload, so error feedback piles up what no step
+    ever sends and the controller, reading a lag no model would show, raises the density
+    to its byte budget.  A timing run then sends more bytes than the compressor's setting,
+    which is what it measures and what the cost model is asked to predict."""
+    choice = getattr(args, "controller", None)
+    if choice is None:
+        choice = "off" if getattr(args, "replay", None) else "on"
+    return {"on": "auto", "off": "off"}[choice]
+
+
 def build_optimizer(args, work) -> mergecomp.DistributedOptimizer:
-    """SGD on ``work.model`` wrapped as the flags say (fills in args.memory and args.comm)."""
+    """SGD on ``work.model`` wrapped as the flags say (fills in args.memory and args.comm);
+    the quality controller as :func:`controller_setting` says."""
     compressor = build_compressor(args)
     memory = args.memory or "auto"  # the recommendation with its arguments
     args.memory = args.memory or compressor.recommended_memory
@@ -201,7 +221,8 @@ def build_optimizer(args, work) -> mergecomp.DistributedOptimizer:
         base, work.model.named_parameters(), compressor=compressor,
         memory=memory if args.compress else "none",
         communicator=args.comm if args.compress else "allreduce",
-        schedule=plan if plan is not None else build_scheduler(args))
+        schedule=plan if plan is not None else build_scheduler(args),
+        controller=controller_setting(args))
 
 
 def warm_up_and_settle(optimizer, timed, args, work) -> int:

@@ -109,3 +109,14 @@ def test_compress_benchmark_trains_a_replay_with_replayed_codecs_through_the_spa
     result = json.loads(out.read_text())
     assert result["model"] == "replay:toy" and result["num_params"] == 6 * 6400 and result["groups"] == 2
     assert "ReplayedTopKCompressor" in done.stdout
+
+
+def test_a_replay_runs_without_the_quality_controller_unless_asked():
+    """A replay's gradients repeat every step and its codecs resend the first payload, so
+    the controller would read a lag no model shows and raise the bytes a timing run sends."""
+    import argparse
+    from benchmarks.harness.flags import controller_setting
+    assert controller_setting(argparse.Namespace(replay="trace.json", controller=None)) == "off"
+    assert controller_setting(argparse.Namespace(replay=None, controller=None)) == "auto"
+    assert controller_setting(argparse.Namespace(replay="trace.json", controller="on")) == "auto"
+    assert controller_setting(argparse.Namespace(replay=None, controller="off")) == "off"

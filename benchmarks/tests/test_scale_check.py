@@ -110,6 +110,7 @@ def test_layouts_replace_the_tables_for_a_smoke_run():
 
 
 def test_a_replayed_rounds_run_keeps_the_host_load_and_predicts_again_offline(tmp_path, capsys):
+    import copy
     import os
     import subprocess
     import sys
@@ -129,9 +130,17 @@ def test_a_replayed_rounds_run_keeps_the_host_load_and_predicts_again_offline(tm
     assert result["model"] == "replay:toy" and result["replay"]["codecs"] == "gpu"
     for row in result["plans"].values():
         assert row["host"]["ranks"] == 2 and row["host"]["core_wait"] >= 0
+        # A replay runs without the quality controller: its repeated gradients would make it
+        # raise the density, and the cell would send more bytes than the setting it predicts.
+        assert row["density_scale"] == 1.0
     same = scale_check.repredict(result, result["latency_us"])
     for label, row in result["plans"].items():
         assert same["plans"][label]["predicted_s"] == pytest.approx(row["predicted_s"])
+    doubled = copy.deepcopy(result)
+    doubled["plans"]["compress:sparse_allreduce-2"]["density_scale"] = 2.0   # as a controller could send
+    denser = scale_check.repredict(doubled, result["latency_us"])["plans"]
+    assert denser["compress:sparse_allreduce-2"]["predicted_s"][0] > same["plans"]["compress:sparse_allreduce-2"]["predicted_s"][0]
+    assert denser["fp32-2"]["predicted_s"] == pytest.approx(same["plans"]["fp32-2"]["predicted_s"])
     slower = scale_check.repredict(result, 5000.0)   # 5 ms per ring step
     assert all(slower["plans"][k]["predicted_s"][0] > row["predicted_s"][0] for k, row in result["plans"].items())
     assert scale_check.main(["table", "simulator", str(tmp_path), "--latency-us", "profile"]) == 0
