@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mergecomp
-from benchmarks.harness.replay.codec import replayed
+from benchmarks.harness.replay.codec import ResultCache, replayed
 from benchmarks.harness.scaling import gpu_codec
 from mergecomp.compressors.sparsifier import SparseCompressor
 from mergecomp.planning.profile import CodecCost, LinearCost, WireSize
@@ -120,3 +120,24 @@ def test_a_replay_runs_without_the_quality_controller_unless_asked():
     assert controller_setting(argparse.Namespace(replay=None, controller=None)) == "auto"
     assert controller_setting(argparse.Namespace(replay="trace.json", controller="on")) == "auto"
     assert controller_setting(argparse.Namespace(replay=None, controller="off")) == "off"
+
+
+def test_the_replayed_results_are_bounded_and_the_least_recently_used_go_first():
+    cache = ResultCache(limit_bytes=3 * 4000)
+    for key in "abc":
+        cache[key] = torch.zeros(1000)            # 4,000 bytes each: all three fit
+    assert cache["a"].numel() == 1000              # "a" used: "b" is now the oldest
+    cache["d"] = (torch.zeros(1000), torch.zeros(0, dtype=torch.int64))
+    assert "b" not in cache and all(k in cache for k in "acd") and cache.nbytes == 3 * 4000
+    cache["huge"] = torch.zeros(10_000)            # larger than the bound: kept alone, the newest
+    assert len(cache) == 1 and "huge" in cache
+
+
+def test_a_search_through_many_group_sizes_keeps_the_replayed_codec_within_its_bound(waits):
+    twin = replayed(mergecomp.compressors.create("topk", compress_ratio=0.01), COST, cache_mb=1)
+    for numel in range(50_000, 150_000, 5_000):   # 20 groupings, as an adaptive search tries
+        payload, ctx = twin.compress(torch.randn(numel), f"group{numel}")
+        twin.decompress_sum([payload, payload], ctx)
+    assert twin._cache.nbytes <= 2 ** 20 and len(twin._cache) < 40
+    with pytest.raises(ValueError, match="> 0 MiB"):
+        replayed(mergecomp.compressors.create("topk"), COST, cache_mb=0)

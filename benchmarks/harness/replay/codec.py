@@ -8,7 +8,8 @@ gpu`` makes the compressor wait what the committed GPU table says it costs
 (:data:`benchmarks.harness.scaling.GPU_TABLE`, lines through its 1M- and 25M-element
 points) instead of computing:
 
-* ``compress`` computes the real payload of a group once, on the group's first step,
+* ``compress`` computes the real payload of a group once, on the group's first step
+  (kept in a :class:`ResultCache` of bounded size),
   and sends a copy of it every step after, having waited the codec's encode cost (the first
   call's own computing time counts towards its wait);
 * ``decompress`` and ``decompress_sum`` likewise: the real result of the first call for
@@ -29,9 +30,10 @@ sparse allreduce, summable for the allreduce) sees what it sees in training.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import time
-from typing import Dict, Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -39,12 +41,59 @@ from mergecomp.compressors.base import AllReduce, Compressor, accepts_keyword, a
 from mergecomp.planning.profile import CodecCost
 
 
+#: How many MiB of replayed results a compressor keeps (:class:`ResultCache`).
+CACHE_MB = 128
+
+
+def _nbytes(value) -> int:
+    """The bytes of the tensors in ``value`` (a tensor, or tuples and lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class ResultCache:
+    """The replayed results by key, the least recently used dropped past ``limit_bytes``.
+
+    Why bounded: an adaptive scheduler tries many plans while it searches, and every new
+    group size would keep a dense result of its size for the rest of the run (replayed
+    ResNet-50 workers grew by about 350 MB each over a hundred search steps, more than
+    32 workers' memory allows).  The few plans a timing run then rotates through fit
+    within the bound, so their steps reuse their results and never compute."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = int(limit_bytes)
+        self.nbytes = 0
+        self._entries: "collections.OrderedDict[Hashable, tuple]" = collections.OrderedDict()
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, key):
+        self._entries.move_to_end(key)
+        return self._entries[key][0]
+
+    def __setitem__(self, key, value) -> None:
+        if key in self._entries:
+            self.nbytes -= self._entries.pop(key)[1]
+        size = _nbytes(value)
+        self._entries[key] = (value, size)
+        self.nbytes += size
+        while self.nbytes > self.limit_bytes and len(self._entries) > 1:  # the newest always stays
+            self.nbytes -= self._entries.popitem(last=False)[1][1]
+
+
 class ReplayedCodec:
     """The mix-in of :func:`replayed`: caches and waits around the real class's methods."""
 
-    def _replay_init(self, cost: CodecCost, time_scale: float) -> None:
+    def _replay_init(self, cost: CodecCost, time_scale: float, cache_mb: float = CACHE_MB) -> None:
         self._cost, self._scale = cost, float(time_scale)
-        self._cache: Dict[tuple, object] = {}
+        self._cache = ResultCache(cache_mb * 2 ** 20)
         base = type(self).__mro__[2]  # the real compressor's class
         self._takes_layout = accepts_layout(base.rounds if self.multi_round else base.compress)
         self._sum_takes_out = accepts_keyword(base.decompress_sum, "out")
@@ -120,10 +169,12 @@ class ReplayedCodec:
         return out.copy_(total.reshape(-1)) if out is not None else total.clone()
 
 
-def replayed(compressor: Compressor, cost: CodecCost, time_scale: float = 1.0) -> Compressor:
+def replayed(compressor: Compressor, cost: CodecCost, time_scale: float = 1.0,
+             cache_mb: float = CACHE_MB) -> Compressor:
     """A copy of ``compressor`` whose compress, decompress, decompress_sum and rounds wait
     ``cost`` (× ``time_scale``) instead of computing after their first call (module
-    docstring); its class subclasses the real one."""
+    docstring), keeping at most ``cache_mb`` MiB of results (:class:`ResultCache`); its
+    class subclasses the real one."""
     if not isinstance(compressor, Compressor):
         raise TypeError(f"replayed() takes a mergecomp Compressor, got {compressor!r}")
     if not time_scale > 0:
@@ -135,5 +186,7 @@ def replayed(compressor: Compressor, cost: CodecCost, time_scale: float = 1.0) -
                     {"__module__": __name__, "sums_in_place": bool(compressor.sums_in_place)})
     twin = copy.copy(compressor)
     twin.__class__ = subclass
-    twin._replay_init(cost, time_scale)
+    if not cache_mb > 0:
+        raise ValueError(f"a replayed codec keeps > 0 MiB of results, got {cache_mb!r}")
+    twin._replay_init(cost, time_scale, cache_mb)
     return twin
