@@ -58,10 +58,9 @@ class ResultCache:
     """The replayed results by key, the least recently used dropped past ``limit_bytes``.
 
     Why bounded: an adaptive scheduler tries many plans while it searches, and every new
-    group size would keep a dense result of its size for the rest of the run (replayed
-    ResNet-50 workers grew by about 350 MB each over a hundred search steps, more than
-    32 workers' memory allows).  The few plans a timing run then rotates through fit
-    within the bound, so their steps reuse their results and never compute."""
+    group size would keep a dense result of its size for the rest of the run, in each of
+    32 workers sharing one host's memory.  The few plans a timing run then rotates through
+    fit within the bound, so their steps reuse their results and never compute."""
 
     def __init__(self, limit_bytes: int):
         self.limit_bytes = int(limit_bytes)
