@@ -9,6 +9,7 @@ import torch
 
 import mergecomp
 
+from . import drift
 from .replay.codec import replayed
 from .running import NoProcessGroup, run_workers
 from .scaling import gpu_codec
@@ -204,7 +205,7 @@ def controller_setting(args) -> str:
     choice = getattr(args, "controller", None)
     if choice is None:
         choice = "off" if getattr(args, "replay", None) else "on"
-    return {"on": "auto", "off": "off"}[choice]
+    return drift.VALUES[choice]
 
 
 def build_optimizer(args, work) -> mergecomp.DistributedOptimizer:
