@@ -36,6 +36,55 @@ def test_exact_top_k_selects_what_torch_topk_selects(n, k, dtype):
     assert torch.equal(torch.sort(flat[got].abs().float()).values, torch.sort(flat[want].abs().float()).values)
 
 
+def _clustered(kind, n=64 * 4000):
+    g = torch.Generator().manual_seed(7)
+    flat = torch.randn(n, generator=g)
+    if kind == "one large layer":  # the k-th peak far below the k-th value: many candidates
+        flat[: n // 8] *= 30
+    elif kind == "half zeros":  # a layer without gradient: the k-th peak is zero, all n pass
+        flat[n // 2:] = 0
+    elif kind == "fewer nonzeros than k":
+        flat[200:] = 0
+    return flat
+
+
+@pytest.mark.parametrize("kind", ["one large layer", "half zeros", "fewer nonzeros than k"])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.02, 0.3])
+def test_exact_top_k_on_clustered_gradients_selects_what_torch_topk_selects(kind, ratio):
+    flat = _clustered(kind)
+    k = int(flat.numel() * ratio)
+    got = exact_top_k(flat, k, Scratch())
+    want = torch.topk(flat.abs(), k, sorted=False).indices
+    assert got.numel() == k and got.unique().numel() == k
+    assert torch.equal(torch.sort(flat[got].abs()).values, torch.sort(flat[want].abs()).values)
+
+
+def test_narrowing_keeps_at_least_k_and_only_the_largest():
+    from mergecomp.kernels.selection import NARROW_ABOVE, narrowed
+    magnitudes = torch.rand(100_000, generator=torch.Generator().manual_seed(3))
+    k = 1000
+    indices, kept = narrowed(None, magnitudes, k)
+    assert k <= indices.numel() < NARROW_ABOVE * k
+    assert torch.equal(magnitudes[indices], kept)
+    assert kept.min() >= magnitudes.topk(indices.numel()).values.min()  # a threshold, not a sample
+
+
+def test_narrowing_that_would_keep_fewer_than_k_gives_everything_back():
+    from mergecomp.kernels.selection import narrowed
+    magnitudes = torch.zeros(100_000)
+    magnitudes[::64] = 1.0  # the strided sample sees only the ones: its threshold passes 1,563 < k
+    indices, kept = narrowed(None, magnitudes, 5000)
+    assert indices is None and kept is magnitudes
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.05])
+def test_exact_top_k_ranks_a_nan_first_at_every_density(ratio):
+    flat = torch.randn(64 * 1000, generator=torch.Generator().manual_seed(5))
+    flat[777] = float("nan")
+    got = exact_top_k(flat, int(flat.numel() * ratio), Scratch())
+    assert 777 in got.tolist()
+
+
 def test_block_selection_of_a_non_contiguous_tensor():
     base = torch.randn(2 * BLOCK * 10)
     strided = base[::2]

@@ -153,7 +153,14 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     The k-th largest block peak t is at most the k-th largest |g| (the k largest elements
     lie in at most k blocks), so every element of the top k passes |g| ≥ t, and at least
     k elements do.  A top-k over the n/64 peaks, the threshold selection, and a top-k over
-    the (typically few) candidates replace a top-k over all n elements.
+    the candidates replace a top-k over all n elements.
+
+    Real gradients cluster: a layer's large values fill whole blocks, and a layer that got
+    no gradient (an embedding's unused rows) fills blocks with zeros, so the k-th peak can
+    lie far below the k-th value and leave tens of times k candidates — or all n, when it
+    is zero.  On the CPU, where ``torch.topk`` costs about its input's length whatever k,
+    such candidates (and a k above the n/64 peaks) are narrowed first by a sampled
+    threshold (:func:`narrowed`).
 
     A NaN ranks above every number, as in ``torch.topk``: a NaN makes its block's peak NaN,
     which fails the threshold test, so fewer than k candidates come back, and then (only
@@ -162,10 +169,57 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=flat.device)
     blocks = BlockPeaks(flat, scratch)
-    if blocks.peaks is None or k > blocks.whole:
+    if blocks.peaks is None:
         return torch.topk(flat.abs(), k, sorted=False).indices
+    if k > blocks.whole:
+        if flat.device.type != "cpu":
+            return torch.topk(flat.abs(), k, sorted=False).indices
+        # A NaN counts as +inf here, so it passes any threshold and tops the final top-k.
+        magnitudes = torch.abs(blocks.flat, out=scratch.get("abs", flat.numel(), flat.dtype, flat.device))
+        indices, magnitudes = narrowed(None, magnitudes.nan_to_num_(nan=math.inf), k)
+        return _top(indices, magnitudes, k)
     threshold = torch.topk(blocks.peaks, k, sorted=False).values.min()
     candidates = blocks.indices_at_least(threshold)
     if candidates.numel() < k:  # only with a NaN (a NaN peak or threshold fails every comparison)
         return torch.topk(flat.abs(), k, sorted=False).indices
-    return candidates[torch.topk(blocks.flat[candidates].abs(), k, sorted=False).indices]
+    magnitudes = blocks.flat[candidates].abs()
+    if flat.device.type == "cpu":
+        candidates, magnitudes = narrowed(candidates, magnitudes, k)
+    return _top(candidates, magnitudes, k)
+
+
+#: Candidates per selected element above which :func:`narrowed` samples a tighter threshold.
+NARROW_ABOVE = 4
+
+#: The sampled threshold aims at this many times k survivors (so that the count clears k) ...
+NARROW_MARGIN = 1.25
+
+#: ... from a sample whose top holds at least this many elements: the relative spread of the
+#: count is about 1/√(this), a few percent, well inside the margin.
+NARROW_SURVIVORS = 1024
+
+
+def narrowed(indices, magnitudes: torch.Tensor, k: int):
+    """``(indices, magnitudes)`` cut to those with a magnitude at or above a sampled estimate
+    of the k-th largest (aimed :data:`NARROW_MARGIN` × k survivors) — when more than
+    :data:`NARROW_ABOVE` × k are given and at least k survive, else unchanged.
+
+    Exact whatever the sample: when at least k magnitudes pass a threshold t, the k-th
+    largest is at least t, so all of the top k pass.  An unlucky sample only costs time
+    (the input comes back whole).  ``indices`` None means positions in ``magnitudes``.
+    """
+    if magnitudes.numel() <= NARROW_ABOVE * k:
+        return (indices, magnitudes)
+    threshold = sampled_threshold(magnitudes, k, sample_ratio=0.0, min_samples=4096,
+                                  margin=NARROW_MARGIN, survivors=NARROW_SURVIVORS)
+    keep = (magnitudes >= threshold).nonzero().view(-1)
+    if keep.numel() < k or keep.numel() == magnitudes.numel():
+        return (indices, magnitudes)
+    return (keep if indices is None else indices[keep], magnitudes[keep])
+
+
+def _top(indices, magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions (``indices``' entries, or positions in ``magnitudes`` when None) of the
+    k largest ``magnitudes``."""
+    top = torch.topk(magnitudes, k, sorted=False).indices
+    return top if indices is None else indices[top]
