@@ -159,8 +159,9 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     no gradient (an embedding's unused rows) fills blocks with zeros, so the k-th peak can
     lie far below the k-th value and leave tens of times k candidates — or all n, when it
     is zero.  On the CPU, where ``torch.topk`` costs about its input's length whatever k,
-    such candidates (and a k above the n/64 peaks) are narrowed first by a sampled
-    threshold (:func:`narrowed`).
+    such candidates are narrowed first by a sampled threshold (:func:`narrowed`), and when
+    the peaks rule out fewer than half of the blocks (or k exceeds the n/64 peaks) that cut
+    is taken over all n elements instead (:func:`_top_of_all`).
 
     A NaN ranks above every number, as in ``torch.topk``: a NaN makes its block's peak NaN,
     which fails the threshold test, so fewer than k candidates come back, and then (only
@@ -169,23 +170,31 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=flat.device)
     blocks = BlockPeaks(flat, scratch)
-    if blocks.peaks is None:
+    on_cpu = flat.device.type == "cpu"
+    if blocks.peaks is None or (k > blocks.whole and not on_cpu):
         return torch.topk(flat.abs(), k, sorted=False).indices
     if k > blocks.whole:
-        if flat.device.type != "cpu":
-            return torch.topk(flat.abs(), k, sorted=False).indices
-        # A NaN counts as +inf here, so it passes any threshold and tops the final top-k.
-        magnitudes = torch.abs(blocks.flat, out=scratch.get("abs", flat.numel(), flat.dtype, flat.device))
-        indices, magnitudes = narrowed(None, magnitudes.nan_to_num_(nan=math.inf), k)
-        return _top(indices, magnitudes, k)
+        return _top_of_all(blocks, k)
     threshold = torch.topk(blocks.peaks, k, sorted=False).values.min()
+    if on_cpu and int((blocks.peaks >= threshold).sum()) > DENSE_BLOCKS * blocks.whole:
+        return _top_of_all(blocks, k)
     candidates = blocks.indices_at_least(threshold)
     if candidates.numel() < k:  # only with a NaN (a NaN peak or threshold fails every comparison)
         return torch.topk(flat.abs(), k, sorted=False).indices
     magnitudes = blocks.flat[candidates].abs()
-    if flat.device.type == "cpu":
+    if on_cpu:
         candidates, magnitudes = narrowed(candidates, magnitudes, k)
     return _top(candidates, magnitudes, k)
+
+
+def _top_of_all(blocks: BlockPeaks, k: int) -> torch.Tensor:
+    """The top k of all n elements, cut by a sampled threshold first: one |g| pass into
+    scratch, a mask and a compaction instead of ``torch.topk`` over n.  A NaN counts as
+    +inf here, so it passes any threshold and tops the final top-k, as in ``torch.topk``."""
+    flat = blocks.flat
+    magnitudes = torch.abs(flat, out=blocks.scratch.get("abs", flat.numel(), flat.dtype, flat.device))
+    indices, magnitudes = narrowed(None, magnitudes.nan_to_num_(nan=math.inf), k)
+    return _top(indices, magnitudes, k)
 
 
 #: Candidates per selected element above which :func:`narrowed` samples a tighter threshold.
