@@ -12,9 +12,11 @@ points) instead of computing:
   (kept in a :class:`ResultCache` of bounded size),
   and sends a copy of it every step after, having waited the codec's encode cost (the first
   call's own computing time counts towards its wait);
-* ``decompress`` and ``decompress_sum`` likewise: the real result of the first call for
-  a given size and number of payloads, copied out after waiting the decode cost (plus
-  the cost of adding each further payload, for compressors that sum in place);
+* ``decompress`` and ``decompress_sum`` likewise: a dense result copied out after waiting
+  the decode cost (plus the cost of adding each further payload, for compressors that sum
+  in place), taken from one buffer per dtype: the real result of the largest group decoded
+  so far (a search tries many group sizes, and one dense result per size would fill a
+  worker's memory);
 * ``rounds`` (PowerSGD) records the first step's requests and result, and replays them:
   the same collectives of the same sizes, the encode cost spread over the rounds.
 
@@ -93,6 +95,7 @@ class ReplayedCodec:
     def _replay_init(self, cost: CodecCost, time_scale: float, cache_mb: float = CACHE_MB) -> None:
         self._cost, self._scale = cost, float(time_scale)
         self._cache = ResultCache(cache_mb * 2 ** 20)
+        self._dense_results: dict = {}  # dtype -> the largest real dense result so far
         base = type(self).__mro__[2]  # the real compressor's class
         self._takes_layout = accepts_layout(base.rounds if self.multi_round else base.compress)
         self._sum_takes_out = accepts_keyword(base.decompress_sum, "out")
@@ -114,24 +117,27 @@ class ReplayedCodec:
 
     def decompress(self, payload, ctx):
         began = time.perf_counter()
-        key = ("decompress", ctx.numel, ctx.dtype, tuple(tuple(t.shape) for t in payload))
-        if key not in self._cache:
-            self._cache[key] = super().decompress(payload, ctx).clone()
+        result = self._dense(ctx, lambda: super(ReplayedCodec, self).decompress(payload, ctx))
         self._wait(self._cost.decode(ctx.numel), began)
-        return self._cache[key].clone()
+        return result.clone()
 
     def decompress_sum(self, payloads, ctx, out: Optional[torch.Tensor] = None):
         began = time.perf_counter()
-        key = ("sum", ctx.numel, ctx.dtype, len(payloads))
-        if key not in self._cache:
-            self._cache[key] = super().decompress_sum(payloads, ctx).clone()
+        result = self._dense(ctx, lambda: super(ReplayedCodec, self).decompress_sum(payloads, ctx))
         extra = len(payloads) - 1
         cost = self._cost.decode(ctx.numel) + (self._cost.add(ctx.numel) * extra if self._cost.add else 0.0)
         self._wait(cost, began)
-        cached = self._cache[key]
-        if out is not None and out.numel() == cached.numel() and out.dtype == cached.dtype:
-            return out.view(cached.shape).copy_(cached)
-        return cached.clone()
+        if out is not None and out.numel() == result.numel() and out.dtype == result.dtype:
+            return out.view(result.shape).copy_(result)
+        return result.clone()
+
+    def _dense(self, ctx, compute) -> torch.Tensor:
+        """A dense result of ``ctx``'s size and shape: a view of the largest real result of
+        ``ctx``'s dtype computed so far (``compute()`` runs only when this group is larger)."""
+        kept = self._dense_results.get(ctx.dtype)
+        if kept is None or kept.numel() < ctx.numel:
+            kept = self._dense_results[ctx.dtype] = compute().reshape(-1).clone()
+        return kept[: ctx.numel].view(ctx.shape)
 
     def rounds(self, tensor, name, layout=None, out: Optional[torch.Tensor] = None):
         key = ("rounds", name, tensor.numel(), tensor.dtype)
