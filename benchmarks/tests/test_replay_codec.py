@@ -139,5 +139,18 @@ def test_a_search_through_many_group_sizes_keeps_the_replayed_codec_within_its_b
         payload, ctx = twin.compress(torch.randn(numel), f"group{numel}")
         twin.decompress_sum([payload, payload], ctx)
     assert twin._cache.nbytes <= 2 ** 20 and len(twin._cache) < 40
+    # The dense results: one buffer, the largest group's, whatever the number of sizes tried.
+    assert [t.numel() for t in twin._dense_results.values()] == [145_000]
     with pytest.raises(ValueError, match="> 0 MiB"):
         replayed(mergecomp.compressors.create("topk"), COST, cache_mb=0)
+
+
+def test_a_replayed_worker_trims_its_heap_at_most_once_per_interval():
+    from benchmarks.harness.replay.heap import HeapTrimmer, release_free_heap
+    now, calls = [0.0], []
+    trimmer = HeapTrimmer(every_s=30, clock=lambda: now[0], trim=lambda: calls.append(now[0]) or True)
+    for t in (0.0, 10.0, 29.9, 30.0, 45.0, 61.0):
+        now[0] = t
+        trimmer.maybe()
+    assert calls == [0.0, 30.0, 61.0] and trimmer.trims == 3
+    assert release_free_heap() in (True, False)  # glibc here; elsewhere a no-op, never an error

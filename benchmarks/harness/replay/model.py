@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..models.spec import ModelSpec, VECTOR_UNIT, IMAGE_UNIT, SEQUENCE_UNIT
+from .heap import HeapTrimmer
 from .trace import ReplayTrace
 
 
@@ -99,6 +100,7 @@ class ReplayModel(nn.Module):
         self.gaps = [readies[0]] + [b - a for a, b in zip(readies, readies[1:])]
         self.seed = seed
         self._pool: Optional[torch.Tensor] = None
+        self._heap = HeapTrimmer()  # many replayed workers share a host's memory (heap.py)
 
     def _window(self, index: int) -> torch.Tensor:
         """This rank's gradient of parameter ``index``: a window of the pool, its shape."""
@@ -116,6 +118,9 @@ class ReplayModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         self.clock.reset()
+        began = time.perf_counter()
+        self._heap.maybe()  # within the forward's wait, as host work beside a GPU's forward
+        self.clock.debt += time.perf_counter() - began
         self.clock.wait(self.trace.forward_time)
         chain = torch.zeros((), device=self._order[0].device)
         for index in reversed(range(len(self._order))):
