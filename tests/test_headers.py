@@ -167,3 +167,21 @@ def test_ranks_with_different_compressors_get_a_clear_error():
         assert message.startswith(f"rank {1 - rank} sent a header that does not describe a "
                                   f"payload of this group"), message
         assert ADVICE in message
+
+
+def many_collectives_in_one_step_worker(rank, world_size):
+    """300 allgathers and allreduces without a step boundary, each waited for."""
+    backend = TorchDistributedBackend()
+    most = 0
+    for i in range(150):
+        backend.allgather_async((torch.full((1000,), float(rank)),), same_shapes=True).wait()
+        backend.allreduce_async([torch.ones(1000)]).wait()
+        most = max(most, len(backend._step_works))
+    return most
+
+
+def test_completed_collectives_release_their_outputs_within_a_step():
+    """A handle holds its collective's outputs: a step of many collectives (the auto
+    scheduler's probes) must not keep them all alive until the step ends."""
+    for most in run_ranks(many_collectives_in_one_step_worker, 2, timeout=60):
+        assert most <= 4

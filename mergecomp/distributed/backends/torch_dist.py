@@ -86,8 +86,16 @@ class TorchDistributedBackend(Backend):
         handle takes the GIL.  If gloo's worker thread dropped the last reference, that could
         happen while the main thread destroys the process group holding the GIL and joining
         that very worker (a script's teardown: a deadlock).  Held here, the handles are only
-        ever released by this process's own Python code."""
-        self._step_works.append(work)
+        ever released by this process's own Python code.
+
+        The oldest handles whose collectives have completed are dropped here (by this Python
+        thread, as ``mark_step`` would): a handle holds its collective's outputs, and a step
+        that runs many collectives (the ``auto`` scheduler's probes: an allgather's output is
+        every rank's payload) would otherwise keep all of them alive until the step ends."""
+        kept = self._step_works
+        while kept and kept[0].is_completed():
+            kept.popleft()
+        kept.append(work)
         return work
 
     def _explain(self, op: str, number: int):
