@@ -59,10 +59,12 @@ def _nbytes(value) -> int:
 class ResultCache:
     """The replayed results by key, the least recently used dropped past ``limit_bytes``.
 
-    Why bounded: an adaptive scheduler tries many plans while it searches, and every new
-    group size would keep a dense result of its size for the rest of the run, in each of
-    32 workers sharing one host's memory.  The few plans a timing run then rotates through
-    fit within the bound, so their steps reuse their results and never compute."""
+    What it holds: each group's first payload (and PowerSGD's recorded rounds); the dense
+    decodes and sums are one buffer per dtype (:meth:`ReplayedCodec._dense`).  Why bounded:
+    an adaptive scheduler tries many plans while it searches, each with its own group names
+    and sizes, in each of 32 workers sharing one host's memory.  The few plans a timing run
+    then rotates through fit within the bound, so their steps reuse their results and never
+    compute."""
 
     def __init__(self, limit_bytes: int):
         self.limit_bytes = int(limit_bytes)
