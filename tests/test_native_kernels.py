@@ -197,3 +197,20 @@ def test_dgc_memory_and_compressor_send_the_same_bits_on_both_paths():
     with native.disabled():
         plain = run()
     assert all(_same_bits(a, b) for a, b in zip(fused, plain))
+
+
+def test_dgc_selection_finds_the_velocity_peaks_at_every_step(monkeypatch):
+    """The momentum correction's block peaks reach the selection at every step, also once
+    the memory writes into velocities it recycled (views of an earlier step's tensor): the
+    selection never reads the velocity again for them."""
+    from mergecomp import memories
+    reads = []
+    bucket_peaks = native.bucket_peaks
+    monkeypatch.setattr(native, "bucket_peaks", lambda *args: reads.append(1) or bucket_peaks(*args))
+    memory, compressor = memories.create("dgc"), compressors.create("dgc", warmup=0)
+    for step in range(5):
+        velocity = memory.compensate(_gradient(64 * 500 + 3, seed=step), "g")
+        payload, ctx = compressor.compress(velocity, "g")
+        memory.update(velocity, "g", compressor, payload, ctx)
+        memory.commit()
+    assert reads == []

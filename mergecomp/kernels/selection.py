@@ -44,8 +44,14 @@ def attach_peaks(tensor: torch.Tensor, peaks: torch.Tensor) -> None:
     They are valid only while ``tensor`` is unchanged: the tensor's version counter is
     kept with them, and any in-place torch op on it (or on a view of it) makes them stale.
     Only a kernel that wrote the tensor through its data pointer may attach them.
+
+    They are kept on the tensor that owns the storage (``tensor`` itself, or the base it is
+    a view of): every view of it, ``reshape(-1)`` of ``tensor`` included, names that one as
+    its ``_base``, and a view reused for a later step (a memory's spare) must not find the
+    record of an earlier step there while its own goes unread.
     """
-    tensor._mergecomp_peaks = (tensor._version, tensor.data_ptr(), tensor.numel(), peaks)
+    owner = tensor if tensor._base is None else tensor._base
+    owner._mergecomp_peaks = (tensor._version, tensor.data_ptr(), tensor.numel(), peaks)
 
 
 def attached_peaks(flat: torch.Tensor):
@@ -56,7 +62,8 @@ def attached_peaks(flat: torch.Tensor):
         if record is None:
             continue
         version, address, numel, peaks = record
-        if (owner._version == version and owner.data_ptr() == address == flat.data_ptr()
+        # A view shares its base's version counter: any write through either makes it stale.
+        if (owner._version == version and address == flat.data_ptr()
                 and numel == flat.numel() and flat.dtype == torch.float32 and flat.is_contiguous()):
             return peaks
     return None
