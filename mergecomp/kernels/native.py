@@ -13,7 +13,8 @@ the build is skipped and every op keeps its torch/numpy path, which gives the sa
 
 DGC's momentum correction (:func:`dgc_accumulate`) is fused the same way: the new momentum,
 the new velocity and the velocity's block peaks, which DGC's selection reads next, in one
-pass instead of three.
+pass instead of three; and the selection itself (:func:`select_at_least`) reads the blocks
+those peaks let through once, where the torch path gathers them and makes three passes.
 
 The kernels take fp32 (the sign kernels any 2-, 4- or 8-byte float) contiguous CPU
 tensors; the ops of :mod:`mergecomp.kernels` check :func:`usable` and keep
@@ -28,12 +29,15 @@ import ctypes
 import importlib.util
 import os
 import threading
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
+if TYPE_CHECKING:
+    from .scratch import Scratch
+
 #: Must equal ``mc_abi_version()`` in native_kernels.c: a stale build is not loaded.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _EXTENSION = "mergecomp.kernels._native_kernels"
 _i64, _int, _u32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
@@ -46,7 +50,10 @@ _SIGNATURES = {
     "mc_stochastic_codes": (_ptr, _i64, _i64, _ptr, _int, _u32, _int, _ptr),
     "mc_dequantize": (_ptr, _i64, _int, _i64, _ptr, _int, _ptr),
     "mc_dgc_accumulate": (_ptr, ctypes.c_float, _ptr, _ptr, _i64, ctypes.c_float, _int, _ptr, _ptr, _i64, _ptr),
+    "mc_select_at_least": (_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64),
 }
+#: The kernels that return something (the others write their outputs and return nothing).
+_RESULTS = {"mc_select_at_least": _i64}
 
 _library: Optional[ctypes.CDLL] = None
 _load_error: Optional[str] = None
@@ -71,7 +78,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes = argtypes
-        function.restype = None
+        function.restype = _RESULTS.get(name)
     return library, None
 
 
@@ -238,3 +245,27 @@ def dgc_accumulate(gradient: torch.Tensor, momentum: torch.Tensor, velocity: tor
     library().mc_dgc_accumulate(_address(g), float(scale), _address(u), _address(v), n, float(factor), int(bool(nesterov)),
                                 _address(new_momentum), _address(new_velocity), block, _address(peaks))
     return peaks
+
+
+def select_at_least(tensor: torch.Tensor, peaks: torch.Tensor, block: int, threshold: float,
+                    scratch: "Scratch") -> torch.Tensor:
+    """Ascending int64 indices i of a flat fp32 tensor with |x_i| ≥ ``threshold``, testing only
+    the whole blocks of ``block`` elements whose peak (``peaks``, fp32, one per whole block)
+    passes, and the tail: the indices of the torch path's gather, compare and compaction.
+
+    The indices are written into ``scratch``'s buffer (grown, and the selection read again,
+    when more pass than it holds) and returned as a new tensor of their own.
+    """
+    flat = _flat_input(tensor, (torch.float32,))
+    n = flat.numel()
+    whole = n // block if block > 0 else 0
+    if peaks.dtype != torch.float32 or not peaks.is_contiguous() or peaks.numel() != whole:
+        raise ValueError(f"select_at_least needs the fp32 peaks of the {whole} whole blocks of {block} "
+                         f"elements, got {peaks.numel()} {peaks.dtype}")
+    call = library().mc_select_at_least
+    out = scratch.at_least("selected", max(whole, 4096), torch.int64, flat.device)
+    count = call(_address(flat), n, block, _address(peaks), float(threshold), _address(out), out.numel())
+    if count > out.numel():
+        out = scratch.at_least("selected", count, torch.int64, flat.device)
+        count = call(_address(flat), n, block, _address(peaks), float(threshold), _address(out), out.numel())
+    return out[:count].clone()

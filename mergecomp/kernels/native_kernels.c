@@ -1,5 +1,5 @@
 /* Fused CPU kernels of the quantising compressors (signSGD family, 1-bit SGD, QSGD, TernGrad)
- * and of DGC's momentum correction.
+ * and of DGC's momentum correction and the sparsifiers' threshold selection.
  *
  * Why C: each pass over a gradient costs a good fraction of a clone(), and the
  * torch/numpy versions of these compressors take 6 to 12
@@ -55,7 +55,7 @@
 #endif
 
 /* Raised whenever a signature or a result changes, so a stale build is never loaded. */
-MC_EXPORT int mc_abi_version(void) { return 3; }
+MC_EXPORT int mc_abi_version(void) { return 4; }
 
 /* Elements per chunk: a multiple of 8 (chunks start on a byte of any b-bit stream) whose
  * codes and random words fit in the L1 cache next to the input. */
@@ -456,4 +456,40 @@ MC_EXPORT void mc_dgc_accumulate(const float *g, float scale, const float *u, co
     }
 #endif
     dgc_accumulate_plain(g, scale, u, v, n, m, nesterov, u_out, v_out, bucket, peaks);
+}
+
+/* The sparsifiers' threshold selection: the ascending indices i with |x[i]| >= t, reading
+ * only the whole blocks of `bucket` elements whose peak passes (peaks[b] >= t) and testing
+ * the tail after them element by element.  The torch path gathers the passing blocks, takes
+ * |.|, compares and compacts: four passes over them and three temporaries; here one read.
+ * As there, a NaN never passes (nor does a NaN block's peak, so the rest of its block is
+ * skipped too), and a NaN t selects nothing.
+ *
+ * Writes at most `capacity` indices into out and returns how many pass: a count above
+ * capacity asks the caller for a larger out (the indices written are then a prefix).
+ * Inside a block the store is unconditional (the count advances only on a hit), so the
+ * loop has no branch; a block that might overflow out takes the checked loop instead. */
+MC_EXPORT MC_HOT int64_t mc_select_at_least(const float *x, int64_t n, int64_t bucket, const float *peaks,
+                                            float t, int64_t *out, int64_t capacity) {
+    const int64_t whole = bucket > 0 ? n / bucket : 0;
+    int64_t count = 0;
+    for (int64_t b = 0; b <= whole; b++) {
+        const int64_t start = b * bucket;
+        const int64_t stop = b < whole ? start + bucket : n;
+        if (b < whole && !(peaks[b] >= t)) continue;
+        if (count + (stop - start) <= capacity) {
+            for (int64_t i = start; i < stop; i++) {
+                out[count] = i;
+                count += fabsf(x[i]) >= t;
+            }
+        } else {
+            for (int64_t i = start; i < stop; i++) {
+                if (fabsf(x[i]) >= t) {
+                    if (count < capacity) out[count] = i;
+                    count++;
+                }
+            }
+        }
+    }
+    return count;
 }

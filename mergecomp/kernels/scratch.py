@@ -35,6 +35,12 @@ class Scratch:
             buffers[key] = buf
         return buf[:numel]
 
+    def at_least(self, tag: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """The whole buffer of ``tag``: at least ``numel`` elements, more when an earlier call
+        grew it (for output of unknown length: take what room there is, ask again if short)."""
+        self.get(tag, numel, dtype, device)
+        return self._local.__dict__["buffers"][(tag, dtype, torch.device(device))]
+
     def counter(self, numel: int, device) -> torch.Tensor:
         """0, 1, ..., numel − 1 as int32, kept (and grown) between calls: read it, never write it."""
         buffers = self._local.__dict__.setdefault("counters", {})

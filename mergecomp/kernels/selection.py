@@ -12,7 +12,9 @@ half pass the full-pass way is cheaper and is used instead.
 
 The block peaks of fp32 CPU tensors come from one native pass where the kernels are built
 (or from no pass at all, when the kernel that wrote the tensor attached them: DGC's
-momentum correction does), else from two torch reductions on the tensor's device; the selection itself is torch.
+momentum correction does), else from two torch reductions on the tensor's device.  The
+selection of fp32 CPU tensors is native too (the passing blocks read once, the indices
+written as they are found), else torch.
 
 On a GPU the block peaks do not pay (a bool mask, ``nonzero`` and gathers cost more than
 ``torch.topk``): where Triton is present, DGC's sample is one kernel and the selection an
@@ -136,6 +138,8 @@ class BlockPeaks:
             return triton_selection.indices_at_least(flat, threshold)
         if self.peaks is None:
             return self._full_pass(threshold)
+        if flat.dtype == torch.float32 and native.usable(flat):  # the passing blocks read once
+            return native.select_at_least(flat, self.peaks, BLOCK, threshold.to(torch.float32), self.scratch)
         blocks = (self.peaks >= threshold).nonzero().view(-1)
         if blocks.numel() > DENSE_BLOCKS * self.whole:
             return self._full_pass(threshold)
