@@ -277,3 +277,15 @@ def test_random_subset_is_distinct_reproducible_and_uniform():
     for key in range(2000):
         counts[random_subset(200, 10, key, "cpu")] += 1
     assert counts.min() > 100 - 5 * 9.7 and counts.max() < 100 + 5 * 9.7
+
+def test_a_sparse_sum_is_averaged_at_the_received_indices_only_with_the_dense_bits():
+    """The allgather of a sparsifier divides its sum where payloads landed (repeats included)
+    and gets the bits a division of the whole buffer gives; the rest stays zero."""
+    from mergecomp.kernels import divide_at
+    total = torch.zeros(1000)
+    indices = torch.tensor([3, 500, 3, 999, 7], dtype=torch.int32)
+    total.index_add_(0, indices.long(), torch.tensor([1.0, -2.5, 0.3, 1e-30, float("nan")]))
+    dense = total.clone().div_(3)
+    divide_at(total, indices, 3)
+    assert torch.equal(total.isnan(), dense.isnan())
+    assert torch.equal(total.nan_to_num(), dense.nan_to_num())

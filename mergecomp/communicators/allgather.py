@@ -36,8 +36,8 @@ class AllgatherCommunicator(Communicator):
 
     def _combine(self, result, handle):
         if self._scatters_received:
-            # The sum is zero outside the received indices: the step's non-finite check
-            # (nonfinite_flag) reads the sum there only, O(k·N) instead of O(n).
+            # The sum is zero outside the received indices: the average (finish) divides and
+            # the step's non-finite check (nonfinite_flag) reads it there only, O(k·N) instead of O(n).
             handle.extra["received_indices"] = torch.cat(
                 [self.compressor.transmitted_indices(payload, handle.ctx) for payload in result])
         if handle.output is not None and self._sums_into_output:

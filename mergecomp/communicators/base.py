@@ -16,6 +16,7 @@ import torch
 
 from ..distributed.backends.base import Backend, Work
 from ..kernels.finite import nonfinite_flag
+from ..kernels.scatter import divide_at
 from ..compressors.base import (AllReduce, Compressor, Context, GroupLayout, accepts_keyword, accepts_layout,
                                 payload_nbytes)
 from ..memories.base import Memory
@@ -108,7 +109,8 @@ class Communicator:
         return method(tensor, name, **options)
 
     def finish(self, handle: Handle) -> torch.Tensor:
-        """Wait for the group and return the average of all ranks' gradients."""
+        """Wait for the group and return the average of all ranks' gradients (a sparse sum,
+        which names the indices it received, divided there only)."""
         handle.payload = None
         handle.extra.pop("received_indices", None)  # of a previous step, never checked  # the handle outlives the step; the payload need not
         if handle.rounds is not None:
@@ -116,7 +118,11 @@ class Communicator:
         else:
             total = self._combine(handle.work.wait(), handle)
         if self.compressor.average:
-            total = total.div_(self.backend.size)
+            received = handle.extra.get("received_indices")
+            if received is not None:  # a sparse sum, zero outside what was received
+                total = divide_at(total, received, self.backend.size)
+            else:
+                total = total.div_(self.backend.size)
         return total.view(handle.shape)
 
     def nonfinite_flag(self, handle: Handle, average: torch.Tensor) -> torch.Tensor:

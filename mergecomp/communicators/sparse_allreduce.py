@@ -210,7 +210,8 @@ class SparseAllreduceCommunicator(Communicator):
             _check_range(flat, starts[source], starts[source] + parts[source], source, "its owner sum")
             total.index_copy_(0, flat, values.to(ctx.dtype))
             received.append(flat)
-        # The sum is zero outside what the owners sent: the non-finite check reads it there.
+        # The sum is zero outside what the owners sent: the average divides and the
+        # non-finite check reads it there only.
         handle.extra["received_indices"] = torch.cat(received)
         return total
 

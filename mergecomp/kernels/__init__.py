@@ -31,7 +31,8 @@ selection              ``exact_top_k``, ``sampled_threshold``, ``BlockPeaks`` (i
                        the elements at or above a threshold)
 subsets                ``random_subset`` (rand-k's k indices: a keyed permutation's first k,
                        the same on every device for the same key)
-scatter                ``scatter`` (the sparse decode: values set, added or subtracted)
+scatter                ``scatter`` (the sparse decode: values set, added or subtracted),
+                       ``divide_at`` (a sparse sum averaged where it is not zero)
 finite                 ``nonfinite_flag`` (any NaN or Inf, without a host sync), ``zero_if``
 segments               ``view_abs_sums``, ``signs_and_view_side_sums``, ``scale_views``
                        (one number per parameter view of a group: EF-SignSGD, 1-bit SGD)
@@ -46,7 +47,7 @@ from .quantize import dequantize_packed, quantize_packed, random_int16, random_k
 from .momentum import momentum_correction
 from .scratch import Scratch
 from .finite import nonfinite_flag, zero_if
-from .scatter import scatter
+from .scatter import divide_at, scatter
 from .selection import BlockPeaks, exact_top_k, sampled_threshold
 from .signs import pack_signs, sign_bits, signs_and_side_means, unpack_signs
 from .subsets import random_subset
@@ -56,4 +57,4 @@ __all__ = ["Scratch", "bits_for", "packed_nbytes", "pack_bits", "unpack_bits", "
            "bucket_norms", "bucket_peaks", "padded_fp32_buckets", "check_bucket_size", "num_buckets",
            "quantize_packed", "dequantize_packed", "random_int16", "random_key",
            "exact_top_k", "sampled_threshold", "BlockPeaks", "random_subset", "momentum_correction",
-           "scatter", "nonfinite_flag", "zero_if"]
+           "scatter", "divide_at", "nonfinite_flag", "zero_if"]

@@ -2,7 +2,8 @@
 
 Top-k, DGC, GradDrop and rand-k decode by scattering c values into a dense buffer; the
 allgather communicator adds every rank's payload into one buffer, rank after rank; error
-feedback subtracts what was sent.  :func:`scatter` is that one operation.  The torch path
+feedback subtracts what was sent.  :func:`scatter` is that one operation; :func:`divide_at`
+averages such a sum where it is not zero.  The torch path
 is ``index_put_``/``index_add_`` after widening the indices to int64 and converting the
 values to the buffer's dtype; a CUDA buffer goes through one Triton kernel that reads both
 as they are (:mod:`.triton.scatter`), with the same bits.
@@ -32,3 +33,11 @@ def scatter(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, mode
     else:
         out.index_add_(0, indices, values, alpha=1 if mode == "add" else -1)
     return out
+
+
+def divide_at(out: torch.Tensor, indices: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``out`` (flat, changed in place and returned) divided by ``divisor`` at ``indices`` only
+    (repeats allowed): the average of a sparse sum, which is zero elsewhere, for O(c) instead
+    of a pass over the buffer.  Each element gets the same IEEE division as ``out.div_``."""
+    indices = indices.long()
+    return out.index_copy_(0, indices, out.index_select(0, indices).div_(divisor))
