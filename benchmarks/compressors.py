@@ -27,7 +27,8 @@ cubic and it is meant for layers, not fused buffers.
 ``compressors.py memory`` times what a rank does on its compute core per step with an
 error-feedback memory: the memory's compensate, compress, the memory's update and commit
 (DGC's momentum correction and selection by default), on the native kernels and on the
-torch path in the same run (see ``compressors.py memory --help``).
+torch path in the same run, on i.i.d. tensors or a model's real gradient (``--gradients
+vgg16,lstm``; see ``compressors.py memory --help``).
 
 ``compressors.py compiled`` times a plugin written in plain torch ops (the README's
 HalfSign) eagerly and through ``compressors.compiled`` (torch.compile, inductor), the
@@ -272,6 +273,17 @@ def memory_step(memory, compressor, tensor: torch.Tensor):
     return step
 
 
+def model_gradient(name: str) -> torch.Tensor:
+    """The fused fp32 gradient of benchmark model ``name`` (seed 0, one backward of a
+    synthetic batch of 8), in parameter order: a one-group plan's buffer."""
+    spec = harness.models.get(name)
+    torch.manual_seed(0)
+    model = spec.build()
+    inputs, targets = spec.batch(8, generator=torch.Generator().manual_seed(0))
+    spec.loss(model(inputs), targets).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
 def memory_main(argv) -> int:
     """The compute-core work of a compressor with its memory, native kernels against the
     torch path, each against a clone timed alternately with it."""
@@ -279,7 +291,11 @@ def memory_main(argv) -> int:
     p = argparse.ArgumentParser(prog="compressors.py memory", description=memory_main.__doc__)
     p.add_argument("--pairs", default="dgc:dgc", help="memory:compressor pairs (default dgc:dgc)")
     p.add_argument("--sizes", default="14728266,25M",
-                   help="group sizes in elements (default vgg16's fused gradient, 25M)")
+                   help="group sizes in elements (default vgg16's fused gradient, 25M), i.i.d. normal")
+    p.add_argument("--gradients", default="",
+                   help="comma-separated benchmark models (e.g. vgg16,lstm): their real fused gradient "
+                        "(one backward of a batch of 8) instead of --sizes; real gradients cluster by "
+                        "layer, which a selection's cost depends on")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; the median is reported")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--clip-norm", type=float, default=None,
@@ -294,8 +310,9 @@ def memory_main(argv) -> int:
           + (f"; dgc memory clip_norm={args.clip_norm}" if args.clip_norm is not None else ""))
     print("| elements | memory | compressor | path | ms | clone ms | × clone |")
     print("|---|---|---|---|---:|---:|---:|")
-    for size in sizes:
-        tensor = torch.randn(size, generator=torch.Generator().manual_seed(0))
+    tensors = ([(name, model_gradient(name)) for name in args.gradients.split(",")] if args.gradients else
+               [(f"{size:,}", torch.randn(size, generator=torch.Generator().manual_seed(0))) for size in sizes])
+    for label, tensor in tensors:
         for memory_name, compressor_name in pairs:
             for path in ("native", "torch"):
                 if path == "native" and not native.usable(tensor):
@@ -309,7 +326,7 @@ def memory_main(argv) -> int:
                         with native.disabled():
                             plain()
                 ms, clone_ms = paired_median_ms(step, tensor.clone, tensor.device, args.reps)
-                print(f"| {size:,} | {memory_name} | {compressor_name} | {path} | {ms:.2f} | {clone_ms:.2f} | "
+                print(f"| {label} | {memory_name} | {compressor_name} | {path} | {ms:.2f} | {clone_ms:.2f} | "
                       f"{ms / clone_ms:.2f} |", flush=True)
     return 0
 
@@ -333,7 +350,11 @@ def compiled_main(argv) -> int:
     from mergecomp.compressors.testing import check_compiled
     p = argparse.ArgumentParser(prog="compressors.py compiled", description=compiled_main.__doc__)
     p.add_argument("--sizes", default="14728266,25M",
-                   help="group sizes in elements (default vgg16's fused gradient, 25M)")
+                   help="group sizes in elements (default vgg16's fused gradient, 25M), i.i.d. normal")
+    p.add_argument("--gradients", default="",
+                   help="comma-separated benchmark models (e.g. vgg16,lstm): their real fused gradient "
+                        "(one backward of a batch of 8) instead of --sizes; real gradients cluster by "
+                        "layer, which a selection's cost depends on")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; the median is reported")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")

@@ -382,3 +382,12 @@ def test_benchmark_tools_run_as_scripts_and_as_modules_and_name_an_unknown_mode(
     from benchmarks import simulator
     said = refusal(simulator.main, ["rund"], capsys)
     assert "unknown mode 'rund'" in said and "check, rounds, phases" in said, said
+
+
+def test_compressor_memory_benchmark_runs_on_a_models_real_gradient():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compressors.py"), "memory",
+                           "--gradients", "mlp", "--reps", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| mlp | dgc | dgc |")]
+    assert len(rows) >= 1, done.stdout
