@@ -77,12 +77,13 @@ def test_narrowing_that_would_keep_fewer_than_k_gives_everything_back():
     assert indices is None and kept is magnitudes
 
 
+@pytest.mark.parametrize("where", [777, 64 * 1000 + 3])  # in a block, in the tail
 @pytest.mark.parametrize("ratio", [0.01, 0.05])
-def test_exact_top_k_ranks_a_nan_first_at_every_density(ratio):
-    flat = torch.randn(64 * 1000, generator=torch.Generator().manual_seed(5))
-    flat[777] = float("nan")
+def test_exact_top_k_ranks_a_nan_first_at_every_density(ratio, where):
+    flat = torch.randn(64 * 1000 + 5, generator=torch.Generator().manual_seed(5))
+    flat[where] = float("nan")
     got = exact_top_k(flat, int(flat.numel() * ratio), Scratch())
-    assert 777 in got.tolist()
+    assert where in got.tolist()
 
 
 def test_block_selection_of_a_non_contiguous_tensor():
