@@ -308,7 +308,7 @@ def memory_main(argv) -> int:
     pairs = [pair.split(":") for pair in args.pairs.split(",")]
     print(f"# compute-core work per step, cpu, {args.threads} thread(s); {native.status()}"
           + (f"; dgc memory clip_norm={args.clip_norm}" if args.clip_norm is not None else ""))
-    print("| elements | memory | compressor | path | ms | clone ms | × clone |")
+    print(f"| {'gradient' if args.gradients else 'elements'} | memory | compressor | path | ms | clone ms | × clone |")
     print("|---|---|---|---|---:|---:|---:|")
     tensors = ([(name, model_gradient(name)) for name in args.gradients.split(",")] if args.gradients else
                [(f"{size:,}", torch.randn(size, generator=torch.Generator().manual_seed(0))) for size in sizes])
