@@ -179,6 +179,36 @@ def test_the_controller_raises_lagging_groups_alike_on_every_rank(name):
     assert max(sent0) > sent0[0]  # a raised group sends more
 
 
+def _raw_and_compressed(rank, world_size, sends):
+    """A fixed plan whose groups go raw or through the compressor, as ``sends`` says."""
+    from mergecomp.plan import Group, Plan
+    model = _model()
+    plan = Plan([Group(("2.bias", "2.weight"), sends[0]), Group(("0.bias", "0.weight"), sends[1])])
+    controller = DriftController(raise_above=0.2, lower_below=0.01, every=5)
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                               compressor=mergecomp.compressors.create("topk", compress_ratio=0.05),
+                                               memory="residual", schedule=plan, controller=controller)
+    for step in range(21):
+        _step(model, optimizer, rank, step)
+    return controller.state_dict()
+
+
+def test_the_byte_budget_counts_only_the_groups_the_compressor_sent():
+    """A raw group's bytes are not the configured setting's: counted, they made a budget of
+    thousands of steps (``auto``'s first profile sends every group raw) and the controller
+    sent at its highest scale for as long.  Steps with no compressed group count toward
+    neither side; a compressed group's payload is the base."""
+    state, _ = run_ranks(_raw_and_compressed, 2, ("fp32", "fp32"))
+    assert state["base"] == 0.0 and state["spent"] == 0.0 and state["steps"] == 0 and state["idle"] == 21
+    assert state["scales"] == {}
+    state, _ = run_ranks(_raw_and_compressed, 2, ("fp32", "compress"))
+    # group1: 5% of 16·64 + 64 weights, 8 bytes each (value and index), two ranks
+    per_step = 2 * 8 * int(0.05 * (16 * 64 + 64))
+    assert state["steps"] == 21 and state["idle"] == 0  # steps 0 to 20
+    assert state["base"] == pytest.approx(21 * per_step, rel=0.01)  # k rounds down at each scale
+    assert set(state["scales"]) <= {"group1"}
+
+
 def _resumed(rank, world_size, folder):
     def build():
         model = _model()

@@ -118,6 +118,10 @@ class DriftController:
         self.spent = 0.0
         self.base = 0.0
         self.steps = 0
+        #: Steps in which no group went through the compressor (a plan that sends every group
+        #: raw, as ``auto``'s first profile does): nothing was spent and the configured setting
+        #: would have sent nothing either, so they count toward neither.
+        self.idle = 0
         self.starved = False
         #: Decisions left before a group that gave back for the budget may be raised again.
         self._cooling: Dict[str, int] = {}
@@ -190,6 +194,15 @@ class DriftController:
             self.history.append((reading.step, dict(self.scales)))
         return changed
 
+    def rest(self, steps: int) -> None:
+        """``steps`` steps passed with no compressed group to steer or count (see :attr:`idle`)."""
+        self.idle += steps
+
+    @property
+    def clock(self) -> int:
+        """The steps accounted so far, compressed or not: the step the next decision counts from."""
+        return self.steps + self.idle
+
     def _affordable(self, weights, total, steps, group, wanted) -> bool:
         return self._within(weights, total, steps, {**self.scales, group: wanted})
 
@@ -218,7 +231,7 @@ class DriftController:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"scales": dict(self.scales), "calm": dict(self._calm), "spent": self.spent, "base": self.base,
-                "steps": self.steps, "cooling": dict(self._cooling), "started": self.started,
+                "steps": self.steps, "idle": self.idle, "cooling": dict(self._cooling), "started": self.started,
                 "warm": list(self._warm),
                 "history": [[step, dict(scales)] for step, scales in self.history]}
 
@@ -227,6 +240,7 @@ class DriftController:
         self._calm = {str(g): int(c) for g, c in dict(state.get("calm", {})).items()}
         self.spent, self.base = float(state.get("spent", 0.0)), float(state.get("base", 0.0))
         self.steps = int(state.get("steps", 0))
+        self.idle = int(state.get("idle", 0))
         self._cooling = {str(g): int(c) for g, c in dict(state.get("cooling", {})).items()}
         # a state from before the warm start: started once it had decided anything
         self.started = bool(state.get("started", self.steps > 0))

@@ -35,6 +35,7 @@ import torch
 
 from ..compressors.base import squared_norm
 # the controller's input and the controller itself (drift_meter builds it); both also imported from here
+from ..plan import is_compressed
 from .controller import DriftController, DriftReading
 
 
@@ -78,6 +79,9 @@ class DriftMeter:
         self._kind = "lag"  # what the last step's terms measured (DriftTerms.drift_kind)
         self._numels: Dict[str, int] = {}
         self._sent: Dict[str, int] = {}  # each measured group's payload bytes, the same on every rank
+        #: The measured step's groups that went through the compressor: the controller steers
+        #: and counts only those (a raw group's bytes are not the configured setting's).
+        self._steered: List[str] = []
         self._high = 0  # measurements in a row above WARN_ABOVE with nothing steering the lag
         self.warned = False
 
@@ -119,6 +123,7 @@ class DriftMeter:
                 values.extend(found)
                 self._numels[flight.name] = flight.numel
                 sent.append(float(self._components[0].drift_sent(flight.name)))
+        self._steered = [flight.name for flight in flights if flight.name in names and is_compressed(flight.send)]
         # one memory and one compressor per run: the groups measure one kind (a mix, which
         # no built-in pairing makes, is read as a lag, the kind the controller acts on)
         self._kind = "noise" if kinds == {"noise"} else "lag"
@@ -140,11 +145,16 @@ class DriftMeter:
             return self.reading
         steering = self.controller is not None and getattr(compressor, "knob", None) is not None
         if steering:
-            weights = {name: self._bytes_at_scale_one(name) for name in names}
             # the steps sent at the scales now in force: those since the last decision (the
             # controller's count of steps, saved with it, so a resumed run counts the same)
-            since = max(1, step + 1 - self.controller.steps)
-            for group, scale in self.controller.decide(self.reading, weights, since, self.every).items():
+            since = max(1, step + 1 - self.controller.clock)
+            steered = {name: groups[name] for name in self._steered}
+            if not steered:  # every group went raw (a profile): nothing to steer, nothing spent
+                self.controller.rest(since)
+            weights = {name: self._bytes_at_scale_one(name) for name in steered}
+            reading = DriftReading(step, whole, steered, self._kind)
+            for group, scale in (self.controller.decide(reading, weights, since, self.every).items()
+                                 if steered else ()):
                 compressor.set_group_scale(group, scale)
             # steering, but held at the budget while the lag stays high: a larger budget would help
             held = self.controller.starved and whole > WARN_ABOVE and self.controller.steps > self._front()
