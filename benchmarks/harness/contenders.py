@@ -91,27 +91,39 @@ def settle(configurations: Dict[str, Configuration], args, work) -> Dict[str, in
     return search
 
 
-#: Steady state: the controller has sent this share of its byte budget (or raises nothing).
+#: Steady state: the controller has sent this share of its byte budget, or ...
 SPENT_SHARE = 0.9
+#: ... its scales held this many decisions in a row at rates its budget can keep up.
+HELD_DECISIONS = 3
 
 
 def settle_controller(name: str, configuration: Configuration, work) -> int:
     """Step until the quality controller is in its steady state: past its front (the first
     ``front × every`` steps, whose extra bytes it may spend at once: ``DriftController.allowed``)
-    and with its byte budget spent (:data:`SPENT_SHARE` of it) or no group raised.  Until then
-    it may send more than ``byte_budget`` times the configured bytes a step, catching up on an
-    allowance it has not used; a long run sends at most that many times over the run, so its
-    step time is the steady state's.  Timing before it would charge a run's first hundred
-    steps to every step.  At most three fronts of steps."""
+    and either with its byte budget spent (:data:`SPENT_SHARE` of it) or with its scales
+    unchanged for :data:`HELD_DECISIONS` decisions seen here, none above the budget (a rate
+    it can keep).  Until then it may send more than ``byte_budget`` times the configured
+    bytes a step, catching up on an allowance it has not used, or be raising the groups of
+    a plan just chosen (which start from the scale the old ones sent at); a long run sends at
+    most that many times over the run, so its step time is the steady state's.  Timing
+    before it would charge a run's first hundred steps to every step.  At most three fronts
+    of steps."""
     controller = configuration.controller
     front = controller.front * controller.every if controller.horizon is None else 0
+    held = HELD_DECISIONS * controller.every
+    changes = []  # the controller's count of scale changes before each step taken here
     steps = 0
 
     def steady() -> bool:
-        return controller.steps >= front and (
-            controller.bytes_ratio >= SPENT_SHARE * controller.byte_budget or not controller.scales)
+        if controller.steps < front:
+            return False
+        if controller.bytes_ratio >= SPENT_SHARE * controller.byte_budget:
+            return True
+        kept = len(changes) >= held and len(controller.history) == changes[-held]
+        return kept and max(controller.scales.values(), default=1.0) <= controller.byte_budget
 
     while not steady() and steps < 3 * max(front, controller.every):  # it counts warm-up's steps too
+        changes.append(len(controller.history))
         configuration.step()
         steps += 1
     work.log(f"{name}: quality controller settled after {steps} more steps: bytes so far "

@@ -164,6 +164,7 @@ class _Controller:
     def __init__(self, horizon=None, bytes_ratio=1.9):
         self.front, self.every, self.horizon, self.steps = 10, 10, horizon, 0
         self.byte_budget, self.bytes_ratio, self.scales = 2.0, bytes_ratio, {"group0": 8.0}
+        self.history = []
 
 
 class _Entry:
@@ -201,3 +202,24 @@ def test_timing_waits_for_the_quality_controller_to_settle(horizon, catching_up,
     assert "settled after" in work.lines[0] and ("1.85x" if catching_up else "1.90x") in work.lines[0]
     assert Configuration("bound", step, lambda: 0.0).controller is None
     assert Configuration("auto-fp16", step, lambda: 0.0, entry_point=_Entry(controller, knob=None)).controller is None
+
+
+def test_timing_waits_for_a_new_plans_groups_to_be_raised_and_held():
+    """Past its front but with a plan just chosen, the controller raises its groups again
+    from scale 1 (its budget not spent): timing waits until its scales held three decisions
+    at a rate within the budget."""
+    from benchmarks.harness.contenders import Configuration, settle_controller
+    controller, calls = _Controller(bytes_ratio=1.2), []
+    controller.steps, controller.scales = 200, {}
+    decisions = {10: {"group0": 2.0}, 20: {"group0": 4.0}, 40: {"group0": 2.0}}  # raised, then gave back
+
+    def step():
+        calls.append(1)
+        if len(calls) % controller.every == 0:
+            controller.steps += controller.every
+        if len(calls) in decisions:
+            controller.scales = decisions[len(calls)]
+            controller.history.append((controller.steps, dict(controller.scales)))
+
+    configuration = Configuration("auto-dgc", step, lambda: 0.0, entry_point=_Entry(controller))
+    assert settle_controller("auto-dgc", configuration, _Log()) == 70 == len(calls)
