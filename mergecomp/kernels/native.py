@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .scratch import Scratch
 
 #: Must equal ``mc_abi_version()`` in native_kernels.c: a stale build is not loaded.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _EXTENSION = "mergecomp.kernels._native_kernels"
 _i64, _int, _u32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p

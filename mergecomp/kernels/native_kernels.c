@@ -55,7 +55,7 @@
 #endif
 
 /* Raised whenever a signature or a result changes, so a stale build is never loaded. */
-MC_EXPORT int mc_abi_version(void) { return 4; }
+MC_EXPORT int mc_abi_version(void) { return 5; }
 
 /* Elements per chunk: a multiple of 8 (chunks start on a byte of any b-bit stream) whose
  * codes and random words fit in the L1 cache next to the input. */
@@ -462,8 +462,9 @@ MC_EXPORT void mc_dgc_accumulate(const float *g, float scale, const float *u, co
  * only the whole blocks of `bucket` elements whose peak passes (peaks[b] >= t) and testing
  * the tail after them element by element.  The torch path gathers the passing blocks, takes
  * |.|, compares and compacts: four passes over them and three temporaries; here one read.
- * As there, a NaN never passes (nor does a NaN block's peak, so the rest of its block is
- * skipped too), and a NaN t selects nothing.
+ * A NaN never passes, and a NaN t selects nothing; a block whose peak is NaN (it holds a
+ * NaN) is tested element by element, so its other elements pass as anywhere else: the
+ * indices are exactly those of |x[i]| >= t, as the GPU's compaction finds them.
  *
  * Writes at most `capacity` indices into out and returns how many pass: a count above
  * capacity asks the caller for a larger out (the indices written are then a prefix).
@@ -476,7 +477,7 @@ MC_EXPORT MC_HOT int64_t mc_select_at_least(const float *x, int64_t n, int64_t b
     for (int64_t b = 0; b <= whole; b++) {
         const int64_t start = b * bucket;
         const int64_t stop = b < whole ? start + bucket : n;
-        if (b < whole && !(peaks[b] >= t)) continue;
+        if (b < whole && peaks[b] < t) continue;
         if (count + (stop - start) <= capacity) {
             for (int64_t i = start; i < stop; i++) {
                 out[count] = i;

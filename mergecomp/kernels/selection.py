@@ -131,7 +131,8 @@ class BlockPeaks:
         return self._peaks
 
     def indices_at_least(self, threshold: torch.Tensor) -> torch.Tensor:
-        """Ascending int64 indices i with |flat[i]| ≥ threshold."""
+        """Ascending int64 indices i with |flat[i]| ≥ threshold (a NaN never passes; the
+        other elements of a block that holds one do, as on every path)."""
         flat, n = self.flat, self.flat.numel()
         if self._compact:
             from .triton import selection as triton_selection
@@ -140,7 +141,7 @@ class BlockPeaks:
             return self._full_pass(threshold)
         if flat.dtype == torch.float32 and native.usable(flat):  # the passing blocks read once
             return native.select_at_least(flat, self.peaks, BLOCK, threshold.to(torch.float32), self.scratch)
-        blocks = (self.peaks >= threshold).nonzero().view(-1)
+        blocks = (self.peaks < threshold).logical_not_().nonzero().view(-1)  # a NaN peak: test its block
         if blocks.numel() > DENSE_BLOCKS * self.whole:
             return self._full_pass(threshold)
         rows = flat[: self.whole * BLOCK].view(self.whole, BLOCK).index_select(0, blocks)
@@ -174,15 +175,15 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     the peaks rule out fewer than half of the blocks (or k exceeds the n/64 peaks) that cut
     is taken over all n elements instead (:func:`_top_of_all`).
 
-    A NaN ranks above every number, as in ``torch.topk``: a NaN makes its block's peak NaN,
-    which fails the threshold test, so fewer than k candidates come back, and then (only
-    then) the plain ``torch.topk`` over all n elements decides.
+    A NaN ranks above every number, as in ``torch.topk``: on the CPU a tensor whose block
+    peaks or tail hold a NaN goes to the plain ``torch.topk`` over all n elements (a NaN
+    fails every threshold test, so no cut would keep it).
     """
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=flat.device)
     blocks = BlockPeaks(flat, scratch)
     on_cpu = flat.device.type == "cpu"
-    if blocks.peaks is None or (k > blocks.whole and not on_cpu):
+    if blocks.peaks is None or (k > blocks.whole and not on_cpu) or (on_cpu and _holds_nan(blocks)):
         return torch.topk(flat.abs(), k, sorted=False).indices
     if k > blocks.whole:
         return _top_of_all(blocks, k)
@@ -190,7 +191,7 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     if on_cpu and int((blocks.peaks >= threshold).sum()) > DENSE_BLOCKS * blocks.whole:
         return _top_of_all(blocks, k)
     candidates = blocks.indices_at_least(threshold)
-    if candidates.numel() < k:  # only with a NaN (a NaN peak or threshold fails every comparison)
+    if candidates.numel() < k:  # only with a NaN (on a GPU, where it is not looked for first)
         return torch.topk(flat.abs(), k, sorted=False).indices
     magnitudes = blocks.flat[candidates].abs()
     if on_cpu:
@@ -198,15 +199,22 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch) -> torch.Tensor:
     return _top(candidates, magnitudes, k)
 
 
+def _holds_nan(blocks: BlockPeaks) -> bool:
+    """Whether the tensor holds a NaN: its block peaks (a NaN makes its block's peak NaN) or
+    its tail do; n/64 + 63 elements read, not n."""
+    tail = blocks.flat[blocks.whole * BLOCK:]
+    return bool(blocks.peaks.isnan().any()) or bool(tail.isnan().any())
+
+
 def _top_of_all(blocks: BlockPeaks, k: int) -> torch.Tensor:
     """The top k of all n elements, cut by a sampled threshold first instead of
-    ``torch.topk`` over n.  Where the native selection takes the tensor and it holds no
-    NaN, the cut is the selection's one read of the blocks whose peak passes; else one |g|
-    pass into scratch, a mask and a compaction, in which a NaN counts as +inf, so it passes
-    any threshold and tops the final top-k, as in ``torch.topk``."""
+    ``torch.topk`` over n.  Where the native selection takes the tensor, the cut is the
+    selection's one read of the blocks whose peak passes (the caller sent a tensor with a
+    NaN to ``torch.topk``); else one |g| pass into scratch, a mask and a compaction, in which
+    a NaN counts as +inf, so it passes any threshold and tops the final top-k, as in
+    ``torch.topk``."""
     flat = blocks.flat
-    if blocks.peaks is not None and flat.dtype == torch.float32 and native.usable(flat) \
-            and not bool(blocks.peaks.isnan().any()) and not bool(flat[blocks.whole * BLOCK:].isnan().any()):
+    if blocks.peaks is not None and flat.dtype == torch.float32 and native.usable(flat) and not _holds_nan(blocks):
         threshold = sampled_threshold(flat, k, sample_ratio=0.0, min_samples=4096,
                                       margin=NARROW_MARGIN, survivors=NARROW_SURVIVORS)
         candidates = blocks.indices_at_least(threshold)
