@@ -151,11 +151,11 @@ class DriftMeter:
             steered = {name: groups[name] for name in self._steered}
             if not steered:  # every group went raw (a profile): nothing to steer, nothing spent
                 self.controller.rest(since)
-            weights = {name: self._bytes_at_scale_one(name) for name in steered}
-            reading = DriftReading(step, whole, steered, self._kind)
-            for group, scale in (self.controller.decide(reading, weights, since, self.every).items()
-                                 if steered else ()):
-                compressor.set_group_scale(group, scale)
+            else:
+                weights = {name: self._bytes_at_scale_one(name) for name in steered}
+                reading = DriftReading(step, whole, steered, self._kind)
+                for group, scale in self.controller.decide(reading, weights, since, self.every).items():
+                    compressor.set_group_scale(group, scale)
             # steering, but held at the budget while the lag stays high: a larger budget would help
             held = self.controller.starved and whole > WARN_ABOVE and self.controller.steps > self._front()
             self._high = self._high + 1 if held else 0
