@@ -207,21 +207,20 @@ def _holds_nan(blocks: BlockPeaks) -> bool:
 
 
 def _top_of_all(blocks: BlockPeaks, k: int) -> torch.Tensor:
-    """The top k of all n elements, cut by a sampled threshold first instead of
+    """The top k of all n elements of a CPU tensor without a NaN (:func:`exact_top_k` sends
+    one with a NaN to ``torch.topk``), cut by a sampled threshold first instead of
     ``torch.topk`` over n.  Where the native selection takes the tensor, the cut is the
-    selection's one read of the blocks whose peak passes (the caller sent a tensor with a
-    NaN to ``torch.topk``); else one |g| pass into scratch, a mask and a compaction, in which
-    a NaN counts as +inf, so it passes any threshold and tops the final top-k, as in
-    ``torch.topk``."""
+    selection's one read of the blocks whose peak passes; else one |g| pass into scratch, a
+    mask and a compaction."""
     flat = blocks.flat
-    if blocks.peaks is not None and flat.dtype == torch.float32 and native.usable(flat) and not _holds_nan(blocks):
+    if flat.dtype == torch.float32 and native.usable(flat):
         threshold = sampled_threshold(flat, k, sample_ratio=0.0, min_samples=4096,
                                       margin=NARROW_MARGIN, survivors=NARROW_SURVIVORS)
         candidates = blocks.indices_at_least(threshold)
         if candidates.numel() >= k:  # at least k pass t: all of the top k do
             return _top(candidates, flat[candidates].abs(), k)
     magnitudes = torch.abs(flat, out=blocks.scratch.get("abs", flat.numel(), flat.dtype, flat.device))
-    indices, magnitudes = narrowed(None, magnitudes.nan_to_num_(nan=math.inf), k)
+    indices, magnitudes = narrowed(None, magnitudes, k)
     return _top(indices, magnitudes, k)
 
 
