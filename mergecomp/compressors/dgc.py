@@ -15,21 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Optional, Sequence
-
 import torch
 
 from . import register
 from .base import Context, check_ratio
 from ..kernels import BlockPeaks, Scratch, sampled_threshold
-from .recipes import Recipe, first_rank_of_job, warn
+from .recipes import Recipe
 from .sparsifier import SparseCompressor, index_dtype, num_selected
-
-#: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
-PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
-#: The step-counted warm-up that the warning without epochs advises, as a share of the run's
-#: steps (why a fifth: docs/results.md#lm-topk-lag).
-WARMUP_FRACTION_ADVICE = 0.2
+from .warmup import DensityWarmup
 
 
 @dataclass(frozen=True)
@@ -55,7 +48,7 @@ def _chosen_in_order(chosen: torch.Tensor, count: int) -> torch.Tensor:
 
 
 @register("dgc")
-class DGCCompressor(SparseCompressor):
+class DGCCompressor(DensityWarmup, SparseCompressor):
     """Send the elements whose magnitude passes a threshold estimated from a 1% sample.
 
     Only blocks whose peak passes are examined element by element (``selection``), so
@@ -72,23 +65,11 @@ class DGCCompressor(SparseCompressor):
     count varies from step to step: ``fixed_size = False``.  Biased: use the ``dgc``
     memory (momentum correction, masking, clipping), or ``residual``.
 
-    Density: ``compress_ratio`` after warm-up.  ``warmup`` is either a number of epochs W
-    (the density decays exponentially from 25% to ``compress_ratio`` over W epochs, the
-    paper's 25% → 6.25% → 1.5625% → 0.4% → 0.1% for W = 4 and 0.1%) or an explicit list
-    of densities for epochs 0, 1, ...; never below ``compress_ratio``.  The default is the
-    paper's four epochs, because sparse updates early in training, while the weights change
-    fast, cost accuracy; ``warmup=0`` turns it off.  The warm-up follows the epochs the
-    training loop reports: call ``optimizer.set_epoch(epoch)`` at the start of every epoch
-    (the DistributedOptimizer and the DDP hook state pass it on).  A compressor never told an
-    epoch (a throughput benchmark, a loop without epochs) sends at ``compress_ratio`` from
-    the first step, and warns once (on rank 0) that its warm-up is off (pass ``warmup=0`` to
-    mean it).
-    ``warmup_steps=S`` measures the warm-up in steps instead, for runs that
-    are not epoch-based (a language model on a long stream, a fixed step budget): the density
-    decays exponentially from 25% to ``compress_ratio`` over the first S steps this
-    compressor completes (counted at each committed step, so a dropped step does not count;
-    saved in ``state_dict()``), and the epochs no longer matter.
-
+    Density: ``compress_ratio`` after its warm-up (:class:`~.warmup.DensityWarmup`): by
+    default the paper's four epochs, 25% → 6.25% → 1.5625% → 0.4% → 0.1% at 0.1%, which
+    follow ``set_epoch`` (``warmup_steps=S``: the first S steps instead; ``warmup=0``: off).
+    A compressor never told an epoch sends at ``compress_ratio`` from the first step and
+    warns once that its warm-up is off.
     Density, warm-up and language models: docs/results.md#lm-topk-lag.
 
     The epoch is part of ``state_dict()`` (a resumed run keeps its density).  NaN
@@ -120,13 +101,7 @@ class DGCCompressor(SparseCompressor):
                  min_samples: int = 1024, max_adjust: int = 10, fp16_values: bool = False,
                  index_bits: int = 32, sample_margin: float = 1.5, warmup_steps: int = 0):
         self.compress_ratio = check_ratio(compress_ratio)
-        self.warmup = self._check_warmup(warmup)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be a non-negative integer (0: the warm-up follows "
-                             f"the epochs), got {warmup_steps!r}")
-        self.warmup_steps = warmup_steps
-        self.steps = 0  # committed steps, for a warm-up in steps
-        self._compressed = False  # compress() ran in the current step
+        self._start_warmup(warmup, warmup_steps)
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
         if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
             raise ValueError(f"min_samples must be a positive integer, got {min_samples!r}")
@@ -142,84 +117,7 @@ class DGCCompressor(SparseCompressor):
         self.max_adjust = max_adjust
         self.fp16_values = bool(fp16_values)
         self.index_bits = index_bits
-        self.epoch: Optional[int] = None  # None until set_epoch: no warm-up
-        self._warmup_checked = False  # the first compress() says whether the warm-up is off
         self._scratch = Scratch()
-
-    def _check_warmup(self, warmup):
-        if isinstance(warmup, bool):
-            raise ValueError(f"warmup must be a number of epochs or a list of densities, got {warmup!r}")
-        if isinstance(warmup, int):
-            if warmup < 0:
-                raise ValueError(f"warmup epochs must be >= 0, got {warmup!r}")
-            return warmup
-        if isinstance(warmup, Sequence) and not isinstance(warmup, str):
-            return tuple(check_ratio(r, f"warmup density for epoch {e}") for e, r in enumerate(warmup))
-        raise ValueError(f"warmup must be a number of epochs or a list of densities "
-                         f"(e.g. {list(PAPER_WARMUP)}), got {warmup!r}")
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell the compressor the current epoch (0-based), which picks the warm-up density."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        self.epoch = epoch
-
-    def density(self, epoch: Optional[int] = None) -> float:
-        """Fraction of elements sent in ``epoch`` (default: the current one; before any
-        :meth:`set_epoch`, ``compress_ratio``)."""
-        if self.warmup_steps and epoch is None:
-            if self.steps >= self.warmup_steps:
-                return self.compress_ratio
-            return max(self.compress_ratio,
-                       0.25 * (self.compress_ratio / 0.25) ** (self.steps / self.warmup_steps))
-        epoch = self.epoch if epoch is None else epoch
-        if epoch is None:
-            return self.compress_ratio
-        if isinstance(self.warmup, tuple):
-            return self.warmup[epoch] if epoch < len(self.warmup) else self.compress_ratio
-        if epoch >= self.warmup:
-            return self.compress_ratio
-        return max(self.compress_ratio, 0.25 * (self.compress_ratio / 0.25) ** (epoch / self.warmup))
-
-    def commit(self) -> None:
-        """A step that compressed is over and applied: it counts toward ``warmup_steps``."""
-        if self._compressed:
-            self.steps += 1
-        self._compressed = False
-
-    def rollback(self) -> None:
-        self._compressed = False
-
-    def warmup_is_off(self) -> bool:
-        """Whether a warm-up was asked for (``warmup`` epochs or densities) but cannot run:
-        no epoch has been set and no ``warmup_steps`` given, so it sends at
-        ``compress_ratio`` from the first step."""
-        asked = any(self.density(epoch) > self.compress_ratio for epoch in range(self._warmup_epochs()))
-        return asked and self.epoch is None and not self.warmup_steps
-
-    def _warmup_epochs(self) -> int:
-        return self.warmup if isinstance(self.warmup, int) else len(self.warmup)
-
-    def _warn_if_warmup_off(self) -> None:
-        """Say once, at the first step, that the warm-up asked for is not happening: a loop
-        without ``set_epoch`` (a step-counted run, a framework that does not report epochs)
-        would otherwise lose the warm-up without a word.  Checked at the first step only, so
-        later steps pay nothing for it; said on rank 0 only, since every rank would say it."""
-        if self._warmup_checked:
-            return
-        self._warmup_checked = True
-        if not self.warmup_is_off() or not first_rank_of_job():
-            return
-        epochs = self._warmup_epochs()
-        warn(f"{self!r}: no epoch was set before its first step and warmup_steps=0, so its "
-             f"density warm-up (down to {self.compress_ratio:g} over the first {epochs} "
-             f"epochs) is off and it sends {self.compress_ratio:g} from the first step. Call "
-             f"optimizer.set_epoch(epoch) (the DDP hook's state.set_epoch) at the start of every "
-             f"epoch; for a run counted in steps, pass warmup_steps = {WARMUP_FRACTION_ADVICE:g} × "
-             f"your run's steps (e.g. {round(WARMUP_FRACTION_ADVICE * 1500)} for 1,500); warmup=0 sends "
-             f"{self.compress_ratio:g} from the start without this warning. Why: sparse updates "
-             f"early in training, while the weights change fast, cost accuracy (Lin et al. 2018, "
-             f"section 3.3)")
 
     knob = "density"
 
@@ -272,19 +170,3 @@ class DGCCompressor(SparseCompressor):
                                  f"for {numel} elements; at most k = {k} of each, as many indices as values")
         value_bytes = 2 if self.fp16_values and element_size == 4 else element_size
         return count * (value_bytes + self.index_bits // 8)
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "steps": self.steps}
-
-    def load_state_dict(self, state):
-        unknown = set(state) - {"epoch", "steps"}
-        if unknown:
-            raise ValueError(f"DGCCompressor state has unknown keys {sorted(unknown)}; "
-                             f"expected 'epoch' and 'steps'")
-        steps = state.get("steps", 0)
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"DGCCompressor state 'steps' must be a non-negative integer, got {steps!r}")
-        if state.get("epoch") is not None:
-            self.set_epoch(state["epoch"])
-        self.steps = steps
-        self._compressed = False
