@@ -200,6 +200,12 @@ _ADAM = _Kind(_shared_first_moment, ("betas",),
                                    g["betas"][1])} if float(g["betas"][0]) else {})
 
 
+def is_adam(optimizer) -> bool:
+    """Whether ``optimizer`` (looked through a framework's wrapper) is an Adam or AdamW with a
+    first moment (β1 > 0): the momentum :func:`take_over_momentum` takes as Adam's."""
+    return _kind_of(innermost(optimizer)) is _ADAM and bool(optimizer_momentum(optimizer))
+
+
 def _kind_of(optimizer) -> Optional[_Kind]:
     """How ``optimizer``'s momentum is taken over, or None where it cannot be (AdamW is an
     Adam in torch)."""

@@ -17,19 +17,34 @@ from .base import Context, check_ratio
 from ..kernels import Scratch, exact_top_k
 from .recipes import Recipe
 from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_dtype, index_nbytes, num_selected
+from .warmup import DensityWarmup
+from ..momentum import is_adam
+
+#: ``warmup="auto"``: the warm-up, in epochs, under an Adam or AdamW (the paper's four); none otherwise.
+ADAM_WARMUP_EPOCHS = 4
 
 
 @register("topk")
-class TopKCompressor(SparseCompressor):
+class TopKCompressor(DensityWarmup, SparseCompressor):
     """Keep the k = ratio·n entries of largest magnitude; biased, so pair it with residual memory.
 
     Its memory (``"auto"``) is the residual with the optimizer's momentum before the
-    exchange (``memories.create("residual", momentum="optimizer")``): an ``SGD(momentum=m)``
-    has m taken over, so each rank accumulates u ← m·u + g, compresses u plus its residual,
-    and SGD steps on the exchanged sum without momentum; with any other optimizer, or none,
-    it is plain error feedback.  Why: heavy-ball momentum applied after an error-feedback
-    exchange replays a backlog released in one step for 1/(1 − m) steps.  What it reaches on
-    the benchmark's tasks: docs/results.md#lm-momentum-placement and #lm-topk-lag.
+    exchange (``memories.create("residual", momentum="optimizer", adam=True)``): an
+    ``SGD(momentum=m)`` has m taken over, so each rank accumulates u ← m·u + g, compresses u
+    plus its residual, and SGD steps on the exchanged sum without momentum; an Adam's or
+    AdamW's β1 is taken over the same way, with momentum factor masking (Adam steps at
+    β1 = 0 on what the exchange delivered); with any other optimizer, or none, it is plain
+    error feedback.  Why: heavy-ball momentum applied after an error-feedback exchange
+    replays a backlog released in one step for 1/(1 − m) steps.
+
+    Under an Adam or AdamW it warms its density up as DGC does (:class:`~.warmup.DensityWarmup`,
+    ``warmup="auto"``: 25% down to ``compress_ratio`` over the first four epochs, which
+    follow ``set_epoch``; ``warmup_steps=S`` counts S steps instead).  Why: a coordinate a
+    sparse exchange first sends late meets a second moment that never saw it and takes an
+    oversized step; SGD has no second moment, and under it ``"auto"`` is no warm-up.  An
+    explicit ``warmup`` (epochs or densities) applies under any optimizer.  What it reaches
+    on the benchmark's tasks: docs/results.md#lm-momentum-placement, #lm-topk-lag and
+    #adamw-topk-default.
 
     Exact (the same selection as ``torch.topk``, up to ties), found through block peaks
     (``kernels.exact_top_k``) instead of a top-k over all n elements.
@@ -45,7 +60,7 @@ class TopKCompressor(SparseCompressor):
     summable = False
     unbiased = False
     recommended_memory = "residual"
-    recommended_memory_options = MappingProxyType({"momentum": "optimizer"})
+    recommended_memory_options = MappingProxyType({"momentum": "optimizer", "adam": True})
     recommended_communicator = "allgather"
     fixed_size = True
     recipe = Recipe(
@@ -57,19 +72,30 @@ class TopKCompressor(SparseCompressor):
                "language-model benchmark",
         local_clipping=True)
 
-    def __init__(self, compress_ratio: float = 0.01):
+    def __init__(self, compress_ratio: float = 0.01, warmup="auto", warmup_steps: int = 0):
         self.compress_ratio = check_ratio(compress_ratio)
+        #: Whether the warm-up follows the optimizer (``"auto"``), resolved by :meth:`check_optimizer`.
+        self._auto_warmup = isinstance(warmup, str) and warmup == "auto"
+        self._start_warmup(0 if self._auto_warmup else warmup, warmup_steps)
         self._scratch = Scratch()
+
+    def check_optimizer(self, optimizer) -> None:
+        """``warmup="auto"``: the paper's four epochs under an Adam or AdamW, none otherwise."""
+        if self._auto_warmup:
+            self.warmup = ADAM_WARMUP_EPOCHS if is_adam(optimizer) else 0
 
     knob = "density"
 
     def compress(self, tensor, name, layout=None):
+        self._warn_if_warmup_off()
+        self._compressed = True
         flat = tensor.reshape(-1)
-        k = num_selected(flat.numel(), self.scaled_ratio(name, self.compress_ratio))
+        k = num_selected(flat.numel(), self.scaled_ratio(name, self.density()))
         indices = exact_top_k(flat, k, self._scratch)
         values = flat[indices]
         return (values, indices.to(index_dtype(flat.numel()))), Context(tensor.shape, tensor.dtype)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """k values in the input dtype and k indices."""
-        return num_selected(numel, self.compress_ratio) * (element_size + index_nbytes(numel))
+        """k values in the input dtype and k indices: the payload's k, else the configured one."""
+        k = payload[0].numel() if payload is not None else num_selected(numel, self.compress_ratio)
+        return k * (element_size + index_nbytes(numel))

@@ -14,7 +14,7 @@ from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_
                    in_units, norm_of, subtract_sent, units_of)
 from ..kernels.momentum import momentum_correction
 from ..checkpoint import check_group_tensors
-from ..momentum import TAKES_OVER, take_over_momentum
+from ..momentum import TAKES_OVER, is_adam, take_over_momentum
 from ..staging import Spares, StagedDict, shares_memory
 
 #: ``momentum=FOLLOW``: SGD's momentum taken over where there is one, none otherwise.
@@ -38,9 +38,15 @@ class ResidualMemory(Memory):
     1/(1 − m) steps.  ``momentum="optimizer"`` (top-k's recommendation) takes an
     ``SGD(momentum=m)``'s m and Nesterov flag over through :meth:`check_optimizer` (see
     :func:`mergecomp.momentum.take_over_momentum`) and is plain error feedback with any
-    other optimizer, or none; a number must agree with SGD's momentum, if it has one.  An
-    Adam's first moment stays with Adam, after the exchange: taken over, it trained worse
-    than plain error feedback before Adam's moments (docs/results.md#quality-control).
+    other optimizer, or none; a number must agree with SGD's momentum, if it has one.
+
+    ``adam=True`` (top-k's recommendation too) has ``momentum="optimizer"`` take an Adam's
+    or AdamW's first moment β1 over as well, with momentum factor masking: the momentum of
+    a coordinate just sent restarts from zero (DGC's memory, Lin et al., section 3.2).
+    Why masking: a first moment taken over without it trained far worse than plain error
+    feedback before Adam's moments; with it and a density warm-up (top-k's under Adam) it
+    reached dense (docs/results.md#adamw-topk-default).  Without ``adam``, an Adam's first
+    moment stays with Adam, after the exchange.
 
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
@@ -50,7 +56,7 @@ class ResidualMemory(Memory):
     """
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0, clip_norm: Optional[float] = None,
-                 momentum: Union[float, str] = 0.0, nesterov: bool = False):
+                 momentum: Union[float, str] = 0.0, nesterov: bool = False, adam: bool = False):
         self.beta = check_number(beta, "residual memory beta (the residual's decay)", 0.0, 1.0,
                                  advice="1 keeps every error (the usual choice), 0 none; a "
                                         "decay above 1 would grow the residual without bound.")
@@ -73,6 +79,14 @@ class ResidualMemory(Memory):
         #: SGD's momentum, applied here before the exchange (0: none).
         self.sgd_momentum = 0.0 if self.follows_optimizer else float(momentum)
         self.nesterov = check_flag(nesterov, "residual memory nesterov")
+        #: Whether ``momentum="optimizer"`` takes an Adam's first moment over too.
+        self.adam = check_flag(adam, "residual memory adam")
+        if self.adam and not self.follows_optimizer:
+            raise ValueError(f"residual memory adam=True takes an Adam's first moment over through "
+                             f"momentum='optimizer', but momentum={momentum!r} was given: pass "
+                             f"momentum='optimizer' with it, or adam=False")
+        #: Momentum factor masking: on while the momentum taken over is an Adam's first moment.
+        self.masking = False
         self.residuals = StagedDict()
         self.momenta = StagedDict()  # group → u, while the momentum is above 0
         self._made = {}  # group → the tensor compensate() made this step (ours to reuse)
@@ -93,10 +107,12 @@ class ResidualMemory(Memory):
         if not self.follows_optimizer and self.sgd_momentum == 0.0:
             return
         try:
-            take_over_momentum(optimizer, self, "the residual memory's momentum", adam=False)
+            take_over_momentum(optimizer, self, "the residual memory's momentum", adam=self.adam)
         except ValueError:
             if not self.follows_optimizer:
                 raise
+            return
+        self.masking = self.adam and is_adam(optimizer)
 
     def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
         """Use the optimizer's ``momentum`` and ``nesterov`` from now on; ValueError when this
@@ -179,6 +195,23 @@ class ResidualMemory(Memory):
         subtract_sent(residual, compressor, payload, ctx)
         self.residuals[name] = residual
         self._note_held(name, residual)
+        if self.masking and not compressor.dense and name in self.momenta:
+            self._mask_sent(name, compressor, payload, ctx)
+
+    def _mask_sent(self, name, compressor, payload, ctx) -> None:
+        """Momentum factor masking: the momentum of the coordinates this payload sent restarts
+        from zero (in place when this step made it and the payload does not share it)."""
+        momentum = self.momenta[name]
+        flat = momentum.reshape(-1)
+        transmitted = getattr(compressor, "transmitted_indices", None)
+        in_place = self.momenta.is_pending(name) and not shares_memory(payload, (momentum,))
+        if transmitted is not None:
+            indices = transmitted(payload, ctx)
+            flat = flat.index_fill_(0, indices, 0) if in_place else flat.index_fill(0, indices, 0)
+        else:
+            sent = compressor.decompress(payload, ctx).reshape(-1) != 0
+            flat = flat.masked_fill_(sent, 0) if in_place else flat.masked_fill(sent, 0)
+        self.momenta[name] = flat.view_as(momentum)
 
     def commit(self):
         self._made.clear()
@@ -230,4 +263,5 @@ class ResidualMemory(Memory):
         clip = "" if self.clip_norm is None else f", clip_norm={self.clip_norm}"
         momentum = "" if self.sgd_momentum == 0.0 else f", momentum={self.sgd_momentum}"
         nesterov = ", nesterov=True" if self.nesterov else ""
-        return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip}{momentum}{nesterov})"
+        adam = ", adam=True" if self.adam else ""
+        return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip}{momentum}{nesterov}{adam})"
