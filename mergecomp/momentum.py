@@ -114,9 +114,10 @@ def take_over_momentum(optimizer, memory, component: str, adam: bool = True) -> 
       Adam's coupled weight decay (``Adam(weight_decay=)``) then enters at β1 = 0, outside
       the moment; AdamW's is decoupled and unchanged.  Measured on an untuned character LSTM
       under AdamW, DGC with β1 taken over trains as well as with AdamW at β1 = 0 set by hand
-      (what its refusal used to ask for), while top-k's residual memory with β1 before the
+      (what its refusal used to ask for).  The residual memory takes it over only with
+      ``adam=True`` (top-k's), and then masks as DGC's does: without masking, β1 before the
       exchange trailed dense far more than plain error feedback before Adam's moments
-      (docs/results.md#quality-control): that memory leaves Adam's moments to Adam.
+      (docs/results.md#adamw-topk-default).
 
     A momentum schedule (OneCycleLR's ``momentum`` or ``betas``) is followed: each step's
     value is the memory's for the next exchange.  A framework's wrapper around the

@@ -65,11 +65,11 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
     fixed_size = True
     recipe = Recipe(
         reason=RESIDUAL_CLIPPING_REASON + "; "
-               "its default memory applies SGD's momentum before the exchange; on a transformer "
-               "it lags dense early in training, where the 'dgc' compressor at the same "
-               "compress_ratio, with its momentum factor masking and a density warm-up "
+               "its default memory applies SGD's momentum before the exchange; under SGD, on a "
+               "transformer it lags dense early in training, where the 'dgc' compressor at the "
+               "same compress_ratio, with its momentum factor masking and a density warm-up "
                "(warmup_steps = a fifth of the run's steps), reached dense's loss in the "
-               "language-model benchmark",
+               "language-model benchmark; under Adam or AdamW top-k does both by default",
         local_clipping=True)
 
     def __init__(self, compress_ratio: float = 0.01, warmup="auto", warmup_steps: int = 0):

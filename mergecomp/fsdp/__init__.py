@@ -46,7 +46,7 @@ from ..compressors import create as create_compressor
 from ..compressors.base import Compressor
 from ..memories.base import Memory
 from ..runtime import gate
-from ..runtime.drift import drift_meter
+from ..runtime.drift import drift_meter, lag_warns
 from ..runtime.step import check_nonfinite_policy
 from .mesh import node_mesh
 from .replica import HSDP, REPLICATE, SHARD, ReplicaAllReduce, exchange_kind, take_over
@@ -89,6 +89,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
                                "compression for every unit)")
     nonfinite = check_nonfinite_policy(nonfinite)
     meter = drift_meter(controller)
+    meter.warns = lag_warns(optimizer)
     if isinstance(compressor, str):
         compressor = create_compressor(compressor, **options)
     elif options:

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..compressors.base import squared_norm
+from ..momentum import is_adam
 # the controller's input and the controller itself (drift_meter builds it); both also imported from here
 from ..plan import is_compressed
 from .controller import DriftController, DriftReading
@@ -61,6 +62,15 @@ def warmup_factor(compressor) -> float:
     factor (:meth:`~mergecomp.compressors.warmup.DensityWarmup.warmup_factor`), else 1."""
     factor = getattr(compressor, "warmup_factor", None)
     return max(1.0, float(factor())) if callable(factor) else 1.0
+
+
+def lag_warns(optimizer) -> bool:
+    """Whether a high lag is warned about under ``optimizer`` (None: not known, yes).  Not
+    under an Adam or AdamW: the threshold was measured under SGD, and under AdamW runs whose
+    memory takes the first moment over beat dense at lags far above it while others missed
+    dense at lags below it (docs/results.md#adamw-topk-default), so the lag says nothing
+    there about the quality it would warn of.  It is still measured, logged and steered by."""
+    return optimizer is None or not is_adam(optimizer)
 
 
 #: A lag (steps of update held back) that, measured ``WARN_AFTER`` times in a row with nothing
@@ -91,6 +101,9 @@ class DriftMeter:
         self._steered: List[str] = []
         self._high = 0  # measurements in a row above WARN_ABOVE with nothing steering the lag
         self.warned = False
+        #: Whether a high lag is warned about (see :func:`lag_warns`; the entry point sets it
+        #: from the optimizer it vets).
+        self.warns = True
 
     def start(self, step_count: int, compressor, memory) -> bool:
         """At a step's beginning: whether it is measured; if so the components note their terms."""
@@ -171,7 +184,7 @@ class DriftMeter:
             self._high = self._high + 1 if held else 0
         else:
             self._high = self._high + 1 if whole > WARN_ABOVE else 0
-        if self._high >= WARN_AFTER and not self.warned:
+        if self._high >= WARN_AFTER and not self.warned and self.warns:
             self.warned = True
             self._warn(compressor, steering)
         return self.reading
