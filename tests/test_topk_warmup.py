@@ -27,6 +27,7 @@ def test_the_auto_warmup_follows_the_optimizer(optimizer, epochs):
     assert topk.warmup == epochs
     topk.set_epoch(0)
     assert topk.density() == (0.25 if epochs else 0.01)
+    assert repr(topk) == "TopKCompressor(compress_ratio=0.01, warmup='auto', warmup_steps=0)"  # one digest
 
 
 def test_a_warming_topk_sends_its_warmup_density_and_counts_its_bytes():
@@ -61,6 +62,7 @@ def test_an_explicit_warmup_applies_under_any_optimizer_and_resumes():
     epochs.check_optimizer(torch.optim.SGD(params(), lr=0.1))
     epochs.set_epoch(0)
     assert epochs.warmup == 2 and epochs.density() == 0.25
+    assert repr(epochs) == "TopKCompressor(compress_ratio=0.01, warmup=2, warmup_steps=0)"
     with pytest.raises(ValueError, match="warmup must be a number of epochs"):
         compressors.create("topk", warmup="always")
 

@@ -86,6 +86,13 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
 
     knob = "density"
 
+    def __repr__(self) -> str:
+        """As :class:`~.base.Compressor`'s, with ``warmup='auto'`` while it follows the
+        optimizer: a configuration's digest is the same before and after the optimizer is
+        vetted (a hook state rebuilt from a pickle vets it later than the one it saved)."""
+        text = super().__repr__()
+        return text.replace(f"warmup={self.warmup!r},", "warmup='auto',", 1) if self._auto_warmup else text
+
     def compress(self, tensor, name, layout=None):
         self._warn_if_warmup_off()
         self._compressed = True
