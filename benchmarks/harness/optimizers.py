@@ -20,9 +20,9 @@ The momentum goes where a user told by the components would put it:
   SGD's momentum over, a component that owns a momentum and gets SGD without one);
 - AdamW: as the library treats a user's AdamW.  DGC's memory takes AdamW's first moment
   over (:func:`mergecomp.momentum.take_over_momentum`): AdamW keeps its betas and steps at
-  β1 = 0 while the memory runs β1; the residual memory that *follows* the optimizer's
-  momentum (top-k's and GradDrop's default) leaves Adam's moments to Adam and is plain
-  error feedback; a component that owns a momentum (SIGNUM, DeMo's memory) refuses AdamW's
+  β1 = 0 while the memory runs β1, and so does top-k's default memory (the residual with
+  ``adam=True``); GradDrop's (the residual that follows SGD's momentum only) leaves Adam's
+  moments to Adam and is plain error feedback; a component that owns a momentum (SIGNUM, DeMo's memory) refuses AdamW's
   first moment, so AdamW gets ``betas[0] = 0`` and the component keeps its own momentum,
   as its refusal says to do.
 """
@@ -126,7 +126,8 @@ def _adamw_row(hyper: Hyper, memory, compressor, spec_lr_scale, spec_momentum) -
     if beta1 and _owns_momentum(compressor, memory):
         return RowSettings(lr, 0.0, (0.0, hyper.betas[1]), "adam, β1 in the compressor or memory")
     if momentum_roles.role(memory) == momentum_roles.TAKES_OVER:
-        if getattr(memory, "follows_optimizer", False):  # takes SGD's only: Adam keeps its moments
+        if getattr(memory, "follows_optimizer", False) and not getattr(memory, "adam", False):
+            # takes SGD's only: Adam keeps its moments
             return RowSettings(lr, 0.0, betas, "adam (plain error feedback)")
         if beta1:
             return RowSettings(lr, 0.0, betas, "adam, β1 taken over by the memory")

@@ -42,8 +42,13 @@ def test_adamw_keeps_its_rate_and_betas_where_nothing_owns_a_momentum():
 
 
 def test_under_adamw_a_memory_that_follows_sgds_momentum_is_plain_error_feedback():
-    row = _row(ADAMW, "topk")
+    row = _row(ADAMW, "graddrop")
     assert row.betas == (0.9, 0.98) and row.momentum_in == "adam (plain error feedback)"
+
+
+def test_under_adamw_top_ks_memory_takes_beta1_over():
+    row = _row(ADAMW, "topk")
+    assert row.betas == (0.9, 0.98) and row.momentum_in == "adam, β1 taken over by the memory"
 
 
 def test_under_adamw_the_dgc_memory_takes_beta1_over():
