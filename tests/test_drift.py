@@ -104,22 +104,6 @@ def test_the_controller_never_spends_beyond_its_budget():
     assert max(controller.scales.values()) <= 16.0
 
 
-def test_a_density_warmups_excess_is_spent_from_the_budget():
-    # the configured setting sends 10 bytes a step; warming up at 8 times that for 10 steps
-    # spends 7 settings' worth beyond it, leaving nothing to raise a lagging group with
-    warming = DriftController(raise_above=1.0, byte_budget=2.0, horizon=100, start_scale=1)
-    assert warming.decide(_reading(0, group0=50.0), {"group0": 10.0}, 10, warm=8.0) == {}
-    assert warming.spent == 800.0 and warming.base == 100.0 and warming.starved
-    settled = DriftController(raise_above=1.0, byte_budget=2.0, horizon=100, start_scale=1)
-    assert settled.decide(_reading(0, group0=50.0), {"group0": 10.0}, 10) == {"group0": 2.0}
-    # once the warm-up is over, what the budget has left is the controller's
-    for step in range(10, 200, 10):
-        warming.decide(_reading(step, group0=50.0), {"group0": 10.0}, 10)
-    assert warming.scales and warming.spent <= warming.allowed(warming.base, 10.0, 10) + 1e-9
-    with pytest.raises(ValueError, match="warm is a warm-up's factor"):
-        warming.decide(_reading(200, group0=1.0), {"group0": 10.0}, 10, warm=0.5)
-
-
 def test_a_warm_start_sends_the_first_interval_high_then_the_rules_take_over():
     controller = DriftController(raise_above=2.0, lower_below=0.5, patience=2, horizon=1000, start_scale=8)
     weights = {"group0": 1.0, "group1": 1.0}

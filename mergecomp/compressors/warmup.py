@@ -96,11 +96,6 @@ class DensityWarmup:
             return self.compress_ratio
         return max(self.compress_ratio, 0.25 * (self.compress_ratio / 0.25) ** (epoch / self.warmup))
 
-    def warmup_factor(self) -> float:
-        """How many times its configured density the compressor sends now (≥ 1; 1 once the
-        warm-up is over): the quality controller counts the excess as spent from its budget."""
-        return self.density() / self.compress_ratio
-
     def commit(self) -> None:
         """A step that compressed is over and applied: it counts toward ``warmup_steps``."""
         if self._compressed:

@@ -61,9 +61,7 @@ class DriftController:
         lower_below: a group whose lag stayed under this for ``patience`` measurements in a
             row is sent at half its scale, down to 1 (the configured setting).
         byte_budget: over the run, the compressed groups may send at most this many times
-            the bytes of the configured setting (2: keep at least half of its saving).  A
-            density warm-up's excess counts as spent: the configured setting is the density
-            after it, and the warm-up is the budget spent first, where it matters most.
+            the bytes of the configured setting (2: keep at least half of its saving).
         max_scale: the most a group's density (or rank) is multiplied by.
         horizon: the run's length in steps, if known: the whole budget may then be spent
             early, where the lag matters most; otherwise that of the first ``front``
@@ -133,23 +131,16 @@ class DriftController:
         self.started = False
         #: The groups the warm start raised, until the decision that ends it.
         self._warm: List[str] = []
-        #: The density warm-up's factor at the decision being taken (see :meth:`decide`).
-        self._warm_factor = 1.0
 
     def decide(self, reading: DriftReading, weights: Mapping[str, float], steps: int,
-               ahead: Optional[int] = None, warm: float = 1.0) -> Dict[str, float]:
+               ahead: Optional[int] = None) -> Dict[str, float]:
         """The scales for the next ``ahead`` steps (default ``steps``) from ``reading`` (every
-        rank the same), ``weights`` (each group's bytes per step at the configured setting,
-        as the step measured sent them), ``steps`` since the last decision (the scales then
-        in force sent that long) and ``warm``, a density warm-up's factor on what every group
-        sends now (1 after it): its excess is spent from the budget.
+        rank the same), ``weights`` (each group's bytes per step at scale 1, as the step
+        measured sent them: a density warm-up's larger sends count in the setting's bytes)
+        and ``steps`` since the last decision (the scales then in force sent that long).
         Returns the groups whose scale changed, with their new scale."""
-        if isinstance(warm, bool) or not isinstance(warm, (int, float)) or not math.isfinite(warm) or warm < 1.0:
-            raise ValueError(f"DriftController.decide: warm is a warm-up's factor on the bytes sent, "
-                             f"a finite number ≥ 1, got {warm!r}")
-        self._warm_factor = float(warm)
         total = sum(weights.values()) or 1.0
-        self.spent += steps * warm * sum(w * self.scales.get(g, 1.0) for g, w in weights.items())
+        self.spent += steps * sum(w * self.scales.get(g, 1.0) for g, w in weights.items())
         self.base += steps * total
         self.steps += steps
         steps = ahead if ahead is not None else steps
@@ -226,9 +217,8 @@ class DriftController:
         return base + (self.byte_budget - 1.0) * max(ahead, base)
 
     def _within(self, weights, total, steps, scales) -> bool:
-        """Whether sending at ``scales`` for the next ``steps`` (at the warm-up's factor now)
-        keeps the run within budget."""
-        rate = self._warm_factor * sum(w * scales.get(g, 1.0) for g, w in weights.items())
+        """Whether sending at ``scales`` for the next ``steps`` keeps the run within budget."""
+        rate = sum(w * scales.get(g, 1.0) for g, w in weights.items())
         # the configured setting's bytes a step, averaged over the run so far (one step's
         # payloads vary: a threshold's selection, a density warm-up)
         per_step = self.base / self.steps if self.steps else total

@@ -57,13 +57,6 @@ def _ratio(held: float, incoming: float) -> float:
     return math.sqrt(held / incoming)
 
 
-def warmup_factor(compressor) -> float:
-    """How many times its configured density ``compressor`` sends now: a density warm-up's
-    factor (:meth:`~mergecomp.compressors.warmup.DensityWarmup.warmup_factor`), else 1."""
-    factor = getattr(compressor, "warmup_factor", None)
-    return max(1.0, float(factor())) if callable(factor) else 1.0
-
-
 def lag_warns(optimizer) -> bool:
     """Whether a high lag is warned about under ``optimizer`` (None: not known, yes).  Not
     under an Adam or AdamW: the threshold was measured under SGD, and under AdamW runs whose
@@ -115,15 +108,15 @@ class DriftMeter:
             component.measuring = True
         return True
 
-    def _bytes_at_scale_one(self, name: str, warm: float = 1.0) -> float:
-        """Group ``name``'s payload bytes this step over its scale and the density warm-up's
-        factor ``warm``: what the configured setting sends (a compressor that does not say,
-        e.g. one exchanging in rounds, counts its elements: the groups' shares are then by size)."""
+    def _bytes_at_scale_one(self, name: str) -> float:
+        """Group ``name``'s payload bytes this step over its scale: what the configured
+        setting sends now (a compressor that does not say, e.g. one exchanging in rounds,
+        counts its elements: the groups' shares are then by size)."""
         sent = self._sent.get(name)
         if not sent:
             return 4.0 * self._numels.get(name, 0)
         scale = self.controller.scales.get(name, 1.0) if self.controller is not None else 1.0
-        return sent / (scale * warm)
+        return sent / scale
 
     def terms(self, flights) -> Tuple[List[str], Optional[torch.Tensor]]:
         """(group names, one float32 vector) of the step's compressed groups that hold
@@ -172,15 +165,12 @@ class DriftMeter:
             if not steered:  # every group went raw (a profile): nothing to steer, nothing spent
                 self.controller.rest(since)
             else:
-                warm = warmup_factor(compressor)
-                weights = {name: self._bytes_at_scale_one(name, warm) for name in steered}
+                weights = {name: self._bytes_at_scale_one(name) for name in steered}
                 reading = DriftReading(step, whole, steered, self._kind)
-                for group, scale in self.controller.decide(reading, weights, since, self.every, warm=warm).items():
+                for group, scale in self.controller.decide(reading, weights, since, self.every).items():
                     compressor.set_group_scale(group, scale)
-            # steering, but held at the budget while the lag stays high (a warm-up over): a
-            # larger budget would help
-            held = self.controller.starved and whole > WARN_ABOVE and self.controller.steps > self._front() \
-                and warmup_factor(compressor) == 1.0
+            # steering, but held at the budget while the lag stays high: a larger budget would help
+            held = self.controller.starved and whole > WARN_ABOVE and self.controller.steps > self._front()
             self._high = self._high + 1 if held else 0
         else:
             self._high = self._high + 1 if whole > WARN_ABOVE else 0
