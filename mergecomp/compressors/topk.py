@@ -18,10 +18,6 @@ from ..kernels import Scratch, exact_top_k
 from .recipes import Recipe
 from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_dtype, index_nbytes, num_selected
 from .warmup import DensityWarmup
-from ..momentum import is_adam
-
-#: ``warmup="auto"``: the warm-up, in epochs, under an Adam or AdamW (the paper's four); none otherwise.
-ADAM_WARMUP_EPOCHS = 4
 
 
 @register("topk")
@@ -74,24 +70,10 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
 
     def __init__(self, compress_ratio: float = 0.01, warmup="auto", warmup_steps: int = 0):
         self.compress_ratio = check_ratio(compress_ratio)
-        #: Whether the warm-up follows the optimizer (``"auto"``), resolved by :meth:`check_optimizer`.
-        self._auto_warmup = isinstance(warmup, str) and warmup == "auto"
-        self._start_warmup(0 if self._auto_warmup else warmup, warmup_steps)
+        self._start_warmup(warmup, warmup_steps)
         self._scratch = Scratch()
 
-    def check_optimizer(self, optimizer) -> None:
-        """``warmup="auto"``: the paper's four epochs under an Adam or AdamW, none otherwise."""
-        if self._auto_warmup:
-            self.warmup = ADAM_WARMUP_EPOCHS if is_adam(optimizer) else 0
-
     knob = "density"
-
-    def __repr__(self) -> str:
-        """As :class:`~.base.Compressor`'s, with ``warmup='auto'`` while it follows the
-        optimizer: a configuration's digest is the same before and after the optimizer is
-        vetted (a hook state rebuilt from a pickle vets it later than the one it saved)."""
-        text = super().__repr__()
-        return text.replace(f"warmup={self.warmup!r},", "warmup='auto',", 1) if self._auto_warmup else text
 
     def compress(self, tensor, name, layout=None):
         self._warn_if_warmup_off()

@@ -13,9 +13,12 @@ from typing import Optional, Sequence
 
 from .base import check_ratio
 from .recipes import first_rank_of_job, warn
+from ..momentum import is_adam
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
+#: ``warmup="auto"``: the warm-up, in epochs, under an Adam or AdamW (the paper's four); none otherwise.
+ADAM_WARMUP_EPOCHS = 4
 #: The step-counted warm-up that the warning without epochs advises, as a share of the run's
 #: steps (why a fifth: docs/results.md#lm-topk-lag).
 WARMUP_FRACTION_ADVICE = 0.2
@@ -58,6 +61,12 @@ class DensityWarmup:
     count), and the epochs no longer matter.  The epoch and the step count are the
     compressor's ``state_dict()``, so a resumed run keeps its density.
 
+    ``warmup="auto"`` follows the optimizer (:meth:`check_optimizer`): the paper's four
+    epochs under an Adam or AdamW, none under any other optimizer (or before one is
+    vetted); ``repr`` then says ``warmup='auto'``, so a configuration's digest does not
+    change when the optimizer is vetted (a hook state rebuilt from a pickle vets it later
+    than the one it saved).
+
     The class using it sets ``compress_ratio`` and calls :meth:`_start_warmup` from its
     constructor and :meth:`_warn_if_warmup_off` plus ``self._compressed = True`` from
     ``compress()``.
@@ -66,12 +75,23 @@ class DensityWarmup:
     compress_ratio: float
 
     def _start_warmup(self, warmup, warmup_steps: int) -> None:
-        self.warmup = check_warmup(warmup)
+        #: Whether the warm-up follows the optimizer (``"auto"``), resolved by :meth:`check_optimizer`.
+        self._auto_warmup = isinstance(warmup, str) and warmup == "auto"
+        self.warmup = 0 if self._auto_warmup else check_warmup(warmup)
         self.warmup_steps = check_warmup_steps(warmup_steps)
         self.steps = 0  # committed steps, for a warm-up in steps
         self._compressed = False  # compress() ran in the current step
         self.epoch: Optional[int] = None  # None until set_epoch: no warm-up
         self._warmup_checked = False  # the first compress() says whether the warm-up is off
+
+    def check_optimizer(self, optimizer) -> None:
+        """``warmup="auto"``: the paper's four epochs under an Adam or AdamW, none otherwise."""
+        if self._auto_warmup:
+            self.warmup = ADAM_WARMUP_EPOCHS if is_adam(optimizer) else 0
+
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        return text.replace(f"warmup={self.warmup!r},", "warmup='auto',", 1) if self._auto_warmup else text
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the compressor the current epoch (0-based), which picks the warm-up density."""
