@@ -18,10 +18,11 @@ from .base import Context, check_ratio
 from ..kernels import BlockPeaks, Scratch, sampled_threshold
 from .recipes import Recipe
 from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_dtype, index_nbytes, num_selected
+from .warmup import DensityWarmup
 
 
 @register("graddrop")
-class GradDropCompressor(SparseCompressor):
+class GradDropCompressor(DensityWarmup, SparseCompressor):
     """Drop every element below a magnitude threshold chosen so that a fraction R survives.
 
     As in Aji & Heafield, the threshold is the (1 − R) quantile of a strided sample of |g|,
@@ -29,11 +30,13 @@ class GradDropCompressor(SparseCompressor):
     with no refinement or cap (that is DGC's addition).  Biased; the dropped values must be
     accumulated, which the ``residual`` memory does.
 
-    It selects what top-k selects, up to the threshold's noise, so it takes top-k's memory
-    and recipe: the residual with SGD's momentum before the exchange
-    (``memories.create("residual", momentum="optimizer")``; under Adam, or SGD without
-    momentum, plain error feedback) and each rank's gradient clipped before it is
-    accumulated (why: docs/results.md#lm-catch-up).
+    It selects what top-k selects, up to the threshold's noise, so it takes top-k's memory,
+    warm-up and recipe: the residual with SGD's momentum, or an Adam's first moment with
+    momentum factor masking, before the exchange (``memories.create("residual",
+    momentum="optimizer", adam=True)``; SGD without momentum: plain error feedback), under
+    an Adam DGC's density warm-up (``warmup="auto"``, :class:`~.warmup.DensityWarmup`), and
+    each rank's gradient clipped before it is accumulated (why: docs/results.md#lm-catch-up
+    and #adamw-topk-default).
 
     How close to R·n: the sample has m = max(``min_samples``, ``sample_ratio``·n,
     ``sample_survivors``/R) elements (the whole tensor when that reaches n, and then the
@@ -55,15 +58,16 @@ class GradDropCompressor(SparseCompressor):
     fixed_size = False
     unbiased = False
     recommended_memory = "residual"
-    recommended_memory_options = MappingProxyType({"momentum": "optimizer"})
+    recommended_memory_options = MappingProxyType({"momentum": "optimizer", "adam": True})
     recommended_communicator = "allgather"
     recipe = Recipe(reason=RESIDUAL_CLIPPING_REASON + "; its default memory applies SGD's "
                            "momentum before the exchange, as top-k's does",
                     local_clipping=True)
 
     def __init__(self, compress_ratio: float = 0.01, sample_ratio: float = 0.001, min_samples: int = 1024,
-                 sample_survivors: int = 400):
+                 sample_survivors: int = 400, warmup="auto", warmup_steps: int = 0):
         self.compress_ratio = check_ratio(compress_ratio)
+        self._start_warmup(warmup, warmup_steps)
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
         for what, value in (("min_samples", min_samples), ("sample_survivors", sample_survivors)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,12 +79,14 @@ class GradDropCompressor(SparseCompressor):
     knob = "density"
 
     def compress(self, tensor, name, layout=None):
+        self._warn_if_warmup_off()
+        self._compressed = True
         flat = tensor.reshape(-1)
         n = flat.numel()
         if not n:
             indices = torch.empty(0, dtype=index_dtype(n), device=flat.device)
             return (flat[:0], indices), Context(tensor.shape, tensor.dtype)
-        threshold = sampled_threshold(flat, num_selected(n, self.scaled_ratio(name, self.compress_ratio)),
+        threshold = sampled_threshold(flat, num_selected(n, self.scaled_ratio(name, self.density())),
                                       self.sample_ratio,
                                       self.min_samples, survivors=self.sample_survivors)
         indices = BlockPeaks(flat, self._scratch).indices_at_least(threshold)

@@ -1,5 +1,6 @@
-"""Top-k under Adam: the first moment taken over with momentum factor masking, and a
-density warm-up that follows the optimizer (``warmup="auto"``)."""
+"""Top-k (and GradDrop, which selects as it does) under Adam: the first moment taken over
+with momentum factor masking, and a density warm-up that follows the optimizer
+(``warmup="auto"``)."""
 import warnings
 
 import pytest
@@ -115,3 +116,19 @@ def test_the_residual_memory_masks_nothing_under_sgd_or_without_adam():
     assert not plain.masking and plain.sgd_momentum == 0.0  # Adam keeps its moments
     with pytest.raises(ValueError, match="adam=True takes an Adam's first moment over through momentum='optimizer'"):
         memories.create("residual", momentum=0.5, adam=True)
+
+
+def test_graddrop_warms_up_and_masks_as_top_k_does_under_adam():
+    graddrop = compressors.create("graddrop")
+    graddrop.check_optimizer(torch.optim.AdamW(params(), lr=0.1))
+    graddrop.set_epoch(0)
+    assert graddrop.warmup == 4 and graddrop.density() == 0.25
+    g = torch.randn(20000, generator=torch.Generator().manual_seed(1))
+    sent = graddrop.compress(g, "g")[0][0].numel()
+    assert 0.2 * 20000 < sent < 0.3 * 20000  # about the warm-up's 25%
+    memory = memories.recommended(graddrop)
+    memory.check_optimizer(torch.optim.AdamW(params(), lr=0.1))
+    assert memory.masking and memory.sgd_momentum == 0.9
+    under_sgd = compressors.create("graddrop")
+    under_sgd.check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
+    assert under_sgd.warmup == 0
