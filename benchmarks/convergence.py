@@ -32,9 +32,8 @@ without momentum, as a user told so by its refusal would.  A recipe that folds t
 momentum into the learning rate gets SGD without momentum at lr·scale / (1 − m).
 ``--optimizer adamw`` trains every row with AdamW instead, at the task's swept dense rate,
 weight decay and betas; :mod:`benchmarks.harness.optimizers` says which parts of a recipe
-apply then and where the momentum goes (DGC's and top-k's memories take AdamW's first
-moment over, GradDrop's is plain error feedback; SIGNUM keeps its own momentum and AdamW
-gets β1 = 0).
+apply then and where the momentum goes (DGC's, top-k's and GradDrop's memories take
+AdamW's first moment over; SIGNUM keeps its own momentum and AdamW gets β1 = 0).
 
 How the user trains, beyond the optimizer (:mod:`benchmarks.harness.convergence_flags`):
 ``--lr-schedule cosine`` (over the run's steps), ``--set-epoch-every N`` (``set_epoch`` every

@@ -20,8 +20,8 @@ The momentum goes where a user told by the components would put it:
   SGD's momentum over, a component that owns a momentum and gets SGD without one);
 - AdamW: as the library treats a user's AdamW.  DGC's memory takes AdamW's first moment
   over (:func:`mergecomp.momentum.take_over_momentum`): AdamW keeps its betas and steps at
-  β1 = 0 while the memory runs β1, and so does top-k's default memory (the residual with
-  ``adam=True``); GradDrop's (the residual that follows SGD's momentum only) leaves Adam's
+  β1 = 0 while the memory runs β1, and so do top-k's and GradDrop's default memory (the
+  residual with ``adam=True``); a residual that follows SGD's momentum only leaves Adam's
   moments to Adam and is plain error feedback; a component that owns a momentum (SIGNUM, DeMo's memory) refuses AdamW's
   first moment, so AdamW gets ``betas[0] = 0`` and the component keeps its own momentum,
   as its refusal says to do.

@@ -42,12 +42,15 @@ def test_adamw_keeps_its_rate_and_betas_where_nothing_owns_a_momentum():
 
 
 def test_under_adamw_a_memory_that_follows_sgds_momentum_is_plain_error_feedback():
-    row = _row(ADAMW, "graddrop")
+    compressor = compressors.create("topk")
+    row = optimizers.row_settings(ADAMW, recipes.recipe_of(compressor), compressor,
+                                  memories.create("residual", momentum="optimizer"), None, None)
     assert row.betas == (0.9, 0.98) and row.momentum_in == "adam (plain error feedback)"
 
 
-def test_under_adamw_top_ks_memory_takes_beta1_over():
-    row = _row(ADAMW, "topk")
+@pytest.mark.parametrize("name", ["topk", "graddrop"])
+def test_under_adamw_the_sparsifiers_memory_takes_beta1_over(name):
+    row = _row(ADAMW, name)
     assert row.betas == (0.9, 0.98) and row.momentum_in == "adam, β1 taken over by the memory"
 
 
