@@ -18,7 +18,9 @@ EPOCH = re.compile(r"epoch (\d+): train loss ([0-9.]+), ([0-9,]+) bytes/step thr
 HOOK_EPOCH = re.compile(r"epoch (\d+): .* hook steps so far, hook epoch (\d+)")
 
 
-def _run(command, timeout=240, epoch_reaches_hook=False):
+def _run(command, timeout=600, epoch_reaches_hook=False):
+    """Run an example to its end; ``timeout`` only guards against a hang (a busy shared
+    machine has taken over 240 s for one that takes under a minute when quiet)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
