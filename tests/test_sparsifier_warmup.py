@@ -132,3 +132,25 @@ def test_graddrop_warms_up_and_masks_as_top_k_does_under_adam():
     under_sgd = compressors.create("graddrop")
     under_sgd.check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
     assert under_sgd.warmup == 0
+
+
+def _ddp_hook_under(rank, world_size, optimizer_name):
+    import mergecomp.ddp
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    ddp = DistributedDataParallel(model)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=0.01) if optimizer_name == "adamw"
+                 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    state = mergecomp.ddp.register(ddp, compressor="topk", optimizer=optimizer)
+    state.set_epoch(0)
+    return state.compressor.warmup, state.compressor.density(), state.memory.masking, repr(state.compressor)
+
+
+def test_the_ddp_hook_given_an_adamw_warms_top_k_up_and_masks():
+    from tests.distributed import run_ranks
+    for warmup, density, masking, text in run_ranks(_ddp_hook_under, 2, "adamw"):
+        assert (warmup, density, masking) == (4, 0.25, True)
+        assert "warmup='auto'" in text
+    for warmup, density, masking, _ in run_ranks(_ddp_hook_under, 2, "sgd"):
+        assert (warmup, density, masking) == (0, 0.01, False)
