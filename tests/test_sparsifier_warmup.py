@@ -1,6 +1,7 @@
 """Top-k (and GradDrop, which selects as it does) under Adam: the first moment taken over
 with momentum factor masking, and a density warm-up that follows the optimizer
 (``warmup="auto"``)."""
+import math
 import warnings
 
 import pytest
@@ -154,3 +155,28 @@ def test_the_ddp_hook_given_an_adamw_warms_top_k_up_and_masks():
         assert "warmup='auto'" in text
     for warmup, density, masking, _ in run_ranks(_ddp_hook_under, 2, "sgd"):
         assert (warmup, density, masking) == (0, 0.01, False)
+
+
+def _fsdp_under_adamw(rank, world_size):
+    import mergecomp
+    from tests.test_fsdp import _batch, _model
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = mergecomp.fsdp.register(model, compressor="topk", optimizer=optimizer)
+    losses = []
+    for step in range(40):
+        state.set_epoch(0 if step < 20 else 4)  # the warm-up's densest epoch, then past it
+        x, y = _batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, state.compressor.warmup, state.memory.masking, optimizer.param_groups[0]["betas"]
+
+
+def test_fsdp_given_an_adamw_warms_top_k_up_masks_and_trains():
+    from tests.distributed import run_ranks
+    for losses, warmup, masking, betas in run_ranks(_fsdp_under_adamw, 2):
+        assert warmup == 4 and masking and betas == (0.9, 0.999)  # the user's betas, as given
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.2 * losses[0]
