@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .base import check_ratio
+from .base import check_ratio, constructor_arguments
 from .recipes import first_rank_of_job, warn
 from ..momentum import is_adam
 
@@ -90,8 +90,9 @@ class DensityWarmup:
             self.warmup = ADAM_WARMUP_EPOCHS if is_adam(optimizer) else 0
 
     def __repr__(self) -> str:
-        text = super().__repr__()
-        return text.replace(f"warmup={self.warmup!r},", "warmup='auto',", 1) if self._auto_warmup else text
+        arguments = [(name, "auto" if name == "warmup" and self._auto_warmup else value)
+                     for name, value in constructor_arguments(self)]
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in arguments)})"
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the compressor the current epoch (0-based), which picks the warm-up density."""
