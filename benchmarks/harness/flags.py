@@ -59,9 +59,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--compress-ratio", type=float, default=None,
                    help="fraction kept by sparsifiers (topk, randk, dgc, graddrop, ...)")
     p.add_argument("--warmup-steps", type=int, default=None, metavar="STEPS",
-                   help="dgc: its density warm-up over the first STEPS steps (a benchmark sets no "
-                        "epoch; about a fifth of the run's steps; 0: none). Without it DGC sends "
-                        "--compress-ratio from the first step and says so once")
+                   help="dgc, topk, graddrop: a density warm-up over the first STEPS steps (a "
+                        "benchmark sets no epoch; about a fifth of the run's steps; 0: none). Without "
+                        "it DGC sends --compress-ratio from the first step and says so once")
     # Listed from the registries, so every built-in and plugin is named.
     p.add_argument("--controller", choices=("on", "off"), default=None,
                    help="the quality controller (it raises a group's density where the exchange lags "
@@ -166,7 +166,7 @@ def _real_compressor(args):
     if getattr(args, "warmup_steps", None) is not None:
         if "warmup_steps" not in accepted:
             raise ValueError(f"--warmup-steps was given but compressor {args.compressor!r} has no density "
-                             "warm-up; drop the flag (it is dgc's)")
+                             "warm-up; drop the flag (dgc, topk and graddrop have one)")
         kwargs["warmup_steps"] = args.warmup_steps
     return mergecomp.compressors.create(args.compressor, **kwargs)
 

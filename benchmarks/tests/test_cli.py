@@ -141,14 +141,15 @@ def test_help_names_every_registered_communicator_and_memory():
     assert "hierarchical" in text and "sparse_allreduce" in text
 
 
-def test_warmup_steps_reaches_dgc_and_is_refused_elsewhere(capsys):
+def test_warmup_steps_reaches_the_sparsifiers_and_is_refused_elsewhere(capsys):
     import compress_benchmark
     from benchmarks.harness.flags import build_compressor
-    args = compress_benchmark.parse_args(["--compress", "--compressor", "dgc", "--warmup-steps", "30"])
-    assert build_compressor(args).warmup_steps == 30
+    for name in ("dgc", "topk", "graddrop"):
+        args = compress_benchmark.parse_args(["--compress", "--compressor", name, "--warmup-steps", "30"])
+        assert build_compressor(args).warmup_steps == 30, name
     main = compress_benchmark.main
-    assert "compressor 'topk' has no density warm-up" in refusal(
-        main, ["--compress", "--compressor", "topk", "--warmup-steps", "30"], capsys)
+    assert "compressor 'qsgd' has no density warm-up" in refusal(
+        main, ["--compress", "--compressor", "qsgd", "--warmup-steps", "30"], capsys)
     assert "--warmup-steps 30 without --compress" in refusal(main, ["--warmup-steps", "30"], capsys)
     assert "warmup_steps must be a non-negative integer" in refusal(
         main, ["--compress", "--compressor", "dgc", "--warmup-steps", "-1"], capsys)
