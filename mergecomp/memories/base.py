@@ -179,3 +179,20 @@ def in_units(tensors: Dict[str, torch.Tensor], saved_in_gradient_units: bool, me
     saved = (1.0 - momentum) if saved_in_gradient_units and 0.0 < momentum < 1.0 else 1.0
     ratio = factor / saved
     return {k: (v.clone() if ratio == 1.0 else v * ratio) for k, v in tensors.items()}
+
+
+def sent_positions(compressor, payload, ctx) -> torch.Tensor:
+    """Where ``payload`` sent coordinates: their flat indices when the compressor says
+    (``transmitted_indices``), else a mask of the nonzero decoded coordinates."""
+    transmitted = getattr(compressor, "transmitted_indices", None)
+    if transmitted is not None:
+        return transmitted(payload, ctx)
+    return compressor.decompress(payload, ctx).reshape(-1) != 0
+
+
+def zero_positions(flat: torch.Tensor, positions: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``flat`` with ``positions`` (:func:`sent_positions`) set to zero: in place, or a copy."""
+    if positions.dtype == torch.bool:
+        return flat.masked_fill_(positions, 0) if in_place else flat.masked_fill(positions, 0)
+    return flat.index_fill_(0, positions, 0) if in_place else flat.index_fill(0, positions, 0)
+

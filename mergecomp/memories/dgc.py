@@ -22,7 +22,8 @@ import torch
 
 from ..momentum import TAKES_OVER, take_over_momentum
 from . import register
-from .base import UNITS, Memory, check_flag, check_number, checked_state, clip_scale, combined_scale, in_units, norm_of, units_of
+from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_scale, combined_scale, in_units,
+                   norm_of, sent_positions, units_of, zero_positions)
 from ..checkpoint import check_group_tensors
 from ..kernels.momentum import momentum_correction
 from ..staging import Spares, StagedDict, shares_memory
@@ -158,27 +159,10 @@ class DGCMemory(Memory):
         # still be in flight): two passes over the group fewer than zeroing copies.
         in_place = (self.momenta.is_pending(name) and self.velocities.is_pending(name)
                     and not shares_memory(payload, (velocity, momentum)))
-        transmitted = getattr(compressor, "transmitted_indices", None)
-        if transmitted is not None:
-            indices = transmitted(payload, ctx)
-            if in_place:
-                flat_v.index_fill_(0, indices, 0)
-                if self.masking:
-                    flat_u.index_fill_(0, indices, 0)
-            else:
-                flat_v = flat_v.index_fill(0, indices, 0)
-                if self.masking:
-                    flat_u = flat_u.index_fill(0, indices, 0)
-        else:
-            mask = compressor.decompress(payload, ctx).reshape(-1) != 0
-            if in_place:
-                flat_v.masked_fill_(mask, 0)
-                if self.masking:
-                    flat_u.masked_fill_(mask, 0)
-            else:
-                flat_v = flat_v.masked_fill(mask, 0)
-                if self.masking:
-                    flat_u = flat_u.masked_fill(mask, 0)
+        sent = sent_positions(compressor, payload, ctx)
+        flat_v = zero_positions(flat_v, sent, in_place)
+        if self.masking:
+            flat_u = zero_positions(flat_u, sent, in_place)
         self.velocities[name] = flat_v.view_as(velocity)
         self.momenta[name] = flat_u.view_as(momentum)
         self._note_held(name, flat_v)

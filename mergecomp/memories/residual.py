@@ -11,7 +11,7 @@ import torch
 
 from . import register
 from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_local, clip_scale, combined_scale,
-                   in_units, norm_of, subtract_sent, units_of)
+                   in_units, norm_of, sent_positions, subtract_sent, units_of, zero_positions)
 from ..kernels.momentum import momentum_correction
 from ..checkpoint import check_group_tensors
 from ..momentum import TAKES_OVER, is_adam, take_over_momentum
@@ -202,15 +202,8 @@ class ResidualMemory(Memory):
         """Momentum factor masking: the momentum of the coordinates this payload sent restarts
         from zero (in place when this step made it and the payload does not share it)."""
         momentum = self.momenta[name]
-        flat = momentum.reshape(-1)
-        transmitted = getattr(compressor, "transmitted_indices", None)
         in_place = self.momenta.is_pending(name) and not shares_memory(payload, (momentum,))
-        if transmitted is not None:
-            indices = transmitted(payload, ctx)
-            flat = flat.index_fill_(0, indices, 0) if in_place else flat.index_fill(0, indices, 0)
-        else:
-            sent = compressor.decompress(payload, ctx).reshape(-1) != 0
-            flat = flat.masked_fill_(sent, 0) if in_place else flat.masked_fill(sent, 0)
+        flat = zero_positions(momentum.reshape(-1), sent_positions(compressor, payload, ctx), in_place)
         self.momenta[name] = flat.view_as(momentum)
 
     def commit(self):
