@@ -152,6 +152,31 @@ def test_spawn_runs_a_real_gloo_allreduce():
     assert results == [("spawn", 0, 2, True, 3.0), ("spawn", 1, 2, True, 3.0)]
 
 
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+def _ddp_model_deleted_after_shutdown():
+    """A DDP model outliving the group: its Reducer must not be what destroys the group (that
+    C++ destructor holds the GIL while it joins gloo's threads, which may need the GIL)."""
+    torch.set_num_threads(1)
+    launch.init_distributed(timeout_s=60)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.ones(2, 4)).sum().backward()
+    launch.shutdown()
+    with_group = _threads()
+    del model
+    after_model = _threads()
+    launch.init_distributed(timeout_s=60)  # a new session destroys the retired group
+    launch.shutdown()
+    return with_group == after_model, not launch.session._retired_groups[:-1]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc to count threads")
+def test_a_ddp_model_dropped_after_shutdown_leaves_the_group_to_python():
+    assert launch.spawn(_ddp_model_deleted_after_shutdown, 2, timeout_s=120) == [(True, True)] * 2
+
+
 def _rank_one_fails_while_rank_zero_waits(marker):
     info = launch.init_distributed(timeout_s=120)
     if info.rank == 1:

@@ -101,6 +101,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
         return info
     backend = _choose_backend(backend, device, info)
     timeout = collective_timeout(timeout_s, backend)
+    _retired_groups.clear()  # the previous session's groups, long idle: destroyed here
     configured = timeout_s is not None or bool(os.environ.get(TIMEOUT_VARIABLE, "").strip())
     if info.master_addr is None or info.master_port is None:  # only a single process
         info = LaunchInfo(info.launcher, info.rank, info.world_size, info.local_rank,
@@ -292,6 +293,19 @@ def _register_exit_handler() -> None:
 _holders: "weakref.WeakSet" = weakref.WeakSet()
 
 
+#: The process groups :func:`shutdown` destroyed, kept referenced from Python until the next
+#: :func:`init_distributed` (or the interpreter's end).  A gloo group's worker threads are
+#: joined by its C++ destructor, which must run without the GIL: a thread may still be
+#: dropping its last collective's tensors, and that needs the GIL.  Dropped from Python,
+#: a group is destroyed with the GIL released; dropped last by a C++ owner that holds the
+#: GIL (DDP's Reducer, when the DDP model is deleted after the group), the two threads wait
+#: on each other forever.  Holding the group here makes Python's reference the last one.
+#: Only a group :func:`init_distributed` made is held: its connections are known and shut
+#: at leaving, so the peers still learn at once that this rank left; a group made by
+#: someone else is left to be destroyed at once, which is how its peers learn it.
+_retired_groups: List[object] = []
+
+
 def release_before_shutdown(holder) -> None:
     """Have :func:`shutdown` call ``holder.release()`` before it destroys the process group:
     a handle kept past it would keep the group's connections open, and the other ranks would
@@ -326,6 +340,8 @@ def shutdown(linger_s: float = SHUTDOWN_LINGER_S) -> None:
         world_size = dist.get_world_size()
         for holder in list(_holders):
             holder.release()
+        if _collective_sockets:  # peers learn of the leave from the closed connections
+            _retired_groups.append(dist.group.WORLD)
         dist.destroy_process_group()
         _close_collective_sockets()
         if hosts_store and world_size > 1 and beacons:
