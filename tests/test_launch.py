@@ -166,15 +166,24 @@ def _ddp_model_deleted_after_shutdown():
     launch.shutdown()
     with_group = _threads()
     del model
-    after_model = _threads()
-    launch.init_distributed(timeout_s=60)  # a new session destroys the retired group
-    launch.shutdown()
-    return with_group == after_model, not launch.session._retired_groups[:-1]
+    return with_group == _threads(), len(launch.session._retired_groups)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc to count threads")
 def test_a_ddp_model_dropped_after_shutdown_leaves_the_group_to_python():
-    assert launch.spawn(_ddp_model_deleted_after_shutdown, 2, timeout_s=120) == [(True, True)] * 2
+    assert launch.spawn(_ddp_model_deleted_after_shutdown, 2, timeout_s=120) == [(True, 1)] * 2
+
+
+def _a_new_session_after_a_retired_group():
+    launch.session._retired_groups.append("a group the last session left")
+    launch.init_distributed(timeout_s=60)
+    retired = list(launch.session._retired_groups)
+    launch.shutdown()
+    return retired
+
+
+def test_a_new_session_destroys_the_groups_the_last_one_retired():
+    assert launch.spawn(_a_new_session_after_a_retired_group, 1, timeout_s=120) == [[]]
 
 
 def _rank_one_fails_while_rank_zero_waits(marker):
