@@ -28,7 +28,7 @@ from .memories.base import Memory
 from .plan import ParamInfo, Plan
 from .runtime import gate
 from .runtime.controller import DriftController
-from .runtime.drift import drift_meter, lag_warns
+from .runtime.drift import drift_meter
 from .runtime.reducer import GroupState, Reducer
 from .runtime.step import SharedSurface, StepLifecycle, check_communicator_options, check_nonfinite_policy
 from .schedulers.base import Scheduler, SchedulerContext
@@ -144,7 +144,7 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         self.scheduler = schedule
         options = check_communicator_options(communicator_options)
         meter = drift_meter(controller)
-        meter.warns = lag_warns(self.optimizer)
+        meter.follow_optimizer(self.optimizer, self.memory)
         steering = [repr(meter.controller)] if controller != "auto" else []
         config = gate.config_digest(self.compressor, self.memory, self.communicator, self.scheduler,
                                     backward_passes_per_step, bool(find_unused_parameters), nonfinite,

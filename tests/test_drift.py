@@ -146,6 +146,41 @@ def test_bad_controller_settings_are_refused_by_name(kwargs, message):
         DriftController(**kwargs)
 
 
+def test_the_thresholds_follow_the_optimizer_unless_given():
+    params = [nn.Parameter(torch.ones(2))]
+    controller = DriftController()
+    assert (controller.raise_above, controller.lower_below) == (1.5, 0.5)  # not vetted yet: SGD's
+    masked = mergecomp.memories.create("dgc")
+    controller.follow_optimizer(torch.optim.AdamW(params, lr=0.1), mergecomp.memories.create("residual"))
+    assert (controller.raise_above, controller.lower_below) == (1.5, 0.5)  # a plain residual: the gradient's units
+    controller.follow_optimizer(torch.optim.AdamW(params, lr=0.1), masked)
+    assert (controller.raise_above, controller.lower_below) == (24.0, 8.0)
+    assert "raise_above='auto', lower_below='auto'" in repr(controller)
+    controller.follow_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), masked)
+    assert (controller.raise_above, controller.lower_below) == (1.5, 0.5)
+    given = DriftController(raise_above=3.0)
+    given.follow_optimizer(torch.optim.Adam(params, lr=0.1), masked)
+    assert (given.raise_above, given.lower_below) == (3.0, 0.5) and "raise_above=3, lower_below=0.5" in repr(given)
+    with pytest.raises(ValueError, match="raise_above must be a finite number"):
+        DriftController(raise_above="high")
+
+
+def _thresholds_under(rank, world_size):
+    found = []
+    for make, compressor in ((lambda p: torch.optim.AdamW(p, lr=0.01), "topk"),
+                             (lambda p: torch.optim.AdamW(p, lr=0.01), "powersgd"),
+                             (lambda p: torch.optim.SGD(p, lr=0.1), "topk")):
+        model = _model()
+        wrapped = mergecomp.DistributedOptimizer(make(model.parameters()), model=model, compressor=compressor)
+        meter = wrapped.lifecycle.meter
+        found.append((meter.controller.raise_above, meter.controller.lower_below, meter.warns))
+    return found
+
+
+def test_the_wrapper_hands_its_optimizer_to_the_controller():
+    assert run_ranks(_thresholds_under, 1) == [[(24.0, 8.0, False), (1.5, 0.5, False), (1.5, 0.5, True)]]
+
+
 def test_an_unknown_controller_setting_is_refused():
     with pytest.raises(TypeError, match="controller must be 'auto'"):
         drift.drift_meter("sometimes")

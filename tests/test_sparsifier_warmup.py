@@ -145,16 +145,19 @@ def _ddp_hook_under(rank, world_size, optimizer_name):
                  else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     state = mergecomp.ddp.register(ddp, compressor="topk", optimizer=optimizer)
     state.set_epoch(0)
-    return state.compressor.warmup, state.compressor.density(), state.memory.masking, repr(state.compressor)
+    return (state.compressor.warmup, state.compressor.density(), state.memory.masking, repr(state.compressor),
+            state.lifecycle.meter.controller.raise_above)
 
 
 def test_the_ddp_hook_given_an_adamw_warms_top_k_up_and_masks():
     from tests.distributed import run_ranks
-    for warmup, density, masking, text in run_ranks(_ddp_hook_under, 2, "adamw"):
+    for warmup, density, masking, text, raise_above in run_ranks(_ddp_hook_under, 2, "adamw"):
         assert (warmup, density, masking) == (4, 0.25, True)
         assert "warmup='auto'" in text
-    for warmup, density, masking, _ in run_ranks(_ddp_hook_under, 2, "sgd"):
+        assert raise_above == 24.0  # the controller's thresholds follow the optimizer too
+    for warmup, density, masking, _, raise_above in run_ranks(_ddp_hook_under, 2, "sgd"):
         assert (warmup, density, masking) == (0, 0.01, False)
+        assert raise_above == 1.5
 
 
 def _fsdp_under_adamw(rank, world_size):
@@ -172,11 +175,13 @@ def _fsdp_under_adamw(rank, world_size):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, state.compressor.warmup, state.memory.masking, optimizer.param_groups[0]["betas"]
+    return (losses, state.compressor.warmup, state.memory.masking, optimizer.param_groups[0]["betas"],
+            state.lifecycle.meter.controller.raise_above)
 
 
 def test_fsdp_given_an_adamw_warms_top_k_up_masks_and_trains():
     from tests.distributed import run_ranks
-    for losses, warmup, masking, betas in run_ranks(_fsdp_under_adamw, 2):
+    for losses, warmup, masking, betas, raise_above in run_ranks(_fsdp_under_adamw, 2):
         assert warmup == 4 and masking and betas == (0.9, 0.999)  # the user's betas, as given
+        assert raise_above == 24.0  # the controller's thresholds follow the optimizer
         assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.2 * losses[0]

@@ -25,7 +25,7 @@ from ..compressors import recipes
 from ..compressors.base import Compressor, GroupLayout, ParamView
 from ..memories.base import Memory
 from ..runtime.controller import DriftController
-from ..runtime.drift import drift_meter, lag_warns
+from ..runtime.drift import drift_meter
 from ..runtime.step import InFlight, SharedSurface, StepLifecycle, check_nonfinite_policy
 
 #: Format of a hook state (2: the envelope every entry point shares,
@@ -123,7 +123,7 @@ class HookState(SharedSurface):
         recipe's advice, or None."""
         message = gate.vet_optimizer(optimizer, self.compressor, self.memory, self._dtypes, warn=False)
         if optimizer is not None:
-            self.lifecycle.meter.warns = lag_warns(optimizer)
+            self.lifecycle.meter.follow_optimizer(optimizer, self.memory)
         if message is not None and message != self._advised:
             recipes.warn(message)
             self._advised = message

@@ -46,7 +46,7 @@ from ..compressors import create as create_compressor
 from ..compressors.base import Compressor
 from ..memories.base import Memory
 from ..runtime import gate
-from ..runtime.drift import drift_meter, lag_warns
+from ..runtime.drift import drift_meter
 from ..runtime.step import check_nonfinite_policy
 from .mesh import node_mesh
 from .replica import HSDP, REPLICATE, SHARD, ReplicaAllReduce, exchange_kind, take_over
@@ -89,7 +89,6 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
                                "compression for every unit)")
     nonfinite = check_nonfinite_policy(nonfinite)
     meter = drift_meter(controller)
-    meter.warns = lag_warns(optimizer)
     if isinstance(compressor, str):
         compressor = create_compressor(compressor, **options)
     elif options:
@@ -100,6 +99,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     shapes = {index: unit_shape(name, group) for index, name, _, group in groups}
     gate.vet_optimizer(optimizer, compressor, memory, {p.dtype for p in model.parameters() if p.requires_grad}
                        | {shape.dtype for shape in shapes.values()})
+    meter.follow_optimizer(optimizer, memory)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("mergecomp.fsdp.register needs torch.distributed initialised (fully_shard "
                            "does too): call mergecomp.launch.init_distributed() first")

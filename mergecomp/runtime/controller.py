@@ -17,7 +17,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+from ..momentum import is_adam
+
+#: ``raise_above`` and ``lower_below`` under SGD (and any optimizer not vetted yet), in steps
+#: of update held back: where the lag separated the runs that reached dense from those that
+#: missed it under SGD (docs/results.md#quality-control).
+SGD_THRESHOLDS = (1.5, 0.5)
+#: The same under an Adam or AdamW with a memory that takes its first moment over with
+#: momentum factor masking (top-k's, GradDrop's and DGC's there).  Such a memory at 1%
+#: density holds back 12 to 16 steps in runs that reach dense without any raise, while at
+#: 0.1% it climbs past 90 and misses dense by 12% unless raised
+#: (docs/results.md#adamw-thresholds): SGD's thresholds would spend the whole budget on the first.
+ADAM_THRESHOLDS = (24.0, 8.0)
 
 
 @dataclass(frozen=True)
@@ -57,9 +70,13 @@ class DriftController:
 
     Args:
         raise_above: a group whose lag (steps of update held back) passes this is sent at
-            twice its scale, up to ``max_scale``.
+            twice its scale, up to ``max_scale``.  ``"auto"`` (the default) follows the
+            optimizer (:meth:`follow_optimizer`): :data:`SGD_THRESHOLDS`, or
+            :data:`ADAM_THRESHOLDS` under an Adam or AdamW.
         lower_below: a group whose lag stayed under this for ``patience`` measurements in a
-            row is sent at half its scale, down to 1 (the configured setting).
+            row is sent at half its scale, down to 1 (the configured setting); ``"auto"``
+            as ``raise_above``.  The two follow the optimizer when both are ``"auto"``; with
+            one given, the other ``"auto"`` is SGD's and neither follows it.
         byte_budget: over the run, the compressed groups may send at most this many times
             the bytes of the configured setting (2: keep at least half of its saving).
         max_scale: the most a group's density (or rank) is multiplied by.
@@ -80,9 +97,15 @@ class DriftController:
     a compressor without one is measured (and warned about) but not steered.
     """
 
-    def __init__(self, raise_above: float = 1.5, lower_below: float = 0.5, byte_budget: float = 2.0,
+    def __init__(self, raise_above: Union[float, str] = "auto", lower_below: Union[float, str] = "auto",
+                 byte_budget: float = 2.0,
                  max_scale: float = 16.0, patience: int = 3, horizon: Optional[int] = None, front: int = 10,
                  every: int = 10, start_scale: Optional[float] = 1.0):
+        #: Whether the thresholds follow the optimizer (:meth:`follow_optimizer`): both "auto".
+        self.auto_thresholds = raise_above == "auto" and lower_below == "auto"
+        # one of them given: the other "auto" is SGD's, and neither follows the optimizer
+        raise_above = SGD_THRESHOLDS[0] if raise_above == "auto" else raise_above
+        lower_below = SGD_THRESHOLDS[1] if lower_below == "auto" else lower_below
         checks = (("raise_above", raise_above, 0.0), ("lower_below", lower_below, 0.0),
                   ("byte_budget", byte_budget, 1.0), ("max_scale", max_scale, 1.0))
         for what, value, least in checks:
@@ -131,6 +154,16 @@ class DriftController:
         self.started = False
         #: The groups the warm start raised, until the decision that ends it.
         self._warm: List[str] = []
+
+    def follow_optimizer(self, optimizer, memory=None) -> None:
+        """``"auto"`` thresholds: :data:`ADAM_THRESHOLDS` under an Adam or AdamW whose first
+        moment the ``memory`` holds with momentum factor masking (its lag then counts steps of
+        that masked moment), :data:`SGD_THRESHOLDS` otherwise (any other optimizer or memory,
+        or None: not known)."""
+        if self.auto_thresholds:
+            masked_adam = (optimizer is not None and is_adam(optimizer)
+                           and bool(getattr(memory, "masking", False)))
+            self.raise_above, self.lower_below = ADAM_THRESHOLDS if masked_adam else SGD_THRESHOLDS
 
     def decide(self, reading: DriftReading, weights: Mapping[str, float], steps: int,
                ahead: Optional[int] = None) -> Dict[str, float]:
@@ -249,7 +282,9 @@ class DriftController:
                         for step, scales in state.get("history", [])]
 
     def __repr__(self) -> str:
-        return (f"DriftController(raise_above={self.raise_above:g}, lower_below={self.lower_below:g}, "
+        thresholds = ("raise_above='auto', lower_below='auto'" if self.auto_thresholds
+                      else f"raise_above={self.raise_above:g}, lower_below={self.lower_below:g}")
+        return (f"DriftController({thresholds}, "
                 f"byte_budget={self.byte_budget:g}, max_scale={self.max_scale:g}, patience={self.patience}, "
                 f"horizon={self.horizon}, front={self.front}, every={self.every}"
                 + (f", start_scale={self.start_scale:g})" if self.start_scale != 1.0 else ")"))

@@ -98,6 +98,14 @@ class DriftMeter:
         #: from the optimizer it vets).
         self.warns = True
 
+    def follow_optimizer(self, optimizer, memory=None) -> None:
+        """What depends on the optimizer the entry point vets (and the memory, vetted by it
+        first): whether a high lag is warned about (:func:`lag_warns`) and the controller's
+        ``"auto"`` thresholds."""
+        self.warns = lag_warns(optimizer)
+        if self.controller is not None:
+            self.controller.follow_optimizer(optimizer, memory)
+
     def start(self, step_count: int, compressor, memory) -> bool:
         """At a step's beginning: whether it is measured; if so the components note their terms."""
         if step_count % self.every:
