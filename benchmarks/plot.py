@@ -53,7 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-speed", "2026-11-24-scaling",
               "2026-11-24-simulator-8-ranks")
 #: Convergence runs whose drift and controller figures docs/results.md shows (``plot.py drift``'s).
-SHOWN_DRIFT_RUNS = ("2026-11-27-quality-control/sgd-on", "2026-11-28-adamw-topk-default/gpt-topk")
+SHOWN_DRIFT_RUNS = ("2026-11-27-quality-control/sgd-on", "2026-11-28-adamw-topk-default/gpt-topk",
+                    "2026-11-28-adamw-thresholds/gpt-s0")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
