@@ -71,8 +71,9 @@ class DriftController:
     Args:
         raise_above: a group whose lag (steps of update held back) passes this is sent at
             twice its scale, up to ``max_scale``.  ``"auto"`` (the default) follows the
-            optimizer (:meth:`follow_optimizer`): :data:`SGD_THRESHOLDS`, or
-            :data:`ADAM_THRESHOLDS` under an Adam or AdamW.
+            optimizer and memory (:meth:`follow_optimizer`): :data:`SGD_THRESHOLDS`, or
+            :data:`ADAM_THRESHOLDS` under an Adam or AdamW whose first moment the memory
+            holds with momentum factor masking.
         lower_below: a group whose lag stayed under this for ``patience`` measurements in a
             row is sent at half its scale, down to 1 (the configured setting); ``"auto"``
             as ``raise_above``.  The two follow the optimizer when both are ``"auto"``; with
