@@ -294,7 +294,7 @@ _holders: "weakref.WeakSet" = weakref.WeakSet()
 
 
 #: The process groups :func:`shutdown` destroyed, kept referenced from Python until the next
-#: :func:`init_distributed` (or the interpreter's end).  A gloo group's worker threads are
+#: :func:`init_distributed` or the interpreter's exit handlers (after :func:`shutdown`'s own).  A gloo group's worker threads are
 #: joined by its C++ destructor, which must run without the GIL: a thread may still be
 #: dropping its last collective's tensors, and that needs the GIL.  Dropped from Python,
 #: a group is destroyed with the GIL released; dropped last by a C++ owner that holds the
@@ -304,6 +304,15 @@ _holders: "weakref.WeakSet" = weakref.WeakSet()
 #: at leaving, so the peers still learn at once that this rank left; a group made by
 #: someone else is left to be destroyed at once, which is how its peers learn it.
 _retired_groups: List[object] = []
+
+
+def _drop_retired_groups() -> None:
+    """At exit, while the interpreter still runs: a group left for its teardown can abort
+    the process ("terminate called without an active exception")."""
+    _retired_groups.clear()
+
+
+atexit.register(_drop_retired_groups)  # registered first, so it runs after shutdown's handler
 
 
 def release_before_shutdown(holder) -> None:
