@@ -99,3 +99,8 @@ def main(argv=None) -> float:
 
 if __name__ == "__main__":
     main()
+    # Accelerate leaves the process group up; tearing it down before the interpreter does
+    # keeps gloo's threads from being destroyed while they still run (an abort at exit).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # nothing left in gloo's queue when its threads are joined
+        torch.distributed.destroy_process_group()

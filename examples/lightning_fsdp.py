@@ -109,6 +109,11 @@ def main(argv=None) -> None:
                         enable_model_summary=False)
     data = DataLoader(clusters(args.samples, 32, 10, seed=0), batch_size=64, shuffle=True)
     trainer.fit(model, data)
+    # Lightning leaves the process group up; tearing it down before the interpreter does
+    # keeps gloo's threads from being destroyed while they still run (an abort at exit).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # nothing left in gloo's queue when its threads are joined
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
