@@ -26,9 +26,9 @@ from ..momentum import is_adam
 #: missed it under SGD (docs/results.md#quality-control).
 SGD_THRESHOLDS = (1.5, 0.5)
 #: The same under an Adam or AdamW with a memory that takes its first moment over with
-#: momentum factor masking (top-k's, GradDrop's and DGC's there).  Such a memory at 1%
-#: density holds back 12 to 16 steps in runs that reach dense without any raise, while at
-#: 0.1% it climbs past 90 and misses dense by 12% unless raised
+#: momentum factor masking (top-k's, GradDrop's and DGC's there).  Such a memory at top-k's
+#: density settles below the raise threshold in runs that reach dense with nothing raised,
+#: while at DGC's it climbs far above it and the run misses dense unless raised
 #: (docs/results.md#adamw-thresholds): SGD's thresholds would spend the whole budget on the first.
 ADAM_THRESHOLDS = (24.0, 8.0)
 
