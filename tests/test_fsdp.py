@@ -31,20 +31,26 @@ def _batch(rank, step):
     return x, x[:, :3] * 2 - x[:, 3:6]
 
 
-def _train(rank, steps, lr=0.05, **compression):
-    """(losses, full parameters, the registered state or None) after ``steps`` SGD steps."""
-    import mergecomp
-    model = _model()
-    state = mergecomp.fsdp.register(model, **compression) if compression else None
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+def _steps(model, optimizer, rank, steps):
+    """The losses of training ``model`` on this rank's batches of ``steps``."""
     losses = []
-    for step in range(steps):
+    for step in steps:
         x, y = _batch(rank, step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def _train(rank, steps, lr=0.05, **compression):
+    """(losses, full parameters, the registered state or None) after ``steps`` SGD steps."""
+    import mergecomp
+    model = _model()
+    state = mergecomp.fsdp.register(model, **compression) if compression else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = _steps(model, optimizer, rank, range(steps))
     full = [p.full_tensor().detach().clone() for p in model.parameters()]
     return losses, full, state
 
@@ -200,14 +206,6 @@ def _example(rank):
     with contextlib.redirect_stdout(printed):
         example["main"](["--steps", "3", "--width", "16", "--print-every", "1"])
     return printed.getvalue()
-
-
-def _steps(model, optimizer, rank, steps):
-    for step in steps:
-        x, y = _batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _checkpoint(rank):

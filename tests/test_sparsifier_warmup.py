@@ -162,19 +162,14 @@ def test_the_ddp_hook_given_an_adamw_warms_top_k_up_and_masks():
 
 def _fsdp_under_adamw(rank, world_size):
     import mergecomp
-    from tests.test_fsdp import _batch, _model
+    from tests.test_fsdp import _model, _steps
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = mergecomp.fsdp.register(model, compressor="topk", optimizer=optimizer)
-    losses = []
-    for step in range(40):
-        state.set_epoch(0 if step < 20 else 4)  # the warm-up's densest epoch, then past it
-        x, y = _batch(rank, step)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    state.set_epoch(0)  # the warm-up's densest epoch, then past it
+    losses = _steps(model, optimizer, rank, range(20))
+    state.set_epoch(4)
+    losses += _steps(model, optimizer, rank, range(20, 40))
     return (losses, state.compressor.warmup, state.memory.masking, optimizer.param_groups[0]["betas"],
             state.lifecycle.meter.controller.raise_above)
 
