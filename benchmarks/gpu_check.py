@@ -19,7 +19,8 @@ is recorded and the next one runs:
 ``compressors``    ``benchmarks/compressors.py --devices cuda`` at 1M and 25M elements against
                    a clone and ``torch.topk``, with the Triton kernels and with the torch path
 ``step-profile``   a ResNet-50 and a GPT-2 small training step per compressor, world size 1,
-                   bf16 autocast, and for some compressors the step's operators, kernel
+                   bf16 autocast, each timed against a dense twin of the model in
+                   alternating steps, and for some compressors the step's operators, kernel
                    launches and host reads (``benchmarks/step_profile.py --operators``)
 =================  ===========================================================================
 
@@ -141,15 +142,15 @@ def profile_commands(settings: Settings) -> List[Command]:
         argv += ["--tiny", "--steps", "1", "--warmup", "0", "--compressors", "qsgd,randk,dgc",
                  "--operators", "1", "--operator-compressors", "none,dgc"]
     else:
-        argv += ["--budget-s", "120", "--per-compressor-s", "10", "--operators", "3"]
+        argv += ["--budget-s", "160", "--per-compressor-s", "10", "--operators", "3"]
     return [Command(argv, "step-profile.log")]
 
 
 STAGES: List[Stage] = [
-    Stage("kernels", 75, "Triton kernels against the CPU paths, timed against the torch path", kernel_commands),
-    Stage("cuda-tests", 150, "tests/test_cuda.py and tests/test_triton_kernels.py, interpreter off", test_commands),
-    Stage("compressors", 60, "compress + decompress at 1M and 25M, Triton and torch paths", compressor_commands),
-    Stage("step-profile", 145, "ResNet-50 and GPT-2 small training steps per compressor, and the operators, "
+    Stage("kernels", 60, "Triton kernels against the CPU paths, timed against the torch path", kernel_commands),
+    Stage("cuda-tests", 140, "tests/test_cuda.py and tests/test_triton_kernels.py, interpreter off", test_commands),
+    Stage("compressors", 50, "compress + decompress at 1M and 25M, Triton and torch paths", compressor_commands),
+    Stage("step-profile", 180, "ResNet-50 and GPT-2 small training steps per compressor, and the operators, "
                                "kernel launches and host reads of some", profile_commands),
 ]
 

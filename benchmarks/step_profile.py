@@ -7,8 +7,11 @@ tokens, 124M parameters, 1,024-token sequences).  Both are defined here, a few d
 lines each, so this script needs nothing beyond torch and mergecomp.  For each model,
 ``mergecomp.DistributedOptimizer`` wraps plain SGD with each compressor (its recommended
 memory and communicator, the default schedule) and a step — forward, backward with the
-exchange, optimizer step — is timed after warm-up steps; the dense step (``none``) is the
-baseline, and a compressor's share of its step is (its step − the dense step) / its step.
+exchange, optimizer step — is timed after warm-up steps, alternating with the steps of a
+dense twin of the model (the same architecture with ``none``), so each compressor has its
+own baseline measured in the same seconds; a compressor's share of its step is (its step −
+its dense twin's step) / its step.  The ``none`` row, the dense step against its twin, shows
+the noise the method leaves.
 At world size 1 the collectives move nothing over a network: what is left is the
 compressors' own work and the data path around it.
 
@@ -143,12 +146,56 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Trainer:
+    """One model, its batch and a ``DistributedOptimizer`` around plain SGD: ``step()`` is one
+    training step (forward under bf16 autocast, backward with the exchange, the update)."""
+
+    def __init__(self, model: nn.Module, inputs, loss_of, compressor: str, device: torch.device):
+        self.model, self.inputs, self.loss_of, self.device = model, inputs, loss_of, device
+        self.loss = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # recipe advice for training runs: not a timing
+            self.optimizer = mergecomp.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=1e-4), model=model,
+                compressor=compressors.create(compressor, **OPTIONS.get(compressor, {})))
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.loss_of(self.model(self.inputs))
+        loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.optimizer.step()
+        self.loss = loss.detach()
+
+    def timed_step(self) -> float:
+        """One step between two device synchronisations, in milliseconds."""
+        _synchronize(self.device)
+        begin = time.perf_counter()
+        self.step()
+        _synchronize(self.device)
+        return (time.perf_counter() - begin) * 1e3
+
+    def close(self) -> None:
+        self.optimizer.remove_hooks()
+
+
 def profile_model(name: str, make_model, make_batch, device: torch.device, names: List[str], steps: int,
                   warmup: int, per_compressor_s: float, deadline: float, operators: int = 0,
                   operator_names: Tuple[str, ...] = (), operator_rows: Optional[List[dict]] = None) -> List[dict]:
-    """One row per compressor: the median step time, or why there is none.  For the
-    compressors in ``operator_names``, ``operators`` more steps run under torch's profiler
-    and their summary (``step_operators.summarise``) is appended to ``operator_rows``."""
+    """One row per compressor: the median step time against the dense step's, or why there
+    is none.
+
+    Each compressor is timed against a dense twin of the model (the same architecture, its
+    own ``DistributedOptimizer`` with ``none``) in alternating steps — dense, compressed,
+    compressed, dense, … — so that both medians come from the same seconds of the GPU's
+    clocks and the host's load; a row's ``dense_ms`` is its own pair's.  The ``none`` row is
+    the dense step against its twin: its ratio shows what the method cannot resolve.  For
+    the compressors in ``operator_names``, ``operators`` more steps run under torch's
+    profiler and their summary (``step_operators.summarise``) is appended to
+    ``operator_rows``."""
+    reference = Trainer(make_model().to(device), *make_batch(device), "none", device)
     model = make_model().to(device)
     inputs, loss_of = make_batch(device)
     parameters = sum(p.numel() for p in model.parameters())
@@ -159,69 +206,54 @@ def profile_model(name: str, make_model, make_batch, device: torch.device, names
         if time.perf_counter() > deadline:
             row["note"] = "not reached: time budget spent"
             continue
-        optimizer = None
+        trainer = None
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # recipe advice for training runs: not a timing
-                optimizer = mergecomp.DistributedOptimizer(
-                    torch.optim.SGD(model.parameters(), lr=1e-4), model=model,
-                    compressor=compressors.create(compressor, **OPTIONS.get(compressor, {})))
-                losses = []
-
-                def one_step() -> None:
-                    optimizer.zero_grad(set_to_none=False)
-                    with torch.autocast(device.type, dtype=torch.bfloat16):
-                        loss = loss_of(model(inputs))
-                    loss.backward()
-                    optimizer.step()
-                    losses[:] = [loss.detach()]
-
-                times = []
-                started = time.perf_counter()
-                for step in range(warmup + steps):
-                    _synchronize(device)
-                    begin = time.perf_counter()
-                    one_step()
-                    _synchronize(device)
-                    if step >= warmup:
-                        times.append((time.perf_counter() - begin) * 1e3)
-                    if time.perf_counter() - started > per_compressor_s:
-                        row["note"] = f"stopped after {step + 1} steps: over {per_compressor_s:g} s"
-                        break
+            trainer = Trainer(model, inputs, loss_of, compressor, device)
+            times, dense_times = [], []
+            started = time.perf_counter()
+            for step in range(warmup + steps):
+                pair = (reference, trainer) if step % 2 == 0 else (trainer, reference)
+                measured = {id(t): t.timed_step() for t in pair}
+                if step >= warmup:
+                    times.append(measured[id(trainer)])
+                    dense_times.append(measured[id(reference)])
+                if time.perf_counter() - started > per_compressor_s:
+                    row["note"] = f"stopped after {step + 1} steps: over {per_compressor_s:g} s"
+                    break
             if times:
                 row["step_ms"] = statistics.median(times)
+                row["dense_ms"] = statistics.median(dense_times)
                 row["steps_timed"] = len(times)
-            if not math.isfinite(float(losses[0])):
+                row["share"] = (row["step_ms"] - row["dense_ms"]) / row["step_ms"]
+            if not math.isfinite(float(trainer.loss)):
                 row["note"] = "the loss is not finite"
             if operators and compressor in operator_names and operator_rows is not None and times:
-                prof = step_operators.profile_steps(one_step, operators, device)
+                prof = step_operators.profile_steps(trainer.step, operators, device)
                 operator_rows.append({"model": name, "compressor": compressor, "step_ms": row["step_ms"],
                                       "summary": step_operators.summarise(prof, operators, device.type == "cuda")})
         except Exception as error:  # recorded; the next compressor runs
             row["error"] = f"{type(error).__name__}: {error}"
         finally:
-            if optimizer is not None:
-                optimizer.remove_hooks()
+            if trainer is not None:
+                trainer.close()
         print(json.dumps(row), flush=True)
-    dense = next((r["step_ms"] for r in rows if r["compressor"] == "none" and "step_ms" in r), None)
-    for row in rows:
-        if dense is not None and "step_ms" in row:
-            row["share"] = (row["step_ms"] - dense) / row["step_ms"]
+    reference.close()
     return rows
 
 
 def write_table(rows: List[dict], path: str, header: str) -> None:
     with open(path, "w") as f:
-        f.write(header + "\n\n| model | parameters | compressor | step ms | × dense | share of the step | note |\n")
-        f.write("|---|---:|---|---:|---:|---:|---|\n")
-        dense = {r["model"]: r.get("step_ms") for r in rows if r["compressor"] == "none"}
+        f.write(header + "\n\n| model | parameters | compressor | step ms | dense step ms | × dense "
+                "| share of the step | note |\n")
+        f.write("|---|---:|---|---:|---:|---:|---:|---|\n")
         for row in rows:
-            ms = row.get("step_ms")
-            ratio = f"{ms / dense[row['model']]:.2f}" if ms and dense.get(row["model"]) else ""
+            ms, dense = row.get("step_ms"), row.get("dense_ms")
+            ratio = f"{ms / dense:.2f}" if ms and dense else ""
             share = f"{100 * row['share']:.0f}%" if "share" in row else ""
             note = row.get("error") or row.get("note", "")
             f.write(f"| {row['model']} | {row['parameters']:,} | {row['compressor']} | "
-                    f"{'' if ms is None else f'{ms:.1f}'} | {ratio} | {share} | {note} |\n")
+                    f"{'' if ms is None else f'{ms:.1f}'} | {'' if dense is None else f'{dense:.1f}'} | "
+                    f"{ratio} | {share} | {note} |\n")
 
 
 def main(argv=None) -> int:
@@ -230,7 +262,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny models: a rehearsal of the code path")
     parser.add_argument("--models", default=None, help="comma-separated models (default both)")
     parser.add_argument("--compressors", default=None, help="comma-separated (default: every registered one)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per compressor (median)")
+    parser.add_argument("--steps", type=int, default=9,
+                        help="timed steps per compressor, each beside one of the dense twin (medians)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--per-compressor-s", type=float, default=20.0)
     parser.add_argument("--budget-s", type=float, default=600.0, help="the whole run")
@@ -265,7 +298,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     header = (f"Training step per compressor, world size 1, bf16 autocast, {device} "
               f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), median of {args.steps} "
-              f"after {args.warmup}; kernels: {gpu_kernels.status()}")
+              f"after {args.warmup}, each beside a step of a dense twin; kernels: {gpu_kernels.status()}")
     with open(os.path.join(args.out, "step-profile.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     write_table(rows, os.path.join(args.out, "step-profile.md"), header)

@@ -66,7 +66,7 @@ def test_the_dry_run_runs_every_stage_on_the_cpu(tmp_path):
     kernels = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     assert kernels and all(row.get("matches", "yes") == "yes" and "error" not in row for row in kernels)
     profile = json.loads((tmp_path / "step-profile.json").read_text())["rows"]
-    assert all("step_ms" in row for row in profile), profile
+    assert all("step_ms" in row and "dense_ms" in row for row in profile), profile
     operators = json.loads((tmp_path / "step-operators.json").read_text())["rows"]
     assert {row["compressor"] for row in operators} == {"none", "dgc"}
     dense, dgc = (next(r["summary"] for r in operators if r["compressor"] == c) for c in ("none", "dgc"))
