@@ -135,7 +135,7 @@ def test_graddrop_warms_up_and_masks_as_top_k_does_under_adam():
     assert under_sgd.warmup == 0
 
 
-def _ddp_hook_under(rank, world_size, optimizer_name):
+def _ddp_hook_under(rank, world_size, optimizer_name, compressor="topk"):
     import mergecomp.ddp
     from torch.nn.parallel import DistributedDataParallel
     torch.manual_seed(0)
@@ -143,7 +143,7 @@ def _ddp_hook_under(rank, world_size, optimizer_name):
     ddp = DistributedDataParallel(model)
     optimizer = (torch.optim.AdamW(model.parameters(), lr=0.01) if optimizer_name == "adamw"
                  else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    state = mergecomp.ddp.register(ddp, compressor="topk", optimizer=optimizer)
+    state = mergecomp.ddp.register(ddp, compressor=compressor, optimizer=optimizer)
     state.set_epoch(0)
     return (state.compressor.warmup, state.compressor.density(), state.memory.masking, repr(state.compressor),
             state.lifecycle.meter.controller.raise_above)
@@ -158,6 +158,14 @@ def test_the_ddp_hook_given_an_adamw_warms_top_k_up_and_masks():
     for warmup, density, masking, _, raise_above in run_ranks(_ddp_hook_under, 2, "sgd"):
         assert (warmup, density, masking) == (0, 0.01, False)
         assert raise_above == 1.5
+
+
+def test_the_ddp_hooks_dgc_thresholds_follow_the_optimizer():
+    from tests.distributed import run_ranks
+    for _, _, masking, _, raise_above in run_ranks(_ddp_hook_under, 2, "adamw", "dgc"):
+        assert masking and raise_above == 24.0
+    for _, _, masking, _, raise_above in run_ranks(_ddp_hook_under, 2, "sgd", "dgc"):
+        assert masking and raise_above == 1.5  # masking under SGD too: without, a transformer diverged
 
 
 def _fsdp_under_adamw(rank, world_size):
