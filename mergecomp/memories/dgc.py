@@ -62,7 +62,8 @@ class DGCMemory(Memory):
     0.1% density sit in the last regime; a short run, or one where the same coordinates pass
     the threshold step after step (the warm-up's high densities, a language model's
     frequent rows), loses most of its step size to masking.  The bytes on the wire do not
-    change.
+    change.  Why masking stays the default under SGD: without it a transformer's run blew up
+    early where the masked one trained, while the LSTM gained from it (docs/results.md#sgd-dgc-masking).
     """
 
     needs_plain_optimizer = True
