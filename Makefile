@@ -10,6 +10,9 @@
 #               the machine's python (GPU_PYTHON, default python3) with PYTHONPATH=. and installs
 #               nothing (benchmarks/gpu_check.py).  make gpu-check-dry-run rehearses it on the CPU
 #               (into build/gpu-check-dry-run).
+# make iproute2-bundle  copy this host's ip and tc, with their libraries and loader, into
+#               build/iproute2, for a machine that has none and no network (a GPU machine's
+#               8-process check, benchmarks/scale_check.py real8, and the emulated cluster find it)
 #
 # Set-up: an active virtual environment is used as it is; otherwise .venv is created
 # (with access to system packages, so a torch already installed there is respected).
@@ -32,7 +35,7 @@ PY := $(CURDIR)/.venv/bin/python
 endif
 STAMP := $(dir $(PY)).mergecomp-installed
 
-.PHONY: setup demo test test-harness test-all bench plots horovod gpu-check gpu-check-dry-run clean
+.PHONY: setup demo test test-harness test-all bench plots horovod gpu-check gpu-check-dry-run iproute2-bundle clean
 
 setup: $(STAMP)
 
@@ -73,6 +76,9 @@ gpu-check:
 
 gpu-check-dry-run: setup
 	$(PY) benchmarks/gpu_check.py --dry-run --out build/gpu-check-dry-run
+
+iproute2-bundle:
+	$(PYTHON) benchmarks/harness/iproute2_bundle.py build/iproute2
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache

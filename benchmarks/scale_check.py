@@ -27,7 +27,9 @@ allreduce against the allgather, hierarchical against flat, and whether ``auto``
 8 real training processes of one thread each, flat and as 2 nodes of 4, behind 1 Gbit/s
 links, the same ``simulator.py rounds`` as the 8-rank check of 2026-11-24, in about 5
 minutes; it needs root and iproute2 for the links (no network, no pip), and says SKIPPED,
-exiting 0, where the host cannot make them.
+exiting 0, where the host cannot make them.  A GPU machine without iproute2 takes one
+carried from here: ``make iproute2-bundle`` (``build/iproute2``, which the cluster finds),
+sent along with the checkout.
 """
 from __future__ import annotations
 

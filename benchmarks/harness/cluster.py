@@ -72,6 +72,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from . import iproute2_bundle
 from .profiles import PROFILES, Profile, format_delay, format_rate, load_profiles, parse_profile
 
 __all__ = ["Cluster", "ClusterUnavailable", "PROFILES", "Profile", "RunResults", "WorkerResult",
@@ -106,8 +107,13 @@ def _bucket_bytes(rate_bps: float) -> int:
 
 
 def _ensure_iproute2() -> None:
-    """Install iproute2 with apt-get when root and it is missing; raise if that is impossible."""
+    """Find iproute2: on the PATH, carried (:func:`.iproute2_bundle.put_on_path`), or installed with
+    apt-get when root; raise if none of these works."""
     if shutil.which("ip") and shutil.which("tc"):
+        return
+    carried = iproute2_bundle.put_on_path()
+    if carried:
+        print(f"cluster: using the iproute2 carried in {carried}", file=sys.stderr)
         return
     if os.geteuid() == 0 and shutil.which("apt-get"):
         print("cluster: iproute2 (ip, tc) missing; installing it with apt-get", file=sys.stderr)
@@ -119,8 +125,9 @@ def _ensure_iproute2() -> None:
                                  f"iproute2' failed:\n{proc.stderr.strip()[-500:]}\n"
                                  f"Install it yourself, or use --profile loopback (unshaped).")
     raise ClusterUnavailable("iproute2 (the 'ip' and 'tc' commands) is not installed; install "
-                             "it as root (apt-get install iproute2), or use --profile loopback "
-                             "(unshaped).")
+                             "it as root (apt-get install iproute2), carry it from a host that has it "
+                             "(benchmarks/harness/iproute2_bundle.py build/iproute2), or use --profile "
+                             "loopback (unshaped).")
 
 
 def netns_support() -> Optional[str]:
