@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mergecomp
-from mergecomp import memories
+from mergecomp import compressors, memories
 
 from tests.distributed import run_ranks
 
@@ -107,11 +107,12 @@ def _model():
 
 
 def _inner(model, name):
-    """The user's optimizer: SGD with momentum ("momentum"), without ("plain"), Adam, or Adam
-    without its first moment ("adam, β1 0")."""
+    """The user's optimizer: SGD with momentum ("momentum"), without ("plain"; "plain, folded":
+    at lr / (1 − 0.9)), Adam, or Adam without its first moment ("adam, β1 0")."""
     if name.startswith("adam"):
         return torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.0 if "β1 0" in name else 0.9, 0.999))
-    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if name == "momentum" else 0.0)
+    return torch.optim.SGD(model.parameters(), lr=0.1 / (1 - 0.9) if name == "plain, folded" else 0.1,
+                           momentum=0.9 if name == "momentum" else 0.0)
 
 
 #: Memories built in the rank (instances do not travel to it): the rest go by name.
@@ -340,3 +341,47 @@ def test_a_state_saved_in_heavy_ball_units_is_converted_on_load():
     assert taken.state_dict()["units"] == "gradient"
     with pytest.raises(ValueError, match="units 'furlongs'"):
         taken.check_state({**state, "units": "furlongs"}, {"g": (4, torch.float32)})
+
+
+def test_a_folding_memory_takes_the_momentum_off_and_applies_none():
+    for make, folded in ((lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), {"momentum": 0.0, "lr": 0.1 / (1 - 0.9)}),
+                         (lambda p: torch.optim.AdamW(p, lr=0.1, betas=(0.8, 0.99)), {"betas": (0.0, 0.99)})):
+        p = params()
+        optimizer = make(p)
+        memory = memories.create("residual", momentum="fold")
+        memory.check_optimizer(optimizer)
+        assert memory.folded in (0.9, 0.8) and memory.sgd_momentum == 0.0 and not memory.masking
+        assert "momentum='fold'" in repr(memory)
+        seen = []
+        optimizer.register_step_pre_hook(lambda opt, *_: seen.append(dict(opt.param_groups[0])))
+        p[0].grad = torch.ones(3)
+        optimizer.step()
+        assert {key: seen[0][key] for key in folded} == pytest.approx(folded)  # stepped without it
+        g = torch.tensor([1.0, -2.0, 3.0])
+        assert torch.equal(memory.compensate(g, "g"), g)  # plain error feedback: no momentum here
+    rmsprop = torch.optim.RMSprop(params(), lr=0.1, momentum=0.9)  # a momentum it cannot take: kept
+    kept = memories.create("residual", momentum="fold")
+    kept.check_optimizer(rmsprop)
+    assert kept.folded == 0.0 and rmsprop.param_groups[0]["momentum"] == 0.9
+
+
+def test_ef_signsgd_and_one_bit_take_the_momentum_off_by_default_without_advice():
+    from mergecomp.compressors import recipes
+    for name in ("efsignsgd", "onebit"):
+        compressor = compressors.create(name)
+        memory = memories.recommended(compressor)
+        sgd = torch.optim.SGD(params(), lr=0.1, momentum=0.9)
+        memory.check_optimizer(sgd)
+        assert memory.folds and recipes.advice(compressor, sgd, memory) is None  # the memory folds it
+        assert "fold it into the learning rate" in recipes.advice(compressor, sgd, memories.create("residual"))
+
+
+@pytest.mark.parametrize("optimizer_name, by_hand", [("momentum", "plain, folded"), ("adam", "adam, β1 0")])
+def test_the_wrapper_trains_ef_signsgd_with_the_momentum_folded(optimizer_name, by_hand):
+    # the user's SGD(momentum=0.9) or Adam with EF-SignSGD's defaults: the same steps as the
+    # recipe by hand (SGD without momentum at lr / (1 − m); Adam at β1 = 0), plain error feedback
+    folded = run_ranks(_train, 2, optimizer_name, "auto", "efsignsgd")
+    manual = run_ranks(_train, 2, by_hand, "residual", "efsignsgd")
+    for (mine, _, _), (theirs, _, _) in zip(folded, manual):
+        for a, b in zip(mine, theirs):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)

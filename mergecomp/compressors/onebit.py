@@ -11,6 +11,7 @@ On the wire: the packed bits (⌈n/8⌉ bytes) and the two fp32 means of each pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -45,7 +46,8 @@ class OneBitCompressor(Compressor):
     parameter view of the group (the ``layout``), so a layer of small gradients is not
     rebuilt with the means of a layer of large ones (the whole tensor is one view without a
     layout).  A view that is all zero decodes to 0 (both its means are 0).  Biased: pair it
-    with the ``residual`` memory, the error feedback the paper introduced.
+    with the ``residual`` memory, the error feedback the paper introduced; its default takes
+    the optimizer's momentum off (``momentum="fold"``: see the EF-SignSGD compressor).
 
     Wire for n elements in v parameter views: ⌈n/8⌉ bytes + 8·v bytes for the two fp32
     means of each view.
@@ -55,6 +57,8 @@ class OneBitCompressor(Compressor):
     fixed_size = True
     unbiased = False
     recommended_memory = "residual"
+    #: SGD's momentum folded into the learning rate, an Adam's β1 off (the memory's "fold").
+    recommended_memory_options = MappingProxyType({"momentum": "fold"})
     recommended_communicator = "allgather"
     recipe = Recipe(
         reason="the residual releases a coordinate's backlog in bursts of its side's mean, and "

@@ -25,6 +25,7 @@ one element per view (its first); only a view whose first element is zero is rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -250,9 +251,16 @@ class EFSignSGDCompressor(_SignCompressor):
 
     Wire for n elements in v parameter views: ⌈n/8⌉ bytes of signs + ⌈v/8⌉ bytes of
     zero-view flags + 4·v bytes for the fp32 scales.
+
+    Its default memory takes the optimizer's momentum off (the ``residual`` memory's
+    ``momentum="fold"``): SGD's is folded into the learning rate, as the paper's plain SGD on
+    the fed-back update, and an Adam's first moment is set to 0; after the exchange either
+    would multiply the residual's bursts (docs/results.md#adamw-sign).
     """
 
     recommended_memory = "residual"
+    #: SGD's momentum folded into the learning rate, an Adam's β1 off (the memory's "fold").
+    recommended_memory_options = MappingProxyType({"momentum": "fold"})
     recommended_communicator = "allgather"
     recipe = Recipe(
         reason="the residual releases a coordinate's backlog in bursts of the view's mean magnitude, "

@@ -19,6 +19,8 @@ from ..staging import Spares, StagedDict, shares_memory
 
 #: ``momentum=FOLLOW``: SGD's momentum taken over where there is one, none otherwise.
 FOLLOW = "optimizer"
+#: ``momentum=FOLD``: the optimizer's momentum taken off and applied nowhere (see the class).
+FOLD = "fold"
 
 
 @register("residual")
@@ -48,6 +50,16 @@ class ResidualMemory(Memory):
     reached dense (docs/results.md#adamw-topk-default).  Without ``adam``, an Adam's first
     moment stays with Adam, after the exchange.
 
+    ``momentum="fold"`` (EF-SignSGD's and 1-bit SGD's recommendation) takes the optimizer's
+    momentum off and applies it nowhere: an ``SGD(momentum=m)`` steps without momentum at
+    lr / (1 − m), the momentum folded into the learning rate (the same steady-state step),
+    and an Adam or AdamW steps at β1 = 0; this memory stays plain error feedback.  Why:
+    these compressors release a coordinate's backlog in bursts of its view's mean
+    magnitude, and a momentum after the exchange multiplies each burst, Adam's first moment
+    as SGD's.  Measured: EF-SignSGD and 1-bit SGD under AdamW with its first moment trailed
+    dense far behind, at β1 = 0 they reached it (docs/results.md#adamw-sign).  An optimizer whose momentum cannot be taken (RMSprop's)
+    keeps it, as with ``"optimizer"``.
+
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
     step writes come from the ones earlier commits replaced (page faults of a fresh
@@ -71,13 +83,18 @@ class ResidualMemory(Memory):
                                             "for N ranks clips as the averaged gradient would.")
         self.clip_norm = clip_norm  # local clipping: the gradient, before the residual is added
         #: Whether the momentum is whatever the SGD optimizer has (``momentum="optimizer"``).
-        self.follows_optimizer = momentum == FOLLOW
-        if not self.follows_optimizer:
+        self.follows_optimizer = isinstance(momentum, str) and momentum == FOLLOW
+        #: Whether the optimizer's momentum is taken off and applied nowhere (``momentum="fold"``).
+        self.folds = isinstance(momentum, str) and momentum == FOLD
+        if not (self.follows_optimizer or self.folds):
             momentum = check_number(momentum, "residual memory momentum", 0.0, 1.0, high_open=True,
                                     advice="0 applies none (the optimizer's acts after the exchange); "
-                                           "'optimizer' takes an SGD optimizer's over.")
+                                           "'optimizer' takes an SGD optimizer's over; 'fold' takes the "
+                                           "optimizer's off.")
         #: SGD's momentum, applied here before the exchange (0: none).
-        self.sgd_momentum = 0.0 if self.follows_optimizer else float(momentum)
+        self.sgd_momentum = 0.0 if self.follows_optimizer or self.folds else float(momentum)
+        #: The optimizer's momentum taken off (``momentum="fold"``), once it is vetted.
+        self.folded = 0.0
         self.nesterov = check_flag(nesterov, "residual memory nesterov")
         #: Whether ``momentum="optimizer"`` takes an Adam's first moment over too.
         self.adam = check_flag(adam, "residual memory adam")
@@ -97,26 +114,31 @@ class ResidualMemory(Memory):
     def momentum_role(self) -> Optional[str]:
         """:data:`~mergecomp.momentum.TAKES_OVER` when it follows the optimizer or has a
         momentum; None when the optimizer's momentum acts after the exchange."""
-        return TAKES_OVER if self.follows_optimizer or self.sgd_momentum > 0.0 else None
+        return TAKES_OVER if self.follows_optimizer or self.folds or self.sgd_momentum > 0.0 else None
 
     def check_optimizer(self, optimizer) -> None:
         """Take SGD's momentum over when this memory follows the optimizer or has a momentum
         of its own (which SGD's must then equal); nothing otherwise.  A memory that follows
         the optimizer refuses nothing: where the momentum is not taken over (Adam's, groups
-        that differ, a dampening) it stays plain error feedback and the optimizer keeps it."""
-        if not self.follows_optimizer and self.sgd_momentum == 0.0:
+        that differ, a dampening) it stays plain error feedback and the optimizer keeps it.
+        A memory that folds takes SGD's momentum or an Adam's first moment off the same way."""
+        if not (self.follows_optimizer or self.folds) and self.sgd_momentum == 0.0:
             return
         try:
-            take_over_momentum(optimizer, self, "the residual memory's momentum", adam=self.adam)
+            take_over_momentum(optimizer, self, "the residual memory's momentum", adam=self.adam or self.folds)
         except ValueError:
-            if not self.follows_optimizer:
+            if not (self.follows_optimizer or self.folds):
                 raise
             return
         self.masking = self.adam and is_adam(optimizer)
 
     def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
         """Use the optimizer's ``momentum`` and ``nesterov`` from now on; ValueError when this
-        memory was given another momentum (unless ``follow``: a schedule moved SGD's)."""
+        memory was given another momentum (unless ``follow``: a schedule moved SGD's).  A
+        memory that folds only records it: it applies none."""
+        if self.folds:
+            self.folded = float(momentum)
+            return
         if not (self.follows_optimizer or follow) and (momentum, nesterov) != (self.sgd_momentum, self.nesterov):
             raise ValueError(
                 f"the residual memory was given momentum={self.sgd_momentum}, nesterov={self.nesterov}, but the "
@@ -254,7 +276,8 @@ class ResidualMemory(Memory):
 
     def __repr__(self):
         clip = "" if self.clip_norm is None else f", clip_norm={self.clip_norm}"
-        momentum = "" if self.sgd_momentum == 0.0 else f", momentum={self.sgd_momentum}"
+        momentum = ", momentum='fold'" if self.folds else "" if self.sgd_momentum == 0.0 else \
+            f", momentum={self.sgd_momentum}"
         nesterov = ", nesterov=True" if self.nesterov else ""
         adam = ", adam=True" if self.adam else ""
         return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip}{momentum}{nesterov}{adam})"
