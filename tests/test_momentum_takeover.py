@@ -363,6 +363,8 @@ def test_a_folding_memory_takes_the_momentum_off_and_applies_none():
     kept = memories.create("residual", momentum="fold")
     kept.check_optimizer(rmsprop)
     assert kept.folded == 0.0 and rmsprop.param_groups[0]["momentum"] == 0.9
+    from mergecomp.compressors import recipes  # so the recipe's advice still says what to do
+    assert "fold it into the learning rate" in recipes.advice(compressors.create("efsignsgd"), rmsprop, kept)
 
 
 def test_ef_signsgd_and_one_bit_take_the_momentum_off_by_default_without_advice():

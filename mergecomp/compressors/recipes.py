@@ -163,7 +163,7 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
                                 f"lr={lr:g}, above the {recipe.max_lr:g} this compressor trains "
                                 f"at; use lr = {_value_for(lr, recipe)}")
                 break
-    if recipe.fold_momentum and not getattr(memory, "folds", False):  # a folding memory does it
+    if recipe.fold_momentum and not getattr(memory, "folded", 0.0):  # a memory that folded it
         for index, group in enumerate(getattr(optimizer, "param_groups", [])):
             momentum, lr = group.get("momentum"), group.get("lr")
             if isinstance(momentum, (int, float)) and 0 < momentum < 1:

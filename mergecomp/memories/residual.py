@@ -56,9 +56,9 @@ class ResidualMemory(Memory):
     and an Adam or AdamW steps at β1 = 0; this memory stays plain error feedback.  Why:
     these compressors release a coordinate's backlog in bursts of its view's mean
     magnitude, and a momentum after the exchange multiplies each burst, Adam's first moment
-    as SGD's.  Measured: EF-SignSGD and 1-bit SGD under AdamW with its first moment trailed
-    dense far behind, at β1 = 0 they reached it (docs/results.md#adamw-sign).  An optimizer whose momentum cannot be taken (RMSprop's)
-    keeps it, as with ``"optimizer"``.
+    as SGD's.  Measured: EF-SignSGD and 1-bit SGD under AdamW with its first moment fell far
+    behind dense, at β1 = 0 they kept up (docs/results.md#adamw-sign).  An optimizer whose
+    momentum cannot be taken (RMSprop's) keeps it, as with ``"optimizer"``.
 
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
