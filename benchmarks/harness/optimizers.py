@@ -111,7 +111,9 @@ def row_settings(hyper: Hyper, recipe, compressor, memory, spec_lr_scale: Option
         if spec_lr_scale is None:
             lr = recipe.learning_rate(hyper.lr, hyper.momentum)
     elif momentum_roles.role(memory) == momentum_roles.TAKES_OVER and hyper.momentum:
-        momentum, where = hyper.momentum, "taken over"  # the memory applies SGD's momentum
+        # the memory applies SGD's momentum, or folds it into lr at each step (EF-SignSGD's)
+        momentum, where = hyper.momentum, ("folded into lr by the memory" if getattr(memory, "folds", False)
+                                           else "taken over")
     elif _owns_momentum(compressor, memory):
         momentum, where = 0.0, "compressor/memory"
     else:
@@ -126,6 +128,8 @@ def _adamw_row(hyper: Hyper, memory, compressor, spec_lr_scale, spec_momentum) -
     if beta1 and _owns_momentum(compressor, memory):
         return RowSettings(lr, 0.0, (0.0, hyper.betas[1]), "adam, β1 in the compressor or memory")
     if momentum_roles.role(memory) == momentum_roles.TAKES_OVER:
+        if getattr(memory, "folds", False):
+            return RowSettings(lr, 0.0, betas, "adam, β1 off (folded by the memory)" if beta1 else "adam")
         if getattr(memory, "follows_optimizer", False) and not getattr(memory, "adam", False):
             # takes SGD's only: Adam keeps its moments
             return RowSettings(lr, 0.0, betas, "adam (plain error feedback)")

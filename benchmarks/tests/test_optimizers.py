@@ -33,7 +33,7 @@ def test_sgd_rows_are_placed_as_the_benchmark_always_placed_them():
 
 
 def test_adamw_keeps_its_rate_and_betas_where_nothing_owns_a_momentum():
-    for name in ("none", "signsgd", "efsignsgd", "qsgd", "powersgd"):
+    for name in ("none", "signsgd", "qsgd", "powersgd"):
         row = _row(ADAMW, name)
         assert (row.lr, row.betas, row.momentum) == (0.003, (0.9, 0.98), 0.0), name
         assert row.momentum_in == "adam", name
@@ -52,6 +52,15 @@ def test_under_adamw_a_memory_that_follows_sgds_momentum_is_plain_error_feedback
 def test_under_adamw_the_sparsifiers_memory_takes_beta1_over(name):
     row = _row(ADAMW, name)
     assert row.betas == (0.9, 0.98) and row.momentum_in == "adam, β1 taken over by the memory"
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+def test_the_sign_compressors_memory_folds_the_momentum(name):
+    row = _row(ADAMW, name)
+    assert row.betas == (0.9, 0.98) and row.momentum_in == "adam, β1 off (folded by the memory)"
+    compressor = compressors.create(name)
+    sgd = optimizers.row_settings(SGD, None, compressor, memories.recommended(compressor), None, None)
+    assert sgd.momentum_in == "folded into lr by the memory" and sgd.momentum == SGD.momentum
 
 
 def test_under_adamw_the_dgc_memory_takes_beta1_over():
