@@ -294,9 +294,10 @@ _holders: "weakref.WeakSet" = weakref.WeakSet()
 
 
 #: The process groups :func:`shutdown` destroyed, kept referenced from Python until the next
-#: :func:`init_distributed` or the interpreter's exit handlers (after :func:`shutdown`'s own).  A gloo group's worker threads are
-#: joined by its C++ destructor, which must run without the GIL: a thread may still be
-#: dropping its last collective's tensors, and that needs the GIL.  Dropped from Python,
+#: :func:`init_distributed` or the interpreter's exit handlers (after :func:`shutdown`'s
+#: own).  A gloo group's worker threads are joined by its C++ destructor, which must run
+#: without the GIL: a thread may still be dropping its last collective's tensors, and that
+#: needs the GIL.  Dropped from Python,
 #: a group is destroyed with the GIL released; dropped last by a C++ owner that holds the
 #: GIL (DDP's Reducer, when the DDP model is deleted after the group), the two threads wait
 #: on each other forever.  Holding the group here makes Python's reference the last one.
