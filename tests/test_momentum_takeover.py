@@ -367,15 +367,17 @@ def test_a_folding_memory_takes_the_momentum_off_and_applies_none():
     assert "fold it into the learning rate" in recipes.advice(compressors.create("efsignsgd"), rmsprop, kept)
 
 
-def test_ef_signsgd_and_one_bit_take_the_momentum_off_by_default_without_advice():
+def test_the_bursting_residuals_take_the_momentum_off_by_default_without_advice():
     from mergecomp.compressors import recipes
-    for name in ("efsignsgd", "onebit"):
+    for name in ("efsignsgd", "onebit", "tbq", "randk"):
         compressor = compressors.create(name)
         memory = memories.recommended(compressor)
         sgd = torch.optim.SGD(params(), lr=0.1, momentum=0.9)
         memory.check_optimizer(sgd)
         assert memory.folds and recipes.advice(compressor, sgd, memory) is None  # the memory folds it
         assert "fold it into the learning rate" in recipes.advice(compressor, sgd, memories.create("residual"))
+    unbiased = compressors.create("randk", unbiased=True)  # no residual, nothing to fold
+    assert unbiased.recommended_memory == "none" and not unbiased.recommended_memory_options
 
 
 @pytest.mark.parametrize("optimizer_name, by_hand", [("momentum", "plain, folded"), ("adam", "adam, β1 0")])

@@ -65,7 +65,7 @@ def test_advice_names_what_contradicts_the_recipe_and_what_to_do():
     assert "momentum=0.9; fold it into the learning rate: momentum=0, lr = 0.5: your 0.05 / (1 − 0.9)" in tbq
     folded = recipes.advice(compressors.create("efsignsgd"), _sgd(lr=0.05, momentum=0.9), "residual")
     assert ". The paper: EF-SGD" in folded and ".. The paper" not in folded  # one sentence each
-    randk = recipes.advice(compressors.create("randk"), _sgd(lr=0.5, momentum=0.0), "residual")
+    randk = recipes.advice(compressors.create("randk", compress_ratio=0.01), _sgd(lr=0.5, momentum=0.0), "residual")
     assert "compress_ratio=0.01 is below the 0.1 it needs" in randk
     unbiased = recipes.advice(compressors.create("randk", unbiased=True, compress_ratio=0.25),
                               _sgd(momentum=0.0), "residual")
@@ -81,47 +81,52 @@ def test_unbiased_randk_recommends_no_error_feedback():
     assert recipe.lr_scale == 0.5 and recipe.memory == "none" and not recipe.fold_momentum
 
 
-def _construct(rank, world_size, compressor, lr, momentum):
+def _construct(rank, world_size, compressor, lr, momentum, memory="auto"):
     model = torch.nn.Linear(4, 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         optimizer = mergecomp.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), model=model, compressor=compressor)
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), model=model, compressor=compressor,
+            memory=memory)
     optimizer.remove_hooks()
     return [(w.category.__name__, str(w.message), w.filename) for w in caught
             if issubclass(w.category, RecipeWarning)]
 
 
 def test_the_optimizer_warns_at_construction_from_the_users_line():
-    caught = run_ranks(_construct, 1, "tbq", 0.05, 0.9)[0]
+    # A plain residual: TBQ's default memory folds the momentum itself, so it has no advice.
+    caught = run_ranks(_construct, 1, "tbq", 0.05, 0.9, "residual")[0]
     assert len(caught) == 1 and "fold it into the learning rate" in caught[0][1], caught
     assert caught[0][2].endswith("test_recipes.py"), caught  # points at the line that built it
-    assert run_ranks(_construct, 1, "tbq", 0.5, 0.0)[0] == []
+    assert run_ranks(_construct, 1, "tbq", 0.5, 0.0, "residual")[0] == []
+    assert run_ranks(_construct, 1, "tbq", 0.05, 0.9)[0] == []
 
 
-def _hook_warnings(rank, world_size, compressor, momentum, later):
+def _hook_warnings(rank, world_size, compressor, momentum, later, memory="auto", ratio=None):
     import mergecomp.ddp
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = DDP(torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    compressor = compressors.create(compressor, **({} if ratio is None else {"compress_ratio": ratio}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if later:  # as a framework does: the hook first, the optimizer after
-            state = mergecomp.ddp.register(model, compressor=compressor)
+            state = mergecomp.ddp.register(model, compressor=compressor, memory=memory)
             state.check_optimizer(optimizer)
         else:
-            mergecomp.ddp.register(model, compressor=compressor, optimizer=optimizer)
+            mergecomp.ddp.register(model, compressor=compressor, memory=memory, optimizer=optimizer)
     return [(str(w.message), w.filename) for w in caught if issubclass(w.category, RecipeWarning)]
 
 
 def test_the_ddp_hook_checks_the_optimizer_it_is_given_or_shown_later():
     for later in (False, True):
-        caught = run_ranks(_hook_warnings, 1, "tbq", 0.9, later)[0]
+        caught = run_ranks(_hook_warnings, 1, "tbq", 0.9, later, "residual")[0]
         assert len(caught) == 1 and "fold it into the learning rate" in caught[0][0], caught
         assert caught[0][1].endswith("test_recipes.py"), caught
-    assert run_ranks(_hook_warnings, 1, "tbq", 0.0, False)[0] == []
+    assert run_ranks(_hook_warnings, 1, "tbq", 0.0, False, "residual")[0] == []
+    assert run_ranks(_hook_warnings, 1, "tbq", 0.9, False)[0] == []  # its default memory folds it
     # Without an optimizer, what can be judged alone: the ratio (and the memory).
-    caught = run_ranks(_hook_warnings, 1, "randk", 0.0, True)[0]
+    caught = run_ranks(_hook_warnings, 1, "randk", 0.0, True, "auto", 0.01)[0]
     assert len(caught) == 1 and "compress_ratio=0.01 is below the 0.1" in caught[0][0], caught
 
 

@@ -18,7 +18,7 @@ def test_the_convergence_benchmark_applies_each_recipe():
     pytest.importorskip("sklearn", reason="the convergence benchmark imports scikit-learn's digits")
     settings, lr, momentum, ratio = run_ranks(_benchmark_settings, 1, "randk")[0]
     assert (lr, momentum, ratio) == (pytest.approx(0.5), 0.0, 0.1)
-    assert settings["momentum_in"] == "folded into lr" and settings["recipe_arguments"] == {"compress_ratio": 0.1}
+    assert settings["momentum_in"] == "folded into lr" and settings["recipe_arguments"] == {}  # its default is 0.1
     assert settings["advice"] is None
     settings, lr, momentum, _ = run_ranks(_benchmark_settings, 1, "signsgd")[0]
     assert (lr, momentum) == (pytest.approx(0.0005), 0.9)

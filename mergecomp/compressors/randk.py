@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Optional
 
 import torch
 
@@ -31,6 +33,12 @@ class RandKContext(Context):
     scale: float
 
 
+#: The default density with error feedback and unbiased: the least at which each trains
+#: (their recipes' ``min_ratio``; docs/results.md#adamw-more-quantisers).
+DEFAULT_RATIO = 0.1
+UNBIASED_DEFAULT_RATIO = 0.25
+
+
 @register("randk")
 class RandKCompressor(Compressor):
     """Keep k = ratio·n coordinates chosen uniformly at random.
@@ -40,11 +48,18 @@ class RandKCompressor(Compressor):
     them itself, the same integers as a CPU), so only the k values travel and payloads
     are summable (allreduce works).
     With ``unbiased=True`` values are scaled by n/k, making the estimate unbiased; the
-    default leaves them unscaled for use with residual memory (error feedback).
+    default leaves them unscaled for use with residual memory (error feedback), whose default
+    here takes the optimizer's momentum off (``momentum="fold"``: see the EF-SignSGD
+    compressor): a coordinate's backlog goes out once every 1/ratio steps, and a momentum
+    after the exchange would multiply each late send.
 
     The step counters that key the indices are state: saved by ``state_dict()`` and staged
     with the step (``rollback()`` rewinds them), never derived from the rank, so every rank
     draws the same indices.  ``seed`` must be the same on every rank (it shows in ``repr``).
+
+    ``compress_ratio`` defaults to the least each variant trains at: 0.1 with error feedback
+    (a coordinate waits 1/ratio steps for its turn), 0.25 unbiased (each step's variance is
+    1/ratio times SGD's).  Below them, prefer a selecting compressor (top-k, DGC).
 
     Wire for n elements: k × value bytes (4k for fp32); no indices.
     """
@@ -52,17 +67,22 @@ class RandKCompressor(Compressor):
     summable = True
     unbiased = False  # per instance: the ``unbiased`` option
     recommended_memory = "residual"
+    #: SGD's momentum folded into the learning rate, an Adam's β1 off (the memory's "fold").
+    recommended_memory_options = MappingProxyType({"momentum": "fold"})
     recommended_communicator = "allreduce"
     fixed_size = True
     staged_state = ("_steps",)
 
-    def __init__(self, compress_ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
+    def __init__(self, compress_ratio: Optional[float] = None, seed: int = 0, unbiased: bool = False):
+        self.unbiased = bool(unbiased)
+        if compress_ratio is None:  # a random subset needs more than a selected one to train
+            compress_ratio = UNBIASED_DEFAULT_RATIO if self.unbiased else DEFAULT_RATIO
         self.compress_ratio = check_ratio(compress_ratio)
         self.seed = int(seed)
-        self.unbiased = bool(unbiased)
         # Unbiased values need no error feedback: a residual of n/k-scaled values grows
         # without bound (a loss of 1e11 in the first epoch was measured with that pairing).
         self.recommended_memory = "none" if self.unbiased else "residual"
+        self.recommended_memory_options = MappingProxyType({} if self.unbiased else {"momentum": "fold"})
         self._steps = StagedDict()
 
     @property

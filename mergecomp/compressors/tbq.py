@@ -9,6 +9,8 @@ On the wire: one 2-bit code per element (0 → 0, 1 → +τ, 2 → −τ), ⌈n/
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from . import register
@@ -26,7 +28,9 @@ class TBQCompressor(Compressor):
     grown past the threshold.  Biased per step; with the residual nothing is lost.  τ is a
     hyperparameter shared by all ranks, so it is not sent; each element costs a 2-bit code
     (0 → 0, 1 → +τ, 2 → −τ) instead of Strom's sparse 32-bit index list, which keeps the
-    payload fixed-size and cheaper whenever more than 1/16 of the elements pass.
+    payload fixed-size and cheaper whenever more than 1/16 of the elements pass.  Its default
+    memory takes the optimizer's momentum off (``momentum="fold"``: see the EF-SignSGD
+    compressor), since after the exchange a momentum multiplies the residual's backlog.
 
     Wire for n elements: ⌈n/4⌉ bytes.
     """
@@ -35,6 +39,8 @@ class TBQCompressor(Compressor):
     fixed_size = True
     unbiased = False
     recommended_memory = "residual"
+    #: SGD's momentum folded into the learning rate, an Adam's β1 off (the memory's "fold").
+    recommended_memory_options = MappingProxyType({"momentum": "fold"})
     recommended_communicator = "allgather"
     recipe = Recipe(
         reason="an element moves by at most τ per step, so the residual of a large gradient holds a "
