@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from ..momentum import OWNS, refuse_optimizer_momentum
+from ..momentum import OWNS, is_adam, refuse_optimizer_momentum
 from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, GroupLayout, check_layout
@@ -174,9 +174,13 @@ class SignumCompressor(_MajorityVote):
 
     def check_optimizer(self, optimizer) -> None:
         """Refuse an optimizer with its own momentum: SIGNUM's momentum lives here."""
-        refuse_optimizer_momentum(
-            optimizer, "the signum compressor (sign of momentum)",
-            f"Use plain SGD (momentum=0) and set the compressor's beta (now {self.beta}).")
+        if is_adam(optimizer):  # the vote is a sign: Adam's first moment can average it instead
+            advice = ("Under an Adam, use the signsgd compressor (Adam's first moment then averages "
+                      "the votes), or pass betas=(0, beta2) to keep this compressor's momentum "
+                      "(docs/results.md#adamw-more-quantisers).")
+        else:
+            advice = f"Use plain SGD (momentum=0) and set the compressor's beta (now {self.beta})."
+        refuse_optimizer_momentum(optimizer, "the signum compressor (sign of momentum)", advice)
 
     def __init__(self, beta: float = 0.9):
         beta = float(beta)
