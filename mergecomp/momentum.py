@@ -155,6 +155,35 @@ def take_over_momentum(optimizer, memory, component: str, adam: bool = True) -> 
         getattr(optimizer, _TAKEN)["memory"] = memory
 
 
+class FoldedFirstMoment:
+    """What a compressor with its own error feedback keeps when it takes an Adam's first
+    moment off and applies it nowhere (:func:`fold_adam_first_moment`): the β1 it took."""
+
+    #: Read by :func:`take_over_momentum`'s caller only for a memory; kept for its interface.
+    gradient_units = False
+
+    def __init__(self):
+        self.folded = 0.0
+
+    def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
+        self.folded = float(momentum)
+
+
+def fold_adam_first_moment(optimizer, record: FoldedFirstMoment, component: str) -> None:
+    """Run an Adam's or AdamW's ``step()`` at β1 = 0 (the user's betas stay in its
+    ``param_groups``, as :func:`take_over_momentum` does), recording β1 in ``record``; nothing
+    for another optimizer, or for an Adam whose groups have different first moments (it then
+    keeps them).  For a compressor whose own error feedback releases its backlog through the
+    exchange (PowerSGD's): a first moment after the exchange multiplies each release, as it
+    does a residual memory's (the ``residual`` memory's ``momentum="fold"``)."""
+    if not is_adam(optimizer):
+        return
+    try:
+        take_over_momentum(optimizer, record, component, adam=True)
+    except ValueError:  # groups with different β1: one record cannot serve them
+        record.folded = 0.0
+
+
 def _shared_momentum(optimizer, component: str) -> Tuple[float, bool]:
     """The momentum and Nesterov flag every parameter group of ``optimizer`` has; ValueError
     naming the groups that differ, or a dampening."""

@@ -389,3 +389,23 @@ def test_the_wrapper_trains_ef_signsgd_with_the_momentum_folded(optimizer_name, 
     for (mine, _, _), (theirs, _, _) in zip(folded, manual):
         for a, b in zip(mine, theirs):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("compressor", ["tbq", "randk", "powersgd"])
+def test_the_wrapper_takes_adams_first_moment_off_for_error_feedback_by_default(compressor):
+    # TBQ's and rand-k's memory folds it; PowerSGD's own error feedback does: the user's Adam
+    # steps as the same Adam at β1 = 0 by hand, with the same memory.
+    folded = run_ranks(_train, 2, "adam", "auto", compressor)
+    manual = run_ranks(_train, 2, "adam, β1 0", "auto", compressor)
+    for (mine, _, _), (theirs, _, _) in zip(folded, manual):
+        for a, b in zip(mine, theirs):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_powersgd_keeps_sgds_momentum_after_the_exchange():
+    compressor, optimizer = compressors.create("powersgd"), torch.optim.SGD(params(), lr=0.1, momentum=0.9)
+    compressor.check_optimizer(optimizer)
+    assert optimizer.param_groups[0]["momentum"] == 0.9 and not optimizer._optimizer_step_pre_hooks
+    plain, adam = compressors.create("powersgd", use_error_feedback=False), torch.optim.Adam(params())
+    plain.check_optimizer(adam)
+    assert not adam._optimizer_step_pre_hooks  # no error feedback, nothing to multiply

@@ -55,7 +55,9 @@ _MOMENTUM_NOTE = {"compressor/memory": " (momentum in the compressor or memory)"
                   "taken over": " (SGD's momentum taken over by the memory)",
                   "folded into lr": " (momentum folded in)", "none": " (no momentum)",
                   "adam, β1 in the compressor or memory": " (AdamW β1 0: the compressor's or memory's momentum)",
-                  "adam, β1 taken over by the memory": " (AdamW's β1 taken over by the memory)"}
+                  "adam, β1 taken over by the memory": " (AdamW's β1 taken over by the memory)",
+                  "adam, β1 off (folded by the memory)": " (AdamW β1 0: folded by the memory)",
+                  "adam, β1 off (folded by the compressor)": " (AdamW β1 0: folded by the compressor)"}
 
 def _row_cells(r: Dict[str, Any], dense_bytes) -> Tuple[str, str, str]:
     """A table row's label (with what its recipe set), lr (with where the momentum went) and

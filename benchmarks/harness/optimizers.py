@@ -87,7 +87,7 @@ class RowSettings:
     and where the momentum went (the table's words: ``optimizer``, ``taken over``,
     ``folded into lr``, ``compressor/memory``, ``none``, ``adam``, ``adam (plain error
     feedback)``, ``adam, β1 in the compressor or memory``, ``adam, β1 taken over by the
-    memory``)."""
+    memory``, ``adam, β1 off (folded by the memory)`` or ``(folded by the compressor)``)."""
 
     lr: float
     momentum: float
@@ -127,6 +127,8 @@ def _adamw_row(hyper: Hyper, memory, compressor, spec_lr_scale, spec_momentum) -
     betas = (beta1, hyper.betas[1])
     if beta1 and _owns_momentum(compressor, memory):
         return RowSettings(lr, 0.0, (0.0, hyper.betas[1]), "adam, β1 in the compressor or memory")
+    if beta1 and getattr(compressor, "folds_adam", False):  # PowerSGD's error feedback
+        return RowSettings(lr, 0.0, betas, "adam, β1 off (folded by the compressor)")
     if momentum_roles.role(memory) == momentum_roles.TAKES_OVER:
         if getattr(memory, "folds", False):
             return RowSettings(lr, 0.0, betas, "adam, β1 off (folded by the memory)" if beta1 else "adam")

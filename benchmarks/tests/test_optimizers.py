@@ -33,7 +33,7 @@ def test_sgd_rows_are_placed_as_the_benchmark_always_placed_them():
 
 
 def test_adamw_keeps_its_rate_and_betas_where_nothing_owns_a_momentum():
-    for name in ("none", "signsgd", "qsgd", "powersgd"):
+    for name in ("none", "signsgd", "qsgd"):  # PowerSGD folds β1: below
         row = _row(ADAMW, name)
         assert (row.lr, row.betas, row.momentum) == (0.003, (0.9, 0.98), 0.0), name
         assert row.momentum_in == "adam", name
@@ -54,13 +54,22 @@ def test_under_adamw_the_sparsifiers_memory_takes_beta1_over(name):
     assert row.betas == (0.9, 0.98) and row.momentum_in == "adam, β1 taken over by the memory"
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
-def test_the_sign_compressors_memory_folds_the_momentum(name):
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "tbq", "randk"])
+def test_the_bursting_residuals_memory_folds_the_momentum(name):
     row = _row(ADAMW, name)
     assert row.betas == (0.9, 0.98) and row.momentum_in == "adam, β1 off (folded by the memory)"
     compressor = compressors.create(name)
     sgd = optimizers.row_settings(SGD, None, compressor, memories.recommended(compressor), None, None)
     assert sgd.momentum_in == "folded into lr by the memory" and sgd.momentum == SGD.momentum
+
+
+@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd"])
+def test_under_adamw_powersgds_error_feedback_folds_beta1_and_sgd_keeps_its_momentum(name):
+    row = _row(ADAMW, name)
+    assert row.betas == (0.9, 0.98) and row.momentum_in == "adam, β1 off (folded by the compressor)"
+    assert _row(SGD, name).momentum_in == "optimizer"
+    plain = compressors.create(name, use_error_feedback=False)
+    assert optimizers.row_settings(ADAMW, None, plain, memories.create("none"), None, None).momentum_in == "adam"
 
 
 def test_under_adamw_the_dgc_memory_takes_beta1_over():

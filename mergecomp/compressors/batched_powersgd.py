@@ -18,12 +18,12 @@ import torch
 from . import recipes, register
 from ..staging import StagedDict
 from .base import AllReduce, Compressor
-from .lowrank import check_flag, check_rank, orthonormalize
+from .lowrank import FoldsAdamFirstMoment, check_flag, check_rank, orthonormalize
 from .matrix import as_matrix, factor_element_size, from_matrix, matrix_shape
 
 
 @register("batched_powersgd")
-class BatchedPowerSGDCompressor(Compressor):
+class BatchedPowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     """Rank-``rank`` PowerSGD of the group buffer laid out as one near-square matrix.
 
     The buffer (every parameter of the group back to back, its layout ignored) becomes an
@@ -44,7 +44,8 @@ class BatchedPowerSGDCompressor(Compressor):
     ``seed``, the group name (and the step, without warm start), identical on every rank.
     ``use_error_feedback``: each rank keeps e = M − P̂ Qₗᵀ (Qₗ its local Q) and adds it to
     the next gradient, as in the paper, so use it with the ``none`` memory.  Biased per
-    step; the feedback makes up for it.  State is staged per step (``commit``/``rollback``).
+    step; the feedback makes up for it; with it, an Adam's first moment is taken off
+    (:class:`~.lowrank.FoldsAdamFirstMoment`).  State is staged per step (``commit``/``rollback``).
 
     Math and wire are fp32 whatever the input dtype (fp64 stays fp64).
     Wire for n elements, r × c as above: 4·rank·(r + c) bytes, in two allreduces (P, then

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from ..momentum import FoldedFirstMoment, fold_adam_first_moment
+
 
 def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
     """An orthonormal basis of the columns of ``matrix`` (a new tensor).
@@ -51,3 +53,25 @@ def check_rate(rate, who: str) -> float:
                          "2 (the default) factors a matrix only when that halves its bytes, 0 "
                          "factors every matrix")
     return value
+
+
+class FoldsAdamFirstMoment:
+    """Mixin of the PowerSGD compressors: with their error feedback on, an Adam's or AdamW's
+    first moment is taken off (it steps at β1 = 0; :func:`~mergecomp.momentum.fold_adam_first_moment`).
+
+    Why: the error feedback releases what a rank could not send in later steps, and a first
+    moment after the exchange multiplies each release, as it does a residual memory's
+    (EF-SignSGD's).  Measured on the character LSTM and GPT under AdamW, PowerSGD at β1 = 0
+    kept up with dense where with β1 it trailed (docs/results.md#adamw-more-quantisers).
+    SGD's heavy-ball momentum stays with SGD: PowerSGD's paper applies it after the exchange."""
+
+    @property
+    def folds_adam(self) -> bool:
+        """Whether an Adam's first moment is taken off: with error feedback on."""
+        return bool(self.error_feedback)
+
+    def check_optimizer(self, optimizer) -> None:
+        """Take an Adam's first moment off when :attr:`folds_adam` (nothing otherwise)."""
+        if self.folds_adam:
+            self.first_moment = getattr(self, "first_moment", None) or FoldedFirstMoment()
+            fold_adam_first_moment(optimizer, self.first_moment, f"{type(self).__name__}'s error feedback")

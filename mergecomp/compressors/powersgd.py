@@ -18,13 +18,13 @@ import torch
 from . import register
 from ..staging import StagedDict
 from .base import AllReduce, Compressor, GroupLayout, ParamView, check_layout
-from .lowrank import check_flag, check_rank, check_rate, orthonormalize, seeded_normal
+from .lowrank import FoldsAdamFirstMoment, check_flag, check_rank, check_rate, orthonormalize, seeded_normal
 from .matrix import (LayerMatrix, compute_dtype, factor_element_size, gather_raw, group_layout,
                      layer_matrix, raw_numel, scatter_raw, split_layout)
 
 
 @register("powersgd")
-class PowerSGDCompressor(Compressor):
+class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     """Each layer's gradient matrix M (r × c) approximated by P̂ Qᵀ of rank ``rank``.
 
     The group's layout (its per-parameter views) says what a layer is: a view of two or
@@ -48,7 +48,8 @@ class PowerSGDCompressor(Compressor):
     e = M − P̂ Qₗᵀ (Qₗ its local Q: what this rank's share of the approximation missed)
     and adds it to the next gradient, as in the paper; raw views are exact and keep
     nothing.  Use it with the ``none`` memory.  Biased per step; the feedback makes up for
-    it.  Orthonormalisation is Householder QR, which needs no epsilon (see
+    it.  With it, an Adam's first moment is taken off (:class:`~.lowrank.FoldsAdamFirstMoment`);
+    SGD keeps its momentum.  Orthonormalisation is Householder QR, which needs no epsilon (see
     :func:`~mergecomp.compressors.lowrank.orthonormalize`).
 
     State (errors, warm-start queries, a step count) is kept per group and view, staged per
