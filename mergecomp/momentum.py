@@ -159,7 +159,8 @@ class FoldedFirstMoment:
     """What a compressor with its own error feedback keeps when it takes an Adam's first
     moment off and applies it nowhere (:func:`fold_adam_first_moment`): the β1 it took."""
 
-    #: Read by :func:`take_over_momentum`'s caller only for a memory; kept for its interface.
+    #: :func:`take_over_momentum` sets it, as on a memory; a record applies no momentum, so
+    #: nothing reads it.
     gradient_units = False
 
     def __init__(self):
