@@ -155,34 +155,29 @@ def take_over_momentum(optimizer, memory, component: str, adam: bool = True) -> 
         getattr(optimizer, _TAKEN)["memory"] = memory
 
 
-class FoldedFirstMoment:
-    """What a compressor with its own error feedback keeps when it takes an Adam's first
-    moment off and applies it nowhere (:func:`fold_adam_first_moment`): the β1 it took."""
+class _FoldedFirstMoment:
+    """Where :func:`take_over_momentum` puts the first moment that :func:`fold_adam_first_moment`
+    takes off: nowhere, as a memory that folds it applies none."""
 
-    #: :func:`take_over_momentum` sets it, as on a memory; a record applies no momentum, so
-    #: nothing reads it.
-    gradient_units = False
-
-    def __init__(self):
-        self.folded = 0.0
+    gradient_units = False  # set by take_over_momentum, as on a memory; nothing reads it
 
     def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
-        self.folded = float(momentum)
+        pass
 
 
-def fold_adam_first_moment(optimizer, record: FoldedFirstMoment, component: str) -> None:
+def fold_adam_first_moment(optimizer, component: str) -> None:
     """Run an Adam's or AdamW's ``step()`` at β1 = 0 (the user's betas stay in its
-    ``param_groups``, as :func:`take_over_momentum` does), recording β1 in ``record``; nothing
-    for another optimizer, or for an Adam whose groups have different first moments (it then
-    keeps them).  For a compressor whose own error feedback releases its backlog through the
-    exchange (PowerSGD's): a first moment after the exchange multiplies each release, as it
-    does a residual memory's (the ``residual`` memory's ``momentum="fold"``)."""
+    ``param_groups``, as :func:`take_over_momentum` does); nothing for another optimizer, or
+    for an Adam whose groups have different first moments (it then keeps them).  For a
+    compressor whose own error feedback releases its backlog through the exchange
+    (PowerSGD's): a first moment after the exchange multiplies each release, as it does a
+    residual memory's (the ``residual`` memory's ``momentum="fold"``)."""
     if not is_adam(optimizer):
         return
     try:
-        take_over_momentum(optimizer, record, component, adam=True)
-    except ValueError:  # groups with different β1: one record cannot serve them
-        record.folded = 0.0
+        take_over_momentum(optimizer, _FoldedFirstMoment(), component, adam=True)
+    except ValueError:  # groups with different β1: the step hooks serve one shared value
+        pass
 
 
 def _shared_momentum(optimizer, component: str) -> Tuple[float, bool]:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..momentum import FoldedFirstMoment, fold_adam_first_moment
+from ..momentum import fold_adam_first_moment
 
 
 def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
@@ -73,5 +73,4 @@ class FoldsAdamFirstMoment:
     def check_optimizer(self, optimizer) -> None:
         """Take an Adam's first moment off when :attr:`folds_adam` (nothing otherwise)."""
         if self.folds_adam:
-            self.first_moment = getattr(self, "first_moment", None) or FoldedFirstMoment()
-            fold_adam_first_moment(optimizer, self.first_moment, f"{type(self).__name__}'s error feedback")
+            fold_adam_first_moment(optimizer, f"{type(self).__name__}'s error feedback")
