@@ -159,9 +159,22 @@ def onebit(compressor, x, layout, generator):
 
 
 def tbq(compressor, x, layout, generator):
-    """Strom 2015: +τ above τ, −τ below −τ, 0 elsewhere."""
+    """Strom 2015: +τ above τ, −τ below −τ, 0 elsewhere; a measured τ ("auto") is each
+    view's mean magnitude times ``scale``, at most its largest, and then ±τ from τ on (a zero
+    element sends nothing)."""
     tau = compressor.threshold
-    return (tau * (x > tau).to(x.dtype) - tau * (x < -tau).to(x.dtype))
+    if tau != "auto":
+        return (tau * (x > tau).to(x.dtype) - tau * (x < -tau).to(x.dtype))
+    flat = x.reshape(-1)
+    out = torch.zeros_like(flat)
+    for offset, size, _ in _views(x, layout):
+        view = flat[offset:offset + size]
+        magnitudes = view.abs().to(torch.float32)
+        tau = torch.minimum(compressor.scale * magnitudes.sum() / max(1, size), magnitudes.max())
+        passes = (view.abs() >= tau.to(x.dtype)) & (view != 0)
+        out[offset:offset + size] = torch.where(passes, torch.where(_negative(view), -tau, tau).to(x.dtype),
+                                                torch.zeros((), dtype=x.dtype))
+    return out.view(x.shape)
 
 
 # -- stochastic quantisers ---------------------------------------------------------------------

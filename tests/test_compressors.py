@@ -119,6 +119,50 @@ def test_tbq_sends_plus_minus_threshold():
     assert decoded.tolist() == pytest.approx([0.1, -0.1, 0, -0.1, 0, 0]) and nbytes == 2
 
 
+def test_tbq_measures_each_views_threshold_by_default():
+    from mergecomp.compressors.base import ParamView
+    # two views: large gradients beside small ones, each sent at its own mean magnitude
+    x = torch.tensor([4.0, -2.0, 0.0, 1.0, 0.04, -0.02, 0.01, 0.01])
+    layout = (ParamView("big", torch.Size([4]), 0), ParamView("small", torch.Size([4]), 4))
+    compressor = compressors.create("tbq")
+    decoded, nbytes = run_locally(compressor, x, layout=layout)
+    assert compressor.threshold == "auto"
+    # τ = twice the view's mean magnitude, at most its largest: 3.5 and 0.04
+    assert decoded.tolist() == pytest.approx([3.5, 0, 0, 0, 0.04, 0, 0, 0])
+    assert nbytes == 2 + 4 * 2 == compressor.wire_nbytes(8, 4, layout=layout)
+    # without a layout one τ for the whole tensor (2 × 0.885); a zero tensor sends nothing
+    whole, nbytes = run_locally(compressor, x)
+    assert whole.tolist() == pytest.approx([1.77, -1.77, 0, 0, 0, 0, 0, 0]) and nbytes == 2 + 4
+    assert run_locally(compressor, torch.zeros(5))[0].tolist() == [0.0] * 5
+    # a view of equal magnitudes (a one-element bias) is sent whole, not held back forever
+    assert run_locally(compressor, torch.tensor([-0.3]))[0].tolist() == pytest.approx([-0.3])
+    at_mean, _ = run_locally(compressors.create("tbq", scale=1.0), x, layout=layout)
+    assert at_mean.tolist() == pytest.approx([1.75, -1.75, 0, 0, 0.02, -0.02, 0, 0])
+
+
+def test_tbq_measured_threshold_is_a_contraction():
+    """‖x − C(x)‖ < ‖x‖ for any x ≠ 0: what error feedback needs of a biased compressor."""
+    generator = torch.Generator().manual_seed(0)
+    compressor = compressors.create("tbq")
+    for scale in (1e-6, 1.0, 1e3):
+        x = torch.randn(10_000, generator=generator) * scale
+        decoded, _ = run_locally(compressor, x)
+        assert (x - decoded).norm() < 0.9 * x.norm()  # Gaussian: about 0.8
+        x[::7] *= 50  # heavy tails: still strictly less
+        decoded, _ = run_locally(compressor, x)
+        assert (x - decoded).norm() < x.norm()
+
+
+def test_tbq_payload_of_another_layout_is_refused():
+    from mergecomp.compressors.base import ParamView
+    compressor = compressors.create("tbq")
+    payload, _ = compressor.compress(torch.randn(8), "g")
+    layout = (ParamView("a", torch.Size([4]), 0), ParamView("b", torch.Size([4]), 4))
+    _, ctx = compressor.compress(torch.randn(8), "g", layout)
+    with pytest.raises(ValueError, match="1 thresholds but its context has 2 views"):
+        compressor.decompress(payload, ctx)
+
+
 def test_terngrad_values_are_ternary_and_clipping_bounds_them():
     x = torch.randn(3000)
     x[5] = 50.0
@@ -275,7 +319,8 @@ def test_unbiased_compressors_are_unbiased(name, kwargs, shape, samples):
     ("signum", dict(beta=1.0), r"beta must be in \[0, 1\), got 1.0"),
     ("atomo", dict(budget=0), "budget .* must be a positive number, got 0"),
     ("powersgd", dict(rank=0), "rank must be a positive integer, got 0"),
-    ("tbq", dict(threshold=0), "threshold τ must be a positive finite number, got 0"),
+    ("tbq", dict(threshold=0), "or a positive finite number near the typical magnitude of a gradient element, got 0"),
+    ("tbq", dict(scale=0), r"tbq scale \(τ over a view's mean magnitude, with threshold='auto'\) must be a positive"),
 ])
 def test_bad_parameters_are_explained(name, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -32,6 +32,7 @@ def test_compressor_agrees_with_its_reference(name):
     ("qsgd", dict(levels=2, bucket_size=16)),
     ("topk", dict(compress_ratio=0.3)),
     ("dgc", dict(compress_ratio=0.05, fp16_values=True)),
+    ("tbq", dict(threshold=0.1)),
 ])
 def test_options_agree_with_the_reference(name, kwargs):
     check_reference(compressors.get(name), REFERENCES[name], kwargs=kwargs, stochastic=name in STOCHASTIC, samples=1000)

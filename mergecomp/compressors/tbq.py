@@ -3,36 +3,83 @@
 Strom, "Scalable Distributed DNN Training Using Commodity GPU Cloud Computing",
 Interspeech 2015.
 
-    ĝ_i = +τ if g_i > τ,  −τ if g_i < −τ,  else 0   (τ shared by all ranks, not sent).
+    ĝ_i = +τ if g_i ≥ τ,  −τ if g_i ≤ −τ,  else 0.
 
-On the wire: one 2-bit code per element (0 → 0, 1 → +τ, 2 → −τ), ⌈n/4⌉ bytes.
+τ is measured (the default, ``threshold="auto"``): per parameter view,
+τ_v = min(2·‖g_v‖₁ / n_v, ‖g_v‖_∞), twice its mean magnitude at most its largest, sent
+beside the codes.  Or fixed, as in Strom's paper: a number shared by all ranks and not
+sent (then ĝ_i = ±τ strictly above τ).
+
+On the wire: one 2-bit code per element (0 → 0, 1 → +τ, 2 → −τ), ⌈n/4⌉ bytes, and with
+a measured τ its fp32 value per parameter view, 4·v bytes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Union
 
 import torch
 
 from . import register
-from .base import Compressor, Context
+from .base import Compressor, Context, check_layout
 from .recipes import Recipe
+from .views import Spans, layout_spans
 from ..kernels import pack_bits, packed_nbytes, unpack_bits
+from ..kernels.segments import scale_views, span_lengths
+
+#: ``threshold=AUTO``: τ is measured per parameter view every step (see the class).
+AUTO = "auto"
+#: τ over the view's mean magnitude with ``threshold=AUTO`` (see the class).
+DEFAULT_SCALE = 2.0
+
+
+@dataclass(frozen=True)
+class TBQContext(Context):
+    """A payload with measured thresholds: the views they belong to (the same on every rank,
+    like the layout they come from)."""
+
+    spans: Spans
+    layout_fields = ("spans",)
 
 
 @register("tbq")
 class TBQCompressor(Compressor):
-    """Send +τ where the accumulated gradient exceeds τ, −τ where it is below −τ, else 0.
+    """Send +τ where the accumulated gradient reaches τ, −τ where it reaches −τ, else 0.
 
     Strom's scheme relies on residual accumulation: what is not sent (everything under
     τ, and the excess over τ) stays in the ``residual`` memory and is sent once it has
-    grown past the threshold.  Biased per step; with the residual nothing is lost.  τ is a
-    hyperparameter shared by all ranks, so it is not sent; each element costs a 2-bit code
-    (0 → 0, 1 → +τ, 2 → −τ) instead of Strom's sparse 32-bit index list, which keeps the
-    payload fixed-size and cheaper whenever more than 1/16 of the elements pass.  Its default
-    memory takes the optimizer's momentum off (``momentum="fold"``: see the EF-SignSGD
-    compressor), since after the exchange a momentum multiplies the residual's backlog.
+    grown past the threshold.  Biased per step; with the residual nothing is lost.  Each
+    element costs a 2-bit code (0 → 0, 1 → +τ, 2 → −τ) instead of Strom's sparse 32-bit
+    index list, which keeps the payload fixed-size and cheaper whenever more than 1/16 of
+    the elements pass.
 
-    Wire for n elements: ⌈n/4⌉ bytes.
+    ``threshold="auto"`` (the default) measures τ per parameter view of the group (the
+    ``layout``; the whole tensor without one): ``scale`` (2) times the mean magnitude of
+    what the memory hands over, as EF-SignSGD's scale is its mean (Karimireddy et al., ICML
+    2019), but never above the view's largest magnitude; one fp32 number per view on the
+    wire.  Why measured: Strom's τ is an absolute size, right only for the gradients it was
+    tuned on.  With gradients far above τ every element moves by τ a step and the residual
+    grows a backlog of everything above it (under SGD a fixed τ = 0.01 left a character LSTM
+    far behind dense, and τ = 0.001 too: docs/results.md#tbq-threshold); far below, nothing
+    is sent for many steps.  Why twice the mean: at the mean itself (as EF-SignSGD) about
+    two in five elements of a bell-shaped gradient go out each step, and under an Adam,
+    which divides each coordinate by its own root mean square, a coordinate sent that often
+    with one size moves by nearly the full learning rate every step, as a sign method does;
+    at twice the mean about one in ten goes, Adam's steps stay those of a noisy gradient,
+    and under SGD the backlog still drains within a few steps (measured: the same page).
+    Never above the largest magnitude, so at least one element of a nonzero view goes out:
+    the compressor is a contraction (‖x − ĝ‖ < ‖x‖ for any x ≠ 0, what error feedback
+    needs), and a view of equal magnitudes (a one-element bias) is not held back forever.
+    A view of small gradients beside one of large ones keeps its own scale.  A number
+    keeps Strom's fixed τ.
+
+    Its default memory takes the optimizer's momentum off (``momentum="fold"``: see the
+    EF-SignSGD compressor), since after the exchange a momentum multiplies the residual's
+    backlog.
+
+    Wire for n elements in v parameter views: ⌈n/4⌉ bytes, plus 4·v bytes for the measured
+    thresholds (none for a fixed τ).
     """
 
     summable = False
@@ -48,26 +95,87 @@ class TBQCompressor(Compressor):
                "exchange multiplies that overshoot, while the same step without it trains at parity",
         fold_momentum=True)
 
-    def __init__(self, threshold: float = 0.01):
-        threshold = float(threshold)
-        if not threshold > 0 or threshold == float("inf"):
-            raise ValueError(f"tbq threshold τ must be a positive finite number, got {threshold!r}; "
-                             f"pick it near the typical magnitude of a gradient element")
-        self.threshold = threshold
+    def __init__(self, threshold: Union[float, str] = AUTO, scale: float = DEFAULT_SCALE):
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ValueError(f"tbq scale (τ over a view's mean magnitude, with threshold='auto') must be a "
+                             f"positive finite number, got {scale!r}; {DEFAULT_SCALE:g} is the default")
+        self.scale = float(scale)
+        if isinstance(threshold, str) and threshold == AUTO:
+            self.threshold = AUTO
+            return
+        try:
+            value = float(threshold)
+        except (TypeError, ValueError):
+            value = float("nan")
+        if isinstance(threshold, bool) or not value > 0 or value == float("inf"):
+            raise ValueError(f"tbq threshold τ must be 'auto' (each parameter view's mean magnitude) or a "
+                             f"positive finite number near the typical magnitude of a gradient element, "
+                             f"got {threshold!r}")
+        self.threshold = value
+
+    @property
+    def measures_threshold(self) -> bool:
+        """Whether τ is measured per view each step (``threshold="auto"``) and sent."""
+        return self.threshold == AUTO
 
     def compress(self, tensor, name, layout=None):
         flat = tensor.reshape(-1)
-        codes = (flat > self.threshold).view(torch.uint8)
-        codes.bitwise_or_((flat < -self.threshold).view(torch.uint8).bitwise_left_shift_(1))
-        return (pack_bits(codes, 2),), Context(tensor.shape, tensor.dtype)
+        if not self.measures_threshold:
+            codes = (flat > self.threshold).view(torch.uint8)
+            codes.bitwise_or_((flat < -self.threshold).view(torch.uint8).bitwise_left_shift_(1))
+            return (pack_bits(codes, 2),), Context(tensor.shape, tensor.dtype)
+        ctx = self._context(tensor, layout)
+        thresholds = self._measured_thresholds(flat, ctx.spans)
+        per_element = thresholds.to(flat.dtype)
+        if len(ctx.spans) > 1:
+            per_element = torch.repeat_interleave(per_element, span_lengths(ctx.spans, str(flat.device)),
+                                                  output_size=flat.numel())
+        # |x| ≥ τ, and x ≠ 0: a view that is all zero has τ = 0 and sends nothing
+        passes = torch.ge(torch.abs(flat), per_element).logical_and_(flat != 0)
+        negative = torch.signbit(flat)
+        codes = torch.logical_and(passes, negative.logical_not()).view(torch.uint8)  # 1: +τ
+        codes.bitwise_or_(negative.logical_and_(passes).view(torch.uint8).bitwise_left_shift_(1))  # 2: −τ
+        return (pack_bits(codes, 2), thresholds), ctx
+
+    def _measured_thresholds(self, flat: torch.Tensor, spans: Spans) -> torch.Tensor:
+        """fp32 (views,): min(scale × mean |x|, max |x|) of each view."""
+        magnitudes = torch.abs(flat).to(torch.float32)
+        if len(spans) == 1:
+            means = (magnitudes.sum() / max(1, flat.numel())).reshape(1)
+            peaks = magnitudes.max().reshape(1) if flat.numel() else torch.zeros_like(means)
+        else:
+            lengths = span_lengths(spans, str(flat.device))
+            means = torch.segment_reduce(magnitudes, "sum", lengths=lengths) / lengths.clamp(min=1)
+            peaks = torch.segment_reduce(magnitudes, "max", lengths=lengths, initial=0.0)
+        return torch.minimum(means.mul_(self.scale), peaks)
+
+    def _context(self, tensor, layout) -> TBQContext:
+        numel = tensor.numel()
+        if layout is None or len(layout) <= 1:
+            if layout is not None:
+                check_layout(layout, numel)
+            return TBQContext(tensor.shape, tensor.dtype, ((0, numel),))
+        return TBQContext(tensor.shape, tensor.dtype, layout_spans(tuple(layout), numel))
 
     def decompress(self, payload, ctx):
-        values = ternary_values(unpack_bits(payload[0], 2, ctx.numel)).mul_(self.threshold)
-        return values.to(ctx.dtype).view(ctx.shape)
+        values = ternary_values(unpack_bits(payload[0], 2, ctx.numel))
+        if not self.measures_threshold:
+            return values.mul_(self.threshold).to(ctx.dtype).view(ctx.shape)
+        thresholds, spans = payload[1], ctx.spans
+        if thresholds.numel() != len(spans):
+            raise ValueError(f"TBQ payload has {thresholds.numel()} thresholds but its context has "
+                             f"{len(spans)} views: the payload was made with another layout")
+        values = values.to(ctx.dtype)
+        if len(spans) == 1:
+            return values.mul_(thresholds.to(ctx.dtype)).view(ctx.shape)
+        return scale_views(values, spans, thresholds).view(ctx.shape)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """One 2-bit code per element."""
-        return packed_nbytes(numel, 2)
+        """One 2-bit code per element, and a measured τ's fp32 value per parameter view."""
+        if not self.measures_threshold:
+            return packed_nbytes(numel, 2)
+        views = 1 if layout is None else max(1, len(layout))
+        return packed_nbytes(numel, 2) + 4 * views
 
 
 def ternary_values(codes: torch.Tensor) -> torch.Tensor:
