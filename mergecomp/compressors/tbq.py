@@ -108,9 +108,9 @@ class TBQCompressor(Compressor):
         except (TypeError, ValueError):
             value = float("nan")
         if isinstance(threshold, bool) or not value > 0 or value == float("inf"):
-            raise ValueError(f"tbq threshold τ must be 'auto' (each parameter view's mean magnitude) or a "
-                             f"positive finite number near the typical magnitude of a gradient element, "
-                             f"got {threshold!r}")
+            raise ValueError(f"tbq threshold τ must be 'auto' (measured per parameter view: scale × its mean "
+                             f"magnitude) or a positive finite number near the typical magnitude of a gradient "
+                             f"element, got {threshold!r}")
         self.threshold = value
 
     @property
