@@ -38,7 +38,7 @@ from ..kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_
 from ..kernels.segments import clear_flagged_views, scale_views, span_lengths, view_abs_sums, zero_view_flags
 from ..kernels.signs import plus_minus_one
 from .recipes import Recipe
-from .views import Spans, layout_spans
+from .views import RemembersLayoutSpans, Spans
 
 @dataclass(frozen=True)
 class SignContext(Context):
@@ -64,7 +64,7 @@ def zero_flagged_views(decoded: torch.Tensor, flags: torch.Tensor, ctx: Context)
     return clear_flagged_views(decoded, flags, spans)
 
 
-class _SignCompressor(Compressor):
+class _SignCompressor(RemembersLayoutSpans, Compressor):
     """Sign bits plus one "all zero here" bit per parameter view (module docstring)."""
 
     summable = False
@@ -77,19 +77,6 @@ class _SignCompressor(Compressor):
                 check_layout(layout, tensor.numel())
             return Context(tensor.shape, tensor.dtype)
         return SignContext(tensor.shape, tensor.dtype, self._spans(layout, tensor.numel()))
-
-    def _spans(self, layout: GroupLayout, numel: int) -> Spans:
-        """:func:`layout_spans`, remembered by the layout object: a plan hands the same tuple
-        every step, and hashing a long one costs more than the zero-view test itself."""
-        cache = self.__dict__.setdefault("_layout_spans", {})
-        hit = cache.get(id(layout))
-        if hit is not None and hit[0] is layout and hit[1] == numel:
-            return hit[2]
-        if len(cache) >= 64:  # layouts made afresh each step (a shard's): keep the cache small
-            cache.clear()
-        spans = layout_spans(tuple(layout), numel)
-        cache[id(layout)] = (layout, numel, spans)
-        return spans
 
     def _encode(self, source: torch.Tensor, ctx: Context):
         """(packed signs of ``source``, zero-view flags)."""
