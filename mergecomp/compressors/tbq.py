@@ -24,7 +24,7 @@ import torch
 from . import register
 from .base import Compressor, Context, check_layout
 from .recipes import Recipe
-from .views import Spans, layout_spans
+from .views import RemembersLayoutSpans, Spans
 from ..kernels import pack_bits, packed_nbytes, unpack_bits
 from ..kernels.segments import scale_views, span_lengths
 
@@ -44,7 +44,7 @@ class TBQContext(Context):
 
 
 @register("tbq")
-class TBQCompressor(Compressor):
+class TBQCompressor(RemembersLayoutSpans, Compressor):
     """Send +τ where the accumulated gradient reaches τ, −τ where it reaches −τ, else 0.
 
     Strom's scheme relies on residual accumulation: what is not sent (everything under
@@ -125,26 +125,27 @@ class TBQCompressor(Compressor):
             codes.bitwise_or_((flat < -self.threshold).view(torch.uint8).bitwise_left_shift_(1))
             return (pack_bits(codes, 2),), Context(tensor.shape, tensor.dtype)
         ctx = self._context(tensor, layout)
-        thresholds = self._measured_thresholds(flat, ctx.spans)
-        per_element = thresholds.to(flat.dtype)
+        magnitudes = torch.abs(flat)
+        thresholds = self._measured_thresholds(magnitudes, ctx.spans)
+        # an all-zero view has τ = 0 and sends nothing: compared against +inf there
+        per_element = torch.where(thresholds > 0, thresholds, float("inf")).to(flat.dtype)
         if len(ctx.spans) > 1:
             per_element = torch.repeat_interleave(per_element, span_lengths(ctx.spans, str(flat.device)),
                                                   output_size=flat.numel())
-        # |x| ≥ τ, and x ≠ 0: a view that is all zero has τ = 0 and sends nothing
-        passes = torch.ge(torch.abs(flat), per_element).logical_and_(flat != 0)
+        passes = torch.ge(magnitudes, per_element)
         negative = torch.signbit(flat)
         codes = torch.logical_and(passes, negative.logical_not()).view(torch.uint8)  # 1: +τ
         codes.bitwise_or_(negative.logical_and_(passes).view(torch.uint8).bitwise_left_shift_(1))  # 2: −τ
         return (pack_bits(codes, 2), thresholds), ctx
 
-    def _measured_thresholds(self, flat: torch.Tensor, spans: Spans) -> torch.Tensor:
-        """fp32 (views,): min(scale × mean |x|, max |x|) of each view."""
-        magnitudes = torch.abs(flat).to(torch.float32)
+    def _measured_thresholds(self, magnitudes: torch.Tensor, spans: Spans) -> torch.Tensor:
+        """fp32 (views,): min(scale × mean |x|, max |x|) of each view, from |x|."""
+        magnitudes = magnitudes.to(torch.float32)
         if len(spans) == 1:
-            means = (magnitudes.sum() / max(1, flat.numel())).reshape(1)
-            peaks = magnitudes.max().reshape(1) if flat.numel() else torch.zeros_like(means)
+            means = (magnitudes.sum() / max(1, magnitudes.numel())).reshape(1)
+            peaks = magnitudes.max().reshape(1) if magnitudes.numel() else torch.zeros_like(means)
         else:
-            lengths = span_lengths(spans, str(flat.device))
+            lengths = span_lengths(spans, str(magnitudes.device))
             means = torch.segment_reduce(magnitudes, "sum", lengths=lengths) / lengths.clamp(min=1)
             peaks = torch.segment_reduce(magnitudes, "max", lengths=lengths, initial=0.0)
         return torch.minimum(means.mul_(self.scale), peaks)
@@ -155,7 +156,7 @@ class TBQCompressor(Compressor):
             if layout is not None:
                 check_layout(layout, numel)
             return TBQContext(tensor.shape, tensor.dtype, ((0, numel),))
-        return TBQContext(tensor.shape, tensor.dtype, layout_spans(tuple(layout), numel))
+        return TBQContext(tensor.shape, tensor.dtype, self._spans(layout, numel))
 
     def decompress(self, payload, ctx):
         values = ternary_values(unpack_bits(payload[0], 2, ctx.numel))
