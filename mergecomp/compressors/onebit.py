@@ -10,33 +10,27 @@ On the wire: the packed bits (⌈n/8⌉ bytes) and the two fp32 means of each pa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 
 from . import register
-from .base import Compressor, Context, check_layout
+from .base import Compressor
 from ..kernels import Scratch, decode_values, packed_nbytes, signs_and_side_means
 from ..kernels.segments import scale_views, signs_and_view_side_sums, span_lengths
 from .recipes import Recipe
-from .views import Spans, layout_spans
+from .views import RemembersLayoutSpans, ViewsContext
 
 #: 1-bit codes as 0 (clear: the non-negative side) and 1 (set: the negative side).
 _ZERO_ONE = torch.tensor([0.0, 1.0])
 
 
-@dataclass(frozen=True)
-class OneBitContext(Context):
-    """A 1-bit payload's context when the group has several parameter views: their spans,
-    which say whose two means decode each element (the same on every rank)."""
-
-    spans: Spans
-    layout_fields = ("spans",)
-
+#: A 1-bit payload's context when the group has several parameter views (the name it had
+#: before the per-view compressors shared one).
+OneBitContext = ViewsContext
 
 @register("onebit")
-class OneBitCompressor(Compressor):
+class OneBitCompressor(RemembersLayoutSpans, Compressor):
     """Quantise each element to one bit (its sign) and decode with the mean of its side.
 
     The receiver rebuilds a set bit as the mean of the negative elements and a clear bit
@@ -70,22 +64,20 @@ class OneBitCompressor(Compressor):
         self._scratch = Scratch()
 
     def compress(self, tensor, name, layout=None):
-        if layout is not None and len(layout) > 1:
-            return self._compress_views(tensor, layout)
-        if layout is not None:
-            check_layout(layout, tensor.numel())
+        ctx = self._views_context(tensor, layout)
+        if isinstance(ctx, ViewsContext):
+            return self._compress_views(tensor, ctx), ctx
         packed, means = signs_and_side_means(tensor, self._scratch)
-        return (packed, means), Context(tensor.shape, tensor.dtype)
+        return (packed, means), ctx
 
-    def _compress_views(self, tensor, layout):
+    def _compress_views(self, tensor, ctx):
         """Per-view means, from each view's side sums and count of negative elements."""
         flat = tensor.reshape(-1)
-        spans = layout_spans(tuple(layout), flat.numel())
-        packed, total, absolute, num_negative = signs_and_view_side_sums(flat, spans, self._scratch)
-        num_positive = span_lengths(spans, str(flat.device)) - num_negative
+        packed, total, absolute, num_negative = signs_and_view_side_sums(flat, ctx.spans, self._scratch)
+        num_positive = span_lengths(ctx.spans, str(flat.device)) - num_negative
         means = torch.stack([(total + absolute) / 2 / num_positive.clamp(min=1),
                              (total - absolute) / 2 / num_negative.clamp(min=1)], dim=1).reshape(-1)
-        return (packed, means), OneBitContext(tensor.shape, tensor.dtype, spans)
+        return packed, means
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """⌈n/8⌉ bytes of signs + the two fp32 means of each view."""

@@ -24,34 +24,23 @@ one element per view (its first); only a view whose first element is zero is rea
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Optional
 
 import torch
 
 from ..momentum import OWNS, is_adam, refuse_optimizer_momentum
 from ..staging import StagedDict
 from . import register
-from .base import Compressor, Context, GroupLayout, check_layout
+from .base import Compressor, Context
 from ..kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
 from ..kernels.segments import clear_flagged_views, scale_views, span_lengths, view_abs_sums, zero_view_flags
 from ..kernels.signs import plus_minus_one
 from .recipes import Recipe
-from .views import RemembersLayoutSpans, Spans
+from .views import RemembersLayoutSpans, ViewsContext, context_spans
 
-@dataclass(frozen=True)
-class SignContext(Context):
-    """A sign payload's context when the group has several parameter views: their spans
-    (the same on every rank, like the layout they come from)."""
-
-    spans: Spans
-    layout_fields = ("spans",)
-
-
-def context_spans(ctx: Context) -> Spans:
-    """The views a sign payload's flags refer to: the context's spans, or the whole tensor."""
-    return getattr(ctx, "spans", None) or ((0, ctx.numel),)
+#: A sign payload's context when the group has several parameter views (the name it had
+#: before the per-view compressors shared one).
+SignContext = ViewsContext
 
 
 def zero_flagged_views(decoded: torch.Tensor, flags: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -70,13 +59,6 @@ class _SignCompressor(RemembersLayoutSpans, Compressor):
     summable = False
     fixed_size = True
     unbiased = False
-
-    def _context(self, tensor: torch.Tensor, layout: Optional[GroupLayout]) -> Context:
-        if layout is None or len(layout) <= 1:
-            if layout is not None:
-                check_layout(layout, tensor.numel())
-            return Context(tensor.shape, tensor.dtype)
-        return SignContext(tensor.shape, tensor.dtype, self._spans(layout, tensor.numel()))
 
     def _encode(self, source: torch.Tensor, ctx: Context):
         """(packed signs of ``source``, zero-view flags)."""
@@ -132,7 +114,7 @@ class SignSGDCompressor(_MajorityVote):
         self._scratch = Scratch()
 
     def compress(self, tensor, name, layout=None):
-        ctx = self._context(tensor, layout)
+        ctx = self._views_context(tensor, layout)
         packed, flags = self._encode(tensor, ctx)
         return (packed, flags), ctx
 
@@ -180,7 +162,7 @@ class SignumCompressor(_MajorityVote):
         self._spare = {}  # name → a tensor no state refers to any more, reused as the next output
 
     def compress(self, tensor, name, layout=None):
-        ctx = self._context(tensor, layout)
+        ctx = self._views_context(tensor, layout)
         momentum = self.momenta.get(name)
         if momentum is not None and momentum.shape != tensor.shape:
             raise ValueError(
@@ -264,7 +246,7 @@ class EFSignSGDCompressor(_SignCompressor):
         self._scratch = Scratch()
 
     def compress(self, tensor, name, layout=None):
-        ctx = self._context(tensor, layout)
+        ctx = self._views_context(tensor, layout)
         flat = tensor.reshape(-1)
         packed, flags = self._encode(flat, ctx)
         spans = context_spans(ctx)

@@ -15,16 +15,15 @@ a measured τ its fp32 value per parameter view, 4·v bytes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Union
 
 import torch
 
 from . import register
-from .base import Compressor, Context, check_layout
+from .base import Compressor, Context
 from .recipes import Recipe
-from .views import RemembersLayoutSpans, Spans
+from .views import RemembersLayoutSpans, Spans, ViewsContext, context_spans
 from ..kernels import pack_bits, packed_nbytes, unpack_bits
 from ..kernels.segments import scale_views, span_lengths
 
@@ -34,14 +33,9 @@ AUTO = "auto"
 DEFAULT_SCALE = 2.0
 
 
-@dataclass(frozen=True)
-class TBQContext(Context):
-    """A payload with measured thresholds: the views they belong to (the same on every rank,
-    like the layout they come from)."""
-
-    spans: Spans
-    layout_fields = ("spans",)
-
+#: A payload's context when its measured thresholds belong to several parameter views (the
+#: name it had before the per-view compressors shared one).
+TBQContext = ViewsContext
 
 @register("tbq")
 class TBQCompressor(RemembersLayoutSpans, Compressor):
@@ -124,13 +118,14 @@ class TBQCompressor(RemembersLayoutSpans, Compressor):
             codes = (flat > self.threshold).view(torch.uint8)
             codes.bitwise_or_((flat < -self.threshold).view(torch.uint8).bitwise_left_shift_(1))
             return (pack_bits(codes, 2),), Context(tensor.shape, tensor.dtype)
-        ctx = self._context(tensor, layout)
+        ctx = self._views_context(tensor, layout)
+        spans = context_spans(ctx)
         magnitudes = torch.abs(flat)
-        thresholds = self._measured_thresholds(magnitudes, ctx.spans)
+        thresholds = self._measured_thresholds(magnitudes, spans)
         # an all-zero view has τ = 0 and sends nothing: compared against +inf there
         per_element = torch.where(thresholds > 0, thresholds, float("inf")).to(flat.dtype)
-        if len(ctx.spans) > 1:
-            per_element = torch.repeat_interleave(per_element, span_lengths(ctx.spans, str(flat.device)),
+        if len(spans) > 1:
+            per_element = torch.repeat_interleave(per_element, span_lengths(spans, str(flat.device)),
                                                   output_size=flat.numel())
         passes = torch.ge(magnitudes, per_element)
         negative = torch.signbit(flat)
@@ -150,19 +145,11 @@ class TBQCompressor(RemembersLayoutSpans, Compressor):
             peaks = torch.segment_reduce(magnitudes, "max", lengths=lengths, initial=0.0)
         return torch.minimum(means.mul_(self.scale), peaks)
 
-    def _context(self, tensor, layout) -> TBQContext:
-        numel = tensor.numel()
-        if layout is None or len(layout) <= 1:
-            if layout is not None:
-                check_layout(layout, numel)
-            return TBQContext(tensor.shape, tensor.dtype, ((0, numel),))
-        return TBQContext(tensor.shape, tensor.dtype, self._spans(layout, numel))
-
     def decompress(self, payload, ctx):
         values = ternary_values(unpack_bits(payload[0], 2, ctx.numel))
         if not self.measures_threshold:
             return values.mul_(self.threshold).to(ctx.dtype).view(ctx.shape)
-        thresholds, spans = payload[1], ctx.spans
+        thresholds, spans = payload[1], context_spans(ctx)
         if thresholds.numel() != len(spans):
             raise ValueError(f"TBQ payload has {thresholds.numel()} thresholds but its context has "
                              f"{len(spans)} views: the payload was made with another layout")
