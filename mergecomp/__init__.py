@@ -20,7 +20,7 @@ from . import ddp  # noqa: E402
 from . import fsdp  # noqa: E402  (FSDP2: mergecomp.fsdp.register after fully_shard)
 from .plan import Group, ParamInfo, Plan
 from .distributed import backends, launch
-from .runtime.agreement import NonFiniteGradient, RanksDisagree
+from .runtime.agreement import NonFiniteGradient, NonFiniteParameters, RanksDisagree
 from .distributed.watchdog import CollectiveError, CollectiveTimeout, PeerLost
 from .steplog import StepLog
 from .runtime.controller import DriftController, DriftReading
@@ -29,6 +29,6 @@ from .lowcomm import DiLoCo  # noqa: E402  (low-communication: docs/low-communic
 __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "StepLog", "Plan", "Group", "ParamInfo", "compressors", "memories",
-           "communicators", "schedulers", "backends", "ddp", "fsdp", "checkpoint", "save", "load", "launch", "NonFiniteGradient", "RanksDisagree", "CollectiveError",
+           "communicators", "schedulers", "backends", "ddp", "fsdp", "checkpoint", "save", "load", "launch", "NonFiniteGradient", "NonFiniteParameters", "RanksDisagree", "CollectiveError",
            "CollectiveTimeout", "PeerLost", "__version__"]
 __all__ += ["DiLoCo", "lowcomm", "DriftController", "DriftReading"]

@@ -469,3 +469,35 @@ def test_a_dtype_the_compressor_cannot_carry_is_refused_at_construction():
     with pytest.raises(ValueError, match="cannot carry complex64 gradients.*view_as_real"):
         mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
                                        compressor="fp16", backend=OneRank())
+
+
+def broken_parameters_worker(rank, world_size, policy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).half()  # fp16 parameters
+    opt = mergecomp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model=model,
+                                         compressor="topk", schedule=2, nonfinite=policy)
+    caught, steps = None, 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(3):
+            opt.zero_grad()
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank)).half()
+            try:
+                model(x).float().pow(2).mean().backward()
+            except mergecomp.NonFiniteParameters as error:
+                caught = str(error)
+                break
+            opt.step()  # AdamW's eps underflows in fp16: this step makes parameters NaN
+            steps += 1
+    return caught, steps
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_parameters_made_nonfinite_by_the_optimizer_stop_training_with_the_cause_on_every_rank(policy):
+    """Dropping steps cannot mend parameters that hold NaN: whatever the policy, the next
+    backward raises on every rank, naming the parameters and the likely cause."""
+    for caught, steps in run_ranks(broken_parameters_worker, 2, policy):
+        assert steps == 1, "the step after the one that broke the parameters must raise"
+        assert caught is not None and "the parameters themselves hold NaN or Inf" in caught
+        assert "'0.weight'" in caught and "eps" in caught and "Load a checkpoint" in caught
+    assert not issubclass(mergecomp.NonFiniteParameters, mergecomp.NonFiniteGradient)

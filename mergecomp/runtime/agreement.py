@@ -61,6 +61,29 @@ class NonFiniteGradient(FloatingPointError):
     """A step's gradient was NaN or Inf on some rank (with ``nonfinite="raise"``)."""
 
 
+class NonFiniteParameters(FloatingPointError):
+    """A step was dropped for a non-finite gradient, and the parameters themselves hold NaN
+    or Inf: the optimizer's earlier step made them so, and no later step can mend them.
+    Raised with either policy, on every rank alike (their parameters are the same); not a
+    :class:`NonFiniteGradient`, so a loop that catches that one to go on past a bad batch
+    does not go on dropping every step."""
+
+
+def check_parameters_finite(named_parameters, dropped: str) -> None:
+    """Raise :class:`NonFiniteParameters` if any of ``named_parameters`` holds NaN or Inf
+    (read on a dropped step only; ``dropped`` says which step and why)."""
+    broken = [name for name, p in named_parameters if not bool(torch.isfinite(p.detach()).all())]
+    if not broken:
+        return
+    shown = ", ".join(repr(name) for name in broken[:3]) + (f" and {len(broken) - 3} more" if len(broken) > 3 else "")
+    raise NonFiniteParameters(
+        f"{dropped}, but the parameters themselves hold NaN or Inf ({shown}): the optimizer's "
+        f"step before made them so, and dropping steps cannot mend that. Load a checkpoint from "
+        f"before it; common causes: a learning rate too high, or an Adam on fp16 parameters, "
+        f"whose eps (1e-8) is 0 in fp16 (keep fp32 parameters under torch.autocast, or pass "
+        f"eps=1e-4)")
+
+
 def hash_bits(world_size: int) -> int:
     """Bits of the fact hash for ``world_size`` ranks: N²·h² < 2⁵³ keeps the check exact."""
     return max(1, min(_MAX_HASH_BITS, (53 - 2 * max(1, world_size).bit_length()) // 2))

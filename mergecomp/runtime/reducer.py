@@ -357,7 +357,7 @@ class Reducer(SharedSurface, PlanHolder):
         self.last_sync_time = time.perf_counter() - started
         # Last, once the step is closed: a caller that catches a NonFiniteGradient can
         # zero_grad() and go on, as after a warning.
-        self.lifecycle.close_step()
+        self.lifecycle.close_step(self.params)
         return outcome
 
     def _used_map(self) -> torch.Tensor:

@@ -34,13 +34,13 @@ from __future__ import annotations
 import collections
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from .. import communicators, compressors, memories
-from .agreement import NonFiniteGradient, StepAgreement, StepOutcome
+from .agreement import NonFiniteGradient, StepAgreement, StepOutcome, check_parameters_finite
 from ..kernels.finite import nonfinite_flag, zero_if
 from ..distributed.backends.base import Backend
 from ..communicators.base import Communicator, Handle
@@ -300,9 +300,11 @@ class StepLifecycle(SendModeState):
         """The latest :class:`~mergecomp.runtime.drift.DriftReading` (None: not measured yet)."""
         return self.meter.reading if self.meter is not None else None
 
-    def close_step(self) -> None:
+    def close_step(self, named_parameters: Optional[Iterable] = None) -> None:
         """The step listeners, then the policy's message for a dropped step: a warning
-        (``"skip"``) or :class:`~mergecomp.runtime.agreement.NonFiniteGradient` (``"raise"``)."""
+        (``"skip"``) or :class:`~mergecomp.runtime.agreement.NonFiniteGradient` (``"raise"``);
+        ``NonFiniteParameters`` whatever the policy when ``named_parameters`` (the same on
+        every rank) hold NaN or Inf themselves, which no drop can mend."""
         if self._settled is None:
             return
         (step, outcome), self._settled = self._settled, None
@@ -312,6 +314,8 @@ class StepLifecycle(SendModeState):
             return
         message = (f"step {step}: {outcome.describe()}; the step was dropped on every rank "
                    f"({self.dropped_means})")
+        if outcome.bad_ranks and named_parameters is not None:
+            check_parameters_finite(named_parameters, message)
         if self.nonfinite == "raise":
             raise NonFiniteGradient(message + "; call zero_grad() before the next backward to go on")
         warnings.warn(f"mergecomp: {message}; {self.skipped_steps} step(s) dropped so far "
