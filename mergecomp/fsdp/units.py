@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import GroupLayout
+from ..distributed.backends.torch_dist import all_gather_single, reduce_scatter_single
 from ..runtime import gate
 from ..runtime.step import StepLifecycle
 from .scatter import ScatterCommunicator, UnitShape, scale_of
@@ -197,7 +198,7 @@ class ExplainedAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         with self.backend.explained("FSDP's all-gather"):
-            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         return self.backend.explained_work(work, "FSDP's all-gather")
 
 
@@ -215,7 +216,7 @@ class ExplainedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False):
         with self.backend.explained("FSDP's reduce-scatter"):
-            work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            work = reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         return self.backend.explained_work(work, "FSDP's reduce-scatter")
 
 

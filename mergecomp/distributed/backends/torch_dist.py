@@ -24,6 +24,17 @@ from .serialize import (HeaderError, blob_size, check_blob_size, header_error, p
                         shape_header, shapes_from_header, unpack, unpack_bounded)
 
 
+def all_gather_single(*args, **kwargs):
+    """torch's single-tensor all-gather: ``all_gather_single`` where this torch has it (it
+    deprecates ``all_gather_into_tensor`` with a warning), else the older name."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def reduce_scatter_single(*args, **kwargs):
+    """torch's single-tensor reduce-scatter, chosen as :func:`all_gather_single` is."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
 #: How many of the latest collectives' handles a backend keeps (see ``_kept``).
 KEPT_WORKS = 256
 
@@ -211,7 +222,7 @@ class TorchDistributedBackend(Backend):
         out = torch.empty_like(chunks[0])
         self._count_alltoall(list(chunks))
         with self._guard("reduce_scatter"):
-            self._kept(dist.reduce_scatter_tensor(out, chunks.contiguous().view(-1), group=self.group,
+            self._kept(reduce_scatter_single(out, chunks.contiguous().view(-1), group=self.group,
                                                   async_op=True)).wait()
         return out
 
