@@ -214,3 +214,12 @@ def test_the_wrapper_says_when_dgc_trains_without_its_warmup_and_only_then():
     assert warned[0][1].endswith("test_recipes.py"), warned  # the user's line
     assert other == []  # once per job: rank 0 says it for every rank
     assert run_ranks(_dgc_steps, 2, True) == [[], []]  # set_epoch before the first step: nothing to say
+
+
+def test_an_adaptive_optimizers_learning_rate_is_not_judged_on_sgds_scale():
+    """Adam's step is already about ±lr per coordinate, as a sign compressor's is: a rate
+    tuned for AdamW must not be told to shrink a hundredfold (an SGD's still is)."""
+    model = torch.nn.Linear(3, 1)
+    for adaptive in (torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.RMSprop(model.parameters(), lr=0.01)):
+        assert recipes.advice(compressors.create("signsgd"), adaptive) is None
+    assert "lr=0.01, above the 0.0005" in recipes.advice(compressors.create("signsgd"), _sgd(lr=0.01, momentum=0.0))

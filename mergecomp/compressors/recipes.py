@@ -33,6 +33,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional
 
+import torch
+
+from ..momentum import innermost
 from ..registry import registry_of
 
 
@@ -149,13 +152,15 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
     does or the compressor has no recipe.
 
     A learning rate is judged only against an absolute bound (``max_lr``): how large the
-    dense learning rate of the user's model is, this function cannot know.
+    dense learning rate of the user's model is, this function cannot know.  An adaptive
+    optimizer's (an Adam's, RMSprop's) is not judged: its step is already about ±lr per
+    coordinate, the scale the bound is about, so its own tuned rate applies.
     """
     recipe = recipe_of(compressor)
     if recipe is None:
         return None
     problems: List[str] = []
-    if recipe.max_lr is not None:
+    if recipe.max_lr is not None and not isinstance(innermost(optimizer), _PER_COORDINATE):
         for index, group in enumerate(getattr(optimizer, "param_groups", [])):
             lr = group.get("lr")
             if isinstance(lr, (int, float)) and lr > recipe.max_lr:
@@ -186,6 +191,11 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
         return None
     advised = f" The paper: {recipe.paper}" if recipe.paper else ""
     return f"{compressor!r}: {'; '.join(problems)}. Why: {recipe.reason.rstrip('.')}.{advised}"
+
+
+#: Optimizers whose step is normalised per coordinate, so that lr is already its size.
+_PER_COORDINATE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                   torch.optim.Adamax, torch.optim.RMSprop, torch.optim.Adagrad)
 
 
 def _value_for(lr: float, recipe: Recipe) -> str:
