@@ -14,6 +14,7 @@ are registered before any plan is checked.
 from __future__ import annotations
 
 import difflib
+import inspect
 from importlib import metadata
 from typing import Callable, Dict, List, Type
 
@@ -102,10 +103,31 @@ class Registry:
     def create(self, name: str, **kwargs):
         """Instantiate the component registered under ``name`` with ``kwargs``."""
         cls = self.get(name)
+        self.check_options(name, kwargs)
         try:
             return cls(**kwargs)
         except TypeError as error:
             raise TypeError(f"cannot create {self.kind} {name!r} with {kwargs}: {error}") from None
+
+    def check_options(self, name: str, kwargs, supplied=()) -> None:
+        """Refuse a keyword the class registered under ``name`` does not take, naming the
+        ones it does (a class that takes ``**kwargs`` is not checked); the ``supplied``
+        keywords are the caller's own to pass, so the user may not."""
+        cls = self.get(name)
+        try:
+            parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        except (TypeError, ValueError):  # no signature to read (a C-level __init__)
+            return
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return
+        accepted = [p.name for p in parameters if p.name not in supplied and p.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        unknown = [key for key in kwargs if key not in accepted]
+        if unknown:
+            close = {key: difflib.get_close_matches(key, accepted, n=1) for key in unknown}
+            hints = "".join(f" ({key!r}: did you mean {match[0]!r}?)" for key, match in close.items() if match)
+            takes = f"its options are {', '.join(accepted)}" if accepted else "it takes none"
+            raise TypeError(f"{self.kind} {name!r} takes no option {', '.join(map(repr, unknown))}{hints}; {takes}")
 
     def available(self) -> List[str]:
         """Every registered name, sorted (plugins included)."""

@@ -86,3 +86,11 @@ def test_entry_point_plugin_is_discovered(tmp_path):
                          env={"PYTHONPATH": str(tmp_path), "PATH": ""}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True [0.5, 0.5]"
+
+
+def test_an_option_a_component_does_not_take_names_the_ones_it_does():
+    with pytest.raises(TypeError, match="compressor 'qsgd' takes no option 'level'.*did you mean 'levels'.*levels, bucket_size, seed"):
+        mergecomp.compressors.create("qsgd", level=16)
+    with pytest.raises(TypeError, match="memory 'residual' takes no option 'momentun'.*did you mean 'momentum'"):
+        mergecomp.memories.create("residual", momentun=0.9)
+    assert mergecomp.compressors.create("qsgd", levels=16).levels == 16

@@ -221,3 +221,12 @@ def test_communicator_options_are_checked():
         check_communicator_options({"nonesuch": {}})
     with pytest.raises(TypeError, match="keyword"):
         check_communicator_options({"sparse_allreduce": ["keep"]})
+
+
+def test_an_option_the_communicator_does_not_take_is_refused_with_the_ones_it_does():
+    from mergecomp.runtime.step import check_communicator_options
+    with pytest.raises(TypeError, match="'sparse_allreduce' takes no option 'kep'.*did you mean 'keep'.*keep, owner_residual"):
+        check_communicator_options({"sparse_allreduce": {"kep": None}})
+    with pytest.raises(TypeError, match="'allgather' takes no option 'compressor'; it takes none"):
+        check_communicator_options({"allgather": {"compressor": "topk"}})  # the lifecycle passes that one
+    assert check_communicator_options({"sparse_allreduce": {"keep": None}}) == {"sparse_allreduce": {"keep": None}}

@@ -38,6 +38,7 @@ def check_communicator_options(options: Optional[Mapping[str, Mapping[str, Any]]
                              f"communicator; registered: {', '.join(known)}")
         if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
             raise TypeError(f"communicator_options[{name!r}] must map keyword names to values, got {kwargs!r}")
+        communicators.registry.check_options(name, kwargs, supplied=("compressor", "memory", "backend"))
         checked[name] = dict(kwargs)
     return checked
 
