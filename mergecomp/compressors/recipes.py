@@ -146,6 +146,11 @@ def _memory_name(memory) -> Optional[str]:
     return getattr(memory, "name", type(memory).__name__)
 
 
+#: Optimizers whose step is normalised per coordinate, so that lr is already its size.
+_PER_COORDINATE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                   torch.optim.Adamax, torch.optim.RMSprop, torch.optim.Adagrad)
+
+
 def advice(compressor, optimizer, memory=None) -> Optional[str]:
     """What in ``optimizer``'s settings (and ``memory``, a name or instance, when given)
     contradicts ``compressor``'s recipe, as one message with what to do; None when nothing
@@ -191,11 +196,6 @@ def advice(compressor, optimizer, memory=None) -> Optional[str]:
         return None
     advised = f" The paper: {recipe.paper}" if recipe.paper else ""
     return f"{compressor!r}: {'; '.join(problems)}. Why: {recipe.reason.rstrip('.')}.{advised}"
-
-
-#: Optimizers whose step is normalised per coordinate, so that lr is already its size.
-_PER_COORDINATE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
-                   torch.optim.Adamax, torch.optim.RMSprop, torch.optim.Adagrad)
 
 
 def _value_for(lr: float, recipe: Recipe) -> str:

@@ -23,7 +23,7 @@ import torch
 from . import register
 from .base import Compressor, Context
 from .recipes import Recipe
-from .views import RemembersLayoutSpans, Spans, ViewsContext, context_spans
+from .views import RemembersLayoutSpans, Spans, context_spans
 from ..kernels import pack_bits, packed_nbytes, unpack_bits
 from ..kernels.segments import scale_views, span_lengths
 
@@ -32,10 +32,6 @@ AUTO = "auto"
 #: τ over the view's mean magnitude with ``threshold=AUTO`` (see the class).
 DEFAULT_SCALE = 2.0
 
-
-#: A payload's context when its measured thresholds belong to several parameter views (the
-#: name it had before the per-view compressors shared one).
-TBQContext = ViewsContext
 
 @register("tbq")
 class TBQCompressor(RemembersLayoutSpans, Compressor):
