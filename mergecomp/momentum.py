@@ -149,6 +149,7 @@ def take_over_momentum(optimizer, memory, component: str, adam: bool = True) -> 
     momentum, nesterov = kind.shared(optimizer, component)
     memory.adopt_momentum(momentum, nesterov)
     memory.gradient_units = True
+    memory.momentum_source = "adam" if kind is _ADAM else "sgd"
     if getattr(optimizer, _TAKEN, None) is None:
         setattr(optimizer, _TAKEN, _install_hooks(optimizer, memory, component, kind))
     else:  # a second vetting (a framework's second fit): the hooks follow this memory

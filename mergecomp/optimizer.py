@@ -226,12 +226,17 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         return loss
 
     def _watch_clipping(self) -> None:
-        """On a measured step: a loop that clipped the averages after the exchange, against
-        the compressor's recipe, is told once (rank 0; every rank sees the same averages)."""
+        """A loop that clipped the averages after the exchange: a memory that runs SGD's
+        momentum before the exchange clips each rank's gradient at the loop's threshold from
+        the next step on (:mod:`mergecomp.memories.loopclip`); otherwise, against the
+        compressor's recipe, the loop is told once (rank 0; every rank sees the same averages)."""
         watch = self.reducer.clip_watch
         ratio = watch.changed()
         if ratio is None:
             return
+        for communicator in self.lifecycle.communicators():
+            if communicator.memory.follows_loop_clip:
+                communicator.memory.follow_loop_clip(watch.threshold)
         message = watch.advise(self.compressor, self.communicator.memory, ratio)
         if message is not None and self.backend.rank == 0:
             warnings.warn(message, RuntimeWarning, stacklevel=3)

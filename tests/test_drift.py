@@ -370,11 +370,11 @@ def test_a_controller_held_at_its_budget_while_the_lag_stays_high_says_so_once()
     assert "held at its byte budget (1.2×" in said0[0] and "byte_budget=" in said0[0]
 
 
-def _clipped_after(rank, world_size, how):
+def _clipped_after(rank, world_size, how, momentum=0.9):
     model = _model()
     memory = (mergecomp.memories.create("residual", momentum="optimizer", clip_norm=0.5) if how == "local"
               else "auto")
-    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum),
                                                model=model, compressor="topk", memory=memory, schedule=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -388,14 +388,20 @@ def _clipped_after(rank, world_size, how):
                 for p in model.parameters():
                     p.grad.mul_(2.0 ** -8)
             optimizer.step()
-    return [str(w.message) for w in caught if "clips (or rescales)" in str(w.message)]
+    return ([str(w.message) for w in caught if "clips (or rescales)" in str(w.message)],
+            optimizer.communicator.memory.loop_clip.threshold)
 
 
-@pytest.mark.parametrize("how, told", [("after", True), ("local", False), ("unscale", False), ("none", False)])
-def test_clipping_after_the_exchange_against_the_recipe_is_told_once(how, told):
-    said0, said1 = run_ranks(_clipped_after, 2, how)
+@pytest.mark.parametrize("how, momentum, told, followed", [
+    ("after", 0.0, True, False),   # plain error feedback: the recipe's advice
+    ("after", 0.9, False, True),   # SGD's momentum before the exchange: the memory clips there itself
+    ("local", 0.9, False, False), ("unscale", 0.9, False, False), ("none", 0.9, False, False)])
+def test_clipping_after_the_exchange_against_the_recipe_is_told_once(how, momentum, told, followed):
+    (said0, seen0), (said1, seen1) = run_ranks(_clipped_after, 2, how, momentum)
     assert said1 == []
     assert len(said0) == (1 if told else 0), said0
+    assert seen0 == seen1  # every rank reads the same threshold
+    assert (seen0 == pytest.approx(1e-3, rel=1e-3)) if followed else seen0 is None
     if told:
         assert "clip_norm=YOUR_CLIP / √ranks, momentum='optimizer'" in said0[0]
 

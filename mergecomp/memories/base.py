@@ -33,6 +33,17 @@ class Memory(DriftTerms):
     #: 1/(1 − m) times larger, and clipped at a gradient's threshold it would take steps that much
     #: smaller).
     gradient_units = False
+    #: Whose momentum the memory took over: ``"sgd"`` or ``"adam"`` (None: none), set by
+    #: :func:`mergecomp.momentum.take_over_momentum`.
+    momentum_source = None
+    #: Whether the loop's clipping threshold, once seen, is applied to each rank's gradient
+    #: before this memory's momentum (:mod:`mergecomp.memories.loopclip`).
+    follows_loop_clip = False
+
+    def follow_loop_clip(self, threshold: float) -> None:
+        """Clip each rank's gradient at the loop's ``threshold`` from the next step on (see
+        :mod:`mergecomp.memories.loopclip`); only for a memory that :attr:`follows_loop_clip`."""
+        raise NotImplementedError(f"{type(self).__name__} does not follow the loop's clipping")
 
     def units_factor(self, momentum: float) -> float:
         """What the gradient is multiplied by before it enters the momentum: ``1 − m`` in

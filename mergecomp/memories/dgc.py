@@ -27,6 +27,7 @@ from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_
 from ..checkpoint import check_group_tensors
 from ..kernels.momentum import momentum_correction
 from ..staging import Spares, StagedDict, shares_memory
+from .loopclip import LoopClip
 
 
 def check_optimizer(optimizer, memory: "DGCMemory") -> None:
@@ -89,11 +90,21 @@ class DGCMemory(Memory):
         self.masking = check_flag(masking, "dgc memory masking")
         self.momenta = StagedDict()
         self.velocities = StagedDict()
+        #: The loop's clipping, applied before the momentum once seen (:mod:`~mergecomp.memories.loopclip`).
+        self.loop_clip = LoopClip()
         self._spares = Spares()  # momenta and velocities no state holds, reused by compensate()
 
     def check_optimizer(self, optimizer) -> None:
         """See :func:`mergecomp.memories.dgc.check_optimizer`."""
         check_optimizer(optimizer, self)
+
+    @property
+    def follows_loop_clip(self) -> bool:
+        """SGD's momentum taken over, and no ``clip_norm`` of its own."""
+        return self.momentum_source == "sgd" and self.momentum > 0.0 and self.clip_norm is None
+
+    def follow_loop_clip(self, threshold: float) -> None:
+        self.loop_clip.follow(threshold)
 
     def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
         """Use the optimizer's ``momentum`` and ``nesterov`` from now on.  ValueError when
@@ -121,8 +132,11 @@ class DGCMemory(Memory):
 
     def compensate(self, tensor, name):
         # Local clipping's factor is applied inside the momentum correction's pass.
-        scale = combined_scale(clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None,
-                               self.units_factor(self.momentum))
+        if self.clip_norm is not None:
+            clip = clip_scale(tensor, self.clip_norm)
+        else:
+            clip = self.loop_clip.scale(tensor, name) if self.follows_loop_clip else None
+        scale = combined_scale(clip, self.units_factor(self.momentum))
         momentum, velocity = self._state(name, tensor)
         # Into other tensors (spares this memory made earlier, when it has them), never the
         # committed ones changed in place: a step dropped after this (rollback) must find
@@ -169,10 +183,12 @@ class DGCMemory(Memory):
         self._note_held(name, flat_v)
 
     def commit(self):
+        self.loop_clip.commit()
         self._spares.recycle_commit(self.momenta, "u/")
         self._spares.recycle_commit(self.velocities, "v/")
 
     def rollback(self):
+        self.loop_clip.rollback()
         self._spares.recycle_rollback(self.momenta, "u/")
         self._spares.recycle_rollback(self.velocities, "v/")
 
@@ -181,17 +197,22 @@ class DGCMemory(Memory):
         return norm_of(self.velocities.committed().values())
 
     def state_dict(self):
-        return {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},
-                "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()},
-                "units": UNITS[self.gradient_units]}
+        state = {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},
+                 "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()},
+                 "units": UNITS[self.gradient_units]}
+        if self.loop_clip.state_dict():
+            state["loop_clip"] = self.loop_clip.state_dict()
+        return state
 
     def check_state(self, state, groups):
         """Momenta and velocities are flat tensors of their group's size and dtype, one of
         each per group."""
-        unknown = sorted(set(state) - {"momenta", "velocities", "units"})
+        unknown = sorted(set(state) - {"momenta", "velocities", "units", "loop_clip"})
         if unknown:
             raise ValueError(f"dgc memory state has unknown keys {unknown}; expected 'momenta', 'velocities' "
-                             f"(and 'units')")
+                             f"(and 'units', 'loop_clip')")
+        if "loop_clip" in state:
+            LoopClip.check_state(state["loop_clip"], "dgc memory")
         units_of(state)
         momenta, velocities = state.get("momenta", {}), state.get("velocities", {})
         check_group_tensors("dgc momentum", momenta, groups)
@@ -205,6 +226,7 @@ class DGCMemory(Memory):
         saved = units_of(state)  # a state saved in the other units is converted
         self.momenta.replace(in_units(state.get("momenta", {}), saved, self, self.momentum))
         self.velocities.replace(in_units(state.get("velocities", {}), saved, self, self.momentum))
+        self.loop_clip.load_state_dict(state.get("loop_clip", {}))
 
     def __repr__(self):
         masking = "" if self.masking else ", masking=False"

@@ -10,7 +10,8 @@ from typing import Optional, Union
 import torch
 
 from . import register
-from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_local, clip_scale, combined_scale,
+from .loopclip import LoopClip
+from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_scale, combined_scale,
                    in_units, norm_of, sent_positions, subtract_sent, units_of, zero_positions)
 from ..kernels.momentum import momentum_correction
 from ..checkpoint import check_group_tensors
@@ -105,6 +106,8 @@ class ResidualMemory(Memory):
         #: Momentum factor masking: on while the momentum taken over is an Adam's first moment.
         self.masking = False
         self.residuals = StagedDict()
+        #: The loop's clipping, applied before the momentum once seen (:mod:`~mergecomp.memories.loopclip`).
+        self.loop_clip = LoopClip()
         self.momenta = StagedDict()  # group → u, while the momentum is above 0
         self._made = {}  # group → the tensor compensate() made this step (ours to reuse)
         self._spares = Spares()  # residuals no state holds, reused by compensate() and update()
@@ -132,6 +135,21 @@ class ResidualMemory(Memory):
             return
         self.masking = self.adam and is_adam(optimizer)
 
+    @property
+    def follows_loop_clip(self) -> bool:
+        """SGD's momentum taken over before the exchange, and no ``clip_norm`` of its own."""
+        return self.momentum_source == "sgd" and self.sgd_momentum > 0.0 and not self.folds and self.clip_norm is None
+
+    def follow_loop_clip(self, threshold: float) -> None:
+        self.loop_clip.follow(threshold)
+
+    def _clip_factor(self, tensor, name):
+        """Local clipping's factor for this rank's gradient (None: none): ``clip_norm``'s, or
+        the loop's threshold once seen (:mod:`~mergecomp.memories.loopclip`)."""
+        if self.clip_norm is not None:
+            return clip_scale(tensor, self.clip_norm)
+        return self.loop_clip.scale(tensor, name) if self.follows_loop_clip else None
+
     def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
         """Use the optimizer's ``momentum`` and ``nesterov`` from now on; ValueError when this
         memory was given another momentum (unless ``follow``: a schedule moved SGD's).  A
@@ -155,8 +173,7 @@ class ResidualMemory(Memory):
         (:func:`~mergecomp.kernels.momentum.momentum_correction`: one native pass
         with local clipping's factor applied on the way, and the block peaks a top-k
         selection of e' reads), into spares, never into the committed u and e."""
-        scale = combined_scale(clip_scale(tensor, self.clip_norm) if self.clip_norm is not None else None,
-                               self.units_factor(self.sgd_momentum))
+        scale = combined_scale(self._clip_factor(tensor, name), self.units_factor(self.sgd_momentum))
         previous = checked_state(self.momenta, name, tensor, "momentum")
         residual = checked_state(self.residuals, name, tensor, "residual")
         zeros = torch.zeros_like(tensor) if previous is None or residual is None else None
@@ -184,8 +201,9 @@ class ResidualMemory(Memory):
     def compensate(self, tensor, name):
         if self.sgd_momentum > 0.0 and not self.nesterov and self.beta == 1.0 and self.gamma == 1.0:
             return self._momentum_corrected(tensor, name)  # top-k's default: one pass
-        if self.clip_norm is not None:
-            tensor = clip_local(tensor, self.clip_norm)
+        clip = self._clip_factor(tensor, name)
+        if clip is not None:
+            tensor = tensor * clip
         if self.sgd_momentum > 0.0:
             units = self.units_factor(self.sgd_momentum)
             tensor = self._with_momentum(tensor if units == 1.0 else tensor * units, name)
@@ -230,11 +248,13 @@ class ResidualMemory(Memory):
 
     def commit(self):
         self._made.clear()
+        self.loop_clip.commit()
         self._spares.recycle_commit(self.residuals)
         self._momentum_spares.recycle_commit(self.momenta)
 
     def rollback(self):
         self._made.clear()
+        self.loop_clip.rollback()
         self._spares.recycle_rollback(self.residuals)
         self._momentum_spares.recycle_rollback(self.momenta)
 
@@ -248,15 +268,19 @@ class ResidualMemory(Memory):
         if momenta:  # only a memory with a momentum has them (older states have none)
             state["momenta"] = {k: v.detach().clone() for k, v in momenta.items()}
             state["units"] = UNITS[self.gradient_units]
+        if self.loop_clip.state_dict():
+            state["loop_clip"] = self.loop_clip.state_dict()
         return state
 
     def check_state(self, state, groups):
         """Residuals (and momenta, when there is a momentum) are flat tensors of their
         group's size and dtype."""
-        unknown = sorted(set(state) - {"residuals", "momenta", "units"})
+        unknown = sorted(set(state) - {"residuals", "momenta", "units", "loop_clip"})
         if unknown:
             raise ValueError(f"residual memory state has unknown keys {unknown}; expected 'residuals' "
-                             f"(and 'momenta', 'units')")
+                             f"(and 'momenta', 'units', 'loop_clip')")
+        if "loop_clip" in state:
+            LoopClip.check_state(state["loop_clip"], "residual memory")
         units_of(state)
         check_group_tensors("residual", state.get("residuals", {}), groups)
         check_group_tensors("residual memory momentum", state.get("momenta", {}), groups)
@@ -272,6 +296,7 @@ class ResidualMemory(Memory):
         convert = (lambda tensors: in_units(tensors, saved, self, self.sgd_momentum)) if momenta else \
             (lambda tensors: {k: v.clone() for k, v in tensors.items()})
         self.residuals.replace(convert(state.get("residuals", {})))
+        self.loop_clip.load_state_dict(state.get("loop_clip", {}))
         self.momenta.replace(convert(momenta))
 
     def __repr__(self):

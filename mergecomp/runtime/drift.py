@@ -289,13 +289,20 @@ class ClipWatch:
         self._buffers: List[torch.Tensor] = []
         self._noted: Optional[torch.Tensor] = None
         self.warned = False
+        #: The norm the loop clipped the averages to, the last time it was seen clipping: its
+        #: threshold, when it clips every gradient the exchange delivered (as
+        #: ``clip_grad_norm_(model.parameters(), ...)`` does).  Every rank reads the same.
+        self.threshold: Optional[float] = None
 
     def note(self, buffers: Sequence[torch.Tensor]) -> None:
+        """The averages every group handed to the parameters (``buffers``), before the loop
+        sees them."""
         self._buffers = list(buffers)
         self._noted = sum((squared_norm(b) for b in self._buffers), torch.zeros(())) if self._buffers else None
 
     def changed(self) -> Optional[float]:
-        """The averages' norm now over when noted (None: nothing noted, or unchanged)."""
+        """The averages' norm now over when noted (None: nothing noted, or unchanged); a
+        clip sets :attr:`threshold`."""
         if self._noted is None:
             return None
         before, self._noted = float(self._noted), None
@@ -307,13 +314,14 @@ class ClipWatch:
         exponent = math.log2(ratio) if ratio > 0 else 0.0
         if ratio > 0.99 or abs(exponent - round(exponent)) < 1e-6:
             return None
+        self.threshold = math.sqrt(now)
         return ratio
 
     def advise(self, compressor, memory, ratio: float) -> Optional[str]:
         """The warning for a clip seen after the exchange (None when the recipe does not mind)."""
         recipe = getattr(compressor, "recipe", None)
         if self.warned or recipe is None or not getattr(recipe, "local_clipping", False) \
-                or getattr(memory, "clip_norm", None) is not None:
+                or getattr(memory, "clip_norm", None) is not None or memory.follows_loop_clip:
             return None
         self.warned = True
         follows = getattr(memory, "follows_optimizer", False)

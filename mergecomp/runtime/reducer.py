@@ -41,7 +41,7 @@ from ..distributed.backends import Backend
 from ..distributed.backends.expect import STRING
 from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
-from ..plan import Group, ParamInfo, Plan, is_compressed
+from ..plan import Group, ParamInfo, Plan
 from .drift import ClipWatch
 from .plans import PlanHolder
 from .step import InFlight, Listeners, SharedSurface, StepLifecycle
@@ -351,9 +351,12 @@ class Reducer(SharedSurface, PlanHolder):
         self._awaiting_step = True
         self.last_outcome = outcome
         reading = self.lifecycle.drift
-        if outcome.finite and reading is not None and reading.step == self.lifecycle.settled_step:
-            # a measured step: what the loop does to the averages before step() is watched
-            self.clip_watch.note([g.buffer for g in self.groups if g.buffer is not None and is_compressed(g.send)])
+        learning = self.clip_watch.threshold is None and any(
+            c.memory.follows_loop_clip for c in self.lifecycle.communicators())
+        if outcome.finite and (learning or (reading is not None and reading.step == self.lifecycle.settled_step)):
+            # a measured step, or every step until a memory that follows the loop's clipping
+            # has seen it: what the loop does to the averages before step() is watched
+            self.clip_watch.note([g.buffer for g in self.groups if g.buffer is not None])
         self.last_sync_time = time.perf_counter() - started
         # Last, once the step is closed: a caller that catches a NonFiniteGradient can
         # zero_grad() and go on, as after a warning.
