@@ -6,9 +6,9 @@ exchange, so what reaches ``p.grad`` is a momentum, not a gradient.  A loop that
 ``lr / (1 − m)`` times the threshold, where dense heavy-ball momentum sums clipped
 gradients and, with gradients that point different ways from step to step, takes steps
 several times smaller.  Measured on a character transformer under ``SGD(lr=0.5,
-momentum=0.9)`` with the averaged gradient clipped to 1: a lossless exchange with the
-momentum before it trails dense far behind, and top-k at its defaults diverges; with each
-rank's gradient clipped before the momentum both train (docs/results.md#loop-clip).
+momentum=0.9)`` with the averaged gradient clipped to 1, top-k at its defaults diverged
+and DGC trailed dense; with each rank's gradient clipped before the momentum both trained
+better (docs/results.md#loop-clip).
 
 So once the loop is seen clipping (:class:`mergecomp.runtime.drift.ClipWatch`: the averages'
 norm fell between the exchange and ``step()``, by a factor that is not a power of two), the
