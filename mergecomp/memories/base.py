@@ -39,11 +39,24 @@ class Memory(DriftTerms):
     #: Whether the loop's clipping threshold, once seen, is applied to each rank's gradient
     #: before this memory's momentum (:mod:`mergecomp.memories.loopclip`).
     follows_loop_clip = False
+    #: A :class:`~mergecomp.memories.loopclip.LoopClip`, in a memory that can follow the loop.
+    loop_clip = None
+    #: Explicit local clipping (each rank's gradient, before error feedback), where a memory has it.
+    clip_norm = None
 
     def follow_loop_clip(self, threshold: float) -> None:
         """Clip each rank's gradient at the loop's ``threshold`` from the next step on (see
         :mod:`mergecomp.memories.loopclip`); only for a memory that :attr:`follows_loop_clip`."""
-        raise NotImplementedError(f"{type(self).__name__} does not follow the loop's clipping")
+        if self.loop_clip is None:
+            raise NotImplementedError(f"{type(self).__name__} does not follow the loop's clipping")
+        self.loop_clip.follow(threshold)
+
+    def local_clip_factor(self, tensor: torch.Tensor, name: str):
+        """Local clipping's factor for this rank's gradient of group ``name`` (None: none):
+        ``clip_norm``'s, or the loop's threshold once seen."""
+        if self.clip_norm is not None:
+            return clip_scale(tensor, self.clip_norm)
+        return self.loop_clip.scale(tensor, name) if self.follows_loop_clip else None
 
     def units_factor(self, momentum: float) -> float:
         """What the gradient is multiplied by before it enters the momentum: ``1 − m`` in

@@ -22,7 +22,7 @@ import torch
 
 from ..momentum import TAKES_OVER, take_over_momentum
 from . import register
-from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_scale, combined_scale, in_units,
+from .base import (UNITS, Memory, check_flag, check_number, checked_state, combined_scale, in_units,
                    norm_of, sent_positions, units_of, zero_positions)
 from ..checkpoint import check_group_tensors
 from ..kernels.momentum import momentum_correction
@@ -103,9 +103,6 @@ class DGCMemory(Memory):
         """SGD's momentum taken over, and no ``clip_norm`` of its own."""
         return self.momentum_source == "sgd" and self.momentum > 0.0 and self.clip_norm is None
 
-    def follow_loop_clip(self, threshold: float) -> None:
-        self.loop_clip.follow(threshold)
-
     def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
         """Use the optimizer's ``momentum`` and ``nesterov`` from now on.  ValueError when
         the caller gave this memory a different momentum or Nesterov flag, unless
@@ -132,11 +129,7 @@ class DGCMemory(Memory):
 
     def compensate(self, tensor, name):
         # Local clipping's factor is applied inside the momentum correction's pass.
-        if self.clip_norm is not None:
-            clip = clip_scale(tensor, self.clip_norm)
-        else:
-            clip = self.loop_clip.scale(tensor, name) if self.follows_loop_clip else None
-        scale = combined_scale(clip, self.units_factor(self.momentum))
+        scale = combined_scale(self.local_clip_factor(tensor, name), self.units_factor(self.momentum))
         momentum, velocity = self._state(name, tensor)
         # Into other tensors (spares this memory made earlier, when it has them), never the
         # committed ones changed in place: a step dropped after this (rollback) must find

@@ -11,7 +11,7 @@ import torch
 
 from . import register
 from .loopclip import LoopClip
-from .base import (UNITS, Memory, check_flag, check_number, checked_state, clip_scale, combined_scale,
+from .base import (UNITS, Memory, check_flag, check_number, checked_state, combined_scale,
                    in_units, norm_of, sent_positions, subtract_sent, units_of, zero_positions)
 from ..kernels.momentum import momentum_correction
 from ..checkpoint import check_group_tensors
@@ -140,16 +140,6 @@ class ResidualMemory(Memory):
         """SGD's momentum taken over before the exchange, and no ``clip_norm`` of its own."""
         return self.momentum_source == "sgd" and self.sgd_momentum > 0.0 and not self.folds and self.clip_norm is None
 
-    def follow_loop_clip(self, threshold: float) -> None:
-        self.loop_clip.follow(threshold)
-
-    def _clip_factor(self, tensor, name):
-        """Local clipping's factor for this rank's gradient (None: none): ``clip_norm``'s, or
-        the loop's threshold once seen (:mod:`~mergecomp.memories.loopclip`)."""
-        if self.clip_norm is not None:
-            return clip_scale(tensor, self.clip_norm)
-        return self.loop_clip.scale(tensor, name) if self.follows_loop_clip else None
-
     def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
         """Use the optimizer's ``momentum`` and ``nesterov`` from now on; ValueError when this
         memory was given another momentum (unless ``follow``: a schedule moved SGD's).  A
@@ -173,7 +163,7 @@ class ResidualMemory(Memory):
         (:func:`~mergecomp.kernels.momentum.momentum_correction`: one native pass
         with local clipping's factor applied on the way, and the block peaks a top-k
         selection of e' reads), into spares, never into the committed u and e."""
-        scale = combined_scale(self._clip_factor(tensor, name), self.units_factor(self.sgd_momentum))
+        scale = combined_scale(self.local_clip_factor(tensor, name), self.units_factor(self.sgd_momentum))
         previous = checked_state(self.momenta, name, tensor, "momentum")
         residual = checked_state(self.residuals, name, tensor, "residual")
         zeros = torch.zeros_like(tensor) if previous is None or residual is None else None
@@ -201,7 +191,7 @@ class ResidualMemory(Memory):
     def compensate(self, tensor, name):
         if self.sgd_momentum > 0.0 and not self.nesterov and self.beta == 1.0 and self.gamma == 1.0:
             return self._momentum_corrected(tensor, name)  # top-k's default: one pass
-        clip = self._clip_factor(tensor, name)
+        clip = self.local_clip_factor(tensor, name)
         if clip is not None:
             tensor = tensor * clip
         if self.sgd_momentum > 0.0:
