@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import mergecomp
 from mergecomp.runtime import drift
-from mergecomp.runtime.drift import DriftController, DriftReading
+from mergecomp.runtime.drift import ClipWatch, DriftController, DriftReading
 
 from .distributed import run_ranks
 
@@ -404,6 +404,37 @@ def test_clipping_after_the_exchange_against_the_recipe_is_told_once(how, moment
     assert (seen0 == pytest.approx(1e-3, rel=1e-3)) if followed else seen0 is None
     if told:
         assert "clip_norm=YOUR_CLIP / √ranks, momentum='optimizer'" in said0[0]
+
+
+def _watched_steps(rank, world_size, clip_from, steps):
+    """The steps whose averages the clip watch noted, and the threshold it learned, for a loop
+    that clips from step ``clip_from`` on (never: None)."""
+    model = _model()
+    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                               model=model, compressor="topk", schedule=1)
+    reducer, watched = optimizer.reducer, []
+    note = reducer.clip_watch.note
+
+    def counted(buffers):
+        watched.append(reducer.lifecycle.settled_step)
+        note(buffers)
+    reducer.clip_watch.note = counted
+    for step in range(steps):
+        _step(model, optimizer, rank, step, clip=1e-3 if clip_from is not None and step >= clip_from else None)
+    return watched, optimizer.communicator.memory.loop_clip.threshold
+
+
+def test_the_clip_watch_looks_at_every_step_only_early_then_at_measured_steps():
+    every = ClipWatch.every_step_for
+    (watched, threshold), _ = run_ranks(_watched_steps, 2, None, every + 25)
+    assert threshold is None
+    early = [s for s in watched if s < every]
+    assert len(early) == every  # every early step
+    late = [s for s in watched if s >= every]
+    assert late and len(late) <= 3 and all(s % 10 == late[0] % 10 for s in late)  # measured steps only
+    # a loop that starts clipping late is still seen, at the next measured step
+    (_, threshold), (_, other) = run_ranks(_watched_steps, 2, every + 3, every + 25)
+    assert threshold == other == pytest.approx(1e-3, rel=1e-3)
 
 
 # -- every entry point ---------------------------------------------------------------------------

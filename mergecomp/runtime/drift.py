@@ -282,8 +282,15 @@ class ClipWatch:
     parameters (:meth:`note`); at ``step()`` it is read again (:meth:`changed`).  A norm that
     fell by a factor that is not a power of two was clipped (or rescaled) in between: a
     power of two is AMP's ``GradScaler`` unscaling, which is no clipping.  Two passes over the
-    compressed groups' averages, on measured steps only.
+    compressed groups' averages, on measured steps only, and on every one of the first
+    :attr:`every_step_for` steps while a memory that follows the loop's clipping waits for its
+    threshold (a loop that clips does so from its first steps, where gradients are largest; a
+    loop that starts later is seen at a measured step, and one that never clips costs no more
+    than the measure).
     """
+
+    #: Steps from the first in which every step is watched while a threshold is awaited.
+    every_step_for = 100
 
     def __init__(self):
         self._buffers: List[torch.Tensor] = []

@@ -351,11 +351,13 @@ class Reducer(SharedSurface, PlanHolder):
         self._awaiting_step = True
         self.last_outcome = outcome
         reading = self.lifecycle.drift
-        learning = self.clip_watch.threshold is None and any(
-            c.memory.follows_loop_clip for c in self.lifecycle.communicators())
-        if outcome.finite and (learning or (reading is not None and reading.step == self.lifecycle.settled_step)):
-            # a measured step, or every step until a memory that follows the loop's clipping
-            # has seen it: what the loop does to the averages before step() is watched
+        step = self.lifecycle.settled_step
+        learning = (self.clip_watch.threshold is None and step is not None
+                    and step < self.clip_watch.every_step_for
+                    and any(c.memory.follows_loop_clip for c in self.lifecycle.communicators()))
+        if outcome.finite and (learning or (reading is not None and reading.step == step)):
+            # a measured step, or every early step until a memory that follows the loop's
+            # clipping has seen it: what the loop does to the averages before step() is watched
             self.clip_watch.note([g.buffer for g in self.groups if g.buffer is not None])
         self.last_sync_time = time.perf_counter() - started
         # Last, once the step is closed: a caller that catches a NonFiniteGradient can
