@@ -228,8 +228,8 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
     def _watch_clipping(self) -> None:
         """A loop that clipped the averages after the exchange: a memory that runs SGD's
         momentum before the exchange clips each rank's gradient at the loop's threshold from
-        the next step on (:mod:`mergecomp.memories.loopclip`); otherwise, against the
-        compressor's recipe, the loop is told once (rank 0; every rank sees the same averages)."""
+        the next step on (:mod:`mergecomp.memories.loopclip`); against the compressor's recipe,
+        the loop is told once either way (rank 0; every rank sees the same averages)."""
         watch = self.reducer.clip_watch
         ratio = watch.changed()
         if ratio is None:

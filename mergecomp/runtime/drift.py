@@ -328,14 +328,18 @@ class ClipWatch:
         """The warning for a clip seen after the exchange (None when the recipe does not mind)."""
         recipe = getattr(compressor, "recipe", None)
         if self.warned or recipe is None or not getattr(recipe, "local_clipping", False) \
-                or getattr(memory, "clip_norm", None) is not None or memory.follows_loop_clip:
+                or getattr(memory, "clip_norm", None) is not None:
             return None
         self.warned = True
         follows = getattr(memory, "follows_optimizer", False)
         memory_call = (f"mergecomp.memories.create('{getattr(memory, 'name', 'residual')}', clip_norm=YOUR_CLIP / √ranks"
                        + (", momentum='optimizer')" if follows else ")"))
+        # A memory that follows the loop clips before its momentum from now on, but runs with
+        # the recipe's clipping did better (docs/results.md#sgd-topk-gpt): the loop is told too.
+        interim = (" Meanwhile the memory clips each rank's gradient at the loop's threshold before "
+                   "its momentum." if memory.follows_loop_clip else "")
         return (f"mergecomp: the averaged gradient's norm fell to {ratio:.3g} of what the exchange "
                 f"delivered between backward and step(): the loop clips (or rescales) it after the "
                 f"exchange, and {type(compressor).__name__}'s recipe asks for each rank's gradient to be "
                 f"clipped before its error feedback instead ({recipe.reason}). Clip there, with "
-                f"memory={memory_call}, and remove the clipping after backward.")
+                f"memory={memory_call}, and remove the clipping after backward.{interim}")
