@@ -19,6 +19,7 @@ from typing import Any, Dict
 import torch
 
 from ..compressors.base import DriftTerms
+from .loopclip import LoopClip
 
 
 class Memory(DriftTerms):
@@ -50,6 +51,19 @@ class Memory(DriftTerms):
         if self.loop_clip is None:
             raise NotImplementedError(f"{type(self).__name__} does not follow the loop's clipping")
         self.loop_clip.follow(threshold)
+
+    def with_loop_clip_state(self, state: dict) -> dict:
+        """``state`` with the loop's clipping added under ``"loop_clip"`` once a threshold was
+        seen (so the states of runs that never clip are as before)."""
+        loop_clip = self.loop_clip.state_dict() if self.loop_clip is not None else {}
+        if loop_clip:
+            state["loop_clip"] = loop_clip
+        return state
+
+    def check_loop_clip_state(self, state: dict, what: str) -> None:
+        """ValueError naming what is wrong with ``state``'s ``"loop_clip"``, if it has one."""
+        if "loop_clip" in state:
+            LoopClip.check_state(state["loop_clip"], what)
 
     def local_clip_factor(self, tensor: torch.Tensor, name: str):
         """Local clipping's factor for this rank's gradient of group ``name`` (None: none):

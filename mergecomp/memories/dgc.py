@@ -190,12 +190,10 @@ class DGCMemory(Memory):
         return norm_of(self.velocities.committed().values())
 
     def state_dict(self):
-        state = {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},
-                 "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()},
-                 "units": UNITS[self.gradient_units]}
-        if self.loop_clip.state_dict():
-            state["loop_clip"] = self.loop_clip.state_dict()
-        return state
+        return self.with_loop_clip_state(
+            {"momenta": {k: v.detach().clone() for k, v in self.momenta.committed().items()},
+             "velocities": {k: v.detach().clone() for k, v in self.velocities.committed().items()},
+             "units": UNITS[self.gradient_units]})
 
     def check_state(self, state, groups):
         """Momenta and velocities are flat tensors of their group's size and dtype, one of
@@ -204,8 +202,7 @@ class DGCMemory(Memory):
         if unknown:
             raise ValueError(f"dgc memory state has unknown keys {unknown}; expected 'momenta', 'velocities' "
                              f"(and 'units', 'loop_clip')")
-        if "loop_clip" in state:
-            LoopClip.check_state(state["loop_clip"], "dgc memory")
+        self.check_loop_clip_state(state, "dgc memory")
         units_of(state)
         momenta, velocities = state.get("momenta", {}), state.get("velocities", {})
         check_group_tensors("dgc momentum", momenta, groups)

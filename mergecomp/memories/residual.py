@@ -258,9 +258,7 @@ class ResidualMemory(Memory):
         if momenta:  # only a memory with a momentum has them (older states have none)
             state["momenta"] = {k: v.detach().clone() for k, v in momenta.items()}
             state["units"] = UNITS[self.gradient_units]
-        if self.loop_clip.state_dict():
-            state["loop_clip"] = self.loop_clip.state_dict()
-        return state
+        return self.with_loop_clip_state(state)
 
     def check_state(self, state, groups):
         """Residuals (and momenta, when there is a momentum) are flat tensors of their
@@ -269,8 +267,7 @@ class ResidualMemory(Memory):
         if unknown:
             raise ValueError(f"residual memory state has unknown keys {unknown}; expected 'residuals' "
                              f"(and 'momenta', 'units', 'loop_clip')")
-        if "loop_clip" in state:
-            LoopClip.check_state(state["loop_clip"], "residual memory")
+        self.check_loop_clip_state(state, "residual memory")
         units_of(state)
         check_group_tensors("residual", state.get("residuals", {}), groups)
         check_group_tensors("residual memory momentum", state.get("momenta", {}), groups)
