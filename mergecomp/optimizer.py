@@ -13,6 +13,7 @@ as under DDP: clip it, unscale it (AMP's ``GradScaler``), then ``step()``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 import zlib
@@ -226,20 +227,28 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         return loss
 
     def _watch_clipping(self) -> None:
-        """A loop that clipped the averages after the exchange: a memory that runs SGD's
-        momentum before the exchange clips each rank's gradient at the loop's threshold from
-        the next step on (:mod:`mergecomp.memories.loopclip`); against the compressor's recipe,
-        the loop is told once either way (rank 0; every rank sees the same averages)."""
+        """What the loop did to the averages between the exchange and ``step()``
+        (:mod:`mergecomp.memories.loopclip`): a first clip, or one at another threshold, has
+        each memory that runs SGD's momentum before the exchange clip its groups at the
+        threshold over √(ranks) from the next step on, and against the compressor's recipe
+        the loop is told once (rank 0; every rank sees the same averages); a clip at the
+        threshold those memories follow is undone on their groups.  Then the averages go
+        back to the momentum's scale (:meth:`~mergecomp.memories.base.Memory.delivery_scale`)."""
         watch = self.reducer.clip_watch
         ratio = watch.changed()
-        if ratio is None:
-            return
-        for communicator in self.lifecycle.communicators():
-            if communicator.memory.follows_loop_clip:
-                communicator.memory.follow_loop_clip(watch.threshold)
-        message = watch.advise(self.compressor, self.communicator.memory, ratio)
-        if message is not None and self.backend.rank == 0:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        unclip = None
+        if ratio is not None:
+            followers = [c.memory for c in self.lifecycle.communicators() if c.memory.follows_loop_clip]
+            if followers and watch.at_threshold and all(m.loop_clip.threshold is not None for m in followers):
+                unclip = 1.0 / ratio
+            else:
+                share = watch.threshold / math.sqrt(self.backend.size)
+                for memory in followers:
+                    memory.follow_loop_clip(share)
+                message = watch.advise(self.compressor, self.communicator.memory, ratio)
+                if message is not None and self.backend.rank == 0:
+                    warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self.reducer.settle_delivery(unclip)
 
     def _after_step(self) -> None:
         """Let an adaptive scheduler (auto, binary) measure this step and switch plans."""

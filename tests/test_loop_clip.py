@@ -1,5 +1,6 @@
-"""A memory that runs SGD's momentum before the exchange clips each rank's gradient at the
-loop's threshold once it has seen the loop clip (mergecomp.memories.loopclip)."""
+"""A memory that runs SGD's momentum before the exchange clips each group of each rank's
+gradient at the threshold the wrapper hands it once the loop was seen clipping, and
+catches up what it took in before (mergecomp.memories.loopclip)."""
 import math
 
 import pytest
@@ -8,40 +9,54 @@ import torch
 from mergecomp import memories
 from mergecomp.memories.loopclip import LoopClip
 
+from .distributed import run_ranks
 
-def test_no_threshold_no_clipping():
+
+def test_no_threshold_no_clipping_and_the_norms_are_recorded():
     clip = LoopClip()
     assert clip.scale(torch.full((4,), 100.0), "g0") is None
-    assert clip.state_dict() == {}
+    assert clip.state_dict() == {}  # nothing committed yet
+    clip.commit()
+    assert clip.state_dict() == {"norms": {"g0": [pytest.approx(200.0)]}}
 
 
-def test_the_whole_models_norm_is_estimated_from_this_step_and_the_last():
+def test_each_group_is_clipped_on_its_own_at_the_threshold():
     clip = LoopClip()
     clip.follow(1.0)
-    # first step: group g0 alone is known (norm 2): clipped to 1
     assert clip.scale(torch.tensor([2.0, 0.0]), "g0") == pytest.approx(0.5)
-    # g1 (norm 2) now sees g0's norm this step too: the whole of it is √8
-    assert clip.scale(torch.tensor([0.0, 2.0]), "g1") == pytest.approx(1 / math.sqrt(8))
+    assert clip.scale(torch.tensor([0.0, 0.5]), "g1") is None  # short enough
     clip.commit()
-    # next step: g0 (norm 0.1) is counted with g1's last norm (2): √(0.01 + 4)
-    assert clip.scale(torch.tensor([0.1, 0.0]), "g0") == pytest.approx(1 / math.sqrt(4.01))
-    clip.rollback()  # a dropped step: the last committed norms stay
-    assert clip.state_dict() == {"threshold": 1.0, "norms": {"g0": pytest.approx(4.0), "g1": pytest.approx(4.0)}}
-    # short enough: no clipping
-    assert clip.scale(torch.tensor([0.1, 0.0]), "g0") is not None  # g1's last norm still counts
-    clip.scale(torch.tensor([0.1, 0.0]), "g1")
-    clip.commit()
-    assert clip.scale(torch.tensor([0.1, 0.0]), "g0") is None
+    assert clip.state_dict() == {"threshold": 1.0}
 
 
-def test_a_group_not_exchanged_any_more_stops_counting():
+def test_what_was_taken_in_before_the_threshold_is_caught_up_once():
     clip = LoopClip()
+    for g0, g1, g2 in [(2.0, 0.5, 3.0), (None, None, 1.0)]:
+        for name, norm in (("g0", g0), ("g1", g1), ("g2", g2)):
+            if norm is not None:
+                clip.scale(torch.tensor([norm]), name)
+        clip.commit()
     clip.follow(1.0)
-    clip.scale(torch.tensor([3.0]), "old")
+    assert clip.state_dict()["catch_up"] == {"g0": pytest.approx(0.5), "g2": pytest.approx(0.5)}  # (1 + 1) / 4
+    assert clip.catch_up("g1") is None  # never above the threshold
+    assert clip.catch_up("g0") == pytest.approx(0.5)
+    clip.rollback()  # a dropped step: the catch-up is still owed
+    assert clip.catch_up("g0") == pytest.approx(0.5)
     clip.commit()
-    clip.scale(torch.tensor([0.5]), "new")
-    clip.commit()
-    assert set(clip.state_dict()["norms"]) == {"new"}
+    assert clip.catch_up("g0") is None  # once
+
+
+def test_recording_stops_after_the_first_steps():
+    clip = LoopClip()
+    for _ in range(LoopClip.recorded_steps + 1):
+        clip.scale(torch.tensor([2.0]), "g0")
+        clip.commit()
+    assert clip.state_dict() == {"recording": False}
+    fresh = LoopClip()
+    fresh.load_state_dict(clip.state_dict())
+    assert not fresh.recording
+    clip.follow(1.0)  # seen late: clipped from now on, nothing caught up
+    assert clip.catch_up("g0") is None and clip.scale(torch.tensor([2.0]), "g0") == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), 1])
@@ -51,10 +66,11 @@ def test_a_bad_threshold_is_refused(bad):
 
 
 @pytest.mark.parametrize("state, match", [
-    ({"norms": {}}, "with 'threshold'"),
     ({"threshold": -2.0}, "positive finite float"),
-    ({"threshold": 1.0, "norms": {"g0": float("nan")}}, "finite squared norms"),
-    ({"threshold": 1.0, "extra": 1}, "with 'threshold'"),
+    ({"norms": {"g0": [float("nan")]}}, "finite norms"),
+    ({"catch_up": {"g0": 1.5}}, r"in \[0, 1\]"),
+    ({"recording": "no"}, "True or False"),
+    ({"threshold": 1.0, "extra": 1}, "keys among"),
 ])
 def test_a_corrupted_state_is_named(state, match):
     with pytest.raises(ValueError, match=match):
@@ -79,7 +95,7 @@ def test_sgds_momentum_taken_over_follows_the_loop_and_resumes(name):
     assert torch.allclose(momentum, (1 - 0.9) * gradient / 5)  # gradient units, clipped
     memory.commit()
     state = memory.state_dict()
-    assert state["loop_clip"] == {"threshold": 1.0, "norms": {"g0": pytest.approx(25.0)}}
+    assert state["loop_clip"] == {"threshold": 1.0}
     fresh = _memory(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9))
     fresh.check_state(state, {"g0": _spec(4)})
     fresh.load_state_dict(state)
@@ -106,3 +122,79 @@ def test_what_does_not_follow_the_loop(name, optimizer, memory_options):
     memory = memories.create(name, **memory_options)
     memory.check_optimizer(optimizer([torch.nn.Parameter(torch.zeros(2))]))
     assert not memory.follows_loop_clip
+
+
+@pytest.mark.parametrize("name", ["residual", "dgc"])
+def test_the_state_taken_in_before_the_threshold_is_scaled_once(name):
+    memory = _memory(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9))
+    gradient = torch.tensor([3.0, 4.0, 0.0, 0.0])  # norm 5, before any threshold: taken in whole
+    memory.compensate(gradient, "g0")
+    memory.commit()
+    assert torch.allclose(memory.momenta["g0"], 0.1 * gradient)
+    memory.follow_loop_clip(1.0)  # as if clipped at 1: the momentum is a fifth of it
+    memory.compensate(torch.zeros(4), "g0")
+    assert torch.allclose(memory.momenta["g0"], 0.9 * 0.1 * gradient / 5)
+    memory.commit()
+    memory.compensate(torch.zeros(4), "g0")  # once only
+    assert torch.allclose(memory.momenta["g0"], 0.9 * 0.9 * 0.1 * gradient / 5)
+
+
+@pytest.mark.parametrize("name", ["residual", "dgc"])
+def test_the_averages_reach_the_loop_in_a_gradients_scale_from_the_first_step(name):
+    memory = _memory(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9))
+    assert memory.delivery_scale(0) == pytest.approx(10.0)  # 1 / (1 − 0.9)
+    assert memory.delivery_scale(1) == pytest.approx(1 / (1 - 0.81))
+    assert memory.delivery_scale(10_000) == 1.0
+    plain = memories.create(name, **({"momentum": "optimizer"} if name == "residual" else {}))
+    assert plain.delivery_scale(0) == 1.0  # no optimizer's momentum taken over: not in gradient units
+
+
+def _steps_taken(rank, world_size, clip):
+    """Per step: the averages after the exchange (before the loop's clip), what the SGD inside
+    stepped with, and the memory's delivery scale, for a loop clipping at ``clip``."""
+    import torch.nn as nn
+
+    import mergecomp
+    torch.manual_seed(0)
+    class Branches(nn.Module):  # four alike branches, summed: four groups of alike norms
+        def __init__(self):
+            super().__init__()
+            self.branches = nn.ModuleList(nn.Linear(32, 64) for _ in range(4))
+
+        def forward(self, x):
+            return sum(branch(x) for branch in self.branches)
+    model = Branches()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = mergecomp.DistributedOptimizer(  # most coordinates: what is sent is long enough to clip
+        inner, model=model, compressor=mergecomp.compressors.create("topk", compress_ratio=0.9), schedule=4)
+    stepped, inner_step = [], inner.step
+
+    def recorded_step(*args, **kwargs):
+        stepped.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
+        return inner_step(*args, **kwargs)
+    inner.step = recorded_step
+    exchanged, scales = [], []
+    for step in range(6):  # one batch, on both ranks: the averages as long as each rank's clipped gradient
+        generator = torch.Generator().manual_seed(0)
+        x, y = torch.randn(16, 32, generator=generator), torch.randn(16, 64, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.synchronize()
+        exchanged.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
+        scales.append(optimizer.communicator.memory.delivery_scale(step))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return exchanged, stepped, scales, optimizer.communicator.memory.loop_clip.threshold
+
+
+def test_the_loop_is_seen_at_the_first_step_and_its_clip_undone_after():
+    clip = 1e-3
+    for exchanged, stepped, scales, threshold in run_ranks(_steps_taken, 2, clip):
+        assert threshold == pytest.approx(clip / math.sqrt(2), rel=1e-3)  # seen at the first step
+        # the first step: the loop's clip kept (nothing clipped before the momentum yet)
+        assert float(exchanged[0].norm()) > clip
+        assert torch.allclose(stepped[0], exchanged[0] * (clip / float(exchanged[0].norm())) / scales[0], rtol=1e-4)
+        # later: the loop clips at its threshold again, and that clip is undone
+        assert all(float(exchanged[step].norm()) > 1.01 * clip for step in range(1, 6))
+        for step in range(1, 6):
+            assert torch.allclose(stepped[step], exchanged[step] / scales[step], rtol=1e-4, atol=1e-9), step

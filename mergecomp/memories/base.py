@@ -72,6 +72,34 @@ class Memory(DriftTerms):
             return clip_scale(tensor, self.clip_norm)
         return self.loop_clip.scale(tensor, name) if self.follows_loop_clip else None
 
+    def caught_up(self, name: str, *tensors):
+        """``tensors`` (this memory's committed state for group ``name``, None where it has
+        none) scaled by the loop's clipping it took in before the threshold was known, once
+        (:meth:`~mergecomp.memories.loopclip.LoopClip.catch_up`); new tensors, or the same
+        ones when there is nothing to catch up."""
+        factor = self.loop_clip.catch_up(name) if self.follows_loop_clip else None
+        if factor is None:
+            return tensors
+        return tuple(None if t is None else t * factor for t in tensors)
+
+    #: The momentum this memory runs in gradient units before the exchange (0: none).
+    delivered_momentum = 0.0
+
+    def delivery_scale(self, step: int) -> float:
+        """What the wrapper multiplies this memory's averages by from the exchange until
+        ``step()`` (and then divides again), at run step ``step`` (from 0): ``1 / (1 −
+        m^(step+1))`` for a memory that follows the loop's clipping with a momentum m in
+        gradient units, else 1.  A momentum that starts from zero delivers a tenth of a
+        gradient's scale at its first step (m = 0.9); corrected, as Adam corrects its moments,
+        the loop sees a gradient's scale from the first step, and its clipping from there
+        (:mod:`mergecomp.memories.loopclip`).  1 once the correction is below float32's
+        resolution."""
+        momentum = self.delivered_momentum
+        if not (self.follows_loop_clip and self.gradient_units and 0.0 < momentum < 1.0):
+            return 1.0
+        young = momentum ** (step + 1)
+        return 1.0 if young < 2.0 ** -25 else 1.0 / (1.0 - young)
+
     def units_factor(self, momentum: float) -> float:
         """What the gradient is multiplied by before it enters the momentum: ``1 − m`` in
         gradient units, else 1."""

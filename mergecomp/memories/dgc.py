@@ -99,6 +99,10 @@ class DGCMemory(Memory):
         check_optimizer(optimizer, self)
 
     @property
+    def delivered_momentum(self) -> float:
+        return self.momentum
+
+    @property
     def follows_loop_clip(self) -> bool:
         """SGD's momentum taken over, and no ``clip_norm`` of its own."""
         return self.momentum_source == "sgd" and self.momentum > 0.0 and self.clip_norm is None
@@ -130,7 +134,7 @@ class DGCMemory(Memory):
     def compensate(self, tensor, name):
         # Local clipping's factor is applied inside the momentum correction's pass.
         scale = combined_scale(self.local_clip_factor(tensor, name), self.units_factor(self.momentum))
-        momentum, velocity = self._state(name, tensor)
+        momentum, velocity = self.caught_up(name, *self._state(name, tensor))
         # Into other tensors (spares this memory made earlier, when it has them), never the
         # committed ones changed in place: a step dropped after this (rollback) must find
         # the previous step's state intact.

@@ -2,31 +2,45 @@
 
 A memory that takes SGD's momentum over (top-k's, GradDrop's, DGC's) runs it *before* the
 exchange, so what reaches ``p.grad`` is a momentum, not a gradient.  A loop that clips
-``p.grad`` after the exchange, as under DDP, then clips the momentum: each step up to
-``lr / (1 − m)`` times the threshold, where dense heavy-ball momentum sums clipped
-gradients and, with gradients that point different ways from step to step, takes steps
-several times smaller.  Measured on a character transformer under ``SGD(lr=0.5,
-momentum=0.9)`` with the averaged gradient clipped to 1, top-k at its defaults diverged
-and DGC trailed dense; with each rank's gradient clipped before the momentum both trained
-better (docs/results.md#loop-clip).
+``p.grad`` after the exchange, as under DDP, then clips the momentum and what the error
+feedback releases, not the gradients dense training clips.  Measured on a character
+transformer under SGD with the averaged gradient clipped after the exchange, top-k at its
+defaults diverged, and clipping each rank's whole gradient at the loop's threshold before
+the momentum, with the loop's clip after it kept, still left it far behind dense
+(docs/results.md#loop-clip, docs/results.md#sgd-topk-gpt).
 
-So once the loop is seen clipping (:class:`mergecomp.runtime.drift.ClipWatch`: the averages'
-norm fell between the exchange and ``step()``, by a factor that is not a power of two), the
-threshold it clipped at is handed to the memory (the same number on every rank: it is read
-from the averages every rank holds), and from the next step the memory clips each rank's
-gradient before its momentum: by the factor the whole model's clipping would take, its
-norm estimated from this step's norms of the groups computed so far and the previous
-step's of the groups still to come (groups are compressed one by one during backward;
-the last one sees the whole of this step).  The mean of the ranks' clipped gradients is
-then within the threshold, the momentum of clipped gradients is dense's, and the loop's own
-clipping rarely has anything left to do.  A memory given ``clip_norm`` (explicit local
-clipping) keeps it and does not follow the loop; one that takes an Adam's first moment
-over does not either (Adam divides by its own scale, and its runs were measured without it).
+What worked is the DGC paper's local clipping (Lin et al., ICLR 2018, section 3.2): each
+rank's gradient of each group clipped on its own at the threshold over √(ranks), before the
+momentum, and no clip after the exchange.  So, in three parts:
+
+- **Seen from the first step.**  The wrapper hands the loop the averages in a gradient's
+  scale from the first step (:meth:`mergecomp.memories.base.Memory.delivery_scale`: a
+  momentum that starts from zero is divided by ``1 − m^(t+1)``, as Adam corrects its
+  moments), and multiplies them back at ``step()``; so a loop that clips, clips from the
+  first step, where dense training's clip is also at work, and
+  :class:`mergecomp.runtime.drift.ClipWatch` sees its threshold there (the averages' norm
+  fell between the exchange and ``step()`` by a factor that is not a power of two; every
+  rank reads the same number).
+- **Clipped before the momentum.**  From the next step the memory clips each group of this
+  rank's gradient at the threshold over √(ranks) (:meth:`LoopClip.scale`).  What the
+  memory took in unclipped before the threshold was known (its momentum and what it holds
+  back) is scaled once by the clip those steps would have taken, weighted by their norms
+  (:meth:`LoopClip.catch_up`): for one step, exactly the state clipping would have left
+  (a top-k selection does not change under a scale).  On that transformer even one step
+  taken in unclipped and left so cost a clear part of what the clipping gains
+  (docs/results.md#sgd-loop-follow).
+- **Not clipped again after it.**  Where the loop clips at the threshold it was seen at,
+  the wrapper undoes that clip on the groups whose memory clipped before the momentum
+  (a rescale to another norm, such as a division for gradient accumulation, is left alone).
+
+A memory given ``clip_norm`` (explicit local clipping) keeps it and does not follow the
+loop; one that takes an Adam's first moment over does not either (Adam divides by its own
+scale, and its runs were measured without it).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -34,62 +48,113 @@ from ..staging import StagedDict
 
 
 class LoopClip:
-    """The loop's clipping threshold (None until it is seen) and each group's last squared
-    norm, staged with the memory's state (a dropped step leaves them as they were)."""
+    """Each group's clipping threshold on this rank, the loop's threshold over √(ranks) (None
+    until the loop is seen clipping), and until then the norms each group's gradient had,
+    staged with the memory's state (a dropped step leaves them as they were)."""
+
+    #: Steps of norms kept while no threshold is known; past them the loop is taken not to
+    #: clip from its first steps, and a threshold seen later clips from then on only.
+    recorded_steps = 100
 
     def __init__(self):
         self.threshold: Optional[float] = None
-        self.norms = StagedDict()  # group → this rank's squared gradient norm, last step
+        self.recording = True
+        self.norms = StagedDict()  # group → this rank's gradient norms, steps before a threshold
+        self._catch_up = StagedDict()  # group → the one-off factor of its earlier state
 
     def follow(self, threshold: float) -> None:
+        """Clip each group at ``threshold`` from the next step, and scale what each memory
+        took in before by what that clipping would have taken (:meth:`catch_up`)."""
         if not (isinstance(threshold, float) and math.isfinite(threshold) and threshold > 0.0):
             raise ValueError(f"a clipping threshold must be a positive finite float, got {threshold!r}")
         self.threshold = threshold
+        catch_up = {}
+        for name, norms in self.norms.committed().items():
+            total = sum(norms)
+            if total > 0.0:
+                kept = sum(min(norm, threshold) for norm in norms) / total
+                if kept < 1.0:
+                    catch_up[name] = kept
+        self._catch_up.replace(catch_up)
+        self.norms.replace({})
+        self.recording = False
 
     def scale(self, tensor: torch.Tensor, name: str) -> Optional[float]:
         """The factor ``tensor`` (group ``name``'s gradient on this rank) is multiplied by
         before the momentum, or None (no threshold yet, or short enough)."""
+        if self.threshold is None and not self.recording:
+            return None
+        norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
         if self.threshold is None:
+            norms = self.norms.get(name, ())
+            if len(norms) >= self.recorded_steps:
+                self.recording = False
+                self.norms.replace({})
+            else:
+                self.norms[name] = norms + (norm,)
             return None
-        squared = float(torch.linalg.vector_norm(tensor, dtype=torch.float32)) ** 2
-        self.norms[name] = squared
-        total = sum(self.norms.values())  # this step's where computed, else the last step's
-        if total <= self.threshold ** 2:
-            return None
-        return self.threshold / math.sqrt(total)
+        return self.threshold / norm if norm > self.threshold else None
+
+    def catch_up(self, name: str) -> Optional[float]:
+        """Once per group after :meth:`follow`: the factor by which the state the memory holds
+        for ``name`` (taken in before a threshold was known) is scaled, or None."""
+        factor = self._catch_up.get(name)
+        if factor is not None:
+            del self._catch_up[name]
+        return factor
 
     def commit(self) -> None:
-        """Keep this step's norms, and only them (a group no longer exchanged, after a plan
-        switch, stops counting)."""
-        this_step = {k: self.norms[k] for k in self.norms if self.norms.is_pending(k)}
-        if this_step:
-            self.norms.replace(this_step)
+        self.norms.commit()
+        self._catch_up.commit()
 
     def rollback(self) -> None:
         self.norms.rollback()
+        self._catch_up.rollback()
 
     def state_dict(self) -> Dict[str, Any]:
-        """Empty until a threshold is seen (so states of runs that never clip are as before)."""
-        if self.threshold is None:
-            return {}
-        return {"threshold": self.threshold, "norms": dict(self.norms.committed())}
+        """Empty when nothing is known or recorded (so states of runs that never clip are as
+        before once the first steps are past)."""
+        state: Dict[str, Any] = {}
+        if self.threshold is not None:
+            state["threshold"] = self.threshold
+        catch_up = self._catch_up.committed()
+        if catch_up:
+            state["catch_up"] = catch_up
+        committed = dict(self.norms.committed())
+        if committed:
+            state["norms"] = {k: list(v) for k, v in committed.items()}
+        if not self.recording and self.threshold is None:
+            state["recording"] = False
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.threshold = None
-        self.norms.replace({})
-        if state:
-            self.follow(float(state["threshold"]))
-            self.norms.replace({str(k): float(v) for k, v in state.get("norms", {}).items()})
+        self.threshold = None if "threshold" not in state else float(state["threshold"])
+        self._catch_up.replace({str(k): float(v) for k, v in state.get("catch_up", {}).items()})
+        norms: Dict[str, Tuple[float, ...]] = {}
+        if self.threshold is None:  # a state saved before per-group clipping kept last norms: not needed
+            norms = {str(k): tuple(float(x) for x in v) for k, v in state.get("norms", {}).items()}
+        self.norms.replace(norms)
+        self.recording = self.threshold is None and bool(state.get("recording", True))
 
     @staticmethod
     def check_state(state: Any, what: str) -> None:
         """ValueError naming what is wrong with a saved ``loop_clip`` state."""
-        if not isinstance(state, dict) or set(state) - {"threshold", "norms"} or "threshold" not in state:
-            raise ValueError(f"{what} loop_clip state must be a dict with 'threshold' (and 'norms'), got {state!r}")
-        threshold = state["threshold"]
+        keys = {"threshold", "norms", "catch_up", "recording"}
+        if not isinstance(state, dict) or set(state) - keys:
+            raise ValueError(f"{what} loop_clip state must be a dict with keys among {sorted(keys)}, got {state!r}")
+        threshold = state.get("threshold", 1.0)
         if not (isinstance(threshold, float) and math.isfinite(threshold) and threshold > 0.0):
             raise ValueError(f"{what} loop_clip threshold must be a positive finite float, got {threshold!r}")
-        norms = state.get("norms", {})
-        if not isinstance(norms, dict) or not all(isinstance(v, float) and math.isfinite(v) and v >= 0.0
-                                                  for v in norms.values()):
-            raise ValueError(f"{what} loop_clip norms must map groups to finite squared norms ≥ 0, got {norms!r}")
+        if not isinstance(state.get("recording", True), bool):
+            raise ValueError(f"{what} loop_clip recording must be True or False, got {state['recording']!r}")
+
+        def finite(value, low, high):
+            return isinstance(value, float) and math.isfinite(value) and low <= value <= high
+
+        norms, catch_up = state.get("norms", {}), state.get("catch_up", {})
+        if not isinstance(norms, dict) or not all(
+                (isinstance(v, (list, tuple)) and all(finite(x, 0.0, math.inf) for x in v)) or finite(v, 0.0, math.inf)
+                for v in norms.values()):
+            raise ValueError(f"{what} loop_clip norms must map groups to lists of finite norms ≥ 0, got {norms!r}")
+        if not isinstance(catch_up, dict) or not all(finite(v, 0.0, 1.0) for v in catch_up.values()):
+            raise ValueError(f"{what} loop_clip catch_up must map groups to factors in [0, 1], got {catch_up!r}")

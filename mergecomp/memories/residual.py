@@ -136,6 +136,10 @@ class ResidualMemory(Memory):
         self.masking = self.adam and is_adam(optimizer)
 
     @property
+    def delivered_momentum(self) -> float:
+        return self.sgd_momentum
+
+    @property
     def follows_loop_clip(self) -> bool:
         """SGD's momentum taken over before the exchange, and no ``clip_norm`` of its own."""
         return self.momentum_source == "sgd" and self.sgd_momentum > 0.0 and not self.folds and self.clip_norm is None
@@ -166,6 +170,7 @@ class ResidualMemory(Memory):
         scale = combined_scale(self.local_clip_factor(tensor, name), self.units_factor(self.sgd_momentum))
         previous = checked_state(self.momenta, name, tensor, "momentum")
         residual = checked_state(self.residuals, name, tensor, "residual")
+        previous, residual = self.caught_up(name, previous, residual)
         zeros = torch.zeros_like(tensor) if previous is None or residual is None else None
         momentum, compensated = momentum_correction(
             tensor, zeros if previous is None else previous, zeros if residual is None else residual,
@@ -176,10 +181,9 @@ class ResidualMemory(Memory):
         self._note_incoming(name, momentum)
         return compensated
 
-    def _with_momentum(self, tensor, name):
-        """u ← m·u + g into a new tensor (the committed u is never changed in place); the
-        tensor to compensate: u, or g + m·u with Nesterov."""
-        previous = checked_state(self.momenta, name, tensor, "momentum")
+    def _with_momentum(self, tensor, name, previous):
+        """u ← m·u + g into a new tensor (the committed u, ``previous``, is never changed in
+        place); the tensor to compensate: u, or g + m·u with Nesterov."""
         out = self._momentum_spares.take(name, tensor)
         if previous is None:
             momentum = tensor.clone() if out is None else out.copy_(tensor)
@@ -194,11 +198,12 @@ class ResidualMemory(Memory):
         clip = self.local_clip_factor(tensor, name)
         if clip is not None:
             tensor = tensor * clip
+        previous, residual = self.caught_up(name, checked_state(self.momenta, name, tensor, "momentum"),
+                                            checked_state(self.residuals, name, tensor, "residual"))
         if self.sgd_momentum > 0.0:
             units = self.units_factor(self.sgd_momentum)
-            tensor = self._with_momentum(tensor if units == 1.0 else tensor * units, name)
+            tensor = self._with_momentum(tensor if units == 1.0 else tensor * units, name, previous)
         self._note_incoming(name, tensor)
-        residual = checked_state(self.residuals, name, tensor, "residual")
         if residual is None:
             self._made.pop(name, None)
             return tensor if self.gamma == 1.0 else tensor * self.gamma

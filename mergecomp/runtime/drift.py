@@ -286,7 +286,8 @@ class ClipWatch:
     :attr:`every_step_for` steps while a memory that follows the loop's clipping waits for its
     threshold (a loop that clips does so from its first steps, where gradients are largest; a
     loop that starts later is seen at a measured step, and one that never clips costs no more
-    than the measure).
+    than the measure); once a memory follows it, on every step (the wrapper undoes the loop's
+    clip at that threshold on its groups: :mod:`mergecomp.memories.loopclip`).
     """
 
     #: Steps from the first in which every step is watched while a threshold is awaited.
@@ -300,6 +301,9 @@ class ClipWatch:
         #: threshold, when it clips every gradient the exchange delivered (as
         #: ``clip_grad_norm_(model.parameters(), ...)`` does).  Every rank reads the same.
         self.threshold: Optional[float] = None
+        #: Whether the last clip seen brought the averages to :attr:`threshold` as it was
+        #: before (the loop clipping at its threshold again, not rescaling them otherwise).
+        self.at_threshold = False
 
     def note(self, buffers: Sequence[torch.Tensor]) -> None:
         """The averages every group handed to the parameters (``buffers``), before the loop
@@ -321,25 +325,24 @@ class ClipWatch:
         exponent = math.log2(ratio) if ratio > 0 else 0.0
         if ratio > 0.99 or abs(exponent - round(exponent)) < 1e-6:
             return None
-        self.threshold = math.sqrt(now)
+        seen, self.threshold = self.threshold, math.sqrt(now)
+        self.at_threshold = seen is not None and abs(self.threshold - seen) <= 1e-3 * seen
         return ratio
 
     def advise(self, compressor, memory, ratio: float) -> Optional[str]:
-        """The warning for a clip seen after the exchange (None when the recipe does not mind)."""
+        """The warning for a clip seen after the exchange (None when the recipe does not mind,
+        or when the memory follows the loop's clipping: it then clips as the recipe asks, and
+        the loop's clip is undone, :mod:`mergecomp.memories.loopclip`)."""
         recipe = getattr(compressor, "recipe", None)
         if self.warned or recipe is None or not getattr(recipe, "local_clipping", False) \
-                or getattr(memory, "clip_norm", None) is not None:
+                or getattr(memory, "clip_norm", None) is not None or memory.follows_loop_clip:
             return None
         self.warned = True
         follows = getattr(memory, "follows_optimizer", False)
         memory_call = (f"mergecomp.memories.create('{getattr(memory, 'name', 'residual')}', clip_norm=YOUR_CLIP / √ranks"
                        + (", momentum='optimizer')" if follows else ")"))
-        # A memory that follows the loop clips before its momentum from now on, but runs with
-        # the recipe's clipping did better (docs/results.md#sgd-topk-gpt): the loop is told too.
-        interim = (" Meanwhile the memory clips each rank's gradient at the loop's threshold before "
-                   "its momentum." if memory.follows_loop_clip else "")
         return (f"mergecomp: the averaged gradient's norm fell to {ratio:.3g} of what the exchange "
                 f"delivered between backward and step(): the loop clips (or rescales) it after the "
                 f"exchange, and {type(compressor).__name__}'s recipe asks for each rank's gradient to be "
                 f"clipped before its error feedback instead ({recipe.reason}). Clip there, with "
-                f"memory={memory_call}, and remove the clipping after backward.{interim}")
+                f"memory={memory_call}, and remove the clipping after backward.")

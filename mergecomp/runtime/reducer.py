@@ -169,6 +169,7 @@ class Reducer(SharedSurface, PlanHolder):
         self.ready_listeners = Listeners()
         #: Notices a loop that clips the averages after the exchange (see DistributedOptimizer.step).
         self.clip_watch = ClipWatch()
+        self._delivered: Dict[int, float] = {}  # group index → the delivery scale its averages carry
         if plan is not None:
             self.install_plan(plan, check_ranks=True)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
@@ -352,18 +353,49 @@ class Reducer(SharedSurface, PlanHolder):
         self.last_outcome = outcome
         reading = self.lifecycle.drift
         step = self.lifecycle.settled_step
-        learning = (self.clip_watch.threshold is None and step is not None
-                    and step < self.clip_watch.every_step_for
-                    and any(c.memory.follows_loop_clip for c in self.lifecycle.communicators()))
+        follows = any(c.memory.follows_loop_clip for c in self.lifecycle.communicators())
+        learning = follows and (self.clip_watch.threshold is not None or (
+            step is not None and step < self.clip_watch.every_step_for))
+        if outcome.finite:
+            self._scale_delivery(step)
         if outcome.finite and (learning or (reading is not None and reading.step == step)):
-            # a measured step, or every early step until a memory that follows the loop's
-            # clipping has seen it: what the loop does to the averages before step() is watched
+            # a measured step, every early step until a memory that follows the loop's
+            # clipping has seen it, and every step once it has: what the loop does to the
+            # averages before step() is watched
             self.clip_watch.note([g.buffer for g in self.groups if g.buffer is not None])
         self.last_sync_time = time.perf_counter() - started
         # Last, once the step is closed: a caller that catches a NonFiniteGradient can
         # zero_grad() and go on, as after a warning.
         self.lifecycle.close_step(self.params)
         return outcome
+
+    def _scale_delivery(self, step: Optional[int]) -> None:
+        """Multiply each group's averages by its memory's
+        :meth:`~mergecomp.memories.base.Memory.delivery_scale` until :meth:`settle_delivery`."""
+        self._delivered = {}
+        if step is None:
+            return
+        for index, group in enumerate(self.groups):
+            if group.buffer is None:
+                continue
+            scale = self.lifecycle.communicator_for(group.send).memory.delivery_scale(step)
+            if scale != 1.0:
+                group.buffer.mul_(scale)
+                self._delivered[index] = scale
+
+    def settle_delivery(self, unclip: Optional[float] = None) -> None:
+        """Before the optimizer's step: divide what :meth:`_scale_delivery` multiplied, and
+        multiply the averages of the groups whose memory follows the loop's clipping by
+        ``unclip`` (the inverse of the loop's clip: :mod:`mergecomp.memories.loopclip`)."""
+        delivered, self._delivered = self._delivered, {}
+        for index, group in enumerate(self.groups):
+            if group.buffer is None:
+                continue
+            factor = 1.0 / delivered[index] if index in delivered else 1.0
+            if unclip is not None and self.lifecycle.communicator_for(group.send).memory.follows_loop_clip:
+                factor *= unclip
+            if factor != 1.0:
+                group.buffer.mul_(factor)
 
     def _used_map(self) -> torch.Tensor:
         """1 where this rank has a gradient, per parameter, on the parameters' device."""

@@ -124,8 +124,10 @@ def regroup_views(state: Dict[str, Dict[str, torch.Tensor]], old: Layout, new: L
 def regroup_state(state: Any, old: Layout, new: Layout, where: str = "state") -> Any:
     """Walk a state dict and regroup every {group name: tensor} mapping in it.
 
-    Per-group counters (``{group: int}``, e.g. a step count seeding shared randomness)
-    restart at zero for the new groups, identically on every rank.  Anything else keyed
+    Per-group counters and measurements (``{group: int}``, e.g. a step count seeding shared
+    randomness; ``{group: float}`` or ``{group: [float, ...]}``, e.g. the norms a memory
+    recorded while it waited for the loop's clipping threshold) restart empty for the new
+    groups, identically on every rank: they describe the old grouping.  Anything else keyed
     by group names raises :class:`CannotRegroup`.
     """
     if not isinstance(state, dict):
@@ -140,7 +142,7 @@ def regroup_state(state: Any, old: Layout, new: Layout, where: str = "state") ->
     if _is_view_state(state, old):
         return regroup_views(state, old, new, where)
     if state and all(k in old for k in state):
-        if all(isinstance(v, int) for v in state.values()):
+        if all(_is_measure(v) for v in state.values()):
             return {}
         raise CannotRegroup(f"{where} holds per-group values of type "
                             f"{sorted({type(v).__name__ for v in state.values()})}")
@@ -148,3 +150,10 @@ def regroup_state(state: Any, old: Layout, new: Layout, where: str = "state") ->
         raise CannotRegroup(f"{where} holds state for parts of groups ({sorted(state)[:3]}...), "
                             "e.g. a parameter server's shards")
     return {k: regroup_state(v, old, new, f"{where}.{k}") for k, v in state.items()}
+
+
+def _is_measure(value: Any) -> bool:
+    """A per-group counter or measurement: a number, or a list of numbers (not a tensor)."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_measure(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
