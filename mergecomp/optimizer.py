@@ -239,7 +239,7 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         unclip = None
         if ratio is not None:
             followers = [c.memory for c in self.lifecycle.communicators() if c.memory.follows_loop_clip]
-            if followers and watch.at_threshold and all(m.loop_clip.threshold is not None for m in followers):
+            if self._clipped_where_followed(followers, watch.threshold):
                 unclip = 1.0 / ratio
             else:
                 share = watch.threshold / math.sqrt(self.backend.size)
@@ -249,6 +249,16 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
                 if message is not None and self.backend.rank == 0:
                     warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.reducer.settle_delivery(unclip)
+
+    def _clipped_where_followed(self, followers, norm: float) -> bool:
+        """Whether the loop clipped the averages to the threshold every following memory
+        clips at the share of (``norm``: their norm after the loop's clip); read from the
+        memories' own state, so a resumed run decides as the uninterrupted one."""
+        shares = {m.loop_clip.threshold for m in followers}
+        if not shares or None in shares or len(shares) > 1:
+            return False
+        threshold = shares.pop() * math.sqrt(self.backend.size)
+        return abs(norm - threshold) <= 1e-3 * threshold
 
     def _after_step(self) -> None:
         """Let an adaptive scheduler (auto, binary) measure this step and switch plans."""

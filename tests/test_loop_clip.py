@@ -149,14 +149,15 @@ def test_the_averages_reach_the_loop_in_a_gradients_scale_from_the_first_step(na
     assert plain.delivery_scale(0) == 1.0  # no optimizer's momentum taken over: not in gradient units
 
 
-def _steps_taken(rank, world_size, clip):
-    """Per step: the averages after the exchange (before the loop's clip), what the SGD inside
-    stepped with, and the memory's delivery scale, for a loop clipping at ``clip``."""
+def _branches_and_optimizer():
+    """Four alike branches, summed (four groups of alike norms), under SGD with momentum,
+    top-k at 90% with its default memory (SGD's momentum taken over)."""
     import torch.nn as nn
 
     import mergecomp
     torch.manual_seed(0)
-    class Branches(nn.Module):  # four alike branches, summed: four groups of alike norms
+
+    class Branches(nn.Module):
         def __init__(self):
             super().__init__()
             self.branches = nn.ModuleList(nn.Linear(32, 64) for _ in range(4))
@@ -167,6 +168,19 @@ def _steps_taken(rank, world_size, clip):
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     optimizer = mergecomp.DistributedOptimizer(  # most coordinates: what is sent is long enough to clip
         inner, model=model, compressor=mergecomp.compressors.create("topk", compress_ratio=0.9), schedule=4)
+    return model, inner, optimizer
+
+
+def _batch():
+    """One batch, on both ranks: the averages as long as each rank's clipped gradient."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(16, 32, generator=generator), torch.randn(16, 64, generator=generator)
+
+
+def _steps_taken(rank, world_size, clip):
+    """Per step: the averages after the exchange (before the loop's clip), what the SGD inside
+    stepped with, and the memory's delivery scale, for a loop clipping at ``clip``."""
+    model, inner, optimizer = _branches_and_optimizer()
     stepped, inner_step = [], inner.step
 
     def recorded_step(*args, **kwargs):
@@ -174,11 +188,10 @@ def _steps_taken(rank, world_size, clip):
         return inner_step(*args, **kwargs)
     inner.step = recorded_step
     exchanged, scales = [], []
-    for step in range(6):  # one batch, on both ranks: the averages as long as each rank's clipped gradient
-        generator = torch.Generator().manual_seed(0)
-        x, y = torch.randn(16, 32, generator=generator), torch.randn(16, 64, generator=generator)
+    for step in range(6):
+        x, y = _batch()
         optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.synchronize()
         exchanged.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
         scales.append(optimizer.communicator.memory.delivery_scale(step))
@@ -198,3 +211,33 @@ def test_the_loop_is_seen_at_the_first_step_and_its_clip_undone_after():
         assert all(float(exchanged[step].norm()) > 1.01 * clip for step in range(1, 6))
         for step in range(1, 6):
             assert torch.allclose(stepped[step], exchanged[step] / scales[step], rtol=1e-4, atol=1e-9), step
+
+
+def _resumed(rank, world_size, stop_at):
+    """The parameters after six clipped steps, the run saved after ``stop_at`` steps and
+    resumed in a new model and optimizer (None: never stopped)."""
+    import os
+    import tempfile
+
+    import mergecomp
+    model, _, optimizer = _branches_and_optimizer()
+    for step in range(6):
+        if step == stop_at:
+            path = os.path.join(tempfile.mkdtemp(), f"rank{rank}.pt")
+            mergecomp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+            saved = mergecomp.load(path)
+            model, _, optimizer = _branches_and_optimizer()
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+        x, y = _batch()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stop_at", [1, 3])
+def test_a_run_that_follows_the_loop_resumes_bit_for_bit(stop_at):
+    for straight, resumed in zip(run_ranks(_resumed, 2, None), run_ranks(_resumed, 2, stop_at)):
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))

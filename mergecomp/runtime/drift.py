@@ -301,9 +301,6 @@ class ClipWatch:
         #: threshold, when it clips every gradient the exchange delivered (as
         #: ``clip_grad_norm_(model.parameters(), ...)`` does).  Every rank reads the same.
         self.threshold: Optional[float] = None
-        #: Whether the last clip seen brought the averages to :attr:`threshold` as it was
-        #: before (the loop clipping at its threshold again, not rescaling them otherwise).
-        self.at_threshold = False
 
     def note(self, buffers: Sequence[torch.Tensor]) -> None:
         """The averages every group handed to the parameters (``buffers``), before the loop
@@ -325,8 +322,7 @@ class ClipWatch:
         exponent = math.log2(ratio) if ratio > 0 else 0.0
         if ratio > 0.99 or abs(exponent - round(exponent)) < 1e-6:
             return None
-        seen, self.threshold = self.threshold, math.sqrt(now)
-        self.at_threshold = seen is not None and abs(self.threshold - seen) <= 1e-3 * seen
+        self.threshold = math.sqrt(now)
         return ratio
 
     def advise(self, compressor, memory, ratio: float) -> Optional[str]:
