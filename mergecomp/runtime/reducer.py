@@ -356,8 +356,7 @@ class Reducer(SharedSurface, PlanHolder):
         follows = any(c.memory.follows_loop_clip for c in self.lifecycle.communicators())
         learning = follows and (self.clip_watch.threshold is not None or (
             step is not None and step < self.clip_watch.every_step_for))
-        if outcome.finite:
-            self._scale_delivery(step)
+        self._scale_delivery(step if outcome.finite else None)  # a dropped step's averages are not stepped on
         if outcome.finite and (learning or (reading is not None and reading.step == step)):
             # a measured step, every early step until a memory that follows the loop's
             # clipping has seen it, and every step once it has: what the loop does to the
