@@ -213,13 +213,16 @@ def test_the_loop_is_seen_at_the_first_step_and_its_clip_undone_after():
             assert torch.allclose(stepped[step], exchanged[step] / scales[step], rtol=1e-4, atol=1e-9), step
 
 
-def _resumed(rank, world_size, stop_at):
+def _resumed(rank, world_size, stop_at, every_step_for):
     """The parameters after six clipped steps, the run saved after ``stop_at`` steps and
-    resumed in a new model and optimizer (None: never stopped)."""
+    resumed in a new model and optimizer (None: never stopped), the clip watch looking at
+    every one of the first ``every_step_for`` steps."""
     import os
     import tempfile
 
     import mergecomp
+    from mergecomp.runtime.drift import ClipWatch
+    ClipWatch.every_step_for = every_step_for  # in this rank's process only
     model, _, optimizer = _branches_and_optimizer()
     for step in range(6):
         if step == stop_at:
@@ -237,7 +240,10 @@ def _resumed(rank, world_size, stop_at):
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("stop_at", [1, 3])
-def test_a_run_that_follows_the_loop_resumes_bit_for_bit(stop_at):
-    for straight, resumed in zip(run_ranks(_resumed, 2, None), run_ranks(_resumed, 2, stop_at)):
+@pytest.mark.parametrize("stop_at, every_step_for", [(1, 100), (3, 100), (4, 2)])
+def test_a_run_that_follows_the_loop_resumes_bit_for_bit(stop_at, every_step_for):
+    # (4, 2): resumed after the steps in which the watch looks at every step while it
+    # waits, so the resumed run must know from the memories that it follows the loop
+    straight = run_ranks(_resumed, 2, None, every_step_for)
+    for straight, resumed in zip(straight, run_ranks(_resumed, 2, stop_at, every_step_for)):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))

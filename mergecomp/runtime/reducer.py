@@ -353,9 +353,10 @@ class Reducer(SharedSurface, PlanHolder):
         self.last_outcome = outcome
         reading = self.lifecycle.drift
         step = self.lifecycle.settled_step
-        follows = any(c.memory.follows_loop_clip for c in self.lifecycle.communicators())
-        learning = follows and (self.clip_watch.threshold is not None or (
-            step is not None and step < self.clip_watch.every_step_for))
+        followers = [c.memory for c in self.lifecycle.communicators() if c.memory.follows_loop_clip]
+        # a memory's own threshold, not the watch's, so that a resumed run watches as before
+        learning = any(m.loop_clip.threshold is not None for m in followers) or (
+            bool(followers) and step is not None and step < self.clip_watch.every_step_for)
         self._scale_delivery(step if outcome.finite else None)  # a dropped step's averages are not stepped on
         if outcome.finite and (learning or (reading is not None and reading.step == step)):
             # a measured step, every early step until a memory that follows the loop's
