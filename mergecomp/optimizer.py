@@ -238,7 +238,7 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         ratio = watch.changed()
         unclip = None
         if ratio is not None:
-            followers = [c.memory for c in self.lifecycle.communicators() if c.memory.follows_loop_clip]
+            followers = self.reducer.loop_followers()
             if self._clipped_where_followed(followers, watch.threshold):
                 unclip = 1.0 / ratio
             else:

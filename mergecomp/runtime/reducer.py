@@ -353,7 +353,7 @@ class Reducer(SharedSurface, PlanHolder):
         self.last_outcome = outcome
         reading = self.lifecycle.drift
         step = self.lifecycle.settled_step
-        followers = [c.memory for c in self.lifecycle.communicators() if c.memory.follows_loop_clip]
+        followers = self.loop_followers()
         # a memory's own threshold, not the watch's, so that a resumed run watches as before
         learning = any(m.loop_clip.threshold is not None for m in followers) or (
             bool(followers) and step is not None and step < self.clip_watch.every_step_for)
@@ -368,6 +368,10 @@ class Reducer(SharedSurface, PlanHolder):
         # zero_grad() and go on, as after a warning.
         self.lifecycle.close_step(self.params)
         return outcome
+
+    def loop_followers(self) -> list:
+        """The memories that follow the loop's clipping (:mod:`mergecomp.memories.loopclip`)."""
+        return [c.memory for c in self.lifecycle.communicators() if c.memory.follows_loop_clip]
 
     def _scale_delivery(self, step: Optional[int]) -> None:
         """Multiply each group's averages by its memory's
