@@ -13,7 +13,6 @@ as under DDP: clip it, unscale it (AMP's ``GradScaler``), then ``step()``.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import warnings
 import zlib
@@ -227,38 +226,9 @@ class DistributedOptimizer(SharedSurface, torch.optim.Optimizer):
         return loss
 
     def _watch_clipping(self) -> None:
-        """What the loop did to the averages between the exchange and ``step()``
-        (:mod:`mergecomp.memories.loopclip`): a first clip, or one at another threshold, has
-        each memory that runs SGD's momentum before the exchange clip its groups at the
-        threshold over √(ranks) from the next step on, and against the compressor's recipe
-        the loop is told once (rank 0; every rank sees the same averages); a clip at the
-        threshold those memories follow is undone on their groups.  Then the averages go
-        back to the momentum's scale (:meth:`~mergecomp.memories.base.Memory.delivery_scale`)."""
-        watch = self.reducer.clip_watch
-        ratio = watch.changed()
-        unclip = None
-        if ratio is not None:
-            followers = self.reducer.loop_followers()
-            if self._clipped_where_followed(followers, watch.threshold):
-                unclip = 1.0 / ratio
-            else:
-                share = watch.threshold / math.sqrt(self.backend.size)
-                for memory in followers:
-                    memory.follow_loop_clip(share)
-                message = watch.advise(self.compressor, self.communicator.memory, ratio)
-                if message is not None and self.backend.rank == 0:
-                    warnings.warn(message, RuntimeWarning, stacklevel=3)
-        self.reducer.settle_delivery(unclip)
-
-    def _clipped_where_followed(self, followers, norm: float) -> bool:
-        """Whether the loop clipped the averages to the threshold every following memory
-        clips at the share of (``norm``: their norm after the loop's clip); read from the
-        memories' own state, so a resumed run decides as the uninterrupted one."""
-        shares = {m.loop_clip.threshold for m in followers}
-        if not shares or None in shares or len(shares) > 1:
-            return False
-        threshold = shares.pop() * math.sqrt(self.backend.size)
-        return abs(norm - threshold) <= 1e-3 * threshold
+        """What the loop did to the averages between the exchange and ``step()``, for the
+        memories that follow its clipping (:mod:`mergecomp.runtime.handover`)."""
+        self.reducer.hand_over.settle(self.reducer.groups, self.compressor, self.communicator.memory)
 
     def _after_step(self) -> None:
         """Let an adaptive scheduler (auto, binary) measure this step and switch plans."""

@@ -42,7 +42,7 @@ from ..distributed.backends.expect import STRING
 from ..communicators.base import Communicator
 from ..compressors.base import GroupLayout, ParamView
 from ..plan import Group, ParamInfo, Plan
-from .drift import ClipWatch
+from .handover import LoopHandOver
 from .plans import PlanHolder
 from .step import InFlight, Listeners, SharedSurface, StepLifecycle
 from ..schedulers.base import Scheduler
@@ -167,9 +167,8 @@ class Reducer(SharedSurface, PlanHolder):
         #: Seconds the last synchronisation took (finishing groups, outcome, write-back).
         self.last_sync_time = 0.0
         self.ready_listeners = Listeners()
-        #: Notices a loop that clips the averages after the exchange (see DistributedOptimizer.step).
-        self.clip_watch = ClipWatch()
-        self._delivered: Dict[int, float] = {}  # group index → the delivery scale its averages carry
+        #: The averages' way to the optimizer for memories that follow the loop's clipping.
+        self.hand_over = LoopHandOver(self.lifecycle, backend)
         if plan is not None:
             self.install_plan(plan, check_ranks=True)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
@@ -351,55 +350,17 @@ class Reducer(SharedSurface, PlanHolder):
         self.synchronized = True
         self._awaiting_step = True
         self.last_outcome = outcome
-        reading = self.lifecycle.drift
-        step = self.lifecycle.settled_step
-        followers = self.loop_followers()
-        # a memory's own threshold, not the watch's, so that a resumed run watches as before
-        learning = any(m.loop_clip.threshold is not None for m in followers) or (
-            bool(followers) and step is not None and step < self.clip_watch.every_step_for)
-        self._scale_delivery(step if outcome.finite else None)  # a dropped step's averages are not stepped on
-        if outcome.finite and (learning or (reading is not None and reading.step == step)):
-            # a measured step, every early step until a memory that follows the loop's
-            # clipping has seen it, and every step once it has: what the loop does to the
-            # averages before step() is watched
-            self.clip_watch.note([g.buffer for g in self.groups if g.buffer is not None])
+        self.hand_over.deliver(self.groups, outcome.finite)
         self.last_sync_time = time.perf_counter() - started
         # Last, once the step is closed: a caller that catches a NonFiniteGradient can
         # zero_grad() and go on, as after a warning.
         self.lifecycle.close_step(self.params)
         return outcome
 
-    def loop_followers(self) -> list:
-        """The memories that follow the loop's clipping (:mod:`mergecomp.memories.loopclip`)."""
-        return [c.memory for c in self.lifecycle.communicators() if c.memory.follows_loop_clip]
-
-    def _scale_delivery(self, step: Optional[int]) -> None:
-        """Multiply each group's averages by its memory's
-        :meth:`~mergecomp.memories.base.Memory.delivery_scale` until :meth:`settle_delivery`."""
-        self._delivered = {}
-        if step is None:
-            return
-        for index, group in enumerate(self.groups):
-            if group.buffer is None:
-                continue
-            scale = self.lifecycle.communicator_for(group.send).memory.delivery_scale(step)
-            if scale != 1.0:
-                group.buffer.mul_(scale)
-                self._delivered[index] = scale
-
-    def settle_delivery(self, unclip: Optional[float] = None) -> None:
-        """Before the optimizer's step: divide what :meth:`_scale_delivery` multiplied, and
-        multiply the averages of the groups whose memory follows the loop's clipping by
-        ``unclip`` (the inverse of the loop's clip: :mod:`mergecomp.memories.loopclip`)."""
-        delivered, self._delivered = self._delivered, {}
-        for index, group in enumerate(self.groups):
-            if group.buffer is None:
-                continue
-            factor = 1.0 / delivered[index] if index in delivered else 1.0
-            if unclip is not None and self.lifecycle.communicator_for(group.send).memory.follows_loop_clip:
-                factor *= unclip
-            if factor != 1.0:
-                group.buffer.mul_(factor)
+    @property
+    def clip_watch(self):
+        """The hand-over's :class:`~mergecomp.runtime.drift.ClipWatch`."""
+        return self.hand_over.watch
 
     def _used_map(self) -> torch.Tensor:
         """1 where this rank has a gradient, per parameter, on the parameters' device."""

@@ -1,0 +1,120 @@
+"""The averages' way from the exchange to the optimizer's ``step()``, for the memories that
+follow the loop's clipping (:mod:`mergecomp.memories.loopclip`).
+
+Between the end of backward and ``step()`` the training loop may clip ``p.grad``.  A memory
+that runs SGD's momentum before the exchange wants that clip on each rank's gradient,
+before its momentum, not on the momentum the exchange delivers.  :class:`LoopHandOver`
+holds the two halves of that hand-over together, for an entry point that writes the
+averages where the loop reads them and then calls the optimizer:
+
+1. :meth:`LoopHandOver.deliver`, when the step's averages are written: each group's
+   averages are multiplied by its memory's
+   :meth:`~mergecomp.memories.base.Memory.delivery_scale` (a momentum that starts from zero,
+   bias-corrected, so that the loop sees a gradient's scale from the first step), and the
+   clip watch notes their norm on the steps it watches
+   (:class:`~mergecomp.runtime.drift.ClipWatch`).
+2. :meth:`LoopHandOver.settle`, at ``step()``: what the loop did is read back; a first clip
+   (or one at another threshold) has the following memories clip at the threshold over
+   √(ranks) from the next step, and the loop is advised once where its compressor's recipe
+   asks for it; a clip at the threshold they follow is undone on their groups; then the
+   delivery scales are divided back out.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, Optional, Sequence
+
+from .drift import ClipWatch
+
+
+class LoopHandOver:
+    """The clip watch and the delivery scales of one entry point's groups.
+
+    ``lifecycle``: the entry point's :class:`~mergecomp.runtime.step.StepLifecycle` (its
+    communicators' memories, the settled step, the drift reading); ``backend``: its ranks.
+    Groups are objects with a ``buffer`` (the averages the loop reads, or None) and a
+    ``send`` mode, in the same order at :meth:`deliver` and :meth:`settle`.
+    """
+
+    def __init__(self, lifecycle, backend):
+        self.lifecycle = lifecycle
+        self.backend = backend
+        #: Notices a loop that clips the averages after the exchange.
+        self.watch = ClipWatch()
+        self._delivered: Dict[int, float] = {}  # group index → the delivery scale its averages carry
+
+    def followers(self) -> list:
+        """The memories that follow the loop's clipping."""
+        return [c.memory for c in self.lifecycle.communicators() if c.memory.follows_loop_clip]
+
+    def deliver(self, groups: Sequence, finite: bool) -> None:
+        """The step's averages are in the groups' buffers (``finite``: the step was kept):
+        scale them for the loop, and note them on a watched step (a measured step, every
+        early step until a following memory has seen the loop clip, every step once one
+        has)."""
+        reading = self.lifecycle.drift
+        step = self.lifecycle.settled_step
+        followers = self.followers()
+        # a memory's own threshold, not the watch's, so that a resumed run watches as before
+        learning = any(m.loop_clip.threshold is not None for m in followers) or (
+            bool(followers) and step is not None and step < self.watch.every_step_for)
+        self._scale(groups, step if finite else None)  # a dropped step's averages are not stepped on
+        if finite and (learning or (reading is not None and reading.step == step)):
+            self.watch.note([g.buffer for g in groups if g.buffer is not None])
+
+    def settle(self, groups: Sequence, compressor, memory) -> None:
+        """At ``step()``, before the optimizer's: what the loop did to the averages since
+        :meth:`deliver` (``compressor`` and ``memory``: the entry point's, whose recipe the
+        advice quotes), then the averages back at the momentum's scale."""
+        ratio = self.watch.changed()
+        unclip = None
+        if ratio is not None:
+            followers = self.followers()
+            if self._clipped_where_followed(followers, self.watch.threshold):
+                unclip = 1.0 / ratio
+            else:
+                share = self.watch.threshold / math.sqrt(self.backend.size)
+                for follower in followers:
+                    follower.follow_loop_clip(share)
+                message = self.watch.advise(compressor, memory, ratio)
+                if message is not None and self.backend.rank == 0:
+                    warnings.warn(message, RuntimeWarning, stacklevel=4)
+        self._unscale(groups, unclip)
+
+    def _clipped_where_followed(self, followers, norm: float) -> bool:
+        """Whether the loop clipped the averages to the threshold every following memory
+        clips at the share of (``norm``: their norm after the loop's clip); read from the
+        memories' own state, so a resumed run decides as the uninterrupted one."""
+        shares = {m.loop_clip.threshold for m in followers}
+        if not shares or None in shares or len(shares) > 1:
+            return False
+        threshold = shares.pop() * math.sqrt(self.backend.size)
+        return abs(norm - threshold) <= 1e-3 * threshold
+
+    def _scale(self, groups: Sequence, step: Optional[int]) -> None:
+        """Multiply each group's averages by its memory's delivery scale at ``step`` (None:
+        none) until :meth:`_unscale`."""
+        self._delivered = {}
+        if step is None:
+            return
+        for index, group in enumerate(groups):
+            if group.buffer is None:
+                continue
+            scale = self.lifecycle.communicator_for(group.send).memory.delivery_scale(step)
+            if scale != 1.0:
+                group.buffer.mul_(scale)
+                self._delivered[index] = scale
+
+    def _unscale(self, groups: Sequence, unclip: Optional[float]) -> None:
+        """Divide what :meth:`_scale` multiplied, and multiply the averages of the groups
+        whose memory follows the loop's clipping by ``unclip`` (the inverse of its clip)."""
+        delivered, self._delivered = self._delivered, {}
+        for index, group in enumerate(groups):
+            if group.buffer is None:
+                continue
+            factor = 1.0 / delivered[index] if index in delivered else 1.0
+            if unclip is not None and self.lifecycle.communicator_for(group.send).memory.follows_loop_clip:
+                factor *= unclip
+            if factor != 1.0:
+                group.buffer.mul_(factor)
