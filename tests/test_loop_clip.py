@@ -149,9 +149,9 @@ def test_the_averages_reach_the_loop_in_a_gradients_scale_from_the_first_step(na
     assert plain.delivery_scale(0) == 1.0  # no optimizer's momentum taken over: not in gradient units
 
 
-def _branches_and_optimizer():
+def _branches_and_optimizer(memory="auto"):
     """Four alike branches, summed (four groups of alike norms), under SGD with momentum,
-    top-k at 90% with its default memory (SGD's momentum taken over)."""
+    top-k at 90% with its default memory (SGD's momentum taken over), or ``memory``."""
     import torch.nn as nn
 
     import mergecomp
@@ -167,7 +167,8 @@ def _branches_and_optimizer():
     model = Branches()
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     optimizer = mergecomp.DistributedOptimizer(  # most coordinates: what is sent is long enough to clip
-        inner, model=model, compressor=mergecomp.compressors.create("topk", compress_ratio=0.9), schedule=4)
+        inner, model=model, compressor=mergecomp.compressors.create("topk", compress_ratio=0.9), schedule=4,
+        memory=memory if memory != "residual" else "auto")
     return model, inner, optimizer
 
 
@@ -247,3 +248,92 @@ def test_a_run_that_follows_the_loop_resumes_bit_for_bit(stop_at, every_step_for
     straight = run_ranks(_resumed, 2, None, every_step_for)
     for straight, resumed in zip(straight, run_ranks(_resumed, 2, stop_at, every_step_for)):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+# -- under AMP's GradScaler ------------------------------------------------------------------------
+
+class _Scaler:
+    """A GradScaler's scale, as LoopClip reads it."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def get_scale(self):
+        return self.scale
+
+
+def test_under_a_loss_scale_the_memory_clips_in_the_losss_units():
+    clip = LoopClip()
+    clip.scale(torch.tensor([3.0, 4.0]) * 1024, "g0")  # the first step: the scale not yet known
+    clip.commit()
+    scaler = _Scaler(1024.0)
+    clip.attach(scaler, 1024.0)
+    assert clip.norms["g0"] == (5.0,)  # recorded norms put in the loss's units
+    clip.commit()
+    clip.follow(1.0)
+    assert clip.catch_up("g0") == pytest.approx(0.2)  # as without a scale
+    clip.commit()
+    scaler.scale = 2048.0  # the scaler grew: the gradient is clipped at 2048 × 1
+    assert clip.scale(torch.tensor([3.0, 4.0]) * 2048, "g0") == pytest.approx(0.2)
+    assert clip.catch_up("g0") == 2.0  # the state taken in at 1024 joins a gradient at 2048
+    clip.rollback()  # a dropped step: the state is still at 1024
+    assert clip.state_dict() == {"threshold": 1.0, "loss_scale": 2048.0, "held_scale": 1024.0}
+    resumed = LoopClip()
+    resumed.load_state_dict(clip.state_dict())
+    assert resumed.units() == 2048.0 and resumed.catch_up("g0") == 2.0
+    with pytest.raises(ValueError, match="loop_clip loss_scale must be a positive finite float"):
+        LoopClip.check_state({"loss_scale": 0.0}, "dgc memory")
+    with pytest.raises(ValueError, match="a loss scale must be a positive finite float"):
+        clip.attach(scaler, float("nan"))
+
+
+def _scaled_steps(rank, world_size, name, use_scaler, stop_at=None):
+    """The parameters after eight clipped steps of the four branches, under a GradScaler whose
+    scale grows every other step (``use_scaler``) or none; rank 1's gradient is infinite at
+    step 5 (a dropped step, which the scaler backs off from); with ``stop_at``, saved after that
+    many steps and resumed."""
+    import os
+    import tempfile
+
+    import mergecomp
+    model, inner, optimizer = _branches_and_optimizer(name)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) if use_scaler else None
+    for step in range(8):
+        if step == stop_at:
+            path = os.path.join(tempfile.mkdtemp(), f"rank{rank}.pt")
+            mergecomp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "scaler": scaler.state_dict()}, path)
+            saved = mergecomp.load(path)
+            model, inner, optimizer = _branches_and_optimizer(name)
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+            scaler.load_state_dict(saved["scaler"])
+        x, y = _batch()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == 5 and rank == 1:
+            loss = loss * float("inf")
+        if scaler is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            optimizer.step()
+            continue
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        scaler.step(optimizer)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()], optimizer.communicator.memory.loop_clip.threshold
+
+
+@pytest.mark.parametrize("name", ["residual", "dgc"])
+def test_a_grad_scaler_between_the_exchange_and_step_changes_no_step(name):
+    # the loss scale grows every other step and backs off after the infinite one: powers of
+    # two, so the run under the scaler takes the unscaled run's steps bit for bit
+    plain, scaled = run_ranks(_scaled_steps, 2, name, False), run_ranks(_scaled_steps, 2, name, True)
+    for (mine, threshold), (theirs, other) in zip(plain, scaled):
+        assert threshold == other == pytest.approx(1e-3 / math.sqrt(2), rel=1e-3)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    for (mine, _), (theirs, _) in zip(scaled, run_ranks(_scaled_steps, 2, name, True, 3)):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))  # resumed under the scaler

@@ -33,6 +33,14 @@ momentum, and no clip after the exchange.  So, in three parts:
   the wrapper undoes that clip on the groups whose memory clipped before the momentum
   (a rescale to another norm, such as a division for gradient accumulation, is left alone).
 
+Under AMP's ``GradScaler`` the gradients the memory takes in carry the loss scale S, and the
+loop unscales the averages before it clips them: the threshold is then in the loss's units
+and the memory's gradients in S times them.  The wrapper finds the scaler whose ``step()``
+called the optimizer's (:meth:`LoopClip.attach`) and the memory clips at S times its share,
+its norms kept in the loss's units; the clip watch reads the loop's clip with the unscaling
+taken out.  Without that, a run under a scaler clipped each rank's gradient to about 1/S
+of its share and hardly moved.
+
 A memory given ``clip_norm`` (explicit local clipping) keeps it and does not follow the
 loop; one that takes an Adam's first moment over does not either (Adam divides by its own
 scale, and its runs were measured without it).
@@ -58,9 +66,16 @@ class LoopClip:
 
     def __init__(self):
         self.threshold: Optional[float] = None
+        #: AMP's ``GradScaler`` whose ``step()`` calls the optimizer's (:meth:`attach`): not
+        #: saved, found again at the first ``step()`` of a resumed run.
+        self.scaler = None
+        #: The loss scale this memory's gradients carry, once a scaler was seen (saved, so a
+        #: resumed run clips its first step as the uninterrupted one).
+        self.loss_scale: Optional[float] = None
         self.recording = True
         self.norms = StagedDict()  # group → this rank's gradient norms, steps before a threshold
         self._catch_up = StagedDict()  # group → the one-off factor of its earlier state
+        self._held = StagedDict()  # "scale" → the loss scale the memory's state was taken in at
 
     def follow(self, threshold: float) -> None:
         """Clip each group at ``threshold`` from the next step, and scale what each memory
@@ -79,11 +94,32 @@ class LoopClip:
         self.norms.replace({})
         self.recording = False
 
+    def attach(self, scaler, scale: float) -> None:
+        """``scaler`` (AMP's ``GradScaler``) called the optimizer's ``step()``: the gradients
+        this memory takes in are multiplied by its scale (``scale``: this step's).  Norms
+        recorded before any scale was known are put in the loss's units."""
+        if not (isinstance(scale, float) and math.isfinite(scale) and scale > 0.0):
+            raise ValueError(f"a loss scale must be a positive finite float, got {scale!r}")
+        if self.loss_scale is None:
+            self.norms.replace({name: tuple(norm / scale for norm in norms)
+                                for name, norms in self.norms.committed().items()})
+        if "scale" not in self._held.committed():
+            self._held.replace({"scale": scale})
+        self.scaler, self.loss_scale = scaler, scale
+
+    def units(self) -> float:
+        """The loss scale the gradients carry now (1 without a ``GradScaler``): the
+        scaler's current scale, which its ``update()`` after the last step set."""
+        if self.scaler is not None:
+            self.loss_scale = float(self.scaler.get_scale())
+        return 1.0 if self.loss_scale is None else self.loss_scale
+
     def scale(self, tensor: torch.Tensor, name: str) -> Optional[float]:
         """The factor ``tensor`` (group ``name``'s gradient on this rank) is multiplied by
         before the momentum, or None (no threshold yet, or short enough)."""
         if self.threshold is None and not self.recording:
             return None
+        units = self.units()
         norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
         if self.threshold is None:
             norms = self.norms.get(name, ())
@@ -91,25 +127,37 @@ class LoopClip:
                 self.recording = False
                 self.norms.replace({})
             else:
-                self.norms[name] = norms + (norm,)
+                self.norms[name] = norms + (norm / units,)
             return None
-        return self.threshold / norm if norm > self.threshold else None
+        limit = self.threshold * units
+        return limit / norm if norm > limit else None
 
     def catch_up(self, name: str) -> Optional[float]:
-        """Once per group after :meth:`follow`: the factor by which the state the memory holds
-        for ``name`` (taken in before a threshold was known) is scaled, or None."""
+        """The factor by which the state the memory holds for ``name`` is scaled before this
+        step's gradient joins it, or None: once per group after :meth:`follow`, the clipping
+        the steps taken in before the threshold would have had; and under a ``GradScaler``
+        whose scale moved since that state was taken in (its growth, or its back-off after
+        an overflow), the new scale over the old, so that state and gradient carry one."""
         factor = self._catch_up.get(name)
         if factor is not None:
             del self._catch_up[name]
+        if self.loss_scale is not None:
+            units = self.units()
+            held = self._held.committed().get("scale")
+            self._held["scale"] = units
+            if held is not None and held != units:
+                factor = (1.0 if factor is None else factor) * units / held
         return factor
 
     def commit(self) -> None:
         self.norms.commit()
         self._catch_up.commit()
+        self._held.commit()
 
     def rollback(self) -> None:
         self.norms.rollback()
         self._catch_up.rollback()
+        self._held.rollback()
 
     def state_dict(self) -> Dict[str, Any]:
         """Empty when nothing is known or recorded (so states of runs that never clip are as
@@ -125,6 +173,11 @@ class LoopClip:
             state["norms"] = {k: list(v) for k, v in committed.items()}
         if not self.recording and self.threshold is None:
             state["recording"] = False
+        if self.loss_scale is not None:
+            state["loss_scale"] = self.units()
+        held = self._held.committed().get("scale")
+        if held is not None:
+            state["held_scale"] = held
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -135,16 +188,19 @@ class LoopClip:
             norms = {str(k): tuple(float(x) for x in v) for k, v in state.get("norms", {}).items()}
         self.norms.replace(norms)
         self.recording = self.threshold is None and bool(state.get("recording", True))
+        self.scaler, self.loss_scale = None, (None if "loss_scale" not in state else float(state["loss_scale"]))
+        self._held.replace({} if "held_scale" not in state else {"scale": float(state["held_scale"])})
 
     @staticmethod
     def check_state(state: Any, what: str) -> None:
         """ValueError naming what is wrong with a saved ``loop_clip`` state."""
-        keys = {"threshold", "norms", "catch_up", "recording"}
+        keys = {"threshold", "norms", "catch_up", "recording", "loss_scale", "held_scale"}
         if not isinstance(state, dict) or set(state) - keys:
             raise ValueError(f"{what} loop_clip state must be a dict with keys among {sorted(keys)}, got {state!r}")
-        threshold = state.get("threshold", 1.0)
-        if not (isinstance(threshold, float) and math.isfinite(threshold) and threshold > 0.0):
-            raise ValueError(f"{what} loop_clip threshold must be a positive finite float, got {threshold!r}")
+        for key in ("threshold", "loss_scale", "held_scale"):
+            value = state.get(key, 1.0)
+            if not (isinstance(value, float) and math.isfinite(value) and value > 0.0):
+                raise ValueError(f"{what} loop_clip {key} must be a positive finite float, got {value!r}")
         if not isinstance(state.get("recording", True), bool):
             raise ValueError(f"{what} loop_clip recording must be True or False, got {state['recording']!r}")
 

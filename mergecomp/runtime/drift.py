@@ -308,9 +308,10 @@ class ClipWatch:
         self._buffers = list(buffers)
         self._noted = sum((squared_norm(b) for b in self._buffers), torch.zeros(())) if self._buffers else None
 
-    def changed(self) -> Optional[float]:
-        """The averages' norm now over when noted (None: nothing noted, or unchanged); a
-        clip sets :attr:`threshold`."""
+    def changed(self, loss_scale: float = 1.0) -> Optional[float]:
+        """The averages' norm now over when noted, times ``loss_scale`` (the loss scale of a
+        ``GradScaler`` known to have unscaled them in between: its unscaling is taken out),
+        or None (nothing noted, or unchanged); a clip sets :attr:`threshold`."""
         if self._noted is None:
             return None
         before, self._noted = float(self._noted), None
@@ -318,7 +319,7 @@ class ClipWatch:
         self._buffers = []
         if not (before > 0.0 and math.isfinite(before) and math.isfinite(now)):
             return None
-        ratio = math.sqrt(now / before)
+        ratio = math.sqrt(now / before) * loss_scale
         exponent = math.log2(ratio) if ratio > 0 else 0.0
         if ratio > 0.99 or abs(exponent - round(exponent)) < 1e-6:
             return None

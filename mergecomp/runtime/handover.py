@@ -13,7 +13,9 @@ averages where the loop reads them and then calls the optimizer:
    bias-corrected, so that the loop sees a gradient's scale from the first step), and the
    clip watch notes their norm on the steps it watches
    (:class:`~mergecomp.runtime.drift.ClipWatch`).
-2. :meth:`LoopHandOver.settle`, at ``step()``: what the loop did is read back; a first clip
+2. :meth:`LoopHandOver.settle`, at ``step()``: what the loop did is read back (under AMP's
+   ``GradScaler``, whose ``step()`` called the optimizer's, the unscaling taken out and the
+   memories told the loss scale their gradients carry); a first clip
    (or one at another threshold) has the following memories clip at the threshold over
    √(ranks) from the next step, and the loop is advised once where its compressor's recipe
    asks for it; a clip at the threshold they follow is undone on their groups; then the
@@ -22,10 +24,29 @@ averages where the loop reads them and then calls the optimizer:
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Dict, Optional, Sequence
 
+import torch
+
 from .drift import ClipWatch
+
+
+def calling_grad_scaler(frames: int = 12):
+    """The ``torch.amp.GradScaler`` whose ``step()`` called the optimizer's, found among the
+    callers of the function that asks (None: none).  Its scale multiplied the loss, so the
+    averages the exchange delivered carry it until the loop unscales them; every framework's
+    AMP loop (Lightning's, Accelerate's) steps through ``scaler.step(optimizer)``."""
+    frame = sys._getframe(1)
+    for _ in range(frames):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, torch.amp.GradScaler):
+            return caller
+        frame = frame.f_back
+    return None
 
 
 class LoopHandOver:
@@ -67,10 +88,14 @@ class LoopHandOver:
         """At ``step()``, before the optimizer's: what the loop did to the averages since
         :meth:`deliver` (``compressor`` and ``memory``: the entry point's, whose recipe the
         advice quotes), then the averages back at the momentum's scale."""
-        ratio = self.watch.changed()
+        followers = self.followers()
+        scaler = calling_grad_scaler() if followers else None
+        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        for follower in followers if scaler is not None else ():
+            follower.loop_clip.attach(scaler, loss_scale)
+        ratio = self.watch.changed(loss_scale)
         unclip = None
         if ratio is not None:
-            followers = self.followers()
             if self._clipped_where_followed(followers, self.watch.threshold):
                 unclip = 1.0 / ratio
             else:
