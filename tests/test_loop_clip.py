@@ -149,22 +149,23 @@ def test_the_averages_reach_the_loop_in_a_gradients_scale_from_the_first_step(na
     assert plain.delivery_scale(0) == 1.0  # no optimizer's momentum taken over: not in gradient units
 
 
-def _branches_and_optimizer(memory="auto"):
-    """Four alike branches, summed (four groups of alike norms), under SGD with momentum,
-    top-k at 90% with its default memory (SGD's momentum taken over), or ``memory``."""
-    import torch.nn as nn
+class _Branches(torch.nn.Module):
+    """Four alike branches, summed: four groups of alike norms."""
 
+    def __init__(self):
+        super().__init__()
+        self.branches = torch.nn.ModuleList(torch.nn.Linear(32, 64) for _ in range(4))
+
+    def forward(self, x):
+        return sum(branch(x) for branch in self.branches)
+
+
+def _branches_and_optimizer(memory="auto"):
+    """The four branches under SGD with momentum, top-k at 90% with its default memory (SGD's
+    momentum taken over), or ``memory``."""
     import mergecomp
     torch.manual_seed(0)
-
-    class Branches(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.branches = nn.ModuleList(nn.Linear(32, 64) for _ in range(4))
-
-        def forward(self, x):
-            return sum(branch(x) for branch in self.branches)
-    model = Branches()
+    model = _Branches()
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     optimizer = mergecomp.DistributedOptimizer(  # most coordinates: what is sent is long enough to clip
         inner, model=model, compressor=mergecomp.compressors.create("topk", compress_ratio=0.9), schedule=4,
@@ -337,3 +338,100 @@ def test_a_grad_scaler_between_the_exchange_and_step_changes_no_step(name):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
     for (mine, _), (theirs, _) in zip(scaled, run_ranks(_scaled_steps, 2, name, True, 3)):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))  # resumed under the scaler
+
+
+# -- under the DDP hook ----------------------------------------------------------------------------
+
+def _one_group_steps(rank, world_size, entry, scaled):
+    """The four branches in one group (one DDP bucket), six steps of a loop clipping at 1e-3
+    (under a GradScaler when ``scaled``), through the wrapper or the DDP hook shown the SGD:
+    the parameters, the memory's threshold, and the gradients the SGD stepped on."""
+    import mergecomp
+    import mergecomp.ddp
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    model = _Branches()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    topk = mergecomp.compressors.create("topk", compress_ratio=0.9)
+    if entry == "wrapper":
+        trained, optimizer = model, mergecomp.DistributedOptimizer(inner, model=model, compressor=topk, schedule=1)
+        memory = optimizer.communicator.memory
+    else:
+        trained, optimizer = DistributedDataParallel(model, bucket_cap_mb=64), inner
+        memory = mergecomp.ddp.register(trained, compressor=topk, optimizer=inner).memory
+    stepped = []
+    inner.register_step_pre_hook(  # after the hand-over's: what the SGD steps on
+        lambda *_: stepped.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()])))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) if scaled else None
+    for step in range(6):
+        x, y = _batch()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(trained(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], memory.loop_clip.threshold, stepped
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_ddp_hook_follows_the_loops_clipping_as_the_wrapper_does(scaled):
+    wrapper, ddp = run_ranks(_one_group_steps, 2, "wrapper", scaled), run_ranks(_one_group_steps, 2, "ddp", scaled)
+    for (mine, threshold, stepped), (theirs, other, hooked) in zip(wrapper, ddp):
+        assert threshold == pytest.approx(1e-3 / math.sqrt(2), rel=1e-3)  # seen at the first step
+        assert other == pytest.approx(threshold, rel=1e-5)
+        assert len(stepped) == len(hooked) == 6
+        for a, b in zip(stepped, hooked):  # the loop's clip undone, the delivery scale divided out
+            # (top-k's selection of near-equal entries may differ with the layout: compared by norm)
+            assert float(b.norm()) == pytest.approx(float(a.norm()), rel=1e-5)
+        for a, b in zip(mine, theirs):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def _ddp_resumed(rank, world_size, stop_at):
+    """The four branches through the DDP hook shown the SGD, six steps clipped at 1e-3; saved
+    after ``stop_at`` steps and resumed in a new model, SGD, DDP and hook state (None: never)."""
+    import os
+    import tempfile
+
+    import mergecomp
+    import mergecomp.ddp
+    from torch.nn.parallel import DistributedDataParallel
+
+    def build(saved=None):
+        torch.manual_seed(0)
+        model = _Branches()
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ddp = DistributedDataParallel(model)
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            inner.load_state_dict(saved["optimizer"])
+        state = mergecomp.ddp.register(ddp, compressor=mergecomp.compressors.create("topk", compress_ratio=0.9),
+                                       optimizer=inner)
+        if saved is not None:
+            state.load_state_dict(saved["hook"])
+        return model, inner, ddp, state
+    model, inner, ddp, state = build()
+    for step in range(6):
+        if step == stop_at:
+            path = os.path.join(tempfile.mkdtemp(), f"rank{rank}.pt")
+            mergecomp.save({"model": model.state_dict(), "optimizer": inner.state_dict(),
+                            "hook": state.state_dict()}, path)
+            model, inner, ddp, state = build(mergecomp.load(path))
+        x, y = _batch()
+        inner.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        inner.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stop_at", [1, 3])
+def test_a_ddp_run_that_follows_the_loop_resumes_bit_for_bit(stop_at):
+    for straight, resumed in zip(run_ranks(_ddp_resumed, 2, None), run_ranks(_ddp_resumed, 2, stop_at)):
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))

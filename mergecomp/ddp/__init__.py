@@ -48,7 +48,8 @@ parameter slices.  Use
 
 The package: :mod:`.state` (:class:`HookState`: a bucket's exchange and the end of the
 step), :mod:`.buckets` (state that follows DDP's re-bucketing and checkpoints), :mod:`.guards`
-(DDP's silent failure modes, refused).
+(DDP's silent failure modes, refused), :mod:`.handover` (the loop's clipping seen between the
+step's end and the optimizer's step, as the wrapper sees it).
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import torch.distributed
 from .. import checkpoint, communicators, arguments
 from . import buckets, guards
 from .buckets import BucketKey
+from .handover import HookHandOver
 from ..runtime import gate
 from ..runtime.agreement import StepOutcome
 from ..distributed.backends import Backend
@@ -37,11 +38,14 @@ class _Bucket:
     """What the hook does with one group's average: complete DDP's ``future`` (None for a
     group gathered from several buckets) and copy ``pieces`` back into DDP's buckets: (bucket
     buffer, offset there, offset in the group, elements) per parameter of a gathered group
-    (see ``HookState._gather_held_groups``)."""
+    (see ``HookState._gather_held_groups``).  ``layout``: the group's parameters (each a
+    name, shape and offset), or only their ``names`` for a gathered group."""
 
     def __init__(self, future: Optional[torch.futures.Future],
-                 pieces: Sequence[Tuple[torch.Tensor, int, int, int]] = ()):
-        self.future, self.pieces = future, pieces
+                 pieces: Sequence[Tuple[torch.Tensor, int, int, int]] = (), layout: GroupLayout = (),
+                 names: Sequence[str] = ()):
+        self.future, self.pieces, self.layout = future, pieces, layout
+        self.names = list(names) or [view.name for view in layout]
 
 
 class _Deferred:
@@ -71,9 +75,10 @@ class HookState(SharedSurface):
         controller: the quality controller, as for ``DistributedOptimizer`` (``"auto"``,
             ``"off"`` or a :class:`~mergecomp.DriftController`).
         optimizer: the optimizer that will step on the averaged gradients, if known now:
-            checked as the wrapper checks its own (:meth:`check_optimizer`).  It is not kept
-            (the state pickles without it); frameworks that build it later call
-            :meth:`check_optimizer` then.
+            checked as the wrapper checks its own (:meth:`check_optimizer`), and its steps
+            watched for the loop's clipping (:mod:`.handover`).  It is not kept (the state
+            pickles without it); frameworks that build it later call :meth:`check_optimizer`
+            then, and so does a script that unpickles the state.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None,
@@ -124,6 +129,7 @@ class HookState(SharedSurface):
         message = gate.vet_optimizer(optimizer, self.compressor, self.memory, self._dtypes, warn=False)
         if optimizer is not None:
             self.lifecycle.meter.follow_optimizer(optimizer, self.memory)
+            self.loop.watch(optimizer, self.compressor, self.memory)
         if message is not None and message != self._advised:
             recipes.warn(message)
             self._advised = message
@@ -141,6 +147,8 @@ class HookState(SharedSurface):
                                          *steering)  # the default keeps older configurations' digests
         self.lifecycle = StepLifecycle(self.communicator, self.backend, self.facts, self.nonfinite)
         self.lifecycle.meter = meter
+        #: The loop's clipping seen between the step's end and the optimizer's step.
+        self.loop = HookHandOver(self.lifecycle, self.backend)
         self._registration_checked = False
         #: Whether per-bucket state can move to DDP's rebuilt buckets; a parameter server's
         #: shard residuals cannot (servers hold them), nor can state without parameter names:
@@ -177,6 +185,7 @@ class HookState(SharedSurface):
         if not self.lifecycle.in_step:  # the step's first bucket
             self._begin_step(buffer)
         layout, key = self._layout(bucket)
+        self.loop.know([view.name for view in layout], bucket.parameters())
         self._step_keys[index] = key
         changed = self.layouts.get(index) != key
         self.lifecycle.check_preflight()
@@ -209,7 +218,7 @@ class HookState(SharedSurface):
         already sent goes exact (FP32 through a communicator without memory, so its residual
         stays where the state's move at the step's end finds it)."""
         send = "exact" if changed else self._send_mode(index)
-        self.lifecycle.launch(index, buffer, layout, send, owner=_Bucket(future))
+        self.lifecycle.launch(index, buffer, layout, send, owner=_Bucket(future, layout=layout))
         self._started.add(index)
 
     def _begin_step(self, buffer: torch.Tensor) -> None:
@@ -218,6 +227,7 @@ class HookState(SharedSurface):
             guards.check_every_rank_registered(self.backend, buffer)
             self._registration_checked = True
         self.lifecycle.begin(self.steps, buffer.device)
+        self.loop.begin_step()
         self._step_keys = {}
         self._started = set()
         self._deferred = []
@@ -258,7 +268,7 @@ class HookState(SharedSurface):
             {where[name][0].dtype for name in wanted}) <= 1
         if not fits:
             for d in deferred:  # as for buckets that changed for good (their state moves at the step's end)
-                self.lifecycle.launch(d.index, d.buffer, d.layout, "exact", owner=_Bucket(d.future))
+                self.lifecycle.launch(d.index, d.buffer, d.layout, "exact", owner=_Bucket(d.future, layout=d.layout))
             return
         for index, key in held.items():
             first = where[key[0][0]][0]
@@ -273,7 +283,7 @@ class HookState(SharedSurface):
                 pieces.append((source, at, offset, numel))
                 offset += numel
             self.lifecycle.launch(index, buffer, tuple(views), self._send_mode(index),
-                                  owner=_Bucket(None, pieces))
+                                  owner=_Bucket(None, pieces, names=[name for name, _ in key]))
         self._deferred = deferred  # their futures complete with the step
         self._step_keys = dict(self.layouts)  # the state stays in its groups: nothing moves
 
@@ -311,7 +321,8 @@ class HookState(SharedSurface):
         if self._deferred:
             self._gather_held_groups()
         deferred, self._deferred = self._deferred, []
-        self.lifecycle.end_step(self._complete)
+        outcome = self.lifecycle.end_step(self._complete)
+        self.loop.deliver(outcome.finite)  # scaled for the loop, then DDP's futures complete
         if self._step_keys != self.layouts:
             self._move_state(self._step_keys)
         self.lifecycle.count_step()
@@ -320,16 +331,20 @@ class HookState(SharedSurface):
             d.future.set_result(d.buffer)
         self.lifecycle.close_step()
 
-    @staticmethod
-    def _complete(flight: InFlight, average: torch.Tensor, outcome: StepOutcome) -> None:
+    def _complete(self, flight: InFlight, average: torch.Tensor, outcome: StepOutcome) -> None:
         """Hand a group's average to DDP: into the buckets it was gathered from, or as the
         result of its bucket's future (NaN for a dropped step: what an allreduce of a NaN
-        gives)."""
+        gives), completed at the step's end."""
         bucket: _Bucket = flight.owner
+        parts = []
         for source, at, offset, numel in bucket.pieces:
-            source.narrow(0, at, numel).copy_(average.narrow(0, offset, numel))
+            parts.append(source.narrow(0, at, numel))
+            parts[-1].copy_(average.narrow(0, offset, numel))
         if bucket.future is not None:
-            bucket.future.set_result(average.view_as(flight.buffer))
+            result = average.view_as(flight.buffer)
+            parts = [result.narrow(0, view.offset, view.shape.numel()) for view in bucket.layout]
+            self.loop.complete(bucket.future, result)
+        self.loop.hand(flight.send, parts, bucket.names)
 
     def _move_state(self, keys: Dict[int, BucketKey]) -> None:
         """DDP changed buckets: move per-bucket state to the new buckets by parameter.

@@ -51,6 +51,20 @@ class Memory(DriftTerms):
         if self.loop_clip is None:
             raise NotImplementedError(f"{type(self).__name__} does not follow the loop's clipping")
         self.loop_clip.follow(threshold)
+        # What was taken in before the threshold is scaled now, between steps, rather than at
+        # each group's next step: a regrouping in between (DDP rebuilds its buckets after its
+        # first iteration) restarts per-group factors and would lose it.
+        factors = self.loop_clip.take_catch_up()
+        for held in self.held_state() if factors else ():
+            committed = held.committed()
+            scaled = {name: committed[name] * factor for name, factor in factors.items() if name in committed}
+            if scaled:
+                held.replace({**committed, **scaled})
+
+    def held_state(self) -> list:
+        """The staged per-group tensors this memory carries from step to step (what the
+        loop's clipping scales once it is followed)."""
+        return []
 
     def with_loop_clip_state(self, state: dict) -> dict:
         """``state`` with the loop's clipping added under ``"loop_clip"`` once a threshold was

@@ -98,6 +98,9 @@ class DGCMemory(Memory):
         """See :func:`mergecomp.memories.dgc.check_optimizer`."""
         check_optimizer(optimizer, self)
 
+    def held_state(self) -> list:
+        return [self.momenta, self.velocities]
+
     @property
     def delivered_momentum(self) -> float:
         return self.momentum

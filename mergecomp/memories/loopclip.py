@@ -132,6 +132,13 @@ class LoopClip:
         limit = self.threshold * units
         return limit / norm if norm > limit else None
 
+    def take_catch_up(self) -> Dict[str, float]:
+        """The factors :meth:`follow` found, handed over once to a memory that scales its
+        state by them at once (:meth:`catch_up` then finds none)."""
+        factors = self._catch_up.committed()
+        self._catch_up.replace({})
+        return factors
+
     def catch_up(self, name: str) -> Optional[float]:
         """The factor by which the state the memory holds for ``name`` is scaled before this
         step's gradient joins it, or None: once per group after :meth:`follow`, the clipping

@@ -119,6 +119,9 @@ class ResidualMemory(Memory):
         momentum; None when the optimizer's momentum acts after the exchange."""
         return TAKES_OVER if self.follows_optimizer or self.folds or self.sgd_momentum > 0.0 else None
 
+    def held_state(self) -> list:
+        return [self.momenta, self.residuals]
+
     def check_optimizer(self, optimizer) -> None:
         """Take SGD's momentum over when this memory follows the optimizer or has a momentum
         of its own (which SGD's must then equal); nothing otherwise.  A memory that follows

@@ -308,14 +308,16 @@ class ClipWatch:
         self._buffers = list(buffers)
         self._noted = sum((squared_norm(b) for b in self._buffers), torch.zeros(())) if self._buffers else None
 
-    def changed(self, loss_scale: float = 1.0) -> Optional[float]:
+    def changed(self, loss_scale: float = 1.0, buffers: Optional[Sequence[torch.Tensor]] = None) -> Optional[float]:
         """The averages' norm now over when noted, times ``loss_scale`` (the loss scale of a
         ``GradScaler`` known to have unscaled them in between: its unscaling is taken out),
-        or None (nothing noted, or unchanged); a clip sets :attr:`threshold`."""
+        or None (nothing noted, or unchanged); a clip sets :attr:`threshold`.  ``buffers``:
+        where the averages are now, when not where they were noted (DDP copies them into
+        ``p.grad``)."""
         if self._noted is None:
             return None
         before, self._noted = float(self._noted), None
-        now = float(sum((squared_norm(b) for b in self._buffers), torch.zeros(())))
+        now = float(sum((squared_norm(b) for b in (self._buffers if buffers is None else buffers)), torch.zeros(())))
         self._buffers = []
         if not (before > 0.0 and math.isfinite(before) and math.isfinite(now)):
             return None

@@ -54,8 +54,10 @@ class LoopHandOver:
 
     ``lifecycle``: the entry point's :class:`~mergecomp.runtime.step.StepLifecycle` (its
     communicators' memories, the settled step, the drift reading); ``backend``: its ranks.
-    Groups are objects with a ``buffer`` (the averages the loop reads, or None) and a
-    ``send`` mode, in the same order at :meth:`deliver` and :meth:`settle`.
+    Groups are objects with a ``buffer`` (the averages the loop reads: a tensor, a list of
+    tensors, or None) and a ``send`` mode, in the same order at :meth:`deliver` and
+    :meth:`settle` (where the buffers are read again: under DDP, the parameters' ``p.grad``
+    into which DDP copied the averages).
     """
 
     def __init__(self, lifecycle, backend):
@@ -82,7 +84,7 @@ class LoopHandOver:
             bool(followers) and step is not None and step < self.watch.every_step_for)
         self._scale(groups, step if finite else None)  # a dropped step's averages are not stepped on
         if finite and (learning or (reading is not None and reading.step == step)):
-            self.watch.note([g.buffer for g in groups if g.buffer is not None])
+            self.watch.note([t for g in groups for t in _tensors(g)])
 
     def settle(self, groups: Sequence, compressor, memory) -> None:
         """At ``step()``, before the optimizer's: what the loop did to the averages since
@@ -93,7 +95,7 @@ class LoopHandOver:
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
         for follower in followers if scaler is not None else ():
             follower.loop_clip.attach(scaler, loss_scale)
-        ratio = self.watch.changed(loss_scale)
+        ratio = self.watch.changed(loss_scale, [t for g in groups for t in _tensors(g)])
         unclip = None
         if ratio is not None:
             if self._clipped_where_followed(followers, self.watch.threshold):
@@ -124,11 +126,10 @@ class LoopHandOver:
         if step is None:
             return
         for index, group in enumerate(groups):
-            if group.buffer is None:
-                continue
             scale = self.lifecycle.communicator_for(group.send).memory.delivery_scale(step)
-            if scale != 1.0:
-                group.buffer.mul_(scale)
+            if scale != 1.0 and _tensors(group):
+                for tensor in _tensors(group):
+                    tensor.mul_(scale)
                 self._delivered[index] = scale
 
     def _unscale(self, groups: Sequence, unclip: Optional[float]) -> None:
@@ -136,10 +137,17 @@ class LoopHandOver:
         whose memory follows the loop's clipping by ``unclip`` (the inverse of its clip)."""
         delivered, self._delivered = self._delivered, {}
         for index, group in enumerate(groups):
-            if group.buffer is None:
-                continue
             factor = 1.0 / delivered[index] if index in delivered else 1.0
             if unclip is not None and self.lifecycle.communicator_for(group.send).memory.follows_loop_clip:
                 factor *= unclip
             if factor != 1.0:
-                group.buffer.mul_(factor)
+                for tensor in _tensors(group):
+                    tensor.mul_(factor)
+
+
+def _tensors(group) -> list:
+    """A group's averages as tensors (none when its buffer is None)."""
+    buffer = group.buffer
+    if buffer is None:
+        return []
+    return list(buffer) if isinstance(buffer, (list, tuple)) else [buffer]
