@@ -88,9 +88,10 @@ class Memory(DriftTerms):
 
     def caught_up(self, name: str, *tensors):
         """``tensors`` (this memory's committed state for group ``name``, None where it has
-        none) scaled by the loop's clipping it took in before the threshold was known, once
-        (:meth:`~mergecomp.memories.loopclip.LoopClip.catch_up`); new tensors, or the same
-        ones when there is nothing to catch up."""
+        none) scaled before this step's gradient joins them
+        (:meth:`~mergecomp.memories.loopclip.LoopClip.catch_up`: a loss scale that moved, or a
+        catch-up a saved state still owed); new tensors, or the same ones when there is
+        nothing to scale."""
         factor = self.loop_clip.catch_up(name) if self.follows_loop_clip else None
         if factor is None:
             return tensors

@@ -24,8 +24,10 @@ momentum, and no clip after the exchange.  So, in three parts:
 - **Clipped before the momentum.**  From the next step the memory clips each group of this
   rank's gradient at the threshold over √(ranks) (:meth:`LoopClip.scale`).  What the
   memory took in unclipped before the threshold was known (its momentum and what it holds
-  back) is scaled once by the clip those steps would have taken, weighted by their norms
-  (:meth:`LoopClip.catch_up`): for one step, exactly the state clipping would have left
+  back) is scaled once, when it starts following, by the clip those steps would have
+  taken, weighted by their norms (:meth:`~mergecomp.memories.base.Memory.follow_loop_clip`;
+  between steps, so that a regrouping after it, as DDP's after its first iteration, keeps
+  it): for one step, exactly the state clipping would have left
   (a top-k selection does not change under a scale).  On that transformer even one step
   taken in unclipped and left so cost a clear part of what the clipping gains
   (docs/results.md#sgd-loop-follow).
@@ -78,8 +80,9 @@ class LoopClip:
         self._held = StagedDict()  # "scale" → the loss scale the memory's state was taken in at
 
     def follow(self, threshold: float) -> None:
-        """Clip each group at ``threshold`` from the next step, and scale what each memory
-        took in before by what that clipping would have taken (:meth:`catch_up`)."""
+        """Clip each group at ``threshold`` from the next step, and find by how much what
+        the memory took in before is scaled: what that clipping would have taken
+        (:meth:`take_catch_up`; a state saved with factors still owed, :meth:`catch_up`)."""
         if not (isinstance(threshold, float) and math.isfinite(threshold) and threshold > 0.0):
             raise ValueError(f"a clipping threshold must be a positive finite float, got {threshold!r}")
         self.threshold = threshold
