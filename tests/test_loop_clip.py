@@ -162,9 +162,11 @@ class _Branches(torch.nn.Module):
 
 def _branches_and_optimizer(memory="auto"):
     """The four branches under SGD with momentum, top-k at 90% with its default memory (SGD's
-    momentum taken over), or ``memory``."""
+    momentum taken over), or ``memory`` ("dgc, no masking": the dgc memory with masking=False)."""
     import mergecomp
     torch.manual_seed(0)
+    if memory == "dgc, no masking":
+        memory = memories.create("dgc", masking=False)
     model = _Branches()
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     optimizer = mergecomp.DistributedOptimizer(  # most coordinates: what is sent is long enough to clip
@@ -181,8 +183,10 @@ def _batch():
 
 def _steps_taken(rank, world_size, clip):
     """Per step: the averages after the exchange (before the loop's clip), what the SGD inside
-    stepped with, and the memory's delivery scale, for a loop clipping at ``clip``."""
-    model, inner, optimizer = _branches_and_optimizer()
+    stepped with, and the memory's delivery scale, for a loop clipping at ``clip``.  The
+    memory keeps its momentum where it sends (at 90% density, masking where the loop clips
+    keeps the averages under the clip after the first step, and nothing would be undone)."""
+    model, inner, optimizer = _branches_and_optimizer("dgc, no masking")
     stepped, inner_step = [], inner.step
 
     def recorded_step(*args, **kwargs):
@@ -431,7 +435,41 @@ def _ddp_resumed(rank, world_size, stop_at):
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("stop_at", [1, 3])
+@pytest.mark.parametrize("stop_at", [2, 3])
 def test_a_ddp_run_that_follows_the_loop_resumes_bit_for_bit(stop_at):
+    # not after the first step: saved before DDP rebuilt its buckets, the resumed run's first
+    # iteration exchanges in the saved order and the uninterrupted run's second in the
+    # rebuilt one, and the branches' biases have equal gradients, whose top-k ties break by
+    # position (the sent coordinates, and so the masked ones, differ)
     for straight, resumed in zip(run_ranks(_ddp_resumed, 2, None), run_ranks(_ddp_resumed, 2, stop_at)):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+# -- masking where the loop's clip binds -----------------------------------------------------------
+
+def _masked_after(name, gradient, watched=True, **options):
+    """The momentum of the second coordinate (top-k sends it) after one step of ``gradient``,
+    for a memory that follows a loop clipping at 1 (``watched``: an entry point watches it)."""
+    import mergecomp
+    memory = memories.create(name, **({"momentum": "optimizer"} if name == "residual" else {}), **options)
+    memory.check_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9))
+    memory.loop_clip.watched = watched
+    memory.follow_loop_clip(1.0)
+    topk = mergecomp.compressors.create("topk", compress_ratio=0.25)
+    v = memory.compensate(gradient, "g0")
+    payload, ctx = topk.compress(v, "g0")
+    memory.update(v, "g0", topk, payload, ctx)
+    return float(memory.momenta["g0"][1])
+
+
+@pytest.mark.parametrize("name", ["residual", "dgc"])
+def test_a_memory_that_follows_the_loop_masks_where_it_clips(name):
+    large, small = torch.tensor([3.0, 4.0, 0.0, 0.0]), torch.tensor([0.2, 0.3, 0.0, 0.0])  # top-k sends the 2nd
+    assert _masked_after(name, large) == 0.0  # clipped (norm 5 over 1): the sent momentum restarts
+    assert _masked_after(name, small) > 0.0  # under the threshold: kept, as dense momentum SGD
+    if name == "dgc":
+        assert _masked_after(name, small, watched=False) == 0.0  # nobody watches the loop: the paper's
+        assert _masked_after(name, small, masking=True) == 0.0  # as given
+        assert _masked_after(name, large, masking=False) > 0.0
+        assert repr(memories.create("dgc")) == "DGCMemory(momentum=0.9, nesterov=False, clip_norm=None)"
+        assert repr(memories.create("dgc", masking=True)).endswith("clip_norm=None, masking=True)")

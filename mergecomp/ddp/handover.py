@@ -47,6 +47,7 @@ class HookHandOver:
         self.close()
         self._settled_by = (compressor, memory)
         self._handle = innermost(optimizer).register_step_pre_hook(self._settle)
+        self.hand_over.mark_watched()
 
     def close(self) -> None:
         if self._handle is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -60,6 +60,19 @@ class Memory(DriftTerms):
             scaled = {name: committed[name] * factor for name, factor in factors.items() if name in committed}
             if scaled:
                 held.replace({**committed, **scaled})
+
+    def masks_sent(self, name: str, masking: Optional[bool], default: bool) -> bool:
+        """Whether the momentum of the coordinates group ``name`` sent in this step restarts
+        from zero (momentum factor masking), for a memory whose own setting is ``masking``
+        (None: left to it).  Left to it, a memory that follows the loop's clipping, with an
+        entry point watching the loop for it, masks in the steps where that group's gradient
+        was clipped (:mod:`mergecomp.memories.loopclip`); any other masks as its ``default``
+        says."""
+        if masking is not None:
+            return masking
+        if self.follows_loop_clip and self.loop_clip.watched:
+            return self.loop_clip.clipped(name)
+        return default
 
     def held_state(self) -> list:
         """The staged per-group tensors this memory carries from step to step (what the

@@ -55,7 +55,11 @@ class DGCMemory(Memory):
     the unit the memory sees, rather than on the whole model.
 
     ``masking=False`` keeps the momentum of a sent coordinate (only v is zeroed), so it
-    carries on as heavy-ball momentum does under dense SGD.  Why it is an option: masking
+    carries on as heavy-ball momentum does under dense SGD; ``True`` masks in every step.
+    Left as None (the default), it masks in every step, except where the memory follows the
+    loop's clipping (SGD's momentum taken over, the wrapper or the DDP hook watching the
+    loop): then in the steps where the group's gradient was clipped only, as the paper
+    pairs the two (:mod:`mergecomp.memories.loopclip`).  Why: masking
     restarts a coordinate's momentum from zero at every send, so a coordinate sent every T
     steps moves by Σₜ (1 − mᵗ)/(1 − m) per unit of gradient instead of T/(1 − m), a fraction
     1 − m(1 − mᵀ)/((1 − m)T) of momentum SGD's step: 0.1 at T = 1, about 0.23 at T = 4 and
@@ -63,15 +67,16 @@ class DGCMemory(Memory):
     0.1% density sit in the last regime; a short run, or one where the same coordinates pass
     the threshold step after step (the warm-up's high densities, a language model's
     frequent rows), loses most of its step size to masking.  The bytes on the wire do not
-    change.  Why masking stays the default under SGD: without it a transformer's run blew up
-    early where the masked one trained, while the LSTM gained from it (docs/results.md#sgd-dgc-masking).
+    change.  Without masking a transformer's run, whose loop's clip binds, blew up early
+    where the masked one trained, while the LSTM, whose clip never bound, gained from it
+    (docs/results.md#sgd-dgc-masking, docs/results.md#sgd-mask-where-clipped).
     """
 
     needs_plain_optimizer = True
     momentum_role = TAKES_OVER
 
     def __init__(self, momentum: Optional[float] = None, nesterov: Optional[bool] = None,
-                 clip_norm: Optional[float] = None, masking: bool = True):
+                 clip_norm: Optional[float] = None, masking: Optional[bool] = None):
         if momentum is not None:
             momentum = check_number(momentum, "dgc memory momentum", 0.0, 1.0, high_open=True,
                                     advice="0.9 is usual; leave it None to take the SGD optimizer's.")
@@ -87,7 +92,11 @@ class DGCMemory(Memory):
                                      advice="Pass None for no clipping; the paper clips at the "
                                             "global threshold times N^(-1/2) for N ranks.")
         self.clip_norm = clip_norm
-        self.masking = check_flag(masking, "dgc memory masking")
+        #: Masking in every step (as the paper), unless ``masking`` was left None (the
+        #: default) and the memory follows the loop's clipping: then where it clips
+        #: (:meth:`masks_sent`).
+        self.masking = True if masking is None else check_flag(masking, "dgc memory masking")
+        self._masking_given = masking is not None
         self.momenta = StagedDict()
         self.velocities = StagedDict()
         #: The loop's clipping, applied before the momentum once seen (:mod:`~mergecomp.memories.loopclip`).
@@ -100,6 +109,12 @@ class DGCMemory(Memory):
 
     def held_state(self) -> list:
         return [self.momenta, self.velocities]
+
+    @property
+    def masking_given(self) -> bool:
+        """Whether ``masking`` was given (a memory pickled before it could be left None
+        counts as given where it was False)."""
+        return getattr(self, "_masking_given", not self.masking)
 
     @property
     def delivered_momentum(self) -> float:
@@ -176,7 +191,7 @@ class DGCMemory(Memory):
                     and not shares_memory(payload, (velocity, momentum)))
         sent = sent_positions(compressor, payload, ctx)
         flat_v = zero_positions(flat_v, sent, in_place)
-        if self.masking:
+        if self.masks_sent(name, self.masking if self.masking_given else None, True):
             flat_u = zero_positions(flat_u, sent, in_place)
         self.velocities[name] = flat_v.view_as(velocity)
         self.momenta[name] = flat_u.view_as(momentum)
@@ -226,7 +241,7 @@ class DGCMemory(Memory):
         self.loop_clip.load_state_dict(state.get("loop_clip", {}))
 
     def __repr__(self):
-        masking = "" if self.masking else ", masking=False"
+        masking = f", masking={self.masking}" if self.masking_given else ""
         return (f"DGCMemory(momentum={self.momentum}, nesterov={self.nesterov}, "
                 f"clip_norm={self.clip_norm}{masking})")
 

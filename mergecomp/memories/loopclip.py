@@ -34,6 +34,15 @@ momentum, and no clip after the exchange.  So, in three parts:
 - **Not clipped again after it.**  Where the loop clips at the threshold it was seen at,
   the wrapper undoes that clip on the groups whose memory clipped before the momentum
   (a rescale to another norm, such as a division for gradient accumulation, is left alone).
+- **Masked where clipped.**  The DGC paper pairs local clipping with momentum factor
+  masking (section 3.2): both tame the phase where gradients are large.  A memory that
+  follows the loop masks the momentum of a group's sent coordinates in the steps where
+  that group's gradient was clipped, and not in the others (:meth:`LoopClip.clipped`;
+  :meth:`~mergecomp.memories.base.Memory.masks_sent`).  Measured under SGD: top-k without
+  masking trailed dense on a character transformer, whose loop's clip binds, and DGC with
+  masking in every step trailed it far on a character LSTM, whose loop's clip never bound
+  (masking restarts the momentum of coordinates sent often, most of their step); masking
+  where clipped brought both within reach (docs/results.md#sgd-mask-where-clipped).
 
 Under AMP's ``GradScaler`` the gradients the memory takes in carry the loss scale S, and the
 loop unscales the averages before it clips them: the threshold is then in the loss's units
@@ -78,6 +87,10 @@ class LoopClip:
         self.norms = StagedDict()  # group → this rank's gradient norms, steps before a threshold
         self._catch_up = StagedDict()  # group → the one-off factor of its earlier state
         self._held = StagedDict()  # "scale" → the loss scale the memory's state was taken in at
+        #: An entry point watches the loop for this memory (the wrapper; the DDP hook shown the
+        #: optimizer): its threshold, once the loop clips, comes to :meth:`follow`.
+        self.watched = False
+        self._clipped: Dict[str, bool] = {}  # group → its gradient was clipped in this step
 
     def follow(self, threshold: float) -> None:
         """Clip each group at ``threshold`` from the next step, and find by how much what
@@ -133,7 +146,12 @@ class LoopClip:
                 self.norms[name] = norms + (norm / units,)
             return None
         limit = self.threshold * units
+        self._clipped[name] = norm > limit
         return limit / norm if norm > limit else None
+
+    def clipped(self, name: str) -> bool:
+        """Whether group ``name``'s gradient was clipped in this step (:meth:`scale`)."""
+        return self._clipped.get(name, False)
 
     def take_catch_up(self) -> Dict[str, float]:
         """The factors :meth:`follow` found, handed over once to a memory that scales its
@@ -160,11 +178,13 @@ class LoopClip:
         return factor
 
     def commit(self) -> None:
+        self._clipped = {}
         self.norms.commit()
         self._catch_up.commit()
         self._held.commit()
 
     def rollback(self) -> None:
+        self._clipped = {}
         self.norms.rollback()
         self._catch_up.rollback()
         self._held.rollback()

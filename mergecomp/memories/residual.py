@@ -103,7 +103,8 @@ class ResidualMemory(Memory):
             raise ValueError(f"residual memory adam=True takes an Adam's first moment over through "
                              f"momentum='optimizer', but momentum={momentum!r} was given: pass "
                              f"momentum='optimizer' with it, or adam=False")
-        #: Momentum factor masking: on while the momentum taken over is an Adam's first moment.
+        #: Momentum factor masking: on while the momentum taken over is an Adam's first moment;
+        #: with SGD's, where the loop's clip binds (:meth:`~mergecomp.memories.base.Memory.masks_sent`).
         self.masking = False
         self.residuals = StagedDict()
         #: The loop's clipping, applied before the momentum once seen (:mod:`~mergecomp.memories.loopclip`).
@@ -233,7 +234,8 @@ class ResidualMemory(Memory):
         subtract_sent(residual, compressor, payload, ctx)
         self.residuals[name] = residual
         self._note_held(name, residual)
-        if self.masking and not compressor.dense and name in self.momenta:
+        if self.masks_sent(name, True if self.masking else None, False) and not compressor.dense \
+                and name in self.momenta:
             self._mask_sent(name, compressor, payload, ctx)
 
     def _mask_sent(self, name, compressor, payload, ctx) -> None:

@@ -66,6 +66,14 @@ class LoopHandOver:
         #: Notices a loop that clips the averages after the exchange.
         self.watch = ClipWatch()
         self._delivered: Dict[int, float] = {}  # group index → the delivery scale its averages carry
+        self.mark_watched()
+
+    def mark_watched(self) -> None:
+        """Tell the memories that can follow the loop's clipping that it is watched for them
+        (they mask where it clips: :meth:`~mergecomp.memories.base.Memory.masks_sent`)."""
+        for communicator in self.lifecycle.communicators():
+            if communicator.memory.loop_clip is not None:
+                communicator.memory.loop_clip.watched = True
 
     def followers(self) -> list:
         """The memories that follow the loop's clipping."""
@@ -78,6 +86,7 @@ class LoopHandOver:
         has)."""
         reading = self.lifecycle.drift
         step = self.lifecycle.settled_step
+        self.mark_watched()  # a communicator made since (a plan's send mode) is watched too
         followers = self.followers()
         # a memory's own threshold, not the watch's, so that a resumed run watches as before
         learning = any(m.loop_clip.threshold is not None for m in followers) or (
