@@ -473,3 +473,17 @@ def test_a_memory_that_follows_the_loop_masks_where_it_clips(name):
         assert _masked_after(name, large, masking=False) > 0.0
         assert repr(memories.create("dgc")) == "DGCMemory(momentum=0.9, nesterov=False, clip_norm=None)"
         assert repr(memories.create("dgc", masking=True)).endswith("clip_norm=None, masking=True)")
+
+
+def test_a_pickled_loop_clip_leaves_the_live_scaler_and_reads_older_pickles():
+    import pickle
+    clip = LoopClip()
+    clip.attach(_Scaler(8.0), 8.0)
+    clip.follow(1.0)
+    again = pickle.loads(pickle.dumps(clip))
+    assert again.scaler is None and again.units() == 8.0 and again.threshold == 1.0
+    older = LoopClip()
+    for added in ("watched", "_held", "scaler", "loss_scale", "_clipped"):
+        del older.__dict__[added]  # as a pickle from before they existed
+    read = pickle.loads(pickle.dumps(older))
+    assert read.watched is False and read.units() == 1.0 and not read.clipped("g0")

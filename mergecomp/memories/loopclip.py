@@ -11,7 +11,7 @@ the momentum, with the loop's clip after it kept, still left it far behind dense
 
 What worked is the DGC paper's local clipping (Lin et al., ICLR 2018, section 3.2): each
 rank's gradient of each group clipped on its own at the threshold over √(ranks), before the
-momentum, and no clip after the exchange.  So, in three parts:
+momentum, and no clip after the exchange.  So, in four parts:
 
 - **Seen from the first step.**  The wrapper hands the loop the averages in a gradient's
   scale from the first step (:meth:`mergecomp.memories.base.Memory.delivery_scale`: a
@@ -148,6 +148,15 @@ class LoopClip:
         limit = self.threshold * units
         self._clipped[name] = norm > limit
         return limit / norm if norm > limit else None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled (with a pickled DDP hook state) without the live scaler and this step's
+        marks; the entry point that unpickles it finds the scaler again."""
+        return {**self.__dict__, "scaler": None, "_clipped": {}}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """What an older pickle lacks starts as a new instance has it."""
+        self.__dict__.update({**LoopClip().__dict__, **state})
 
     def clipped(self, name: str) -> bool:
         """Whether group ``name``'s gradient was clipped in this step (:meth:`scale`)."""
