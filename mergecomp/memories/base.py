@@ -65,13 +65,12 @@ class Memory(DriftTerms):
         """Whether the momentum of the coordinates group ``name`` sent in this step restarts
         from zero (momentum factor masking), for a memory whose own setting is ``masking``
         (None: left to it).  Left to it, a memory that follows the loop's clipping, with an
-        entry point watching the loop for it, masks in the steps where that group's gradient
-        was clipped (:mod:`mergecomp.memories.loopclip`); any other masks as its ``default``
-        says."""
+        entry point watching the loop for it, masks once the loop was seen clipping and not
+        before (:mod:`mergecomp.memories.loopclip`); any other masks as its ``default`` says."""
         if masking is not None:
             return masking
         if self.follows_loop_clip and self.loop_clip.watched:
-            return self.loop_clip.clipped(name)
+            return self.loop_clip.threshold is not None
         return default
 
     def held_state(self) -> list:

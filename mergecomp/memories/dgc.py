@@ -58,8 +58,8 @@ class DGCMemory(Memory):
     carries on as heavy-ball momentum does under dense SGD; ``True`` masks in every step.
     Left as None (the default), it masks in every step, except where the memory follows the
     loop's clipping (SGD's momentum taken over, the wrapper or the DDP hook watching the
-    loop): then in the steps where the group's gradient was clipped only, as the paper
-    pairs the two (:mod:`mergecomp.memories.loopclip`).  Why: masking
+    loop): then once the loop was seen clipping, and not under a loop that has not clipped,
+    as the paper pairs the two (:mod:`mergecomp.memories.loopclip`).  Why: masking
     restarts a coordinate's momentum from zero at every send, so a coordinate sent every T
     steps moves by Σₜ (1 − mᵗ)/(1 − m) per unit of gradient instead of T/(1 − m), a fraction
     1 − m(1 − mᵀ)/((1 − m)T) of momentum SGD's step: 0.1 at T = 1, about 0.23 at T = 4 and
@@ -93,7 +93,7 @@ class DGCMemory(Memory):
                                             "global threshold times N^(-1/2) for N ranks.")
         self.clip_norm = clip_norm
         #: Masking in every step (as the paper), unless ``masking`` was left None (the
-        #: default) and the memory follows the loop's clipping: then where it clips
+        #: default) and the memory follows the loop's clipping: then once the loop clips
         #: (:meth:`masks_sent`).
         self.masking = True if masking is None else check_flag(masking, "dgc memory masking")
         self._masking_given = masking is not None

@@ -34,15 +34,17 @@ momentum, and no clip after the exchange.  So, in four parts:
 - **Not clipped again after it.**  Where the loop clips at the threshold it was seen at,
   the wrapper undoes that clip on the groups whose memory clipped before the momentum
   (a rescale to another norm, such as a division for gradient accumulation, is left alone).
-- **Masked where clipped.**  The DGC paper pairs local clipping with momentum factor
-  masking (section 3.2): both tame the phase where gradients are large.  A memory that
-  follows the loop masks the momentum of a group's sent coordinates in the steps where
-  that group's gradient was clipped, and not in the others (:meth:`LoopClip.clipped`;
-  :meth:`~mergecomp.memories.base.Memory.masks_sent`).  Measured under SGD: top-k without
-  masking trailed dense on a character transformer, whose loop's clip binds, and DGC with
-  masking in every step trailed it far on a character LSTM, whose loop's clip never bound
-  (masking restarts the momentum of coordinates sent often, most of their step); masking
-  where clipped brought both within reach (docs/results.md#sgd-mask-where-clipped).
+- **Masked once the loop clips.**  The DGC paper pairs local clipping with momentum factor
+  masking (section 3.2): both tame training whose gradients outgrow the threshold.  A
+  memory that follows the loop masks the momentum of the coordinates it sends once the
+  loop was seen clipping, and not under a loop that has not clipped
+  (:meth:`~mergecomp.memories.base.Memory.masks_sent`).  Measured under SGD: top-k without
+  masking trailed dense on a character transformer, whose loop clips from the first step,
+  and DGC with masking trailed it far on a character LSTM, whose loop's clip never bound
+  (masking restarts the momentum of coordinates sent often, most of their step).  Masking
+  only in the steps where a group was clipped helped both but left DGC on the transformer
+  at two workers far behind, where masking from the loop's first clip on kept it ahead
+  (docs/results.md#sgd-mask-where-clipped).
 
 Under AMP's ``GradScaler`` the gradients the memory takes in carry the loss scale S, and the
 loop unscales the averages before it clips them: the threshold is then in the loss's units
@@ -90,7 +92,6 @@ class LoopClip:
         #: An entry point watches the loop for this memory (the wrapper; the DDP hook shown the
         #: optimizer): its threshold, once the loop clips, comes to :meth:`follow`.
         self.watched = False
-        self._clipped: Dict[str, bool] = {}  # group → its gradient was clipped in this step
 
     def follow(self, threshold: float) -> None:
         """Clip each group at ``threshold`` from the next step, and find by how much what
@@ -146,21 +147,16 @@ class LoopClip:
                 self.norms[name] = norms + (norm / units,)
             return None
         limit = self.threshold * units
-        self._clipped[name] = norm > limit
         return limit / norm if norm > limit else None
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Pickled (with a pickled DDP hook state) without the live scaler and this step's
-        marks; the entry point that unpickles it finds the scaler again."""
-        return {**self.__dict__, "scaler": None, "_clipped": {}}
+        """Pickled (with a pickled DDP hook state) without the live scaler; the entry point
+        that unpickles it finds it again."""
+        return {**self.__dict__, "scaler": None}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """What an older pickle lacks starts as a new instance has it."""
         self.__dict__.update({**LoopClip().__dict__, **state})
-
-    def clipped(self, name: str) -> bool:
-        """Whether group ``name``'s gradient was clipped in this step (:meth:`scale`)."""
-        return self._clipped.get(name, False)
 
     def take_catch_up(self) -> Dict[str, float]:
         """The factors :meth:`follow` found, handed over once to a memory that scales its
@@ -187,13 +183,11 @@ class LoopClip:
         return factor
 
     def commit(self) -> None:
-        self._clipped = {}
         self.norms.commit()
         self._catch_up.commit()
         self._held.commit()
 
     def rollback(self) -> None:
-        self._clipped = {}
         self.norms.rollback()
         self._catch_up.rollback()
         self._held.rollback()

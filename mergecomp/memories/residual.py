@@ -104,7 +104,7 @@ class ResidualMemory(Memory):
                              f"momentum='optimizer', but momentum={momentum!r} was given: pass "
                              f"momentum='optimizer' with it, or adam=False")
         #: Momentum factor masking: on while the momentum taken over is an Adam's first moment;
-        #: with SGD's, where the loop's clip binds (:meth:`~mergecomp.memories.base.Memory.masks_sent`).
+        #: with SGD's, once the loop clips (:meth:`~mergecomp.memories.base.Memory.masks_sent`).
         self.masking = False
         self.residuals = StagedDict()
         #: The loop's clipping, applied before the momentum once seen (:mod:`~mergecomp.memories.loopclip`).
