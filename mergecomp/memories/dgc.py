@@ -69,7 +69,7 @@ class DGCMemory(Memory):
     frequent rows), loses most of its step size to masking.  The bytes on the wire do not
     change.  Without masking a transformer's run, whose loop's clip binds, blew up early
     where the masked one trained, while the LSTM, whose clip never bound, gained from it
-    (docs/results.md#sgd-dgc-masking, docs/results.md#sgd-mask-where-clipped).
+    (docs/results.md#sgd-dgc-masking, docs/results.md#sgd-mask-once-clipped).
     """
 
     needs_plain_optimizer = True

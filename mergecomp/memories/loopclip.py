@@ -44,7 +44,7 @@ momentum, and no clip after the exchange.  So, in four parts:
   (masking restarts the momentum of coordinates sent often, most of their step).  Masking
   only in the steps where a group was clipped helped both but left DGC on the transformer
   at two workers far behind, where masking from the loop's first clip on kept it ahead
-  (docs/results.md#sgd-mask-where-clipped).
+  (docs/results.md#sgd-mask-once-clipped).
 
 Under AMP's ``GradScaler`` the gradients the memory takes in carry the loss scale S, and the
 loop unscales the averages before it clips them: the threshold is then in the loss's units
