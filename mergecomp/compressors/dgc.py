@@ -92,8 +92,9 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
                "dense SGD's, and what it cuts is never sent again; the warm-up follows epochs "
                "(set_epoch) or, for a run that is not epoch-based, warmup_steps; momentum factor "
                "masking takes most of the step of coordinates sent often, which a run far shorter "
-               "than the paper's feels: the dgc memory's masking=False keeps it (better on recurrent "
-               "models; a transformer diverged without masking)",
+               "than the paper's feels: under SGD with a loop the wrapper or the DDP hook watches, "
+               "the dgc memory masks only once the loop clips (masking=False or True fixes it; "
+               "a transformer whose loop clips diverged without masking)",
         paper="Lin et al. (2018, section 3.2) clip each node's gradient before accumulation at "
               "the global threshold × N^(-1/2) and warm the density up over the first epochs",
         local_clipping=True)
