@@ -133,10 +133,12 @@ class LoopClip:
 
     def scale(self, tensor: torch.Tensor, name: str) -> Optional[float]:
         """The factor ``tensor`` (group ``name``'s gradient on this rank) is multiplied by
-        before the momentum, or None (no threshold yet, or short enough)."""
+        before the momentum, or None (no threshold yet, or short enough).  The memory calls it
+        first for each group, so it reads the scaler's scale for the step (:meth:`catch_up`
+        uses what it read)."""
+        units = self.units()
         if self.threshold is None and not self.recording:
             return None
-        units = self.units()
         norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
         if self.threshold is None:
             norms = self.norms.get(name, ())
@@ -175,7 +177,7 @@ class LoopClip:
         if factor is not None:
             del self._catch_up[name]
         if self.loss_scale is not None:
-            units = self.units()
+            units = self.loss_scale  # read by scale() for this group a moment ago
             held = self._held.committed().get("scale")
             self._held["scale"] = units
             if held is not None and held != units:
