@@ -113,15 +113,91 @@ def _spec(numel):
 @pytest.mark.parametrize("name, optimizer, memory_options", [
     ("residual", lambda ps: torch.optim.AdamW(ps, lr=0.01), {"momentum": "optimizer", "adam": True}),
     ("dgc", lambda ps: torch.optim.AdamW(ps, lr=0.01), {}),
-    ("residual", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"momentum": "fold"}),
+    ("residual", lambda ps: torch.optim.AdamW(ps, lr=0.01), {"momentum": "fold"}),
     ("residual", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"momentum": "optimizer", "clip_norm": 0.5}),
     ("residual", lambda ps: torch.optim.SGD(ps, lr=0.1), {"momentum": "optimizer"}),
 ])
 def test_what_does_not_follow_the_loop(name, optimizer, memory_options):
-    # an Adam's first moment taken over, a momentum folded away, a clip_norm of its own, no momentum
+    # an Adam's first moment taken over or folded away, a clip_norm of its own, no momentum
     memory = memories.create(name, **memory_options)
     memory.check_optimizer(optimizer([torch.nn.Parameter(torch.zeros(2))]))
     assert not memory.follows_loop_clip
+
+
+def _sgd_fold():
+    memory = memories.create("residual", momentum="fold")
+    memory.check_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9))
+    return memory
+
+
+def _exchange(memory, gradient):
+    from mergecomp import compressors
+    lossless = compressors.create("none")
+    compensated = memory.compensate(gradient, "g0")
+    payload, ctx = lossless.compress(compensated, "g0")
+    memory.update(compensated, "g0", lossless, payload, ctx)
+    memory.commit()
+    return compensated
+
+
+def test_a_folded_momentum_is_taken_over_once_the_loop_clips():
+    # under SGD a memory that folds the momentum (EF-SignSGD's, TBQ's) takes its first step
+    # as heavy-ball's first step (the momentum from zero, bias-corrected for the loop),
+    # applies none while the loop has not clipped, and once it has runs SGD's momentum
+    # before the exchange, again from zero; a resumed run does the same
+    memory = _sgd_fold()
+    assert memory.follows_loop_clip
+    gradient = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    assert torch.allclose(_exchange(memory, gradient), 0.1 * gradient)  # the first step: (1 − m)·g
+    assert memory.delivery_scale(0) == pytest.approx(10.0)
+    memory.adopt_momentum(0.9, False, follow=True)  # the optimizer's step: the loop did not clip
+    assert memory.sgd_momentum == 0.0 and memory.delivery_scale(1) == 1.0
+    assert torch.equal(_exchange(memory, gradient), gradient)  # folded: no momentum
+    assert "momenta" not in memory.state_dict()  # dropped while folding
+    memory.follow_loop_clip(1.0)
+    assert memory.sgd_momentum == 0.9
+    assert torch.allclose(_exchange(memory, gradient), 0.1 * gradient / 5)  # clipped, the momentum from zero
+    fresh = _sgd_fold()
+    fresh.load_state_dict(memory.state_dict())
+    assert fresh.sgd_momentum == 0.9
+    for each in (memory, fresh):
+        assert torch.allclose(_exchange(each, torch.zeros(4)), 0.9 * 0.1 * gradient / 5)
+    assert "momentum='fold'" in repr(memory)
+
+
+def _fold_resumed(rank, world_size, stop_at):
+    """EF-SignSGD at its defaults under SGD with momentum and a loop that clips: the
+    parameters after six steps (saved and resumed after ``stop_at``; None: never), and the
+    momentum its memory applies at the end."""
+    import mergecomp
+
+    def build():
+        torch.manual_seed(0)
+        model = _Branches()
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, mergecomp.DistributedOptimizer(inner, model=model, compressor="efsignsgd", schedule=4)
+
+    model, optimizer = build()
+    for step in range(6):
+        if step == stop_at:
+            saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            optimizer.remove_hooks()
+            model, optimizer = build()
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+        x, y = _batch()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], optimizer.communicator.memory.sgd_momentum
+
+
+def test_a_fold_under_a_clipping_loop_takes_the_momentum_over_and_resumes_bit_for_bit():
+    straight = run_ranks(_fold_resumed, 2, None)
+    for (params, momentum), (resumed, _) in zip(straight, run_ranks(_fold_resumed, 2, 3)):
+        assert momentum == 0.9
+        assert all(torch.equal(a, b) for a, b in zip(params, resumed))
 
 
 @pytest.mark.parametrize("name", ["residual", "dgc"])

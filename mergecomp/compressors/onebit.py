@@ -41,7 +41,8 @@ class OneBitCompressor(RemembersLayoutSpans, Compressor):
     rebuilt with the means of a layer of large ones (the whole tensor is one view without a
     layout).  A view that is all zero decodes to 0 (both its means are 0).  Biased: pair it
     with the ``residual`` memory, the error feedback the paper introduced; its default takes
-    the optimizer's momentum off (``momentum="fold"``: see the EF-SignSGD compressor).
+    the optimizer's momentum off (``momentum="fold"``: see the EF-SignSGD compressor; under
+    SGD, once the loop clips, it runs the momentum before the exchange).
 
     Wire for n elements in v parameter views: ⌈n/8⌉ bytes + 8·v bytes for the two fp32
     means of each view.

@@ -228,7 +228,8 @@ class EFSignSGDCompressor(_SignCompressor):
     Its default memory takes the optimizer's momentum off (the ``residual`` memory's
     ``momentum="fold"``): SGD's is folded into the learning rate, as the paper's plain SGD on
     the fed-back update, and an Adam's first moment is set to 0; after the exchange either
-    would multiply the residual's bursts (docs/results.md#adamw-sign).
+    would multiply the residual's bursts (docs/results.md#adamw-sign).  Under SGD, once the
+    loop clips, the memory runs SGD's momentum before the exchange instead (see the memory).
     """
 
     recommended_memory = "residual"

@@ -66,7 +66,7 @@ class TBQCompressor(RemembersLayoutSpans, Compressor):
 
     Its default memory takes the optimizer's momentum off (``momentum="fold"``: see the
     EF-SignSGD compressor), since after the exchange a momentum multiplies the residual's
-    backlog.
+    backlog; under SGD, once the loop clips, it runs SGD's momentum before the exchange.
 
     Wire for n elements in v parameter views: ⌈n/4⌉ bytes, plus 4·v bytes for the measured
     thresholds (none for a fixed τ).

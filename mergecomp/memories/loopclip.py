@@ -56,7 +56,9 @@ of its share and hardly moved.
 
 A memory given ``clip_norm`` (explicit local clipping) keeps it and does not follow the
 loop; one that takes an Adam's first moment over does not either (Adam divides by its own
-scale, and its runs were measured without it).
+scale, and its runs were measured without it).  A residual memory that folds SGD's
+momentum (``momentum="fold"``) follows it too, and from the loop's first clip on runs the
+momentum it folded before the exchange (:class:`~mergecomp.memories.residual.ResidualMemory`).
 """
 from __future__ import annotations
 
@@ -92,6 +94,12 @@ class LoopClip:
         #: An entry point watches the loop for this memory (the wrapper; the DDP hook shown the
         #: optimizer): its threshold, once the loop clips, comes to :meth:`follow`.
         self.watched = False
+
+    @property
+    def before_first_step(self) -> bool:
+        """Nothing known or recorded yet: no step of the memory's was kept (saved with the
+        state, unlike a count of steps)."""
+        return self.threshold is None and self.recording and not self.norms.committed()
 
     def follow(self, threshold: float) -> None:
         """Clip each group at ``threshold`` from the next step, and find by how much what

@@ -61,6 +61,19 @@ class ResidualMemory(Memory):
     behind dense, at β1 = 0 they kept up (docs/results.md#adamw-sign).  An optimizer whose
     momentum cannot be taken (RMSprop's) keeps it, as with ``"optimizer"``.
 
+    Under SGD a fold lasts until the loop is seen clipping (:mod:`~mergecomp.memories.loopclip`);
+    from the next step the memory runs SGD's momentum before the exchange, as
+    ``"optimizer"`` does, from zero as heavy-ball momentum starts; and the run's first step,
+    before anything is known of the loop, is heavy-ball's first step (the momentum from
+    zero, a tenth of the folded step at m = 0.9).  SGD steps at lr / (1 − m) without
+    momentum throughout, so only the memory changes.  Why: a fold runs plain SGD at
+    lr / (1 − m), stable only for curvatures nineteen times smaller than heavy-ball
+    momentum at lr (m = 0.9).  On a character transformer whose loop clips
+    from the first step every folding compressor trailed dense by more than double its loss
+    (as dense plain SGD at that rate does), and with the momentum taken over it kept up far
+    better; on a character LSTM whose loop never clips, folding kept up with dense and taking
+    the momentum over fell behind (docs/results.md#sgd-fold-until-clipped).
+
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
     step writes come from the ones earlier commits replaced (page faults of a fresh
@@ -145,15 +158,39 @@ class ResidualMemory(Memory):
 
     @property
     def follows_loop_clip(self) -> bool:
-        """SGD's momentum taken over before the exchange, and no ``clip_norm`` of its own."""
-        return self.momentum_source == "sgd" and self.sgd_momentum > 0.0 and not self.folds and self.clip_norm is None
+        """SGD's momentum taken over before the exchange, or folded (and taken over once the
+        loop clips), and no ``clip_norm`` of its own."""
+        momentum = self.folded if self.folds else self.sgd_momentum
+        return self.momentum_source == "sgd" and momentum > 0.0 and self.clip_norm is None
+
+    def follow_loop_clip(self, threshold: float) -> None:
+        super().follow_loop_clip(threshold)
+        self._fold_or_take()
+
+    def _fold_or_take(self, first: bool = False) -> None:
+        """A memory that folds SGD's momentum runs it before the exchange in the run's
+        ``first`` step and from the step after the loop was first seen clipping
+        (``sgd_momentum`` is then the folded value), and applies none otherwise (see the
+        class)."""
+        if self.folds:
+            taking = self.follows_loop_clip and (first or self.loop_clip.threshold is not None)
+            self.sgd_momentum = self.folded if taking else 0.0
+
+    def _fold_phase(self, name: str) -> None:
+        """Before a folding memory's step for group ``name``: take the momentum over or fold
+        (:meth:`_fold_or_take`), and while folding drop the group's momentum, so a later
+        switch starts it from zero as heavy-ball momentum starts."""
+        self._fold_or_take(first=self.loop_clip.before_first_step)
+        if self.sgd_momentum == 0.0 and name in self.momenta:
+            del self.momenta[name]
 
     def adopt_momentum(self, momentum: float, nesterov: bool, follow: bool = False) -> None:
         """Use the optimizer's ``momentum`` and ``nesterov`` from now on; ValueError when this
         memory was given another momentum (unless ``follow``: a schedule moved SGD's).  A
-        memory that folds only records it: it applies none."""
+        memory that folds records it, and applies it only where :meth:`_fold_or_take` says."""
         if self.folds:
-            self.folded = float(momentum)
+            self.folded, self.nesterov = float(momentum), bool(nesterov)
+            self._fold_or_take()
             return
         if not (self.follows_optimizer or follow) and (momentum, nesterov) != (self.sgd_momentum, self.nesterov):
             raise ValueError(
@@ -197,6 +234,8 @@ class ResidualMemory(Memory):
         return tensor + self.sgd_momentum * momentum if self.nesterov else momentum
 
     def compensate(self, tensor, name):
+        if self.folds:
+            self._fold_phase(name)
         if self.sgd_momentum > 0.0 and not self.nesterov and self.beta == 1.0 and self.gamma == 1.0:
             return self._momentum_corrected(tensor, name)  # top-k's default: one pass
         clip = self.local_clip_factor(tensor, name)
@@ -287,13 +326,14 @@ class ResidualMemory(Memory):
         self._spares.clear()
         self._momentum_spares.clear()
         momenta = state.get("momenta", {})
+        self.loop_clip.load_state_dict(state.get("loop_clip", {}))
+        self._fold_or_take()  # a fold that had seen the loop clip runs SGD's momentum again
         # a state saved in the other units (an older run, or one whose momentum was not taken
         # over) is converted: the residuals and momenta are both in the momentum's units
         saved = units_of(state) if momenta else self.gradient_units
         convert = (lambda tensors: in_units(tensors, saved, self, self.sgd_momentum)) if momenta else \
             (lambda tensors: {k: v.clone() for k, v in tensors.items()})
         self.residuals.replace(convert(state.get("residuals", {})))
-        self.loop_clip.load_state_dict(state.get("loop_clip", {}))
         self.momenta.replace(convert(momenta))
 
     def __repr__(self):
