@@ -69,7 +69,7 @@ class ResidualMemory(Memory):
     momentum throughout, so only the memory changes.  Why: a fold runs plain SGD at
     lr / (1 − m), stable only for curvatures nineteen times smaller than heavy-ball
     momentum at lr (m = 0.9).  On a character transformer whose loop clips
-    from the first step every folding compressor trailed dense by more than double its loss
+    from the first step every folding compressor ended above twice dense's loss
     (as dense plain SGD at that rate does), and with the momentum taken over it kept up far
     better; on a character LSTM whose loop never clips, folding kept up with dense and taking
     the momentum over fell behind (docs/results.md#sgd-fold-until-clipped).
