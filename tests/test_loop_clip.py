@@ -163,6 +163,9 @@ def test_a_folded_momentum_is_taken_over_once_the_loop_clips():
     for each in (memory, fresh):
         assert torch.allclose(_exchange(each, torch.zeros(4)), 0.9 * 0.1 * gradient / 5)
     assert "momentum='fold'" in repr(memory)
+    nesterov = memories.create("residual", momentum="fold")  # its repr (the configuration digest) as before
+    nesterov.check_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9, nesterov=True))
+    assert nesterov.nesterov and repr(nesterov) == "ResidualMemory(beta=1.0, gamma=1.0, momentum='fold')"
 
 
 def _fold_resumed(rank, world_size, stop_at):

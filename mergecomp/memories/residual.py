@@ -340,6 +340,6 @@ class ResidualMemory(Memory):
         clip = "" if self.clip_norm is None else f", clip_norm={self.clip_norm}"
         momentum = ", momentum='fold'" if self.folds else "" if self.sgd_momentum == 0.0 else \
             f", momentum={self.sgd_momentum}"
-        nesterov = ", nesterov=True" if self.nesterov else ""
+        nesterov = ", nesterov=True" if self.nesterov and not self.folds else ""  # a fold follows SGD's
         adam = ", adam=True" if self.adam else ""
         return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip}{momentum}{nesterov}{adam})"
