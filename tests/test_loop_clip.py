@@ -172,27 +172,7 @@ def _fold_resumed(rank, world_size, stop_at):
     """EF-SignSGD at its defaults under SGD with momentum and a loop that clips: the
     parameters after six steps (saved and resumed after ``stop_at``; None: never), and the
     momentum its memory applies at the end."""
-    import mergecomp
-
-    def build():
-        torch.manual_seed(0)
-        model = _Branches()
-        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        return model, mergecomp.DistributedOptimizer(inner, model=model, compressor="efsignsgd", schedule=4)
-
-    model, optimizer = build()
-    for step in range(6):
-        if step == stop_at:
-            saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            optimizer.remove_hooks()
-            model, optimizer = build()
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-        x, y = _batch()
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-        optimizer.step()
+    model, optimizer = _six_clipped_steps(rank, stop_at, lambda: _branches_and_optimizer(compressor="efsignsgd"))
     return [p.detach().clone() for p in model.parameters()], optimizer.communicator.memory.sgd_momentum
 
 
@@ -239,9 +219,10 @@ class _Branches(torch.nn.Module):
         return sum(branch(x) for branch in self.branches)
 
 
-def _branches_and_optimizer(memory="auto"):
-    """The four branches under SGD with momentum, top-k at 90% with its default memory (SGD's
-    momentum taken over), or ``memory`` ("dgc, no masking": the dgc memory with masking=False)."""
+def _branches_and_optimizer(memory="auto", compressor=None):
+    """The four branches under SGD with momentum, top-k at 90% (or ``compressor``) with its
+    default memory (top-k's takes SGD's momentum over), or ``memory`` ("dgc, no masking": the
+    dgc memory with masking=False)."""
     import mergecomp
     torch.manual_seed(0)
     if memory == "dgc, no masking":
@@ -249,8 +230,8 @@ def _branches_and_optimizer(memory="auto"):
     model = _Branches()
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     optimizer = mergecomp.DistributedOptimizer(  # most coordinates: what is sent is long enough to clip
-        inner, model=model, compressor=mergecomp.compressors.create("topk", compress_ratio=0.9), schedule=4,
-        memory=memory if memory != "residual" else "auto")
+        inner, model=model, compressor=compressor or mergecomp.compressors.create("topk", compress_ratio=0.9),
+        schedule=4, memory=memory if memory != "residual" else "auto")
     return model, inner, optimizer
 
 
@@ -298,23 +279,20 @@ def test_the_loop_is_seen_at_the_first_step_and_its_clip_undone_after():
             assert torch.allclose(stepped[step], exchanged[step] / scales[step], rtol=1e-4, atol=1e-9), step
 
 
-def _resumed(rank, world_size, stop_at, every_step_for):
-    """The parameters after six clipped steps, the run saved after ``stop_at`` steps and
-    resumed in a new model and optimizer (None: never stopped), the clip watch looking at
-    every one of the first ``every_step_for`` steps."""
+def _six_clipped_steps(rank, stop_at, build):
+    """Six steps of a loop clipping at 1e-3 on what ``build()`` makes (the model, the SGD, the
+    wrapper), saved after ``stop_at`` steps and resumed in a new one (None: never stopped)."""
     import os
     import tempfile
 
     import mergecomp
-    from mergecomp.runtime.drift import ClipWatch
-    ClipWatch.every_step_for = every_step_for  # in this rank's process only
-    model, _, optimizer = _branches_and_optimizer()
+    model, _, optimizer = build()
     for step in range(6):
         if step == stop_at:
             path = os.path.join(tempfile.mkdtemp(), f"rank{rank}.pt")
             mergecomp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
             saved = mergecomp.load(path)
-            model, _, optimizer = _branches_and_optimizer()
+            model, _, optimizer = build()
             model.load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optimizer"])
         x, y = _batch()
@@ -322,6 +300,16 @@ def _resumed(rank, world_size, stop_at, every_step_for):
         torch.nn.functional.mse_loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         optimizer.step()
+    return model, optimizer
+
+
+def _resumed(rank, world_size, stop_at, every_step_for):
+    """The parameters after six clipped steps, the run saved after ``stop_at`` steps and
+    resumed in a new model and optimizer (None: never stopped), the clip watch looking at
+    every one of the first ``every_step_for`` steps."""
+    from mergecomp.runtime.drift import ClipWatch
+    ClipWatch.every_step_for = every_step_for  # in this rank's process only
+    model, _ = _six_clipped_steps(rank, stop_at, _branches_and_optimizer)
     return [p.detach().clone() for p in model.parameters()]
 
 
