@@ -187,7 +187,7 @@ def test_an_unknown_controller_setting_is_refused():
 
 
 # -- the controller, in a run --------------------------------------------------------------------
-def _steered(rank, world_size, compressor, steps):
+def _steered(rank, world_size, compressor, steps, clip=None):
     model = _model()
     controller = DriftController(raise_above=0.2, lower_below=0.01, byte_budget=3.0, horizon=steps, every=5)
     optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -196,18 +196,22 @@ def _steered(rank, world_size, compressor, steps):
     sent = []
     for step in range(steps):
         before = optimizer.backend.bytes_sent
-        _step(model, optimizer, rank, step)
+        _step(model, optimizer, rank, step, clip)
         sent.append(optimizer.backend.bytes_sent - before)
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # within the budget, up to how much the configured setting's bytes vary from step to step
     # (the horizon's bytes are estimated from the latest step's)
+    if not controller.steps:  # never steered
+        return controller.history, sent, weights, True
     per_step = controller.base / controller.steps
     return controller.history, sent, weights, controller.spent <= 1.02 * controller.allowed(controller.base, per_step, 5)
 
 
-@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd"])
+@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd", "efsignsgd", "onebit"])
 def test_the_controller_raises_lagging_groups_alike_on_every_rank(name):
-    (history0, sent0, weights0, within0), (history1, _, weights1, _) = run_ranks(_steered, 2, name, 30)
+    # the one-bit compressors are raised once their memory runs the momentum: the loop clips
+    clip = 1e-3 if name in ("efsignsgd", "onebit") else None
+    (history0, sent0, weights0, within0), (history1, _, weights1, _) = run_ranks(_steered, 2, name, 30, clip)
     assert history0 == history1 and history0, "nothing was raised"
     assert torch.equal(weights0, weights1)
     assert within0  # within the byte budget
@@ -226,6 +230,13 @@ def _raw_and_compressed(rank, world_size, sends):
     for step in range(21):
         _step(model, optimizer, rank, step)
     return controller.state_dict()
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+def test_a_one_bit_compressor_is_not_raised_while_its_memory_folds_the_momentum(name):
+    """The loop never clips: the memory folds SGD's momentum, and the bits stay at one."""
+    (history0, sent0, _, _), (history1, _, _, _) = run_ranks(_steered, 2, name, 30)
+    assert history0 == history1 == [] and max(sent0) < 1.5 * min(sent0)  # (measured steps add a sum)
 
 
 def test_the_byte_budget_counts_only_the_groups_the_compressor_sent():

@@ -260,8 +260,15 @@ class Compressor(DriftTerms):
     process_rank = 0
     #: What the quality controller (:class:`mergecomp.runtime.drift.DriftController`) may raise
     #: for one group when its exchange lags dense: ``"density"`` (a sparsifier's share of
-    #: coordinates), ``"rank"`` (a low-rank factorisation's rank), or None (nothing to raise).
+    #: coordinates), ``"rank"`` (a low-rank factorisation's rank), ``"bits"`` (a one-bit
+    #: compressor's bits per element), or None (nothing to raise).
     knob: Optional[str] = None
+
+    def masks_sent_momentum(self, name: str) -> bool:
+        """Whether a memory that masks the momentum of the coordinates a payload sent does so
+        for group ``name`` (momentum factor masking, for a sparsifier's selection): not for a
+        dense send, which sends every coordinate."""
+        return not self.dense
 
     def group_scale(self, name: str) -> float:
         """How many times its configured density (or rank) group ``name`` sends now: 1 unless
@@ -277,7 +284,7 @@ class Compressor(DriftTerms):
         """Send group ``name`` at ``scale`` times the configured density (or rank), from its next
         step on; 1 restores the configuration.  Only a compressor with a :attr:`knob`."""
         if self.knob is None:
-            raise ValueError(f"{type(self).__name__} has no density or rank to raise (knob is None)")
+            raise ValueError(f"{type(self).__name__} has no density, rank or bits to raise (knob is None)")
         if not (isinstance(scale, (int, float)) and scale >= 1.0 and math.isfinite(scale)):
             raise ValueError(f"a group's scale must be a finite number ≥ 1, got {scale!r}")
         scales = self.__dict__.setdefault("_group_scales", {})

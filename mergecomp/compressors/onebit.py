@@ -18,6 +18,7 @@ from . import register
 from .base import Compressor
 from ..kernels import Scratch, decode_values, packed_nbytes, signs_and_side_means
 from ..kernels.segments import scale_views, signs_and_view_side_sums, span_lengths
+from .raisedbits import MagnitudeContext, RaisesBits
 from .recipes import Recipe
 from .views import RemembersLayoutSpans, ViewsContext
 
@@ -30,7 +31,7 @@ _ZERO_ONE = torch.tensor([0.0, 1.0])
 OneBitContext = ViewsContext
 
 @register("onebit")
-class OneBitCompressor(RemembersLayoutSpans, Compressor):
+class OneBitCompressor(RaisesBits, RemembersLayoutSpans, Compressor):
     """Quantise each element to one bit (its sign) and decode with the mean of its side.
 
     The receiver rebuilds a set bit as the mean of the negative elements and a clear bit
@@ -45,7 +46,8 @@ class OneBitCompressor(RemembersLayoutSpans, Compressor):
     SGD, once the loop clips, it runs the momentum before the exchange).
 
     Wire for n elements in v parameter views: ⌈n/8⌉ bytes + 8·v bytes for the two fp32
-    means of each view.
+    means of each view.  A group the quality controller raised goes out at 2, 4 or 8 bits
+    per element instead (:mod:`~mergecomp.compressors.raisedbits`).
     """
 
     summable = False
@@ -66,6 +68,10 @@ class OneBitCompressor(RemembersLayoutSpans, Compressor):
 
     def compress(self, tensor, name, layout=None):
         ctx = self._views_context(tensor, layout)
+        bits = self.bits_of(name)
+        if bits > 1:
+            ctx = self._raised_context(tensor, ctx, bits)
+            return self._compress_raised(tensor, ctx), ctx
         if isinstance(ctx, ViewsContext):
             return self._compress_views(tensor, ctx), ctx
         packed, means = signs_and_side_means(tensor, self._scratch)
@@ -81,11 +87,16 @@ class OneBitCompressor(RemembersLayoutSpans, Compressor):
         return packed, means
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """⌈n/8⌉ bytes of signs + the two fp32 means of each view."""
+        """⌈n/8⌉ bytes of signs + the two fp32 means of each view (a raised payload: its
+        codes and table)."""
+        if payload is not None and payload[1].dim() == 2:
+            return self._raised_nbytes(payload)
         views = 1 if layout is None else max(1, len(layout))
         return packed_nbytes(numel, 1) + 8 * views
 
     def decompress(self, payload, ctx):
+        if isinstance(ctx, MagnitudeContext):
+            return self._decompress_raised(payload, ctx)
         packed, means = payload
         spans = getattr(ctx, "spans", None)
         if spans is None:

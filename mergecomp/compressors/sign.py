@@ -35,6 +35,7 @@ from .base import Compressor, Context
 from ..kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
 from ..kernels.segments import clear_flagged_views, scale_views, span_lengths, view_abs_sums, zero_view_flags
 from ..kernels.signs import plus_minus_one
+from .raisedbits import MagnitudeContext, RaisesBits
 from .recipes import Recipe
 from .views import RemembersLayoutSpans, ViewsContext, context_spans
 
@@ -209,7 +210,7 @@ class SignumCompressor(_MajorityVote):
 
 
 @register("efsignsgd")
-class EFSignSGDCompressor(_SignCompressor):
+class EFSignSGDCompressor(RaisesBits, _SignCompressor):
     """EF-SignSGD: send (‖g‖₁/d)·sign(g) per parameter, the scaled sign, and keep the error
     as residual.
 
@@ -223,7 +224,8 @@ class EFSignSGDCompressor(_SignCompressor):
     zero-view flag says so too, module docstring).
 
     Wire for n elements in v parameter views: ⌈n/8⌉ bytes of signs + ⌈v/8⌉ bytes of
-    zero-view flags + 4·v bytes for the fp32 scales.
+    zero-view flags + 4·v bytes for the fp32 scales.  A group the quality controller raised
+    goes out at 2, 4 or 8 bits per element instead (:mod:`~mergecomp.compressors.raisedbits`).
 
     Its default memory takes the optimizer's momentum off (the ``residual`` memory's
     ``momentum="fold"``): SGD's is folded into the learning rate, as the paper's plain SGD on
@@ -248,6 +250,10 @@ class EFSignSGDCompressor(_SignCompressor):
 
     def compress(self, tensor, name, layout=None):
         ctx = self._views_context(tensor, layout)
+        bits = self.bits_of(name)
+        if bits > 1:
+            ctx = self._raised_context(tensor, ctx, bits)
+            return self._compress_raised(tensor, ctx), ctx
         flat = tensor.reshape(-1)
         packed, flags = self._encode(flat, ctx)
         spans = context_spans(ctx)
@@ -260,11 +266,16 @@ class EFSignSGDCompressor(_SignCompressor):
         return (packed, flags, scales), ctx
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """⌈n/8⌉ bytes of signs + ⌈v/8⌉ bytes of zero-view flags + 4 bytes per view's scale."""
+        """⌈n/8⌉ bytes of signs + ⌈v/8⌉ bytes of zero-view flags + 4 bytes per view's scale
+        (a raised payload: its codes and table)."""
+        if payload is not None and isinstance(payload[1], torch.Tensor) and payload[1].dim() == 2:
+            return self._raised_nbytes(payload)
         views = 1 if layout is None else max(1, len(layout))
         return packed_nbytes(numel, 1) + packed_nbytes(views, 1) + 4 * views
 
     def decompress(self, payload, ctx):
+        if isinstance(ctx, MagnitudeContext):
+            return self._decompress_raised(payload, ctx)
         packed, flags, scales = payload
         spans = context_spans(ctx)
         if scales.numel() != len(spans):

@@ -163,6 +163,13 @@ class ResidualMemory(Memory):
         momentum = self.folded if self.folds else self.sgd_momentum
         return self.momentum_source == "sgd" and momentum > 0.0 and self.clip_norm is None
 
+    @property
+    def folding(self) -> bool:
+        """Whether the optimizer's momentum is folded (``momentum="fold"``) and not taken over
+        yet: under an Adam, without a watched loop, or before the loop was seen clipping (the
+        run's first step included)."""
+        return self.folds and not (self.follows_loop_clip and self.loop_clip.threshold is not None)
+
     def follow_loop_clip(self, threshold: float) -> None:
         super().follow_loop_clip(threshold)
         self._fold_or_take()
@@ -273,8 +280,8 @@ class ResidualMemory(Memory):
         subtract_sent(residual, compressor, payload, ctx)
         self.residuals[name] = residual
         self._note_held(name, residual)
-        if self.masks_sent(name, True if self.masking else None, False) and not compressor.dense \
-                and name in self.momenta:
+        if self.masks_sent(name, True if self.masking else None, False) and name in self.momenta \
+                and compressor.masks_sent_momentum(name):
             self._mask_sent(name, compressor, payload, ctx)
 
     def _mask_sent(self, name, compressor, payload, ctx) -> None:

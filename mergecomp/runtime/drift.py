@@ -72,6 +72,17 @@ WARN_ABOVE = 1.5
 WARN_AFTER = 3
 
 
+def raisable(compressor, memory) -> bool:
+    """Whether the controller may steer ``compressor`` paired with ``memory`` now: it has a
+    :attr:`~mergecomp.compressors.base.Compressor.knob`, and does not refuse the pairing
+    (a compressor's ``raisable_with(memory)``, e.g. the one-bit compressors' while their
+    memory folds the momentum: :mod:`mergecomp.compressors.raisedbits`)."""
+    if getattr(compressor, "knob", None) is None:
+        return False
+    refuses = getattr(compressor, "raisable_with", None)
+    return True if refuses is None else bool(refuses(memory))
+
+
 class DriftMeter:
     """The step lifecycle's side of the measure: which steps are measured (every ``every``
     steps of the lifecycle's agreed count), the terms the components noted for each
@@ -85,7 +96,7 @@ class DriftMeter:
         #: The latest reading (None before the first measured step).
         self.reading: Optional[DriftReading] = None
         self._components: Tuple[Any, ...] = ()
-        self._compressor = None
+        self._compressor = self._memory = None
         self._kind = "lag"  # what the last step's terms measured (DriftTerms.drift_kind)
         self._numels: Dict[str, int] = {}
         self._sent: Dict[str, int] = {}  # each measured group's payload bytes, the same on every rank
@@ -111,7 +122,7 @@ class DriftMeter:
         if step_count % self.every:
             return False
         self._components = (memory, compressor)
-        self._compressor = compressor
+        self._compressor, self._memory = compressor, memory
         for component in self._components:
             component.measuring = True
         return True
@@ -164,7 +175,7 @@ class DriftMeter:
         compressor = self._compressor
         if self._kind == "noise":  # measured and logged; no threshold to steer or warn by
             return self.reading
-        steering = self.controller is not None and getattr(compressor, "knob", None) is not None
+        steering = self.controller is not None and raisable(compressor, self._memory)
         if steering:
             # the steps sent at the scales now in force: those since the last decision (the
             # controller's count of steps, saved with it, so a resumed run counts the same)
@@ -204,10 +215,14 @@ class DriftMeter:
                     f"run closer to dense")
         elif self.controller is None:
             what = ("the quality controller is off: turn it on (controller='auto', the default), which "
-                    "raises the density or rank of the groups that lag, within a byte budget")
+                    "raises the density, rank or bits of the groups that lag, within a byte budget")
+        elif getattr(compressor, "knob", None) is not None:
+            what = (f"{type(compressor).__name__}'s {compressor.knob} are not raised while its memory folds "
+                    f"the optimizer's momentum (docs/design.md): a less lossy compressor would bring the run "
+                    f"closer to dense")
         else:
-            what = (f"{type(compressor).__name__} has no density or rank the controller could raise: "
-                    "use a compressor that has one (topk, dgc, powersgd, ...) or a less lossy setting")
+            what = (f"{type(compressor).__name__} has no density, rank or bits the controller could raise: "
+                    "use a compressor that has one (topk, dgc, powersgd, efsignsgd, ...) or a less lossy setting")
         warnings.warn(
             f"mergecomp: at step {self.reading.step} {self.reading.describe()} for the last {WARN_AFTER} "
             f"measurements, above the {WARN_ABOVE:g} steps at which runs measured here missed dense's "
