@@ -187,10 +187,12 @@ def test_an_unknown_controller_setting_is_refused():
 
 
 # -- the controller, in a run --------------------------------------------------------------------
-def _steered(rank, world_size, compressor, steps, clip=None):
+def _steered(rank, world_size, compressor, steps, clip=None, adam=False):
     model = _model()
     controller = DriftController(raise_above=0.2, lower_below=0.01, byte_budget=3.0, horizon=steps, every=5)
-    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01) if adam else \
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = mergecomp.DistributedOptimizer(inner,
                                                model=model, compressor=compressor, schedule=2,
                                                controller=controller)
     sent = []
@@ -237,6 +239,12 @@ def test_a_one_bit_compressor_is_not_raised_while_its_memory_folds_the_momentum(
     """The loop never clips: the memory folds SGD's momentum, and the bits stay at one."""
     (history0, sent0, _, _), (history1, _, _, _) = run_ranks(_steered, 2, name, 30)
     assert history0 == history1 == [] and max(sent0) < 1.5 * min(sent0)  # (measured steps add a sum)
+
+
+def test_under_adamw_a_one_bit_compressor_is_raised_though_its_memory_folds_the_first_moment():
+    (history0, sent0, weights0, _), (history1, _, weights1, _) = run_ranks(_steered, 2, "efsignsgd", 30, None, True)
+    assert history0 == history1 and history0 and torch.equal(weights0, weights1)
+    assert max(sent0) > 1.5 * sent0[0]
 
 
 def test_the_byte_budget_counts_only_the_groups_the_compressor_sent():
@@ -472,12 +480,13 @@ def test_the_ddp_hook_measures_and_steers():
     assert scales0 == scales1 and scales0
 
 
-def _fsdp_reads(rank, world_size):
+def _fsdp_reads(rank, world_size, compressor="topk", options=(("compress_ratio", 0.05),)):
     from tests.test_fsdp import _model as fsdp_model
     from tests.test_fsdp import _batch as fsdp_batch
     model = fsdp_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    state = mergecomp.fsdp.register(model, compressor="topk", compress_ratio=0.05, optimizer=optimizer,
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05) if compressor == "topk" else \
+        torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = mergecomp.fsdp.register(model, compressor=compressor, optimizer=optimizer, **dict(options),
                                     controller=DriftController(raise_above=0.2, lower_below=0.01, horizon=30,
                                                                every=5))
     for step in range(30):
@@ -489,11 +498,15 @@ def _fsdp_reads(rank, world_size):
     return state.drift, state.controller.history, full
 
 
-def test_fsdp_measures_and_steers_each_units_scatter():
+@pytest.mark.parametrize("compressor", ["topk", "efsignsgd"])
+def test_fsdp_measures_and_steers_each_units_scatter(compressor):
+    """Top-k under SGD; EF-SignSGD under AdamW, whose first moment its memory folds."""
     pytest.importorskip("torch.distributed.fsdp")
-    (reading0, history0, _), (reading1, history1, _) = run_ranks(_fsdp_reads, 2)
+    options = (("compress_ratio", 0.05),) if compressor == "topk" else ()
+    (reading0, history0, full0), (reading1, history1, full1) = run_ranks(_fsdp_reads, 2, compressor, options)
     assert reading0 == reading1 and reading0 is not None and reading0.groups
     assert history0 == history1 and history0, "nothing was raised"
+    assert all(torch.equal(a, b) for a, b in zip(full0, full1))
 
 
 def _diloco_reads(rank, world_size):

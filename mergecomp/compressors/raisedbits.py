@@ -6,16 +6,19 @@ group the controller (:mod:`mergecomp.runtime.controller`) raises to scale s goe
 (:mod:`mergecomp.kernels.magnitudes`), at one bit in its compressor's own format otherwise.
 Why: the controller steers by sending a lagging group at a finer setting, and a one-bit
 compressor has no density or rank to raise.  Under SGD on a character
-transformer, EF-SignSGD at one bit trailed dense by 15%; at two bits, the momentum kept,
-it trained as top-k and TBQ do (docs/results.md#sign-bits).
+transformer, EF-SignSGD at one bit trailed dense well beyond one seed's spread; raised to
+two bits, the momentum kept, it reached dense (docs/results.md#sign-bits).
 
-Not while the memory folds the momentum.  A folding memory (EF-SignSGD's and 1-bit SGD's
-default until the loop clips, and under an Adam) runs the optimizer without momentum at
-lr / (1 − m), and at one bit each coordinate moves by at most its view's mean magnitude a
-step; raised, the same step moves the large coordinates whole.  On a character LSTM whose
-loop never clips, EF-SignSGD raised that way fell far behind its one-bit run.  So the
-controller raises these compressors only while their memory runs the momentum before the
-exchange (:func:`mergecomp.runtime.drift.raisable`), and only measures them otherwise.
+Not while the memory folds SGD's momentum.  A memory that folds it (EF-SignSGD's and 1-bit
+SGD's default until the loop clips) runs SGD without momentum at lr / (1 − m), and at one
+bit each coordinate moves by at most its view's mean magnitude a step; raised, the same
+step moves the large coordinates whole.  On a character LSTM whose loop never clips,
+EF-SignSGD raised that way fell far behind its one-bit run.  So under SGD the controller
+raises these compressors only while their memory runs the momentum before the exchange
+(:func:`mergecomp.runtime.drift.raisable`), and only measures them otherwise.  Under an
+Adam, whose first moment the memory folds (β1 = 0), Adam's own per-coordinate scale bounds
+each step, and they are raised: on the character LSTM under AdamW that took EF-SignSGD from
+behind dense to ahead of it on the seed where it trailed (docs/results.md#sign-bits).
 
 Momentum factor masking.  At one bit every coordinate moves by its view's mean magnitude
 whatever its value, and a memory that masks once the loop clips restarts the momentum of
@@ -57,8 +60,9 @@ class RaisesBits:
         return max([1] + [bits for bits in BITS if bits <= scale])
 
     def raisable_with(self, memory) -> bool:
-        """Not while ``memory`` folds the optimizer's momentum (module docstring)."""
-        return not getattr(memory, "folding", False)
+        """Not while ``memory`` folds a momentum, unless it is an Adam's first moment (module
+        docstring)."""
+        return not getattr(memory, "folding", False) or getattr(memory, "momentum_source", None) == "adam"
 
     def masks_sent_momentum(self, name: str) -> bool:
         """Yes for a group at one bit while no group is raised; else no (module docstring)."""
