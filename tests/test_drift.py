@@ -209,10 +209,10 @@ def _steered(rank, world_size, compressor, steps, clip=None, adam=False):
     return controller.history, sent, weights, controller.spent <= 1.02 * controller.allowed(controller.base, per_step, 5)
 
 
-@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd", "efsignsgd", "onebit"])
+@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd", "efsignsgd", "onebit", "tbq"])
 def test_the_controller_raises_lagging_groups_alike_on_every_rank(name):
-    # the one-bit compressors are raised once their memory runs the momentum: the loop clips
-    clip = 1e-3 if name in ("efsignsgd", "onebit") else None
+    # the low-bit compressors are raised once their memory runs the momentum: the loop clips
+    clip = 1e-3 if name in ("efsignsgd", "onebit", "tbq") else None
     (history0, sent0, weights0, within0), (history1, _, weights1, _) = run_ranks(_steered, 2, name, 30, clip)
     assert history0 == history1 and history0, "nothing was raised"
     assert torch.equal(weights0, weights1)
@@ -234,8 +234,8 @@ def _raw_and_compressed(rank, world_size, sends):
     return controller.state_dict()
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
-def test_a_one_bit_compressor_is_not_raised_while_its_memory_folds_the_momentum(name):
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "tbq"])
+def test_a_low_bit_compressor_is_not_raised_while_its_memory_folds_the_momentum(name):
     """The loop never clips: the memory folds SGD's momentum, and the bits stay at one."""
     (history0, sent0, _, _), (history1, _, _, _) = run_ranks(_steered, 2, name, 30)
     assert history0 == history1 == [] and max(sent0) < 1.5 * min(sent0)  # (measured steps add a sum)
@@ -245,6 +245,11 @@ def test_under_adamw_a_one_bit_compressor_is_raised_though_its_memory_folds_the_
     (history0, sent0, weights0, _), (history1, _, weights1, _) = run_ranks(_steered, 2, "efsignsgd", 30, None, True)
     assert history0 == history1 and history0 and torch.equal(weights0, weights1)
     assert max(sent0) > 1.5 * sent0[0]
+
+
+def test_under_adamw_tbq_keeps_its_own_two_bits():
+    (history0, sent0, _, _), (history1, _, _, _) = run_ranks(_steered, 2, "tbq", 30, None, True)
+    assert history0 == history1 == [] and max(sent0) < 1.5 * min(sent0)
 
 
 def test_the_byte_budget_counts_only_the_groups_the_compressor_sent():

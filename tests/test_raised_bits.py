@@ -45,7 +45,23 @@ def test_more_bits_leave_less_error_and_the_wire_counts_each_byte(name):
     assert errors[1] < 0.5 * errors[0] and errors[4] < 0.01
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+def test_tbq_goes_from_its_two_bits_to_four_and_eight():
+    tensor = _gradient()
+    compressor = create("tbq")
+    errors = []
+    for scale, bits in ((1.0, 2), (2.0, 4), (3.0, 4), (4.0, 8), (16.0, 8)):
+        compressor.set_group_scale("g", scale)
+        assert compressor.bits_of("g") == bits and compressor.raised("g") == (bits > 2)
+        payload, ctx = compressor.compress(tensor, "g", LAYOUT)
+        on_wire = sum(part.numel() * part.element_size() for part in payload)
+        assert compressor.wire_nbytes(tensor.numel(), 4, payload, LAYOUT) == on_wire
+        if bits > 2:
+            assert on_wire == -(-1000 * bits // 8) + 8 * len(LAYOUT)
+        errors.append(_error(tensor, compressor.decompress(payload, ctx)))
+    assert errors[0] > errors[1] == errors[2] > errors[3] == errors[4]
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "tbq"])
 def test_a_group_the_controller_did_not_raise_keeps_its_one_bit_format_bit_for_bit(name):
     tensor = _gradient(1)
     plain, steered = create(name), create(name)

@@ -68,9 +68,8 @@ class OneBitCompressor(RaisesBits, RemembersLayoutSpans, Compressor):
 
     def compress(self, tensor, name, layout=None):
         ctx = self._views_context(tensor, layout)
-        bits = self.bits_of(name)
-        if bits > 1:
-            ctx = self._raised_context(tensor, ctx, bits)
+        if self.raised(name):
+            ctx = self._raised_context(tensor, ctx, self.bits_of(name))
             return self._compress_raised(tensor, ctx), ctx
         if isinstance(ctx, ViewsContext):
             return self._compress_views(tensor, ctx), ctx

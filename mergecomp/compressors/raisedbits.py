@@ -1,9 +1,10 @@
-"""More bits for the one-bit compressors: what the quality controller raises for them.
+"""More bits for the low-bit compressors: what the quality controller raises for them.
 
-EF-SignSGD and 1-bit SGD send one bit per element.  Their :attr:`knob` is ``"bits"``: a
-group the controller (:mod:`mergecomp.runtime.controller`) raises to scale s goes out at
-2, 4 or 8 bits (the largest of them not above s) as sign-and-magnitude codes
-(:mod:`mergecomp.kernels.magnitudes`), at one bit in its compressor's own format otherwise.
+EF-SignSGD and 1-bit SGD send one bit per element, TBQ two.  Their :attr:`knob` is
+``"bits"``: a group the controller (:mod:`mergecomp.runtime.controller`) raises to scale s
+goes out at 2, 4 or 8 bits (the largest of them not above s times the compressor's own)
+as sign-and-magnitude codes (:mod:`mergecomp.kernels.magnitudes`), in its compressor's
+own format otherwise.
 Why: the controller steers by sending a lagging group at a finer setting, and a one-bit
 compressor has no density or rank to raise.  Under SGD on a character
 transformer, EF-SignSGD at one bit trailed dense well beyond one seed's spread; raised to
@@ -17,8 +18,11 @@ EF-SignSGD raised that way fell far behind its one-bit run.  So under SGD the co
 raises these compressors only while their memory runs the momentum before the exchange
 (:func:`mergecomp.runtime.drift.raisable`), and only measures them otherwise.  Under an
 Adam, whose first moment the memory folds (β1 = 0), Adam's own per-coordinate scale bounds
-each step, and they are raised: on the character LSTM under AdamW that took EF-SignSGD from
-behind dense to ahead of it on the seed where it trailed (docs/results.md#sign-bits).
+each step, and the one-bit compressors are raised: on the character LSTM under AdamW that
+took EF-SignSGD from behind dense to ahead of it on the seed where it trailed.  TBQ is not
+(``raised_under_adam = False``): its own two bits send about one element in ten, which
+keeps Adam's steps those of a noisy gradient, and raised under AdamW it did no better at
+twice the bytes (docs/results.md#sign-bits).
 
 Momentum factor masking.  At one bit every coordinate moves by its view's mean magnitude
 whatever its value, and a memory that masks once the loop clips restarts the momentum of
@@ -34,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..kernels.magnitudes import BITS, decode_magnitude_codes, magnitude_codes
+from ..kernels.scratch import Scratch
 from ..kernels.segments import Spans
 from .base import Context
 from .views import context_spans
@@ -50,22 +55,35 @@ class MagnitudeContext(Context):
 
 
 class RaisesBits:
-    """Mixin of the one-bit compressors whose groups the controller may send at more bits."""
+    """Mixin of the low-bit compressors whose groups the controller may send at more bits."""
 
     knob = "bits"
+    #: Bits per element of the compressor's own format (a group at scale s may go out at up
+    #: to s times as many).
+    base_bits = 1
+    #: Whether it is raised under an Adam whose first moment its memory folds (module docstring).
+    raised_under_adam = True
 
     def bits_of(self, name: str) -> int:
-        """Bits per element group ``name`` goes out at now: 1 unless the controller raised it."""
+        """Bits per element group ``name`` goes out at now: :attr:`base_bits` unless the
+        controller raised it."""
         scale = self.group_scale(name)
-        return max([1] + [bits for bits in BITS if bits <= scale])
+        return max([self.base_bits] + [bits for bits in BITS if self.base_bits < bits <= self.base_bits * scale])
+
+    def raised(self, name: str) -> bool:
+        """Whether group ``name`` goes out as sign-and-magnitude codes now."""
+        return self.bits_of(name) > self.base_bits
 
     def raisable_with(self, memory) -> bool:
-        """Not while ``memory`` folds a momentum, unless it is an Adam's first moment (module
-        docstring)."""
-        return not getattr(memory, "folding", False) or getattr(memory, "momentum_source", None) == "adam"
+        """Not while ``memory`` folds a momentum, unless it is an Adam's first moment and
+        :attr:`raised_under_adam` (module docstring)."""
+        if not getattr(memory, "folding", False):
+            return True
+        return self.raised_under_adam and getattr(memory, "momentum_source", None) == "adam"
 
     def masks_sent_momentum(self, name: str) -> bool:
-        """Yes for a group at one bit while no group is raised; else no (module docstring)."""
+        """Yes while no group is raised (each goes out in its compressor's own format); else
+        no (module docstring)."""
         return not self.__dict__.get("_group_scales")
 
     def _raised_context(self, tensor, ctx: Context, bits: int) -> MagnitudeContext:
@@ -73,7 +91,8 @@ class RaisesBits:
 
     def _compress_raised(self, tensor, ctx: MagnitudeContext):
         """The payload at ``ctx.bits``: (packed codes, each view's table)."""
-        return magnitude_codes(tensor.reshape(-1), ctx.spans, ctx.bits, self._scratch)
+        scratch = self.__dict__.get("_scratch") or self.__dict__.setdefault("_raised_scratch", Scratch())
+        return magnitude_codes(tensor.reshape(-1), ctx.spans, ctx.bits, scratch)
 
     @staticmethod
     def _decompress_raised(payload, ctx: MagnitudeContext):

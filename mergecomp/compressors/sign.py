@@ -250,9 +250,8 @@ class EFSignSGDCompressor(RaisesBits, _SignCompressor):
 
     def compress(self, tensor, name, layout=None):
         ctx = self._views_context(tensor, layout)
-        bits = self.bits_of(name)
-        if bits > 1:
-            ctx = self._raised_context(tensor, ctx, bits)
+        if self.raised(name):
+            ctx = self._raised_context(tensor, ctx, self.bits_of(name))
             return self._compress_raised(tensor, ctx), ctx
         flat = tensor.reshape(-1)
         packed, flags = self._encode(flat, ctx)

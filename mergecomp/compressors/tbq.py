@@ -22,6 +22,7 @@ import torch
 
 from . import register
 from .base import Compressor, Context
+from .raisedbits import MagnitudeContext, RaisesBits
 from .recipes import Recipe
 from .views import RemembersLayoutSpans, Spans, context_spans
 from ..kernels import pack_bits, packed_nbytes, unpack_bits
@@ -34,7 +35,7 @@ DEFAULT_SCALE = 2.0
 
 
 @register("tbq")
-class TBQCompressor(RemembersLayoutSpans, Compressor):
+class TBQCompressor(RaisesBits, RemembersLayoutSpans, Compressor):
     """Send +τ where the accumulated gradient reaches τ, −τ where it reaches −τ, else 0.
 
     Strom's scheme relies on residual accumulation: what is not sent (everything under
@@ -69,7 +70,8 @@ class TBQCompressor(RemembersLayoutSpans, Compressor):
     backlog; under SGD, once the loop clips, it runs SGD's momentum before the exchange.
 
     Wire for n elements in v parameter views: ⌈n/4⌉ bytes, plus 4·v bytes for the measured
-    thresholds (none for a fixed τ).
+    thresholds (none for a fixed τ).  A group the quality controller raised goes out at 4 or
+    8 bits per element instead (:mod:`~mergecomp.compressors.raisedbits`).
     """
 
     summable = False
@@ -84,6 +86,10 @@ class TBQCompressor(RemembersLayoutSpans, Compressor):
                "backlog that keeps pushing after the gradient turned; momentum applied after the "
                "exchange multiplies that overshoot, while the same step without it trains at parity",
         fold_momentum=True)
+    base_bits = 2
+    #: Not raised under an Adam: its own format keeps Adam's steps those of a noisy gradient
+    #: (:mod:`~mergecomp.compressors.raisedbits`).
+    raised_under_adam = False
 
     def __init__(self, threshold: Union[float, str] = AUTO, scale: float = DEFAULT_SCALE):
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
@@ -109,6 +115,9 @@ class TBQCompressor(RemembersLayoutSpans, Compressor):
         return self.threshold == AUTO
 
     def compress(self, tensor, name, layout=None):
+        if self.raised(name):
+            ctx = self._raised_context(tensor, self._views_context(tensor, layout), self.bits_of(name))
+            return self._compress_raised(tensor, ctx), ctx
         flat = tensor.reshape(-1)
         if not self.measures_threshold:
             codes = (flat > self.threshold).view(torch.uint8)
@@ -142,6 +151,8 @@ class TBQCompressor(RemembersLayoutSpans, Compressor):
         return torch.minimum(means.mul_(self.scale), peaks)
 
     def decompress(self, payload, ctx):
+        if isinstance(ctx, MagnitudeContext):
+            return self._decompress_raised(payload, ctx)
         values = ternary_values(unpack_bits(payload[0], 2, ctx.numel))
         if not self.measures_threshold:
             return values.mul_(self.threshold).to(ctx.dtype).view(ctx.shape)
@@ -155,7 +166,10 @@ class TBQCompressor(RemembersLayoutSpans, Compressor):
         return scale_views(values, spans, thresholds).view(ctx.shape)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """One 2-bit code per element, and a measured τ's fp32 value per parameter view."""
+        """One 2-bit code per element, and a measured τ's fp32 value per parameter view (a
+        raised payload: its codes and table)."""
+        if payload is not None and len(payload) == 2 and payload[1].dim() == 2:
+            return self._raised_nbytes(payload)
         if not self.measures_threshold:
             return packed_nbytes(numel, 2)
         views = 1 if layout is None else max(1, len(layout))
