@@ -260,7 +260,7 @@ class Compressor(DriftTerms):
     process_rank = 0
     #: What the quality controller (:class:`mergecomp.runtime.drift.DriftController`) may raise
     #: for one group when its exchange lags dense: ``"density"`` (a sparsifier's share of
-    #: coordinates), ``"rank"`` (a low-rank factorisation's rank), ``"bits"`` (a one-bit
+    #: coordinates), ``"rank"`` (a low-rank factorisation's rank), ``"bits"`` (a low-bit
     #: compressor's bits per element), or None (nothing to raise).
     knob: Optional[str] = None
 

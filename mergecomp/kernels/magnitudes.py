@@ -1,4 +1,4 @@
-"""Sign-and-magnitude codes: b bits per element, for the one-bit compressors raised above one bit.
+"""Sign-and-magnitude codes: b bits per element, for the low-bit compressors the controller raised.
 
 Each element becomes a code 2·k + s: s its IEEE sign bit (set for negatives and −0.0), k
 one of L = 2^(b−1) magnitude bins of its parameter view.  The bins are uniform,
@@ -11,7 +11,7 @@ third for one bit's mean magnitude.
 On the wire for n elements in v views: ⌈n·b/8⌉ bytes of codes and two fp32 numbers per view
 (Δ_v and the last bin's mean).  A view that is all zero has Δ_v = 0 and decodes to zero.
 These are torch passes on any device: the codes only travel when the quality controller
-raised a group above one bit (the one-bit paths keep their own kernels).
+raised a group (the compressors' own formats keep their own kernels).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .segments import Spans, scale_views, span_lengths
 from .scratch import Scratch
 from .signs import sign_bits
 
-#: Bits per element a code may have (above one: the one-bit compressors' own formats).
+#: Bits per element a code may have (the low-bit compressors' own formats are one and two).
 BITS = (2, 4, 8)
 #: L (magnitude bins) → c_L, each bin's width in units of the view's mean magnitude: the
 #: width that minimises a Gaussian's squared error under this decoding (found numerically).

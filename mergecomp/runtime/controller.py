@@ -1,7 +1,7 @@
 """The quality controller: raises a group's density, rank or bits where the exchange lags dense.
 
 :class:`DriftController` raises a group's density (a sparsifier's share of coordinates),
-rank (a low-rank factorisation's) or bits (a one-bit compressor's: 2, 4, 8) when its lag
+rank (a low-rank factorisation's) or bits (a low-bit compressor's: to 2, 4, 8) when its lag
 passes ``raise_above``, doubling it, and lowers it again once the lag has stayed under ``lower_below`` for
 ``patience`` measurements, within a byte budget: over the run, the bytes the compressed
 groups send may be at most ``byte_budget`` times what they would at the configured setting.

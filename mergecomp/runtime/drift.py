@@ -75,7 +75,7 @@ WARN_AFTER = 3
 def raisable(compressor, memory) -> bool:
     """Whether the controller may steer ``compressor`` paired with ``memory`` now: it has a
     :attr:`~mergecomp.compressors.base.Compressor.knob`, and does not refuse the pairing
-    (a compressor's ``raisable_with(memory)``, e.g. the one-bit compressors' while their
+    (a compressor's ``raisable_with(memory)``, e.g. the low-bit compressors' while their
     memory folds the momentum: :mod:`mergecomp.compressors.raisedbits`)."""
     if getattr(compressor, "knob", None) is None:
         return False
