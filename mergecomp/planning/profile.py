@@ -401,9 +401,9 @@ def scaled_compute(profile: Profile, factor: float) -> Profile:
 
 def with_density(profile: Profile, scale: float) -> Profile:
     """``profile`` with the configured compressor sending ``scale`` times its configured
-    density (or rank): the payload bytes per element scale with it (a sparsifier sends
-    ``scale`` times the values and indices, a low-rank factorisation ``scale`` times the
-    columns), the header does not.  The quality controller's scales reach the planner this
+    density (or rank, or bits): the payload bytes per element scale with it (a sparsifier
+    sends ``scale`` times the values and indices, a low-rank factorisation ``scale`` times
+    the columns, a low-bit compressor ``scale`` times the bits, at most 8), the header does not.  The quality controller's scales reach the planner this
     way (:attr:`~mergecomp.schedulers.base.SchedulerContext.density_scale`): a plan is
     priced at the bytes the groups send now, not at the configured setting's."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale >= 1.0 and math.isfinite(scale)):
