@@ -15,7 +15,7 @@ from types import MappingProxyType
 import torch
 
 from . import register
-from .base import Compressor
+from .base import Compressor, payload_nbytes
 from ..kernels import Scratch, decode_values, packed_nbytes, signs_and_side_means
 from ..kernels.segments import scale_views, signs_and_view_side_sums, span_lengths
 from .raisedbits import MagnitudeContext, RaisesBits
@@ -69,8 +69,7 @@ class OneBitCompressor(RaisesBits, RemembersLayoutSpans, Compressor):
     def compress(self, tensor, name, layout=None):
         ctx = self._views_context(tensor, layout)
         if self.raised(name):
-            ctx = self._raised_context(tensor, ctx, self.bits_of(name))
-            return self._compress_raised(tensor, ctx), ctx
+            return self._compress_raised(tensor, name, ctx)
         if isinstance(ctx, ViewsContext):
             return self._compress_views(tensor, ctx), ctx
         packed, means = signs_and_side_means(tensor, self._scratch)
@@ -88,8 +87,8 @@ class OneBitCompressor(RaisesBits, RemembersLayoutSpans, Compressor):
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """⌈n/8⌉ bytes of signs + the two fp32 means of each view (a raised payload: its
         codes and table)."""
-        if payload is not None and payload[1].dim() == 2:
-            return self._raised_nbytes(payload)
+        if payload is not None and self._is_raised(payload):
+            return payload_nbytes(payload)
         views = 1 if layout is None else max(1, len(layout))
         return packed_nbytes(numel, 1) + 8 * views
 

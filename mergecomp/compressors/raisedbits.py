@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..kernels.magnitudes import BITS, decode_magnitude_codes, magnitude_codes
 from ..kernels.scratch import Scratch
 from ..kernels.segments import Spans
@@ -86,13 +88,12 @@ class RaisesBits:
         no (module docstring)."""
         return not self.__dict__.get("_group_scales")
 
-    def _raised_context(self, tensor, ctx: Context, bits: int) -> MagnitudeContext:
-        return MagnitudeContext(tensor.shape, tensor.dtype, context_spans(ctx), bits)
-
-    def _compress_raised(self, tensor, ctx: MagnitudeContext):
-        """The payload at ``ctx.bits``: (packed codes, each view's table)."""
+    def _compress_raised(self, tensor, name: str, ctx: Context):
+        """(payload, context) of group ``name`` at its raised bits: (packed codes, each view's
+        table), with the views of ``ctx`` (the compressor's own context for the layout)."""
+        raised = MagnitudeContext(tensor.shape, tensor.dtype, context_spans(ctx), self.bits_of(name))
         scratch = self.__dict__.get("_scratch") or self.__dict__.setdefault("_raised_scratch", Scratch())
-        return magnitude_codes(tensor.reshape(-1), ctx.spans, ctx.bits, scratch)
+        return magnitude_codes(tensor.reshape(-1), raised.spans, raised.bits, scratch), raised
 
     @staticmethod
     def _decompress_raised(payload, ctx: MagnitudeContext):
@@ -100,7 +101,7 @@ class RaisesBits:
         return decode_magnitude_codes(packed, table, ctx.spans, ctx.bits, ctx.numel, ctx.dtype).view(ctx.shape)
 
     @staticmethod
-    def _raised_nbytes(payload) -> int:
-        """The bytes of a raised payload: its codes and its fp32 table."""
-        packed, table = payload
-        return packed.numel() + 4 * table.numel()
+    def _is_raised(payload) -> bool:
+        """Whether ``payload`` is a raised one (its second part is the views' 2-D table); its
+        bytes are then :func:`~mergecomp.compressors.base.payload_nbytes`'s."""
+        return len(payload) == 2 and isinstance(payload[1], torch.Tensor) and payload[1].dim() == 2

@@ -31,7 +31,7 @@ import torch
 from ..momentum import OWNS, is_adam, refuse_optimizer_momentum
 from ..staging import StagedDict
 from . import register
-from .base import Compressor, Context
+from .base import Compressor, Context, payload_nbytes
 from ..kernels import Scratch, decode_values, pack_signs, packed_nbytes, unpack_signs
 from ..kernels.segments import clear_flagged_views, scale_views, span_lengths, view_abs_sums, zero_view_flags
 from ..kernels.signs import plus_minus_one
@@ -251,8 +251,7 @@ class EFSignSGDCompressor(RaisesBits, _SignCompressor):
     def compress(self, tensor, name, layout=None):
         ctx = self._views_context(tensor, layout)
         if self.raised(name):
-            ctx = self._raised_context(tensor, ctx, self.bits_of(name))
-            return self._compress_raised(tensor, ctx), ctx
+            return self._compress_raised(tensor, name, ctx)
         flat = tensor.reshape(-1)
         packed, flags = self._encode(flat, ctx)
         spans = context_spans(ctx)
@@ -267,8 +266,8 @@ class EFSignSGDCompressor(RaisesBits, _SignCompressor):
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """⌈n/8⌉ bytes of signs + ⌈v/8⌉ bytes of zero-view flags + 4 bytes per view's scale
         (a raised payload: its codes and table)."""
-        if payload is not None and isinstance(payload[1], torch.Tensor) and payload[1].dim() == 2:
-            return self._raised_nbytes(payload)
+        if payload is not None and self._is_raised(payload):
+            return payload_nbytes(payload)
         views = 1 if layout is None else max(1, len(layout))
         return packed_nbytes(numel, 1) + packed_nbytes(views, 1) + 4 * views
 

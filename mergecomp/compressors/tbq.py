@@ -21,7 +21,7 @@ from typing import Union
 import torch
 
 from . import register
-from .base import Compressor, Context
+from .base import Compressor, Context, payload_nbytes
 from .raisedbits import MagnitudeContext, RaisesBits
 from .recipes import Recipe
 from .views import RemembersLayoutSpans, Spans, context_spans
@@ -116,8 +116,7 @@ class TBQCompressor(RaisesBits, RemembersLayoutSpans, Compressor):
 
     def compress(self, tensor, name, layout=None):
         if self.raised(name):
-            ctx = self._raised_context(tensor, self._views_context(tensor, layout), self.bits_of(name))
-            return self._compress_raised(tensor, ctx), ctx
+            return self._compress_raised(tensor, name, self._views_context(tensor, layout))
         flat = tensor.reshape(-1)
         if not self.measures_threshold:
             codes = (flat > self.threshold).view(torch.uint8)
@@ -168,8 +167,8 @@ class TBQCompressor(RaisesBits, RemembersLayoutSpans, Compressor):
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """One 2-bit code per element, and a measured τ's fp32 value per parameter view (a
         raised payload: its codes and table)."""
-        if payload is not None and len(payload) == 2 and payload[1].dim() == 2:
-            return self._raised_nbytes(payload)
+        if payload is not None and self._is_raised(payload):
+            return payload_nbytes(payload)
         if not self.measures_threshold:
             return packed_nbytes(numel, 2)
         views = 1 if layout is None else max(1, len(layout))
