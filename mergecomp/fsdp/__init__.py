@@ -48,6 +48,7 @@ from ..memories.base import Memory
 from ..runtime import gate
 from ..runtime.drift import drift_meter
 from ..runtime.step import check_nonfinite_policy
+from .handover import FSDPHandOver, shard_backend, sharded_params
 from .mesh import node_mesh
 from .replica import HSDP, REPLICATE, SHARD, ReplicaAllReduce, exchange_kind, take_over
 from .scatter import ScatterCommunicator, UnitShape, chunk_name, exchange_mode
@@ -78,6 +79,8 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     on the model, vetted as the wrapper vets its own: a memory that takes SGD's momentum over
     (top-k's, DGC's) applies it before the exchange, a component that owns the momentum
     refuses one with its own, and a setting that contradicts the compressor's recipe warns.
+    Shown the optimizer, a loop that clips the gradients between backward and ``step()`` is
+    followed as under the wrapper (:mod:`mergecomp.fsdp.handover`).
     ``controller``: the quality controller, as for ``DistributedOptimizer`` (``"auto"``,
     ``"off"`` or a :class:`~mergecomp.DriftController`).
     """
@@ -123,6 +126,10 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
     backward = BackwardStep(model, communicator, world, nonfinite, {"config": config, "layout": layout},
                             "allreduce" if replicas else "reduce_scatter")
     backward.lifecycle.meter = meter
+    backward.loop = FSDPHandOver(backward.lifecycle, world, [sharded_params(group) for _, _, _, group in groups],
+                                 shard_backend(groups[0][3], kind, TorchDistributedBackend))
+    if optimizer is not None:
+        backward.loop.watch(optimizer, compressor, memory)
     installed: Dict[str, Any] = {}
     for index, name, module, group in groups:
         if replicas:

@@ -62,6 +62,8 @@ class BackwardStep:
         self.collective = collective
         self._registration_checked = False
         self._queued = False
+        #: The loop's clipping seen at the optimizer's step (:mod:`.handover`), once installed.
+        self.loop = None
 
     def facts(self) -> Dict[str, Any]:
         """What ranks must agree on besides the lifecycle's step count and epoch."""
@@ -125,6 +127,8 @@ class BackwardStep:
         lifecycle.count_step()
         if not outcome.finite:
             self._poison_gradients()
+        if self.loop is not None:
+            self.loop.deliver(outcome.finite)
         lifecycle.close_step()
 
     def end_if_direct(self) -> None:

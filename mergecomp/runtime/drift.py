@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -288,6 +288,14 @@ def drift_meter(controller) -> DriftMeter:
     return DriftMeter(controller.every, controller)
 
 
+def _squared_sum(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Σ‖b‖² over ``buffers``, a 0-d float tensor on their device (a CPU zero for none)."""
+    total = torch.zeros((), dtype=torch.float32, device=buffers[0].device if buffers else None)
+    for buffer in buffers:
+        total = total + squared_norm(buffer).to(total.dtype)
+    return total
+
+
 class ClipWatch:
     """Notices a training loop that clips the averaged gradient after the exchange, where
     the compressor's recipe asks for each rank's gradient to be clipped before its error
@@ -308,7 +316,11 @@ class ClipWatch:
     #: Steps from the first in which every step is watched while a threshold is awaited.
     every_step_for = 100
 
-    def __init__(self):
+    def __init__(self, total: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        #: Sums a tensor over the ranks that hold different shards of the averages (FSDP2:
+        #: each rank reads its own shard, and the loop clips by the whole gradient's norm);
+        #: None where every rank holds all of them.
+        self.total = total
         self._buffers: List[torch.Tensor] = []
         self._noted: Optional[torch.Tensor] = None
         self.warned = False
@@ -321,7 +333,7 @@ class ClipWatch:
         """The averages every group handed to the parameters (``buffers``), before the loop
         sees them."""
         self._buffers = list(buffers)
-        self._noted = sum((squared_norm(b) for b in self._buffers), torch.zeros(())) if self._buffers else None
+        self._noted = _squared_sum(self._buffers) if self._buffers or self.total is not None else None
 
     def changed(self, loss_scale: float = 1.0, buffers: Optional[Sequence[torch.Tensor]] = None) -> Optional[float]:
         """The averages' norm now over when noted, times ``loss_scale`` (the loss scale of a
@@ -331,9 +343,12 @@ class ClipWatch:
         ``p.grad``)."""
         if self._noted is None:
             return None
-        before, self._noted = float(self._noted), None
-        now = float(sum((squared_norm(b) for b in (self._buffers if buffers is None else buffers)), torch.zeros(())))
+        noted, self._noted = self._noted, None
+        now = _squared_sum(self._buffers if buffers is None else buffers)
         self._buffers = []
+        if self.total is not None:  # one small collective on every rank: the shards' sums
+            noted, now = self.total(torch.stack([noted, now.to(noted.device)]).double()).tolist()
+        before, now = float(noted), float(now)
         if not (before > 0.0 and math.isfinite(before) and math.isfinite(now)):
             return None
         ratio = math.sqrt(now / before) * loss_scale

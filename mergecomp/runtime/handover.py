@@ -60,11 +60,12 @@ class LoopHandOver:
     into which DDP copied the averages).
     """
 
-    def __init__(self, lifecycle, backend):
+    def __init__(self, lifecycle, backend, total=None):
         self.lifecycle = lifecycle
         self.backend = backend
-        #: Notices a loop that clips the averages after the exchange.
-        self.watch = ClipWatch()
+        #: Notices a loop that clips the averages after the exchange (``total``: sums over
+        #: the ranks that hold different shards of them, :attr:`ClipWatch.total`).
+        self.watch = ClipWatch(total)
         self._delivered: Dict[int, float] = {}  # group index → the delivery scale its averages carry
         self.mark_watched()
 
