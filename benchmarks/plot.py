@@ -10,6 +10,8 @@
                                                    # (a language-model run: curves.png)
     .venv/bin/python benchmarks/plot.py benchmarks/results/<sweep>/summary.csv [--out DIR]
     .venv/bin/python benchmarks/plot.py benchmarks/results/<simulator rounds run>  # check.png
+    .venv/bin/python benchmarks/plot.py benchmarks/results/<folder with cells.json>  # defaults.md,
+                                                   # defaults.png (benchmarks/harness/defaults_grid.py)
     .venv/bin/python benchmarks/plot.py drift <convergence run> [--runs LABEL LABEL]  # drift.png
                                                    # and controller.png (benchmarks/harness/drift_plots.py)
 
@@ -634,6 +636,9 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
                 + [p for run in SHOWN_DRIFT_RUNS
                    for p in render_drift_figures(os.path.join(ROOT, "benchmarks", "results", run))])
     if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "cells.json")):
+            from benchmarks.harness import defaults_grid
+            return defaults_grid.render(path, out)
         if os.path.exists(os.path.join(path, "scaling.json")):
             return [render_scaling(path, out)]
         if _rounds_results(path):
