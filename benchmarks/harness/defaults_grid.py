@@ -80,10 +80,15 @@ def _cells(grid: dict) -> Dict[Tuple[str, str, str], List[dict]]:
     return found
 
 
+def _signed(gap: float) -> str:
+    """A gap with its sign, the minus a true minus sign, as the documents write it."""
+    return f"{gap:+.1f}".replace("-", "\u2212")
+
+
 def _text(cells: Optional[List[dict]], note: Optional[str]) -> str:
     if not cells:
         return note or "not run"
-    gaps = " / ".join(f"{c['gap']:+.1f}%" for c in cells)
+    gaps = " / ".join(_signed(c["gap"]) + "%" for c in cells)
     fewer = {round(c["fewer"], 1) for c in cells if c["fewer"]}
     return gaps + (f" ({'–'.join(f'{f:g}' for f in sorted(fewer))}×)" if fewer else "")
 
@@ -127,7 +132,7 @@ def _picture(grid: dict, path: str) -> str:
     for i, row in enumerate(rows):
         for j, (optimizer, task) in enumerate(columns):
             found = cells.get((row["compressor"], optimizer, task))
-            text = " / ".join(f"{c['gap']:+.1f}" for c in found) if found else \
+            text = " / ".join(_signed(c["gap"]) for c in found) if found else \
                 ("refused" if notes.get(f"{row['compressor']} {optimizer}", "").startswith("refused") else "—")
             bold = found and max(c["gap"] for c in found) > WITHIN
             ax.text(j, i, text, ha="center", va="center", fontsize=8, fontweight="bold" if bold else "normal")

@@ -40,7 +40,7 @@ def test_gaps_and_bytes_come_from_the_named_runs(tmp_path):
     assert gaps == {0: (5.0, 25.0), 1: (-1.0, 20.0)}
     table = defaults_grid.table(grid).splitlines()
     assert table[0] == "| compressor | SGD, char-lstm | AdamW, char-lstm |"
-    assert table[2] == "| top-k 1% | +5.0% / -1.0% (20–25×) | not run |"  # seeds in order
+    assert table[2] == "| top-k 1% | +5.0% / \u22121.0% (20–25×) | not run |"  # seeds in order
     assert table[3] == "| SIGNUM | not run | refused: its momentum is its own |"
 
 
