@@ -53,7 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
 SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-speed", "2026-11-24-scaling",
-              "2026-11-24-simulator-8-ranks")
+              "2026-11-24-simulator-8-ranks", "2026-12-06-defaults")
 #: Convergence runs whose drift and controller figures docs/results.md shows (``plot.py drift``'s).
 SHOWN_DRIFT_RUNS = ("2026-11-27-quality-control/sgd-on", "2026-11-28-adamw-topk-default/gpt-topk",
                     "2026-11-28-adamw-thresholds/gpt-s0")
