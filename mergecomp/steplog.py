@@ -41,7 +41,7 @@ attaches nothing, and with no log attached no step pays for any of it.  Columns:
 - ``density_scale``: how many times its configured density (or rank) the quality controller
   has the compressed groups send, weighted by their elements (1: the configured setting).
 - ``noise``: for an unbiased compressor without error feedback (QSGD, unclipped TernGrad,
-  unbiased rand-k), how large each rank's compression error is against its gradient,
+  unbiased rand-k, ATOMO), how large each rank's compression error is against its gradient,
   ‖C(g) − g‖ / ‖g‖ over ranks, as last measured (``drift`` is then empty: nothing is held
   back).  TensorBoard also gets each group's (``mergecomp/noise/<group>``).
 

@@ -83,6 +83,7 @@ class AtomoCompressor(Compressor):
 
     summable = False
     fixed_size = False
+    unbiased = True  # E[decode] = the gradient: the none memory measures its noise
     recommended_memory = "none"
     recommended_communicator = "allgather"
 

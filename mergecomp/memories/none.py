@@ -9,7 +9,7 @@ class NoneMemory(Memory):
 
     What it measures on the drift's measured steps (:mod:`mergecomp.runtime.drift`): nothing
     is held back, so there is no lag; for an unbiased compressor (QSGD, TernGrad without
-    clipping, unbiased rand-k) the exchange's *noise* instead, ``‖decode(compress(g)) − g‖``
+    clipping, unbiased rand-k, ATOMO) the exchange's *noise* instead, ``‖decode(compress(g)) − g‖``
     against ``‖g‖``: one decode of this rank's own payload per group on a measured step.  A
     biased compressor without error feedback (signSGD's vote, clipped TernGrad) and one with
     its own (PowerSGD) are not measured here."""
