@@ -20,39 +20,18 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ..momentum import innermost
-from ..runtime.handover import LoopHandOver
+from ..runtime.handover import StepHookedHandOver
 
 
-class HookHandOver:
+class HookHandOver(StepHookedHandOver):
     """The hand-over of one hook state: the step's groups as DDP will read them, the
     futures it completes after scaling them, and the optimizer's step pre-hook."""
 
     def __init__(self, lifecycle, backend):
-        self.hand_over = LoopHandOver(lifecycle, backend)
-        self._handle = None
-        self._settled_by: Tuple = ()  # the compressor and memory the advice quotes
+        super().__init__(lifecycle, backend)
         self._params: Dict[str, torch.nn.Parameter] = {}  # this step's parameters by name
         self._groups: List[SimpleNamespace] = []  # this step's groups: send mode, averages, names
         self._results: List[Tuple[torch.futures.Future, torch.Tensor]] = []
-
-    @property
-    def active(self) -> bool:
-        """An optimizer was shown: its steps settle what the step's end scaled."""
-        return self._handle is not None
-
-    def watch(self, optimizer, compressor, memory) -> None:
-        """Settle at every ``step()`` of ``optimizer`` (the one inside a framework's wrapper);
-        a state shown another optimizer stops watching the first."""
-        self.close()
-        self._settled_by = (compressor, memory)
-        self._handle = innermost(optimizer).register_step_pre_hook(self._settle)
-        self.hand_over.mark_watched()
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
 
     def begin_step(self) -> None:
         self._params, self._groups, self._results = {}, [], []

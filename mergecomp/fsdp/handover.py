@@ -27,40 +27,20 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..momentum import innermost
-from ..runtime.handover import LoopHandOver
+from ..runtime.handover import StepHookedHandOver
 
 
-class FSDPHandOver:
+class FSDPHandOver(StepHookedHandOver):
     """The hand-over of one registered model: its units' parameters (``params``: one list per
     unit, the sharded parameters whose ``grad`` the loop reads), the optimizer's step pre-hook,
     and ``shards`` (the backend of the ranks that hold different shards, None when every rank
     holds whole gradients)."""
 
     def __init__(self, lifecycle, backend, params: Sequence[Sequence[torch.nn.Parameter]], shards=None):
+        super().__init__(lifecycle, backend, None if shards is None else self._total)
         self.params = [list(unit) for unit in params]
         self.shards = shards
-        self.hand_over = LoopHandOver(lifecycle, backend, None if shards is None else self._total)
-        self._handle = None
-        self._settled_by = ()  # the compressor and memory the advice quotes
         self._delivered = False
-
-    @property
-    def active(self) -> bool:
-        """An optimizer was shown: its steps settle what the backward's end scaled."""
-        return self._handle is not None
-
-    def watch(self, optimizer, compressor, memory) -> None:
-        """Settle at every ``step()`` of ``optimizer`` (the one inside a framework's wrapper)."""
-        self.close()
-        self._settled_by = (compressor, memory)
-        self._handle = innermost(optimizer).register_step_pre_hook(self._settle)
-        self.hand_over.mark_watched()
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
 
     def deliver(self, finite: bool) -> None:
         """The backward's end (its step settled, not yet closed): scale and note the shards."""

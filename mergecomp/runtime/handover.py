@@ -30,6 +30,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from ..momentum import innermost
 from .drift import ClipWatch
 
 
@@ -153,6 +154,38 @@ class LoopHandOver:
             if factor != 1.0:
                 for tensor in _tensors(group):
                     tensor.mul_(factor)
+
+
+class StepHookedHandOver:
+    """The half an entry point without its own ``step()`` shares (the DDP hook, FSDP2): the
+    hand-over, settled by a step pre-hook on the optimizer it was shown.  A subclass says
+    what the averages are at the step's end and at ``step()`` (:meth:`_settle`)."""
+
+    def __init__(self, lifecycle, backend, total=None):
+        self.hand_over = LoopHandOver(lifecycle, backend, total)
+        self._handle = None
+        self._settled_by: tuple = ()  # the compressor and memory the advice quotes
+
+    @property
+    def active(self) -> bool:
+        """An optimizer was shown: its steps settle what the step's end scaled."""
+        return self._handle is not None
+
+    def watch(self, optimizer, compressor, memory) -> None:
+        """Settle at every ``step()`` of ``optimizer`` (the one inside a framework's wrapper);
+        one shown another optimizer stops watching the first."""
+        self.close()
+        self._settled_by = (compressor, memory)
+        self._handle = innermost(optimizer).register_step_pre_hook(self._settle)
+        self.hand_over.mark_watched()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _settle(self, *_) -> None:
+        raise NotImplementedError
 
 
 def _tensors(group) -> list:
