@@ -25,6 +25,8 @@ import json
 import os
 from typing import Dict, List, Optional, Tuple
 
+from benchmarks.harness import drift_plots
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 #: The gap, in percent of dense's loss, within which a cell counts as reaching dense.
@@ -34,17 +36,15 @@ TITLES = {"sgd": "SGD", "adamw": "AdamW"}
 
 def _run(results: str, folder: str, label: str, seed: int) -> dict:
     """The row ``label`` of seed ``seed`` in ``folder``'s convergence.json (under ``results``)."""
-    path = os.path.join(results, folder, "convergence.json")
+    path = os.path.join(results, folder)
     try:
-        with open(path) as handle:
-            result = json.load(handle)
-    except OSError as error:
-        raise ValueError(f"cannot read {path}: {error.strerror}; cells.json names a run that is not "
-                         "committed") from None
-    for run in result.get("runs", []):
+        result = drift_plots.read(path)
+    except ValueError as error:
+        raise ValueError(f"{error} (cells.json names a run that is not committed)") from None
+    for run in result["runs"]:
         if run.get("label") == label and run.get("seed") == seed:
             return run
-    raise ValueError(f"{path} has no run labelled {label!r} with seed {seed}")
+    raise ValueError(f"{path}/convergence.json has no run labelled {label!r} with seed {seed}")
 
 
 def read(folder: str, results: str = RESULTS) -> dict:
@@ -57,9 +57,8 @@ def read(folder: str, results: str = RESULTS) -> dict:
     except OSError as error:
         raise ValueError(f"cannot read {path}: {error.strerror}") from None
     dense: Dict[str, dict] = {}
-    for key, run_folder in grid["dense"].items():
-        optimizer, task, seed = key.split()
-        dense[key] = _run(results, run_folder, "none", int(seed))
+    for key, run_folder in grid["dense"].items():  # "optimizer task seed"
+        dense[key] = _run(results, run_folder, "none", int(key.split()[-1]))
     for cell in grid["cells"]:
         key = f"{cell['optimizer']} {cell['task']} {cell['seed']}"
         if key not in dense:
