@@ -127,7 +127,7 @@ def register(model: torch.nn.Module, compressor: Union[str, Compressor] = "topk"
                             "allreduce" if replicas else "reduce_scatter")
     backward.lifecycle.meter = meter
     backward.loop = FSDPHandOver(backward.lifecycle, world, [sharded_params(group) for _, _, _, group in groups],
-                                 shard_backend(groups[0][3], kind, TorchDistributedBackend))
+                                 shard_backend(groups[0][3], kind))
     if optimizer is not None:
         backward.loop.watch(optimizer, compressor, memory)
     installed: Dict[str, Any] = {}

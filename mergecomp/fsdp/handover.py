@@ -27,7 +27,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..distributed.backends.torch_dist import TorchDistributedBackend
 from ..runtime.handover import StepHookedHandOver
+from .replica import REPLICATE
 
 
 class FSDPHandOver(StepHookedHandOver):
@@ -76,8 +78,7 @@ def sharded_params(group) -> List[torch.nn.Parameter]:
     return [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
 
 
-def shard_backend(group, kind: str, backend_type) -> Optional[object]:
+def shard_backend(group, kind: str) -> Optional[TorchDistributedBackend]:
     """The backend over the ranks that hold different shards of ``group``'s gradients: the
     shard group (FSDP, HSDP), or None under ``replicate``."""
-    from .replica import REPLICATE
-    return None if kind == REPLICATE else backend_type(group.mesh_info.shard_process_group)
+    return None if kind == REPLICATE else TorchDistributedBackend(group.mesh_info.shard_process_group)
