@@ -249,6 +249,24 @@ def test_atomo_is_exact_when_the_budget_covers_the_rank():
     assert torch.allclose(decoded, a, atol=1e-5)
 
 
+def test_atomo_samples_more_atoms_where_its_budget_is_raised_and_keeps_its_layout():
+    torch.manual_seed(0)
+    a = torch.randn(64, 48)
+    atomo = compressors.create("atomo", budget=2, min_compression_rate=2)
+    atoms = lambda: sum(int(atomo.compress(a, "g")[0][1].sum()) for _ in range(200))
+    configured = atoms()
+    atomo.set_group_scale("g", 4.0)  # what the quality controller does for a noisy group
+    raised = atoms()
+    assert atomo.group_budget("g") == 8.0 and atomo.group_budget("other") == 2.0
+    assert 3.5 < raised / configured < 4.5  # E[atoms] = the budget
+    assert atomo.knob == "rank"
+    # which views are factored is the configured budget's: a scale never changes the layout
+    _, ctx = atomo.compress(a, "g")
+    assert len(atomo.split(ctx.layout)[1]) == 1
+    atomo.set_group_scale("g", 1.0)
+    assert atomo.group_budget("g") == 2.0
+
+
 def test_powersgd_is_exact_for_low_rank():
     a = torch.randn(8, 1) @ torch.randn(1, 6)
     decoded, nbytes = run_locally(compressors.create("powersgd", rank=2, min_compression_rate=0), a)

@@ -325,12 +325,13 @@ def test_the_none_memory_measures_an_unbiased_compressors_noise():
     assert memory.drift_terms("g") is None  # an unmeasured step decodes nothing
 
 
-def _noisy(rank, world_size, folder, name):
+def _noisy(rank, world_size, folder, name, controller="auto"):
     model = _model()
-    compressor = mergecomp.compressors.create(name, **({"compress_ratio": 0.25, "unbiased": True}
-                                                        if name == "randk" else {}))
+    options = {"randk": {"compress_ratio": 0.25, "unbiased": True}, "atomo": {"budget": 1, "min_compression_rate": 1}}
+    compressor = mergecomp.compressors.create(name, **options.get(name, {}))
     optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
-                                               compressor=compressor, memory="none", schedule=1)
+                                               compressor=compressor, memory="none", schedule=1,
+                                               controller=controller)
     if rank == 0:
         optimizer.add_step_log(mergecomp.StepLog(folder))
     with warnings.catch_warnings(record=True) as caught:
@@ -339,24 +340,39 @@ def _noisy(rank, world_size, folder, name):
             _step(model, optimizer, rank, step)
     for log in getattr(optimizer, "step_logs", []):
         log.close()
-    return (optimizer.drift, dict(optimizer.controller.scales), [str(w.message) for w in caught],
+    scales = dict(optimizer.controller.scales) if optimizer.controller is not None else {}
+    return (optimizer.drift, scales, [str(w.message) for w in caught],
             [p.detach().clone() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("name", ["qsgd", "randk"])
-def test_an_unbiased_exchange_logs_its_noise_and_is_not_steered(tmp_path, name):
+def test_an_unbiased_exchange_logs_its_noise_and_is_steered_by_it(tmp_path, name):
+    from mergecomp.runtime.controller import NOISE_THRESHOLDS
     from mergecomp.steplog import read_rows
-    (reading0, scales, said, p0), (reading1, _, _, p1) = run_ranks(_noisy, 2, str(tmp_path), name)
+    (reading0, scales0, said, p0), (reading1, scales1, _, p1) = run_ranks(_noisy, 2, str(tmp_path), name)
     assert reading0 == reading1 and reading0.kind == "noise" and reading0.step == 30
-    assert 0 < reading0.noise < math.inf and set(reading0.groups) == {"group0"}
-    if name == "randk":  # unbiased rand-k at a quarter: E‖C(g) − g‖² = (1/ratio − 1)·‖g‖²
-        assert reading0.noise == pytest.approx(math.sqrt(3), rel=0.25)
-    assert scales == {} and not [m for m in said if "mergecomp:" in m]  # neither steered nor warned about
-    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert 0 <= reading0.noise < math.inf and set(reading0.groups) == {"group0"}
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and scales0 == scales1
+    if name == "randk":  # unbiased rand-k at a quarter: E‖C(g) − g‖² = (1/ratio − 1)·‖g‖², above the threshold
+        assert scales0["group0"] >= 2.0  # raised where the noise passed NOISE_THRESHOLDS
+        assert reading0.noise < 0.8 * math.sqrt(3)  # a denser subset is less noisy (√(1/0.5 − 1) at twice)
+    else:  # QSGD's 7 levels: below it, neither steered (it has nothing to raise) nor warned about
+        assert 0 < reading0.noise < NOISE_THRESHOLDS[0]
+        assert scales0 == {} and not [m for m in said if "mergecomp:" in m]
     rows = read_rows(str(tmp_path))
     measured = [row for row in rows if row["noise"] is not None]
     assert [row["step"] for row in measured] == [0, 10, 20, 30] and all(row["drift"] is None for row in rows)
     assert measured[-1]["noise"] == pytest.approx(reading0.noise)
+
+
+def test_a_noise_above_the_threshold_with_nothing_steering_it_is_told_once_on_rank_0(tmp_path):
+    """ATOMO at one atom a matrix: its noise is well above the threshold."""
+    (reading0, _, said0, _), (_, _, said1, _) = run_ranks(_noisy, 2, str(tmp_path), "atomo", "off")
+    from mergecomp.runtime.drift import NOISE_WARN_ABOVE
+    assert reading0.kind == "noise" and reading0.noise > NOISE_WARN_ABOVE
+    told = [m for m in said0 if "compressed gradient is off by" in m]
+    assert len(told) == 1 and not [m for m in said1 if "compressed gradient is off by" in m]
+    assert "the quality controller is off" in told[0] and "noise-threshold" in told[0]
 
 
 def _told(rank, world_size, controller, steps, adam=False):

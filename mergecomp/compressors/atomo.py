@@ -60,8 +60,10 @@ class AtomoCompressor(Compressor):
     The group's layout (its per-parameter views) says what a layer is: a view of two or
     more dimensions is the matrix shape[0] × rest (a conv kernel out × in·h·w), decomposed
     as Σ σᵢ uᵢ vᵢᵀ; each atom is kept independently with ATOMO's variance-optimal
-    probability for an expected ``budget`` atoms per matrix (:func:`atomo_probabilities`)
-    and sent as (uᵢ, σᵢ/pᵢ, vᵢ), so the estimate is unbiased: E[decode] = the gradient.
+    probability for an expected ``budget`` atoms per matrix (:func:`atomo_probabilities`;
+    the quality controller raises a group's budget where the exchange's noise is high,
+    :meth:`group_budget`) and sent as (uᵢ, σᵢ/pᵢ, vᵢ), so the estimate is unbiased:
+    E[decode] = the gradient.
     A matrix is factored only when that gains enough, r·c > ``min_compression_rate``·
     ``budget``·(r + c + 1) (0 factors every matrix); 1-D views (biases, norms, pieces of
     sliced parameters) and small matrices are sent raw, exactly.  Without a layout the
@@ -100,6 +102,15 @@ class AtomoCompressor(Compressor):
         self._snapshot: Optional[torch.Tensor] = None  # the generator at this step's first draw
 
     # -- which views are factored ----------------------------------------------------------
+    knob = "rank"
+
+    def group_budget(self, name: Optional[str] = None) -> float:
+        """The expected atoms per matrix group ``name`` samples now: ``budget`` times its
+        scale (the quality controller raises it where the exchange's noise is high, see
+        :attr:`knob`).  Which matrices are factored stays fixed by ``budget``, so a scale
+        changes how many atoms a group sends, never its layout."""
+        return self.budget if name is None else self.budget * self.group_scale(name)
+
     def factors(self, rows: int, cols: int) -> bool:
         """Whether a rows × cols matrix gains enough to be factored."""
         return rows * cols > self.min_compression_rate * self.budget * (rows + cols + 1)
@@ -134,13 +145,14 @@ class AtomoCompressor(Compressor):
         raw, matrices = self.split(layout)
         flat = tensor.reshape(-1)
         dtype = compute_dtype(tensor.dtype)
+        budget = self.group_budget(name)
         if matrices:  # one draw per step and group, an atom's uniform fixed by its position
             uniforms = self._uniforms(sum(min(m.rows, m.cols) for m in matrices), dtype, flat.device)
         counts, lefts, scaled, rights = [], [], [], []
         at = 0
         for matrix in matrices:
             u, sigma, vh = torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
-            probabilities = atomo_probabilities(sigma, self.budget)
+            probabilities = atomo_probabilities(sigma, budget)
             keep = uniforms[at:at + sigma.numel()] < probabilities
             at += sigma.numel()
             counts.append(keep.sum())

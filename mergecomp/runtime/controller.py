@@ -12,7 +12,9 @@ decisions come from the agreed sums and its own state, at fixed steps, so every 
 the same ones; its state is saved with the step lifecycle's, so a resumed run decides as
 the first would have.  A scale only changes how many coordinates (or columns) a group sends,
 never a compiled path: the group's shapes change at most once per decision.  The lag it
-reads is measured by :mod:`mergecomp.runtime.drift` and handed over as a :class:`DriftReading`.
+reads is measured by :mod:`mergecomp.runtime.drift` and handed over as a :class:`DriftReading`;
+for an unbiased compressor without error feedback (ATOMO, unbiased rand-k) the reading is the
+exchange's noise, steered the same way by thresholds of its own.
 """
 from __future__ import annotations
 
@@ -32,6 +34,11 @@ SGD_THRESHOLDS = (1.5, 0.5)
 #: while at DGC's it climbs far above it and the run misses dense unless raised
 #: (docs/results.md#adamw-thresholds): SGD's thresholds would spend the whole budget on the first.
 ADAM_THRESHOLDS = (24.0, 8.0)
+#: ``raise_above`` and ``lower_below`` for a noise reading (an unbiased compressor without
+#: error feedback, e.g. ATOMO's: each rank's compression error over its gradient's norm),
+#: whatever the optimizer: where that noise separated the runs that reached dense from those
+#: that missed it (docs/results.md#noise-threshold).
+NOISE_THRESHOLDS = (0.75, 0.375)
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,8 @@ class DriftController:
             twice its scale, up to ``max_scale``.  ``"auto"`` (the default) follows the
             optimizer and memory (:meth:`follow_optimizer`): :data:`SGD_THRESHOLDS`, or
             :data:`ADAM_THRESHOLDS` under an Adam or AdamW whose first moment the memory
-            holds with momentum factor masking.
+            holds with momentum factor masking.  A noise reading (an unbiased compressor
+            without error feedback) is steered by :data:`NOISE_THRESHOLDS` instead.
         lower_below: a group whose lag stayed under this for ``patience`` measurements in a
             row is sent at half its scale, down to 1 (the configured setting); ``"auto"``
             as ``raise_above``.  The two follow the optimizer when both are ``"auto"``; with
@@ -167,6 +175,12 @@ class DriftController:
                            and bool(getattr(memory, "masking", False)))
             self.raise_above, self.lower_below = ADAM_THRESHOLDS if masked_adam else SGD_THRESHOLDS
 
+    def thresholds(self, kind: str = "lag") -> Tuple[float, float]:
+        """(raise above, lower below) for a reading of ``kind``: ``raise_above`` and
+        ``lower_below`` for a lag (steps of update held back), :data:`NOISE_THRESHOLDS` for
+        a noise (a relative error, another unit)."""
+        return NOISE_THRESHOLDS if kind == "noise" else (self.raise_above, self.lower_below)
+
     def decide(self, reading: DriftReading, weights: Mapping[str, float], steps: int,
                ahead: Optional[int] = None) -> Dict[str, float]:
         """The scales for the next ``ahead`` steps (default ``steps``) from ``reading`` (every
@@ -194,18 +208,19 @@ class DriftController:
             changed.update({group: 1.0 for group in self._warm if self.scales.pop(group, 1.0) != 1.0})
             self._warm = []
         self.started = True
+        raise_above, lower_below = self.thresholds(reading.kind)
         for group, lag in sorted(reading.groups.items(), key=lambda kv: -kv[1]):
             if warm_start:
                 break
             scale = self.scales.get(group, 1.0)
-            if lag > self.raise_above and scale < self.max_scale:
+            if lag > raise_above and scale < self.max_scale:
                 wanted = min(self.max_scale, 2 * scale)
                 if group not in self._cooling and self._affordable(weights, total, steps, group, wanted):
                     changed[group] = wanted
                 else:
                     self.starved = True
                 self._calm[group] = 0
-            elif lag < self.lower_below:
+            elif lag < lower_below:
                 self._calm[group] = self._calm.get(group, 0) + 1
                 if scale > 1.0 and self._calm[group] >= self.patience:
                     changed[group] = max(1.0, scale / 2)

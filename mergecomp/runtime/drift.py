@@ -20,8 +20,9 @@ holds nothing back.  For an unbiased one (QSGD, unclipped TernGrad, unbiased ran
 the ``none`` memory) the reading is its *noise* instead (``kind="noise"``): the same ratio with the
 compression's error this step, ``C(g) − g``, in place of what is held (one decode of the
 rank's own payload per measured group).  Its meaning differs (a relative error, not steps
-behind), so it is logged apart (the step log's ``noise``), neither steered nor warned about:
-no threshold for it has been measured against dense's quality.
+behind), so it is logged apart (the step log's ``noise``) and steered and warned about by
+thresholds of its own, measured against dense's quality
+(:data:`~mergecomp.runtime.controller.NOISE_THRESHOLDS`).
 
 **The controller** (:mod:`mergecomp.runtime.controller`) steers each group by the lag.
 """
@@ -37,7 +38,7 @@ from ..compressors.base import squared_norm
 from ..momentum import is_adam
 # the controller's input and the controller itself (drift_meter builds it); both also imported from here
 from ..plan import is_compressed
-from .controller import DriftController, DriftReading
+from .controller import NOISE_THRESHOLDS, DriftController, DriftReading
 
 
 def lags(names: Sequence[str], sums: torch.Tensor) -> Tuple[float, Dict[str, float]]:
@@ -70,6 +71,10 @@ def lag_warns(optimizer) -> bool:
 #: steering it, says the run will miss dense's quality (docs/results.md#quality-control).
 WARN_ABOVE = 1.5
 WARN_AFTER = 3
+#: The same for a noise reading (each rank's compression error over its gradient's norm,
+#: for an unbiased compressor without error feedback), under any optimizer
+#: (docs/results.md#noise-threshold).
+NOISE_WARN_ABOVE = NOISE_THRESHOLDS[0]
 
 
 def raisable(compressor, memory) -> bool:
@@ -173,8 +178,7 @@ class DriftMeter:
         self._sent = dict(zip(names, sums[pairs:].double().tolist()))
         self.reading = DriftReading(step, whole, groups, self._kind)
         compressor = self._compressor
-        if self._kind == "noise":  # measured and logged; no threshold to steer or warn by
-            return self.reading
+        warn_above = self.warn_above
         steering = self.controller is not None and raisable(compressor, self._memory)
         if steering:
             # the steps sent at the scales now in force: those since the last decision (the
@@ -189,14 +193,21 @@ class DriftMeter:
                 for group, scale in self.controller.decide(reading, weights, since, self.every).items():
                     compressor.set_group_scale(group, scale)
             # steering, but held at the budget while the lag stays high: a larger budget would help
-            held = self.controller.starved and whole > WARN_ABOVE and self.controller.steps > self._front()
+            held = self.controller.starved and whole > warn_above and self.controller.steps > self._front()
             self._high = self._high + 1 if held else 0
         else:
-            self._high = self._high + 1 if whole > WARN_ABOVE else 0
-        if self._high >= WARN_AFTER and not self.warned and self.warns:
+            self._high = self._high + 1 if whole > warn_above else 0
+        warns = self.warns or self._kind == "noise"  # the Adam exemption is the lag's
+        if self._high >= WARN_AFTER and not self.warned and warns:
             self.warned = True
             self._warn(compressor, steering)
         return self.reading
+
+    @property
+    def warn_above(self) -> float:
+        """The reading above which the run is warned about: :data:`WARN_ABOVE` for a lag,
+        :data:`NOISE_WARN_ABOVE` for a noise."""
+        return NOISE_WARN_ABOVE if self._kind == "noise" else WARN_ABOVE
 
     def _front(self) -> int:
         """The steps over which the controller may spend ahead of its budget's pace."""
@@ -225,9 +236,17 @@ class DriftMeter:
                     "use a compressor that has one (topk, dgc, powersgd, efsignsgd, ...) or a less lossy setting")
         warnings.warn(
             f"mergecomp: at step {self.reading.step} {self.reading.describe()} for the last {WARN_AFTER} "
-            f"measurements, above the {WARN_ABOVE:g} steps at which runs measured here missed dense's "
-            f"validation loss by more than 2% (docs/results.md#quality-control); {what}.",
+            f"measurements, above the {self._threshold_words()} at which runs measured here missed dense's "
+            f"validation loss by more than 2% ({self._threshold_page()}); {what}.",
             RuntimeWarning, stacklevel=2)
+
+    def _threshold_words(self) -> str:
+        if self._kind == "noise":
+            return f"noise of {NOISE_WARN_ABOVE:g} times the gradient's norm"
+        return f"{WARN_ABOVE:g} steps"
+
+    def _threshold_page(self) -> str:
+        return "docs/results.md#" + ("noise-threshold" if self._kind == "noise" else "quality-control")
 
     def density_scale(self) -> float:
         """The compressed groups' scale now, weighted by their elements (1: the configured
