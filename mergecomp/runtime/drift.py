@@ -24,7 +24,7 @@ behind), so it is logged apart (the step log's ``noise``) and steered and warned
 thresholds of its own, measured against dense's quality
 (:data:`~mergecomp.runtime.controller.NOISE_THRESHOLDS`).
 
-**The controller** (:mod:`mergecomp.runtime.controller`) steers each group by the lag.
+**The controller** (:mod:`mergecomp.runtime.controller`) steers each group by the lag (or the noise).
 """
 from __future__ import annotations
 
