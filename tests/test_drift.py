@@ -325,11 +325,12 @@ def test_the_none_memory_measures_an_unbiased_compressors_noise():
     assert memory.drift_terms("g") is None  # an unmeasured step decodes nothing
 
 
-def _noisy(rank, world_size, folder, name, controller="auto"):
+def _noisy(rank, world_size, folder, name, controller="auto", adam=False):
     model = _model()
     options = {"randk": {"compress_ratio": 0.25, "unbiased": True}, "atomo": {"budget": 1, "min_compression_rate": 1}}
     compressor = mergecomp.compressors.create(name, **options.get(name, {}))
-    optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01) if adam else torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = mergecomp.DistributedOptimizer(inner, model=model,
                                                compressor=compressor, memory="none", schedule=1,
                                                controller=controller)
     if rank == 0:
@@ -365,9 +366,11 @@ def test_an_unbiased_exchange_logs_its_noise_and_is_steered_by_it(tmp_path, name
     assert measured[-1]["noise"] == pytest.approx(reading0.noise)
 
 
-def test_a_noise_above_the_threshold_with_nothing_steering_it_is_told_once_on_rank_0(tmp_path):
-    """ATOMO at one atom a matrix: its noise is well above the threshold."""
-    (reading0, _, said0, _), (_, _, said1, _) = run_ranks(_noisy, 2, str(tmp_path), "atomo", "off")
+@pytest.mark.parametrize("adam", [False, True])
+def test_a_noise_above_the_threshold_with_nothing_steering_it_is_told_once_on_rank_0(tmp_path, adam):
+    """ATOMO at one atom a matrix: its noise is well above the threshold (under AdamW too,
+    where a lag is not warned about)."""
+    (reading0, _, said0, _), (_, _, said1, _) = run_ranks(_noisy, 2, str(tmp_path), "atomo", "off", adam)
     from mergecomp.runtime.drift import NOISE_WARN_ABOVE
     assert reading0.kind == "noise" and reading0.noise > NOISE_WARN_ABOVE
     told = [m for m in said0 if "compressed gradient is off by" in m]
