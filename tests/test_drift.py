@@ -366,6 +366,13 @@ def test_an_unbiased_exchange_logs_its_noise_and_is_steered_by_it(tmp_path, name
     assert measured[-1]["noise"] == pytest.approx(reading0.noise)
 
 
+def test_unbiased_randk_reads_the_noise_its_density_predicts(tmp_path):
+    """Unbiased rand-k at a quarter, nothing steering it: E‖C(g) − g‖² = (1/ratio − 1)·‖g‖²."""
+    (reading0, scales0, said0, _), _ = run_ranks(_noisy, 2, str(tmp_path), "randk", "off")
+    assert reading0.noise == pytest.approx(math.sqrt(3), rel=0.25) and scales0 == {}
+    assert len([m for m in said0 if "compressed gradient is off by" in m]) == 1  # above the threshold: told
+
+
 @pytest.mark.parametrize("adam", [False, True])
 def test_a_noise_above_the_threshold_with_nothing_steering_it_is_told_once_on_rank_0(tmp_path, adam):
     """ATOMO at one atom a matrix: its noise is well above the threshold (under AdamW too,
