@@ -104,12 +104,12 @@ class AtomoCompressor(Compressor):
     # -- which views are factored ----------------------------------------------------------
     knob = "rank"
 
-    def group_budget(self, name: Optional[str] = None) -> float:
+    def group_budget(self, name: str) -> float:
         """The expected atoms per matrix group ``name`` samples now: ``budget`` times its
         scale (the quality controller raises it where the exchange's noise is high, see
         :attr:`knob`).  Which matrices are factored stays fixed by ``budget``, so a scale
         changes how many atoms a group sends, never its layout."""
-        return self.budget if name is None else self.budget * self.group_scale(name)
+        return self.budget * self.group_scale(name)
 
     def factors(self, rows: int, cols: int) -> bool:
         """Whether a rows × cols matrix gains enough to be factored."""

@@ -178,7 +178,6 @@ class DriftMeter:
         self._sent = dict(zip(names, sums[pairs:].double().tolist()))
         self.reading = DriftReading(step, whole, groups, self._kind)
         compressor = self._compressor
-        warn_above = self.warn_above
         steering = self.controller is not None and raisable(compressor, self._memory)
         if steering:
             # the steps sent at the scales now in force: those since the last decision (the
@@ -193,10 +192,10 @@ class DriftMeter:
                 for group, scale in self.controller.decide(reading, weights, since, self.every).items():
                     compressor.set_group_scale(group, scale)
             # steering, but held at the budget while the lag stays high: a larger budget would help
-            held = self.controller.starved and whole > warn_above and self.controller.steps > self._front()
+            held = self.controller.starved and whole > self.warn_above and self.controller.steps > self._front()
             self._high = self._high + 1 if held else 0
         else:
-            self._high = self._high + 1 if whole > warn_above else 0
+            self._high = self._high + 1 if whole > self.warn_above else 0
         warns = self.warns or self._kind == "noise"  # the Adam exemption is the lag's
         if self._high >= WARN_AFTER and not self.warned and warns:
             self.warned = True
@@ -236,17 +235,17 @@ class DriftMeter:
                     "use a compressor that has one (topk, dgc, powersgd, efsignsgd, ...) or a less lossy setting")
         warnings.warn(
             f"mergecomp: at step {self.reading.step} {self.reading.describe()} for the last {WARN_AFTER} "
-            f"measurements, above the {self._threshold_words()} at which runs measured here missed dense's "
-            f"validation loss by more than 2% ({self._threshold_page()}); {what}.",
+            f"measurements, above {self._threshold_said()}; {what}.",
             RuntimeWarning, stacklevel=2)
 
-    def _threshold_words(self) -> str:
+    def _threshold_said(self) -> str:
+        """The threshold passed, in words, and the page that measured it."""
         if self._kind == "noise":
-            return f"noise of {NOISE_WARN_ABOVE:g} times the gradient's norm"
-        return f"{WARN_ABOVE:g} steps"
-
-    def _threshold_page(self) -> str:
-        return "docs/results.md#" + ("noise-threshold" if self._kind == "noise" else "quality-control")
+            what, page = f"the noise of {NOISE_WARN_ABOVE:g} times the gradient's norm", "noise-threshold"
+        else:
+            what, page = f"the {WARN_ABOVE:g} steps", "quality-control"
+        return (f"{what} at which runs measured here missed dense's validation loss by more than 2% "
+                f"(docs/results.md#{page})")
 
     def density_scale(self) -> float:
         """The compressed groups' scale now, weighted by their elements (1: the configured
