@@ -40,7 +40,7 @@ attaches nothing, and with no log attached no step pays for any of it.  Columns:
   group's (``mergecomp/drift/<group>``).
 - ``density_scale``: how many times its configured density (or rank) the quality controller
   has the compressed groups send, weighted by their elements (1: the configured setting).
-- ``noise``: for an unbiased compressor without error feedback (QSGD, unclipped TernGrad,
+- ``noise``: for a compressor without error feedback whose error is noise (QSGD, TernGrad,
   unbiased rand-k, ATOMO), how large each rank's compression error is against its gradient,
   ‖C(g) − g‖ / ‖g‖ over ranks, as last measured (``drift`` is then empty: nothing is held
   back).  TensorBoard also gets each group's (``mergecomp/noise/<group>``).

@@ -209,8 +209,9 @@ def _steered(rank, world_size, compressor, steps, clip=None, adam=False):
     return controller.history, sent, weights, controller.spent <= 1.02 * controller.allowed(controller.base, per_step, 5)
 
 
-@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd", "efsignsgd", "onebit", "tbq"])
+@pytest.mark.parametrize("name", ["topk", "dgc", "powersgd", "efsignsgd", "onebit", "tbq", "terngrad"])
 def test_the_controller_raises_lagging_groups_alike_on_every_rank(name):
+    # TernGrad's default: its noise (its clip's bias with its rounding's) passes NOISE_THRESHOLDS
     # the low-bit compressors are raised once their memory runs the momentum: the loop clips
     clip = 1e-3 if name in ("efsignsgd", "onebit", "tbq") else None
     (history0, sent0, weights0, within0), (history1, _, weights1, _) = run_ranks(_steered, 2, name, 30, clip)
@@ -357,7 +358,7 @@ def test_an_unbiased_exchange_logs_its_noise_and_is_steered_by_it(tmp_path, name
     if name == "randk":  # unbiased rand-k at a quarter: E‖C(g) − g‖² = (1/ratio − 1)·‖g‖², above the threshold
         assert scales0["group0"] >= 2.0  # raised where the noise passed NOISE_THRESHOLDS
         assert reading0.noise < 0.8 * math.sqrt(3)  # a denser subset is less noisy (√(1/0.5 − 1) at twice)
-    else:  # QSGD's 7 levels: below it, neither steered (it has nothing to raise) nor warned about
+    else:  # QSGD's 7 levels: below it, neither steered (its bits stay at 4) nor warned about
         assert 0 < reading0.noise < NOISE_THRESHOLDS[0]
         assert scales0 == {} and not [m for m in said if "mergecomp:" in m]
     rows = read_rows(str(tmp_path))

@@ -244,6 +244,14 @@ class Compressor(DriftTerms):
     unbiased: Optional[bool] = None
     #: It keeps its own error feedback: no memory may be put around it (see above).
     error_feedback = False
+
+    @property
+    def reads_noise(self) -> bool:
+        """Whether its error this step, ``decode(compress(g)) − g``, is noise around the
+        gradient that the drift meter reads under the ``none`` memory
+        (:mod:`mergecomp.runtime.drift`): an unbiased compressor's (a plugin may say yes
+        for a small bias that comes with its noise, as clipped TernGrad does)."""
+        return self.unbiased is True
     #: The gradient dtypes this compressor carries; :func:`check_dtypes` refuses others.
     supported_dtypes: Tuple[torch.dtype, ...] = REAL_FLOATS
     #: What to pair it with when the user does not say (allgather carries anything).

@@ -15,13 +15,14 @@ import torch
 
 from . import register
 from .base import Context
+from .raisedlevels import RaisesLevels
 from ..kernels import (Scratch, bits_for, bucket_norms, check_bucket_size, dequantize_packed, num_buckets,
                       packed_nbytes, quantize_packed)
 from .streams import StochasticCompressor
 
 
 @register("qsgd")
-class QSGDCompressor(StochasticCompressor):
+class QSGDCompressor(RaisesLevels, StochasticCompressor):
     """Each element v of a bucket with norm ‖v‖₂ becomes sign(v)·‖v‖·ℓ/s, ℓ ∈ {0..s} drawn
     so that E[ℓ] = s·|v|/‖v‖ (stochastic rounding between the two nearest levels).
 
@@ -35,6 +36,9 @@ class QSGDCompressor(StochasticCompressor):
     The rounding draws from a private stream per group, seeded from ``seed`` and this
     process's rank (ranks round independently), saved in ``state_dict()`` and rewound by
     ``rollback()`` (:mod:`~mergecomp.compressors.streams`).
+
+    The quality controller may send a group at more bits and levels where its noise is
+    high (8 bits, 127 levels, from the default's 4; :mod:`~mergecomp.compressors.raisedlevels`).
 
     ``bucket_size`` is 128 by default, a quarter of the paper's 512: the variance bound
     √d/s·‖v‖² halves, for a quarter of a bit more per element (one fp32 norm per 128); what
@@ -65,20 +69,23 @@ class QSGDCompressor(StochasticCompressor):
             return (empty, torch.empty(0, dtype=torch.float32, device=tensor.device)), \
                 Context(tensor.shape, tensor.dtype)
         norms = bucket_norms(tensor, self.bucket_size, self._scratch)
-        s = self.levels
+        s, bits = self.levels_of(name)
         # Signed level s·v/‖v‖ ∈ [−s, s], rounded stochastically and offset by s: the code.
         factors = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        packed = quantize_packed(tensor, self.bucket_size, factors, s, self.bits, self._scratch,
+        packed = quantize_packed(tensor, self.bucket_size, factors, s, bits, self._scratch,
                                  key=self.streams.key(name, tensor.numel()))
-        return (packed, norms), Context(tensor.shape, tensor.dtype)
+        return (packed, norms), self.levels_context(tensor, s, bits)
 
     def decompress(self, payload, ctx):
         packed, norms = payload
         if not ctx.numel:
             return torch.zeros(ctx.shape, dtype=ctx.dtype, device=packed.device)
-        return dequantize_packed(packed, self.bits, ctx.numel, self.levels, norms / self.levels,
+        s, bits = self.context_levels(ctx)
+        return dequantize_packed(packed, bits, ctx.numel, s, norms / s,
                                  self.bucket_size, ctx.dtype, self._scratch).view(ctx.shape)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """⌈n·b/8⌉ bytes of codes + 4 bytes per bucket (whatever the input dtype)."""
-        return packed_nbytes(numel, self.bits) + 4 * num_buckets(numel, self.bucket_size)
+        """⌈n·b/8⌉ bytes of codes + 4 bytes per bucket (whatever the input dtype); a
+        payload's own codes where the controller raised its group."""
+        codes = packed_nbytes(numel, self.bits) if payload is None else payload[0].numel()
+        return codes + 4 * num_buckets(numel, self.bucket_size)

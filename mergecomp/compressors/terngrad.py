@@ -16,13 +16,14 @@ import torch
 
 from . import register
 from .base import Context
+from .raisedlevels import RaisesLevels
 from ..kernels import (Scratch, bucket_peaks, check_bucket_size, dequantize_packed, num_buckets, packed_nbytes,
                       padded_fp32_buckets, quantize_packed)
 from .streams import StochasticCompressor
 
 
 @register("terngrad")
-class TernGradCompressor(StochasticCompressor):
+class TernGradCompressor(RaisesLevels, StochasticCompressor):
     """Each element v of a bucket with scale S = max|v| becomes S·sign(v)·b, b ~ Bernoulli(|v|/S).
 
     Each bucket is first clipped to ±c·σ (``clip=c``, σ its standard deviation; 2.5 by
@@ -35,7 +36,14 @@ class TernGradCompressor(StochasticCompressor):
     draws come from a private stream per group, seeded from ``seed`` and this process's
     rank, saved in ``state_dict()`` and rewound by ``rollback()``.
 
-    Wire for n elements: ⌈n/4⌉ bytes of codes + 4·⌈n/bucket_size⌉ bytes of fp32 scales.
+    Its error, clipped or not, is noise around the gradient, which the drift meter reads
+    (:attr:`reads_noise`); where it is high the quality controller sends the group at 4 or
+    8 bits, 7 or 127 levels of S (:mod:`~mergecomp.compressors.raisedlevels`), and unclipped:
+    the clip trades bias for the variance of one level, and at seven the bias would be
+    most of what is left of the error.
+
+    Wire for n elements: ⌈n/4⌉ bytes of codes + 4·⌈n/bucket_size⌉ bytes of fp32 scales
+    (⌈n·b/8⌉ bytes of codes for a group raised to b bits).
     """
 
     summable = False
@@ -43,6 +51,8 @@ class TernGradCompressor(StochasticCompressor):
     unbiased = False  # per instance: True with clip=None
     recommended_memory = "none"
     recommended_communicator = "allgather"
+    #: One level each side of zero, in 2-bit codes: the configured setting the controller raises.
+    levels, bits = 1, 2
 
     def __init__(self, bucket_size: int = 512, clip: Optional[float] = 2.5, seed: int = 0):
         super().__init__(seed)
@@ -56,25 +66,32 @@ class TernGradCompressor(StochasticCompressor):
         self.unbiased = clip is None
         self._scratch = Scratch()
 
+    @property
+    def reads_noise(self) -> bool:
+        """Yes, clipped too: the clipping's bias on the outliers comes with the rounding's
+        noise, and the drift meter reads the two together as the exchange's error."""
+        return True
+
     def compress(self, tensor, name, layout=None):
         if not tensor.numel():
             empty = torch.empty(0, dtype=torch.uint8, device=tensor.device)
             return (empty, torch.empty(0, dtype=torch.float32, device=tensor.device)), \
                 Context(tensor.shape, tensor.dtype)
         source = tensor
-        if self.clip is not None:
+        levels, bits = self.levels_of(name)
+        if self.clip is not None and levels == self.levels:  # a raised group is not clipped
             work = padded_fp32_buckets(tensor, self.bucket_size, self._scratch)
             bound = self._bucket_std(work, tensor.numel()).mul_(self.clip)[:, None]
             torch.maximum(work, -bound, out=work)
             torch.minimum(work, bound, out=work)
             source = work.view(-1)[: tensor.numel()]
         scales = bucket_peaks(source, self.bucket_size, self._scratch)
-        # v/S ∈ [−1, 1] rounded stochastically and offset by 1: code 0 → −S, 1 → 0, 2 → +S,
-        # +S with probability v/S for v > 0 and −S with probability |v|/S for v < 0.
-        factors = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
-        packed = quantize_packed(source, self.bucket_size, factors, 1, 2, self._scratch,
+        # L·v/S ∈ [−L, L] rounded stochastically and offset by L; at L = 1: code 0 → −S,
+        # 1 → 0, 2 → +S, +S with probability v/S for v > 0 and −S with probability |v|/S for v < 0.
+        factors = torch.where(scales > 0, levels / scales, torch.zeros_like(scales))
+        packed = quantize_packed(source, self.bucket_size, factors, levels, bits, self._scratch,
                                  key=self.streams.key(name, source.numel()))
-        return (packed, scales), Context(tensor.shape, tensor.dtype)
+        return (packed, scales), self.levels_context(tensor, levels, bits)
 
     def _bucket_std(self, work, n):
         """Standard deviation of each bucket, the zero padding of the last one excluded.
@@ -94,11 +111,14 @@ class TernGradCompressor(StochasticCompressor):
         packed, scales = payload
         if not ctx.numel:
             return torch.zeros(ctx.shape, dtype=ctx.dtype, device=packed.device)
-        # Code c stands for c − 1 times the scale (code 3 is never sent; it decodes as 2·S).
-        return dequantize_packed(packed, 2, ctx.numel, 1, scales, self.bucket_size, ctx.dtype,
-                                 self._scratch).view(ctx.shape)
+        # Code c stands for c − L times S / L (at L = 1, code 3 is never sent; it decodes as 2·S).
+        levels, bits = self.context_levels(ctx)
+        return dequantize_packed(packed, bits, ctx.numel, levels, scales / levels,
+                                 self.bucket_size, ctx.dtype, self._scratch).view(ctx.shape)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """⌈n/4⌉ bytes of 2-bit codes + 4 bytes per bucket (whatever the input dtype)."""
-        return packed_nbytes(numel, 2) + 4 * num_buckets(numel, self.bucket_size)
+        """⌈n/4⌉ bytes of 2-bit codes + 4 bytes per bucket (whatever the input dtype); a
+        payload's own codes where the controller raised its group."""
+        codes = packed_nbytes(numel, 2) if payload is None else payload[0].numel()
+        return codes + 4 * num_buckets(numel, self.bucket_size)
 

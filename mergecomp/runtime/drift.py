@@ -16,8 +16,8 @@ residual and each incoming update, on the steps measured: every ``every`` steps)
 squared norms travel in the step's outcome allreduce, which runs anyway: no collective of
 its own, and every rank reads the same sums, ``lag_g = √(Σ_r held² / Σ_r incoming²)``.  The
 whole model's lag is the same ratio over every group.  A compressor without error feedback
-holds nothing back.  For an unbiased one (QSGD, unclipped TernGrad, unbiased rand-k, ATOMO, with
-the ``none`` memory) the reading is its *noise* instead (``kind="noise"``): the same ratio with the
+holds nothing back.  For one whose error is noise around the gradient (QSGD, TernGrad,
+unbiased rand-k, ATOMO, with the ``none`` memory) the reading is its *noise* instead (``kind="noise"``): the same ratio with the
 compression's error this step, ``C(g) − g``, in place of what is held (one decode of the
 rank's own payload per measured group).  Its meaning differs (a relative error, not steps
 behind), so it is logged apart (the step log's ``noise``) and steered and warned about by
