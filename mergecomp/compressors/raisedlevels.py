@@ -11,8 +11,9 @@ kernels, with the same scale per bucket, so the estimate stays unbiased (TernGra
 its clipping) and only the codes widen.  The bytes grow with s (the codes are all but
 the whole payload), which is what the controller's byte budget counts.
 Why: stochastic rounding's error falls about as 1/L, so one doubling of the bits takes a
-group from TernGrad's ternary codes (noise about 0.85 on a character transformer's
-gradients, above the threshold) to seven levels (well under half of it).
+group from TernGrad's ternary codes, whose noise on a character transformer's gradients
+passes the controller's threshold, to seven levels, well under it
+(docs/results.md#terngrad-levels).
 
 On the wire at b bits: ⌈n·b/8⌉ bytes of codes and the compressor's fp32 scale per bucket.
 The levels travel in the payload's context (:class:`LevelsContext`), the same on every rank
