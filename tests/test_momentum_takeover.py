@@ -424,3 +424,22 @@ def test_powersgd_keeps_sgds_momentum_after_the_exchange():
     plain, adam = compressors.create("powersgd", use_error_feedback=False), torch.optim.Adam(params())
     plain.check_optimizer(adam)
     assert not adam._optimizer_step_pre_hooks  # no error feedback, nothing to multiply
+
+
+@pytest.mark.parametrize("optimizer_name, warmup_steps, at_rank_64", [("adamw", 10, 10), ("adamw", 0, 0), ("sgd", 10, 0)])
+def test_powersgd_under_adam_sends_its_first_exchanges_at_a_higher_rank(optimizer_name, warmup_steps, at_rank_64):
+    """Under an Adam the first approximations, from a random query, move every coordinate by
+    about the learning rate: the first ``warmup_steps`` exchanges go at 16 times the rank."""
+    from mergecomp.compressors.single_process import run_locally
+    compressor = compressors.create("powersgd", warmup_steps=warmup_steps)
+    inner = torch.optim.AdamW(params()) if optimizer_name == "adamw" else torch.optim.SGD(params(), lr=0.1)
+    compressor.check_optimizer(inner)
+    generator = torch.Generator().manual_seed(0)
+    sent = []
+    for _ in range(12):
+        decoded, nbytes = run_locally(compressor, torch.randn(128, 96, generator=generator), "g")
+        compressor.commit()
+        sent.append(nbytes)
+    assert sent == [4 * 64 * (128 + 96)] * at_rank_64 + [4 * 4 * (128 + 96)] * (12 - at_rank_64)
+    with pytest.raises(ValueError, match="warmup_steps must be a whole number"):
+        compressors.create("powersgd", warmup_steps=-1)

@@ -23,6 +23,10 @@ from .matrix import (LayerMatrix, compute_dtype, factor_element_size, gather_raw
                      layer_matrix, raw_numel, scatter_raw, split_layout)
 
 
+#: How many times its rank a group's first exchanges go at during the warm-up (``warmup_steps``).
+WARMUP_SCALE = 16
+
+
 @register("powersgd")
 class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     """Each layer's gradient matrix M (r × c) approximated by P̂ Qᵀ of rank ``rank``.
@@ -61,6 +65,19 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     ``rank`` defaults to 4, the paper's rank for its language model (an LSTM on WikiText-2),
     at about twice rank 2's bytes; why not 2: docs/results.md#lm-catch-up.
 
+    ``warmup_steps``: under an Adam or AdamW, each group's first ``warmup_steps`` exchanges
+    go at :data:`WARMUP_SCALE` times the rank (capped by the matrix), then at its rank, the
+    queries keeping their first columns.  Why: the power iteration starts from a random
+    query, so the first approximations are poor, and Adam moves every coordinate by about
+    its learning rate whatever the approximation's quality, in a pattern of the
+    approximation's low rank; at β1 = 0 (the error feedback takes it off) nothing averages
+    the first steps.  On a character LSTM under AdamW at two workers, PowerSGD
+    stalled at the unigram plateau from its first twenty steps, with or without the quality
+    controller, and trained with its first exchanges at a higher rank
+    (docs/results.md#two-workers).  PyTorch's ``powerSGD_hook`` defers compression for the
+    same reason (``start_powerSGD_iter``: plain allreduce first).  The warm-up's bytes count
+    as the configured setting's for the controller's budget, as a density warm-up's do.
+
     Math and factors are fp32 whatever the gradient dtype (fp64 stays fp64); raw values
     travel in the gradient's dtype (with fp16/bf16 gradients the first round then has two
     tensors, the raw values and the P factors).  Wire per rank, both rounds:
@@ -79,8 +96,12 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     recommended_communicator = "allreduce"
 
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, warm_start: bool = True,
-                 use_error_feedback: bool = True, seed: int = 0):
+                 use_error_feedback: bool = True, seed: int = 0, warmup_steps: int = 10):
         self.rank = check_rank(rank, "powersgd")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"powersgd warmup_steps must be a whole number of steps ≥ 0 (0: none), "
+                             f"got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
         self.min_compression_rate = check_rate(min_compression_rate, "powersgd")
         self.warm_start = check_flag(warm_start, "warm_start", "powersgd")
         self.use_error_feedback = check_flag(use_error_feedback, "use_error_feedback", "powersgd")
@@ -96,8 +117,14 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     def matrix_rank(self, rows: int, cols: int, name: Optional[str] = None) -> int:
         """The rank k a rows × cols matrix (of group ``name``: its scale raises the rank, see
         :attr:`knob`) is approximated with."""
-        rank = self.rank if name is None else max(self.rank, round(self.rank * self.group_scale(name)))
-        return min(rank, rows, cols)
+        if name is None:
+            return min(self.rank, rows, cols)
+        scale = self.group_scale(name) * (WARMUP_SCALE if self.warming_up(name) else 1)
+        return min(max(self.rank, round(self.rank * scale)), rows, cols)
+
+    def warming_up(self, name: str) -> bool:
+        """Whether group ``name`` is in its first exchanges at a higher rank (``warmup_steps``)."""
+        return self.under_adam and self._steps.get(name, 0) < self.warmup_steps
 
     def factors(self, rows: int, cols: int) -> bool:
         """Whether a rows × cols matrix gains enough to be factored (PyTorch's rule)."""
@@ -309,7 +336,8 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     def __repr__(self):
         return (f"PowerSGDCompressor(rank={self.rank}, min_compression_rate="
                 f"{self.min_compression_rate}, warm_start={self.warm_start}, "
-                f"use_error_feedback={self.use_error_feedback}, seed={self.seed})")
+                f"use_error_feedback={self.use_error_feedback}, seed={self.seed}, "
+                f"warmup_steps={self.warmup_steps})")
 
 
 def _split_views(buffer: torch.Tensor, shapes: List[Tuple[int, int]]) -> List[torch.Tensor]:
