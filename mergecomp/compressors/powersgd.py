@@ -72,7 +72,7 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     its learning rate whatever the approximation's quality, in a pattern of the
     approximation's low rank; at β1 = 0 (the error feedback takes it off) nothing averages
     the first steps.  On a character LSTM under AdamW at two workers, PowerSGD
-    stalled at the unigram plateau from its first twenty steps, with or without the quality
+    stalled at the unigram plateau from its first steps, with or without the quality
     controller, and trained with its first exchanges at a higher rank
     (docs/results.md#two-workers).  PyTorch's ``powerSGD_hook`` defers compression for the
     same reason (``start_powerSGD_iter``: plain allreduce first).  The warm-up's bytes count
