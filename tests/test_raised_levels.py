@@ -50,9 +50,10 @@ def test_a_raised_group_stays_unbiased(name, options):
     assert float((mean - tensor).norm() / tensor.norm()) < 2 * single / 400 ** 0.5
 
 
-def test_a_group_the_controller_did_not_raise_keeps_its_format_bit_for_bit():
+@pytest.mark.parametrize("name", ["terngrad", "qsgd"])
+def test_a_group_the_controller_did_not_raise_keeps_its_format_bit_for_bit(name):
     tensor = _gradient(2)
-    plain, steered = create("terngrad", seed=3), create("terngrad", seed=3)
+    plain, steered = create(name, seed=3), create(name, seed=3)
     steered.set_group_scale("other", 4.0)
     (a, a_scales), ctx = plain.compress(tensor, "g")
     (b, b_scales), _ = steered.compress(tensor, "g")
