@@ -17,7 +17,7 @@ from . import register
 from .base import Context
 from .raisedlevels import RaisesLevels
 from ..kernels import (Scratch, bits_for, bucket_norms, check_bucket_size, dequantize_packed, num_buckets,
-                      packed_nbytes, quantize_packed)
+                      quantize_packed)
 from .streams import StochasticCompressor
 
 
@@ -87,5 +87,4 @@ class QSGDCompressor(RaisesLevels, StochasticCompressor):
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """⌈n·b/8⌉ bytes of codes + 4 bytes per bucket (whatever the input dtype); a
         payload's own codes where the controller raised its group."""
-        codes = packed_nbytes(numel, self.bits) if payload is None else payload[0].numel()
-        return codes + 4 * num_buckets(numel, self.bucket_size)
+        return self.codes_nbytes(numel, payload) + 4 * num_buckets(numel, self.bucket_size)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
+from ..kernels import packed_nbytes
 from .base import Context
 
 #: The most bits a code may have (QSGD's largest setting, 127 levels).
@@ -65,6 +66,11 @@ class RaisesLevels:
         if (levels, bits) == (self.levels, self.bits):
             return Context(tensor.shape, tensor.dtype)
         return LevelsContext(tensor.shape, tensor.dtype, levels, bits)
+
+    def codes_nbytes(self, numel: int, payload=None) -> int:
+        """Bytes of the codes: a payload's own (its group may be raised), else the configured
+        bits' for ``numel`` elements."""
+        return packed_nbytes(numel, self.bits) if payload is None else payload[0].numel()
 
     def context_levels(self, ctx: Context) -> Tuple[int, int]:
         """(levels, bits) a payload with context ``ctx`` was coded at."""

@@ -17,7 +17,7 @@ import torch
 from . import register
 from .base import Context
 from .raisedlevels import RaisesLevels
-from ..kernels import (Scratch, bucket_peaks, check_bucket_size, dequantize_packed, num_buckets, packed_nbytes,
+from ..kernels import (Scratch, bucket_peaks, check_bucket_size, dequantize_packed, num_buckets,
                       padded_fp32_buckets, quantize_packed)
 from .streams import StochasticCompressor
 
@@ -113,12 +113,12 @@ class TernGradCompressor(RaisesLevels, StochasticCompressor):
             return torch.zeros(ctx.shape, dtype=ctx.dtype, device=packed.device)
         # Code c stands for c − L times S / L (at L = 1, code 3 is never sent; it decodes as 2·S).
         levels, bits = self.context_levels(ctx)
-        return dequantize_packed(packed, bits, ctx.numel, levels, scales / levels,
+        steps = scales if levels == 1 else scales / levels  # no copy at the configured level
+        return dequantize_packed(packed, bits, ctx.numel, levels, steps,
                                  self.bucket_size, ctx.dtype, self._scratch).view(ctx.shape)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """⌈n/4⌉ bytes of 2-bit codes + 4 bytes per bucket (whatever the input dtype); a
         payload's own codes where the controller raised its group."""
-        codes = packed_nbytes(numel, 2) if payload is None else payload[0].numel()
-        return codes + 4 * num_buckets(numel, self.bucket_size)
+        return self.codes_nbytes(numel, payload) + 4 * num_buckets(numel, self.bucket_size)
 
