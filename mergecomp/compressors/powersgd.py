@@ -21,14 +21,11 @@ from .base import AllReduce, Compressor, GroupLayout, ParamView, check_layout
 from .lowrank import FoldsAdamFirstMoment, check_flag, check_rank, check_rate, orthonormalize, seeded_normal
 from .matrix import (LayerMatrix, compute_dtype, factor_element_size, gather_raw, group_layout,
                      layer_matrix, raw_numel, scatter_raw, split_layout)
-
-
-#: How many times its rank a group's first exchanges go at during the warm-up (``warmup_steps``).
-WARMUP_SCALE = 16
+from .warmup import ADAM_WARMUP_STEPS, RaisedFirstExchanges, check_adam_warmup_steps
 
 
 @register("powersgd")
-class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
+class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor):
     """Each layer's gradient matrix M (r × c) approximated by P̂ Qᵀ of rank ``rank``.
 
     The group's layout (its per-parameter views) says what a layer is: a view of two or
@@ -66,8 +63,8 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     at about twice rank 2's bytes; why not 2: docs/results.md#lm-catch-up.
 
     ``warmup_steps``: under an Adam or AdamW, each group's first ``warmup_steps`` exchanges
-    go at :data:`WARMUP_SCALE` times the rank (capped by the matrix), then at its rank, the
-    queries keeping their first columns.  Why: the power iteration starts from a random
+    go at :data:`~.warmup.ADAM_WARMUP_SCALE` times the rank (capped by the matrix), then at
+    its rank, the queries keeping their first columns.  Why: the power iteration starts from a random
     query, so the first approximations are poor, and Adam moves every coordinate by about
     its learning rate whatever the approximation's quality, in a pattern of the
     approximation's low rank; at β1 = 0 (the error feedback takes it off) nothing averages
@@ -96,12 +93,9 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
     recommended_communicator = "allreduce"
 
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, warm_start: bool = True,
-                 use_error_feedback: bool = True, seed: int = 0, warmup_steps: int = 10):
+                 use_error_feedback: bool = True, seed: int = 0, warmup_steps: int = ADAM_WARMUP_STEPS):
         self.rank = check_rank(rank, "powersgd")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"powersgd warmup_steps must be a whole number of steps ≥ 0 (0: none), "
-                             f"got {warmup_steps!r}")
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = check_adam_warmup_steps(warmup_steps, "powersgd")
         self.min_compression_rate = check_rate(min_compression_rate, "powersgd")
         self.warm_start = check_flag(warm_start, "warm_start", "powersgd")
         self.use_error_feedback = check_flag(use_error_feedback, "use_error_feedback", "powersgd")
@@ -119,12 +113,8 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, Compressor):
         :attr:`knob`) is approximated with."""
         if name is None:
             return min(self.rank, rows, cols)
-        scale = self.group_scale(name) * (WARMUP_SCALE if self.warming_up(name) else 1)
+        scale = self.group_scale(name) * self.warmup_scale(name)
         return min(max(self.rank, round(self.rank * scale)), rows, cols)
-
-    def warming_up(self, name: str) -> bool:
-        """Whether group ``name`` is in its first exchanges at a higher rank (``warmup_steps``)."""
-        return self.under_adam and self._steps.get(name, 0) < self.warmup_steps
 
     def factors(self, rows: int, cols: int) -> bool:
         """Whether a rows × cols matrix gains enough to be factored (PyTorch's rule)."""

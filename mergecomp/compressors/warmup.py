@@ -24,6 +24,41 @@ ADAM_WARMUP_EPOCHS = 4
 WARMUP_FRACTION_ADVICE = 0.2
 
 
+#: Under an Adam or AdamW, how many of each group's first exchanges go raised by default
+#: (PowerSGD's and rand-k's ``warmup_steps``), and how many times their rank or density.
+ADAM_WARMUP_STEPS = 10
+ADAM_WARMUP_SCALE = 16
+
+
+def check_adam_warmup_steps(warmup_steps, who: str) -> int:
+    """``warmup_steps`` of :class:`RaisedFirstExchanges` as an int ≥ 0; ValueError naming ``who``."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"{who} warmup_steps must be a whole number of steps ≥ 0 (0: none), "
+                         f"got {warmup_steps!r}")
+    return warmup_steps
+
+
+class RaisedFirstExchanges:
+    """Mixin of the compressors whose first exchanges under an Adam or AdamW go raised:
+    each group's first ``warmup_steps`` exchanges at :data:`ADAM_WARMUP_SCALE` times its
+    rank or density (capped by what the group has), then as configured.  The class keeps
+    ``_steps`` (group → exchanges sent, staged with the step, so a dropped step does not
+    count) and sets :attr:`under_adam` when it vets the optimizer.  Each class's docstring
+    says why it needs the warm-up."""
+
+    warmup_steps = 0
+    #: Whether the optimizer it was checked against is an Adam or AdamW.
+    under_adam = False
+
+    def warming_up(self, name: str) -> bool:
+        """Whether group ``name`` is in its first exchanges, sent raised (``warmup_steps``)."""
+        return self.under_adam and self._steps.get(name, 0) < self.warmup_steps
+
+    def warmup_scale(self, name: str) -> int:
+        """How many times its rank or density group ``name`` goes at for the warm-up now."""
+        return ADAM_WARMUP_SCALE if self.warming_up(name) else 1
+
+
 def check_warmup(warmup):
     """``warmup`` as a number of epochs (an int ≥ 0) or a tuple of densities; ValueError otherwise."""
     if isinstance(warmup, bool):
