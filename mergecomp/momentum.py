@@ -233,6 +233,12 @@ def is_adam(optimizer) -> bool:
     return _kind_of(innermost(optimizer)) is _ADAM and bool(optimizer_momentum(optimizer))
 
 
+def is_adam_kind(optimizer) -> bool:
+    """Whether ``optimizer`` (looked through a framework's wrapper) is an Adam or AdamW, with
+    or without a first moment: one that scales each coordinate by its own second moment."""
+    return optimizer is not None and _kind_of(innermost(optimizer)) is _ADAM
+
+
 def _kind_of(optimizer) -> Optional[_Kind]:
     """How ``optimizer``'s momentum is taken over, or None where it cannot be (AdamW is an
     Adam in torch)."""

@@ -443,3 +443,54 @@ def test_powersgd_under_adam_sends_its_first_exchanges_at_a_higher_rank(optimize
     assert sent == [4 * 64 * (128 + 96)] * at_rank_64 + [4 * 4 * (128 + 96)] * (12 - at_rank_64)
     with pytest.raises(ValueError, match="warmup_steps must be a whole number"):
         compressors.create("powersgd", warmup_steps=-1)
+
+
+@pytest.mark.parametrize("optimizer_name, warmup_steps, at_density", [("adamw", 10, 10), ("adamw", 0, 0), ("sgd", 10, 0)])
+def test_randk_under_adam_sends_its_first_exchanges_at_a_higher_density(optimizer_name, warmup_steps, at_density):
+    """Under an Adam rand-k trailed dense from its first steps: the first ``warmup_steps``
+    exchanges go at 16 times the density (at most every element); a dropped step does not
+    count, and a resumed compressor goes on where the warm-up was."""
+    compressor = compressors.create("randk", compress_ratio=0.01, warmup_steps=warmup_steps)
+    inner = torch.optim.AdamW(params()) if optimizer_name == "adamw" else torch.optim.SGD(params(), lr=0.1)
+    compressor.check_optimizer(inner)
+    compressor.compress(torch.randn(10_000), "g")
+    compressor.rollback()  # a dropped step: not one of the warm-up's
+    sent = []
+    for step in range(12):
+        if step == 4:  # resumed from a checkpoint mid-way
+            resumed = compressors.create("randk", compress_ratio=0.01, warmup_steps=warmup_steps)
+            resumed.load_state_dict(compressor.state_dict())
+            resumed.check_optimizer(inner)
+            compressor = resumed
+        payload, ctx = compressor.compress(torch.randn(10_000), "g")
+        compressor.commit()
+        sent.append(payload[0].numel())
+    assert sent == [1_600] * at_density + [100] * (12 - at_density)
+    capped = compressors.create("randk", compress_ratio=0.1)
+    capped.check_optimizer(inner)
+    assert capped.compress(torch.randn(10_000), "g")[0][0].numel() == (10_000 if optimizer_name == "adamw" else 1_000)
+    with pytest.raises(ValueError, match="randk warmup_steps must be a whole number"):
+        compressors.create("randk", warmup_steps=-1)
+
+
+def _randk_held_back(rank, world_size, optimizer_name):
+    """rand-k at its defaults through the wrapper: what its memory holds back after each of
+    two steps."""
+    model = _model()
+    optimizer = mergecomp.DistributedOptimizer(_inner(model, optimizer_name), model=model, compressor="randk")
+    held = []
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank + 10 * step))
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+        held.append(sum(float(r.norm()) for r in optimizer.memory.residuals.committed().values()))
+    optimizer.remove_hooks()
+    return held
+
+
+def test_the_wrapper_warms_randk_up_under_adam_only():
+    for held in run_ranks(_randk_held_back, 2, "adam"):
+        assert held == [0.0, 0.0]  # every coordinate went out: nothing held back
+    for held in run_ranks(_randk_held_back, 2, "momentum"):
+        assert all(h > 0.0 for h in held)

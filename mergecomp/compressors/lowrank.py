@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..momentum import fold_adam_first_moment, is_adam
+from ..momentum import fold_adam_first_moment
 
 
 def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
@@ -70,11 +70,7 @@ class FoldsAdamFirstMoment:
         """Whether an Adam's first moment is taken off: with error feedback on."""
         return bool(self.error_feedback)
 
-    #: Whether the optimizer it was checked against (:meth:`check_optimizer`) is an Adam or AdamW.
-    under_adam = False
-
     def check_optimizer(self, optimizer) -> None:
         """Take an Adam's first moment off when :attr:`folds_adam` (nothing otherwise)."""
-        self.under_adam = optimizer is not None and is_adam(optimizer)
         if self.folds_adam:
             fold_adam_first_moment(optimizer, f"{type(self).__name__}'s error feedback")

@@ -108,6 +108,11 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
     # -- which views are factored ----------------------------------------------------------
     knob = "rank"
 
+    def check_optimizer(self, optimizer) -> None:
+        """Take an Adam's first moment off (its error feedback's), and warm up under an Adam."""
+        super().check_optimizer(optimizer)
+        self.note_optimizer(optimizer)
+
     def matrix_rank(self, rows: int, cols: int, name: Optional[str] = None) -> int:
         """The rank k a rows × cols matrix (of group ``name``: its scale raises the rank, see
         :attr:`knob`) is approximated with."""

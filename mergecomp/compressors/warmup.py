@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from .base import check_ratio, constructor_arguments
 from .recipes import first_rank_of_job, warn
-from ..momentum import is_adam
+from ..momentum import is_adam, is_adam_kind
 
 #: The paper's warm-up: density 25% → 6.25% → 1.5625% → 0.4% → 0.1% over the first epochs.
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
@@ -47,8 +47,13 @@ class RaisedFirstExchanges:
     says why it needs the warm-up."""
 
     warmup_steps = 0
-    #: Whether the optimizer it was checked against is an Adam or AdamW.
+    #: Whether the optimizer it was checked against is an Adam or AdamW (β1 of any value).
     under_adam = False
+
+    def note_optimizer(self, optimizer) -> None:
+        """Whether the warm-up runs: under an Adam or AdamW, whatever its β1 (an error
+        feedback takes β1 off, and the warm-up is for the second moment's sake)."""
+        self.under_adam = is_adam_kind(optimizer)
 
     def warming_up(self, name: str) -> bool:
         """Whether group ``name`` is in its first exchanges, sent raised (``warmup_steps``)."""
