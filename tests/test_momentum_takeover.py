@@ -426,13 +426,23 @@ def test_powersgd_keeps_sgds_momentum_after_the_exchange():
     assert not adam._optimizer_step_pre_hooks  # no error feedback, nothing to multiply
 
 
-@pytest.mark.parametrize("optimizer_name, warmup_steps, at_rank_64", [("adamw", 10, 10), ("adamw", 0, 0), ("sgd", 10, 0)])
+def _named_optimizer(name):
+    """AdamW, SGD, or an Adam whose β1 is 0 (the warm-ups run under any Adam)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params())
+    if name == "adam, β1 0":
+        return torch.optim.Adam(params(), betas=(0.0, 0.999))
+    return torch.optim.SGD(params(), lr=0.1)
+
+
+@pytest.mark.parametrize("optimizer_name, warmup_steps, at_rank_64",
+                         [("adamw", 10, 10), ("adamw", 0, 0), ("sgd", 10, 0), ("adam, β1 0", 10, 10)])
 def test_powersgd_under_adam_sends_its_first_exchanges_at_a_higher_rank(optimizer_name, warmup_steps, at_rank_64):
     """Under an Adam the first approximations, from a random query, move every coordinate by
     about the learning rate: the first ``warmup_steps`` exchanges go at 16 times the rank."""
     from mergecomp.compressors.single_process import run_locally
     compressor = compressors.create("powersgd", warmup_steps=warmup_steps)
-    inner = torch.optim.AdamW(params()) if optimizer_name == "adamw" else torch.optim.SGD(params(), lr=0.1)
+    inner = _named_optimizer(optimizer_name)
     compressor.check_optimizer(inner)
     generator = torch.Generator().manual_seed(0)
     sent = []
@@ -445,13 +455,14 @@ def test_powersgd_under_adam_sends_its_first_exchanges_at_a_higher_rank(optimize
         compressors.create("powersgd", warmup_steps=-1)
 
 
-@pytest.mark.parametrize("optimizer_name, warmup_steps, at_density", [("adamw", 10, 10), ("adamw", 0, 0), ("sgd", 10, 0)])
+@pytest.mark.parametrize("optimizer_name, warmup_steps, at_density",
+                         [("adamw", 10, 10), ("adamw", 0, 0), ("sgd", 10, 0), ("adam, β1 0", 10, 10)])
 def test_randk_under_adam_sends_its_first_exchanges_at_a_higher_density(optimizer_name, warmup_steps, at_density):
     """Under an Adam rand-k trailed dense from its first steps: the first ``warmup_steps``
     exchanges go at 16 times the density (at most every element); a dropped step does not
     count, and a resumed compressor goes on where the warm-up was."""
     compressor = compressors.create("randk", compress_ratio=0.01, warmup_steps=warmup_steps)
-    inner = torch.optim.AdamW(params()) if optimizer_name == "adamw" else torch.optim.SGD(params(), lr=0.1)
+    inner = _named_optimizer(optimizer_name)
     compressor.check_optimizer(inner)
     compressor.compress(torch.randn(10_000), "g")
     compressor.rollback()  # a dropped step: not one of the warm-up's
@@ -468,7 +479,7 @@ def test_randk_under_adam_sends_its_first_exchanges_at_a_higher_density(optimize
     assert sent == [1_600] * at_density + [100] * (12 - at_density)
     capped = compressors.create("randk", compress_ratio=0.1)
     capped.check_optimizer(inner)
-    assert capped.compress(torch.randn(10_000), "g")[0][0].numel() == (10_000 if optimizer_name == "adamw" else 1_000)
+    assert capped.compress(torch.randn(10_000), "g")[0][0].numel() == (1_000 if optimizer_name == "sgd" else 10_000)
     with pytest.raises(ValueError, match="randk warmup_steps must be a whole number"):
         compressors.create("randk", warmup_steps=-1)
 

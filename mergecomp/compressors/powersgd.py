@@ -64,8 +64,9 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
 
     ``warmup_steps``: under an Adam or AdamW, each group's first ``warmup_steps`` exchanges
     go at :data:`~.warmup.ADAM_WARMUP_SCALE` times the rank (capped by the matrix), then at
-    its rank, the queries keeping their first columns.  Why: the power iteration starts from a random
-    query, so the first approximations are poor, and Adam moves every coordinate by about
+    its rank, the queries keeping their first columns (under any Adam, whatever its β1).
+    Why: the power iteration starts from a random query, so the first approximations are
+    poor, and Adam moves every coordinate by about
     its learning rate whatever the approximation's quality, in a pattern of the
     approximation's low rank; at β1 = 0 (the error feedback takes it off) nothing averages
     the first steps.  On a character LSTM under AdamW at two workers, PowerSGD

@@ -65,8 +65,9 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
     ``warmup_steps``: under an Adam or AdamW, each group's first ``warmup_steps`` exchanges
     go at :data:`~.warmup.ADAM_WARMUP_SCALE` times the density (at most every element), as
     PowerSGD's first exchanges go at a higher rank and top-k's and DGC's density decays from
-    25% there.  Why: Adam scales each coordinate by its own history, and a random tenth of
-    the coordinates per step gives most of them none in the first steps; measured on a
+    25% there (under any Adam, whatever its β1).  Why: Adam scales each coordinate by its
+    own history, and a random tenth of the coordinates per step leaves most of them without
+    one in the first steps; measured on a
     character LSTM under AdamW, rand-k trailed dense from its first hundreds of steps and
     ended behind it, and with its first exchanges raised it led
     (docs/results.md#randk-adam-warmup).  Under SGD nothing changes: on a character
