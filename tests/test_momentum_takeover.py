@@ -480,6 +480,11 @@ def test_randk_under_adam_sends_its_first_exchanges_at_a_higher_density(optimize
     capped = compressors.create("randk", compress_ratio=0.1)
     capped.check_optimizer(inner)
     assert capped.compress(torch.randn(10_000), "g")[0][0].numel() == (1_000 if optimizer_name == "sgd" else 10_000)
+    for told, sent_at_first in ((None, 2_500), (10, 10_000)):  # unbiased: no warm-up unless told
+        unbiased = compressors.create("randk", unbiased=True, warmup_steps=told)
+        unbiased.check_optimizer(inner)
+        expected = 2_500 if optimizer_name == "sgd" else sent_at_first
+        assert unbiased.compress(torch.randn(10_000), "g")[0][0].numel() == expected
     with pytest.raises(ValueError, match="randk warmup_steps must be a whole number"):
         compressors.create("randk", warmup_steps=-1)
 
