@@ -230,7 +230,7 @@ _ADAM = _Kind(_shared_first_moment, ("betas",),
 def is_adam(optimizer) -> bool:
     """Whether ``optimizer`` (looked through a framework's wrapper) is an Adam or AdamW with a
     first moment (β1 > 0): the momentum :func:`take_over_momentum` takes as Adam's."""
-    return _kind_of(innermost(optimizer)) is _ADAM and bool(optimizer_momentum(optimizer))
+    return is_adam_kind(optimizer) and bool(optimizer_momentum(optimizer))
 
 
 def is_adam_kind(optimizer) -> bool:

@@ -30,9 +30,14 @@ ADAM_WARMUP_STEPS = 10
 ADAM_WARMUP_SCALE = 16
 
 
+def _is_step_count(value) -> bool:
+    """Whether ``value`` is a whole number of steps ≥ 0 (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def check_adam_warmup_steps(warmup_steps, who: str) -> int:
     """``warmup_steps`` of :class:`RaisedFirstExchanges` as an int ≥ 0; ValueError naming ``who``."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if not _is_step_count(warmup_steps):
         raise ValueError(f"{who} warmup_steps must be a whole number of steps ≥ 0 (0: none), "
                          f"got {warmup_steps!r}")
     return warmup_steps
@@ -80,7 +85,7 @@ def check_warmup(warmup):
 
 def check_warmup_steps(warmup_steps) -> int:
     """``warmup_steps`` as an int ≥ 0; ValueError otherwise."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if not _is_step_count(warmup_steps):
         raise ValueError(f"warmup_steps must be a non-negative integer (0: the warm-up follows "
                          f"the epochs), got {warmup_steps!r}")
     return warmup_steps
