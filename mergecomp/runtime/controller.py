@@ -38,7 +38,7 @@ ADAM_THRESHOLDS = (24.0, 8.0)
 #: error feedback, e.g. ATOMO's: each rank's compression error over its gradient's norm),
 #: whatever the optimizer: where that noise separated the runs that reached dense from those
 #: that missed it (docs/results.md#noise-threshold).
-NOISE_THRESHOLDS = (0.75, 0.375)
+NOISE_THRESHOLDS = (0.6, 0.3)
 
 
 @dataclass(frozen=True)
