@@ -37,7 +37,7 @@ ADAM_THRESHOLDS = (24.0, 8.0)
 #: ``raise_above`` and ``lower_below`` for a noise reading (an unbiased compressor without
 #: error feedback, e.g. ATOMO's: each rank's compression error over its gradient's norm),
 #: whatever the optimizer: where that noise separated the runs that reached dense from those
-#: that missed it (docs/results.md#noise-threshold).
+#: that missed it (docs/results.md#noise-threshold, docs/results.md#noise-0.6).
 NOISE_THRESHOLDS = (0.6, 0.3)
 
 
