@@ -66,10 +66,10 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
     go at :data:`~.warmup.ADAM_WARMUP_SCALE` times the rank (capped by the matrix), then at
     its rank, the queries keeping their first columns (under any Adam, whatever its β1).
     Why: the power iteration starts from a random query, so the first approximations are
-    poor, and Adam moves every coordinate by about
-    its learning rate whatever the approximation's quality, in a pattern of the
-    approximation's low rank; at β1 = 0 (the error feedback takes it off) nothing averages
-    the first steps.  On a character LSTM under AdamW at two workers, PowerSGD
+    poor, and Adam moves every coordinate by about its learning rate whatever the
+    approximation's quality, in a pattern of the approximation's low rank; at β1 = 0 (the
+    error feedback takes it off) nothing averages the first steps.  On a character LSTM
+    under AdamW at two workers, PowerSGD
     stalled at the unigram plateau from its first steps, with or without the quality
     controller, and trained with its first exchanges at a higher rank
     (docs/results.md#two-workers).  PyTorch's ``powerSGD_hook`` defers compression for the

@@ -72,8 +72,8 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
     and ended behind it, and with its first exchanges raised it led
     (docs/results.md#randk-adam-warmup).  Under SGD nothing changes: on a character
     transformer the same warm-up did not keep rand-k from blowing up.  Unbiased rand-k
-    holds no backlog, and ``warmup_steps`` defaults to 0 for it: on the same LSTM it ended
-    4% ahead of dense without the warm-up and level with dense with it.
+    holds no backlog, and ``warmup_steps`` defaults to 0 for it: on the same LSTM it did
+    better without the warm-up than with it.
 
     Wire for n elements: k × value bytes (4k for fp32); no indices.
     """
