@@ -93,6 +93,45 @@ def test_the_controller_doubles_a_lagging_group_and_halves_a_calm_one_after_its_
     assert [scales for _, scales in controller.history] == [{"group0": 2.0}, {"group0": 4.0}, {"group0": 2.0}]
 
 
+def _noise(step, **noises):
+    return DriftReading(step, max(noises.values()), dict(noises), kind="noise")
+
+
+def test_a_raised_noise_is_lowered_only_when_a_step_down_would_read_calm():
+    """A noise is memoryless: the readings around a raise give the setting's gain, and a
+    raised group is weighed by the noise a step down would read (reading × gain)."""
+    from mergecomp.runtime.controller import NOISE_THRESHOLDS
+    high, low = NOISE_THRESHOLDS
+    controller = DriftController(byte_budget=4.0, patience=2, horizon=1000)
+    weights = {"group0": 100.0}
+    assert controller.decide(_noise(0, group0=0.65), weights, 10) == {"group0": 2.0}
+    # raised, it reads far under the lower threshold, but 0.04 × (0.65 / 0.04) is not calm
+    for step in (10, 20, 30, 40):
+        assert controller.decide(_noise(step, group0=0.04), weights, 10) == {}
+    assert controller.scales == {"group0": 2.0}
+    # the gradient got easier to quantise: a step down would now read 0.65 · 0.4 = 0.26 < low
+    calm = 0.04 * 0.4
+    assert 0.65 * 0.4 < low < high
+    assert controller.decide(_noise(50, group0=calm), weights, 10) == {}
+    assert controller.decide(_noise(60, group0=calm), weights, 10) == {"group0": 1.0}
+    # a step down, it reads what the gain said; a new raise measures the gain again
+    assert controller.decide(_noise(70, group0=0.26), weights, 10) == {}
+    again = DriftController(byte_budget=4.0, patience=2, horizon=1000)
+    again.load_state_dict(controller.state_dict())
+    assert again.state_dict() == controller.state_dict()
+    assert again.decide(_noise(80, group0=0.7), weights, 10) == {"group0": 2.0}
+    assert again.decide(_noise(90, group0=0.07), weights, 10) == {}
+    assert again.decide(_noise(100, group0=0.07), weights, 10) == {}  # 0.07 × 10 = 0.7: held
+    assert again.scales == {"group0": 2.0}
+
+
+def test_a_lag_is_weighed_as_read_whatever_its_history():
+    controller = DriftController(raise_above=2.0, lower_below=0.5, byte_budget=4.0, patience=1, horizon=1000)
+    weights = {"group0": 100.0}
+    assert controller.decide(_reading(0, group0=5.0), weights, 10) == {"group0": 2.0}
+    assert controller.decide(_reading(10, group0=0.1), weights, 10) == {"group0": 1.0}
+
+
 def test_the_controller_never_spends_beyond_its_budget():
     controller = DriftController(raise_above=1.0, lower_below=0.1, byte_budget=2.0, max_scale=16.0, front=3)
     weights = {"group0": 1.0}
@@ -362,10 +401,10 @@ def test_an_unbiased_exchange_logs_its_noise_and_is_steered_by_it(tmp_path, name
     measured = [row for row in rows if row["noise"] is not None]
     assert [row["step"] for row in measured] == [0, 10, 20, 30] and all(row["drift"] is None for row in rows)
     assert measured[-1]["noise"] == pytest.approx(reading0.noise, rel=1e-5)  # the log keeps six digits
-    if name == "qsgd":  # 7 levels read above the threshold: raised to 8 bits, far less noisy, then lowered
+    if name == "qsgd":  # 7 levels read above the threshold: raised to 8 bits, far less noisy, and held
         first, *raised = [row["noise"] for row in measured]
         assert first > NOISE_THRESHOLDS[0] and all(noise < NOISE_THRESHOLDS[1] for noise in raised)
-        assert scales0 == {}  # lowered after three calm readings
+        assert scales0 == {"group0": 2.0}  # held: 7 levels, a step down, would read above it again
         assert not [m for m in said if "mergecomp:" in m]  # steered: nothing to warn about
 
 

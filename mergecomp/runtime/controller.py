@@ -164,6 +164,11 @@ class DriftController:
         self.started = False
         #: The groups the warm start raised, until the decision that ends it.
         self._warm: List[str] = []
+        #: A noise reading's memory (see :meth:`_noise_below`): each group's scale and
+        #: reading at the last decision, and for each scale it was raised to, the reading
+        #: just before the raise over the first one after it.
+        self._seen: Dict[str, Tuple[float, float]] = {}
+        self._gain: Dict[str, Dict[float, float]] = {}
 
     def follow_optimizer(self, optimizer, memory=None) -> None:
         """``"auto"`` thresholds: :data:`ADAM_THRESHOLDS` under an Adam or AdamW whose first
@@ -213,6 +218,8 @@ class DriftController:
             if warm_start:
                 break
             scale = self.scales.get(group, 1.0)
+            # what lowering would bring back: the lag itself, or a noise a step down
+            down = self._noise_below(group, scale, lag) if reading.kind == "noise" else lag
             if lag > raise_above and scale < self.max_scale:
                 wanted = min(self.max_scale, 2 * scale)
                 if group not in self._cooling and self._affordable(weights, total, steps, group, wanted):
@@ -220,7 +227,7 @@ class DriftController:
                 else:
                     self.starved = True
                 self._calm[group] = 0
-            elif lag < lower_below:
+            elif down < lower_below:
                 self._calm[group] = self._calm.get(group, 0) + 1
                 if scale > 1.0 and self._calm[group] >= self.patience:
                     changed[group] = max(1.0, scale / 2)
@@ -243,6 +250,27 @@ class DriftController:
         if changed:
             self.history.append((reading.step, dict(self.scales)))
         return changed
+
+    def _noise_below(self, group: str, scale: float, noise: float) -> float:
+        """A noise reading as the rules weigh it: at a raised scale, the noise the group
+        would read a step down, which is what lowering it would bring back.
+
+        A noise is this step's error alone, a property of the setting and of the gradient
+        now, with no history in it (a lag, unlike it, holds the steps before).  So the
+        reading the group took just before it was raised, over the first one after, is the
+        setting's own gain, and the reading now times that gain says where a step down
+        would land.  Weighed by the raised reading itself, a group raised far below the
+        lower threshold (QSGD's 7 levels to 127) was lowered after ``patience`` readings and
+        raised again at the next, three steps in four; under AdamW each switch between the
+        two settings cost more than either setting did alone (docs/results.md#noise-hold).
+        Without a measured gain (a group the warm start raised, or one the budget gave back
+        and raised again before a reading) the reading is weighed as it is."""
+        before = self._seen.get(group)
+        if before is not None and before[0] * 2 == scale and noise > 0.0:
+            self._gain.setdefault(group, {})[scale] = before[1] / noise  # the first reading after a raise
+        self._seen[group] = (scale, noise)
+        gain = self._gain.get(group, {}).get(scale)
+        return noise * gain if gain is not None and scale > 1.0 else noise
 
     def rest(self, steps: int) -> None:
         """``steps`` steps passed with no compressed group to steer or count (see :attr:`idle`)."""
@@ -283,6 +311,8 @@ class DriftController:
         return {"scales": dict(self.scales), "calm": dict(self._calm), "spent": self.spent, "base": self.base,
                 "steps": self.steps, "idle": self.idle, "cooling": dict(self._cooling), "started": self.started,
                 "warm": list(self._warm),
+                "seen": {g: list(pair) for g, pair in self._seen.items()},
+                "gain": {g: [[scale, gain] for scale, gain in gains.items()] for g, gains in self._gain.items()},
                 "history": [[step, dict(scales)] for step, scales in self.history]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -295,6 +325,9 @@ class DriftController:
         # a state from before the warm start: started once it had decided anything
         self.started = bool(state.get("started", self.steps > 0))
         self._warm = [str(g) for g in state.get("warm", [])]
+        self._seen = {str(g): (float(scale), float(noise)) for g, (scale, noise) in dict(state.get("seen", {})).items()}
+        self._gain = {str(g): {float(scale): float(gain) for scale, gain in gains}
+                      for g, gains in dict(state.get("gain", {})).items()}
         self.history = [(int(step), {str(g): float(s) for g, s in dict(scales).items()})
                         for step, scales in state.get("history", [])]
 
