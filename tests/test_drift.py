@@ -123,6 +123,9 @@ def test_a_raised_noise_is_lowered_only_when_a_step_down_would_read_calm():
     assert again.decide(_noise(90, group0=0.07), weights, 10) == {}
     assert again.decide(_noise(100, group0=0.07), weights, 10) == {}  # 0.07 × 10 = 0.7: held
     assert again.scales == {"group0": 2.0}
+    again.regrouped({"group0": 2.0})  # the name now stands for other parameters: no gain known
+    assert again.decide(_noise(110, group0=0.07), weights, 10) == {}
+    assert again.decide(_noise(120, group0=0.07), weights, 10) == {"group0": 1.0}  # weighed as read
 
 
 def test_a_lag_is_weighed_as_read_whatever_its_history():

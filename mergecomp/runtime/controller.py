@@ -14,7 +14,8 @@ the first would have.  A scale only changes how many coordinates (or columns) a 
 never a compiled path: the group's shapes change at most once per decision.  The lag it
 reads is measured by :mod:`mergecomp.runtime.drift` and handed over as a :class:`DriftReading`;
 for an unbiased compressor without error feedback (ATOMO, unbiased rand-k) the reading is the
-exchange's noise, steered the same way by thresholds of its own.
+exchange's noise, steered the same way by thresholds of its own; a raised group is then
+lowered only when the noise a step down would read is calm (:meth:`DriftController._noise_below`).
 """
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ class DriftController:
             holds with momentum factor masking.  A noise reading (an unbiased compressor
             without error feedback) is steered by :data:`NOISE_THRESHOLDS` instead.
         lower_below: a group whose lag stayed under this for ``patience`` measurements in a
-            row is sent at half its scale, down to 1 (the configured setting); ``"auto"``
+            row is sent at half its scale, down to 1 (the configured setting; for a noise
+            reading, the noise half the scale would read: :meth:`_noise_below`); ``"auto"``
             as ``raise_above``.  The two follow the optimizer when both are ``"auto"``; with
             one given, the other ``"auto"`` is SGD's and neither follows it.
         byte_budget: over the run, the compressed groups may send at most this many times
@@ -271,6 +273,14 @@ class DriftController:
         self._seen[group] = (scale, noise)
         gain = self._gain.get(group, {}).get(scale)
         return noise * gain if gain is not None and scale > 1.0 else noise
+
+    def regrouped(self, scales: Mapping[str, float]) -> None:
+        """The groups were regrouped: each name now stands for other parameters, so what
+        the controller knew of a group (its calm readings, its cooling, its noise and the
+        gain measured at its raise) is forgotten, and the groups start at ``scales``."""
+        self.scales = dict(scales)
+        for known in (self._calm, self._cooling, self._seen, self._gain):
+            known.clear()
 
     def rest(self, steps: int) -> None:
         """``steps`` steps passed with no compressed group to steer or count (see :attr:`idle`)."""

@@ -264,9 +264,7 @@ class DriftMeter:
             return
         overall = self.density_scale()
         carried = 2.0 ** math.floor(math.log2(overall)) if overall > 1.0 else 1.0
-        self.controller.scales = {name: carried for name in names} if carried > 1.0 else {}
-        self.controller._calm.clear()
-        self.controller._cooling.clear()
+        self.controller.regrouped({name: carried for name in names} if carried > 1.0 else {})
         self._numels.clear()
         self._sent.clear()
         self.apply(compressor)
