@@ -56,7 +56,8 @@ SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowco
               "2026-11-24-simulator-8-ranks", "2026-12-06-defaults")
 #: Convergence runs whose drift and controller figures docs/results.md shows (``plot.py drift``'s).
 SHOWN_DRIFT_RUNS = ("2026-11-27-quality-control/sgd-on", "2026-11-28-adamw-topk-default/gpt-topk",
-                    "2026-11-28-adamw-thresholds/gpt-s0")
+                    "2026-11-28-adamw-thresholds/gpt-s0", "2026-12-06-noise-0.6/word/terngrad-s0",
+                    "2026-12-06-noise-hold/word/terngrad-s0")
 
 FLOAT_COLUMNS = ("rate_per_worker", "rate_total", "iteration_time_s", "scaling_factor",
                  "bytes_per_step", "compression_ratio", "compress_ratio")
@@ -681,6 +682,8 @@ def main(argv=None) -> int:
     if (args.source == "drift") != (args.folder is not None) or (args.runs and args.source != "drift"):
         p.error("'drift' takes one convergence run's folder (plot.py drift DIR [--runs A B]); "
                 "every other source stands alone")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)  # a folder named for the figures is made, not an error
     try:
         paths = render_drift_figures(args.folder, args.out, args.runs) if args.source == "drift" \
             else render_any(args.source, args.out)

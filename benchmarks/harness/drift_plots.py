@@ -5,7 +5,9 @@
 - ``drift.png``: one row per compressor: its validation loss against steps beside dense's
   (left), and what the exchange held back (the drift, in steps' worth of gradient) with the
   controller's density scale (right) over the same steps: whether the loss gap opens where
-  the drift rises, and whether the controller answered.
+  the drift rises, and whether the controller answered.  A compressor read as noise (QSGD,
+  TernGrad, ATOMO: nothing held back) has its noise there instead, each rank's compression
+  error over its gradient's norm.
 - ``controller.png``: the controller's decisions over time for two runs (by default the two
   with the most decisions; ``--runs`` names them): each group's density multiplier, step by
   step, as the controller set it.
@@ -79,8 +81,8 @@ def _lm_curve(run: dict) -> bool:
 
 
 def drift_series(run: dict, key: str = "drift") -> List[Tuple[int, float]]:
-    """(step, value) of ``key`` (``drift`` or ``density_scale``): the trace's rows, else the
-    evaluations' readings."""
+    """(step, value) of ``key`` (``drift``, ``noise`` or ``density_scale``): the trace's rows,
+    else the evaluations' readings."""
     rows = run.get("drift_trace") or []
     points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
     if points:
@@ -97,16 +99,25 @@ def loss_series(run: dict) -> List[Tuple[int, float]]:
     return [(reading["step"], accuracy) for reading, accuracy in zip(readings, run.get("curve") or [])]
 
 
+#: What a run's reading is, by the key it is stored under, as the figure's axis says it.
+READINGS = {"drift": "drift (steps held back)", "noise": "noise (error / gradient norm)"}
+
+
+def reading_key(runs: Sequence[dict]) -> Optional[str]:
+    """``"drift"`` or ``"noise"``: what the runs of one label recorded (None: neither)."""
+    return next((key for key in READINGS if any(drift_series(run, key) for run in runs)), None)
+
+
 def render_drift(folder: str, out: Optional[str] = None) -> str:
     """``drift.png`` of a convergence run (see the module's docstring); its path."""
     result = read(folder)
     runs = _by_label(result)
-    labels = [label for label in runs if label != DENSE]
-    drifting = [label for label in labels if any(drift_series(run) for run in runs[label])]
+    keys = {label: reading_key(group) for label, group in runs.items() if label != DENSE}
+    drifting = [label for label, key in keys.items() if key is not None]
     if not drifting:
-        raise ValueError(f"{folder}: no run records a drift (no drift_trace rows, no drift at its "
-                         f"evaluations): it was trained by a mergecomp without the drift measure, or "
-                         f"has no compressed row")
+        raise ValueError(f"{folder}: no run records a drift or a noise (no drift_trace rows, none at "
+                         f"its evaluations): it was trained by a mergecomp without the drift measure, "
+                         f"or has no compressed row")
     plt = _pyplot()
     fig, axes = plt.subplots(len(drifting), 2, figsize=(10, 2.6 * len(drifting)), squeeze=False)
     dense = _mean_by_step([loss_series(run) for run in runs.get(DENSE, [])])
@@ -118,9 +129,9 @@ def render_drift(folder: str, out: Optional[str] = None) -> str:
         loss_ax.plot(steps, loss, color="tab:blue", linewidth=1.2, label=label)
         loss_ax.set_ylabel("test accuracy" if digits else "validation loss")
         loss_ax.legend(fontsize=7)
-        drift_steps, drift = _mean_by_step([drift_series(run) for run in runs[label]])
+        drift_steps, drift = _mean_by_step([drift_series(run, keys[label]) for run in runs[label]])
         drift_ax.plot(drift_steps, drift, color="tab:red", linewidth=1.0)
-        drift_ax.set_ylabel("drift (steps held back)", color="tab:red", fontsize=8)
+        drift_ax.set_ylabel(READINGS[keys[label]], color="tab:red", fontsize=8)
         scale_steps, scale = _mean_by_step([drift_series(run, "density_scale") for run in runs[label]])
         if scale_steps:
             twin = drift_ax.twinx()
@@ -132,7 +143,8 @@ def render_drift(folder: str, out: Optional[str] = None) -> str:
         ax.set_xlabel("training step")
     options = result.get("options", {})
     fig.suptitle(f"{options.get('task', '?')}, {options.get('optimizer', 'sgd')}, {result.get('workers', '?')} "
-                 f"workers, controller {options.get('controller') or 'at its default'}: loss and drift",
+                 f"workers, controller {options.get('controller') or 'at its default'}: loss and "
+                 + " / ".join(sorted({keys[label] for label in drifting})),
                  fontsize=9)
     fig.tight_layout()
     return _save(fig, os.path.join(out or folder, "drift.png"))

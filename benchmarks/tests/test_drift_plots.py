@@ -39,6 +39,21 @@ def test_drift_and_controller_figures_are_drawn(tmp_path, capsys):
     written = capsys.readouterr().out.split()
     assert [p.rsplit("/", 1)[1] for p in written] == ["drift.png", "controller.png"]
     assert (tmp_path / "run" / "drift.png").stat().st_size > 10_000
+    assert plot.main(["drift", folder, "--out", str(tmp_path / "figures" / "new")]) == 0  # made, not an error
+    assert (tmp_path / "figures" / "new" / "drift.png").exists()
+
+
+def test_a_compressor_read_as_noise_is_drawn_with_its_noise(tmp_path):
+    qsgd = _run("qsgd", drift=False)
+    qsgd["drift_trace"] = [dict(step=s, drift=None, noise=0.6 if s < 20 else 0.04, density_scale=2.0)
+                           for s in range(0, 1001, 10)]
+    folder = _write(tmp_path / "run", [_run("none"), qsgd, _run("topk")])
+    runs = drift_plots._by_label(drift_plots.read(folder))
+    assert drift_plots.reading_key(runs["qsgd"]) == "noise" and drift_plots.reading_key(runs["topk"]) == "drift"
+    assert drift_plots.drift_series(qsgd, "noise")[:3] == [(0, 0.6), (10, 0.6), (20, 0.04)]
+    assert (tmp_path / "run" / "drift.png").exists() is False
+    drift_plots.render_drift(folder)
+    assert (tmp_path / "run" / "drift.png").stat().st_size > 10_000
 
 
 def test_the_two_runs_with_most_decisions_are_chosen_unless_named(tmp_path):
@@ -66,7 +81,7 @@ def test_the_drift_falls_back_to_the_evaluations_readings():
 def test_runs_without_a_drift_are_a_clear_error(tmp_path, capsys):
     folder = _write(tmp_path / "old", [_run("none", drift=False), _run("topk", drift=False, decisions=False)])
     assert plot.main(["drift", folder]) == 2
-    assert "without the drift measure" in capsys.readouterr().err
+    assert "no run records a drift or a noise" in capsys.readouterr().err
     assert plot.main(["drift", str(tmp_path / "missing")]) == 2
     assert "cannot read" in capsys.readouterr().err
     with pytest.raises(SystemExit):
