@@ -271,8 +271,8 @@ class DriftController:
         if before is not None and before[0] * 2 == scale and noise > 0.0:
             self._gain.setdefault(group, {})[scale] = before[1] / noise  # the first reading after a raise
         self._seen[group] = (scale, noise)
-        gain = self._gain.get(group, {}).get(scale)
-        return noise * gain if gain is not None and scale > 1.0 else noise
+        gain = self._gain.get(group, {}).get(scale)  # measured at a raise: only for a scale ≥ 2
+        return noise * gain if gain is not None else noise
 
     def regrouped(self, scales: Mapping[str, float]) -> None:
         """The groups were regrouped: each name now stands for other parameters, so what
