@@ -61,10 +61,11 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
     ``compress_ratio`` defaults to the least each variant trains at: 0.1 with error feedback
     (a coordinate waits 1/ratio steps for its turn), 0.25 unbiased (each step's variance is
     1/ratio times SGD's).  Below them, prefer a selecting compressor (top-k, DGC).  Not
-    enough everywhere: on a character transformer under SGD with momentum, whose loop clips
-    from its first step, error-feedback rand-k blew up at the default density and at twice
-    it, with or without the quality controller, while top-k at a fifth of its bytes kept up
-    with dense (docs/results.md#randk-gpt-sgd); the drift warning names the run's lag there.
+    enough everywhere under SGD with momentum: error-feedback rand-k blew up on a character
+    transformer (at the default density and at twice it, with or without the quality
+    controller) and stalled far behind dense on a word-level LSTM, while top-k at a fifth of
+    its bytes kept up on both (docs/results.md#randk-gpt-sgd); the drift warning names the
+    run's lag there.
 
     ``warmup_steps``: under an Adam or AdamW (whatever its β1), each group's first
     ``warmup_steps`` exchanges go at :data:`~.warmup.ADAM_WARMUP_SCALE` times the density
