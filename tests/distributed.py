@@ -48,6 +48,13 @@ def _worker(rank, world_size, port, fn, args, results):
         outcome = ("error", traceback.format_exc())
     try:
         results.put((rank, pickle.dumps(outcome)))
+        if outcome[0] == "ok" and dist.is_initialized():
+            # Rank 0 hosts the store: none leaves while another may still be using it (a
+            # rank still creating its process groups saw rank 0's exit as a reset connection).
+            try:
+                dist.barrier()
+            except Exception:  # a peer that failed: its error is reported already
+                pass
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
