@@ -59,6 +59,25 @@ def test_recording_stops_after_the_first_steps():
     assert clip.catch_up("g0") is None and clip.scale(torch.tensor([2.0]), "g0") == pytest.approx(0.5)
 
 
+def test_a_first_clip_after_the_first_steps_is_remembered_as_late():
+    early, late = LoopClip(), LoopClip()
+    for _ in range(LoopClip.recorded_steps + 1):
+        late.scale(torch.tensor([2.0]), "g0")
+        late.commit()
+    early.scale(torch.tensor([2.0]), "g0")
+    early.commit()
+    early.follow(1.0)
+    late.follow(1.0)
+    assert not early.clipped_late and "clipped_late" not in early.state_dict()
+    assert late.clipped_late and late.state_dict() == {"threshold": 1.0, "clipped_late": True}
+    late.follow(0.5)  # a later threshold does not make the first clip early again
+    assert late.clipped_late
+    for clip in (early, late):
+        fresh = LoopClip()
+        fresh.load_state_dict(clip.state_dict())
+        assert fresh.clipped_late == clip.clipped_late
+
+
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), 1])
 def test_a_bad_threshold_is_refused(bad):
     with pytest.raises(ValueError, match="positive finite float"):
@@ -70,6 +89,7 @@ def test_a_bad_threshold_is_refused(bad):
     ({"norms": {"g0": [float("nan")]}}, "finite norms"),
     ({"catch_up": {"g0": 1.5}}, r"in \[0, 1\]"),
     ({"recording": "no"}, "True or False"),
+    ({"threshold": 1.0, "clipped_late": 1}, "True or False"),
     ({"threshold": 1.0, "extra": 1}, "keys among"),
 ])
 def test_a_corrupted_state_is_named(state, match):
@@ -166,6 +186,25 @@ def test_a_folded_momentum_is_taken_over_once_the_loop_clips():
     nesterov = memories.create("residual", momentum="fold")  # its repr (the configuration digest) as before
     nesterov.check_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9, nesterov=True))
     assert nesterov.nesterov and repr(nesterov) == "ResidualMemory(beta=1.0, gamma=1.0, momentum='fold')"
+
+
+def test_a_fold_is_kept_when_the_loop_first_clips_after_its_first_steps():
+    # a loop that did not clip in its first steps and clips later: the fold stays for the
+    # run (the memory clips at the loop's share, with no momentum), and a resumed run too
+    memory = _sgd_fold()
+    gradient = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    _exchange(memory, gradient)
+    memory.adopt_momentum(0.9, False, follow=True)
+    for _ in range(LoopClip.recorded_steps + 1):
+        _exchange(memory, 0.1 * gradient)
+    memory.follow_loop_clip(1.0)
+    assert memory.folding and memory.sgd_momentum == 0.0
+    fresh = _sgd_fold()
+    fresh.load_state_dict(memory.state_dict())
+    assert fresh.folding and fresh.sgd_momentum == 0.0
+    for each in (memory, fresh):
+        assert torch.allclose(_exchange(each, gradient), gradient / 5)  # clipped, no momentum
+        assert "momenta" not in each.state_dict()
 
 
 def _fold_resumed(rank, world_size, stop_at):

@@ -57,7 +57,8 @@ of its share and hardly moved.
 A memory given ``clip_norm`` (explicit local clipping) keeps it and does not follow the
 loop; one that takes an Adam's first moment over does not either (Adam divides by its own
 scale, and its runs were measured without it).  A residual memory that folds SGD's
-momentum (``momentum="fold"``) follows it too, and from the loop's first clip on runs the
+momentum (``momentum="fold"``) follows it too, and from the loop's first clip on, if that
+came within the loop's first steps (:attr:`LoopClip.clipped_late` says it did not), runs the
 momentum it folded before the exchange (:class:`~mergecomp.memories.residual.ResidualMemory`).
 """
 from __future__ import annotations
@@ -88,6 +89,9 @@ class LoopClip:
         #: resumed run clips its first step as the uninterrupted one).
         self.loss_scale: Optional[float] = None
         self.recording = True
+        #: Whether the loop was first seen clipping only after :attr:`recorded_steps` steps
+        #: (a loop that did not clip from its first steps; saved with the threshold).
+        self.clipped_late = False
         self.norms = StagedDict()  # group → this rank's gradient norms, steps before a threshold
         self._catch_up = StagedDict()  # group → the one-off factor of its earlier state
         self._held = StagedDict()  # "scale" → the loss scale the memory's state was taken in at
@@ -107,6 +111,8 @@ class LoopClip:
         (:meth:`take_catch_up`; a state saved with factors still owed, :meth:`catch_up`)."""
         if not (isinstance(threshold, float) and math.isfinite(threshold) and threshold > 0.0):
             raise ValueError(f"a clipping threshold must be a positive finite float, got {threshold!r}")
+        if self.threshold is None:  # the first clip seen: within the first steps, or late
+            self.clipped_late = not self.recording
         self.threshold = threshold
         catch_up = {}
         for name, norms in self.norms.committed().items():
@@ -208,6 +214,8 @@ class LoopClip:
         state: Dict[str, Any] = {}
         if self.threshold is not None:
             state["threshold"] = self.threshold
+        if self.clipped_late:
+            state["clipped_late"] = True
         catch_up = self._catch_up.committed()
         if catch_up:
             state["catch_up"] = catch_up
@@ -231,21 +239,23 @@ class LoopClip:
             norms = {str(k): tuple(float(x) for x in v) for k, v in state.get("norms", {}).items()}
         self.norms.replace(norms)
         self.recording = self.threshold is None and bool(state.get("recording", True))
+        self.clipped_late = self.threshold is not None and bool(state.get("clipped_late", False))
         self.scaler, self.loss_scale = None, (None if "loss_scale" not in state else float(state["loss_scale"]))
         self._held.replace({} if "held_scale" not in state else {"scale": float(state["held_scale"])})
 
     @staticmethod
     def check_state(state: Any, what: str) -> None:
         """ValueError naming what is wrong with a saved ``loop_clip`` state."""
-        keys = {"threshold", "norms", "catch_up", "recording", "loss_scale", "held_scale"}
+        keys = {"threshold", "norms", "catch_up", "recording", "clipped_late", "loss_scale", "held_scale"}
         if not isinstance(state, dict) or set(state) - keys:
             raise ValueError(f"{what} loop_clip state must be a dict with keys among {sorted(keys)}, got {state!r}")
         for key in ("threshold", "loss_scale", "held_scale"):
             value = state.get(key, 1.0)
             if not (isinstance(value, float) and math.isfinite(value) and value > 0.0):
                 raise ValueError(f"{what} loop_clip {key} must be a positive finite float, got {value!r}")
-        if not isinstance(state.get("recording", True), bool):
-            raise ValueError(f"{what} loop_clip recording must be True or False, got {state['recording']!r}")
+        for key in ("recording", "clipped_late"):
+            if not isinstance(state.get(key, True), bool):
+                raise ValueError(f"{what} loop_clip {key} must be True or False, got {state[key]!r}")
 
         def finite(value, low, high):
             return isinstance(value, float) and math.isfinite(value) and low <= value <= high

@@ -74,6 +74,16 @@ class ResidualMemory(Memory):
     better; on a character LSTM whose loop never clips, folding kept up with dense and taking
     the momentum over fell behind (docs/results.md#sgd-fold-until-clipped).
 
+    Only a loop seen clipping within its first steps (the loop-clip watch's
+    ``recorded_steps``) ends the fold; a loop first seen clipping later keeps it for the
+    run.  Why: a model that needs heavy-ball's stability clips from its first steps; a clip
+    that comes late is the compressed exchange's own (a sign compressor's averages grow
+    with its residual) on a model that plain SGD at lr / (1 − m) trains, and switching
+    there, mid-run, restarts the momentum from zero and masks it.  Measured on a word-level
+    LSTM under SGD, whose dense loop does not clip: EF-SignSGD's loop first clipped near
+    step 700, its loss jumped after the switch and it ended far behind dense; keeping the
+    fold, it ended within 2% of it (docs/results.md#sgd-late-clip-keeps-fold).
+
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
     step writes come from the ones earlier commits replaced (page faults of a fresh
@@ -166,9 +176,17 @@ class ResidualMemory(Memory):
     @property
     def folding(self) -> bool:
         """Whether the optimizer's momentum is folded (``momentum="fold"``) and not taken over
-        yet: under an Adam, without a watched loop, or before the loop was seen clipping (the
-        run's first step included)."""
-        return self.folds and not (self.follows_loop_clip and self.loop_clip.threshold is not None)
+        yet: under an Adam, without a watched loop, before the loop was seen clipping (the
+        run's first step included), or for good once the loop was first seen clipping only
+        after its first steps."""
+        return self.folds and not self._takes_folded(first=False)
+
+    def _takes_folded(self, first: bool) -> bool:
+        """Whether a memory that folds SGD's momentum runs it before the exchange: in the
+        run's ``first`` step, and once the loop was seen clipping within its first steps (a
+        loop first seen clipping later keeps the fold: see the class)."""
+        clip = self.loop_clip
+        return self.follows_loop_clip and (first or (clip.threshold is not None and not clip.clipped_late))
 
     def follow_loop_clip(self, threshold: float) -> None:
         super().follow_loop_clip(threshold)
@@ -176,12 +194,11 @@ class ResidualMemory(Memory):
 
     def _fold_or_take(self, first: bool = False) -> None:
         """A memory that folds SGD's momentum runs it before the exchange in the run's
-        ``first`` step and from the step after the loop was first seen clipping
-        (``sgd_momentum`` is then the folded value), and applies none otherwise (see the
-        class)."""
+        ``first`` step and from the step after the loop was first seen clipping within its
+        first steps (``sgd_momentum`` is then the folded value), and applies none otherwise
+        (see the class)."""
         if self.folds:
-            taking = self.follows_loop_clip and (first or self.loop_clip.threshold is not None)
-            self.sgd_momentum = self.folded if taking else 0.0
+            self.sgd_momentum = self.folded if self._takes_folded(first) else 0.0
 
     def _fold_phase(self, name: str) -> None:
         """Before a folding memory's step for group ``name``: take the momentum over or fold
