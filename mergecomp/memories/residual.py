@@ -80,9 +80,9 @@ class ResidualMemory(Memory):
     that comes late is the compressed exchange's own (a sign compressor's averages grow
     with its residual) on a model that plain SGD at lr / (1 − m) trains, and switching
     there, mid-run, restarts the momentum from zero and masks it.  Measured on a word-level
-    LSTM under SGD, whose dense loop does not clip: EF-SignSGD's loop first clipped near
-    step 700, its loss jumped after the switch and it ended far behind dense; keeping the
-    fold, it ended within 2% of it (docs/results.md#sgd-late-clip-keeps-fold).
+    LSTM under SGD, whose dense loop does not clip: EF-SignSGD's and 1-bit SGD's loops first
+    clipped hundreds of steps in, their losses jumped after the switch and they ended far
+    behind dense; with the fold kept they kept up (docs/results.md#sgd-late-clip-keeps-fold).
 
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
