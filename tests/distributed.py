@@ -33,7 +33,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results, finished):
+def _worker(rank, world_size, port, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -48,13 +48,6 @@ def _worker(rank, world_size, port, fn, args, results, finished):
         outcome = ("error", traceback.format_exc())
     try:
         results.put((rank, pickle.dumps(outcome)))
-        finished.release()
-        if rank == 0:
-            # Rank 0 hosts the store: it leaves once every rank is done with it (a rank still
-            # creating its process groups saw rank 0's exit as a reset connection).  A rank
-            # that never finishes is the caller's to report, which stops this one too.
-            for _ in range(world_size):
-                finished.acquire(timeout=30.0)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -64,8 +57,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
     results = _context.Queue()
     port = free_port()
-    finished = _context.Semaphore(0)
-    procs = [_context.Process(target=_worker, args=(r, world_size, port, fn, args, results, finished))
+    procs = [_context.Process(target=_worker, args=(r, world_size, port, fn, args, results))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -252,6 +252,8 @@ def one_node_worker(rank, world_size, local_size):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make("hierarchical", "topk", "residual", local_size=local_size)
+    # No rank leaves before every rank has made its groups: rank 0 hosts the store they use.
+    torch.distributed.barrier()
     return [str(w.message) for w in caught if "hierarchical communicator runs on one node" in str(w.message)]
 
 
