@@ -207,6 +207,35 @@ def test_a_fold_is_kept_when_the_loop_first_clips_after_its_first_steps():
         assert "momenta" not in each.state_dict()
 
 
+def test_a_fold_that_does_not_follow_the_loop_folds_for_the_run():
+    # follow_loop=False (rand-k's): SGD's momentum folded from the first step to the last,
+    # whatever the loop does, and the loop's clip left after the exchange
+    memory = memories.create("residual", momentum="fold", follow_loop=False)
+    memory.check_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9))
+    assert not memory.follows_loop_clip and memory.folding and memory.folded == 0.9
+    gradient = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    assert torch.equal(_exchange(memory, gradient), gradient)  # the first step folded too
+    assert memory.delivery_scale(0) == 1.0 and memory.local_clip_factor(gradient, "g0") is None
+    assert repr(memory) == "ResidualMemory(beta=1.0, gamma=1.0, momentum='fold', follow_loop=False)"
+    with pytest.raises(ValueError, match="follow_loop"):
+        memories.create("residual", momentum="fold", follow_loop="no")
+
+
+def _randk_under_a_clipping_loop(rank, world_size):
+    """Rand-k at its defaults under SGD with momentum, six steps of a loop clipping at 1e-3:
+    its memory's momentum, whether it is folding, and the threshold it took from the loop."""
+    import mergecomp
+    _, optimizer = _six_clipped_steps(rank, None, lambda: _branches_and_optimizer(
+        compressor=mergecomp.compressors.create("randk", compress_ratio=0.5)))
+    memory = optimizer.communicator.memory
+    return memory.sgd_momentum, memory.folding, memory.loop_clip.threshold
+
+
+def test_randk_keeps_its_fold_under_a_loop_that_clips_from_the_first_step():
+    for momentum, folding, threshold in run_ranks(_randk_under_a_clipping_loop, 2):
+        assert (momentum, folding, threshold) == (0.0, True, None)
+
+
 def _fold_resumed(rank, world_size, stop_at):
     """EF-SignSGD at its defaults under SGD with momentum and a loop that clips: the
     parameters after six steps (saved and resumed after ``stop_at``; None: never), and the

@@ -38,6 +38,10 @@ class RandKContext(Context):
 #: (their recipes' ``min_ratio``; docs/results.md#adamw-more-quantisers).
 DEFAULT_RATIO = 0.1
 UNBIASED_DEFAULT_RATIO = 0.25
+#: The residual memory's options with error feedback: SGD's momentum folded for the whole run
+#: and the loop's clip left after the exchange (the memory's ``follow_loop``: its averages
+#: carry bursts of 1/ratio steps' backlog, which trip a loop's clip early whatever the model).
+FOLD_FOR_THE_RUN = {"momentum": "fold", "follow_loop": False}
 
 
 @register("randk")
@@ -52,7 +56,11 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
     default leaves them unscaled for use with residual memory (error feedback), whose default
     here takes the optimizer's momentum off (``momentum="fold"``: see the EF-SignSGD
     compressor): a coordinate's backlog goes out once every 1/ratio steps, and a momentum
-    after the exchange would multiply each late send.
+    after the exchange would multiply each late send.  Under SGD the fold lasts the whole run
+    and the loop's clip stays after the exchange (``follow_loop=False``): those late sends
+    make the averages' norm trip a loop's clip in the first steps on models whose dense loop
+    never clips, and SGD's momentum run before the exchange, which an early clip otherwise
+    brings, stalls rand-k (see the residual memory).
 
     The step counters that key the indices are state: saved by ``state_dict()`` and staged
     with the step (``rollback()`` rewinds them), never derived from the rank, so every rank
@@ -86,8 +94,9 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
     summable = True
     unbiased = False  # per instance: the ``unbiased`` option
     recommended_memory = "residual"
-    #: SGD's momentum folded into the learning rate, an Adam's β1 off (the memory's "fold").
-    recommended_memory_options = MappingProxyType({"momentum": "fold"})
+    #: SGD's momentum folded into the learning rate for the run, the loop's clip left after the
+    #: exchange; an Adam's β1 off (the memory's "fold", ``follow_loop=False``).
+    recommended_memory_options = MappingProxyType(FOLD_FOR_THE_RUN)
     recommended_communicator = "allreduce"
     fixed_size = True
     staged_state = ("_steps",)
@@ -105,7 +114,7 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
         # Unbiased values need no error feedback: a residual of n/k-scaled values grows
         # without bound (a loss of 1e11 in the first epoch was measured with that pairing).
         self.recommended_memory = "none" if self.unbiased else "residual"
-        self.recommended_memory_options = MappingProxyType({} if self.unbiased else {"momentum": "fold"})
+        self.recommended_memory_options = MappingProxyType({} if self.unbiased else FOLD_FOR_THE_RUN)
         self._steps = StagedDict()
 
     @property

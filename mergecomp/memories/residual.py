@@ -84,6 +84,14 @@ class ResidualMemory(Memory):
     clipped hundreds of steps in, their losses jumped after the switch and they ended far
     behind dense; with the fold kept they kept up (docs/results.md#sgd-late-clip-keeps-fold).
 
+    ``follow_loop=False`` (rand-k's recommendation) leaves the loop's clipping where the loop
+    put it, after the exchange, and keeps a fold for the run.  Why: rand-k sends a
+    coordinate once every 1/ratio steps, so its averages carry bursts of that many steps'
+    backlog and trip the loop's clip within its first steps on a model whose dense loop
+    never clips, which ended its fold there; with SGD's momentum run before the exchange its
+    bursts are velocities, and on a character LSTM it stalled far behind dense where the fold
+    kept for the run led it (docs/results.md#randk-fold-kept).
+
     A step's residuals are staged: :meth:`commit` keeps them, :meth:`rollback` restores
     the previous step's.  A committed residual is never changed in place; the tensors a
     step writes come from the ones earlier commits replaced (page faults of a fresh
@@ -92,7 +100,8 @@ class ResidualMemory(Memory):
     """
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0, clip_norm: Optional[float] = None,
-                 momentum: Union[float, str] = 0.0, nesterov: bool = False, adam: bool = False):
+                 momentum: Union[float, str] = 0.0, nesterov: bool = False, adam: bool = False,
+                 follow_loop: bool = True):
         self.beta = check_number(beta, "residual memory beta (the residual's decay)", 0.0, 1.0,
                                  advice="1 keeps every error (the usual choice), 0 none; a "
                                         "decay above 1 would grow the residual without bound.")
@@ -122,6 +131,8 @@ class ResidualMemory(Memory):
         self.nesterov = check_flag(nesterov, "residual memory nesterov")
         #: Whether ``momentum="optimizer"`` takes an Adam's first moment over too.
         self.adam = check_flag(adam, "residual memory adam")
+        #: Whether SGD's momentum, run here or folded, follows the loop's clipping (the class).
+        self.follow_loop = check_flag(follow_loop, "residual memory follow_loop")
         if self.adam and not self.follows_optimizer:
             raise ValueError(f"residual memory adam=True takes an Adam's first moment over through "
                              f"momentum='optimizer', but momentum={momentum!r} was given: pass "
@@ -169,9 +180,9 @@ class ResidualMemory(Memory):
     @property
     def follows_loop_clip(self) -> bool:
         """SGD's momentum taken over before the exchange, or folded (and taken over once the
-        loop clips), and no ``clip_norm`` of its own."""
+        loop clips), no ``clip_norm`` of its own, and ``follow_loop`` not turned off."""
         momentum = self.folded if self.folds else self.sgd_momentum
-        return self.momentum_source == "sgd" and momentum > 0.0 and self.clip_norm is None
+        return self.follow_loop and self.momentum_source == "sgd" and momentum > 0.0 and self.clip_norm is None
 
     @property
     def folding(self) -> bool:
@@ -366,4 +377,5 @@ class ResidualMemory(Memory):
             f", momentum={self.sgd_momentum}"
         nesterov = ", nesterov=True" if self.nesterov and not self.folds else ""  # a fold follows SGD's
         adam = ", adam=True" if self.adam else ""
-        return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip}{momentum}{nesterov}{adam})"
+        loop = "" if self.follow_loop else ", follow_loop=False"
+        return f"ResidualMemory(beta={self.beta}, gamma={self.gamma}{clip}{momentum}{nesterov}{adam}{loop})"
