@@ -41,7 +41,7 @@ UNBIASED_DEFAULT_RATIO = 0.25
 #: The residual memory's options with error feedback: SGD's momentum folded for the whole run
 #: and the loop's clip left after the exchange (the memory's ``follow_loop``: its averages
 #: carry bursts of 1/ratio steps' backlog, which trip a loop's clip early whatever the model).
-FOLD_FOR_THE_RUN = {"momentum": "fold", "follow_loop": False}
+FOLD_FOR_THE_RUN = MappingProxyType({"momentum": "fold", "follow_loop": False})
 
 
 @register("randk")
@@ -96,7 +96,7 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
     recommended_memory = "residual"
     #: SGD's momentum folded into the learning rate for the run, the loop's clip left after the
     #: exchange; an Adam's β1 off (the memory's "fold", ``follow_loop=False``).
-    recommended_memory_options = MappingProxyType(FOLD_FOR_THE_RUN)
+    recommended_memory_options = FOLD_FOR_THE_RUN
     recommended_communicator = "allreduce"
     fixed_size = True
     staged_state = ("_steps",)
@@ -114,7 +114,7 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
         # Unbiased values need no error feedback: a residual of n/k-scaled values grows
         # without bound (a loss of 1e11 in the first epoch was measured with that pairing).
         self.recommended_memory = "none" if self.unbiased else "residual"
-        self.recommended_memory_options = MappingProxyType({} if self.unbiased else FOLD_FOR_THE_RUN)
+        self.recommended_memory_options = MappingProxyType({}) if self.unbiased else FOLD_FOR_THE_RUN
         self._steps = StagedDict()
 
     @property
