@@ -56,10 +56,12 @@ of its share and hardly moved.
 
 A memory given ``clip_norm`` (explicit local clipping) keeps it and does not follow the
 loop; one that takes an Adam's first moment over does not either (Adam divides by its own
-scale, and its runs were measured without it).  A residual memory that folds SGD's
-momentum (``momentum="fold"``) follows it too, and from the loop's first clip on, if that
-came within the loop's first steps (:attr:`LoopClip.clipped_late` says it did not), runs the
-momentum it folded before the exchange (:class:`~mergecomp.memories.residual.ResidualMemory`).
+scale, and its runs were measured without it), nor a residual memory built with
+``follow_loop=False`` (rand-k's: its averages trip the loop's clip by themselves).  A
+residual memory that folds SGD's momentum (``momentum="fold"``) follows it too, and from
+the loop's first clip on, if that came within the loop's first steps
+(:attr:`LoopClip.clipped_late` says it did not), runs the momentum it folded before the
+exchange (:class:`~mergecomp.memories.residual.ResidualMemory`).
 """
 from __future__ import annotations
 
