@@ -429,3 +429,19 @@ def test_dgc_memory_refuses_a_momentum_it_cannot_take_over():
         DGCMemory().check_optimizer(torch.optim.RMSprop(params, lr=0.1, momentum=0.9))
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.5"):
         DGCMemory(momentum=1.5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_compressor_pickles_and_copies_with_its_recommendations(name):
+    """A spawned worker receives its compressor pickled, and ``copy.deepcopy`` copies it the
+    same way: every compressor at its defaults survives both, with what it recommends."""
+    import copy
+    import pickle
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a recipe's warning about the defaults is not the point here
+        compressor = compressors.create(name)
+    for twin in (pickle.loads(pickle.dumps(compressor)), copy.deepcopy(compressor)):
+        assert type(twin) is type(compressor) and repr(twin) == repr(compressor)
+        assert twin.recommended_memory == compressor.recommended_memory
+        assert dict(twin.recommended_memory_options) == dict(compressor.recommended_memory_options)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -42,6 +42,7 @@ UNBIASED_DEFAULT_RATIO = 0.25
 #: and the loop's clip left after the exchange (the memory's ``follow_loop``: its averages
 #: carry bursts of 1/ratio steps' backlog, which trip a loop's clip early whatever the model).
 FOLD_FOR_THE_RUN = MappingProxyType({"momentum": "fold", "follow_loop": False})
+NO_OPTIONS = MappingProxyType({})
 
 
 @register("randk")
@@ -94,9 +95,6 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
     summable = True
     unbiased = False  # per instance: the ``unbiased`` option
     recommended_memory = "residual"
-    #: SGD's momentum folded into the learning rate for the run, the loop's clip left after the
-    #: exchange; an Adam's β1 off (the memory's "fold", ``follow_loop=False``).
-    recommended_memory_options = FOLD_FOR_THE_RUN
     recommended_communicator = "allreduce"
     fixed_size = True
     staged_state = ("_steps",)
@@ -114,8 +112,16 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
         # Unbiased values need no error feedback: a residual of n/k-scaled values grows
         # without bound (a loss of 1e11 in the first epoch was measured with that pairing).
         self.recommended_memory = "none" if self.unbiased else "residual"
-        self.recommended_memory_options = MappingProxyType({}) if self.unbiased else FOLD_FOR_THE_RUN
         self._steps = StagedDict()
+
+    @property
+    def recommended_memory_options(self) -> Mapping[str, Any]:
+        """The residual's: SGD's momentum folded into the learning rate for the run, the
+        loop's clip left after the exchange, an Adam's β1 off (the memory's "fold",
+        ``follow_loop=False``); none without error feedback.  A property, not an instance
+        attribute: a read-only mapping does not pickle, and a compressor must (a spawned
+        worker, ``copy.deepcopy``)."""
+        return NO_OPTIONS if self.unbiased else FOLD_FOR_THE_RUN
 
     @property
     def recipe(self) -> Recipe:
