@@ -430,22 +430,23 @@ def test_a_noise_above_the_threshold_with_nothing_steering_it_is_told_once_on_ra
     assert "the quality controller is off" in told[0] and "noise-threshold" in told[0]
 
 
-def _told(rank, world_size, controller, steps, adam=False):
-    """The lag warnings a top-k 1% run says over ``steps`` steps under ``controller`` (with
-    SGD, or AdamW)."""
+def _told(rank, world_size, controller, steps, adam=False, compressor=None, momentum=0.0):
+    """The lag warnings a top-k 1% run (or ``compressor``'s) says over ``steps`` steps under
+    ``controller`` (with SGD at ``momentum``, or AdamW)."""
     drift.WARN_ABOVE = 0.05  # this process only: a lag any top-k run passes
     model = _model()
     if controller == "held":  # a budget too small for the lag
         controller = DriftController(raise_above=0.05, lower_below=0.01, byte_budget=1.2, front=1, every=5)
-    inner = torch.optim.AdamW(model.parameters(), lr=0.01) if adam else torch.optim.SGD(model.parameters(), lr=0.05)
-    optimizer = mergecomp.DistributedOptimizer(inner, model=model,
-                                               compressor=mergecomp.compressors.create("topk", compress_ratio=0.01),
-                                               controller=controller)
+    inner = (torch.optim.AdamW(model.parameters(), lr=0.01) if adam
+             else torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum))
+    compressor = compressor or mergecomp.compressors.create("topk", compress_ratio=0.01)
+    optimizer = mergecomp.DistributedOptimizer(inner, model=model, compressor=compressor, controller=controller)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
             _step(model, optimizer, rank, step)
-    return [str(w.message) for w in caught if "holds back" in str(w.message)]
+    said = [str(w.message) for w in caught if "holds back" in str(w.message)]
+    return said if momentum == 0.0 else (said, optimizer.drift.lag, optimizer.communicator.memory.folding)
 
 
 def test_a_lag_nothing_steers_is_told_once_on_rank_0():
@@ -457,6 +458,17 @@ def test_a_lag_nothing_steers_is_told_once_on_rank_0():
 def test_under_adamw_the_lag_is_measured_but_not_warned_about():
     said0, said1 = run_ranks(_told, 2, "off", 60, True)
     assert said0 == [] and said1 == []
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "randk"])
+def test_while_the_memory_folds_the_momentum_the_lag_is_measured_but_not_warned_about(name):
+    """EF-SignSGD's memory folds SGD's momentum until the loop clips (this loop never does),
+    rand-k's for the run: their lag says nothing about the quality it would warn of."""
+    for controller in ("off", "auto"):
+        (said0, lag0, folding0), (said1, lag1, _) = run_ranks(
+            _told, 2, controller, 40, False, mergecomp.compressors.create(name), 0.9)
+        assert folding0 and lag0 == lag1 and lag0 > 0.05  # measured, above the threshold
+        assert said0 == [] and said1 == []
 
 
 def test_a_controller_held_at_its_budget_while_the_lag_stays_high_says_so_once():
