@@ -72,7 +72,7 @@ def lag_misleads(memory) -> bool:
     folds the optimizer's momentum (EF-SignSGD's, 1-bit SGD's and TBQ's memory until the
     loop clips, rand-k's for the run).  Measured under SGD, such runs held back far more
     than the threshold's steps of update, and nearly all reached dense's validation loss
-    within 2% all the same; the one that missed did so at a lag below that of its runs that
+    within 2% all the same; the one that missed did so at a lag like that of the runs that
     reached it (docs/results.md#warning-precision).  It is still measured, logged and
     steered by."""
     return bool(getattr(memory, "folding", False))
