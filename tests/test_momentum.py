@@ -20,9 +20,10 @@ def test_second_momentum_is_refused(component):
 
 
 def test_signum_under_an_adam_is_told_what_to_use():
-    with pytest.raises(ValueError, match=r"Under an Adam, use the signsgd compressor") as refused:
+    with pytest.raises(ValueError, match=r"Under an Adam, use the efsignsgd compressor") as refused:
         compressors.create("signum").check_optimizer(torch.optim.AdamW(params(), lr=1e-3))
     assert "betas=(0, beta2)" in str(refused.value) and "plain SGD" not in str(refused.value)
+    assert "signsgd compressor's majority vote" in str(refused.value)  # the vote is named, as the second choice
     with pytest.raises(ValueError, match=r"Use plain SGD \(momentum=0\)"):
         compressors.create("signum").check_optimizer(torch.optim.SGD(params(), lr=0.1, momentum=0.9))
     compressors.create("signum").check_optimizer(torch.optim.AdamW(params(), lr=1e-3, betas=(0.0, 0.999)))
