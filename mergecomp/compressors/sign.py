@@ -144,11 +144,11 @@ class SignumCompressor(_MajorityVote):
 
     def check_optimizer(self, optimizer) -> None:
         """Refuse an optimizer with its own momentum: SIGNUM's momentum lives here."""
-        if is_adam(optimizer):  # one bit a coordinate with error feedback: the one that reached dense there
+        if is_adam(optimizer):  # one bit a coordinate with error feedback: closer to dense there than a vote
             advice = ("Under an Adam, use the efsignsgd compressor (one bit a coordinate with error "
-                      "feedback; its memory sets Adam's first moment to 0), which stayed close to dense's loss "
-                      "under AdamW on every model measured, where the signsgd compressor's majority "
-                      "vote (Adam's first moment averaging the votes) trailed it further "
+                      "feedback; its memory sets Adam's first moment to 0), which stayed close to "
+                      "dense's loss under AdamW on every model measured, where the signsgd compressor's "
+                      "majority vote (Adam's first moment averaging the votes) trailed it further "
                       "(docs/results.md#defaults-now); or pass betas=(0, beta2) to keep this "
                       "compressor's momentum (docs/results.md#adamw-more-quantisers).")
         else:

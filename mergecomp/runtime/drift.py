@@ -242,9 +242,9 @@ class DriftMeter:
             what = ("the quality controller is off: turn it on (controller='auto', the default), which "
                     "raises the density, rank or bits of the groups that lag, within a byte budget")
         elif getattr(compressor, "knob", None) is not None:
-            what = (f"{type(compressor).__name__}'s {compressor.knob} are not raised with its memory, "
-                    f"{type(self._memory).__name__} (its raisable_with): a less lossy compressor would bring "
-                    f"the run closer to dense")
+            what = (f"{type(compressor).__name__}'s {compressor.knob} are not raised with its memory "
+                    f"({type(self._memory).__name__}: the compressor's raisable_with refuses it), so a "
+                    f"less lossy compressor would bring the run closer to dense")
         else:
             what = (f"{type(compressor).__name__} has no density, rank or bits the controller could raise: "
                     "use a compressor that has one (topk, dgc, powersgd, efsignsgd, ...) or a less lossy setting")
