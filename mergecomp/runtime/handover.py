@@ -159,30 +159,61 @@ class LoopHandOver:
 class StepHookedHandOver:
     """The half an entry point without its own ``step()`` shares (the DDP hook, FSDP2): the
     hand-over, settled by a step pre-hook on the optimizer it was shown.  A subclass says
-    what the averages are at the step's end and at ``step()`` (:meth:`_settle`)."""
+    what the averages are at the step's end and at ``step()`` (:meth:`_settle`).
+
+    The optimizer it was shown also skips a dropped step: the step's averages are NaN (as
+    an allreduce of a NaN would leave them), and a loop that calls ``step()`` anyway, as
+    most do without a ``GradScaler``, would write NaN into every parameter.  So, for the
+    ``step()`` after a dropped backward, its parameters' gradients are set aside (``None``,
+    which every torch optimizer skips: no update, no moment, no weight decay) and put back
+    after it, NaN as before, for a loop that reads them."""
 
     def __init__(self, lifecycle, backend, total=None):
         self.hand_over = LoopHandOver(lifecycle, backend, total)
-        self._handle = None
+        self._handles: list = []
         self._settled_by: tuple = ()  # the compressor and memory the advice quotes
+        self._dropped = False  # the last settled step was dropped, and no step() ran since
+        self._set_aside: list = []  # (parameter, its NaN gradient) during a skipped step()
 
     @property
     def active(self) -> bool:
         """An optimizer was shown: its steps settle what the step's end scaled."""
-        return self._handle is not None
+        return bool(self._handles)
 
     def watch(self, optimizer, compressor, memory) -> None:
-        """Settle at every ``step()`` of ``optimizer`` (the one inside a framework's wrapper);
-        one shown another optimizer stops watching the first."""
+        """Settle at every ``step()`` of ``optimizer`` (the one inside a framework's wrapper),
+        and skip the one after a dropped backward; one shown another optimizer stops
+        watching the first."""
         self.close()
         self._settled_by = (compressor, memory)
-        self._handle = innermost(optimizer).register_step_pre_hook(self._settle)
+        inner = innermost(optimizer)
+        self._handles = [inner.register_step_pre_hook(self._before_step),
+                         inner.register_step_post_hook(self._put_back),
+                         self.hand_over.lifecycle.step_listeners.add(self._on_step)]
         self.hand_over.mark_watched()
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _on_step(self, step: int, outcome) -> None:
+        self._dropped = not outcome.finite
+
+    def _before_step(self, optimizer, *_) -> None:
+        self._put_back()  # a step that raised left them aside
+        self._settle()
+        if self._dropped:
+            self._dropped = False
+            self._set_aside = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]
+                               if p.grad is not None]
+            for p, _ in self._set_aside:
+                p.grad = None
+
+    def _put_back(self, *_) -> None:
+        set_aside, self._set_aside = self._set_aside, []
+        for p, grad in set_aside:
+            p.grad = grad
 
     def _settle(self, *_) -> None:
         raise NotImplementedError
