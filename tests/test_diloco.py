@@ -227,6 +227,37 @@ def test_a_nan_on_one_rank_drops_the_outer_step_on_every_rank():
     assert all(bool(torch.isfinite(p).all()) for p in results[0][5])
 
 
+def _nan_batch_under_adamw(rank, world_size):
+    """One NaN batch on rank 1 between exchanges, with AdamW inside: the inner step takes it
+    into the moments, unchecked (no pass over the model between exchanges)."""
+    model = _model(rank)
+    opt = mergecomp.DiLoCo(torch.optim.AdamW(model.parameters(), lr=0.01), model=model, sync_every=3)
+    said = []
+    for step in range(12):
+        x, y = _batch(rank, step)
+        if rank == 1 and step == 4:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        said += [str(w.message) for w in caught]
+    moments_finite = all(bool(v.isfinite().all()) for state in opt.optimizer.state.values()
+                         for v in state.values() if torch.is_tensor(v))
+    return opt.skipped_steps, opt.outer_steps, said, moments_finite, _weights(model)
+
+
+def test_a_nan_batch_under_adamw_costs_one_exchange_not_the_rest_of_the_run():
+    results = run_ranks(_nan_batch_under_adamw, 2)
+    for rank, (skipped, outer, said, moments_finite, weights) in enumerate(results):
+        assert skipped == 1 and outer == 3  # the exchange after the NaN dropped, the next ones applied
+        assert moments_finite and all(bool(torch.isfinite(p).all()) for p in weights)
+        mended = [m for m in said if "inner optimizer state held NaN or Inf" in m]
+        assert len(mended) == (1 if rank == 1 else 0)  # told on the rank whose moments it mended
+    assert all(torch.equal(a, b) for a, b in zip(results[0][4], results[1][4]))  # step 12 ends an exchange
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 def _build(rank, seed):
     model = _model(seed)

@@ -337,8 +337,28 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
             # this fragment alone would leave them to poison it again, one drop after another)
             for each in self.fragments:
                 each.merge(0.0)
+            self._mend_inner_state()
         self.lifecycle.count_step()
         self.lifecycle.close_step()
+
+    def _mend_inner_state(self) -> None:
+        """After a dropped exchange: the NaN or Inf the inner optimizer's state took from this
+        rank's unchecked inner steps (an Adam's moments, SGD's momentum) set to 0, and said.
+        Why: the weights go back to the anchors, but a poisoned moment would make this rank's
+        next inner step NaN again, and every later exchange would be dropped.  A pass over
+        the state only here, never on a finite exchange."""
+        mended = 0
+        with torch.no_grad():
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value) and value.is_floating_point() and not bool(value.isfinite().all()):
+                        value.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                        mended += 1
+        if mended:
+            warnings.warn(f"mergecomp: DiLoCo: after the dropped exchange, {mended} tensor(s) of this rank's "
+                          "inner optimizer state held NaN or Inf (taken in its inner steps since the last "
+                          "exchange); those entries are now 0, so that its next inner steps are finite",
+                          RuntimeWarning, stacklevel=3)
 
     @contextlib.contextmanager
     def anchor_weights(self) -> Iterator[None]:
