@@ -42,7 +42,6 @@ UNBIASED_DEFAULT_RATIO = 0.25
 #: and the loop's clip left after the exchange (the memory's ``follow_loop``: its averages
 #: carry bursts of 1/ratio steps' backlog, which trip a loop's clip early whatever the model).
 FOLD_FOR_THE_RUN = MappingProxyType({"momentum": "fold", "follow_loop": False})
-NO_OPTIONS = MappingProxyType({})
 
 
 @register("randk")
@@ -121,7 +120,7 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
         ``follow_loop=False``); none without error feedback.  A property, not an instance
         attribute: a read-only mapping does not pickle, and a compressor must (a spawned
         worker, ``copy.deepcopy``)."""
-        return NO_OPTIONS if self.unbiased else FOLD_FOR_THE_RUN
+        return Compressor.recommended_memory_options if self.unbiased else FOLD_FOR_THE_RUN
 
     @property
     def recipe(self) -> Recipe:

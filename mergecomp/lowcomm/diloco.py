@@ -348,12 +348,11 @@ class DiLoCo(SharedSurface, torch.optim.Optimizer):
         next inner step NaN again, and every later exchange would be dropped.  A pass over
         the state only here, never on a finite exchange."""
         mended = 0
-        with torch.no_grad():
-            for state in self.optimizer.state.values():
-                for value in state.values():
-                    if torch.is_tensor(value) and value.is_floating_point() and not bool(value.isfinite().all()):
-                        value.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-                        mended += 1
+        with torch.no_grad():  # the states as a list: their keys are the parameters themselves
+            for _, value in checkpoint.tensors_of(list(self.optimizer.state.values())):
+                if value.is_floating_point() and not bool(value.isfinite().all()):
+                    value.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                    mended += 1
         if mended:
             warnings.warn(f"mergecomp: DiLoCo: after the dropped exchange, {mended} tensor(s) of this rank's "
                           "inner optimizer state held NaN or Inf (taken in its inner steps since the last "
