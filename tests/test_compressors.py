@@ -386,7 +386,7 @@ def test_dgc_memory_without_masking_keeps_the_momentum_of_sent_coordinates(in_pl
     from mergecomp import memories
     memory = memories.create("dgc", momentum=0.5, masking=False)
     assert "masking=False" in repr(memory) and "masking" not in repr(memories.create("dgc"))
-    topk = compressors.create("topk", compress_ratio=0.25)
+    topk = compressors.create("topk", compress_ratio=0.25, wire_format="indexed")  # its values: views
     g = torch.tensor([1.0, 2.0, 3.0, 4.0])
     v = memory.compensate(g, "g")
     payload, ctx = topk.compress(v, "g")  # sends 4.0 at index 3

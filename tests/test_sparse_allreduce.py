@@ -58,7 +58,8 @@ def wire_worker(rank, world_size, numel, ratio):
     backend = TorchDistributedBackend()
     out = {}
     for keep in (1.0, 2.0, None):
-        sparse = make("sparse_allreduce", "topk", {"compress_ratio": ratio}, backend=backend, keep=keep)
+        sparse = make("sparse_allreduce", "topk", {"compress_ratio": ratio, "wire_format": "indexed"},
+                      backend=backend, keep=keep)
         tensor = gradient(1, rank, numel)
         before = backend.wire_bytes
         handle = sparse.start(tensor.clone(), "g")
@@ -78,7 +79,7 @@ def wire_worker(rank, world_size, numel, ratio):
             phase2 = (world_size - 1) * (SHAPE_HEADER_BYTES + a8(4 * kept) + a8(4 * kept))
             assert measured == phase1 + phase2, (keep, measured, phase1 + phase2)
         out[keep] = (measured, phase1, k)
-    gather = make("allgather", "topk", {"compress_ratio": ratio}, backend=backend)
+    gather = make("allgather", "topk", {"compress_ratio": ratio, "wire_format": "indexed"}, backend=backend)
     before = backend.wire_bytes
     gather.finish(gather.start(gradient(1, rank, numel), "g"))
     out["allgather"] = backend.wire_bytes - before

@@ -41,7 +41,7 @@ def test_a_subclass_that_decodes_its_own_way_keeps_decode_then_aggregate():
         def decompress(self, payload, ctx):
             return 2 * scatter_values(payload[0], payload[1], ctx)
 
-    compressor = Doubled(compress_ratio=0.1)
+    compressor = Doubled(compress_ratio=0.1, wire_format="indexed")  # the payload its decode reads
     assert not compressor.sums_in_place
     payload, ctx = compressor.compress(torch.arange(1.0, 21.0), "g")
     assert torch.equal(compressor.decompress_sum([payload, payload], ctx), 4 * scatter_values(*payload, ctx))

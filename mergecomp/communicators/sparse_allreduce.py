@@ -120,8 +120,9 @@ class SparseAllreduceCommunicator(Communicator):
         if not self.sparse:
             return self.backend.allreduce_async(payload)
         rank, size = self.backend.rank, self.backend.size
-        values, indices = payload
+        values, indices = self.compressor.entries(payload, ctx)  # the compact wire's, unpacked
         n, device = ctx.numel, values.device
+        indices = indices.to(index_dtype(n))
         parts = shard_sizes(n, size)
         starts = _starts(parts)
         owner = _owners(indices.long(), n, size)

@@ -2,14 +2,17 @@
 
 Top-k, DGC and GradDrop differ only in which coordinates they pick; each sends the picked
 values in the gradient's dtype (DGC optionally fp16) and their flat indices, int32 while
-the group has fewer than 2^31 elements.  Decoding scatters the values into zeros, and a sum
-of several ranks' payloads is scatter-added into one buffer.
+the group has fewer than 2^31 elements (the ``"indexed"`` wire), or, where the compressor
+offers it, 16-bit values and 16-bit offsets within blocks (the ``"compact"`` wire,
+:mod:`.blockwire`).  Decoding scatters the values into zeros, and a sum of several ranks'
+payloads is scatter-added into one buffer.
 """
 from __future__ import annotations
 
 import torch
 
 from ..kernels import scatter
+from . import blockwire
 from .base import Compressor, Context
 
 
@@ -54,6 +57,21 @@ class SparseCompressor(Compressor):
     """
 
     summable = False
+    #: How a payload travels (:mod:`.blockwire`): ``"indexed"`` ``(values, indices)``, or
+    #: ``"compact"`` ``(values, offsets, counts)`` where a subclass offers it.
+    wire_format = "indexed"
+
+    def entries(self, payload, ctx):
+        """``(values, flat indices)`` of a payload, whichever wire carried it."""
+        if self.wire_format == "compact":
+            return blockwire.unpack(payload, ctx.numel)
+        return payload
+
+    def wire_payload(self, values, indices, numel):
+        """The payload for ``values`` at ``indices`` (ascending, for the compact wire)."""
+        if self.wire_format == "compact":
+            return blockwire.pack(values, indices, numel)
+        return values, indices.to(index_dtype(numel))
 
     @property
     def sums_in_place(self) -> bool:  # unless a subclass decodes or combines its own way
@@ -61,7 +79,7 @@ class SparseCompressor(Compressor):
         return cls.decompress is SparseCompressor.decompress and cls.aggregate is Compressor.aggregate
 
     def decompress(self, payload, ctx):
-        values, indices = payload
+        values, indices = self.entries(payload, ctx)
         return scatter_values(values, indices, ctx)
 
     def decompress_sum(self, payloads, ctx, out=None):
@@ -75,7 +93,8 @@ class SparseCompressor(Compressor):
             total = out.zero_()
         else:
             total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payloads[0][0].device)
-        for values, indices in payloads:
+        for payload in payloads:
+            values, indices = self.entries(payload, ctx)
             scatter(total, indices, values, "add")
         return total
 
@@ -85,9 +104,9 @@ class SparseCompressor(Compressor):
         if not self.sums_in_place:  # a subclass decodes its own way
             flat.sub_(self.decompress(payload, ctx).reshape(-1).to(flat.dtype))
             return
-        values, indices = payload
+        values, indices = self.entries(payload, ctx)
         scatter(flat, indices, values, "subtract")
 
     def transmitted_indices(self, payload, ctx) -> torch.Tensor:
         """Flat indices of the coordinates this payload sent."""
-        return payload[1].long()
+        return self.entries(payload, ctx)[1].long()

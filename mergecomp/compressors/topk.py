@@ -5,8 +5,10 @@ Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
 
     I = indices of the k largest |g_i|;   send (g_I, I);   decode: ĝ_i = g_i for i ∈ I, else 0.
 
-On the wire: k values in the gradient's dtype, then k int32 indices (int64 beyond 2^31
-elements): k × (value bytes + 4) bytes.
+On the wire (the default ``"compact"`` format, :mod:`.blockwire`): k values in 16 bits, k
+16-bit offsets within blocks of 65,536 coordinates and one int32 count per block: 4·k +
+4·⌈n / 65,536⌉ bytes.  ``wire_format="indexed"``: k values in the gradient's dtype and k
+int32 indices (int64 beyond 2^31 elements), k × (value bytes + 4) bytes.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from . import register
 from .base import Context, check_ratio
 from ..kernels import Scratch, exact_top_k
 from .recipes import Recipe
-from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_dtype, index_nbytes, num_selected
+from .blockwire import check_wire_format, compact_nbytes
+from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_nbytes, num_selected
 from .warmup import DensityWarmup
 
 
@@ -48,8 +51,13 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
     A NaN counts as larger than any number, as in ``torch.topk`` (the selection falls back
     to ``torch.topk`` when a NaN hides the candidates); the reducer drops non-finite steps.
 
-    Wire for n elements: k × (value bytes + 4) — the values in the input dtype and int32
-    indices (int64 beyond 2^31 elements).  Payloads of different ranks index different
+    Wire for n elements (``wire_format``): ``"compact"``, the default, 4·k + 4·⌈n / 65,536⌉
+    bytes — bf16 values (a 16-bit gradient's own dtype) and 16-bit offsets within blocks,
+    the rounding kept by error feedback (:mod:`.blockwire`); ``"indexed"``, k × (value
+    bytes + 4) — the values in the input dtype and int32 indices (int64 beyond 2^31
+    elements).  The default density, 2%, sends in the compact wire the bytes that 1% took
+    in the indexed one: twice the coordinates for the same traffic (what that buys:
+    docs/results.md#compact-wire).  Payloads of different ranks index different
     coordinates, so they are not summable: use the allgather or PS communicator.
     """
 
@@ -68,8 +76,10 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
                "language-model benchmark; under Adam or AdamW top-k does both by default",
         local_clipping=True)
 
-    def __init__(self, compress_ratio: float = 0.01, warmup="auto", warmup_steps: int = 0):
+    def __init__(self, compress_ratio: float = 0.02, warmup="auto", warmup_steps: int = 0,
+                 wire_format: str = "compact"):
         self.compress_ratio = check_ratio(compress_ratio)
+        self.wire_format = check_wire_format(wire_format)
         self._start_warmup(warmup, warmup_steps)
         self._scratch = Scratch()
 
@@ -81,10 +91,14 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.scaled_ratio(name, self.density()))
         indices = exact_top_k(flat, k, self._scratch)
-        values = flat[indices]
-        return (values, indices.to(index_dtype(flat.numel()))), Context(tensor.shape, tensor.dtype)
+        if self.wire_format == "compact":  # its blocks need the indices ascending
+            indices = indices.sort().values
+        return self.wire_payload(flat[indices], indices, flat.numel()), Context(tensor.shape, tensor.dtype)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """k values in the input dtype and k indices: the payload's k, else the configured one."""
+        """k coordinates at 4 bytes each plus 4 per block of 65,536 (compact), or k values in
+        the input dtype and k indices (indexed): the payload's k, else the configured one."""
         k = payload[0].numel() if payload is not None else num_selected(numel, self.compress_ratio)
+        if self.wire_format == "compact":
+            return compact_nbytes(k, numel, element_size)
         return k * (element_size + index_nbytes(numel))

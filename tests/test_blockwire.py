@@ -1,0 +1,115 @@
+"""The compact sparse wire: 16-bit values and 16-bit block offsets (top-k's default)."""
+import pytest
+import torch
+
+from mergecomp import compressors, memories
+from mergecomp.compressors import blockwire
+from mergecomp.compressors.base import Context, payload_nbytes
+
+
+@pytest.mark.parametrize("numel", [1, 1000, blockwire.BLOCK, blockwire.BLOCK + 1, 3 * blockwire.BLOCK + 17])
+def test_indices_come_back_exactly_across_block_edges(numel):
+    generator = torch.Generator().manual_seed(numel)
+    k = max(1, numel // 50)
+    indices = torch.randperm(numel, generator=generator)[:k].sort().values
+    for edge in (0, blockwire.BLOCK - 1, blockwire.BLOCK, numel - 1):  # the blocks' first and last coordinates
+        if edge < numel and edge not in indices.tolist():
+            indices = torch.cat([indices, torch.tensor([edge])]).sort().values
+    values = torch.randn(indices.numel(), generator=generator)
+    payload = blockwire.pack(values, indices, numel)
+    assert [p.dtype for p in payload] == [torch.bfloat16, torch.int16, torch.int32]
+    assert payload_nbytes(payload) == blockwire.compact_nbytes(indices.numel(), numel, 4)
+    got_values, got_indices = blockwire.unpack(payload, numel)
+    assert torch.equal(got_indices, indices)
+    assert torch.equal(got_values, values.to(torch.bfloat16))
+
+
+def test_topk_sends_half_the_bytes_of_the_indexed_wire_and_the_same_coordinates():
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(3))
+    compact = compressors.create("topk", compress_ratio=0.01)
+    indexed = compressors.create("topk", compress_ratio=0.01, wire_format="indexed")
+    payload, ctx = compact.compress(x, "g")
+    (values, indices), _ = indexed.compress(x, "g")
+    assert payload_nbytes(payload) == compact.wire_nbytes(x.numel(), 4, payload) == 2000 * 4 + 4 * 4
+    assert indexed.wire_nbytes(x.numel(), 4) == 2000 * 8
+    sent = compact.transmitted_indices(payload, ctx)
+    assert set(sent.tolist()) == set(indices.tolist())
+    decoded = compact.decompress(payload, ctx)
+    assert torch.equal(decoded[sent], x[sent].to(torch.bfloat16).float())
+    assert int((decoded != 0).sum()) == 2000
+
+
+def test_a_16_bit_gradient_keeps_its_dtype_on_the_wire():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    topk = compressors.create("topk", compress_ratio=0.1)
+    payload, ctx = topk.compress(x, "g")
+    assert payload[0].dtype == torch.float16
+    decoded = topk.decompress(payload, ctx)
+    assert decoded.dtype == torch.float16 and torch.equal(decoded[decoded != 0], x[decoded != 0])
+
+
+def test_error_feedback_keeps_what_the_rounding_lost():
+    """The residual is the compensated gradient minus the rounded values sent: sent plus
+    kept is the input exactly, so the rounding is sent later, never lost."""
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(5))
+    memory, topk = memories.create("residual"), compressors.create("topk", compress_ratio=0.05)
+    compensated = memory.compensate(x.clone(), "g")
+    payload, ctx = topk.compress(compensated, "g")
+    memory.update(compensated, "g", topk, payload, ctx)
+    memory.commit()
+    sent = topk.decompress(payload, ctx).reshape(-1)
+    assert torch.equal(sent + memory.residuals["g"], x)
+    assert float(memory.residuals["g"][topk.transmitted_indices(payload, ctx)].abs().max()) > 0  # rounding kept
+
+
+def test_non_finite_values_stay_non_finite_on_the_wire():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(6))
+    x[10], x[20] = float("nan"), float("inf")
+    topk = compressors.create("topk", compress_ratio=0.01)
+    payload, ctx = topk.compress(x, "g")
+    decoded = topk.decompress(payload, ctx)
+    assert decoded[10].isnan() and decoded[20].isinf()
+    big = torch.zeros(1000)
+    big[3] = 1e30  # beyond fp16's range; bf16 keeps it finite
+    assert torch.isfinite(topk.decompress(*topk.compress(big, "g"))).all()
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda p: (p[0], p[1], p[2][:-1]), "needs 2 counts"),
+    (lambda p: (p[0], p[1][:-1], p[2]), "as many offsets as values"),
+    (lambda p: (p[0], p[1], p[2] + 1), "add up to"),
+    (lambda p: (p[0], p[1]), r"\(values, offsets, counts\)"),
+])
+def test_a_payload_that_cannot_be_one_is_refused_with_what_was_wrong(corrupt, message):
+    x = torch.randn(blockwire.BLOCK + 10, generator=torch.Generator().manual_seed(7))
+    topk = compressors.create("topk", compress_ratio=0.01)
+    payload, ctx = topk.compress(x, "g")
+    with pytest.raises(ValueError, match=message):
+        topk.decompress(corrupt(payload), ctx)
+
+
+def test_an_offset_past_the_groups_end_is_refused():
+    payload = blockwire.pack(torch.ones(1), torch.tensor([99]), 100)
+    with pytest.raises(ValueError, match="coordinate 99 of a group of 50"):
+        blockwire.unpack(payload, 50)
+
+
+def test_an_unknown_wire_format_is_refused():
+    with pytest.raises(ValueError, match="wire_format must be one of .*got 'packed'"):
+        compressors.create("topk", wire_format="packed")
+
+
+def test_the_wire_format_is_part_of_the_configuration():
+    assert "wire_format='compact'" in repr(compressors.create("topk"))
+    assert "wire_format='indexed'" in repr(compressors.create("topk", wire_format="indexed"))
+
+
+def test_a_sum_of_compact_payloads_equals_the_sum_of_their_decodes():
+    generator = torch.Generator().manual_seed(8)
+    topk = compressors.create("topk", compress_ratio=0.02)
+    encoded = [topk.compress(torch.randn(70_000, generator=generator), "g") for _ in range(3)]
+    ctx = encoded[0][1]
+    total = topk.decompress_sum([payload for payload, _ in encoded], ctx)
+    expected = sum(topk.decompress(payload, c) for payload, c in encoded)
+    assert torch.equal(total.reshape(-1), expected.reshape(-1))
+    assert isinstance(ctx, Context)
