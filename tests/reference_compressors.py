@@ -57,11 +57,19 @@ def _keep(x, indices):
     return out.view(x.shape)
 
 
+def _on_the_wire(compressor, kept):
+    """The kept values as the wire carries them: the compact wire rounds a value wider than
+    16 bits to bf16."""
+    if getattr(compressor, "wire_format", "indexed") == "compact" and kept.element_size() > 2:
+        return kept.to(torch.bfloat16).to(kept.dtype)
+    return kept
+
+
 def topk(compressor, x, layout, generator):
     """Aji & Heafield 2017: keep the k = ratio·n entries of largest magnitude."""
     flat = x.reshape(-1)
     k = min(flat.numel(), max(1, int(flat.numel() * compressor.compress_ratio)))
-    return _keep(x, flat.abs().argsort(descending=True)[:k])
+    return _on_the_wire(compressor, _keep(x, flat.abs().argsort(descending=True)[:k]))
 
 
 def randk(compressor, x, layout, generator):
@@ -88,7 +96,7 @@ def graddrop(compressor, x, layout, generator):
     k = min(magnitudes.numel(), max(1, int(magnitudes.numel() * compressor.compress_ratio)))
     threshold = _sample_threshold(magnitudes, k, compressor.sample_ratio, compressor.min_samples,
                                   survivors=compressor.sample_survivors)
-    return _keep(x, (magnitudes >= threshold).nonzero().view(-1))
+    return _on_the_wire(compressor, _keep(x, (magnitudes >= threshold).nonzero().view(-1)))
 
 
 def dgc(compressor, x, layout, generator):

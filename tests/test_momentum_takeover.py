@@ -140,10 +140,17 @@ def _six_steps(rank, forward, optimizer, first_scale=1.0):
         optimizer.step()
 
 
-def _train(rank, world_size, optimizer_name, memory, compressor="topk", inner_name=None, first_scale=1.0):
-    """A sparsifier (top-k unless told) through the wrapper: (parameters, the user's SGD
-    momentum afterwards, the momentum the residual memory applies, if it is one).
+def _exact_topk():
+    """Top-k on its indexed wire: exact values, so two ways of writing one momentum, which
+    scale what is sent differently, round nothing differently."""
+    return compressors.create("topk", compress_ratio=0.01, wire_format="indexed")
+
+
+def _train(rank, world_size, optimizer_name, memory, compressor=None, inner_name=None, first_scale=1.0):
+    """A sparsifier (:func:`_exact_topk` unless told) through the wrapper: (parameters, the
+    user's SGD momentum afterwards, the momentum the residual memory applies, if it is one).
     ``inner_name``: the optimizer that steps, when it is not ``optimizer_name``'s."""
+    compressor = compressor or _exact_topk()
     model = _model()
     inner = _inner(model, inner_name or optimizer_name)
     memory = _MEMORIES[memory]() if memory in _MEMORIES else memory
@@ -181,7 +188,7 @@ def _train_ddp(rank, world_size, taken_over):
     ddp = DistributedDataParallel(model)
     sgd = _inner(model, "momentum" if taken_over else "plain")
     memory = "dgc" if taken_over else _MEMORIES["dgc, momentum 0.9, no masking"]()
-    mergecomp.ddp.register(ddp, compressor="topk", memory=memory, optimizer=sgd)
+    mergecomp.ddp.register(ddp, compressor=_exact_topk(), memory=memory, optimizer=sgd)
     _six_steps(rank, ddp, sgd)
     return [p.detach().clone() for p in model.parameters()]
 
@@ -249,7 +256,7 @@ def _train_accelerate(rank, world_size):
     sgd = _inner(model, "momentum")
     prepared, optimizer = accelerator.prepare(model, sgd)
     assert type(optimizer).__name__ == "AcceleratedOptimizer"
-    state = mergecomp.ddp.register(prepared, compressor="topk", memory="dgc", optimizer=optimizer)
+    state = mergecomp.ddp.register(prepared, compressor=_exact_topk(), memory="dgc", optimizer=optimizer)
     _six_steps(rank, prepared, optimizer)
     return ([p.detach().clone() for p in model.parameters()], state.memory.momentum,
             sgd.param_groups[0]["momentum"], any("momentum_buffer" in s for s in sgd.state.values()))
