@@ -65,7 +65,7 @@ class SparseCompressor(Compressor):
         """``(values, flat indices)`` of a payload, whichever wire carried it."""
         if self.wire_format == "compact":
             return blockwire.unpack(payload, ctx.numel)
-        return payload
+        return payload[0], payload[1]
 
     def wire_payload(self, values, indices, numel):
         """The payload for ``values`` at ``indices`` (ascending, for the compact wire)."""

@@ -190,7 +190,14 @@ class DGCMemory(Memory):
         in_place = (self.momenta.is_pending(name) and self.velocities.is_pending(name)
                     and not shares_memory(payload, (velocity, momentum)))
         sent = sent_positions(compressor, payload, ctx)
-        flat_v = zero_positions(flat_v, sent, in_place)
+        if getattr(compressor, "subtract_sent", None) is not None:
+            # The values sent leave the velocity, not the whole coordinate: a payload that
+            # rounds them (top-k's compact wire, DGC's fp16 values) keeps the rounding for the
+            # next step; exact values leave exactly 0 there, as zeroing does.
+            flat_v = flat_v if in_place else flat_v.clone()
+            compressor.subtract_sent(flat_v, payload, ctx)
+        else:
+            flat_v = zero_positions(flat_v, sent, in_place)
         if self.masks_sent(name, self.masking if self.masking_given else None, True):
             flat_u = zero_positions(flat_u, sent, in_place)
         self.velocities[name] = flat_v.view_as(velocity)
