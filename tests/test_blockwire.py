@@ -113,3 +113,18 @@ def test_a_sum_of_compact_payloads_equals_the_sum_of_their_decodes():
     expected = sum(topk.decompress(payload, c) for payload, c in encoded)
     assert torch.equal(total.reshape(-1), expected.reshape(-1))
     assert isinstance(ctx, Context)
+
+
+def test_graddrop_sends_the_same_coordinates_on_either_wire_in_half_the_bytes():
+    x = torch.randn(150_000, generator=torch.Generator().manual_seed(9))
+    compact = compressors.create("graddrop", compress_ratio=0.02)
+    indexed = compressors.create("graddrop", compress_ratio=0.02, wire_format="indexed")
+    payload, ctx = compact.compress(x, "g")
+    (values, indices), _ = indexed.compress(x, "g")
+    assert torch.equal(compact.transmitted_indices(payload, ctx), indices.long())
+    count = values.numel()
+    assert payload_nbytes(payload) == compact.wire_nbytes(x.numel(), 4, payload) == 4 * count + 4 * 3
+    assert indexed.wire_nbytes(x.numel(), 4, (values, indices)) == 8 * count
+    assert torch.equal(compact.decompress(payload, ctx)[indices.long()], values.to(torch.bfloat16).float())
+    empty, empty_ctx = compact.compress(torch.zeros(0), "g")
+    assert compact.decompress(empty, empty_ctx).shape == (0,)
