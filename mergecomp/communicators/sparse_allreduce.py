@@ -297,7 +297,10 @@ class SparseAllreduceCommunicator(Communicator):
         channel, between the two collectives, priced as the codec's add and encode over 1/N
         of the group); a rank scatters the N owner sums once (one decode).  ``start``
         waits for the all-to-all and the owner's sum (``blocking``): backward waits with
-        it.  Payload headers and the all-to-all's size exchange are not modelled."""
+        it.  Payload headers and the all-to-all's size exchange are not modelled, nor that
+        the phases send indexed pairs (int32 indices; owner sums in the gradient's dtype)
+        where top-k's compact payload takes 4 bytes a coordinate: for it both collectives
+        are priced at the payload's bytes, under what they send."""
         alltoall = collective_cost(profile, "alltoall", "the sparse allreduce's first phase")
         allgather = collective_cost(profile, "allgather", "the sparse allreduce's second phase")
         world = profile.world_size
