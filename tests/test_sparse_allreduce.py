@@ -104,6 +104,31 @@ def test_wire_bytes_follow_the_formula_and_do_not_grow_with_n(world_size):
         assert all(out["allgather"] >= 1.4 * out[1.0][0] for out in results)
 
 
+def compact_worker(rank, world_size, numel):
+    backend = TorchDistributedBackend()
+    out = {}
+    for wire_format in ("compact", "indexed"):
+        sparse = make("sparse_allreduce", "topk", {"compress_ratio": 0.02, "wire_format": wire_format},
+                      backend=backend)
+        before = backend.wire_bytes
+        handle = sparse.start(gradient(4, rank, numel), "g")
+        result = sparse.finish(handle)
+        out[wire_format] = (backend.wire_bytes - before, result)
+    return out
+
+
+def test_the_compact_wire_halves_both_phases_and_sums_the_same_coordinates():
+    """Phase 1 sends each partition's pairs as 16-bit values and offsets, phase 2 the owners'
+    kept sums the same way: about half the indexed bytes, and the owners keep the same
+    coordinates (but near-ties of the rounded sums), their sums within bf16's rounding."""
+    for out in run_ranks(compact_worker, 4, 40_000):
+        (compact, got), (indexed, expected) = out["compact"], out["indexed"]
+        assert compact < 0.6 * indexed, (compact, indexed)
+        both = (got != 0) & (expected != 0)
+        assert int(both.sum()) >= 0.95 * int((expected != 0).sum())
+        torch.testing.assert_close(got[both], expected[both], rtol=2 ** -7, atol=1e-6)
+
+
 def nonfinite_worker(rank, world_size, keep, bad):
     backend = TorchDistributedBackend()
     sparse = make("sparse_allreduce", "topk", {"compress_ratio": 0.01}, backend=backend, keep=keep)
@@ -178,16 +203,19 @@ def test_compressors_it_cannot_split_by_index_are_refused(name):
         make("sparse_allreduce", name, {}, backend=_Backend())
 
 
-def corrupt_worker(rank, world_size):
+def corrupt_worker(rank, world_size, wire_format="indexed"):
     backend = TorchDistributedBackend()
-    sparse = make("sparse_allreduce", "topk", {"compress_ratio": 0.1}, backend=backend)
+    sparse = make("sparse_allreduce", "topk", {"compress_ratio": 0.1, "wire_format": wire_format}, backend=backend)
     if rank == 1:  # a peer that sends indices outside the partition it sends them to
         original = backend.alltoall
 
         def alltoall(chunks, limit=None):
             bad = [c.clone() for c in chunks]
-            if bad[0].numel():
+            if bad[0].numel() and wire_format == "indexed":  # the last index: 65,535
                 bad[0][-4:] = torch.tensor([255, 255, 0, 0], dtype=torch.uint8)
+            elif bad[0].numel() > 4:  # compact: the first offset, 60 in a partition of 50
+                pairs = (bad[0].numel() - 4) // 4
+                bad[0][2 * pairs:2 * pairs + 2] = torch.tensor([60 - 32768], dtype=torch.int16).view(torch.uint8)
             return original(bad, limit)
         backend.alltoall = alltoall
     try:
@@ -202,6 +230,8 @@ def corrupt_worker(rank, world_size):
 def test_a_peer_sending_indices_outside_the_partition_is_named():
     results = run_ranks(corrupt_worker, 2)
     assert results[0] is not None and "rank 1" in results[0] and "outside the partition" in results[0]
+    compact = run_ranks(corrupt_worker, 2, "compact")
+    assert compact[0] is not None and "rank 1" in compact[0] and "names coordinate 60 of a group of 50" in compact[0]
 
 
 def training_worker(rank, world_size):

@@ -26,6 +26,14 @@ al., OSDI 2025) do, in two phases:
    The owners' payloads (values in the gradient's dtype, flat int32 indices, int64
    beyond 2^31 elements) are all-gathered and scattered into the result.
 
+**On the compressor's compact wire** (top-k's and GradDrop's default,
+:mod:`~mergecomp.compressors.blockwire`), both phases send its format: phase 1's chunk for
+rank r is (16-bit values, 16-bit offsets, one int32 count per 65,536 coordinates) of r's
+partition, offsets counted from its start; with ``keep=c`` the owner's reply is its kept
+sums the same way, rounded to bf16, and the rounding stays in its owner residual (with
+``owner_residual=False`` it is lost, as the dropped sums are).  ``keep=None`` sends the
+exact union indexed, in the gradient's dtype, so it stays the allgather's sum bit for bit.
+
 Contiguous partitions rather than ZEN's hash-balanced ones: the owner's sum and the
 result's scatter touch one contiguous range, the indices need no table, and an owner's
 additions happen in rank order, so the exact mode is the allgather's sum bit for bit.  The
@@ -71,6 +79,7 @@ from .ps import shard_sizes
 from ..distributed.backends.serialize import MAX_DIMS, header_error
 from ..compressors.base import Compressor
 from ..kernels import Scratch, exact_top_k
+from ..compressors import blockwire
 from ..compressors.sparsifier import SparseCompressor, index_dtype, num_selected
 from ..memories.none import NoneMemory
 from ..memories.residual import ResidualMemory
@@ -131,18 +140,19 @@ class SparseAllreduceCommunicator(Communicator):
         values, indices = values[order], indices[order]
         own_values, own_indices = _split(values, counts)[rank], _split(indices, counts)[rank]
         empty = torch.empty(0, dtype=torch.uint8, device=device)
-        chunks = [empty if r == rank else
-                  torch.cat([v.contiguous().view(torch.uint8), i.contiguous().view(torch.uint8)])
+        chunks = [empty if r == rank else self._chunk(v, i, starts[r], parts[r])
                   for r, (v, i) in enumerate(zip(_split(values, counts), _split(indices, counts)))]
-        pair = values.element_size() + indices.element_size()
         bound = self._count_bound(payload, ctx)
-        received = self.backend.alltoall(chunks, limit=pair * min(bound, parts[rank]))
+        received = self.backend.alltoall(chunks, limit=self._chunk_limit(values, indices, min(bound, parts[rank]),
+                                                                         parts[rank]))
         lo, hi = starts[rank], starts[rank] + parts[rank]
         total = torch.zeros(parts[rank], dtype=ctx.dtype, device=device)
         touched = None if self.keep is not None else torch.zeros(parts[rank], dtype=torch.bool, device=device)
         for source in range(size):
             if source == rank:
                 got_values, got_indices = own_values, own_indices
+            elif self.compact:
+                got_values, got_indices = _uncompact(received[source], values.dtype, lo, hi, source, rank)
             else:
                 got_values, got_indices = _unchunk(received[source], values.dtype, indices.dtype, lo, hi,
                                                    source, rank)
@@ -154,8 +164,32 @@ class SparseAllreduceCommunicator(Communicator):
         if self.keep is None:
             return self.backend.allgather_async(reply, same_shapes=False)
         kept = min(math.ceil(self.keep * bound / size), max(parts))
-        return self.backend.allgather_async(reply, same_shapes=False,
-                                            bound=(torch.Size([kept]), torch.Size([kept])))
+        shapes = (torch.Size([kept]), torch.Size([kept]))
+        if self.compact:
+            shapes += (torch.Size([blockwire.num_blocks(max(parts))]),)
+        return self.backend.allgather_async(reply, same_shapes=False, bound=shapes)
+
+    @property
+    def compact(self) -> bool:
+        """Whether the pairs travel on the compressor's compact wire (:mod:`~mergecomp.compressors.blockwire`):
+        16-bit values and 16-bit offsets within the blocks of each rank's partition."""
+        return self.sparse and getattr(self.compressor, "wire_format", "indexed") == "compact"
+
+    def _chunk(self, values: torch.Tensor, indices: torch.Tensor, lo: int, part: int) -> torch.Tensor:
+        """The bytes of the pairs bound for the partition [lo, lo + part): (values, indices),
+        or on the compact wire (values, offsets, counts) with indices counted from ``lo``."""
+        if self.compact:
+            tensors = blockwire.pack(values, indices.long() - lo, part)
+        else:
+            tensors = (values, indices)
+        return torch.cat([t.contiguous().view(torch.uint8) for t in tensors])
+
+    def _chunk_limit(self, values: torch.Tensor, indices: torch.Tensor, count: int, part: int) -> int:
+        """The most bytes a peer's chunk of at most ``count`` pairs for a partition of ``part``
+        elements may hold."""
+        if self.compact:
+            return blockwire.compact_nbytes(count, part, values.element_size())
+        return (values.element_size() + indices.element_size()) * count
 
     def _count_bound(self, payload, ctx) -> int:
         """The most entries a rank's payload for this group holds, the same on every rank."""
@@ -185,10 +219,19 @@ class SparseAllreduceCommunicator(Communicator):
         # The largest magnitudes, NaN and ±Inf first (as torch.topk ranks them): a
         # non-finite sum is always sent.
         local = exact_top_k(total, kept, self._scratch).long() if kept else total.new_empty(0, dtype=torch.long)
-        values = total[local]
-        if self.owner_residual:
-            total[local] = 0  # what is sent leaves the owner's residual
+        if self.compact:  # ascending, in 16 bits: the rounding stays in the owner's residual
+            local = local.sort().values
+            values = blockwire.wire_values(total[local])
+        else:
+            values = total[local]
+        if self.owner_residual:  # what is sent leaves the owner's residual
+            if self.compact:
+                total[local] -= values.to(total.dtype)
+            else:
+                total[local] = 0
             self.owner_residuals[key] = total
+        if self.compact:
+            return blockwire.pack(values, local, total.numel())
         return values, (local + lo).to(index_dtype(n))
 
     # -- finish: the owners' sums scattered into the group -------------------------------
@@ -203,7 +246,12 @@ class SparseAllreduceCommunicator(Communicator):
             out = torch.empty(ctx.numel, dtype=ctx.dtype, device=result[0][0].device)
         total = out.zero_()
         received = []
-        for source, (values, indices) in enumerate(result):
+        for source, reply in enumerate(result):
+            if len(reply) == 3:  # compact: offsets counted from the owner's partition start
+                values, local = _unpacked(reply, parts[source], source)
+                indices = local + starts[source]
+            else:
+                values, indices = reply
             if values.numel() != indices.numel():
                 raise header_error(source, f"its owner sum has {values.numel()} values and "
                                            f"{indices.numel()} indices")
@@ -297,10 +345,9 @@ class SparseAllreduceCommunicator(Communicator):
         channel, between the two collectives, priced as the codec's add and encode over 1/N
         of the group); a rank scatters the N owner sums once (one decode).  ``start``
         waits for the all-to-all and the owner's sum (``blocking``): backward waits with
-        it.  Payload headers and the all-to-all's size exchange are not modelled, nor that
-        the phases send indexed pairs (int32 indices; owner sums in the gradient's dtype)
-        where top-k's compact payload takes 4 bytes a coordinate: for it both collectives
-        are priced at the payload's bytes, under what they send."""
+        it.  Payload headers, block counts and the all-to-all's size exchange are not
+        modelled; both phases send pairs in the payload's format (indexed, or the compact
+        wire's 4 bytes), so the payload's bytes price them."""
         alltoall = collective_cost(profile, "alltoall", "the sparse allreduce's first phase")
         allgather = collective_cost(profile, "allgather", "the sparse allreduce's second phase")
         world = profile.world_size
@@ -363,6 +410,31 @@ def _unchunk(chunk: torch.Tensor, value_dtype: torch.dtype, index_type: torch.dt
     indices = chunk[count * value_size:].clone().view(index_type)
     _check_range(indices.long(), lo, hi, source, f"its pairs for partition {rank}")
     return values, indices
+
+
+def _uncompact(chunk: torch.Tensor, value_dtype: torch.dtype, lo: int, hi: int, source: int,
+               rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``source``'s compact chunk for this rank's partition [lo, hi): (values, indices)."""
+    value_size = torch.empty((), dtype=value_dtype).element_size()
+    blocks = blockwire.num_blocks(hi - lo)
+    rest = chunk.numel() - 4 * blocks
+    if rest < 0 or rest % (value_size + 2):
+        raise header_error(source, f"it sent {chunk.numel()} bytes for partition {rank}, not {blocks} "
+                                   f"block counts and whole ({value_size}-byte value, 2-byte offset) pairs")
+    count = rest // (value_size + 2)
+    parts = (chunk[:count * value_size].clone().view(value_dtype),
+             chunk[count * value_size:rest].clone().view(torch.int16),
+             chunk[rest:].clone().view(torch.int32))
+    values, local = _unpacked(parts, hi - lo, source)
+    return values, local + lo
+
+
+def _unpacked(payload, part: int, source: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~mergecomp.compressors.blockwire.unpack`, its refusal named as rank ``source``'s."""
+    try:
+        return blockwire.unpack(payload, part)
+    except ValueError as error:
+        raise header_error(source, str(error)) from None
 
 
 def _check_range(indices: torch.Tensor, lo: int, hi: int, source: int, what: str) -> None:
