@@ -69,7 +69,8 @@ def pack(values: torch.Tensor, indices: torch.Tensor, numel: int) -> Tuple[torch
     """``(values, offsets, counts)`` for ``indices`` sorted ascending (the caller sorts: the
     selection that found them knows whether they already are) and their ``values``."""
     indices = indices.long()
-    counts = torch.bincount(indices >> 16, minlength=num_blocks(numel)).to(torch.int32)
+    ends = torch.arange(1, num_blocks(numel) + 1, device=indices.device, dtype=torch.long) * BLOCK
+    counts = torch.searchsorted(indices, ends).diff(prepend=ends.new_zeros(1)).to(torch.int32)
     offsets = ((indices & (BLOCK - 1)) - _OFFSET_SHIFT).to(torch.int16)
     return wire_values(values), offsets, counts
 
