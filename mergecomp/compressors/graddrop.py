@@ -19,8 +19,8 @@ from . import register
 from .base import Context, check_ratio
 from ..kernels import BlockPeaks, Scratch, sampled_threshold
 from .recipes import Recipe
-from .blockwire import check_wire_format, compact_nbytes
-from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_nbytes, num_selected
+from .blockwire import check_wire_format
+from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, num_selected
 from .warmup import DensityWarmup
 
 
@@ -110,6 +110,4 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
         if payload[1].numel() != count or count > numel:
             raise ValueError(f"GradDrop payload has {count} values and {payload[1].numel()} indices "
                              f"for {numel} elements; expected as many indices as values, at most n")
-        if self.wire_format == "compact":
-            return compact_nbytes(count, numel, element_size)
-        return count * (element_size + index_nbytes(numel))
+        return self.entries_nbytes(count, numel, element_size)

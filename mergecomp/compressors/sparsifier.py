@@ -67,6 +67,12 @@ class SparseCompressor(Compressor):
             return blockwire.unpack(payload, ctx.numel)
         return payload[0], payload[1]
 
+    def entries_nbytes(self, count: int, numel: int, element_size: int) -> int:
+        """Bytes of ``count`` coordinates of an ``numel``-element group on this wire."""
+        if self.wire_format == "compact":
+            return blockwire.compact_nbytes(count, numel, element_size)
+        return count * (element_size + index_nbytes(numel))
+
     def wire_payload(self, values, indices, numel):
         """The payload for ``values`` at ``indices`` (ascending, for the compact wire)."""
         if self.wire_format == "compact":

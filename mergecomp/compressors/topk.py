@@ -18,8 +18,8 @@ from . import register
 from .base import Context, check_ratio
 from ..kernels import Scratch, exact_top_k
 from .recipes import Recipe
-from .blockwire import check_wire_format, compact_nbytes
-from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, index_nbytes, num_selected
+from .blockwire import check_wire_format
+from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, num_selected
 from .warmup import DensityWarmup
 
 
@@ -99,6 +99,4 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
         """k coordinates at 4 bytes each plus 4 per block of 65,536 (compact), or k values in
         the input dtype and k indices (indexed): the payload's k, else the configured one."""
         k = payload[0].numel() if payload is not None else num_selected(numel, self.compress_ratio)
-        if self.wire_format == "compact":
-            return compact_nbytes(k, numel, element_size)
-        return k * (element_size + index_nbytes(numel))
+        return self.entries_nbytes(k, numel, element_size)
