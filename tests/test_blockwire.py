@@ -91,6 +91,12 @@ def test_a_payload_that_cannot_be_one_is_refused_with_what_was_wrong(corrupt, me
         topk.decompress(corrupt(payload), ctx)
 
 
+def test_values_for_an_empty_group_are_refused():
+    payload = (torch.ones(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int16), torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block counts \[\] add up to 0, not its 2 values"):
+        blockwire.unpack(payload, 0)
+
+
 def test_an_offset_past_the_groups_end_is_refused():
     payload = blockwire.pack(torch.ones(1), torch.tensor([99]), 100)
     with pytest.raises(ValueError, match="coordinate 99 of a group of 50"):

@@ -38,6 +38,7 @@ WIRE_FORMATS = ("compact", "indexed")
 
 
 def check_wire_format(wire_format: str) -> str:
+    """``wire_format`` if it is one of :data:`WIRE_FORMATS`, else a ValueError naming them."""
     if wire_format not in WIRE_FORMATS:
         raise ValueError(f"wire_format must be one of {WIRE_FORMATS} ('compact': 16-bit values and "
                          f"16-bit block offsets, 4 bytes a coordinate; 'indexed': the gradient's dtype "
@@ -94,9 +95,9 @@ def unpack(payload, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
     if counts.is_cuda:
         torch._assert_async((counts.sum() == count) & (counts.min() >= 0) if blocks else
                             torch.tensor(count == 0, device=counts.device))
-    elif blocks and (int(counts.sum()) != count or int(counts.min()) < 0):
+    elif (int(counts.sum()) if blocks else 0) != count or (blocks and int(counts.min()) < 0):
         raise ValueError(f"compact sparse payload's block counts {_brief(counts)} add up to "
-                         f"{int(counts.sum())}, not its {count} values (a corrupt payload)")
+                         f"{int(counts.sum()) if blocks else 0}, not its {count} values (a corrupt payload)")
     starts = torch.arange(blocks, device=counts.device, dtype=torch.long) * BLOCK
     indices = torch.repeat_interleave(starts, counts, output_size=count) + offsets.long() + _OFFSET_SHIFT
     if not indices.is_cuda and count and int(indices.max()) >= numel:
