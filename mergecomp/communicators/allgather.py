@@ -35,14 +35,21 @@ class AllgatherCommunicator(Communicator):
                                             limit=payload_limit(ctx.numel, ctx.dtype))
 
     def _combine(self, result, handle):
+        options, received = {}, None
+        if handle.output is not None and self._accepts("out"):
+            options["out"] = handle.output
         if self._scatters_received:
             # The sum is zero outside the received indices: the average (finish) divides and
             # the step's non-finite check (nonfinite_flag) reads it there only, O(k·N) instead of O(n).
-            handle.extra["received_indices"] = torch.cat(
-                [self.compressor.transmitted_indices(payload, handle.ctx) for payload in result])
-        if handle.output is not None and self._sums_into_output:
-            return self.compressor.decompress_sum(result, handle.ctx, out=handle.output)
-        return self.compressor.decompress_sum(result, handle.ctx)
+            if self._accepts("received"):  # handed over by the sum, each payload decoded once
+                received = options["received"] = []
+            else:
+                handle.extra["received_indices"] = torch.cat(
+                    [self.compressor.transmitted_indices(payload, handle.ctx) for payload in result])
+        total = self.compressor.decompress_sum(result, handle.ctx, **options)
+        if received is not None:
+            handle.extra["received_indices"] = torch.cat(received)
+        return total
 
     @property
     def _scatters_received(self) -> bool:
@@ -52,13 +59,13 @@ class AllgatherCommunicator(Communicator):
         return (getattr(compressor, "sums_in_place", False) and not compressor.dense
                 and callable(getattr(compressor, "transmitted_indices", None)))
 
-    @property
-    def _sums_into_output(self) -> bool:
-        """Whether the compressor's ``decompress_sum`` can write into a lent buffer."""
-        known = self.__dict__.get("_sums_into")
-        if known is None:
-            known = self.__dict__["_sums_into"] = accepts_keyword(self.compressor.decompress_sum, "out")
-        return known
+    def _accepts(self, keyword: str) -> bool:
+        """Whether the compressor's ``decompress_sum`` takes ``keyword``: ``out`` (it can write
+        into a lent buffer), ``received`` (it hands back the indices it scattered)."""
+        known = self.__dict__.setdefault("_sum_keywords", {})
+        if keyword not in known:
+            known[keyword] = accepts_keyword(self.compressor.decompress_sum, keyword)
+        return known[keyword]
 
     # -- cost model (mergecomp.planning.costmodel.communicator_formula) ---------------------------
     #: The collectives the formula below prices with; the profile measures them.

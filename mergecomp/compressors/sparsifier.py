@@ -88,11 +88,16 @@ class SparseCompressor(Compressor):
         values, indices = self.entries(payload, ctx)
         return scatter_values(values, indices, ctx)
 
-    def decompress_sum(self, payloads, ctx, out=None):
+    def decompress_sum(self, payloads, ctx, out=None, received=None):
         """The sum, scatter-added into one zeroed buffer: ``out`` (a flat tensor of the
         group's size and dtype that the caller gives up, e.g. its group buffer, so no
-        buffer of the group's size is allocated per step) or a new one."""
+        buffer of the group's size is allocated per step) or a new one.  ``received``: a
+        list that gets each payload's flat int64 indices (what the allgather's non-finite
+        check reads), so a compact payload is unpacked once, not again by
+        :meth:`transmitted_indices`."""
         if not self.sums_in_place:
+            if received is not None:
+                received.extend(self.transmitted_indices(payload, ctx) for payload in payloads)
             total = super().decompress_sum(payloads, ctx)
             return total if out is None else out.copy_(total)
         if out is not None and out.numel() == ctx.numel and out.dtype == ctx.dtype:
@@ -102,6 +107,8 @@ class SparseCompressor(Compressor):
         for payload in payloads:
             values, indices = self.entries(payload, ctx)
             scatter(total, indices, values, "add")
+            if received is not None:
+                received.append(indices.long())
         return total
 
     def subtract_sent(self, flat: torch.Tensor, payload, ctx) -> None:
