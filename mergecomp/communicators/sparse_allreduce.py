@@ -131,13 +131,14 @@ class SparseAllreduceCommunicator(Communicator):
         rank, size = self.backend.rank, self.backend.size
         values, indices = self.compressor.entries(payload, ctx)  # the compact wire's, unpacked
         n, device = ctx.numel, values.device
-        indices = indices.to(index_dtype(n))
         parts = shard_sizes(n, size)
         starts = _starts(parts)
         owner = _owners(indices.long(), n, size)
-        order = torch.argsort(owner, stable=True)
         counts = torch.bincount(owner, minlength=size).tolist()
-        values, indices = values[order], indices[order]
+        if not self.compact:  # the compact wire's indices come ascending: grouped by owner already
+            indices = indices.to(index_dtype(n))
+            order = torch.argsort(owner, stable=True)
+            values, indices = values[order], indices[order]
         own_values, own_indices = _split(values, counts)[rank], _split(indices, counts)[rank]
         empty = torch.empty(0, dtype=torch.uint8, device=device)
         chunks = [empty if r == rank else self._chunk(v, i, starts[r], parts[r])
