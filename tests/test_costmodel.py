@@ -151,7 +151,8 @@ def test_measured_codec_wire_sizes_and_copy():
     assert fp16.wire.per_element == pytest.approx(2.0) and fp16.wire.header == pytest.approx(0.0, abs=1e-6)
     topk = measure_compression_cost(compressors.create("topk", compress_ratio=0.25), sizes=(400, 4000), repeats=2)
     assert topk.wire(4000, 4) == pytest.approx(1000 * 4 + 4)  # compact: 4 bytes a value, one block count
-    assert measure_copy_cost(sizes=(1024, 65536), repeats=2).slope > 0
+    copy = measure_copy_cost(sizes=(1024, 65536), repeats=2)  # a timing: only its shape is certain
+    assert copy.intercept >= 0 and copy.slope >= 0 and copy(65536) > 0
 
 
 def test_backward_timer_records_backward_order():
