@@ -142,8 +142,9 @@ def test_measure_memory_cost_leaves_the_jobs_memory_alone():
     cost = measure_memory_cost(memory, compressor, sizes=(2 ** 10, 2 ** 14), repeats=1)
     assert cost.intercept + cost.slope * 2 ** 14 > 0
     assert memory.state_dict().keys() == before.keys()
+    # no memory does no work: a timing, so only a bound a descheduled probe still meets
     assert measure_memory_cost(memories.create("none"), compressor, sizes=(2 ** 10, 2 ** 14),
-                               repeats=1)(2 ** 14) < 1e-3
+                               repeats=3)(2 ** 14) < 0.05
 
 
 def test_link_efficiency_scales_the_bandwidth():
