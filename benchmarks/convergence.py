@@ -441,7 +441,8 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
     ``seed``; the validation loss every ``options.eval_every`` steps (the curve, with the
     bytes sent so far) and at the end.  ``set_epoch`` at every pass over this rank's rows.
     Stops early when any rank sees a non-finite loss (one small allreduce at each
-    evaluation)."""
+    evaluation).  An LSTM's evaluations also read the batch just trained on from the state
+    carried into it and from a fresh one (:func:`lm.state_reliance`)."""
     task = lm_task(options)
     steps = options.steps or DEFAULT_LM_STEPS
     torch.manual_seed(seed)
@@ -465,6 +466,7 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
         if first:
             state = None  # the rows start again: no state from their ends
         optimizer.zero_grad()
+        carried = state
         loss, state = lm.training_loss(task, model, inputs, targets, state)
         loss.backward()
         if clip_averaged:
@@ -481,8 +483,9 @@ def train_lm(spec: Spec, seed: int, options: Options, corpus, rank: int, world_s
             finite = flag.item() == 0
             with evaluating(optimizer):
                 loss_now = lm.validation_loss(task, model, valid) if finite else float("nan")
+            reliance = lm.state_reliance(task, model, inputs, targets, carried) if finite else {}
             curve.append(dict(step=done, bytes=backend.bytes_sent - start_sent, valid_loss=loss_now,
-                              **trace.at_evaluation()))
+                              **reliance, **trace.at_evaluation()))
             say_progress(rank, spec, seed, f"step {done} of {steps}, validation loss {loss_now:.4f}", began)
             if not finite or not math.isfinite(loss_now):
                 diverged = True

@@ -139,6 +139,28 @@ def training_loss(task: LMTask, model: nn.Module, inputs: Tensor, targets: Tenso
 
 
 @torch.no_grad()
+def state_reliance(task: LMTask, model: nn.Module, inputs: Tensor, targets: Tensor, state) -> dict:
+    """One training batch's loss read twice, from the state carried into it and from a fresh
+    (zero) state: what the recurrent model owes to a state carried over hundreds of windows.
+
+    Training carries the LSTM's state through a whole pass over its rows; validation starts
+    each of its rows fresh.  A model that leans on a long-carried state scores far worse on
+    validation than its training loss says, until the rows start again and it trains from
+    fresh states (the word-level LSTM under AdamW at β1 = 0: docs/results.md#word-state-spike).
+    Empty for the transformer or before a state exists."""
+    if not task.recurrent or state is None:
+        return {}
+    was_training = model.training
+    model.eval()
+    losses = {}
+    for key, start in (("batch_loss_carried_state", state), ("batch_loss_fresh_state", None)):
+        loss, _ = training_loss(task, model, inputs, targets, start)
+        losses[key] = loss.item()
+    model.train(was_training)
+    return losses
+
+
+@torch.no_grad()
 def validation_loss(task: LMTask, model: nn.Module, rows: Tensor) -> float:
     """Mean cross-entropy (nats per symbol) over ``rows`` (``(R, L)`` ids), read window by
     window, the LSTM's state carried along each row."""

@@ -71,6 +71,26 @@ def test_rows_record_curve_bytes_and_recipe(rows):
     assert 0 < topk["bytes_per_step"] < dense["bytes_per_step"] / 2
     assert topk["clip_mode"] == "local" and "clip_norm=0.707" in topk["memory_repr"]
     assert dense["clip_mode"] == "averaged"
+    # each evaluation after the first reads the batch from its carried and from a fresh state
+    for point in dense["curve"][1:]:
+        assert point["batch_loss_carried_state"] > 0 and point["batch_loss_fresh_state"] > 0
+
+
+def test_state_reliance_reads_the_batch_from_both_states():
+    torch.manual_seed(0)
+    model = TINY.build(30)
+    inputs, targets = torch.randint(0, 30, (3, 8)), torch.randint(0, 30, (3, 8))
+    _, state = lm.training_loss(TINY, model, inputs, targets)
+    reliance = lm.state_reliance(TINY, model, inputs, targets, state)
+    with torch.no_grad():
+        assert reliance["batch_loss_carried_state"] == pytest.approx(
+            lm.training_loss(TINY, model, inputs, targets, state)[0].item())
+        assert reliance["batch_loss_fresh_state"] == pytest.approx(
+            lm.training_loss(TINY, model, inputs, targets)[0].item())
+    assert model.training  # left as it was found
+    assert lm.state_reliance(TINY, model, inputs, targets, None) == {}  # nothing carried yet
+    gpt = lm.LMTask("tiny-gpt", "transformer", bptt=8, hidden=16, layers=1, embedding=16)
+    assert lm.state_reliance(gpt, gpt.build(30), inputs, targets, state) == {}  # no state to carry
 
 
 
