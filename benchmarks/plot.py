@@ -53,7 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The runs docs/results.md and the README show, under benchmarks/results/: ``plot.py
 #: results`` redraws their figures.  A new headline or convergence run replaces its entry.
 SHOWN_RUNS = ("2026-11-24-headline", "2026-11-24-convergence", "2026-11-24-lowcomm-speed", "2026-11-24-scaling",
-              "2026-11-24-simulator-8-ranks", "2026-12-06-defaults")
+              "2026-11-24-simulator-8-ranks", "2026-12-06-defaults", "2026-12-07-word-state-spike")
 #: Convergence runs whose drift and controller figures docs/results.md shows (``plot.py drift``'s).
 SHOWN_DRIFT_RUNS = ("2026-11-27-quality-control/sgd-on", "2026-11-28-adamw-topk-default/gpt-topk",
                     "2026-11-28-adamw-thresholds/gpt-s0", "2026-12-06-noise-0.6/word/terngrad-s0",
@@ -650,6 +650,9 @@ def render_any(path: str, out: Optional[str] = None) -> List[str]:
             if _read_convergence(path).get("options", {}).get("task", "digits") != "digits":
                 return [render_lm_curves(path, out)]
             return [render_accuracy(path, out)]
+        if glob.glob(os.path.join(path, "*", "convergence.json")):
+            from benchmarks.harness import state_plots
+            return [state_plots.render(path, out)]
         return [render_headline(path, out)]
     if not os.path.exists(path):
         raise ValueError(f"{path!r} does not exist: pass 'results', a run's folder under "
