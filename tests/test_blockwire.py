@@ -1,4 +1,5 @@
-"""The compact sparse wire: 16-bit values and 16-bit block offsets (top-k's default)."""
+"""The block wires: 16-bit block offsets with 16-bit values ("compact", GradDrop's default) or
+8-bit values after one power-of-two scale ("compact8", top-k's)."""
 import pytest
 import torch
 
@@ -7,8 +8,9 @@ from mergecomp.compressors import blockwire
 from mergecomp.compressors.base import Context, payload_nbytes
 
 
+@pytest.mark.parametrize("wire", ["compact", "compact8"])
 @pytest.mark.parametrize("numel", [1, 1000, blockwire.BLOCK, blockwire.BLOCK + 1, 3 * blockwire.BLOCK + 17])
-def test_indices_come_back_exactly_across_block_edges(numel):
+def test_indices_come_back_exactly_across_block_edges(numel, wire):
     generator = torch.Generator().manual_seed(numel)
     k = max(1, numel // 50)
     indices = torch.randperm(numel, generator=generator)[:k].sort().values
@@ -16,18 +18,24 @@ def test_indices_come_back_exactly_across_block_edges(numel):
         if edge < numel and edge not in indices.tolist():
             indices = torch.cat([indices, torch.tensor([edge])]).sort().values
     values = torch.randn(indices.numel(), generator=generator)
-    payload = blockwire.pack(values, indices, numel)
-    assert [p.dtype for p in payload] == [torch.bfloat16, torch.int16, torch.int32]
-    assert payload_nbytes(payload) == blockwire.compact_nbytes(indices.numel(), numel, 4)
+    payload = blockwire.pack(values, indices, numel, wire)
+    assert payload_nbytes(payload) == blockwire.compact_nbytes(indices.numel(), numel, 4, wire)
     got_values, got_indices = blockwire.unpack(payload, numel)
     assert torch.equal(got_indices, indices)
-    assert torch.equal(got_values, values.to(torch.bfloat16))
+    if wire == "compact":
+        assert [p.dtype for p in payload] == [torch.bfloat16, torch.int16, torch.int32]
+        assert torch.equal(got_values, values.to(torch.bfloat16))
+    else:
+        assert [p.dtype for p in payload] == [torch.float8_e4m3fn, torch.int16, torch.int32, torch.float32]
+        codes, scale = blockwire.fp8_values(values)
+        assert torch.equal(got_values, codes.float() * scale)
+        assert float((got_values - values).abs().max()) <= values.abs().max() / 16  # within e4m3's step
 
 
 @pytest.mark.parametrize("name", ["topk", "graddrop"])
 def test_a_sparsifier_sends_the_same_coordinates_on_either_wire_in_half_the_bytes(name):
     x = torch.randn(150_000, generator=torch.Generator().manual_seed(3))
-    compact = compressors.create(name, compress_ratio=0.02)
+    compact = compressors.create(name, compress_ratio=0.02, wire_format="compact")
     indexed = compressors.create(name, compress_ratio=0.02, wire_format="indexed")
     payload, ctx = compact.compress(x, "g")
     (values, indices), _ = indexed.compress(x, "g")
@@ -42,20 +50,40 @@ def test_a_sparsifier_sends_the_same_coordinates_on_either_wire_in_half_the_byte
     assert compact.decompress(empty, empty_ctx).shape == (0,)
 
 
+@pytest.mark.parametrize("name", ["topk", "graddrop"])
+def test_the_8_bit_wire_sends_the_same_coordinates_in_three_bytes_each(name):
+    x = torch.randn(150_000, generator=torch.Generator().manual_seed(3))
+    eight = compressors.create(name, compress_ratio=0.02, wire_format="compact8")
+    compact = compressors.create(name, compress_ratio=0.02, wire_format="compact")
+    payload, ctx = eight.compress(x, "g")
+    sent, count = eight.transmitted_indices(payload, ctx), payload[0].numel()
+    assert torch.equal(sent, compact.transmitted_indices(*compact.compress(x, "g")))
+    assert payload_nbytes(payload) == eight.wire_nbytes(x.numel(), 4, payload) == 3 * count + 4 * 3 + 4
+    decoded = eight.decompress(payload, ctx).reshape(-1)
+    assert float((decoded[sent] - x[sent]).abs().max()) <= float(x[sent].abs().max()) / 16
+    assert int((decoded != 0).sum()) == count
+    empty, empty_ctx = eight.compress(torch.zeros(0), "g")
+    assert eight.decompress(empty, empty_ctx).shape == (0,)
+
+
 def test_a_16_bit_gradient_keeps_its_dtype_on_the_wire():
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4)).to(torch.float16)
-    topk = compressors.create("topk", compress_ratio=0.1)
+    topk = compressors.create("topk", compress_ratio=0.1, wire_format="compact")
     payload, ctx = topk.compress(x, "g")
     assert payload[0].dtype == torch.float16
     decoded = topk.decompress(payload, ctx)
     assert decoded.dtype == torch.float16 and torch.equal(decoded[decoded != 0], x[decoded != 0])
+    eight = compressors.create("topk", compress_ratio=0.1)  # 8-bit values, decoded to the gradient's dtype
+    payload, ctx = eight.compress(x, "g")
+    assert payload[0].dtype == torch.float8_e4m3fn and eight.decompress(payload, ctx).dtype == torch.float16
 
 
-def test_error_feedback_keeps_what_the_rounding_lost():
+@pytest.mark.parametrize("wire", ["compact", "compact8"])
+def test_error_feedback_keeps_what_the_rounding_lost(wire):
     """The residual is the compensated gradient minus the rounded values sent: sent plus
     kept is the input exactly, so the rounding is sent later, never lost."""
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(5))
-    memory, topk = memories.create("residual"), compressors.create("topk", compress_ratio=0.05)
+    memory, topk = memories.create("residual"), compressors.create("topk", compress_ratio=0.05, wire_format=wire)
     compensated = memory.compensate(x.clone(), "g")
     payload, ctx = topk.compress(compensated, "g")
     memory.update(compensated, "g", topk, payload, ctx)
@@ -68,7 +96,7 @@ def test_error_feedback_keeps_what_the_rounding_lost():
 def test_non_finite_values_stay_non_finite_on_the_wire():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(6))
     x[10], x[20] = float("nan"), float("inf")
-    topk = compressors.create("topk", compress_ratio=0.01)
+    topk = compressors.create("topk", compress_ratio=0.01, wire_format="compact")
     payload, ctx = topk.compress(x, "g")
     decoded = topk.decompress(payload, ctx)
     assert decoded[10].isnan() and decoded[20].isinf()
@@ -77,18 +105,39 @@ def test_non_finite_values_stay_non_finite_on_the_wire():
     assert torch.isfinite(topk.decompress(*topk.compress(big, "g"))).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_one_non_finite_value_makes_the_whole_8_bit_payload_non_finite(bad):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(6))
+    x[10] = bad
+    topk = compressors.create("topk", compress_ratio=0.01, wire_format="compact8")
+    payload, ctx = topk.compress(x, "g")
+    decoded = topk.decompress(payload, ctx).reshape(-1)
+    assert not torch.isfinite(decoded[topk.transmitted_indices(payload, ctx)]).any()  # the step is dropped
+    for value in (1e30, 1e-30):  # any finite magnitude: the scale follows it
+        tiny_or_huge = torch.zeros(1000)
+        tiny_or_huge[3] = value
+        assert float(topk.decompress(*topk.compress(tiny_or_huge, "g")).reshape(-1)[3]) == pytest.approx(value, rel=1 / 16)
+
+
+@pytest.mark.parametrize("wire", ["compact", "compact8"])
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda p: (p[0], p[1], p[2][:-1]), "needs 2 counts"),
-    (lambda p: (p[0], p[1][:-1], p[2]), "as many offsets as values"),
-    (lambda p: (p[0], p[1], p[2] + 1), "add up to"),
+    (lambda p: (p[0], p[1], p[2][:-1]) + p[3:], "needs 2 counts"),
+    (lambda p: (p[0], p[1][:-1], p[2]) + p[3:], "as many offsets as values"),
+    (lambda p: (p[0], p[1], p[2] + 1) + p[3:], "add up to"),
     (lambda p: (p[0], p[1]), r"\(values, offsets, counts\)"),
 ])
-def test_a_payload_that_cannot_be_one_is_refused_with_what_was_wrong(corrupt, message):
+def test_a_payload_that_cannot_be_one_is_refused_with_what_was_wrong(corrupt, message, wire):
     x = torch.randn(blockwire.BLOCK + 10, generator=torch.Generator().manual_seed(7))
-    topk = compressors.create("topk", compress_ratio=0.01)
+    topk = compressors.create("topk", compress_ratio=0.01, wire_format=wire)
     payload, ctx = topk.compress(x, "g")
     with pytest.raises(ValueError, match=message):
         topk.decompress(corrupt(payload), ctx)
+
+
+def test_an_8_bit_payload_carries_one_scale():
+    payload = blockwire.pack(torch.ones(2), torch.tensor([3, 9]), 100, "compact8")
+    with pytest.raises(ValueError, match="of 2 values carries 1 scale, got 2"):
+        blockwire.unpack(payload[:3] + (payload[3].repeat(2),), 100)
 
 
 def test_values_for_an_empty_group_are_refused():
@@ -109,7 +158,8 @@ def test_an_unknown_wire_format_is_refused():
 
 
 def test_the_wire_format_is_part_of_the_configuration():
-    assert "wire_format='compact'" in repr(compressors.create("topk"))
+    assert "wire_format='compact8'" in repr(compressors.create("topk"))
+    assert "wire_format='compact'" in repr(compressors.create("graddrop"))
     assert "wire_format='indexed'" in repr(compressors.create("topk", wire_format="indexed"))
 
 

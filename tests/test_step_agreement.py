@@ -267,7 +267,8 @@ def test_a_sparse_allgather_checks_the_received_coordinates_and_drops_an_overflo
 
 
 def test_the_received_coordinates_give_the_same_verdict_as_the_whole_average():
-    compressor = mergecomp.compressors.create("topk", compress_ratio=0.1)
+    # 16-bit values, which can hold the Inf poisoned in below (fp8 e4m3 has none)
+    compressor = mergecomp.compressors.create("topk", compress_ratio=0.1, wire_format="compact")
     from mergecomp.communicators.allgather import AllgatherCommunicator
     from mergecomp.communicators.base import Handle
     from mergecomp.kernels.finite import nonfinite_flag

@@ -62,7 +62,7 @@ from ..staging import StagedDict
 
 #: dtypes a self-describing blob can carry, by code.
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
-           torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+           torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn)
 _HEADER_ROW = 2 + MAX_DIMS  # dtype code, ndim, dims
 
 

@@ -26,8 +26,9 @@ al., OSDI 2025) do, in two phases:
    The owners' payloads (values in the gradient's dtype, flat int32 indices, int64
    beyond 2^31 elements) are all-gathered and scattered into the result.
 
-**On the compressor's compact wire** (top-k's and GradDrop's default,
-:mod:`~mergecomp.compressors.blockwire`), both phases send its format: phase 1's chunk for
+**On the compressor's compact wire** (GradDrop's default, and top-k's 8-bit one,
+:mod:`~mergecomp.compressors.blockwire`), both phases send the 16-bit compact format (an
+8-bit payload's values are exact in bf16): phase 1's chunk for
 rank r is (16-bit values, 16-bit offsets, one int32 count per 65,536 coordinates) of r's
 partition, offsets counted from its start; with ``keep=c`` the owner's reply is its kept
 sums the same way, rounded to bf16, and the rounding stays in its owner residual (with
@@ -130,6 +131,8 @@ class SparseAllreduceCommunicator(Communicator):
             return self.backend.allreduce_async(payload)
         rank, size = self.backend.rank, self.backend.size
         values, indices = self.compressor.entries(payload, ctx)  # the compact wire's, unpacked
+        if self.compact:  # 8-bit values decode to fp32; bf16 holds them exactly (blockwire.fp8_values)
+            values = blockwire.wire_values(values)
         n, device = ctx.numel, values.device
         parts = shard_sizes(n, size)
         starts = _starts(parts)
@@ -173,8 +176,9 @@ class SparseAllreduceCommunicator(Communicator):
     @property
     def compact(self) -> bool:
         """Whether the pairs travel on the compressor's compact wire (:mod:`~mergecomp.compressors.blockwire`):
-        16-bit values and 16-bit offsets within the blocks of each rank's partition."""
-        return self.sparse and getattr(self.compressor, "wire_format", "indexed") == "compact"
+        16-bit values and 16-bit offsets within the blocks of each rank's partition.  A
+        ``"compact8"`` payload's values travel in bf16 here, exactly as they were decoded."""
+        return self.sparse and getattr(self.compressor, "wire_format", "indexed") in blockwire.BLOCK_FORMATS
 
     def _chunk(self, values: torch.Tensor, indices: torch.Tensor, lo: int, part: int) -> torch.Tensor:
         """The bytes of the pairs bound for the partition [lo, lo + part): (values, indices),

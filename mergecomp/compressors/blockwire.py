@@ -20,7 +20,21 @@ non-finite) and a non-finite one stays non-finite.  Its 8-bit mantissa is coarse
 the rounding loses is not lost: error feedback subtracts the rounded value it sent
 (``SparseCompressor.subtract_sent``) and keeps the rest for the next step.
 
-DGC's ``fp16_values`` option halves the values alone; this halves the indices as well.
+The ``"compact8"`` wire sends the values in 8 bits, fp8 e4m3 after one fp32 scale per payload
+(a power of two that puts the largest magnitude within a factor two of e4m3's largest, 448),
+and the offsets and counts as above:
+
+    values   k × 8 bits    e4m3 codes of value / scale (3 mantissa bits: within 6.25% of each)
+    offsets  k × 16 bits
+    counts   B × 32 bits
+    scale    32 bits       2^⌈log2(max |value| / 448)⌉
+
+3·k + 4·B + 4 bytes (no scale for no values): four coordinates in the bytes three took on the compact wire.  A
+non-finite value makes the scale non-finite, and the whole payload decodes non-finite (so
+the step is dropped, as any non-finite payload's is); a value below e4m3's smallest step
+after scaling is sent as 0, and error feedback keeps it.
+
+DGC's ``fp16_values`` option halves the values alone; these halve the indices as well.
 """
 from __future__ import annotations
 
@@ -34,14 +48,20 @@ BLOCK = 1 << 16
 _OFFSET_SHIFT = 1 << 15
 
 #: The wire formats a sparsifier can send.
-WIRE_FORMATS = ("compact", "indexed")
+WIRE_FORMATS = ("compact", "compact8", "indexed")
+#: The block wires (the others send indices as they are).
+BLOCK_FORMATS = ("compact", "compact8")
+#: The 8-bit values' type and its largest finite value, where a payload's largest magnitude lands.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 def check_wire_format(wire_format: str) -> str:
     """``wire_format`` if it is one of :data:`WIRE_FORMATS`, else a ValueError naming them."""
     if wire_format not in WIRE_FORMATS:
         raise ValueError(f"wire_format must be one of {WIRE_FORMATS} ('compact': 16-bit values and "
-                         f"16-bit block offsets, 4 bytes a coordinate; 'indexed': the gradient's dtype "
+                         f"16-bit block offsets, 4 bytes a coordinate; 'compact8': 8-bit values with "
+                         f"one scale and 16-bit block offsets, 3 bytes; 'indexed': the gradient's dtype "
                          f"and int32 indices), got {wire_format!r}")
     return wire_format
 
@@ -51,14 +71,16 @@ def num_blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
-def value_nbytes(element_size: int) -> int:
-    """Bytes of one value on the compact wire: 2 (bf16, or the gradient's own 16-bit dtype)."""
-    return min(element_size, 2)
+def value_nbytes(element_size: int, wire_format: str = "compact") -> int:
+    """Bytes of one value on a block wire: 1 on ``"compact8"``; 2 on ``"compact"`` (bf16, or
+    the gradient's own 16-bit dtype)."""
+    return 1 if wire_format == "compact8" else min(element_size, 2)
 
 
-def compact_nbytes(count: int, numel: int, element_size: int) -> int:
-    """Bytes of a compact payload of ``count`` coordinates of an ``numel``-element group."""
-    return count * (value_nbytes(element_size) + 2) + 4 * num_blocks(numel)
+def compact_nbytes(count: int, numel: int, element_size: int, wire_format: str = "compact") -> int:
+    """Bytes of a block-wire payload of ``count`` coordinates of an ``numel``-element group."""
+    scale = 4 if wire_format == "compact8" and count else 0  # an empty payload sends no scale
+    return count * (value_nbytes(element_size, wire_format) + 2) + 4 * num_blocks(numel) + scale
 
 
 def wire_values(values: torch.Tensor) -> torch.Tensor:
@@ -66,25 +88,54 @@ def wire_values(values: torch.Tensor) -> torch.Tensor:
     return values if values.element_size() <= 2 else values.to(torch.bfloat16)
 
 
-def pack(values: torch.Tensor, indices: torch.Tensor, numel: int) -> Tuple[torch.Tensor, ...]:
-    """``(values, offsets, counts)`` for ``indices`` sorted ascending (the caller sorts: the
-    selection that found them knows whether they already are) and their ``values``."""
+def fp8_values(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 codes, fp32 scale of one element)``: the scale is the power of two that puts the
+    largest magnitude in (224, 448], so a decoded value (a code times the scale) is exact in
+    bf16 and the sparse allreduce can carry it on; a zero payload gets scale 1, a non-finite
+    one its non-finite peak, an empty one no scale (nothing is sent for nothing).  No host
+    sync."""
+    if not values.numel():
+        return values.to(FP8), values.new_zeros(0, dtype=torch.float32)
+    peak = values.abs().amax().float()
+    _, exponent = torch.frexp(peak / FP8_MAX)
+    scale = torch.where(peak > 0, torch.ldexp(torch.ones_like(peak), exponent), torch.ones_like(peak))
+    scale = torch.where(torch.isfinite(peak), scale, peak).reshape(1)
+    return (values.float() / scale).to(FP8), scale
+
+
+def pack(values: torch.Tensor, indices: torch.Tensor, numel: int,
+         wire_format: str = "compact") -> Tuple[torch.Tensor, ...]:
+    """``(values, offsets, counts)`` (``"compact8"``: ``(codes, offsets, counts, scale)``) for
+    ``indices`` sorted ascending (the caller sorts: the selection that found them knows
+    whether they already are) and their ``values``."""
     indices = indices.long()
     ends = torch.arange(1, num_blocks(numel) + 1, device=indices.device, dtype=torch.long) * BLOCK
     counts = torch.searchsorted(indices, ends).diff(prepend=ends.new_zeros(1)).to(torch.int32)
     offsets = ((indices & (BLOCK - 1)) - _OFFSET_SHIFT).to(torch.int16)
+    if wire_format == "compact8":
+        codes, scale = fp8_values(values)
+        return codes, offsets, counts, scale
     return wire_values(values), offsets, counts
 
 
 def unpack(payload, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(values, flat int64 indices)`` of a compact payload for an ``numel``-element group.
+    """``(values, flat int64 indices)`` of a block-wire payload for an ``numel``-element group
+    (an 8-bit payload's values decoded to fp32).
 
     A payload that cannot be one (a peer's corrupt or mismatched bytes) is refused with what
     was wrong: counts for another group size, a count total other than the values', or an
     index past the group's end.  On a GPU the total is checked without a host sync
     (asynchronously: a mismatch fails the next synchronising call)."""
+    if len(payload) == 4:
+        codes, offsets, counts, scale = payload
+        if scale.numel() != min(codes.numel(), 1):
+            raise ValueError(f"an 8-bit compact payload of {codes.numel()} values carries "
+                             f"{min(codes.numel(), 1)} scale, got {scale.numel()} (a corrupt payload)")
+        values, indices = unpack((codes, offsets, counts), numel)
+        return values.float() * scale.float(), indices
     if len(payload) != 3:
-        raise ValueError(f"a compact sparse payload is (values, offsets, counts), got {len(payload)} tensors")
+        raise ValueError(f"a compact sparse payload is (values, offsets, counts), or (codes, offsets, "
+                         f"counts, scale) on the 8-bit wire, got {len(payload)} tensors")
     values, offsets, counts = payload
     blocks, count = num_blocks(numel), values.numel()
     if counts.numel() != blocks or offsets.numel() != count:

@@ -57,8 +57,8 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
     4·⌈n / 65,536⌉ bytes — bf16 values (a 16-bit gradient's own dtype) and 16-bit offsets
     within blocks, the rounding kept by error feedback (:mod:`.blockwire`); ``"indexed"``,
     c × (value bytes + 4) — values in the input dtype, int32 indices (int64 beyond 2^31
-    elements).  Its default density is top-k's, 2%: on the compact wire, the bytes 1% took
-    on the indexed one.
+    elements); ``"compact8"``, 3·c + 4·⌈n / 65,536⌉ + 4 — 8-bit values (top-k's default).
+    Its default density, 2%: on the compact wire, the bytes 1% took on the indexed one.
     """
 
     summable = False

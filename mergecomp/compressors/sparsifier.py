@@ -4,7 +4,7 @@ Top-k, DGC and GradDrop differ only in which coordinates they pick; each sends t
 values in the gradient's dtype (DGC optionally fp16) and their flat indices, int32 while
 the group has fewer than 2^31 elements (the ``"indexed"`` wire), or, where the compressor
 offers it, 16-bit values and 16-bit offsets within blocks (the ``"compact"`` wire,
-:mod:`.blockwire`).  Decoding scatters the values into zeros, and a sum of several ranks'
+:mod:`.blockwire`; ``"compact8"``: 8-bit values).  Decoding scatters the values into zeros, and a sum of several ranks'
 payloads is scatter-added into one buffer.
 """
 from __future__ import annotations
@@ -58,25 +58,26 @@ class SparseCompressor(Compressor):
 
     summable = False
     #: How a payload travels (:mod:`.blockwire`): ``"indexed"`` ``(values, indices)``, or
-    #: ``"compact"`` ``(values, offsets, counts)`` where a subclass offers it.
+    #: where a subclass offers them ``"compact"`` ``(values, offsets, counts)`` and
+    #: ``"compact8"`` ``(codes, offsets, counts, scale)``.
     wire_format = "indexed"
 
     def entries(self, payload, ctx):
         """``(values, flat indices)`` of a payload, whichever wire carried it."""
-        if self.wire_format == "compact":
+        if self.wire_format in blockwire.BLOCK_FORMATS:
             return blockwire.unpack(payload, ctx.numel)
         return payload[0], payload[1]
 
     def entries_nbytes(self, count: int, numel: int, element_size: int) -> int:
         """Bytes of ``count`` coordinates of an ``numel``-element group on this wire."""
-        if self.wire_format == "compact":
-            return blockwire.compact_nbytes(count, numel, element_size)
+        if self.wire_format in blockwire.BLOCK_FORMATS:
+            return blockwire.compact_nbytes(count, numel, element_size, self.wire_format)
         return count * (element_size + index_nbytes(numel))
 
     def wire_payload(self, values, indices, numel):
-        """The payload for ``values`` at ``indices`` (ascending, for the compact wire)."""
-        if self.wire_format == "compact":
-            return blockwire.pack(values, indices, numel)
+        """The payload for ``values`` at ``indices`` (ascending, for a block wire)."""
+        if self.wire_format in blockwire.BLOCK_FORMATS:
+            return blockwire.pack(values, indices, numel, self.wire_format)
         return values, indices.to(index_dtype(numel))
 
     @property

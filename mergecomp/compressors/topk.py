@@ -5,9 +5,10 @@ Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
 
     I = indices of the k largest |g_i|;   send (g_I, I);   decode: ĝ_i = g_i for i ∈ I, else 0.
 
-On the wire (the default ``"compact"`` format, :mod:`.blockwire`): k values in 16 bits, k
-16-bit offsets within blocks of 65,536 coordinates and one int32 count per block: 4·k +
-4·⌈n / 65,536⌉ bytes.  ``wire_format="indexed"``: k values in the gradient's dtype and k
+On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): k values in 8 bits (fp8
+e4m3 after one power-of-two scale), k 16-bit offsets within blocks of 65,536 coordinates,
+one int32 count per block and the scale: 3·k + 4·⌈n / 65,536⌉ + 4 bytes.  ``"compact"``:
+16-bit values, 4·k + 4·⌈n / 65,536⌉.  ``"indexed"``: k values in the gradient's dtype and k
 int32 indices (int64 beyond 2^31 elements), k × (value bytes + 4) bytes.
 """
 from __future__ import annotations
@@ -51,13 +52,14 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
     A NaN counts as larger than any number, as in ``torch.topk`` (the selection falls back
     to ``torch.topk`` when a NaN hides the candidates); the reducer drops non-finite steps.
 
-    Wire for n elements (``wire_format``): ``"compact"``, the default, 4·k + 4·⌈n / 65,536⌉
-    bytes — bf16 values (a 16-bit gradient's own dtype) and 16-bit offsets within blocks,
-    the rounding kept by error feedback (:mod:`.blockwire`); ``"indexed"``, k × (value
-    bytes + 4) — the values in the input dtype and int32 indices (int64 beyond 2^31
-    elements).  The default density, 2%, sends in the compact wire the bytes that 1% took
-    in the indexed one: twice the coordinates for the same traffic (what that buys:
-    docs/results.md#compact-wire).  Payloads of different ranks index different
+    Wire for n elements (``wire_format``): ``"compact8"``, the default, 3·k + 4·⌈n / 65,536⌉
+    + 4 bytes — fp8 values after one power-of-two scale and 16-bit offsets within blocks,
+    the rounding kept by error feedback (:mod:`.blockwire`); ``"compact"``, 4·k + 4·⌈n /
+    65,536⌉ — bf16 values (a 16-bit gradient's own dtype); ``"indexed"``, k × (value bytes
+    + 4) — the values in the input dtype and int32 indices (int64 beyond 2^31 elements).
+    The default density, 2.5%, sends on the 8-bit wire fewer bytes than 1% took on the
+    indexed one: 2.5 times the coordinates for 94% of the traffic (what that buys:
+    docs/results.md#compact8-wire).  Payloads of different ranks index different
     coordinates, so they are not summable: use the allgather or PS communicator.
     """
 
@@ -76,8 +78,8 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
                "language-model benchmark; under Adam or AdamW top-k does both by default",
         local_clipping=True)
 
-    def __init__(self, compress_ratio: float = 0.02, warmup="auto", warmup_steps: int = 0,
-                 wire_format: str = "compact"):
+    def __init__(self, compress_ratio: float = 0.025, warmup="auto", warmup_steps: int = 0,
+                 wire_format: str = "compact8"):
         self.compress_ratio = check_ratio(compress_ratio)
         self.wire_format = check_wire_format(wire_format)
         self._start_warmup(warmup, warmup_steps)
@@ -91,12 +93,13 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.scaled_ratio(name, self.density()))
         indices = exact_top_k(flat, k, self._scratch)
-        if self.wire_format == "compact":  # its blocks need the indices ascending
+        if self.wire_format != "indexed":  # the block wires need the indices ascending
             indices = indices.sort().values
         return self.wire_payload(flat[indices], indices, flat.numel()), Context(tensor.shape, tensor.dtype)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
-        """k coordinates at 4 bytes each plus 4 per block of 65,536 (compact), or k values in
-        the input dtype and k indices (indexed): the payload's k, else the configured one."""
+        """k coordinates at 3 bytes each (compact8) or 4 (compact), plus 4 per block of
+        65,536 (and a 4-byte scale on compact8), or k values in the input dtype and k
+        indices (indexed): the payload's k, else the configured one."""
         k = payload[0].numel() if payload is not None else num_selected(numel, self.compress_ratio)
         return self.entries_nbytes(k, numel, element_size)
