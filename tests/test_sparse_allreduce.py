@@ -107,7 +107,7 @@ def test_wire_bytes_follow_the_formula_and_do_not_grow_with_n(world_size):
 def compact_worker(rank, world_size, numel):
     backend = TorchDistributedBackend()
     out = {}
-    for wire_format in ("compact", "indexed"):
+    for wire_format in ("compact", "compact8", "indexed"):
         sparse = make("sparse_allreduce", "topk", {"compress_ratio": 0.02, "wire_format": wire_format},
                       backend=backend)
         before = backend.wire_bytes
@@ -127,6 +127,17 @@ def test_the_compact_wire_halves_both_phases_and_sums_the_same_coordinates():
         both = (got != 0) & (expected != 0)
         assert int(both.sum()) >= 0.95 * int((expected != 0).sum())
         torch.testing.assert_close(got[both], expected[both], rtol=2 ** -7, atol=1e-6)
+
+
+def test_the_8_bit_wire_travels_as_the_16_bit_one_in_both_phases():
+    """Top-k's 8-bit payload is unpacked and its values (exact in bf16) sent on the 16-bit
+    block wire: the same bytes as the compact wire's, the sums within e4m3's rounding."""
+    for out in run_ranks(compact_worker, 4, 40_000):
+        (eight, got), (compact, _), (_, expected) = out["compact8"], out["compact"], out["indexed"]
+        assert eight == compact
+        both = (got != 0) & (expected != 0)
+        assert int(both.sum()) >= 0.9 * int((expected != 0).sum())
+        torch.testing.assert_close(got[both], expected[both], rtol=2 ** -3, atol=1e-6)
 
 
 def nonfinite_worker(rank, world_size, keep, bad):
