@@ -1,5 +1,5 @@
-"""The block wires: 16-bit block offsets with 16-bit values ("compact", GradDrop's default) or
-8-bit values after one power-of-two scale ("compact8", top-k's)."""
+"""The block wires: 16-bit block offsets with 16-bit values ("compact") or 8-bit values after
+one power-of-two scale ("compact8", top-k's and GradDrop's default)."""
 import pytest
 import torch
 
@@ -159,7 +159,8 @@ def test_an_unknown_wire_format_is_refused():
 
 def test_the_wire_format_is_part_of_the_configuration():
     assert "wire_format='compact8'" in repr(compressors.create("topk"))
-    assert "wire_format='compact'" in repr(compressors.create("graddrop"))
+    assert "wire_format='compact8'" in repr(compressors.create("graddrop"))
+    assert "wire_format='compact'" in repr(compressors.create("graddrop", wire_format="compact"))
     assert "wire_format='indexed'" in repr(compressors.create("topk", wire_format="indexed"))
 
 
