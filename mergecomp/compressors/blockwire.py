@@ -1,4 +1,4 @@
-"""The compact sparse wire: 16-bit values, and indices as 16-bit offsets within 64K blocks.
+"""The block wires: indices as 16-bit offsets within 64K blocks, values in 16 or 8 bits.
 
 A sparsifier's payload names k of a group's n coordinates.  Sent as they are (the
 ``"indexed"`` wire), each costs its value in the gradient's dtype plus an int32 index:
@@ -27,12 +27,12 @@ and the offsets and counts as above:
     values   k × 8 bits    e4m3 codes of value / scale (3 mantissa bits: within 6.25% of each)
     offsets  k × 16 bits
     counts   B × 32 bits
-    scale    32 bits       2^⌈log2(max |value| / 448)⌉
+    scale    32 bits       2^(⌊log2(max |value| / 448)⌋ + 1)
 
-3·k + 4·B + 4 bytes (no scale for no values): four coordinates in the bytes three took on the compact wire.  A
-non-finite value makes the scale non-finite, and the whole payload decodes non-finite (so
-the step is dropped, as any non-finite payload's is); a value below e4m3's smallest step
-after scaling is sent as 0, and error feedback keeps it.
+3·k + 4·B + 4 bytes (no scale for no values): four coordinates in the bytes three took on
+the compact wire.  A non-finite value makes the scale non-finite, and the whole payload
+decodes non-finite (so the step is dropped, as any non-finite payload's is); a value below
+e4m3's smallest step after scaling is sent as 0, and error feedback keeps it.
 
 DGC's ``fp16_values`` option halves the values alone; these halve the indices as well.
 """
@@ -90,7 +90,7 @@ def wire_values(values: torch.Tensor) -> torch.Tensor:
 
 def fp8_values(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 codes, fp32 scale of one element)``: the scale is the power of two that puts the
-    largest magnitude in (224, 448], so a decoded value (a code times the scale) is exact in
+    largest magnitude in [224, 448), so a decoded value (a code times the scale) is exact in
     bf16 and the sparse allreduce can carry it on; a zero payload gets scale 1, a non-finite
     one its non-finite peak, an empty one no scale (nothing is sent for nothing).  No host
     sync."""
