@@ -310,6 +310,7 @@ def test_sample_and_compaction_give_the_cpu_indices(dtype):
                                            ("dgc", dict(compress_ratio=0.01, warmup=0, fp16_values=True)),
                                            ("graddrop", dict(compress_ratio=0.01)),
                                            ("topk", dict(compress_ratio=0.01, wire_format="indexed")),
+                                           ("topk", dict(compress_ratio=0.01, wire_format="compact")),
                                            ("topk", dict(compress_ratio=0.01))])
 def test_threshold_sparsifiers_send_the_cpu_payload(name, options, kernels_on_device):
     x = _gradient(65_536 + 5)
@@ -318,7 +319,7 @@ def test_threshold_sparsifiers_send_the_cpu_payload(name, options, kernels_on_de
     with gpu.disabled():
         expected, expected_ctx = compressors.create(name, **options).compress(x, "g")
     values, indices = payload[:2]
-    if len(payload) == 3:  # the compact wire: indices sorted, so the same bytes
+    if len(payload) in (3, 4):  # a block wire: indices sorted, so the same bytes
         assert all(_same_bits(got, want) for got, want in zip(payload, expected))
     elif name == "topk":  # the same set: topk's order among candidates is torch.topk's
         order, expected_order = indices.cpu().argsort(), expected[1].argsort()
