@@ -3,9 +3,9 @@
 Top-k, DGC and GradDrop differ only in which coordinates they pick; each sends the picked
 values in the gradient's dtype (DGC optionally fp16) and their flat indices, int32 while
 the group has fewer than 2^31 elements (the ``"indexed"`` wire), or, where the compressor
-offers it, 16-bit values and 16-bit offsets within blocks (the ``"compact"`` wire,
-:mod:`.blockwire`; ``"compact8"``: 8-bit values).  Decoding scatters the values into zeros, and a sum of several ranks'
-payloads is scatter-added into one buffer.
+offers them, 16-bit offsets within blocks with 16-bit values (the ``"compact"`` wire) or
+8-bit ones (``"compact8"``, :mod:`.blockwire`).  Decoding scatters the values into zeros,
+and a sum of several ranks' payloads is scatter-added into one buffer.
 """
 from __future__ import annotations
 
