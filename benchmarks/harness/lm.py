@@ -146,7 +146,7 @@ def state_reliance(task: LMTask, model: nn.Module, inputs: Tensor, targets: Tens
     Training carries the LSTM's state through a whole pass over its rows; validation starts
     each of its rows fresh.  A model that leans on a long-carried state scores far worse on
     validation than its training loss says, until the rows start again and it trains from
-    fresh states (the word-level LSTM under AdamW at β1 = 0: docs/results.md#word-state-spike).
+    fresh states (top-k on the word-level LSTM under AdamW: docs/results.md#word-state-spike).
     Empty for the transformer or before a state exists."""
     if not task.recurrent or state is None:
         return {}
