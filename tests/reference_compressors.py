@@ -123,7 +123,7 @@ def dgc(compressor, x, layout, generator):
     if chosen.numel() > k:
         chosen = chosen[magnitudes[chosen].argsort(descending=True)[:k]]
     kept = _keep(x, chosen)
-    return kept.half().to(x.dtype) if compressor.fp16_values else kept
+    return kept.half().to(x.dtype) if compressor.fp16_values else _on_the_wire(compressor, kept)
 
 
 # -- signs and thresholds -----------------------------------------------------------------------

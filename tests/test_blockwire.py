@@ -7,6 +7,10 @@ from mergecomp import compressors, memories
 from mergecomp.compressors import blockwire
 from mergecomp.compressors.base import Context, payload_nbytes
 
+#: The sparsifiers that offer the block wires, and what each needs beyond the wire (DGC's
+#: warm-up off: these tests compress one step).
+SPARSIFIERS = {"topk": {}, "graddrop": {}, "dgc": {"warmup": 0}}
+
 
 @pytest.mark.parametrize("wire", ["compact", "compact8"])
 @pytest.mark.parametrize("numel", [1, 1000, blockwire.BLOCK, blockwire.BLOCK + 1, 3 * blockwire.BLOCK + 17])
@@ -32,11 +36,11 @@ def test_indices_come_back_exactly_across_block_edges(numel, wire):
         assert float((got_values - values).abs().max()) <= values.abs().max() / 16  # within e4m3's step
 
 
-@pytest.mark.parametrize("name", ["topk", "graddrop"])
+@pytest.mark.parametrize("name", sorted(SPARSIFIERS))
 def test_a_sparsifier_sends_the_same_coordinates_on_either_wire_in_half_the_bytes(name):
     x = torch.randn(150_000, generator=torch.Generator().manual_seed(3))
-    compact = compressors.create(name, compress_ratio=0.02, wire_format="compact")
-    indexed = compressors.create(name, compress_ratio=0.02, wire_format="indexed")
+    compact = compressors.create(name, compress_ratio=0.02, wire_format="compact", **SPARSIFIERS[name])
+    indexed = compressors.create(name, compress_ratio=0.02, wire_format="indexed", **SPARSIFIERS[name])
     payload, ctx = compact.compress(x, "g")
     (values, indices), _ = indexed.compress(x, "g")
     sent, count = compact.transmitted_indices(payload, ctx), values.numel()
@@ -50,11 +54,11 @@ def test_a_sparsifier_sends_the_same_coordinates_on_either_wire_in_half_the_byte
     assert compact.decompress(empty, empty_ctx).shape == (0,)
 
 
-@pytest.mark.parametrize("name", ["topk", "graddrop"])
+@pytest.mark.parametrize("name", sorted(SPARSIFIERS))
 def test_the_8_bit_wire_sends_the_same_coordinates_in_three_bytes_each(name):
     x = torch.randn(150_000, generator=torch.Generator().manual_seed(3))
-    eight = compressors.create(name, compress_ratio=0.02, wire_format="compact8")
-    compact = compressors.create(name, compress_ratio=0.02, wire_format="compact")
+    eight = compressors.create(name, compress_ratio=0.02, wire_format="compact8", **SPARSIFIERS[name])
+    compact = compressors.create(name, compress_ratio=0.02, wire_format="compact", **SPARSIFIERS[name])
     payload, ctx = eight.compress(x, "g")
     sent, count = eight.transmitted_indices(payload, ctx), payload[0].numel()
     assert torch.equal(sent, compact.transmitted_indices(*compact.compress(x, "g")))
@@ -152,9 +156,31 @@ def test_an_offset_past_the_groups_end_is_refused():
         blockwire.unpack(payload, 50)
 
 
-def test_an_unknown_wire_format_is_refused():
+@pytest.mark.parametrize("name", sorted(SPARSIFIERS))
+def test_an_unknown_wire_format_is_refused(name):
     with pytest.raises(ValueError, match="wire_format must be one of .*got 'packed'"):
-        compressors.create("topk", wire_format="packed")
+        compressors.create(name, wire_format="packed")
+
+
+@pytest.mark.parametrize("option", [{"fp16_values": True}, {"index_bits": 64}])
+def test_dgc_refuses_options_of_the_indexed_wire_on_a_block_wire(option):
+    with pytest.raises(ValueError, match="shape the 'indexed' wire.*use wire_format='indexed'"):
+        compressors.create("dgc", wire_format="compact8", **option)
+    assert compressors.create("dgc", wire_format="indexed", **option)
+
+
+@pytest.mark.parametrize("wire", ["compact", "compact8"])
+def test_dgc_payloads_fit_its_bound_on_a_block_wire_even_when_it_sends_fewer(wire):
+    """DGC's count varies from step to step; the allgather pads a payload to its bound, so
+    every part (values, offsets, the block counts, the 8-bit wire's scale) must fit it."""
+    dgc = compressors.create("dgc", compress_ratio=0.01, wire_format=wire, warmup=0)
+    for x in (torch.randn(3 * blockwire.BLOCK + 5, generator=torch.Generator().manual_seed(9)),
+              torch.zeros(1000), torch.zeros(0)):
+        payload, ctx = dgc.compress(x, "g")
+        bound = dgc.payload_bound(ctx)
+        assert len(bound) == len(payload)
+        assert all(part.numel() <= torch.Size(shape).numel() for part, shape in zip(payload, bound))
+        assert dgc.wire_nbytes(x.numel(), 4, payload) == payload_nbytes(payload)
 
 
 def test_the_wire_format_is_part_of_the_configuration():

@@ -187,7 +187,7 @@ def test_qsgd_levels_are_integers_in_range():
 def test_dgc_sends_the_largest_elements_and_at_most_k():
     torch.manual_seed(0)
     x = torch.randn(100_000)
-    dgc = compressors.create("dgc", compress_ratio=0.01)
+    dgc = compressors.create("dgc", compress_ratio=0.01, wire_format="indexed")
     payload, ctx = dgc.compress(x, "g")
     values, indices = payload
     k = 1000
@@ -203,7 +203,7 @@ def test_dgc_sends_its_indices_ascending_when_it_caps_the_candidates_at_k():
     picks k of them; the payload keeps them ascending, the order every device gives."""
     torch.manual_seed(1)
     x = torch.randn(65_541)
-    dgc = compressors.create("dgc", compress_ratio=0.001, warmup=0, sample_margin=3)
+    dgc = compressors.create("dgc", compress_ratio=0.001, warmup=0, sample_margin=3, wire_format="indexed")
     (values, indices), ctx = dgc.compress(x, "g")
     k = dgc.payload_bound(ctx)[0].numel()
     assert values.numel() == k and torch.all(indices[1:] > indices[:-1])
@@ -219,7 +219,7 @@ def test_dgc_options_and_warmup_schedule():
     assert listed.density() == 0.0625
     listed.set_epoch(7)
     assert listed.density() == 0.001
-    half = compressors.create("dgc", compress_ratio=0.1, fp16_values=True, index_bits=64)
+    half = compressors.create("dgc", compress_ratio=0.1, fp16_values=True, index_bits=64, wire_format="indexed")
     (values, indices), _ = half.compress(torch.randn(1000), "g")
     assert values.dtype == torch.float16 and indices.dtype == torch.int64
     with pytest.raises(ValueError, match="epoch must be a non-negative integer, got -1"):
@@ -413,11 +413,19 @@ def test_dgc_memory_nesterov_clipping_and_dense_payloads():
     # Dense (uncompressed) sends keep plain momentum, as DGC treats uncompressed layers:
     # the velocity went out whole, the momentum is not masked.
     assert not memory.velocities["g"].any() and torch.allclose(memory.momenta["g"], torch.tensor([0.3, 0.4]))
-    dgc = compressors.create("dgc", compress_ratio=0.5)
+    dgc = compressors.create("dgc", compress_ratio=0.5, wire_format="indexed")
     v = memory.compensate(torch.tensor([0.1, -0.5]), "g")
     payload, ctx = dgc.compress(v, "g")
     memory.update(v, "g", dgc, payload, ctx)
     assert memory.velocities["g"][1] == 0 and memory.velocities["g"][0] != 0
+    # on the 8-bit wire the velocity keeps what the rounding of the sent value lost
+    eight = compressors.create("dgc", compress_ratio=0.5)
+    v = memory.compensate(torch.tensor([0.1, -0.5]), "g")
+    before = v.clone()
+    payload, ctx = eight.compress(v, "g")
+    sent = eight.decompress(payload, ctx)
+    memory.update(v, "g", eight, payload, ctx)
+    assert memory.velocities["g"][1] == before[1] - sent[1] and sent[0] == 0
 
 
 def test_dgc_memory_refuses_a_momentum_it_cannot_take_over():

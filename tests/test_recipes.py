@@ -181,23 +181,25 @@ def _warnings_of_first_steps(compressor, steps=3):
 
 
 def test_dgc_says_once_when_its_warmup_cannot_run():
-    silent = _warnings_of_first_steps(compressors.create("dgc"))
+    silent = _warnings_of_first_steps(compressors.create("dgc", warmup=4))
     assert len(silent) == 1, silent  # once, not every step
     assert "no epoch was set before its first step and warmup_steps=0" in silent[0]
     assert "pass warmup_steps = 0.2 × your run's steps" in silent[0] and "optimizer.set_epoch(epoch)" in silent[0]
-    told = compressors.create("dgc")
+    told = compressors.create("dgc", warmup=4)
     told.set_epoch(0)
-    for fine in (told, compressors.create("dgc", warmup_steps=10), compressors.create("dgc", warmup=0),
-                 compressors.create("dgc", compress_ratio=0.5)):  # nothing to warm up from
+    for fine in (told, compressors.create("dgc", warmup=4, warmup_steps=10), compressors.create("dgc", warmup=0),
+                 compressors.create("dgc", warmup=4, compress_ratio=0.5),  # nothing to warm up from
+                 compressors.create("dgc")):  # "auto": no warm-up before an Adam is vetted
         assert _warnings_of_first_steps(fine) == [], fine
 
 
-def _dgc_steps(rank, world_size, set_epoch):
+def _dgc_steps(rank, world_size, set_epoch, adam=True):
     model = torch.nn.Linear(64, 32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                                   model=model, compressor="dgc")
+        inner = (torch.optim.AdamW(model.parameters(), lr=0.001) if adam
+                 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        optimizer = mergecomp.DistributedOptimizer(inner, model=model, compressor="dgc")
         if set_epoch:
             optimizer.set_epoch(0)
         for _ in range(3):
@@ -209,11 +211,14 @@ def _dgc_steps(rank, world_size, set_epoch):
 
 
 def test_the_wrapper_says_when_dgc_trains_without_its_warmup_and_only_then():
+    """DGC's default warm-up follows the optimizer: the paper's epochs under an AdamW, which
+    the loop must report; none under SGD, so nothing to say there."""
     warned, other = run_ranks(_dgc_steps, 2, False)
     assert len(warned) == 1 and "warm-up" in warned[0][0] and "is off" in warned[0][0], warned
     assert warned[0][1].endswith("test_recipes.py"), warned  # the user's line
     assert other == []  # once per job: rank 0 says it for every rank
     assert run_ranks(_dgc_steps, 2, True) == [[], []]  # set_epoch before the first step: nothing to say
+    assert run_ranks(_dgc_steps, 2, False, False) == [[], []]  # SGD: no warm-up asked for
 
 
 def test_an_adaptive_optimizers_learning_rate_is_not_judged_on_sgds_scale():

@@ -16,7 +16,7 @@ from mergecomp.communicators.sparse_allreduce import SHAPE_HEADER_BYTES
 from tests.distributed import run_ranks
 
 SPARSIFIERS = [("topk", {"compress_ratio": 0.05}), ("dgc", {"compress_ratio": 0.05, "warmup": 0}),
-               ("dgc", {"compress_ratio": 0.05, "warmup": 0, "fp16_values": True}),
+               ("dgc", {"compress_ratio": 0.05, "warmup": 0, "fp16_values": True, "wire_format": "indexed"}),
                ("graddrop", {"compress_ratio": 0.05, "min_samples": 16})]
 
 
@@ -104,11 +104,11 @@ def test_wire_bytes_follow_the_formula_and_do_not_grow_with_n(world_size):
         assert all(out["allgather"] >= 1.4 * out[1.0][0] for out in results)
 
 
-def compact_worker(rank, world_size, numel):
+def compact_worker(rank, world_size, numel, name="topk", options=None):
     backend = TorchDistributedBackend()
     out = {}
     for wire_format in ("compact", "compact8", "indexed"):
-        sparse = make("sparse_allreduce", "topk", {"compress_ratio": 0.02, "wire_format": wire_format},
+        sparse = make("sparse_allreduce", name, {"compress_ratio": 0.02, "wire_format": wire_format, **(options or {})},
                       backend=backend)
         before = backend.wire_bytes
         handle = sparse.start(gradient(4, rank, numel), "g")
@@ -129,10 +129,12 @@ def test_the_compact_wire_halves_both_phases_and_sums_the_same_coordinates():
         torch.testing.assert_close(got[both], expected[both], rtol=2 ** -7, atol=1e-6)
 
 
-def test_the_8_bit_wire_travels_as_the_16_bit_one_in_both_phases():
-    """Top-k's 8-bit payload is unpacked and its values (exact in bf16) sent on the 16-bit
-    block wire: the same bytes as the compact wire's, the sums within e4m3's rounding."""
-    for out in run_ranks(compact_worker, 4, 40_000):
+@pytest.mark.parametrize("name, options", [("topk", {}), ("dgc", {"warmup": 0})])
+def test_the_8_bit_wire_travels_as_the_16_bit_one_in_both_phases(name, options):
+    """An 8-bit payload (top-k's; DGC's, whose count varies) is unpacked and its values
+    (exact in bf16) sent on the 16-bit block wire: the same bytes as the compact wire's, the
+    sums within e4m3's rounding."""
+    for out in run_ranks(compact_worker, 4, 40_000, name, options):
         (eight, got), (compact, _), (_, expected) = out["compact8"], out["compact"], out["indexed"]
         assert eight == compact
         both = (got != 0) & (expected != 0)

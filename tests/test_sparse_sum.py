@@ -19,7 +19,7 @@ def dense_sum(compressor, payloads, ctx):
 
 
 @pytest.mark.parametrize("name, kwargs", [("topk", {"compress_ratio": 0.05}), ("dgc", {"compress_ratio": 0.05}),
-                                          ("dgc", {"compress_ratio": 0.05, "fp16_values": True}),
+                                          ("dgc", {"compress_ratio": 0.05, "fp16_values": True, "wire_format": "indexed"}),
                                           ("graddrop", {"compress_ratio": 0.05})])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_in_place_sum_is_bit_for_bit_the_dense_one(name, kwargs, dtype):
@@ -73,7 +73,7 @@ def test_the_cost_model_prices_one_decode_and_an_add_per_further_payload():
 
 
 @pytest.mark.parametrize("name, kwargs", [("topk", {"compress_ratio": 0.05}),
-                                          ("dgc", {"compress_ratio": 0.05, "fp16_values": True})])
+                                          ("dgc", {"compress_ratio": 0.05, "fp16_values": True, "wire_format": "indexed"})])
 def test_the_sum_into_a_lent_buffer_and_the_sent_values_subtracted_are_exact(name, kwargs):
     compressor = compressors.create(name, **kwargs)
     payloads = []

@@ -307,7 +307,7 @@ def test_sample_and_compaction_give_the_cpu_indices(dtype):
 
 
 @pytest.mark.parametrize("name, options", [("dgc", dict(compress_ratio=0.001, warmup=0)),
-                                           ("dgc", dict(compress_ratio=0.01, warmup=0, fp16_values=True)),
+                                           ("dgc", dict(compress_ratio=0.01, warmup=0, fp16_values=True, wire_format="indexed")),
                                            ("graddrop", dict(compress_ratio=0.01)),
                                            ("topk", dict(compress_ratio=0.01, wire_format="indexed")),
                                            ("topk", dict(compress_ratio=0.01, wire_format="compact")),

@@ -65,7 +65,9 @@ def test_payload_bytes_match_the_formula_with_a_layout(name, numel):
                                     f"the format says {expected}"
 
 
-@pytest.mark.parametrize("name, kwargs", [("dgc", dict(fp16_values=True)), ("dgc", dict(index_bits=64)),
+@pytest.mark.parametrize("name, kwargs", [("dgc", dict(fp16_values=True, wire_format="indexed")),
+                                          ("dgc", dict(index_bits=64, wire_format="indexed")),
+                                          ("dgc", dict(wire_format="compact")),
                                           ("qsgd", dict(levels=127, bucket_size=100)),
                                           ("terngrad", dict(bucket_size=33)), ("randk", dict(compress_ratio=0.3)),
                                           ("topk", dict(compress_ratio=0.5)), ("graddrop", dict(compress_ratio=0.2))])
@@ -78,11 +80,16 @@ def test_options_that_change_the_format_are_in_the_formula(name, kwargs):
 
 def test_variable_size_formulas_check_the_payload_against_the_bound():
     dgc = compressors.create("dgc", compress_ratio=0.01)
-    (values, indices), _ = dgc.compress(torch.randn(1000), "g")
-    too_many = (torch.cat([values, values]), torch.cat([indices, indices]))
+    (codes, offsets, counts, scale), _ = dgc.compress(torch.randn(1000), "g")
+    too_many = (torch.cat([codes, codes]), torch.cat([offsets, offsets]), counts, scale)
     with pytest.raises(ValueError, match="at most k = 10"):
         dgc.wire_nbytes(1000, 4, payload=too_many)
-    assert dgc.wire_nbytes(1000, 4) == 10 * 8  # without a payload: the bound
+    assert dgc.wire_nbytes(1000, 4) == 10 * 3 + 4 + 4  # without a payload: the bound (8-bit wire)
+    indexed = compressors.create("dgc", compress_ratio=0.01, wire_format="indexed")
+    (values, indices), _ = indexed.compress(torch.randn(1000), "g")
+    with pytest.raises(ValueError, match="at most k = 10"):
+        indexed.wire_nbytes(1000, 4, payload=(torch.cat([values, values]), torch.cat([indices, indices])))
+    assert indexed.wire_nbytes(1000, 4) == 10 * 8
     graddrop = compressors.create("graddrop")
     with pytest.raises(ValueError, match="pass the payload"):
         graddrop.wire_nbytes(1000, 4)

@@ -9,7 +9,10 @@ is the selection and the wire format.
     while |{i : |g_i| ≥ t}| < 0.8k: t ← 0.8·t;   I = those i (the top k of them if more);
     send (g_I, I);   decode: ĝ_i = g_i for i ∈ I, else 0.
 
-On the wire: c ≤ k values (gradient dtype, or fp16) and c int32 indices.
+On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): c ≤ k values in 8 bits
+after one power-of-two scale, c 16-bit offsets within blocks of 65,536 coordinates, one
+int32 count per block and the scale: 3·c + 4·⌈n / 65,536⌉ + 4 bytes.  ``"indexed"``, the
+paper's: c values (gradient dtype, or fp16) and c int32 indices.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from . import register
 from .base import Context, check_ratio
 from ..kernels import BlockPeaks, Scratch, sampled_threshold
 from .recipes import Recipe
+from .blockwire import BLOCK_FORMATS, check_wire_format, num_blocks
 from .sparsifier import SparseCompressor, index_dtype, num_selected
 from .warmup import DensityWarmup
 
@@ -65,20 +69,28 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
     count varies from step to step: ``fixed_size = False``.  Biased: use the ``dgc``
     memory (momentum correction, masking, clipping), or ``residual``.
 
-    Density: ``compress_ratio`` after its warm-up (:class:`~.warmup.DensityWarmup`): by
-    default the paper's four epochs, 25% → 6.25% → 1.5625% → 0.4% → 0.1% at 0.1%, which
-    follow ``set_epoch`` (``warmup_steps=S``: the first S steps instead; ``warmup=0``: off).
-    A compressor never told an epoch sends at ``compress_ratio`` from the first step and
-    warns once that its warm-up is off.
-    Density, warm-up and language models: docs/results.md#lm-topk-lag.
+    Density: ``compress_ratio`` after its warm-up (:class:`~.warmup.DensityWarmup`).
+    ``warmup="auto"``, the default, is the paper's four epochs under an Adam or AdamW (25%
+    down to ``compress_ratio``, following ``set_epoch``; ``warmup_steps=S``: the first S steps
+    instead) and none under SGD, as top-k's: with the quality controller on, the warm-up's
+    dense first epochs took the bytes the controller would have spent later, and under SGD
+    the run ended further from dense than top-k's at the same bytes (docs/results.md#dgc-compact8).
+    ``warmup=4`` asks for the paper's warm-up under any optimizer; a compressor asked for one
+    but never told an epoch sends at ``compress_ratio`` from the first step and warns once.
 
     The epoch is part of ``state_dict()`` (a resumed run keeps its density).  NaN
     elements are never selected (a NaN fails the threshold test) and do not disturb the
     threshold; the reducer drops non-finite steps anyway.
 
-    Wire for n elements, c ≤ k values sent: c × (value bytes + index bytes) — values in
-    the input dtype (2 bytes with ``fp16_values=True``), int32 indices (``index_bits=64``
-    for int64).
+    Wire for n elements, c ≤ k values sent (``wire_format``), as top-k's: ``"compact8"``,
+    the default, 3·c + 4·⌈n / 65,536⌉ + 4 bytes — fp8 values after one power-of-two scale
+    and 16-bit offsets within blocks, the rounding kept by the memory (:mod:`.blockwire`);
+    ``"compact"``, 4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes +
+    index bytes) — values in the input dtype (2 bytes with ``fp16_values=True``) and int32
+    indices (``index_bits=64`` for int64), the only wire those two options shape.  The
+    default density, 2.5%, is top-k's: on the 8-bit wire, fewer bytes than 1% took on the
+    indexed one.  The paper's setting: ``compress_ratio=0.001, warmup=4,
+    wire_format="indexed"``.
     """
 
     summable = False
@@ -89,8 +101,8 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
     recipe = Recipe(
         reason="the velocity it sends carries many steps of momentum-corrected gradient, so "
                "clipping the averaged update after the exchange shrinks the steps far more than "
-               "dense SGD's, and what it cuts is never sent again; the warm-up follows epochs "
-               "(set_epoch) or, for a run that is not epoch-based, warmup_steps; momentum factor "
+               "dense SGD's, and what it cuts is never sent again; under an Adam its warm-up follows "
+               "epochs (set_epoch) or, for a run that is not epoch-based, warmup_steps; momentum factor "
                "masking takes most of the step of coordinates sent often, which a run far shorter "
                "than the paper's feels: under SGD with a loop the wrapper or the DDP hook watches, "
                "the dgc memory masks only once the loop clips (masking=False or True fixes it; "
@@ -99,10 +111,12 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
               "the global threshold × N^(-1/2) and warm the density up over the first epochs",
         local_clipping=True)
 
-    def __init__(self, compress_ratio: float = 0.001, warmup=4, sample_ratio: float = 0.01,
+    def __init__(self, compress_ratio: float = 0.025, warmup="auto", sample_ratio: float = 0.01,
                  min_samples: int = 1024, max_adjust: int = 10, fp16_values: bool = False,
-                 index_bits: int = 32, sample_margin: float = 1.5, warmup_steps: int = 0):
+                 index_bits: int = 32, sample_margin: float = 1.5, warmup_steps: int = 0,
+                 wire_format: str = "compact8"):
         self.compress_ratio = check_ratio(compress_ratio)
+        self.wire_format = check_wire_format(wire_format)
         self._start_warmup(warmup, warmup_steps)
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
         if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
@@ -111,6 +125,10 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
             raise ValueError(f"max_adjust must be a non-negative integer, got {max_adjust!r}")
         if index_bits not in (32, 64):
             raise ValueError(f"index_bits must be 32 or 64, got {index_bits!r}")
+        if self.wire_format in BLOCK_FORMATS and (fp16_values or index_bits != 32):
+            raise ValueError(f"fp16_values and index_bits shape the 'indexed' wire; the {wire_format!r} "
+                             f"wire has its own value and offset widths (got fp16_values={fp16_values!r}, "
+                             f"index_bits={index_bits!r}): drop them, or use wire_format='indexed'")
         sample_margin = float(sample_margin)
         if not 1.0 <= sample_margin <= 10.0:
             raise ValueError(f"sample_margin must be in [1, 10] (1 is the paper's estimate), got {sample_margin!r}")
@@ -143,6 +161,9 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
             if indices.numel() > k:  # too many: exactly k among the candidates, kept ascending
                 indices = indices[_chosen_in_order(torch.topk(flat[indices].abs(), k, sorted=False).indices,
                                                    indices.numel())]
+        if self.wire_format in BLOCK_FORMATS:  # the indices are ascending, as a block wire needs
+            return (self.wire_payload(flat[indices], indices, n),
+                    DensityContext(tensor.shape, tensor.dtype, density))
         values = flat[indices]
         if self.fp16_values and values.dtype == torch.float32:
             values = values.to(torch.float16)
@@ -158,6 +179,9 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
         rank sets alike."""
         density = getattr(ctx, "density", None)
         k = min(num_selected(ctx.numel, self.density() if density is None else density), ctx.numel)
+        if self.wire_format in BLOCK_FORMATS:  # values, offsets, a count per block (and a scale)
+            scale = (torch.Size([1]),) if self.wire_format == "compact8" else ()
+            return (torch.Size([k]), torch.Size([k]), torch.Size([num_blocks(ctx.numel)])) + scale
         return (torch.Size([k]), torch.Size([k]))
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
@@ -170,5 +194,7 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
             if count > k or payload[1].numel() != count:
                 raise ValueError(f"DGC payload has {count} values and {payload[1].numel()} indices "
                                  f"for {numel} elements; at most k = {k} of each, as many indices as values")
+        if self.wire_format in BLOCK_FORMATS:
+            return self.entries_nbytes(count, numel, element_size)
         value_bytes = 2 if self.fp16_values and element_size == 4 else element_size
         return count * (value_bytes + self.index_bits // 8)
