@@ -61,7 +61,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=None, metavar="STEPS",
                    help="dgc, topk, graddrop: a density warm-up over the first STEPS steps (a "
                         "benchmark sets no epoch; about a fifth of the run's steps; 0: none). Without "
-                        "it DGC sends --compress-ratio from the first step and says so once")
+                        "it they send --compress-ratio from the first step: their default warm-up "
+                        "runs under an Adam only, and the benchmark trains with SGD")
     # Listed from the registries, so every built-in and plugin is named.
     p.add_argument("--controller", choices=("on", "off"), default=None,
                    help="the quality controller (it raises a group's density where the exchange lags "

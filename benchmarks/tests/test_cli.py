@@ -63,8 +63,9 @@ def test_op_profile_prints_the_operators_of_a_step():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| aten::")]
     assert any(line.startswith("| aten::convolution_backward |") for line in rows), done.stdout
     assert done.stdout.count("Operators over") == 1  # rank 0 reports, every rank stepped
-    # DGC without an epoch or --warmup-steps says so once per job, not once per rank
-    assert done.stderr.count("no epoch was set before its first step") == 1, done.stderr[-3000:]
+    # DGC's default warm-up runs under an Adam only: under the benchmark's SGD there is none
+    # to lose, so nothing is said (the wrapper's once-per-job warning: tests/test_recipes.py)
+    assert done.stderr.count("no epoch was set before its first step") == 0, done.stderr[-3000:]
 
 
 def test_bad_flags_exit_with_a_clear_message(capsys):
@@ -236,7 +237,9 @@ def test_headline_ddp_times_ddp_with_mergecomps_hook(tmp_path, capsys):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["compressor"] == "ddp-mergecomp-dgc" and result["groups"] == 2
-    assert result["compression_ratio"] > 100  # DGC's 0.1% of the gradient, plus its agreement bytes
+    # DGC's 2.5% on its 8-bit wire (3 bytes a coordinate: about 53× fewer than fp32), plus
+    # its agreement bytes
+    assert 40 < result["compression_ratio"] < 54
     from benchmarks import headline
     assert "--hook mergecomp needs --compressor" in refusal(headline.main, ["ddp", "--hook", "mergecomp"], capsys)
 
