@@ -83,6 +83,14 @@ def compact_nbytes(count: int, numel: int, element_size: int, wire_format: str =
     return count * (value_nbytes(element_size, wire_format) + 2) + 4 * num_blocks(numel) + scale
 
 
+def largest_shapes(count: int, numel: int, wire_format: str = "compact") -> Tuple[torch.Size, ...]:
+    """The shape of each part of a block-wire payload of at most ``count`` coordinates of an
+    ``numel``-element group: values and offsets ``count``, one count per block, and on
+    ``"compact8"`` one scale (a variable-size payload's bound, which the allgather pads to)."""
+    scale = (torch.Size([1]),) if wire_format == "compact8" else ()
+    return (torch.Size([count]), torch.Size([count]), torch.Size([num_blocks(numel)])) + scale
+
+
 def wire_values(values: torch.Tensor) -> torch.Tensor:
     """The values as they travel: a 16-bit dtype kept, a wider one rounded to bf16."""
     return values if values.element_size() <= 2 else values.to(torch.bfloat16)

@@ -24,7 +24,8 @@ from . import register
 from .base import Context, check_ratio
 from ..kernels import BlockPeaks, Scratch, sampled_threshold
 from .recipes import Recipe
-from .blockwire import BLOCK_FORMATS, check_wire_format, num_blocks
+from . import blockwire
+from .blockwire import BLOCK_FORMATS, check_wire_format
 from .sparsifier import SparseCompressor, index_dtype, num_selected
 from .warmup import DensityWarmup
 
@@ -162,16 +163,19 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
                 indices = indices[_chosen_in_order(torch.topk(flat[indices].abs(), k, sorted=False).indices,
                                                    indices.numel())]
         if self.wire_format in BLOCK_FORMATS:  # the indices are ascending, as a block wire needs
-            return (self.wire_payload(flat[indices], indices, n),
-                    DensityContext(tensor.shape, tensor.dtype, density))
-        values = flat[indices]
+            payload = self.wire_payload(flat[indices], indices, n)
+        else:
+            payload = self._indexed_payload(flat[indices], indices, n, name)
+        return payload, DensityContext(tensor.shape, tensor.dtype, density)
+
+    def _indexed_payload(self, values, indices, n, name):
+        """The paper's wire: the values (fp16 with ``fp16_values``) and ``index_bits`` indices."""
         if self.fp16_values and values.dtype == torch.float32:
             values = values.to(torch.float16)
         if self.index_bits == 32 and index_dtype(n) != torch.int32:
             raise ValueError(f"group {name!r} has {n} elements, too many for int32 indices; "
                              f"use index_bits=64")
-        wire_index = torch.int32 if self.index_bits == 32 else torch.int64
-        return (values, indices.to(wire_index)), DensityContext(tensor.shape, tensor.dtype, density)
+        return values, indices.to(torch.int32 if self.index_bits == 32 else torch.int64)
 
     def payload_bound(self, ctx):
         """At most k = density·n values and indices (see the class docstring); the density
@@ -179,9 +183,8 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
         rank sets alike."""
         density = getattr(ctx, "density", None)
         k = min(num_selected(ctx.numel, self.density() if density is None else density), ctx.numel)
-        if self.wire_format in BLOCK_FORMATS:  # values, offsets, a count per block (and a scale)
-            scale = (torch.Size([1]),) if self.wire_format == "compact8" else ()
-            return (torch.Size([k]), torch.Size([k]), torch.Size([num_blocks(ctx.numel)])) + scale
+        if self.wire_format in BLOCK_FORMATS:
+            return blockwire.largest_shapes(k, ctx.numel, self.wire_format)
         return (torch.Size([k]), torch.Size([k]))
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
