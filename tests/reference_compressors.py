@@ -249,26 +249,56 @@ def _matrices(compressor, x, layout, gains):
     return found
 
 
+def _atomo_keep_probabilities(sigma, budget):
+    """ATOMO's Algorithm 2: pᵢ ∝ σᵢ summing to ``budget``, capped at 1, the rest spread again."""
+    p = torch.ones_like(sigma)
+    capped = torch.zeros_like(sigma, dtype=torch.bool)
+    while True:  # spread the budget left over the atoms not yet capped at 1
+        free = ~capped & (sigma > 0)
+        if not bool(free.any()):
+            break
+        p[free] = (budget - capped.sum()) * sigma[free] / sigma[free].sum()
+        if not bool((p[free] > 1).any()):
+            break
+        capped |= free & (p > 1)
+        p[capped] = 1.0
+    p[sigma == 0] = 0.0
+    return p
+
+
+def _atomo_noise_budget(sigma, noise):
+    """The fewest expected atoms whose variance Σ σᵢ²(1/pᵢ − 1) is within noise²·Σσ²,
+    found by bisection (the variance falls as the budget grows)."""
+    target = noise * noise * float((sigma * sigma).sum())
+    low, high = 0.0, float((sigma > 0).sum())
+    for _ in range(60):
+        middle = (low + high) / 2
+        p = _atomo_keep_probabilities(sigma, middle)
+        kept = p > 0
+        if float((sigma[kept] ** 2 * (1 / p[kept] - 1)).sum()) > target:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
 def atomo(compressor, x, layout, generator):
     """Wang et al. 2018: M = Σ σᵢuᵢvᵢᵀ; keep atom i with probability pᵢ (Σpᵢ = budget,
-    pᵢ ∝ σᵢ capped at 1, the variance-optimal choice), scaled by 1/pᵢ."""
+    pᵢ ∝ σᵢ capped at 1, the variance-optimal choice), scaled by 1/pᵢ.  Under
+    ``budget="auto"`` the budget is the fewest atoms within the noise bound; a matrix whose
+    atoms would cost as many bytes as it does is sent as it is."""
     out = x.reshape(-1).clone()
-    budget = compressor.budget
-    gains = lambda r, c: r * c > compressor.min_compression_rate * budget * (r + c + 1)  # noqa: E731
+    layout_budget = 1.0 if compressor.budget == "auto" else compressor.budget
+    gains = lambda r, c: r * c > compressor.min_compression_rate * layout_budget * (r + c + 1)  # noqa: E731
     for offset, rows, cols in _matrices(compressor, x, layout, gains):
         m = out[offset:offset + rows * cols].view(rows, cols).double()
         u, sigma, vh = torch.linalg.svd(m, full_matrices=False)
-        p = torch.ones_like(sigma)
-        capped = torch.zeros_like(sigma, dtype=torch.bool)
-        while True:  # spread the budget left over the atoms not yet capped at 1
-            free = ~capped & (sigma > 0)
-            p[free] = (budget - capped.sum()) * sigma[free] / sigma[free].sum()
-            if not bool((p[free] > 1).any()):
-                break
-            capped |= free & (p > 1)
-            p[capped] = 1.0
-        p[sigma == 0] = 0.0
-        keep = torch.rand(sigma.shape, generator=generator, dtype=torch.float64) < p
+        draws = torch.rand(sigma.shape, generator=generator, dtype=torch.float64)
+        budget = _atomo_noise_budget(sigma, compressor.noise) if compressor.budget == "auto" else compressor.budget
+        if 4 * budget * (rows + cols + 1) >= x.element_size() * rows * cols:
+            continue  # sent raw, exactly
+        p = _atomo_keep_probabilities(sigma, budget)
+        keep = draws < p
         scale = torch.where(keep, sigma / p.clamp(min=1e-300), torch.zeros_like(sigma))
         out[offset:offset + rows * cols] = ((u * scale) @ vh).reshape(-1).to(out.dtype)
     return out.view(x.shape)

@@ -3,16 +3,24 @@
 Wang et al., "ATOMO: Communication-efficient Learning via Atomic Sparsification",
 NeurIPS 2018.
 
-    per layer matrix M = Σ σ_i u_i v_iᵀ:  keep atom i with probability p_i (Σ p_i = budget,
+    per layer matrix M = Σ σ_i u_i v_iᵀ:  keep atom i with probability p_i (Σ p_i = s,
     p_i ∝ σ_i capped at 1);  decode: M̂ = Σ_kept (σ_i/p_i) u_i v_iᵀ, so E[M̂] = M.
 
+The paper fixes s, the expected atoms per matrix (``budget=2``).  By default s is chosen per
+matrix and step instead, the fewest expected atoms whose variance E‖M̂ − M‖² stays within
+``noise``² · ‖M‖² (:func:`atomo_budget`): a fixed s is far too few where a gradient's
+spectrum is flat (the noise of 2 atoms on a transformer's gradients is several times the
+gradient) and more than needed where one direction dominates.
+
 On the wire: the kept (u_i, σ_i/p_i, v_i) of every matrix in fp32, an int32 count per
-matrix, and the views not factored as they are.
+matrix (−1: the matrix went raw, as its atoms would cost as much), and the views not
+factored as they are.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -21,6 +29,9 @@ from .base import Compressor, Context, GroupLayout, ParamView, check_layout
 from .lowrank import check_rate
 from .matrix import (LayerMatrix, compute_dtype, factor_element_size, gather_raw, group_layout,
                      layer_matrix, raw_numel, scatter_raw, split_layout)
+
+#: The count a matrix sent raw has on the wire.
+SENT_RAW = -1
 
 
 def atomo_probabilities(sigma: torch.Tensor, budget: float) -> torch.Tensor:
@@ -45,6 +56,32 @@ def atomo_probabilities(sigma: torch.Tensor, budget: float) -> torch.Tensor:
     return torch.where(sigma > 0, probabilities, torch.zeros_like(probabilities))
 
 
+def atomo_budget(sigma: torch.Tensor, noise: float) -> float:
+    """The fewest expected atoms s whose variance-optimal sampling keeps E‖M̂ − M‖² within
+    ``noise``² · ‖M‖² for singular values ``sigma`` (descending).
+
+    With the first k atoms kept for sure and the rest at pᵢ = (s − k)·σᵢ/T_k (T_k = Σ_{j≥k} σ_j,
+    Q_k = Σ_{j≥k} σ_j²), the variance is T_k²/(s − k) − Q_k; setting it to V = noise²·Σσ²
+    gives s = k + T_k²/(V + Q_k), where k is the smallest with p_k ≤ 1, i.e.
+    σ_k·T_k ≤ V + Q_k (the same water-filling as :func:`atomo_probabilities`, which gives
+    back these probabilities for this s).  One vectorised pass; a zero matrix needs none.
+    """
+    if sigma.numel() == 0:
+        return 0.0
+    sigma = sigma.double()
+    squares = sigma * sigma
+    total = float(squares.sum())
+    if total == 0.0:
+        return 0.0
+    variance = noise * noise * total
+    tail = torch.cat([sigma.flip(0).cumsum(0).flip(0), sigma.new_zeros(1)])
+    tail_squares = torch.cat([squares.flip(0).cumsum(0).flip(0), sigma.new_zeros(1)])
+    padded = torch.cat([sigma, sigma.new_zeros(1)])
+    fits = padded * tail[:] <= variance + tail_squares  # always true at k = m (nothing left)
+    k = int(fits.to(torch.int8).argmax())
+    return min(float(sigma.numel()), k + float(tail[k] ** 2 / (variance + tail_squares[k])))
+
+
 @dataclass(frozen=True)
 class AtomoContext(Context):
     """The group's layout: which views are matrices and where each goes.  It is the same on
@@ -60,25 +97,37 @@ class AtomoCompressor(Compressor):
     The group's layout (its per-parameter views) says what a layer is: a view of two or
     more dimensions is the matrix shape[0] × rest (a conv kernel out × in·h·w), decomposed
     as Σ σᵢ uᵢ vᵢᵀ; each atom is kept independently with ATOMO's variance-optimal
-    probability for an expected ``budget`` atoms per matrix (:func:`atomo_probabilities`;
-    the quality controller raises a group's budget where the exchange's noise is high,
-    :meth:`group_budget`) and sent as (uᵢ, σᵢ/pᵢ, vᵢ), so the estimate is unbiased:
-    E[decode] = the gradient.
-    A matrix is factored only when that gains enough, r·c > ``min_compression_rate``·
-    ``budget``·(r + c + 1) (0 factors every matrix); 1-D views (biases, norms, pieces of
-    sliced parameters) and small matrices are sent raw, exactly.  Without a layout the
-    tensor is one parameter: a matrix if it has two or more dimensions, raw if it is 1-D.
-    The SVD costs O(r·c·min(r, c)) per matrix.
+    probability for s expected atoms (:func:`atomo_probabilities`) and sent as
+    (uᵢ, σᵢ/pᵢ, vᵢ), so the estimate is unbiased: E[decode] = the gradient.
+
+    s is, per matrix and step, the fewest atoms whose sampling noise stays within ``noise``
+    times the matrix's norm (``budget="auto"``, the default: :func:`atomo_budget`), or the
+    paper's fixed ``budget`` (then ``noise`` is not given).  Why the default measures:
+    ATOMO's noise grows as the gradient's spectrum flattens (a few atoms of a transformer's
+    flat spectrum are noise several times the gradient; averaged over N ranks, the variance
+    it adds is divided by N only), and an unbiased exchange whose per-rank noise stays well
+    under the gradient reached dense where a larger one did not (docs/results.md).  The
+    quality controller multiplies s where the exchange's measured noise is still high
+    (:attr:`knob`, :meth:`group_scale`).  A matrix whose s atoms would cost as many bytes
+    as the matrix itself is sent raw instead, exactly.
+
+    Which views are factored is fixed by the layout: a matrix is factored only when that
+    gains enough, r·c > ``min_compression_rate``·b·(r + c + 1) with b the fixed ``budget``
+    (1 under ``"auto"``: a matrix one atom would not halve never is); 1-D views (biases,
+    norms, pieces of sliced parameters) and smaller matrices are sent raw, exactly.  Without
+    a layout the tensor is one parameter: a matrix if it has two or more dimensions, raw if
+    it is 1-D.  The SVD costs O(r·c·min(r, c)) per matrix.
 
     Sampling draws from the compressor's own generator, seeded by ``seed`` and this
     process's rank (:attr:`process_rank`, set by the communicator), so ranks sample
     independently and the training's global random stream is left alone.  Its state is in
     :meth:`state_dict`; :meth:`rollback` restores it as it was at the step's first draw.
 
-    Payload, five tensors whatever the layout: the raw values (gradient dtype), the number
-    of atoms kept per factored matrix (int32), then the kept left vectors, scaled singular
-    values and right vectors of every matrix back to back (fp32; fp64 stays fp64).  The
-    number of atoms varies from step to step (``fixed_size = False``).
+    Payload, five tensors whatever the layout: the raw values (gradient dtype: the views not
+    factored, then the matrices sent raw this step), the number of atoms kept per factored
+    matrix (int32, −1 for one sent raw), then the kept left vectors, scaled singular values
+    and right vectors of every matrix back to back (fp32; fp64 stays fp64).  Its size varies
+    from step to step (``fixed_size = False``).
     Wire: (raw elements)·(element size) + 4 per factored matrix + 4·m·(r + c + 1) per r × c
     matrix that kept m atoms (8·m·(r + c + 1) for fp64); :meth:`wire_nbytes` computes it.
     """
@@ -88,32 +137,67 @@ class AtomoCompressor(Compressor):
     unbiased = True  # E[decode] = the gradient: the none memory measures its noise
     recommended_memory = "none"
     recommended_communicator = "allgather"
+    #: The default bound on each matrix's sampling noise, relative to its norm: under the
+    #: quality controller's noise threshold (docs/results.md#atomo-noise-target).
+    DEFAULT_NOISE = 0.5
 
-    def __init__(self, budget: float = 2.0, min_compression_rate: float = 2.0, seed: int = 0):
-        budget = float(budget)
-        if not budget > 0 or budget == float("inf"):
-            raise ValueError(f"atomo budget (expected number of singular triplets sent) must be "
-                             f"a positive number, got {budget!r}; 1 to 4 is usual")
-        self.budget = budget
+    def __init__(self, budget: Union[float, str] = "auto", noise: Optional[float] = None,
+                 min_compression_rate: float = 2.0, seed: int = 0):
+        if budget == "auto":
+            noise = self.DEFAULT_NOISE if noise is None else noise
+            if isinstance(noise, bool) or not isinstance(noise, (int, float)) \
+                    or not math.isfinite(noise) or noise <= 0:
+                raise ValueError(f"atomo noise (each matrix's sampling error over its norm) must be a "
+                                 f"positive number, got {noise!r}; {self.DEFAULT_NOISE} is the default")
+            self.budget: Union[float, str] = "auto"
+            self.noise: Optional[float] = float(noise)
+        else:
+            if noise is not None:
+                raise ValueError(f"atomo takes a fixed budget ({budget!r}) or a noise bound "
+                                 f"({noise!r}), not both: give budget='auto' with noise, or budget alone")
+            try:
+                value = float(budget)
+            except (TypeError, ValueError):
+                value = float("nan")
+            if isinstance(budget, bool) or not value > 0 or value == float("inf"):
+                raise ValueError(f"atomo budget (expected number of singular triplets sent) must be "
+                                 f"a positive number, got {budget!r}; 1 to 4 is usual, or 'auto' (the "
+                                 "default) for as many as the noise bound needs")
+            self.budget, self.noise = value, None
         self.min_compression_rate = check_rate(min_compression_rate, "atomo")
         self.seed = int(seed)
         self._generator: Optional[torch.Generator] = None
         self._generator_rank: Optional[int] = None
         self._snapshot: Optional[torch.Tensor] = None  # the generator at this step's first draw
 
-    # -- which views are factored ----------------------------------------------------------
+    # -- how many atoms, which views are factored ------------------------------------------
     knob = "rank"
 
-    def group_budget(self, name: str) -> float:
-        """The expected atoms per matrix group ``name`` samples now: ``budget`` times its
-        scale (the quality controller raises it where the exchange's noise is high, see
-        :attr:`knob`).  Which matrices are factored stays fixed by ``budget``, so a scale
-        changes how many atoms a group sends, never its layout."""
+    def group_budget(self, name: str) -> Optional[float]:
+        """The fixed expected atoms per matrix group ``name`` samples now: ``budget`` times
+        its scale (the quality controller raises it where the exchange's noise is high, see
+        :attr:`knob`); None under ``budget="auto"``, where each matrix's own count is
+        :meth:`matrix_budget`.  Which matrices are factored stays fixed, so a scale changes
+        how many atoms a group sends, never its layout."""
+        if self.budget == "auto":
+            return None
         return self.budget * self.group_scale(name)
+
+    def matrix_budget(self, name: str, sigma: torch.Tensor) -> float:
+        """The expected atoms of one matrix of group ``name`` with singular values ``sigma``:
+        the fixed budget times the group's scale, or under ``"auto"`` the fewest within the
+        noise bound (:func:`atomo_budget`) times it."""
+        fixed = self.group_budget(name)
+        if fixed is not None:
+            return fixed
+        return atomo_budget(sigma, self.noise) * self.group_scale(name)
+
+    def _layout_budget(self) -> float:
+        return 1.0 if self.budget == "auto" else self.budget
 
     def factors(self, rows: int, cols: int) -> bool:
         """Whether a rows × cols matrix gains enough to be factored."""
-        return rows * cols > self.min_compression_rate * self.budget * (rows + cols + 1)
+        return rows * cols > self.min_compression_rate * self._layout_budget() * (rows + cols + 1)
 
     def split(self, layout: GroupLayout) -> Tuple[Tuple[ParamView, ...], Tuple[LayerMatrix, ...]]:
         """(views sent raw, views factored) of a group layout."""
@@ -145,22 +229,29 @@ class AtomoCompressor(Compressor):
         raw, matrices = self.split(layout)
         flat = tensor.reshape(-1)
         dtype = compute_dtype(tensor.dtype)
-        budget = self.group_budget(name)
+        factor_size, element_size = factor_element_size(tensor.element_size()), tensor.element_size()
         if matrices:  # one draw per step and group, an atom's uniform fixed by its position
             uniforms = self._uniforms(sum(min(m.rows, m.cols) for m in matrices), dtype, flat.device)
         counts, lefts, scaled, rights = [], [], [], []
+        sent_raw: List[ParamView] = []
         at = 0
         for matrix in matrices:
             u, sigma, vh = torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
-            probabilities = atomo_probabilities(sigma, budget)
-            keep = uniforms[at:at + sigma.numel()] < probabilities
+            drawn = uniforms[at:at + sigma.numel()]
             at += sigma.numel()
+            budget = self.matrix_budget(name, sigma)
+            if factor_size * budget * (matrix.rows + matrix.cols + 1) >= element_size * matrix.rows * matrix.cols:
+                counts.append(torch.tensor(SENT_RAW, device=flat.device))
+                sent_raw.append(matrix.view)
+                continue
+            probabilities = atomo_probabilities(sigma, budget)
+            keep = drawn < probabilities
             counts.append(keep.sum())
             lefts.append(u[:, keep].t().reshape(-1))
             scaled.append(sigma[keep] / probabilities[keep])
             rights.append(vh[keep].reshape(-1))
         empty = torch.empty(0, dtype=dtype, device=flat.device)
-        payload = (gather_raw(flat, raw),
+        payload = (gather_raw(flat, tuple(raw) + tuple(sent_raw)),
                    torch.stack(counts).to(torch.int32) if counts
                    else torch.empty(0, dtype=torch.int32, device=flat.device),
                    torch.cat(lefts) if lefts else empty,
@@ -171,15 +262,19 @@ class AtomoCompressor(Compressor):
     def decompress(self, payload, ctx):
         raw_values, counts, left, scaled, right = payload
         raw, matrices = self.split(ctx.layout)
-        if counts.numel() != len(matrices) or raw_values.numel() != raw_numel(raw):
+        atom_counts = counts.tolist()
+        sent_raw = tuple(m.view for m, atoms in zip(matrices, atom_counts) if atoms == SENT_RAW)
+        if len(atom_counts) != len(matrices) or raw_values.numel() != raw_numel(tuple(raw) + sent_raw):
             raise ValueError(f"atomo payload holds {raw_values.numel()} raw values and atoms for "
                              f"{counts.numel()} matrices, but its context's layout sends "
-                             f"{raw_numel(raw)} raw and factors {len(matrices)}: decode a payload "
-                             "with the context (layout) it was made with")
+                             f"{raw_numel(raw)} raw (and the matrices marked raw) and factors "
+                             f"{len(matrices)}: decode a payload with the context (layout) it was made with")
         out = torch.empty(ctx.numel, dtype=ctx.dtype, device=raw_values.device)
-        scatter_raw(raw_values, raw, out)
+        scatter_raw(raw_values, tuple(raw) + sent_raw, out)
         left_at = right_at = atom_at = 0
-        for matrix, atoms in zip(matrices, counts.tolist()):
+        for matrix, atoms in zip(matrices, atom_counts):
+            if atoms == SENT_RAW:
+                continue
             u = left[left_at:left_at + atoms * matrix.rows].view(atoms, matrix.rows)
             s = scaled[atom_at:atom_at + atoms]
             v = right[right_at:right_at + atoms * matrix.cols].view(atoms, matrix.cols)
@@ -193,9 +288,11 @@ class AtomoCompressor(Compressor):
                     layout: Optional[GroupLayout] = None) -> int:
         """Bytes of one payload for ``numel`` elements of ``element_size`` bytes laid out as
         ``layout`` (None: one 1-D tensor, sent raw; pass ``whole_layout(tensor)`` for a
-        single matrix).  With ``payload`` the atoms it kept are counted; without one, the
-        expected size when every factored matrix has at least ``budget`` non-zero singular
-        values (min(budget, r, c) atoms each)."""
+        single matrix).  With ``payload`` the atoms it kept are counted.  Without one: for a
+        fixed budget, the expected size when every factored matrix has at least ``budget``
+        non-zero singular values (min(budget, r, c) atoms each, or the matrix raw where
+        those cost as much); under ``"auto"``, where the atoms follow the gradient's
+        spectrum, the most a payload can be (every factored matrix raw)."""
         if layout is None:
             layout = (ParamView("tensor", torch.Size([numel]), 0),)
         check_layout(layout, numel)
@@ -206,10 +303,14 @@ class AtomoCompressor(Compressor):
             if len(atoms) != len(matrices):
                 raise ValueError(f"atomo payload has atom counts for {len(atoms)} matrices but the "
                                  f"layout factors {len(matrices)}: pass the layout it was made with")
+        elif self.budget == "auto":
+            atoms = [SENT_RAW] * len(matrices)
         else:
-            atoms = [min(self.budget, m.rows, m.cols) for m in matrices]
-        return raw_numel(raw) * element_size + 4 * len(matrices) + round(sum(
-            factor_size * a * (m.rows + m.cols + 1) for m, a in zip(matrices, atoms)))
+            atoms = [SENT_RAW if factor_size * self.budget * (m.rows + m.cols + 1) >= element_size * m.rows * m.cols
+                     else min(self.budget, m.rows, m.cols) for m in matrices]
+        raw_elements = raw_numel(raw) + sum(m.rows * m.cols for m, a in zip(matrices, atoms) if a == SENT_RAW)
+        return raw_elements * element_size + 4 * len(matrices) + round(sum(
+            factor_size * a * (m.rows + m.cols + 1) for m, a in zip(matrices, atoms) if a != SENT_RAW))
 
     # -- state -----------------------------------------------------------------------------
     def commit(self):
@@ -245,5 +346,6 @@ class AtomoCompressor(Compressor):
         self._generator, self._generator_rank, self._snapshot = generator, saved_rank, None
 
     def __repr__(self):
-        return (f"AtomoCompressor(budget={self.budget}, min_compression_rate="
+        noise = f", noise={self.noise}" if self.budget == "auto" else ""
+        return (f"AtomoCompressor(budget={self.budget!r}{noise}, min_compression_rate="
                 f"{self.min_compression_rate}, seed={self.seed})")
