@@ -88,15 +88,15 @@ def test_a_matrix_whose_atoms_cost_as_much_goes_raw_exactly():
     assert atomo.wire_nbytes(g.numel(), 4, layout=layout) == 4 * g.numel() + 4 * 2  # at most: all raw
 
 
-def test_the_controller_scale_multiplies_each_matrix_budget():
-    x = spread(128, 96, 1.0, seed=3)
-    atomo = compressors.create("atomo", seed=4)
-    atoms = lambda: sum(int(atomo.compress(x, "g")[0][1].sum()) for _ in range(40))  # noqa: E731
-    at_one = atoms()
-    atomo.set_group_scale("g", 2.0)
-    at_two = atoms()
-    assert 1.6 * at_one < at_two < 2.4 * at_one
-    assert atomo.group_budget("g") is None  # no fixed budget: each matrix's own
+def test_the_controller_leaves_the_default_alone_and_raises_a_fixed_budget():
+    """Under "auto" each matrix is held at its bound at every step: no knob to raise."""
+    default, fixed = compressors.create("atomo"), compressors.create("atomo", budget=2)
+    assert default.knob is None and default.group_budget("g") is None
+    with pytest.raises(ValueError, match="no density, rank or bits to raise"):
+        default.set_group_scale("g", 2.0)
+    assert fixed.knob == "rank"
+    fixed.set_group_scale("g", 4.0)
+    assert fixed.group_budget("g") == 8.0
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -107,9 +107,11 @@ class AtomoCompressor(Compressor):
     flat spectrum are noise several times the gradient; averaged over N ranks, the variance
     it adds is divided by N only), and an unbiased exchange whose per-rank noise stays well
     under the gradient reached dense where a larger one did not (docs/results.md).  The
-    quality controller multiplies s where the exchange's measured noise is still high
-    (:attr:`knob`, :meth:`group_scale`).  A matrix whose s atoms would cost as many bytes
-    as the matrix itself is sent raw instead, exactly.
+    quality controller multiplies a fixed budget where the exchange's measured noise is
+    high (:attr:`knob`, :meth:`group_scale`); under ``"auto"`` there is nothing left for it
+    to raise (``knob`` is None): every matrix is held at its bound at every step, finer
+    than a per-group decision every few steps.  A matrix whose s atoms would cost as many
+    bytes as the matrix itself is sent raw instead, exactly.
 
     Which views are factored is fixed by the layout: a matrix is factored only when that
     gains enough, r·c > ``min_compression_rate``·b·(r + c + 1) with b the fixed ``budget``
@@ -151,6 +153,9 @@ class AtomoCompressor(Compressor):
                                  f"positive number, got {noise!r}; {self.DEFAULT_NOISE} is the default")
             self.budget: Union[float, str] = "auto"
             self.noise: Optional[float] = float(noise)
+            # each matrix holds its noise under the controller's raise threshold at every
+            # step already: nothing for the controller to raise (see the class docstring)
+            self.knob = None
         else:
             if noise is not None:
                 raise ValueError(f"atomo takes a fixed budget ({budget!r}) or a noise bound "
@@ -186,11 +191,9 @@ class AtomoCompressor(Compressor):
     def matrix_budget(self, name: str, sigma: torch.Tensor) -> float:
         """The expected atoms of one matrix of group ``name`` with singular values ``sigma``:
         the fixed budget times the group's scale, or under ``"auto"`` the fewest within the
-        noise bound (:func:`atomo_budget`) times it."""
+        noise bound (:func:`atomo_budget`)."""
         fixed = self.group_budget(name)
-        if fixed is not None:
-            return fixed
-        return atomo_budget(sigma, self.noise) * self.group_scale(name)
+        return atomo_budget(sigma, self.noise) if fixed is None else fixed
 
     def _layout_budget(self) -> float:
         return 1.0 if self.budget == "auto" else self.budget
