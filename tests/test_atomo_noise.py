@@ -52,18 +52,18 @@ def spread(rows, cols, decay, seed=1):
 def test_the_default_holds_each_matrix_near_its_noise_bound_where_a_fixed_budget_does_not():
     """A slowly decaying spectrum (a transformer's late gradients): 2 atoms are noise several
     times the matrix; the default's measured noise sits at its bound."""
-    x = spread(128, 96, 1.2)
+    x = spread(128, 96, 1.0)
     default = compressors.create("atomo", seed=2)
     fixed = compressors.create("atomo", budget=2, seed=2)
-    assert default.budget == "auto" and default.noise == 0.3
+    assert default.budget == "auto" and default.noise == 0.5
 
     def noise(compressor):
         errors = [float((run_locally(compressor, x, "g")[0] - x).norm() ** 2) for _ in range(150)]
         return (sum(errors) / len(errors)) ** 0.5 / float(x.norm())
 
-    assert 0.24 < noise(default) < 0.36
-    assert noise(fixed) > 1.5
-    assert atomo_budget(torch.linalg.svdvals(x), 0.3) < 0.7 * 128 * 96 / (128 + 96 + 1)  # factored
+    assert 0.4 < noise(default) < 0.6
+    assert noise(fixed) > 2.0
+    assert atomo_budget(torch.linalg.svdvals(x), 0.5) < 0.5 * 128 * 96 / (128 + 96 + 1)  # factored
 
 
 def test_a_matrix_whose_atoms_cost_as_much_goes_raw_exactly():

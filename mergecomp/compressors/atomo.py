@@ -141,7 +141,7 @@ class AtomoCompressor(Compressor):
     recommended_communicator = "allgather"
     #: The default bound on each matrix's sampling noise, relative to its norm: under the
     #: quality controller's noise threshold (docs/results.md#atomo-noise-target).
-    DEFAULT_NOISE = 0.3
+    DEFAULT_NOISE = 0.5
 
     def __init__(self, budget: Union[float, str] = "auto", noise: Optional[float] = None,
                  min_compression_rate: float = 2.0, seed: int = 0):
