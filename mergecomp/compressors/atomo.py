@@ -140,7 +140,7 @@ class AtomoCompressor(Compressor):
     recommended_memory = "none"
     recommended_communicator = "allgather"
     #: The default bound on each matrix's sampling noise, relative to its norm: under the
-    #: quality controller's noise threshold (docs/results.md#atomo-noise-target).
+    #: quality controller's noise threshold (docs/results.md#atomo-noise-bound).
     DEFAULT_NOISE = 0.5
 
     def __init__(self, budget: Union[float, str] = "auto", noise: Optional[float] = None,
