@@ -18,14 +18,13 @@ factored as they are.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
 import torch
 
 from . import register
-from .base import Compressor, Context, GroupLayout, ParamView, check_layout
+from .base import Compressor, Context, GroupLayout, ParamView, check_layout, positive_finite
 from .lowrank import check_rate
 from .matrix import (LayerMatrix, compute_dtype, factor_element_size, gather_raw, group_layout,
                      layer_matrix, raw_numel, scatter_raw, split_layout)
@@ -147,8 +146,7 @@ class AtomoCompressor(Compressor):
                  min_compression_rate: float = 2.0, seed: int = 0):
         if budget == "auto":
             noise = self.DEFAULT_NOISE if noise is None else noise
-            if isinstance(noise, bool) or not isinstance(noise, (int, float)) \
-                    or not math.isfinite(noise) or noise <= 0:
+            if positive_finite(noise) is None:
                 raise ValueError(f"atomo noise (each matrix's sampling error over its norm) must be a "
                                  f"positive number, got {noise!r}; {self.DEFAULT_NOISE} is the default")
             self.budget: Union[float, str] = "auto"
@@ -160,11 +158,8 @@ class AtomoCompressor(Compressor):
             if noise is not None:
                 raise ValueError(f"atomo takes a fixed budget ({budget!r}) or a noise bound "
                                  f"({noise!r}), not both: give budget='auto' with noise, or budget alone")
-            try:
-                value = float(budget)
-            except (TypeError, ValueError):
-                value = float("nan")
-            if isinstance(budget, bool) or not value > 0 or value == float("inf"):
+            value = positive_finite(budget)
+            if value is None:
                 raise ValueError(f"atomo budget (expected number of singular triplets sent) must be "
                                  f"a positive number, got {budget!r}; 1 to 4 is usual, or 'auto' (the "
                                  "default) for as many as the noise bound needs")

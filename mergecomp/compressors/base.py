@@ -448,6 +448,18 @@ def check_dtypes(compressor: Compressor, dtypes) -> None:
                          f"(it carries {carried}); {advice}")
 
 
+def positive_finite(value) -> Optional[float]:
+    """``value`` as a float when it is a finite number > 0 (a bool is not), else None: the
+    caller raises its own error, which says what the number means."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if 0.0 < number < float("inf") else None
+
+
 def check_ratio(ratio: float, what: str = "compress_ratio") -> float:
     """Validate a fraction in (0, 1]; raise ValueError with the value otherwise."""
     try:

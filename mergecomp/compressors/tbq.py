@@ -21,7 +21,7 @@ from typing import Union
 import torch
 
 from . import register
-from .base import Compressor, Context, payload_nbytes
+from .base import Compressor, Context, payload_nbytes, positive_finite
 from .raisedbits import MagnitudeContext, RaisesBits
 from .recipes import Recipe
 from .views import RemembersLayoutSpans, Spans, context_spans
@@ -99,11 +99,8 @@ class TBQCompressor(RaisesBits, RemembersLayoutSpans, Compressor):
         if isinstance(threshold, str) and threshold == AUTO:
             self.threshold = AUTO
             return
-        try:
-            value = float(threshold)
-        except (TypeError, ValueError):
-            value = float("nan")
-        if isinstance(threshold, bool) or not value > 0 or value == float("inf"):
+        value = positive_finite(threshold)
+        if value is None:
             raise ValueError(f"tbq threshold τ must be 'auto' (measured per parameter view: scale × its mean "
                              f"magnitude) or a positive finite number near the typical magnitude of a gradient "
                              f"element, got {threshold!r}")
