@@ -76,7 +76,7 @@ def atomo_budget(sigma: torch.Tensor, noise: float) -> float:
     tail = torch.cat([sigma.flip(0).cumsum(0).flip(0), sigma.new_zeros(1)])
     tail_squares = torch.cat([squares.flip(0).cumsum(0).flip(0), sigma.new_zeros(1)])
     padded = torch.cat([sigma, sigma.new_zeros(1)])
-    fits = padded * tail[:] <= variance + tail_squares  # always true at k = m (nothing left)
+    fits = padded * tail <= variance + tail_squares  # always true at k = m (nothing left)
     k = int(fits.to(torch.int8).argmax())
     return min(float(sigma.numel()), k + float(tail[k] ** 2 / (variance + tail_squares[k])))
 
@@ -177,18 +177,18 @@ class AtomoCompressor(Compressor):
         """The fixed expected atoms per matrix group ``name`` samples now: ``budget`` times
         its scale (the quality controller raises it where the exchange's noise is high, see
         :attr:`knob`); None under ``budget="auto"``, where each matrix's own count is
-        :meth:`matrix_budget`.  Which matrices are factored stays fixed, so a scale changes
+        :func:`atomo_budget` of its singular values.  Which matrices are factored stays fixed, so a scale changes
         how many atoms a group sends, never its layout."""
         if self.budget == "auto":
             return None
         return self.budget * self.group_scale(name)
 
-    def matrix_budget(self, name: str, sigma: torch.Tensor) -> float:
-        """The expected atoms of one matrix of group ``name`` with singular values ``sigma``:
-        the fixed budget times the group's scale, or under ``"auto"`` the fewest within the
-        noise bound (:func:`atomo_budget`)."""
-        fixed = self.group_budget(name)
-        return atomo_budget(sigma, self.noise) if fixed is None else fixed
+    @staticmethod
+    def raw_is_cheaper(matrix: LayerMatrix, atoms: float, element_size: int) -> bool:
+        """Whether ``atoms`` expected atoms of ``matrix`` cost as many bytes as the matrix sent
+        raw in ``element_size``-byte elements (it then goes raw, exactly)."""
+        return factor_element_size(element_size) * atoms * (matrix.rows + matrix.cols + 1) \
+            >= element_size * matrix.rows * matrix.cols
 
     def _layout_budget(self) -> float:
         return 1.0 if self.budget == "auto" else self.budget
@@ -227,21 +227,26 @@ class AtomoCompressor(Compressor):
         raw, matrices = self.split(layout)
         flat = tensor.reshape(-1)
         dtype = compute_dtype(tensor.dtype)
-        factor_size, element_size = factor_element_size(tensor.element_size()), tensor.element_size()
+        fixed = self.group_budget(name)
         if matrices:  # one draw per step and group, an atom's uniform fixed by its position
             uniforms = self._uniforms(sum(min(m.rows, m.cols) for m in matrices), dtype, flat.device)
         counts, lefts, scaled, rights = [], [], [], []
         sent_raw: List[ParamView] = []
         at = 0
         for matrix in matrices:
-            u, sigma, vh = torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
-            drawn = uniforms[at:at + sigma.numel()]
-            at += sigma.numel()
-            budget = self.matrix_budget(name, sigma)
-            if factor_size * budget * (matrix.rows + matrix.cols + 1) >= element_size * matrix.rows * matrix.cols:
+            drawn = uniforms[at:at + min(matrix.rows, matrix.cols)]
+            at += drawn.numel()
+            factors = None  # the SVD, needed first under "auto" (the bound reads its σ)
+            if fixed is None:
+                factors = torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
+            budget = atomo_budget(factors[1], self.noise) if fixed is None else fixed
+            if self.raw_is_cheaper(matrix, budget, tensor.element_size()):
                 counts.append(torch.tensor(SENT_RAW, device=flat.device))
                 sent_raw.append(matrix.view)
                 continue
+            if factors is None:
+                factors = torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
+            u, sigma, vh = factors
             probabilities = atomo_probabilities(sigma, budget)
             keep = drawn < probabilities
             counts.append(keep.sum())
@@ -261,14 +266,14 @@ class AtomoCompressor(Compressor):
         raw_values, counts, left, scaled, right = payload
         raw, matrices = self.split(ctx.layout)
         atom_counts = counts.tolist()
-        sent_raw = tuple(m.view for m, atoms in zip(matrices, atom_counts) if atoms == SENT_RAW)
-        if len(atom_counts) != len(matrices) or raw_values.numel() != raw_numel(tuple(raw) + sent_raw):
+        raw_views = tuple(raw) + tuple(m.view for m, atoms in zip(matrices, atom_counts) if atoms == SENT_RAW)
+        if len(atom_counts) != len(matrices) or raw_values.numel() != raw_numel(raw_views):
             raise ValueError(f"atomo payload holds {raw_values.numel()} raw values and atoms for "
                              f"{counts.numel()} matrices, but its context's layout sends "
                              f"{raw_numel(raw)} raw (and the matrices marked raw) and factors "
                              f"{len(matrices)}: decode a payload with the context (layout) it was made with")
         out = torch.empty(ctx.numel, dtype=ctx.dtype, device=raw_values.device)
-        scatter_raw(raw_values, tuple(raw) + sent_raw, out)
+        scatter_raw(raw_values, raw_views, out)
         left_at = right_at = atom_at = 0
         for matrix, atoms in zip(matrices, atom_counts):
             if atoms == SENT_RAW:
@@ -304,7 +309,7 @@ class AtomoCompressor(Compressor):
         elif self.budget == "auto":
             atoms = [SENT_RAW] * len(matrices)
         else:
-            atoms = [SENT_RAW if factor_size * self.budget * (m.rows + m.cols + 1) >= element_size * m.rows * m.cols
+            atoms = [SENT_RAW if self.raw_is_cheaper(m, self.budget, element_size)
                      else min(self.budget, m.rows, m.cols) for m in matrices]
         raw_elements = raw_numel(raw) + sum(m.rows * m.cols for m, a in zip(matrices, atoms) if a == SENT_RAW)
         return raw_elements * element_size + 4 * len(matrices) + round(sum(
