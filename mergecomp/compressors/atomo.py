@@ -18,19 +18,16 @@ factored as they are.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
 import torch
 
-from ..staging import StagedDict
 from . import register
 from .base import Compressor, Context, GroupLayout, ParamView, check_layout, positive_finite
 from .lowrank import check_rate
 from .matrix import (LayerMatrix, compute_dtype, factor_element_size, gather_raw, group_layout,
                      layer_matrix, raw_numel, scatter_raw, split_layout)
-from .warmup import ADAM_WARMUP_STEPS, RaisedFirstExchanges, check_adam_warmup_steps
 
 #: The count a matrix sent raw has on the wire.
 SENT_RAW = -1
@@ -93,7 +90,7 @@ class AtomoContext(Context):
 
 
 @register("atomo")
-class AtomoCompressor(RaisedFirstExchanges, Compressor):
+class AtomoCompressor(Compressor):
     """Keep singular triplet i of each layer's matrix with probability pᵢ, scaled by 1/pᵢ.
 
     The group's layout (its per-parameter views) says what a layer is: a view of two or
@@ -114,15 +111,6 @@ class AtomoCompressor(RaisedFirstExchanges, Compressor):
     to raise (``knob`` is None): every matrix is held at its bound at every step, finer
     than a per-group decision every few steps.  A matrix whose s atoms would cost as many
     bytes as the matrix itself is sent raw instead, exactly.
-
-    ``warmup_steps``: under an Adam or AdamW, each group's first ``warmup_steps`` exchanges
-    go at :data:`~.warmup.ADAM_WARMUP_SCALE` times the atoms (a fixed budget) or at the
-    noise bound divided by its square root (the same variance ratio under ``"auto"``), as
-    PowerSGD's first exchanges go at a higher rank.  Why: Adam's second moment starts from
-    the first gradients it sees, and a few steps of sampling noise inflate it for hundreds
-    of steps, shrinking every later update; measured on a character LSTM under AdamW at two
-    workers, where each exchange averages fewest samples, the bound alone ended behind dense
-    and with its first exchanges finer it reached it (docs/results.md#atomo-adam-warmup).
 
     Which views are factored is fixed by the layout: a matrix is factored only when that
     gains enough, r·c > ``min_compression_rate``·b·(r + c + 1) with b the fixed ``budget``
@@ -153,11 +141,9 @@ class AtomoCompressor(RaisedFirstExchanges, Compressor):
     #: The default bound on each matrix's sampling noise, relative to its norm: under the
     #: quality controller's noise threshold (docs/results.md#atomo-noise-bound).
     DEFAULT_NOISE = 0.5
-    staged_state = ("_steps",)
 
     def __init__(self, budget: Union[float, str] = "auto", noise: Optional[float] = None,
-                 min_compression_rate: float = 2.0, seed: int = 0,
-                 warmup_steps: int = ADAM_WARMUP_STEPS):
+                 min_compression_rate: float = 2.0, seed: int = 0):
         if budget == "auto":
             noise = self.DEFAULT_NOISE if noise is None else noise
             if positive_finite(noise) is None:
@@ -180,8 +166,6 @@ class AtomoCompressor(RaisedFirstExchanges, Compressor):
             self.budget, self.noise = value, None
         self.min_compression_rate = check_rate(min_compression_rate, "atomo")
         self.seed = int(seed)
-        self.warmup_steps = check_adam_warmup_steps(warmup_steps, "atomo")
-        self._steps = StagedDict()  # group → exchanges sent (the warm-up under an Adam)
         self._generator: Optional[torch.Generator] = None
         self._generator_rank: Optional[int] = None
         self._snapshot: Optional[torch.Tensor] = None  # the generator at this step's first draw
@@ -189,28 +173,15 @@ class AtomoCompressor(RaisedFirstExchanges, Compressor):
     # -- how many atoms, which views are factored ------------------------------------------
     knob = "rank"
 
-    def check_optimizer(self, optimizer) -> None:
-        """Under an Adam or AdamW the first exchanges go finer (``warmup_steps``)."""
-        self.note_optimizer(optimizer)
-
     def group_budget(self, name: str) -> Optional[float]:
         """The fixed expected atoms per matrix group ``name`` samples now: ``budget`` times
         its scale (the quality controller raises it where the exchange's noise is high, see
-        :attr:`knob`) and times the warm-up's in its first exchanges under an Adam; None
-        under ``budget="auto"``, where each matrix's own count is :func:`atomo_budget` of its
-        singular values at :meth:`group_noise`.  Which matrices are factored stays fixed, so
-        a scale changes how many atoms a group sends, never its layout."""
+        :attr:`knob`); None under ``budget="auto"``, where each matrix's own count is
+        :func:`atomo_budget` of its singular values.  Which matrices are factored stays fixed, so a scale changes
+        how many atoms a group sends, never its layout."""
         if self.budget == "auto":
             return None
-        return self.budget * self.group_scale(name) * self.warmup_scale(name)
-
-    def group_noise(self, name: str) -> Optional[float]:
-        """The noise bound group ``name``'s matrices sample within now under ``"auto"``:
-        ``noise``, over the square root of the warm-up's scale in its first exchanges under
-        an Adam (a variance that many times smaller); None for a fixed budget."""
-        if self.budget != "auto":
-            return None
-        return self.noise / math.sqrt(self.warmup_scale(name))
+        return self.budget * self.group_scale(name)
 
     @staticmethod
     def raw_is_cheaper(matrix: LayerMatrix, atoms: float, element_size: int) -> bool:
@@ -256,8 +227,7 @@ class AtomoCompressor(RaisedFirstExchanges, Compressor):
         raw, matrices = self.split(layout)
         flat = tensor.reshape(-1)
         dtype = compute_dtype(tensor.dtype)
-        fixed, noise = self.group_budget(name), self.group_noise(name)
-        self._steps[name] = self._steps.get(name, 0) + 1
+        fixed = self.group_budget(name)
         if matrices:  # one draw per step and group, an atom's uniform fixed by its position
             uniforms = self._uniforms(sum(min(m.rows, m.cols) for m in matrices), dtype, flat.device)
         counts, lefts, scaled, rights = [], [], [], []
@@ -269,7 +239,7 @@ class AtomoCompressor(RaisedFirstExchanges, Compressor):
             factors = None  # the SVD, needed first under "auto" (the bound reads its σ)
             if fixed is None:
                 factors = torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
-            budget = atomo_budget(factors[1], noise) if fixed is None else fixed
+            budget = atomo_budget(factors[1], self.noise) if fixed is None else fixed
             if self.raw_is_cheaper(matrix, budget, tensor.element_size()):
                 counts.append(torch.tensor(SENT_RAW, device=flat.device))
                 sent_raw.append(matrix.view)
@@ -347,34 +317,25 @@ class AtomoCompressor(RaisedFirstExchanges, Compressor):
 
     # -- state -----------------------------------------------------------------------------
     def commit(self):
-        super().commit()
         self._snapshot = None
 
     def rollback(self):
-        super().rollback()
         if self._snapshot is not None:
             self._generator.set_state(self._snapshot)
             self._snapshot = None
 
     def state_dict(self):
-        steps = {"steps": dict(self._steps.committed())} if self._steps.committed() else {}
         if self._generator is None:
-            return steps
+            return {}
         committed = self._snapshot if self._snapshot is not None else self._generator.get_state()
-        return {"generator": committed.clone(), "process_rank": self._generator_rank, **steps}
+        return {"generator": committed.clone(), "process_rank": self._generator_rank}
 
     def load_state_dict(self, state):
-        unknown = sorted(set(state) - {"generator", "process_rank", "steps"})
+        unknown = sorted(set(state) - {"generator", "process_rank"})
         if unknown:
             raise ValueError(f"atomo state has unknown keys {unknown}; expected 'generator', "
-                             "'process_rank', 'steps'")
-        steps = state.get("steps", {})
-        if not isinstance(steps, dict) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps.values()):
-            raise ValueError(f"atomo state 'steps' must map each group to the exchanges it sent "
-                             f"(an integer ≥ 0), got {steps!r}")
-        self._steps.replace(dict(steps))
-        if "generator" not in state:
+                             "'process_rank'")
+        if not state:
             self._generator, self._generator_rank, self._snapshot = None, None, None
             return
         saved_rank = int(state.get("process_rank", 0))
@@ -390,4 +351,4 @@ class AtomoCompressor(RaisedFirstExchanges, Compressor):
     def __repr__(self):
         noise = f", noise={self.noise}" if self.budget == "auto" else ""
         return (f"AtomoCompressor(budget={self.budget!r}{noise}, min_compression_rate="
-                f"{self.min_compression_rate}, seed={self.seed}, warmup_steps={self.warmup_steps})")
+                f"{self.min_compression_rate}, seed={self.seed})")
