@@ -146,11 +146,12 @@ class AtomoCompressor(Compressor):
                  min_compression_rate: float = 2.0, seed: int = 0):
         if budget == "auto":
             noise = self.DEFAULT_NOISE if noise is None else noise
-            if positive_finite(noise) is None:
+            bound = positive_finite(noise)
+            if bound is None:
                 raise ValueError(f"atomo noise (each matrix's sampling error over its norm) must be a "
                                  f"positive number, got {noise!r}; {self.DEFAULT_NOISE} is the default")
             self.budget: Union[float, str] = "auto"
-            self.noise: Optional[float] = float(noise)
+            self.noise: Optional[float] = bound
             # each matrix holds its noise under the controller's raise threshold at every
             # step already: nothing for the controller to raise (see the class docstring)
             self.knob = None
@@ -177,8 +178,8 @@ class AtomoCompressor(Compressor):
         """The fixed expected atoms per matrix group ``name`` samples now: ``budget`` times
         its scale (the quality controller raises it where the exchange's noise is high, see
         :attr:`knob`); None under ``budget="auto"``, where each matrix's own count is
-        :func:`atomo_budget` of its singular values.  Which matrices are factored stays fixed, so a scale changes
-        how many atoms a group sends, never its layout."""
+        :func:`atomo_budget` of its singular values.  Which matrices are factored stays
+        fixed, so a scale changes how many atoms a group sends, never its layout."""
         if self.budget == "auto":
             return None
         return self.budget * self.group_scale(name)
@@ -222,6 +223,11 @@ class AtomoCompressor(Compressor):
             self._generator, self._generator_rank, self._snapshot = None, None, None
 
     # -- encode / decode -------------------------------------------------------------------
+    @staticmethod
+    def _decompose(flat: torch.Tensor, matrix: LayerMatrix, dtype: torch.dtype):
+        """(U, σ, Vᵀ) of ``matrix``'s view of ``flat``, in ``dtype``, thin."""
+        return torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
+
     def compress(self, tensor, name, layout=None):
         layout = group_layout(tensor, name, layout)
         raw, matrices = self.split(layout)
@@ -236,17 +242,15 @@ class AtomoCompressor(Compressor):
         for matrix in matrices:
             drawn = uniforms[at:at + min(matrix.rows, matrix.cols)]
             at += drawn.numel()
-            factors = None  # the SVD, needed first under "auto" (the bound reads its σ)
-            if fixed is None:
-                factors = torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
-            budget = atomo_budget(factors[1], self.noise) if fixed is None else fixed
+            # the SVD first under "auto" (the bound reads its σ); a fixed budget needs it
+            # only for a matrix it factors
+            factors = None if fixed is not None else self._decompose(flat, matrix, dtype)
+            budget = fixed if fixed is not None else atomo_budget(factors[1], self.noise)
             if self.raw_is_cheaper(matrix, budget, tensor.element_size()):
                 counts.append(torch.tensor(SENT_RAW, device=flat.device))
                 sent_raw.append(matrix.view)
                 continue
-            if factors is None:
-                factors = torch.linalg.svd(layer_matrix(flat, matrix, dtype), full_matrices=False)
-            u, sigma, vh = factors
+            u, sigma, vh = factors if factors is not None else self._decompose(flat, matrix, dtype)
             probabilities = atomo_probabilities(sigma, budget)
             keep = drawn < probabilities
             counts.append(keep.sum())
