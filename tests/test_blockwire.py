@@ -1,5 +1,6 @@
 """The block wires: 16-bit block offsets with 16-bit values ("compact") or 8-bit values after
-one power-of-two scale ("compact8", top-k's and GradDrop's default)."""
+one power-of-two scale ("compact8"), and 8-bit offsets within blocks of 255 with the 8-bit
+values ("tight8")."""
 import pytest
 import torch
 
@@ -12,13 +13,15 @@ from mergecomp.compressors.base import Context, payload_nbytes
 SPARSIFIERS = {"topk": {}, "graddrop": {}, "dgc": {"warmup": 0}}
 
 
-@pytest.mark.parametrize("wire", ["compact", "compact8"])
-@pytest.mark.parametrize("numel", [1, 1000, blockwire.BLOCK, blockwire.BLOCK + 1, 3 * blockwire.BLOCK + 17])
+@pytest.mark.parametrize("wire", ["compact", "compact8", "tight8"])
+@pytest.mark.parametrize("numel", [1, 254, 255, 256, 1000, blockwire.BLOCK, blockwire.BLOCK + 1,
+                                   3 * blockwire.BLOCK + 17])
 def test_indices_come_back_exactly_across_block_edges(numel, wire):
     generator = torch.Generator().manual_seed(numel)
     k = max(1, numel // 50)
     indices = torch.randperm(numel, generator=generator)[:k].sort().values
-    for edge in (0, blockwire.BLOCK - 1, blockwire.BLOCK, numel - 1):  # the blocks' first and last coordinates
+    size = blockwire.block_size(wire)
+    for edge in (0, size - 1, size, 2 * size - 1, numel - 1):  # the blocks' first and last coordinates
         if edge < numel and edge not in indices.tolist():
             indices = torch.cat([indices, torch.tensor([edge])]).sort().values
     values = torch.randn(indices.numel(), generator=generator)
@@ -30,7 +33,8 @@ def test_indices_come_back_exactly_across_block_edges(numel, wire):
         assert [p.dtype for p in payload] == [torch.bfloat16, torch.int16, torch.int32]
         assert torch.equal(got_values, values.to(torch.bfloat16))
     else:
-        assert [p.dtype for p in payload] == [torch.float8_e4m3fn, torch.int16, torch.int32, torch.float32]
+        offsets, counts = (torch.uint8, torch.uint8) if wire == "tight8" else (torch.int16, torch.int32)
+        assert [p.dtype for p in payload] == [torch.float8_e4m3fn, offsets, counts, torch.float32]
         codes, scale = blockwire.fp8_values(values)
         assert torch.equal(got_values, codes.float() * scale)
         assert float((got_values - values).abs().max()) <= values.abs().max() / 16  # within e4m3's step
@@ -70,6 +74,40 @@ def test_the_8_bit_wire_sends_the_same_coordinates_in_three_bytes_each(name):
     assert eight.decompress(empty, empty_ctx).shape == (0,)
 
 
+@pytest.mark.parametrize("name", sorted(SPARSIFIERS))
+def test_the_tight_wire_sends_the_same_values_in_two_bytes_each_and_a_byte_per_block(name):
+    x = torch.randn(150_000, generator=torch.Generator().manual_seed(3))
+    tight = compressors.create(name, compress_ratio=0.02, wire_format="tight8", **SPARSIFIERS[name])
+    eight = compressors.create(name, compress_ratio=0.02, wire_format="compact8", **SPARSIFIERS[name])
+    payload, ctx = tight.compress(x, "g")
+    sent, count = tight.transmitted_indices(payload, ctx), payload[0].numel()
+    other, other_ctx = eight.compress(x, "g")
+    assert torch.equal(sent, eight.transmitted_indices(other, other_ctx))
+    assert torch.equal(tight.decompress(payload, ctx), eight.decompress(other, other_ctx))
+    blocks = -(-x.numel() // 255)
+    assert payload_nbytes(payload) == tight.wire_nbytes(x.numel(), 4, payload) == 2 * count + blocks + 4
+    empty, empty_ctx = tight.compress(torch.zeros(0), "g")
+    assert tight.decompress(empty, empty_ctx).shape == (0,)
+
+
+def test_a_full_short_block_fits_its_8_bit_count():
+    """Every coordinate of a block of 255 sent: its count, 255, still fits a byte."""
+    numel = 3 * 255 + 7
+    indices = torch.arange(numel)
+    payload = blockwire.pack(torch.randn(numel), indices, numel, "tight8")
+    assert payload[2].tolist() == [255, 255, 255, 7]
+    assert torch.equal(blockwire.unpack(payload, numel)[1], indices)
+
+
+def test_a_short_block_offset_past_its_block_is_refused():
+    codes, offsets, counts, scale = blockwire.pack(torch.ones(2), torch.tensor([3, 300]), 600, "tight8")
+    offsets = torch.tensor([3, 255], dtype=torch.uint8)  # 255 would name the next block's first coordinate
+    with pytest.raises(ValueError, match="offset 255 in a block of 255"):
+        blockwire.unpack((codes, offsets, counts, scale), 600)
+    with pytest.raises(ValueError, match="needs 3 counts"):
+        blockwire.unpack((codes, offsets, counts[:2], scale), 600)
+
+
 def test_a_16_bit_gradient_keeps_its_dtype_on_the_wire():
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4)).to(torch.float16)
     topk = compressors.create("topk", compress_ratio=0.1, wire_format="compact")
@@ -82,7 +120,7 @@ def test_a_16_bit_gradient_keeps_its_dtype_on_the_wire():
     assert payload[0].dtype == torch.float8_e4m3fn and eight.decompress(payload, ctx).dtype == torch.float16
 
 
-@pytest.mark.parametrize("wire", ["compact", "compact8"])
+@pytest.mark.parametrize("wire", ["compact", "compact8", "tight8"])
 def test_error_feedback_keeps_what_the_rounding_lost(wire):
     """The residual is the compensated gradient minus the rounded values sent: sent plus
     kept is the input exactly, so the rounding is sent later, never lost."""
@@ -169,7 +207,7 @@ def test_dgc_refuses_options_of_the_indexed_wire_on_a_block_wire(option):
     assert compressors.create("dgc", wire_format="indexed", **option)
 
 
-@pytest.mark.parametrize("wire", ["compact", "compact8"])
+@pytest.mark.parametrize("wire", ["compact", "compact8", "tight8"])
 def test_dgc_payloads_fit_its_bound_on_a_block_wire_even_when_it_sends_fewer(wire):
     """DGC's count varies from step to step; the allgather pads a payload to its bound, so
     every part (values, offsets, the block counts, the 8-bit wire's scale) must fit it."""
@@ -199,3 +237,24 @@ def test_a_sum_of_compact_payloads_equals_the_sum_of_their_decodes():
     expected = sum(topk.decompress(payload, c) for payload, c in encoded)
     assert torch.equal(total.reshape(-1), expected.reshape(-1))
     assert isinstance(ctx, Context)
+
+
+def tight_allgather_worker(rank, world_size):
+    from mergecomp import communicators
+    from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
+    backend, out = TorchDistributedBackend(), []
+    for name, options in (("topk", {}), ("dgc", {"warmup": 0})):  # DGC's count varies: padded to its bound
+        make = lambda: compressors.create(name, compress_ratio=0.03, wire_format="tight8", **options)
+        allgather = communicators.create("allgather", compressor=make(), memory=memories.create("none"),
+                                         backend=backend)
+        grads = [torch.randn(3 * 255 + 1000, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+        got = allgather.finish(allgather.start(grads[rank].clone(), "g"))
+        local = make()
+        expected = sum(local.decompress(*local.compress(g.clone(), "g")) for g in grads)
+        out.append(torch.equal(got.reshape(-1), (expected / world_size).reshape(-1)))  # the ranks' mean
+    return out
+
+
+def test_the_tight_wire_travels_through_the_allgather_between_ranks():
+    from tests.distributed import run_ranks
+    assert run_ranks(tight_allgather_worker, 3) == [[True, True]] * 3

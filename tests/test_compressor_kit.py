@@ -31,7 +31,10 @@ def test_every_registered_compressor_keeps_every_law(name, check):
     ("dgc", dict(compress_ratio=0.05, fp16_values=True, warmup=4, wire_format="indexed")),
     ("dgc", dict(compress_ratio=0.05, index_bits=64, wire_format="indexed")),
     ("topk", dict(compress_ratio=0.3)),
+    ("topk", dict(compress_ratio=0.05, wire_format="tight8")),
+    ("dgc", dict(compress_ratio=0.05, warmup=0, wire_format="tight8")),
     ("graddrop", dict(compress_ratio=0.1, sample_survivors=50)),
+    ("graddrop", dict(compress_ratio=0.1, wire_format="tight8")),
     ("signum", dict(beta=0.0)),
 ])
 def test_options_keep_the_laws(name, kwargs):

@@ -31,6 +31,8 @@ def test_compressor_agrees_with_its_reference(name):
     ("terngrad", dict(clip=1.0, bucket_size=33)),
     ("qsgd", dict(levels=2, bucket_size=16)),
     ("topk", dict(compress_ratio=0.3)),
+    ("topk", dict(compress_ratio=0.05, wire_format="tight8")),
+    ("graddrop", dict(compress_ratio=0.05, wire_format="tight8")),
     ("dgc", dict(compress_ratio=0.05, fp16_values=True, wire_format="indexed")),
     ("dgc", dict(compress_ratio=0.05, wire_format="compact")),
     ("tbq", dict(threshold=0.1)),

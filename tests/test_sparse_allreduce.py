@@ -107,7 +107,7 @@ def test_wire_bytes_follow_the_formula_and_do_not_grow_with_n(world_size):
 def compact_worker(rank, world_size, numel, name="topk", options=None):
     backend = TorchDistributedBackend()
     out = {}
-    for wire_format in ("compact", "compact8", "indexed"):
+    for wire_format in ("compact", "compact8", "tight8", "indexed"):
         sparse = make("sparse_allreduce", name, {"compress_ratio": 0.02, "wire_format": wire_format, **(options or {})},
                       backend=backend)
         before = backend.wire_bytes
@@ -131,12 +131,14 @@ def test_the_compact_wire_halves_both_phases_and_sums_the_same_coordinates():
 
 @pytest.mark.parametrize("name, options", [("topk", {}), ("dgc", {"warmup": 0})])
 def test_the_8_bit_wire_travels_as_the_16_bit_one_in_both_phases(name, options):
-    """An 8-bit payload (top-k's; DGC's, whose count varies) is unpacked and its values
-    (exact in bf16) sent on the 16-bit block wire: the same bytes as the compact wire's, the
-    sums within e4m3's rounding."""
+    """An 8-bit payload (top-k's; DGC's, whose count varies; on either 8-bit wire) is
+    unpacked and its values (exact in bf16) sent on the 16-bit block wire: the same bytes as
+    the compact wire's, the sums within e4m3's rounding."""
     for out in run_ranks(compact_worker, 4, 40_000, name, options):
         (eight, got), (compact, _), (_, expected) = out["compact8"], out["compact"], out["indexed"]
         assert eight == compact
+        tight, tight_got = out["tight8"]
+        assert tight == eight and torch.equal(tight_got, got)
         both = (got != 0) & (expected != 0)
         assert int(both.sum()) >= 0.9 * int((expected != 0).sum())
         torch.testing.assert_close(got[both], expected[both], rtol=2 ** -3, atol=1e-6)

@@ -68,6 +68,9 @@ def test_payload_bytes_match_the_formula_with_a_layout(name, numel):
 @pytest.mark.parametrize("name, kwargs", [("dgc", dict(fp16_values=True, wire_format="indexed")),
                                           ("dgc", dict(index_bits=64, wire_format="indexed")),
                                           ("dgc", dict(wire_format="compact")),
+                                          ("dgc", dict(wire_format="tight8")),
+                                          ("topk", dict(compress_ratio=0.05, wire_format="tight8")),
+                                          ("graddrop", dict(compress_ratio=0.05, wire_format="tight8")),
                                           ("qsgd", dict(levels=127, bucket_size=100)),
                                           ("terngrad", dict(bucket_size=33)), ("randk", dict(compress_ratio=0.3)),
                                           ("topk", dict(compress_ratio=0.5)), ("graddrop", dict(compress_ratio=0.2))])

@@ -26,9 +26,9 @@ al., OSDI 2025) do, in two phases:
    The owners' payloads (values in the gradient's dtype, flat int32 indices, int64
    beyond 2^31 elements) are all-gathered and scattered into the result.
 
-**On the compressor's block wire** (top-k's and GradDrop's 8-bit default, or the 16-bit
-one, :mod:`~mergecomp.compressors.blockwire`), both phases send the 16-bit block format (an
-8-bit payload's values are exact in bf16): phase 1's chunk for
+**On the compressor's block wire** (top-k's and GradDrop's 8-bit default, the tight 8-bit
+one or the 16-bit one, :mod:`~mergecomp.compressors.blockwire`), both phases send the 16-bit
+block format (an 8-bit payload's values are exact in bf16): phase 1's chunk for
 rank r is (16-bit values, 16-bit offsets, one int32 count per 65,536 coordinates) of r's
 partition, offsets counted from its start; with ``keep=c`` the owner's reply is its kept
 sums the same way, rounded to bf16, and the rounding stays in its owner residual (with

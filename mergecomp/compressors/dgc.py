@@ -11,7 +11,8 @@ is the selection and the wire format.
 
 On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): c ≤ k values in 8 bits
 after one power-of-two scale, c 16-bit offsets within blocks of 65,536 coordinates, one
-int32 count per block and the scale: 3·c + 4·⌈n / 65,536⌉ + 4 bytes.  ``"indexed"``, the
+int32 count per block and the scale: 3·c + 4·⌈n / 65,536⌉ + 4 bytes.  ``"tight8"``: 8-bit
+offsets within blocks of 255, 2·c + ⌈n / 255⌉ + 4.  ``"indexed"``, the
 paper's: c values (gradient dtype, or fp16) and c int32 indices.
 """
 from __future__ import annotations
@@ -86,6 +87,7 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
     Wire for n elements, c ≤ k values sent (``wire_format``), as top-k's: ``"compact8"``,
     the default, 3·c + 4·⌈n / 65,536⌉ + 4 bytes — fp8 values after one power-of-two scale
     and 16-bit offsets within blocks, the rounding kept by the memory (:mod:`.blockwire`);
+    ``"tight8"``, 2·c + ⌈n / 255⌉ + 4 — 8-bit offsets within blocks of 255;
     ``"compact"``, 4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes +
     index bytes) — values in the input dtype (2 bytes with ``fp16_values=True``) and int32
     indices (``index_bits=64`` for int64), the only wire those two options shape.  The

@@ -7,7 +7,8 @@ Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2
 
 On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): c ≈ R·n values in 8
 bits after one power-of-two scale, c 16-bit offsets within blocks of 65,536 coordinates and
-one int32 count per block; ``"compact"``: 16-bit values; ``wire_format="indexed"``: c
+one int32 count per block; ``"tight8"``: the 8-bit values, 8-bit offsets within blocks of
+255 and a one-byte count per block; ``"compact"``: 16-bit values; ``wire_format="indexed"``: c
 values in the gradient's dtype and c int32 indices.
 """
 from __future__ import annotations
@@ -57,6 +58,7 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
     Wire for n elements, c ≈ R·n sent (``wire_format``), as top-k's: ``"compact8"``, the
     default, 3·c + 4·⌈n / 65,536⌉ + 4 bytes — fp8 values after one power-of-two scale and
     16-bit offsets within blocks, the rounding kept by error feedback (:mod:`.blockwire`);
+    ``"tight8"``, 2·c + ⌈n / 255⌉ + 4 — 8-bit offsets within blocks of 255;
     ``"compact"``, 4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes +
     4) — values in the input dtype, int32 indices (int64 beyond 2^31 elements).  Its
     default density is top-k's, 2.5%: on the 8-bit wire, fewer bytes than 1% took on the

@@ -7,9 +7,11 @@ Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
 
 On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): k values in 8 bits (fp8
 e4m3 after one power-of-two scale), k 16-bit offsets within blocks of 65,536 coordinates,
-one int32 count per block and the scale: 3·k + 4·⌈n / 65,536⌉ + 4 bytes.  ``"compact"``:
-16-bit values, 4·k + 4·⌈n / 65,536⌉.  ``"indexed"``: k values in the gradient's dtype and k
-int32 indices (int64 beyond 2^31 elements), k × (value bytes + 4) bytes.
+one int32 count per block and the scale: 3·k + 4·⌈n / 65,536⌉ + 4 bytes.  ``"tight8"``: the
+8-bit values with 8-bit offsets within blocks of 255 and a one-byte count per block,
+2·k + ⌈n / 255⌉ + 4.  ``"compact"``: 16-bit values, 4·k + 4·⌈n / 65,536⌉.  ``"indexed"``:
+k values in the gradient's dtype and k int32 indices (int64 beyond 2^31 elements),
+k × (value bytes + 4) bytes.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
 
     Wire for n elements (``wire_format``): ``"compact8"``, the default, 3·k + 4·⌈n / 65,536⌉
     + 4 bytes — fp8 values after one power-of-two scale and 16-bit offsets within blocks,
-    the rounding kept by error feedback (:mod:`.blockwire`); ``"compact"``, 4·k + 4·⌈n /
+    the rounding kept by error feedback (:mod:`.blockwire`); ``"tight8"``, 2·k + ⌈n / 255⌉
+    + 4 — the same values, 8-bit offsets within blocks of 255; ``"compact"``, 4·k + 4·⌈n /
     65,536⌉ — bf16 values (a 16-bit gradient's own dtype); ``"indexed"``, k × (value bytes
     + 4) — the values in the input dtype and int32 indices (int64 beyond 2^31 elements).
     The default density, 2.5%, sends on the 8-bit wire fewer bytes than 1% took on the
@@ -99,7 +102,8 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """k coordinates at 3 bytes each (compact8) or 4 (compact), plus 4 per block of
-        65,536 (and a 4-byte scale on compact8), or k values in the input dtype and k
-        indices (indexed): the payload's k, else the configured one."""
+        65,536 (and a 4-byte scale on compact8), at 2 bytes plus 1 per block of 255 and the
+        scale (tight8), or k values in the input dtype and k indices (indexed): the
+        payload's k, else the configured one."""
         k = payload[0].numel() if payload is not None else num_selected(numel, self.compress_ratio)
         return self.entries_nbytes(k, numel, element_size)
