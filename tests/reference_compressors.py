@@ -59,12 +59,12 @@ def _keep(x, indices):
 
 def _on_the_wire(compressor, kept):
     """The kept values as the wire carries them: the compact wire rounds a value wider than
-    16 bits to bf16; the 8-bit one divides every value by the power of two 2^e with
+    16 bits to bf16; the 8-bit ones (compact8, tight8) divide every value by the power of two 2^e with
     max |kept| / 448 in [2^(e-1), 2^e) and rounds it to fp8 e4m3."""
     wire = getattr(compressor, "wire_format", "indexed")
     if wire == "compact" and kept.element_size() > 2:
         return kept.to(torch.bfloat16).to(kept.dtype)
-    if wire == "compact8" and kept.numel():
+    if wire in ("compact8", "tight8", "auto") and kept.numel():
         peak = kept.abs().max().float()
         scale = 2.0 ** torch.frexp(peak / 448.0).exponent.float() if peak > 0 else torch.tensor(1.0)
         return ((kept.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(kept.dtype)

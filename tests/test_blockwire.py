@@ -243,8 +243,9 @@ def tight_allgather_worker(rank, world_size):
     from mergecomp import communicators
     from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
     backend, out = TorchDistributedBackend(), []
-    for name, options in (("topk", {}), ("dgc", {"warmup": 0})):  # DGC's count varies: padded to its bound
-        make = lambda: compressors.create(name, compress_ratio=0.03, wire_format="tight8", **options)
+    # DGC's and GradDrop's counts vary from rank to rank: padded to DGC's bound, or sent as they are
+    for name, options, wire in (("topk", {}, "tight8"), ("dgc", {"warmup": 0}, "auto"), ("graddrop", {}, "auto")):
+        make = lambda: compressors.create(name, compress_ratio=0.03, wire_format=wire, **options)
         allgather = communicators.create("allgather", compressor=make(), memory=memories.create("none"),
                                          backend=backend)
         grads = [torch.randn(3 * 255 + 1000, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
@@ -255,6 +256,40 @@ def tight_allgather_worker(rank, world_size):
     return out
 
 
-def test_the_tight_wire_travels_through_the_allgather_between_ranks():
+def test_the_tight_and_auto_wires_travel_through_the_allgather_between_ranks():
     from tests.distributed import run_ranks
-    assert run_ranks(tight_allgather_worker, 3) == [[True, True]] * 3
+    assert run_ranks(tight_allgather_worker, 3) == [[True, True, True]] * 3
+
+
+@pytest.mark.parametrize("name", sorted(SPARSIFIERS))
+def test_auto_sends_the_smaller_8_bit_wire_for_the_planned_density(name):
+    """Tight blocks from a density of about 0.4%, 16-bit offsets below it: each payload on
+    the wire that takes fewer bytes, and the coordinates and values the same either way."""
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(11))
+    for ratio, expected in ((0.03, "tight8"), (0.001, "compact8")):
+        auto = compressors.create(name, compress_ratio=ratio, wire_format="auto", **SPARSIFIERS[name])
+        fixed = compressors.create(name, compress_ratio=ratio, wire_format=expected, **SPARSIFIERS[name])
+        payload, ctx = auto.compress(x, "g")
+        assert blockwire.format_of(payload) == expected
+        same, same_ctx = fixed.compress(x, "g")
+        assert torch.equal(auto.decompress(payload, ctx), fixed.decompress(same, same_ctx))
+        assert payload_nbytes(payload) == auto.wire_nbytes(x.numel(), 4, payload) == payload_nbytes(same)
+    assert blockwire.chosen("auto", 2_500, 100_000) == "tight8" and blockwire.chosen("auto", 100, 100_000) == "compact8"
+    assert blockwire.chosen("compact", 2_500, 100_000) == "compact"
+
+
+def test_auto_chooses_dgcs_wire_by_its_bound_so_every_payload_of_a_group_agrees():
+    """DGC's count varies from rank to rank; the wire follows its bound k, which every rank
+    shares, so all of a group's payloads travel on one wire and fit the bound."""
+    numel = 100_000
+    k = int(numel * 0.004)  # near the crossing: a count below k alone would choose the other wire
+    assert blockwire.chosen("auto", k, numel) == "tight8" and blockwire.chosen("auto", k // 2, numel) == "compact8"
+    dgc = compressors.create("dgc", compress_ratio=0.004, wire_format="auto", warmup=0)
+    for seed in range(3):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+        x[: numel // 2] = 0  # half the coordinates can never pass the threshold: fewer than k sent
+        payload, ctx = dgc.compress(x, "g")
+        assert blockwire.format_of(payload) == "tight8"
+        assert all(part.numel() <= torch.Size(shape).numel() for part, shape in zip(payload, dgc.payload_bound(ctx)))
+        assert dgc.wire_nbytes(numel, 4, payload) == payload_nbytes(payload)
+    assert dgc.wire_nbytes(numel, 4) == blockwire.compact_nbytes(k, numel, 4, "tight8")

@@ -33,6 +33,8 @@ def test_every_registered_compressor_keeps_every_law(name, check):
     ("topk", dict(compress_ratio=0.3)),
     ("topk", dict(compress_ratio=0.05, wire_format="tight8")),
     ("dgc", dict(compress_ratio=0.05, warmup=0, wire_format="tight8")),
+    ("dgc", dict(compress_ratio=0.005, warmup=0, wire_format="auto")),
+    ("topk", dict(compress_ratio=0.002, wire_format="auto")),
     ("graddrop", dict(compress_ratio=0.1, sample_survivors=50)),
     ("graddrop", dict(compress_ratio=0.1, wire_format="tight8")),
     ("signum", dict(beta=0.0)),

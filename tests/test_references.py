@@ -33,6 +33,7 @@ def test_compressor_agrees_with_its_reference(name):
     ("topk", dict(compress_ratio=0.3)),
     ("topk", dict(compress_ratio=0.05, wire_format="tight8")),
     ("graddrop", dict(compress_ratio=0.05, wire_format="tight8")),
+    ("dgc", dict(compress_ratio=0.05, wire_format="auto")),
     ("dgc", dict(compress_ratio=0.05, fp16_values=True, wire_format="indexed")),
     ("dgc", dict(compress_ratio=0.05, wire_format="compact")),
     ("tbq", dict(threshold=0.1)),

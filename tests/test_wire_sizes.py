@@ -69,6 +69,8 @@ def test_payload_bytes_match_the_formula_with_a_layout(name, numel):
                                           ("dgc", dict(index_bits=64, wire_format="indexed")),
                                           ("dgc", dict(wire_format="compact")),
                                           ("dgc", dict(wire_format="tight8")),
+                                          ("dgc", dict(compress_ratio=0.004, wire_format="auto")),
+                                          ("topk", dict(compress_ratio=0.002, wire_format="auto")),
                                           ("topk", dict(compress_ratio=0.05, wire_format="tight8")),
                                           ("graddrop", dict(compress_ratio=0.05, wire_format="tight8")),
                                           ("qsgd", dict(levels=127, bucket_size=100)),

@@ -46,6 +46,12 @@ indices in blocks of 255 coordinates, so that both an offset and a block's count
 2.5%, 2.08 at 5%), where compact8 takes 3.  The counts are the price of short blocks: at
 a density under 0.4% they cost more than the offsets save, and compact8 sends less.
 
+``"auto"`` sends each payload on whichever of ``"tight8"`` and ``"compact8"`` is smaller for
+the number of coordinates the group plans to send (:func:`chosen`): tight8 from a density
+of about 0.4%, compact8 below it.  The plan is the same on every rank (the configured
+density times the controller's scale, or DGC's bound), so every rank sends one format for
+a group; a receiver tells the two apart by the offsets' dtype.
+
 DGC's ``fp16_values`` option halves the values alone; these halve the indices as well.
 """
 from __future__ import annotations
@@ -63,9 +69,9 @@ SHORT_BLOCK = 255
 _OFFSET_SHIFT = 1 << 15
 
 #: The wire formats a sparsifier can send.
-WIRE_FORMATS = ("compact", "compact8", "tight8", "indexed")
-#: The block wires (the others send indices as they are).
-BLOCK_FORMATS = ("compact", "compact8", "tight8")
+WIRE_FORMATS = ("auto", "compact", "compact8", "tight8", "indexed")
+#: The block wires (the others send indices as they are); ``"auto"`` picks one per payload.
+BLOCK_FORMATS = ("auto", "compact", "compact8", "tight8")
 #: The block wires whose values travel in 8 bits after one scale.
 EIGHT_BIT_FORMATS = ("compact8", "tight8")
 #: The 8-bit values' type and its largest finite value, where a payload's largest magnitude lands.
@@ -79,9 +85,29 @@ def check_wire_format(wire_format: str) -> str:
         raise ValueError(f"wire_format must be one of {WIRE_FORMATS} ('compact': 16-bit values and "
                          f"16-bit block offsets, 4 bytes a coordinate; 'compact8': 8-bit values with "
                          f"one scale and 16-bit block offsets, 3 bytes; 'tight8': 8-bit values and "
-                         f"8-bit offsets within blocks of 255, about 2 bytes; 'indexed': the gradient's "
+                         f"8-bit offsets within blocks of 255, about 2 bytes; 'auto': the smaller of "
+                         f"'tight8' and 'compact8' for the density; 'indexed': the gradient's "
                          f"dtype and int32 indices), got {wire_format!r}")
     return wire_format
+
+
+def chosen(wire_format: str, planned: int, numel: int) -> str:
+    """The wire a payload travels on: ``wire_format`` itself, or for ``"auto"`` whichever of
+    ``"tight8"`` and ``"compact8"`` takes fewer bytes for ``planned`` coordinates of an
+    ``numel``-element group (tight8 on a tie)."""
+    if wire_format != "auto":
+        return wire_format
+    tight, eight = (compact_nbytes(planned, numel, 1, wire) for wire in ("tight8", "compact8"))
+    return "tight8" if tight <= eight else "compact8"
+
+
+def format_of(payload) -> str:
+    """Which block wire ``payload`` travels on, read from its parts: a scale (four parts)
+    with 8-bit offsets is ``"tight8"``, with 16-bit ones ``"compact8"``; three parts
+    ``"compact"``."""
+    if len(payload) == 4:
+        return "tight8" if payload[1].dtype == torch.uint8 else "compact8"
+    return "compact"
 
 
 def block_size(wire_format: str = "compact") -> int:
@@ -102,6 +128,7 @@ def value_nbytes(element_size: int, wire_format: str = "compact") -> int:
 
 def compact_nbytes(count: int, numel: int, element_size: int, wire_format: str = "compact") -> int:
     """Bytes of a block-wire payload of ``count`` coordinates of an ``numel``-element group."""
+    wire_format = chosen(wire_format, count, numel)
     scale = 4 if wire_format in EIGHT_BIT_FORMATS and count else 0  # an empty payload sends no scale
     short = wire_format == "tight8"  # 8-bit offsets and counts, else 16-bit offsets and int32 counts
     offset_bytes, count_bytes = (1, 1) if short else (2, 4)
@@ -113,6 +140,7 @@ def largest_shapes(count: int, numel: int, wire_format: str = "compact") -> Tupl
     """The shape of each part of a block-wire payload of at most ``count`` coordinates of an
     ``numel``-element group: values and offsets ``count``, one count per block, and on the
     8-bit wires one scale (a variable-size payload's bound, which the allgather pads to)."""
+    wire_format = chosen(wire_format, count, numel)
     scale = (torch.Size([1]),) if wire_format in EIGHT_BIT_FORMATS else ()
     return (torch.Size([count]), torch.Size([count]), torch.Size([num_blocks(numel, wire_format)])) + scale
 
@@ -142,6 +170,7 @@ def pack(values: torch.Tensor, indices: torch.Tensor, numel: int,
     """``(values, offsets, counts)`` (``"compact8"``: ``(codes, offsets, counts, scale)``) for
     ``indices`` sorted ascending (the caller sorts: the selection that found them knows
     whether they already are) and their ``values``."""
+    wire_format = chosen(wire_format, values.numel(), numel)
     indices = indices.long()
     size = block_size(wire_format)
     ends = torch.arange(1, num_blocks(numel, wire_format) + 1, device=indices.device, dtype=torch.long) * size

@@ -12,7 +12,8 @@ is the selection and the wire format.
 On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): c ≤ k values in 8 bits
 after one power-of-two scale, c 16-bit offsets within blocks of 65,536 coordinates, one
 int32 count per block and the scale: 3·c + 4·⌈n / 65,536⌉ + 4 bytes.  ``"tight8"``: 8-bit
-offsets within blocks of 255, 2·c + ⌈n / 255⌉ + 4.  ``"indexed"``, the
+offsets within blocks of 255, 2·c + ⌈n / 255⌉ + 4; ``"auto"``: the smaller of the two 8-bit
+wires for the bound k.  ``"indexed"``, the
 paper's: c values (gradient dtype, or fp16) and c int32 indices.
 """
 from __future__ import annotations
@@ -165,7 +166,7 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
                 indices = indices[_chosen_in_order(torch.topk(flat[indices].abs(), k, sorted=False).indices,
                                                    indices.numel())]
         if self.wire_format in BLOCK_FORMATS:  # the indices are ascending, as a block wire needs
-            payload = self.wire_payload(flat[indices], indices, n)
+            payload = self.wire_payload(flat[indices], indices, n, planned=k)  # k: the same on every rank
         else:
             payload = self._indexed_payload(flat[indices], indices, n, name)
         return payload, DensityContext(tensor.shape, tensor.dtype, density)
@@ -200,6 +201,6 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
                 raise ValueError(f"DGC payload has {count} values and {payload[1].numel()} indices "
                                  f"for {numel} elements; at most k = {k} of each, as many indices as values")
         if self.wire_format in BLOCK_FORMATS:
-            return self.entries_nbytes(count, numel, element_size)
+            return self.entries_nbytes(count, numel, element_size, payload, planned=k)
         value_bytes = 2 if self.fp16_values and element_size == 4 else element_size
         return count * (value_bytes + self.index_bits // 8)

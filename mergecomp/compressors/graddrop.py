@@ -8,7 +8,8 @@ Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2
 On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): c ≈ R·n values in 8
 bits after one power-of-two scale, c 16-bit offsets within blocks of 65,536 coordinates and
 one int32 count per block; ``"tight8"``: the 8-bit values, 8-bit offsets within blocks of
-255 and a one-byte count per block; ``"compact"``: 16-bit values; ``wire_format="indexed"``: c
+255 and a one-byte count per block; ``"auto"``: the smaller of the two 8-bit wires for the
+planned R·n; ``"compact"``: 16-bit values; ``wire_format="indexed"``: c
 values in the gradient's dtype and c int32 indices.
 """
 from __future__ import annotations
@@ -98,11 +99,11 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
         if not n:
             indices = torch.empty(0, dtype=torch.int64, device=flat.device)
             return self.wire_payload(flat[:0], indices, n), Context(tensor.shape, tensor.dtype)
-        threshold = sampled_threshold(flat, num_selected(n, self.scaled_ratio(name, self.density())),
-                                      self.sample_ratio,
+        planned = num_selected(n, self.scaled_ratio(name, self.density()))  # the same on every rank
+        threshold = sampled_threshold(flat, planned, self.sample_ratio,
                                       self.min_samples, survivors=self.sample_survivors)
         indices = BlockPeaks(flat, self._scratch).indices_at_least(threshold)  # ascending
-        return self.wire_payload(flat[indices], indices, n), Context(tensor.shape, tensor.dtype)
+        return self.wire_payload(flat[indices], indices, n, planned), Context(tensor.shape, tensor.dtype)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """c × (value bytes + index bytes) for the c values of ``payload`` (unbounded, so the
@@ -114,4 +115,4 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
         if payload[1].numel() != count or count > numel:
             raise ValueError(f"GradDrop payload has {count} values and {payload[1].numel()} indices "
                              f"for {numel} elements; expected as many indices as values, at most n")
-        return self.entries_nbytes(count, numel, element_size)
+        return self.entries_nbytes(count, numel, element_size, payload)

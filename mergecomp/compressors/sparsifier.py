@@ -9,6 +9,8 @@ and a sum of several ranks' payloads is scatter-added into one buffer.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..kernels import scatter
@@ -68,16 +70,26 @@ class SparseCompressor(Compressor):
             return blockwire.unpack(payload, ctx.numel)
         return payload[0], payload[1]
 
-    def entries_nbytes(self, count: int, numel: int, element_size: int) -> int:
-        """Bytes of ``count`` coordinates of an ``numel``-element group on this wire."""
+    def entries_nbytes(self, count: int, numel: int, element_size: int, payload=None,
+                       planned: Optional[int] = None) -> int:
+        """Bytes of ``count`` coordinates of an ``numel``-element group on this wire: on
+        ``"auto"``, the wire ``payload`` travels on, or without one the wire chosen for
+        ``planned`` coordinates (default ``count``)."""
         if self.wire_format in blockwire.BLOCK_FORMATS:
-            return blockwire.compact_nbytes(count, numel, element_size, self.wire_format)
+            if payload is not None and self.wire_format == "auto":
+                wire = blockwire.format_of(payload)
+            else:
+                wire = blockwire.chosen(self.wire_format, count if planned is None else planned, numel)
+            return blockwire.compact_nbytes(count, numel, element_size, wire)
         return count * (element_size + index_nbytes(numel))
 
-    def wire_payload(self, values, indices, numel):
-        """The payload for ``values`` at ``indices`` (ascending, for a block wire)."""
+    def wire_payload(self, values, indices, numel, planned: Optional[int] = None):
+        """The payload for ``values`` at ``indices`` (ascending, for a block wire); on
+        ``"auto"``, on the wire chosen for ``planned`` coordinates (default: as many as
+        there are values), a number every rank agrees on."""
         if self.wire_format in blockwire.BLOCK_FORMATS:
-            return blockwire.pack(values, indices, numel, self.wire_format)
+            planned = values.numel() if planned is None else planned
+            return blockwire.pack(values, indices, numel, blockwire.chosen(self.wire_format, planned, numel))
         return values, indices.to(index_dtype(numel))
 
     @property

@@ -9,7 +9,8 @@ On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): k values in 
 e4m3 after one power-of-two scale), k 16-bit offsets within blocks of 65,536 coordinates,
 one int32 count per block and the scale: 3·k + 4·⌈n / 65,536⌉ + 4 bytes.  ``"tight8"``: the
 8-bit values with 8-bit offsets within blocks of 255 and a one-byte count per block,
-2·k + ⌈n / 255⌉ + 4.  ``"compact"``: 16-bit values, 4·k + 4·⌈n / 65,536⌉.  ``"indexed"``:
+2·k + ⌈n / 255⌉ + 4; ``"auto"``: whichever of the two 8-bit wires is smaller for k.
+``"compact"``: 16-bit values, 4·k + 4·⌈n / 65,536⌉.  ``"indexed"``:
 k values in the gradient's dtype and k int32 indices (int64 beyond 2^31 elements),
 k × (value bytes + 4) bytes.
 """
@@ -106,4 +107,4 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
         scale (tight8), or k values in the input dtype and k indices (indexed): the
         payload's k, else the configured one."""
         k = payload[0].numel() if payload is not None else num_selected(numel, self.compress_ratio)
-        return self.entries_nbytes(k, numel, element_size)
+        return self.entries_nbytes(k, numel, element_size, payload)
