@@ -167,8 +167,9 @@ def fp8_values(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def pack(values: torch.Tensor, indices: torch.Tensor, numel: int,
          wire_format: str = "compact") -> Tuple[torch.Tensor, ...]:
-    """``(values, offsets, counts)`` (``"compact8"``: ``(codes, offsets, counts, scale)``) for
-    ``indices`` sorted ascending (the caller sorts: the selection that found them knows
+    """``(values, offsets, counts)`` (``"compact8"``: ``(codes, offsets, counts, scale)``;
+    ``"tight8"``: ``(codes, uint8 offsets, uint8 counts, scale)`` over blocks of
+    :data:`SHORT_BLOCK`) for ``indices`` sorted ascending (the caller sorts: the selection that found them knows
     whether they already are) and their ``values``."""
     wire_format = chosen(wire_format, values.numel(), numel)
     indices = indices.long()
@@ -206,8 +207,9 @@ def unpack(payload, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
                          f"counts, scale) on the 8-bit wire, got {len(payload)} tensors")
     values, offsets, counts = payload
     short = offsets.dtype == torch.uint8  # the tight8 wire's 8-bit offsets within blocks of 255
-    size, shift = (SHORT_BLOCK, 0) if short else (BLOCK, _OFFSET_SHIFT)
-    blocks, count = -(-numel // size), values.numel()
+    wire_format = "tight8" if short else "compact"
+    size, shift = block_size(wire_format), 0 if short else _OFFSET_SHIFT
+    blocks, count = num_blocks(numel, wire_format), values.numel()
     if counts.numel() != blocks or offsets.numel() != count:
         raise ValueError(f"compact sparse payload has {count} values, {offsets.numel()} offsets and "
                          f"{counts.numel()} block counts; a group of {numel} elements needs {blocks} "
