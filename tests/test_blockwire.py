@@ -222,8 +222,10 @@ def test_dgc_payloads_fit_its_bound_on_a_block_wire_even_when_it_sends_fewer(wir
 
 
 def test_the_wire_format_is_part_of_the_configuration():
-    assert "wire_format='compact8'" in repr(compressors.create("topk"))
-    assert "wire_format='compact8'" in repr(compressors.create("graddrop"))
+    assert "wire_format='auto'" in repr(compressors.create("topk"))
+    assert "wire_format='auto'" in repr(compressors.create("graddrop"))
+    assert "wire_format='auto'" in repr(compressors.create("dgc"))
+    assert "wire_format='compact8'" in repr(compressors.create("topk", wire_format="compact8"))
     assert "wire_format='compact'" in repr(compressors.create("graddrop", wire_format="compact"))
     assert "wire_format='indexed'" in repr(compressors.create("topk", wire_format="indexed"))
 

@@ -233,7 +233,7 @@ def test_the_unbiasedness_check_accepts_what_it_should_and_is_reproducible():
 def test_check_dtypes_names_the_compressor_the_dtype_and_the_way_out():
     topk = compressors.create("topk")
     check_dtypes(topk, [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-    with pytest.raises(ValueError, match=r"TopKCompressor\(compress_ratio=0.025, warmup='auto', warmup_steps=0, wire_format='compact8'\) cannot carry complex64 gradients "
+    with pytest.raises(ValueError, match=r"TopKCompressor\(compress_ratio=0.035, warmup='auto', warmup_steps=0, wire_format='auto'\) cannot carry complex64 gradients "
                                          r"\(it carries float16, bfloat16, float32, float64\); only the 'none'/'fp32' "
                                          r"compressor carries complex gradients: .*torch.view_as_real.* raw"):
         check_dtypes(topk, [torch.float32, torch.complex64])

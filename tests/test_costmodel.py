@@ -150,7 +150,7 @@ def test_measured_codec_wire_sizes_and_copy():
     fp16 = measure_compression_cost(compressors.create("fp16"), sizes=(256, 4096), repeats=2)
     assert fp16.wire.per_element == pytest.approx(2.0) and fp16.wire.header == pytest.approx(0.0, abs=1e-6)
     topk = measure_compression_cost(compressors.create("topk", compress_ratio=0.25), sizes=(400, 4000), repeats=2)
-    assert topk.wire(4000, 4) == pytest.approx(1000 * 3 + 4 + 4)  # 3 bytes a value, a block count, the scale
+    assert topk.wire(4000, 4) == pytest.approx(1000 * 2 + 16 + 4)  # 2 bytes a value, 16 block counts of a byte, the scale
     copy = measure_copy_cost(sizes=(1024, 65536), repeats=2)  # a timing: only its shape is certain
     assert copy.intercept >= 0 and copy.slope >= 0 and copy(65536) > 0
 

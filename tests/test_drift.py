@@ -269,9 +269,10 @@ def _raw_and_compressed(rank, world_size, sends):
     model = _model()
     plan = Plan([Group(("2.bias", "2.weight"), sends[0]), Group(("0.bias", "0.weight"), sends[1])])
     controller = DriftController(raise_above=0.2, lower_below=0.01, every=5)
+    topk = mergecomp.compressors.create("topk", compress_ratio=0.05, wire_format="compact8")  # the bytes counted below
     optimizer = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
-                                               compressor=mergecomp.compressors.create("topk", compress_ratio=0.05),
-                                               memory="residual", schedule=plan, controller=controller)
+                                               compressor=topk, memory="residual", schedule=plan,
+                                               controller=controller)
     for step in range(21):
         _step(model, optimizer, rank, step)
     return controller.state_dict()

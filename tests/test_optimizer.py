@@ -93,7 +93,7 @@ def error_feedback_worker(rank, world_size):
         payload, ctx = compressor.compress(compensated, "g")
         memory.update(compensated, "g", compressor, payload, ctx)
         total_sent += compressor.decompress(payload, ctx)
-        assert payload_nbytes(payload) == 5 * (1 + 2) + 4 + 4  # an 8-bit value and 16-bit offset each, a count, the scale
+        assert payload_nbytes(payload) == 5 * (1 + 1) + 1 + 4  # an 8-bit value and 8-bit offset each, a 1-byte count, the scale
     torch.testing.assert_close(total_sent + memory.residuals["g"], total_grad, rtol=1e-5, atol=1e-5)
     # And through the optimizer over the network: training proceeds and residuals exist.
     params, opt = train(rank, "sgd", 3, compressor=compressor, memory=memory, communicator="allgather",

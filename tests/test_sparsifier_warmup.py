@@ -27,9 +27,9 @@ def test_the_auto_warmup_follows_the_optimizer(optimizer, epochs):
     topk.check_optimizer(optimizer())
     assert topk.warmup == epochs
     topk.set_epoch(0)
-    assert topk.density() == (0.25 if epochs else 0.025)
-    assert repr(topk) == ("TopKCompressor(compress_ratio=0.025, warmup='auto', warmup_steps=0, "
-                          "wire_format='compact8')")  # one digest
+    assert topk.density() == (0.25 if epochs else 0.035)
+    assert repr(topk) == ("TopKCompressor(compress_ratio=0.035, warmup='auto', warmup_steps=0, "
+                          "wire_format='auto')")  # one digest
 
 
 def test_a_warming_topk_sends_its_warmup_density_and_counts_its_bytes():
@@ -59,7 +59,7 @@ def test_an_explicit_warmup_applies_under_any_optimizer_and_resumes():
     epochs.check_optimizer(torch.optim.SGD(params(), lr=0.1))
     epochs.set_epoch(0)
     assert epochs.warmup == 2 and epochs.density() == 0.25
-    assert repr(epochs) == "TopKCompressor(compress_ratio=0.01, warmup=2, warmup_steps=0, wire_format='compact8')"
+    assert repr(epochs) == "TopKCompressor(compress_ratio=0.01, warmup=2, warmup_steps=0, wire_format='auto')"
     with pytest.raises(ValueError, match="warmup must be a number of epochs"):
         compressors.create("topk", warmup="always")
 
@@ -157,7 +157,7 @@ def test_the_ddp_hook_given_an_adamw_warms_top_k_up_and_masks():
         assert "warmup='auto'" in text
         assert raise_above == 24.0  # the controller's thresholds follow the optimizer too
     for warmup, density, masking, _, raise_above in run_ranks(_ddp_hook_under, 2, "sgd"):
-        assert (warmup, density, masking) == (0, 0.025, False)
+        assert (warmup, density, masking) == (0, 0.035, False)
         assert raise_above == 1.5
 
 

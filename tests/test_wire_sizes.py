@@ -89,7 +89,7 @@ def test_variable_size_formulas_check_the_payload_against_the_bound():
     too_many = (torch.cat([codes, codes]), torch.cat([offsets, offsets]), counts, scale)
     with pytest.raises(ValueError, match="at most k = 10"):
         dgc.wire_nbytes(1000, 4, payload=too_many)
-    assert dgc.wire_nbytes(1000, 4) == 10 * 3 + 4 + 4  # without a payload: the bound (8-bit wire)
+    assert dgc.wire_nbytes(1000, 4) == 10 * 2 + 4 + 4  # without a payload: the bound (tight wire: 4 block counts)
     indexed = compressors.create("dgc", compress_ratio=0.01, wire_format="indexed")
     (values, indices), _ = indexed.compress(torch.randn(1000), "g")
     with pytest.raises(ValueError, match="at most k = 10"):

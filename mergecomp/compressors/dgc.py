@@ -9,12 +9,12 @@ is the selection and the wire format.
     while |{i : |g_i| ≥ t}| < 0.8k: t ← 0.8·t;   I = those i (the top k of them if more);
     send (g_I, I);   decode: ĝ_i = g_i for i ∈ I, else 0.
 
-On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): c ≤ k values in 8 bits
-after one power-of-two scale, c 16-bit offsets within blocks of 65,536 coordinates, one
-int32 count per block and the scale: 3·c + 4·⌈n / 65,536⌉ + 4 bytes.  ``"tight8"``: 8-bit
-offsets within blocks of 255, 2·c + ⌈n / 255⌉ + 4; ``"auto"``: the smaller of the two 8-bit
-wires for the bound k.  ``"indexed"``, the
-paper's: c values (gradient dtype, or fp16) and c int32 indices.
+On the wire (the default ``"auto"``: the smaller of the two 8-bit block wires of
+:mod:`.blockwire` for the bound k, ``"tight8"`` at the default density): c ≤ k values in 8
+bits after one power-of-two scale, c 8-bit offsets within blocks of 255 coordinates, a
+one-byte count per block and the scale: 2·c + ⌈n / 255⌉ + 4 bytes.  ``"compact8"``: 16-bit
+offsets within blocks of 65,536 and an int32 count per block, 3·c + 4·⌈n / 65,536⌉ + 4.
+``"indexed"``, the paper's: c values (gradient dtype, or fp16) and c int32 indices.
 """
 from __future__ import annotations
 
@@ -85,14 +85,14 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
     elements are never selected (a NaN fails the threshold test) and do not disturb the
     threshold; the reducer drops non-finite steps anyway.
 
-    Wire for n elements, c ≤ k values sent (``wire_format``), as top-k's: ``"compact8"``,
-    the default, 3·c + 4·⌈n / 65,536⌉ + 4 bytes — fp8 values after one power-of-two scale
-    and 16-bit offsets within blocks, the rounding kept by the memory (:mod:`.blockwire`);
-    ``"tight8"``, 2·c + ⌈n / 255⌉ + 4 — 8-bit offsets within blocks of 255;
-    ``"compact"``, 4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes +
+    Wire for n elements, c ≤ k values sent (``wire_format``), as top-k's: ``"tight8"``,
+    2·c + ⌈n / 255⌉ + 4 bytes — fp8 values after one power-of-two scale, the rounding kept
+    by the memory, and 8-bit offsets within blocks of 255 (:mod:`.blockwire`);
+    ``"compact8"``, 3·c + 4·⌈n / 65,536⌉ + 4 — 16-bit offsets within blocks of 65,536;
+    ``"auto"``, the default, the smaller of those two for the bound k; ``"compact"``, 4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes +
     index bytes) — values in the input dtype (2 bytes with ``fp16_values=True``) and int32
     indices (``index_bits=64`` for int64), the only wire those two options shape.  The
-    default density, 2.5%, is top-k's: on the 8-bit wire, fewer bytes than 1% took on the
+    default density, 3.5%, is top-k's: on the tight wire, fewer bytes than 1% takes on the
     indexed one.  The paper's setting: ``compress_ratio=0.001, warmup=4,
     wire_format="indexed"``.
     """
@@ -115,10 +115,10 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
               "the global threshold × N^(-1/2) and warm the density up over the first epochs",
         local_clipping=True)
 
-    def __init__(self, compress_ratio: float = 0.025, warmup="auto", sample_ratio: float = 0.01,
+    def __init__(self, compress_ratio: float = 0.035, warmup="auto", sample_ratio: float = 0.01,
                  min_samples: int = 1024, max_adjust: int = 10, fp16_values: bool = False,
                  index_bits: int = 32, sample_margin: float = 1.5, warmup_steps: int = 0,
-                 wire_format: str = "compact8"):
+                 wire_format: str = "auto"):
         self.compress_ratio = check_ratio(compress_ratio)
         self.wire_format = check_wire_format(wire_format)
         self._start_warmup(warmup, warmup_steps)

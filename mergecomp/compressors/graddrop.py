@@ -5,11 +5,11 @@ Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2
     t = the (1 − R) quantile of |g| over a strided sample;   I = {i : |g_i| ≥ t};
     send (g_I, I);   decode: ĝ_i = g_i for i ∈ I, else 0.
 
-On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): c ≈ R·n values in 8
-bits after one power-of-two scale, c 16-bit offsets within blocks of 65,536 coordinates and
-one int32 count per block; ``"tight8"``: the 8-bit values, 8-bit offsets within blocks of
-255 and a one-byte count per block; ``"auto"``: the smaller of the two 8-bit wires for the
-planned R·n; ``"compact"``: 16-bit values; ``wire_format="indexed"``: c
+On the wire (the default ``"auto"``: the smaller of the two 8-bit block wires of
+:mod:`.blockwire` for the planned R·n, ``"tight8"`` at the default density): c ≈ R·n values
+in 8 bits after one power-of-two scale, c 8-bit offsets within blocks of 255 coordinates
+and a one-byte count per block; ``"compact8"``: the 8-bit values, 16-bit offsets within
+blocks of 65,536 and an int32 count per block; ``"compact"``: 16-bit values; ``wire_format="indexed"``: c
 values in the gradient's dtype and c int32 indices.
 """
 from __future__ import annotations
@@ -56,13 +56,13 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
     NaN elements are never selected (a NaN fails the threshold test) and do not disturb
     the threshold; the reducer drops non-finite steps anyway.
 
-    Wire for n elements, c ≈ R·n sent (``wire_format``), as top-k's: ``"compact8"``, the
-    default, 3·c + 4·⌈n / 65,536⌉ + 4 bytes — fp8 values after one power-of-two scale and
-    16-bit offsets within blocks, the rounding kept by error feedback (:mod:`.blockwire`);
-    ``"tight8"``, 2·c + ⌈n / 255⌉ + 4 — 8-bit offsets within blocks of 255;
-    ``"compact"``, 4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes +
+    Wire for n elements, c ≈ R·n sent (``wire_format``), as top-k's: ``"tight8"``, 2·c +
+    ⌈n / 255⌉ + 4 bytes — fp8 values after one power-of-two scale, the rounding kept by
+    error feedback, and 8-bit offsets within blocks of 255 (:mod:`.blockwire`);
+    ``"compact8"``, 3·c + 4·⌈n / 65,536⌉ + 4 — 16-bit offsets within blocks of 65,536;
+    ``"auto"``, the default, the smaller of those two for the planned R·n; ``"compact"``, 4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes +
     4) — values in the input dtype, int32 indices (int64 beyond 2^31 elements).  Its
-    default density is top-k's, 2.5%: on the 8-bit wire, fewer bytes than 1% took on the
+    default density is top-k's, 3.5%: on the tight wire, fewer bytes than 1% takes on the
     indexed one.
     """
 
@@ -76,8 +76,8 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
                            "momentum before the exchange, as top-k's does",
                     local_clipping=True)
 
-    def __init__(self, compress_ratio: float = 0.025, sample_ratio: float = 0.001, min_samples: int = 1024,
-                 sample_survivors: int = 400, warmup="auto", warmup_steps: int = 0, wire_format: str = "compact8"):
+    def __init__(self, compress_ratio: float = 0.035, sample_ratio: float = 0.001, min_samples: int = 1024,
+                 sample_survivors: int = 400, warmup="auto", warmup_steps: int = 0, wire_format: str = "auto"):
         self.compress_ratio = check_ratio(compress_ratio)
         self.wire_format = check_wire_format(wire_format)
         self._start_warmup(warmup, warmup_steps)

@@ -5,11 +5,12 @@ Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
 
     I = indices of the k largest |g_i|;   send (g_I, I);   decode: ĝ_i = g_i for i ∈ I, else 0.
 
-On the wire (the default ``"compact8"`` format, :mod:`.blockwire`): k values in 8 bits (fp8
-e4m3 after one power-of-two scale), k 16-bit offsets within blocks of 65,536 coordinates,
-one int32 count per block and the scale: 3·k + 4·⌈n / 65,536⌉ + 4 bytes.  ``"tight8"``: the
-8-bit values with 8-bit offsets within blocks of 255 and a one-byte count per block,
-2·k + ⌈n / 255⌉ + 4; ``"auto"``: whichever of the two 8-bit wires is smaller for k.
+On the wire (the default ``"auto"``: whichever of the two 8-bit block wires of
+:mod:`.blockwire` is smaller for k, ``"tight8"`` at the default density): k values in 8
+bits (fp8 e4m3 after one power-of-two scale), k 8-bit offsets within blocks of 255
+coordinates, a one-byte count per block and the scale: 2·k + ⌈n / 255⌉ + 4 bytes.
+``"compact8"``: the 8-bit values with 16-bit offsets within blocks of 65,536 and an int32
+count per block, 3·k + 4·⌈n / 65,536⌉ + 4 (smaller below about one coordinate in 255).
 ``"compact"``: 16-bit values, 4·k + 4·⌈n / 65,536⌉.  ``"indexed"``:
 k values in the gradient's dtype and k int32 indices (int64 beyond 2^31 elements),
 k × (value bytes + 4) bytes.
@@ -55,15 +56,17 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
     A NaN counts as larger than any number, as in ``torch.topk`` (the selection falls back
     to ``torch.topk`` when a NaN hides the candidates); the reducer drops non-finite steps.
 
-    Wire for n elements (``wire_format``): ``"compact8"``, the default, 3·k + 4·⌈n / 65,536⌉
-    + 4 bytes — fp8 values after one power-of-two scale and 16-bit offsets within blocks,
-    the rounding kept by error feedback (:mod:`.blockwire`); ``"tight8"``, 2·k + ⌈n / 255⌉
-    + 4 — the same values, 8-bit offsets within blocks of 255; ``"compact"``, 4·k + 4·⌈n /
+    Wire for n elements (``wire_format``): ``"tight8"``, 2·k + ⌈n / 255⌉ + 4 bytes — fp8
+    values after one power-of-two scale, the rounding kept by error feedback, and 8-bit
+    offsets within blocks of 255 (:mod:`.blockwire`); ``"compact8"``, 3·k + 4·⌈n / 65,536⌉
+    + 4 — the same values, 16-bit offsets within blocks of 65,536; ``"auto"``, the default,
+    the smaller of those two for k; ``"compact"``, 4·k + 4·⌈n /
     65,536⌉ — bf16 values (a 16-bit gradient's own dtype); ``"indexed"``, k × (value bytes
     + 4) — the values in the input dtype and int32 indices (int64 beyond 2^31 elements).
-    The default density, 2.5%, sends on the 8-bit wire fewer bytes than 1% took on the
-    indexed one: 2.5 times the coordinates for 94% of the traffic (what that buys:
-    docs/results.md#compact8-wire).  Payloads of different ranks index different
+    The default density, 3.5%, sends on the tight wire fewer bytes than 1% takes on the
+    indexed one from an fp32 gradient: 3.5 times the coordinates for 92% of the traffic,
+    and as many bytes as 2.5% took on ``"compact8"`` (what that buys:
+    docs/results.md#tight-wire).  Payloads of different ranks index different
     coordinates, so they are not summable: use the allgather or PS communicator.
     """
 
@@ -82,8 +85,8 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
                "language-model benchmark; under Adam or AdamW top-k does both by default",
         local_clipping=True)
 
-    def __init__(self, compress_ratio: float = 0.025, warmup="auto", warmup_steps: int = 0,
-                 wire_format: str = "compact8"):
+    def __init__(self, compress_ratio: float = 0.035, warmup="auto", warmup_steps: int = 0,
+                 wire_format: str = "auto"):
         self.compress_ratio = check_ratio(compress_ratio)
         self.wire_format = check_wire_format(wire_format)
         self._start_warmup(warmup, warmup_steps)
