@@ -42,13 +42,13 @@ def test_two_workers_report_bytes_counted_at_the_backend(tmp_path):
     assert "leaked semaphore" not in done.stderr, done.stderr
     result = json.loads(out.read_text())
     assert result["workers"] == 2 and result["groups"] == 2
-    # top-k at 1% on its 8-bit wire: an fp8 value and a 16-bit offset, 3 bytes per kept
-    # element (k rounded down per group), a 4-byte count per 65,536 elements of a group and
-    # a 4-byte scale per group, plus at most 8 bytes per part of alignment padding in the
-    # allgather blob, plus the step's agreement: the preflight (two float64) and the outcome
-    # (N + 2 float32)
-    expected = 3 * 0.01 * result["num_params"]
-    counts = 4 * (result["num_params"] // 65536 + result["groups"]) + 4 * result["groups"]
+    # top-k at 1% on the tight wire ("auto"'s choice at that density): an fp8 value and an
+    # 8-bit offset, 2 bytes per kept element (k rounded down per group), a 1-byte count per
+    # 255 elements of a group and a 4-byte scale per group, plus at most 8 bytes per part of
+    # alignment padding in the allgather blob, plus the step's agreement: the preflight (two
+    # float64) and the outcome (N + 2 float32)
+    expected = 2 * 0.01 * result["num_params"] + result["num_params"] / 255
+    counts = result["groups"] + 4 * result["groups"]  # each group's last block, its scale
     agreement = 16 + 4 * (2 + 2)
     assert 0.98 * expected + agreement <= result["bytes_per_step"] <= \
         expected + counts + 4 * 8 * result["groups"] + agreement
