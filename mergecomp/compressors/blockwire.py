@@ -169,8 +169,8 @@ def pack(values: torch.Tensor, indices: torch.Tensor, numel: int,
          wire_format: str = "compact") -> Tuple[torch.Tensor, ...]:
     """``(values, offsets, counts)`` (``"compact8"``: ``(codes, offsets, counts, scale)``;
     ``"tight8"``: ``(codes, uint8 offsets, uint8 counts, scale)`` over blocks of
-    :data:`SHORT_BLOCK`) for ``indices`` sorted ascending (the caller sorts: the selection that found them knows
-    whether they already are) and their ``values``."""
+    :data:`SHORT_BLOCK`) for ``indices`` sorted ascending (the caller sorts: the selection
+    that found them knows whether they already are) and their ``values``."""
     wire_format = chosen(wire_format, values.numel(), numel)
     indices = indices.long()
     size = block_size(wire_format)
