@@ -85,16 +85,13 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
     elements are never selected (a NaN fails the threshold test) and do not disturb the
     threshold; the reducer drops non-finite steps anyway.
 
-    Wire for n elements, c ≤ k values sent (``wire_format``), as top-k's: ``"tight8"``,
-    2·c + ⌈n / 255⌉ + 4 bytes — fp8 values after one power-of-two scale, the rounding kept
-    by the memory, and 8-bit offsets within blocks of 255 (:mod:`.blockwire`);
-    ``"compact8"``, 3·c + 4·⌈n / 65,536⌉ + 4 — 16-bit offsets within blocks of 65,536;
-    ``"auto"``, the default, the smaller of those two for the bound k; ``"compact"``,
-    4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes + index bytes) —
-    values in the input dtype (2 bytes with ``fp16_values=True``) and int32 indices
-    (``index_bits=64`` for int64), the only wire those two options shape.  The default
-    density, 3.5%, is top-k's: on the tight wire, fewer bytes than 1% takes on the indexed
-    one.  The paper's setting: ``compress_ratio=0.001, warmup=4, wire_format="indexed"``.
+    Wire for n elements, c ≤ k values sent (``wire_format``): top-k's formats, with c for k
+    (:class:`~.topk.TopKCompressor`, :mod:`.blockwire`); ``"auto"``, the default, picks
+    between the two 8-bit ones for the bound k.  On ``"indexed"`` the values travel in the
+    input dtype (2 bytes with ``fp16_values=True``) with int32 indices (``index_bits=64``
+    for int64), the only wire those two options shape.  The default density, 3.5%, is
+    top-k's: on the tight wire, fewer bytes than 1% takes on the indexed one.  The paper's
+    setting: ``compress_ratio=0.001, warmup=4, wire_format="indexed"``.
     """
 
     summable = False

@@ -56,14 +56,11 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
     NaN elements are never selected (a NaN fails the threshold test) and do not disturb
     the threshold; the reducer drops non-finite steps anyway.
 
-    Wire for n elements, c ≈ R·n sent (``wire_format``), as top-k's: ``"tight8"``,
-    2·c + ⌈n / 255⌉ + 4 bytes — fp8 values after one power-of-two scale, the rounding kept
-    by error feedback, and 8-bit offsets within blocks of 255 (:mod:`.blockwire`);
-    ``"compact8"``, 3·c + 4·⌈n / 65,536⌉ + 4 — 16-bit offsets within blocks of 65,536;
-    ``"auto"``, the default, the smaller of those two for the planned R·n; ``"compact"``,
-    4·c + 4·⌈n / 65,536⌉ — bf16 values; ``"indexed"``, c × (value bytes + 4) — values in the
-    input dtype, int32 indices (int64 beyond 2^31 elements). Its default density is top-k's,
-    3.5%: on the tight wire, fewer bytes than 1% takes on the indexed one.
+    Wire for n elements, c ≈ R·n sent (``wire_format``): top-k's formats, with c for k
+    (:class:`~.topk.TopKCompressor`, :mod:`.blockwire`); ``"auto"``, the default, picks
+    between the two 8-bit ones for the planned R·n, which every rank shares.  Its default
+    density is top-k's, 3.5%: on the tight wire, fewer bytes than 1% takes on the indexed
+    one.
     """
 
     summable = False
