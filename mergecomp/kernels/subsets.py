@@ -14,11 +14,12 @@ integers everywhere.
 The permutation is a balanced Feistel network on 2h bits, 2^(2h) ≥ n: a value is split
 into its high and low h bits (L, R), and each of :data:`ROUNDS` rounds maps (L, R) to
 (R, L xor F_r(R)), F_r(R) the top h bits of ``hash32(R xor K_r)`` (the counter hash of
-:mod:`.hashing`), K_r 31 bits of ``splitmix64(key + r)``.  A Feistel network is a bijection
-whatever its round functions; a value that lands at or above n is sent through the
-network again until it falls below n ("cycle walking", as format-preserving encryption
-does), which keeps a bijection of [0, n).  The domain is less than 4n, so a value walks
-fewer than 4 times on average.  The k indices are distinct because π is a bijection.
+:mod:`.hashing`), K_r 31 bits of ``splitmix64(key + r)`` (the rounds and their keys are
+:mod:`.permutation`'s).  A Feistel network is a bijection whatever its round functions; a
+value that lands at or above n is sent through the network again until it falls below n
+("cycle walking", as format-preserving encryption does), which keeps a bijection of [0,
+n).  The domain is less than 4n, so a value walks fewer than 4 times on average.  The k
+indices are distinct because π is a bijection.
 
 Unbiased: for a fixed input, two rounds with independent uniform round functions already
 make the output uniform over the domain, so every index is drawn with probability k/n up
@@ -36,24 +37,11 @@ from __future__ import annotations
 import torch
 
 from . import numpy_cpu
-from .hashing import HASH_MULTIPLIERS, MASK64, splitmix64
+from .hashing import HASH_MULTIPLIERS
+from .permutation import MAX_NUMEL, ROUNDS, check_subset, half_bits, round_keys
 
-#: Feistel rounds: two already make one output uniform; six make pairs of outputs
-#: independent as far as counts over many keys can tell.
-ROUNDS = 6
-
-#: The permutation works on 32-bit words: at most 2^32 elements.
-MAX_NUMEL = 1 << 32
-
-
-def half_bits(numel: int) -> int:
-    """h, the width of each Feistel half: the smallest h ≥ 1 with 2^(2h) ≥ ``numel``."""
-    return max(1, ((int(numel) - 1).bit_length() + 1) // 2)
-
-
-def round_keys(key: int):
-    """The :data:`ROUNDS` 31-bit round keys of a 64-bit ``key``."""
-    return tuple(splitmix64((int(key) + r) & MASK64) >> 33 for r in range(ROUNDS))
+__all__ = ["MAX_NUMEL", "ROUNDS", "check_subset", "feistel", "half_bits", "random_subset",
+           "round_keys", "torch_subset"]
 
 
 def _hash32(words: torch.Tensor) -> torch.Tensor:
@@ -72,15 +60,6 @@ def feistel(values: torch.Tensor, half: int, keys) -> torch.Tensor:
     for round_key in keys:
         left, right = right, left ^ (_hash32(right ^ round_key) >> (32 - half))
     return (left << half) | right
-
-
-def check_subset(numel: int, k: int) -> None:
-    """ValueError unless 0 ≤ k ≤ numel ≤ :data:`MAX_NUMEL`."""
-    if not 0 <= int(k) <= int(numel):
-        raise ValueError(f"a random subset of {numel} elements cannot hold {k}: need 0 ≤ k ≤ n")
-    if int(numel) > MAX_NUMEL:
-        raise ValueError(f"rand-k's index permutation covers at most 2^32 elements, got a group of "
-                         f"{numel}: split the group (a smaller schedule's groups, or more of them)")
 
 
 def random_subset(numel: int, k: int, key: int, device) -> torch.Tensor:

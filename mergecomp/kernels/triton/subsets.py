@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..subsets import check_subset, half_bits, round_keys
+from ..permutation import check_subset, half_bits, round_keys
 from .common import grid, hash32, on_device
 
 #: Indices per program.
@@ -28,7 +28,7 @@ def _round(left, right, key, shift):
 
 @triton.jit
 def _feistel(values, half, key0, key1, key2, key3, key4, key5):
-    """One pass of the network (the six rounds of ``kernels.subsets.ROUNDS``) over uint32
+    """One pass of the network (the six rounds of ``kernels.permutation.ROUNDS``) over uint32
     ``values`` below 2^(2·half)."""
     shift = 32 - half
     left = values >> half
@@ -62,7 +62,7 @@ def random_subset(numel: int, k: int, key: int, device) -> torch.Tensor:
     if k:
         keys = round_keys(key)
         if len(keys) != 6:
-            raise AssertionError(f"the kernel unrolls 6 Feistel rounds, kernels.subsets.ROUNDS is {len(keys)}")
+            raise AssertionError(f"the kernel unrolls 6 Feistel rounds, kernels.permutation.ROUNDS is {len(keys)}")
         with on_device(out):
             _subset_kernel[grid(k, INDICES_PER_PROGRAM)](out, k, numel, half_bits(numel), *keys,
                                                         BLOCK=INDICES_PER_PROGRAM)
