@@ -24,7 +24,7 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from ..kernels import BlockPeaks, Scratch, sampled_threshold
+from ..kernels import BlockPeaks, Scratch, gather, in_order, sampled_threshold
 from .recipes import Recipe
 from . import blockwire
 from .blockwire import BLOCK_FORMATS, check_wire_format
@@ -39,19 +39,6 @@ class DensityContext(Context):
 
     density: float = 0.0
     layout_fields = ("density",)
-
-
-def _chosen_in_order(chosen: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``chosen`` positions among ``count`` candidates, ascending.  ``torch.topk(sorted=False)``
-    returns its k in an order of its own, which differs between the CPU and CUDA kernels;
-    ascending indices make the payload the same bytes on every device, as the wire format
-    promises.  On a GPU a sort of the k (a mask would read its count back to the host); on a
-    CPU a mask of ``count`` bools, several times cheaper than the sort."""
-    if chosen.is_cuda:
-        return chosen.sort().values
-    mask = torch.zeros(count, dtype=torch.bool, device=chosen.device)
-    mask[chosen] = True
-    return mask.nonzero().view(-1)
 
 
 @register("dgc")
@@ -160,12 +147,13 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
                     break
                 threshold = threshold * 0.8
             if indices.numel() > k:  # too many: exactly k among the candidates, kept ascending
-                indices = indices[_chosen_in_order(torch.topk(flat[indices].abs(), k, sorted=False).indices,
-                                                   indices.numel())]
+                chosen = torch.topk(gather(flat, indices).abs(), k, sorted=False).indices
+                indices = gather(indices, in_order(chosen, indices.numel()))
+        values = gather(flat, indices)
         if self.wire_format in BLOCK_FORMATS:  # the indices are ascending, as a block wire needs
-            payload = self.wire_payload(flat[indices], indices, n, planned=k)  # k: the same on every rank
+            payload = self.wire_payload(values, indices, n, planned=k)  # k: the same on every rank
         else:
-            payload = self._indexed_payload(flat[indices], indices, n, name)
+            payload = self._indexed_payload(values, indices, n, name)
         return payload, DensityContext(tensor.shape, tensor.dtype, density)
 
     def _indexed_payload(self, values, indices, n, name):

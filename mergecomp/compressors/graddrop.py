@@ -20,7 +20,7 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from ..kernels import BlockPeaks, Scratch, sampled_threshold
+from ..kernels import BlockPeaks, Scratch, gather, sampled_threshold
 from .recipes import Recipe
 from .blockwire import check_wire_format
 from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, num_selected
@@ -100,7 +100,7 @@ class GradDropCompressor(DensityWarmup, SparseCompressor):
         threshold = sampled_threshold(flat, planned, self.sample_ratio,
                                       self.min_samples, survivors=self.sample_survivors)
         indices = BlockPeaks(flat, self._scratch).indices_at_least(threshold)  # ascending
-        return self.wire_payload(flat[indices], indices, n, planned), Context(tensor.shape, tensor.dtype)
+        return self.wire_payload(gather(flat, indices), indices, n, planned), Context(tensor.shape, tensor.dtype)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """c × (value bytes + index bytes) for the c values of ``payload`` (unbounded, so the

@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 from . import register
 from .base import Context, check_ratio
-from ..kernels import Scratch, exact_top_k
+from ..kernels import Scratch, exact_top_k, gather
 from .recipes import Recipe
 from .blockwire import check_wire_format
 from .sparsifier import RESIDUAL_CLIPPING_REASON, SparseCompressor, num_selected
@@ -99,10 +99,9 @@ class TopKCompressor(DensityWarmup, SparseCompressor):
         self._compressed = True
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.scaled_ratio(name, self.density()))
-        indices = exact_top_k(flat, k, self._scratch)
-        if self.wire_format != "indexed":  # the block wires need the indices ascending
-            indices = indices.sort().values
-        return self.wire_payload(flat[indices], indices, flat.numel()), Context(tensor.shape, tensor.dtype)
+        # the block wires need the indices ascending
+        indices = exact_top_k(flat, k, self._scratch, ascending=self.wire_format != "indexed")
+        return self.wire_payload(gather(flat, indices), indices, flat.numel()), Context(tensor.shape, tensor.dtype)
 
     def wire_nbytes(self, numel, element_size, payload=None, layout=None):
         """k coordinates at 3 bytes each (compact8) or 4 (compact), plus 4 per block of
