@@ -290,3 +290,43 @@ def test_a_sparse_sum_is_averaged_at_the_received_indices_only_with_the_dense_bi
     divide_at(total, indices, 3)
     assert torch.equal(total.isnan(), dense.isnan())
     assert torch.equal(total.nan_to_num(), dense.nan_to_num())
+
+
+def _same_set_as_topk(magnitudes, k, got):
+    want = torch.topk(magnitudes, k, sorted=False).indices
+    assert got.numel() == k and got.unique().numel() == k
+    assert torch.equal(torch.sort(magnitudes[got]).values, torch.sort(magnitudes[want]).values)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "clustered", "few distinct values", "with infinities"])
+@pytest.mark.parametrize("fraction", [0.001, 0.3, 0.67, 0.999])
+def test_banded_top_selects_what_torch_topk_selects_in_ascending_order(kind, fraction):
+    from mergecomp.kernels.selection import BAND_ABOVE, banded_top, top_positions
+    g = torch.Generator().manual_seed(11)
+    magnitudes = torch.randn(3 * BAND_ABOVE + 17, generator=g).abs()
+    if kind == "clustered":
+        magnitudes[: magnitudes.numel() // 10] *= 40
+    elif kind == "few distinct values":  # ties everywhere, the bounds among them
+        magnitudes = torch.randint(0, 5, magnitudes.shape, generator=g).float()
+    elif kind == "with infinities":
+        magnitudes[::1000] = float("inf")
+    k = max(1, int(magnitudes.numel() * fraction))
+    got = top_positions(magnitudes, k, ascending=True)
+    _same_set_as_topk(magnitudes, k, got)
+    assert bool((got.diff() > 0).all())
+    banded = banded_top(magnitudes, k)
+    if banded is not None:  # taken where the bounds held: the same positions
+        assert torch.equal(banded, got)
+
+
+def test_banded_top_gives_way_where_the_sample_misleads_and_where_topk_is_cheap():
+    from mergecomp.kernels.selection import BAND_ABOVE, BAND_SAMPLES, banded_top, top_positions
+    magnitudes = torch.zeros(4 * BAND_ABOVE)
+    stride = magnitudes.numel() // BAND_SAMPLES
+    magnitudes[1::stride] = 1.0  # between the samples: the sample sees only zeros
+    k = magnitudes.numel() // stride // 2
+    assert banded_top(magnitudes, k) is None
+    _same_set_as_topk(magnitudes, k, top_positions(magnitudes, k, ascending=True))
+    small = torch.rand(BAND_ABOVE)
+    assert banded_top(small, 100) is None  # torch.topk is cheap enough there
+    assert banded_top(torch.rand(2 * BAND_ABOVE), 2 * BAND_ABOVE) is None  # all of them: nothing to cut

@@ -24,7 +24,8 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from ..kernels import BlockPeaks, Scratch, gather, in_order, sampled_threshold
+from ..kernels import BlockPeaks, Scratch, gather, sampled_threshold
+from ..kernels.selection import top_positions
 from .recipes import Recipe
 from . import blockwire
 from .blockwire import BLOCK_FORMATS, check_wire_format
@@ -137,7 +138,7 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
         density = self.scaled_ratio(name, self.density())
         k = num_selected(n, density)
         if k >= n:
-            indices = torch.arange(n, device=flat.device)
+            indices, values = torch.arange(n, device=flat.device), flat.clone()
         else:
             threshold = sampled_threshold(flat, k, self.sample_ratio, self.min_samples, self.sample_margin)
             blocks = BlockPeaks(flat, self._scratch)
@@ -146,10 +147,10 @@ class DGCCompressor(DensityWarmup, SparseCompressor):
                 if indices.numel() >= 0.8 * k:
                     break
                 threshold = threshold * 0.8
+            values = gather(flat, indices)
             if indices.numel() > k:  # too many: exactly k among the candidates, kept ascending
-                chosen = torch.topk(gather(flat, indices).abs(), k, sorted=False).indices
-                indices = gather(indices, in_order(chosen, indices.numel()))
-        values = gather(flat, indices)
+                chosen = top_positions(values.abs(), k, ascending=True)
+                indices, values = gather(indices, chosen), gather(values, chosen)
         if self.wire_format in BLOCK_FORMATS:  # the indices are ascending, as a block wire needs
             payload = self.wire_payload(values, indices, n, planned=k)  # k: the same on every rank
         else:

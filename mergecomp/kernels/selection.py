@@ -206,7 +206,7 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch, ascending: bool = 
     blocks = BlockPeaks(flat, scratch)
     on_cpu = flat.device.type == "cpu"
     if blocks.peaks is None or (k > blocks.whole and not on_cpu) or (on_cpu and _holds_nan(blocks)):
-        return _top(None, flat.abs(), k, ascending)
+        return _top(None, flat.abs(), k, ascending, finite=False)
     if k > blocks.whole:
         return _top_of_all(blocks, k, ascending)
     threshold = torch.topk(blocks.peaks, k, sorted=False).values.min()
@@ -214,7 +214,7 @@ def exact_top_k(flat: torch.Tensor, k: int, scratch: Scratch, ascending: bool = 
         return _top_of_all(blocks, k, ascending)
     candidates = blocks.indices_at_least(threshold)
     if candidates.numel() < k:  # only with a NaN (on a GPU, where it is not looked for first)
-        return _top(None, flat.abs(), k, ascending)
+        return _top(None, flat.abs(), k, ascending, finite=False)
     magnitudes = gather(blocks.flat, candidates).abs()
     if on_cpu:
         candidates, magnitudes = narrowed(candidates, magnitudes, k)
@@ -276,10 +276,68 @@ def narrowed(indices, magnitudes: torch.Tensor, k: int):
     return (keep if indices is None else gather(indices, keep), gather(magnitudes, keep))
 
 
-def _top(indices, magnitudes: torch.Tensor, k: int, ascending: bool = False) -> torch.Tensor:
+def _top(indices, magnitudes: torch.Tensor, k: int, ascending: bool = False,
+         finite: bool = True) -> torch.Tensor:
     """The positions (``indices``' entries, ascending, or positions in ``magnitudes`` when
     None) of the k largest ``magnitudes``; ascending with ``ascending``."""
-    top = torch.topk(magnitudes, k, sorted=False).indices
-    if ascending:
-        top = in_order(top, magnitudes.numel())
+    top = top_positions(magnitudes, k, ascending, finite)
     return top if indices is None else gather(indices, top)
+
+
+def top_positions(magnitudes: torch.Tensor, k: int, ascending: bool = False,
+                  finite: bool = True) -> torch.Tensor:
+    """Positions of the k largest ``magnitudes`` (0 < k ≤ their number), the same set as
+    ``torch.topk`` (up to ties); ascending with ``ascending``.  ``finite``: no NaN among
+    them, so that a CPU may cut them by two sampled bounds first (:func:`banded_top`)."""
+    if finite:
+        band = banded_top(magnitudes, k)
+        if band is not None:
+            return band
+    top = torch.topk(magnitudes, k, sorted=False).indices
+    return in_order(top, magnitudes.numel()) if ascending else top
+
+
+#: Candidates above which a CPU's final top-k is cut by two sampled bounds (below it
+#: ``torch.topk`` is cheap enough) ...
+BAND_ABOVE = 65_536
+
+#: ... drawn from a strided sample of about this many magnitudes ...
+BAND_SAMPLES = 16_384
+
+#: ... this many standard deviations of the k-th largest's rank in the sample either side of
+#: it, so that the bounds miss it about once in a billion draws (and then cost a top-k).
+BAND_SIGMAS = 6.0
+
+
+def banded_top(magnitudes: torch.Tensor, k: int):
+    """Ascending positions of the k largest of ``magnitudes`` (finite; a CPU tensor of more
+    than :data:`BAND_ABOVE`), or None where this does not apply or the bounds missed.
+
+    ``torch.topk`` on a CPU costs about its input's length times a log whatever k, and at
+    the sparsifiers' default densities its input is hundreds of thousands of candidates.
+    A strided sample puts two bounds around the k-th largest: u, above which fewer than k
+    lie, and l, at or above which at least k do.  Everything above u is in the top k; the
+    rest come from the narrow band [l, u] by a top-k over the band alone.  Two comparisons,
+    two counts and two compactions of the candidates replace the top-k over all of them,
+    and the positions come out ascending (no sort) — the same set as ``torch.topk`` up to
+    ties.  Bounds that miss (an unlucky sample; many equal values) give None."""
+    count = magnitudes.numel()
+    if magnitudes.device.type != "cpu" or count <= BAND_ABOVE or not 0 < k < count:
+        return None
+    sample = magnitudes[:: max(1, count // BAND_SAMPLES)].contiguous()
+    size = sample.numel()
+    rank = k * size / count  # where the k-th largest falls in the sample, from the top
+    spread = BAND_SIGMAS * math.sqrt(max(rank * (1.0 - k / count), 1.0)) + 1.0
+    # the (i + 1)-th largest of the sample is its (size − i)-th smallest
+    upper = torch.kthvalue(sample, size - max(0, int(rank - spread))).values
+    lower = torch.kthvalue(sample, size - min(size - 1, math.ceil(rank + spread))).values
+    above = torch.gt(magnitudes, upper)
+    taken = int(torch.count_nonzero(above))
+    within = torch.ge(magnitudes, lower)
+    if not taken <= k <= int(torch.count_nonzero(within)):
+        return None
+    if taken < k:
+        band = within.logical_and_(above.logical_not()).nonzero().view(-1)
+        picked = torch.topk(gather(magnitudes, band), k - taken, sorted=False).indices
+        above[gather(band, picked)] = True
+    return above.nonzero().view(-1)
