@@ -23,6 +23,9 @@ from .matrix import (LayerMatrix, compute_dtype, factor_element_size, gather_raw
                      layer_matrix, raw_numel, scatter_raw, split_layout)
 from .warmup import ADAM_WARMUP_STEPS, RaisedFirstExchanges, check_adam_warmup_steps
 
+#: ``factor_dtype``'s choices: the dtype P and Q travel in (None: the one they are computed in).
+FACTOR_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
 
 @register("powersgd")
 class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor):
@@ -76,11 +79,16 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
     same reason (``start_powerSGD_iter``: plain allreduce first).  The warm-up's bytes count
     as the configured setting's for the controller's budget, as a density warm-up's do.
 
-    Math and factors are fp32 whatever the gradient dtype (fp64 stays fp64); raw values
-    travel in the gradient's dtype (with fp16/bf16 gradients the first round then has two
-    tensors, the raw values and the P factors).  Wire per rank, both rounds:
-    (raw elements)·(element size) + 4·k·(r + c) per factored r × c matrix
-    (8·k·(r + c) for fp64); :meth:`wire_nbytes` computes it from a layout.  PowerSGD has no
+    Math is fp32 whatever the gradient dtype (fp64 stays fp64), and so are the factors on the
+    wire unless ``factor_dtype="bf16"``: then P and Q travel in bfloat16, half the bytes,
+    twice the rank for the bytes of fp32 factors.  Each rank's error is taken against its Q
+    as rounded for the wire, so error feedback keeps what the rounding lost with the rest;
+    P's rounding only tilts the basis that orthonormalisation rebuilds, and the sum over
+    ranks is rounded once more (bf16 keeps fp32's range: a finite factor stays finite).
+    Raw values travel in the gradient's dtype (when it differs from the factors' the first
+    round has two tensors, the raw values and the P factors).  Wire per rank, both rounds:
+    (raw elements)·(element size) + b·k·(r + c) per factored r × c matrix, b = 4 (8 for
+    fp64, 2 with bf16 factors); :meth:`wire_nbytes` computes it from a layout.  PowerSGD has no
     one-shot form: :meth:`compress` and :meth:`decompress` raise, and
     ``mergecomp.compressors.single_process.run_locally`` drives :meth:`rounds` on one process.
     """
@@ -94,8 +102,14 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
     recommended_communicator = "allreduce"
 
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, warm_start: bool = True,
-                 use_error_feedback: bool = True, seed: int = 0, warmup_steps: int = ADAM_WARMUP_STEPS):
+                 use_error_feedback: bool = True, seed: int = 0, warmup_steps: int = ADAM_WARMUP_STEPS,
+                 factor_dtype: str = "fp32"):
         self.rank = check_rank(rank, "powersgd")
+        if factor_dtype not in FACTOR_DTYPES:
+            raise ValueError(f"powersgd factor_dtype must be one of {sorted(FACTOR_DTYPES)}, got "
+                             f"{factor_dtype!r}: 'fp32' sends the factors as computed, 'bf16' in half "
+                             "the bytes")
+        self.factor_dtype = factor_dtype
         self.warmup_steps = check_adam_warmup_steps(warmup_steps, "powersgd")
         self.min_compression_rate = check_rate(min_compression_rate, "powersgd")
         self.warm_start = check_flag(warm_start, "warm_start", "powersgd")
@@ -121,6 +135,10 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
             return min(self.rank, rows, cols)
         scale = self.group_scale(name) * self.warmup_scale(name)
         return min(max(self.rank, round(self.rank * scale)), rows, cols)
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the factors travel in, for factors computed in ``dtype``."""
+        return FACTOR_DTYPES[self.factor_dtype] or dtype
 
     def factors(self, rows: int, cols: int) -> bool:
         """Whether a rows × cols matrix gains enough to be factored (PyTorch's rule)."""
@@ -151,21 +169,26 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
             self._note_incoming(name, flat)
 
         n_raw = raw_numel(raw)
+        wire = self.wire_dtype(dtype)
         p_sizes = [matrix.rows * self.matrix_rank(matrix.rows, matrix.cols, name) for matrix in matrices]
-        one_buffer = tensor.dtype == dtype or not matrices or n_raw == 0
+        one_buffer = tensor.dtype == wire or not matrices or n_raw == 0
         if one_buffer:  # one collective for the raw values and every P
-            buffer = torch.empty(n_raw + sum(p_sizes), dtype=dtype if matrices else tensor.dtype,
+            buffer = torch.empty(n_raw + sum(p_sizes), dtype=wire if matrices else tensor.dtype,
                                  device=flat.device)
             raw_part, p_part = buffer[:n_raw], buffer[n_raw:]
             request = (buffer,)
         else:  # fp16/bf16 raw values travel in their own dtype next to the fp32 factors
             raw_part = torch.empty(n_raw, dtype=tensor.dtype, device=flat.device)
-            p_part = torch.empty(sum(p_sizes), dtype=dtype, device=flat.device)
+            p_part = torch.empty(sum(p_sizes), dtype=wire, device=flat.device)
             request = (raw_part, p_part)
         gather_raw(flat, raw, out=raw_part)
         ps = _split_views(p_part, [(m.rows, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])
         for matrix, m, p in zip(matrices, inputs, ps):
-            torch.matmul(m, orthonormalize(self._start_query(name, matrix, queries, step, m)), out=p)
+            query = orthonormalize(self._start_query(name, matrix, queries, step, m))
+            if wire == dtype:
+                torch.matmul(m, query, out=p)
+            else:  # rounded for the wire
+                p.copy_(m @ query)
 
         reply = yield AllReduce(request)
         if one_buffer:
@@ -179,19 +202,23 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
             self._note_held(name)  # every view went raw: nothing held back
             return out.view(tensor.shape)
 
-        p_hats = [orthonormalize(p) for p in _split_views(
+        p_hats = [orthonormalize(p.to(dtype)) for p in _split_views(
             p_sum, [(m.rows, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])]
         q_buffer = torch.empty(sum(m.cols * self.matrix_rank(m.rows, m.cols, name) for m in matrices),
-                               dtype=dtype, device=flat.device)
+                               dtype=wire, device=flat.device)
         qs = _split_views(q_buffer, [(m.cols, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])
         new_errors: Dict[str, torch.Tensor] = {}
         for matrix, m, p_hat, q in zip(matrices, inputs, p_hats, qs):
-            torch.matmul(m.t(), p_hat, out=q)
+            if wire == dtype:
+                torch.matmul(m.t(), p_hat, out=q)
+            else:  # rounded for the wire; the error is taken against the rounded Q
+                q.copy_(m.t() @ p_hat)
             if self.use_error_feedback:  # before the allreduce sums into q in place
-                new_errors[matrix.view.name] = torch.addmm(m, p_hat, q.t(), alpha=-1)
+                new_errors[matrix.view.name] = torch.addmm(m, p_hat, q.to(dtype).t(), alpha=-1)
 
         (q_sum,) = yield AllReduce((q_buffer,))
-        q_sums = _split_views(q_sum, [(m.cols, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])
+        q_sums = [q.to(dtype) for q in _split_views(
+            q_sum, [(m.cols, self.matrix_rank(m.rows, m.cols, name)) for m in matrices])]
         for matrix, p_hat, q in zip(matrices, p_hats, q_sums):
             out[matrix.start:matrix.stop].view(matrix.rows, matrix.cols).copy_(p_hat @ q.t())
         if self.use_error_feedback:
@@ -271,6 +298,8 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
         check_layout(layout, numel)
         raw, matrices = self.split(layout)
         factor_size = factor_element_size(element_size)
+        if FACTOR_DTYPES[self.factor_dtype] is not None:
+            factor_size = FACTOR_DTYPES[self.factor_dtype].itemsize
         return raw_numel(raw) * element_size + sum(
             factor_size * self.matrix_rank(m.rows, m.cols) * (m.rows + m.cols) for m in matrices)
 
@@ -333,7 +362,7 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
         return (f"PowerSGDCompressor(rank={self.rank}, min_compression_rate="
                 f"{self.min_compression_rate}, warm_start={self.warm_start}, "
                 f"use_error_feedback={self.use_error_feedback}, seed={self.seed}, "
-                f"warmup_steps={self.warmup_steps})")
+                f"warmup_steps={self.warmup_steps}, factor_dtype={self.factor_dtype!r})")
 
 
 def _split_views(buffer: torch.Tensor, shapes: List[Tuple[int, int]]) -> List[torch.Tensor]:
