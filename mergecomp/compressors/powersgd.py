@@ -81,10 +81,11 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
 
     Math is fp32 whatever the gradient dtype (fp64 stays fp64), and so are the factors on the
     wire unless ``factor_dtype="bf16"``: then P and Q travel in bfloat16, half the bytes,
-    twice the rank for the bytes of fp32 factors.  Each rank's error is taken against its Q
-    as rounded for the wire, so error feedback keeps what the rounding lost with the rest;
-    P's rounding only tilts the basis that orthonormalisation rebuilds, and the sum over
-    ranks is rounded once more (bf16 keeps fp32's range: a finite factor stays finite).
+    twice the rank for the bytes of fp32 factors (measured: docs/results.md#powersgd-bf16).
+    Each rank's error is taken against its Q as rounded for the wire, so error feedback
+    keeps what the rounding lost with the rest; P's rounding only tilts the basis that
+    orthonormalisation rebuilds, and the sum over ranks is rounded once more (bf16 keeps
+    fp32's range: a finite factor stays finite).
     Raw values travel in the gradient's dtype (when it differs from the factors' the first
     round has two tensors, the raw values and the P factors).  Wire per rank, both rounds:
     (raw elements)·(element size) + b·k·(r + c) per factored r × c matrix, b = 4 (8 for
