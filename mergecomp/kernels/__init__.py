@@ -28,7 +28,7 @@ buckets                ``bucket_norms``, ``bucket_peaks`` (one fp32 per bucket),
 quantize               ``quantize_packed`` (stochastic rounding to integer levels, packed),
                        ``dequantize_packed``, ``random_int16``, ``random_key``
 selection              ``exact_top_k``, ``sampled_threshold``, ``BlockPeaks`` (indices of
-                       the elements at or above a threshold)
+                       the elements at or above a threshold), ``gather``, ``in_order``
 subsets                ``random_subset`` (rand-k's k indices: a keyed permutation's first k,
                        the same on every device for the same key)
 scatter                ``scatter`` (the sparse decode: values set, added or subtracted),
