@@ -24,8 +24,7 @@ import torch
 
 from . import register
 from .base import Context, check_ratio
-from ..kernels import BlockPeaks, Scratch, gather, sampled_threshold
-from ..kernels.selection import top_positions
+from ..kernels import BlockPeaks, Scratch, gather, sampled_threshold, top_positions
 from .recipes import Recipe
 from . import blockwire
 from .blockwire import BLOCK_FORMATS, check_wire_format

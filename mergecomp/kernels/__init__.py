@@ -28,7 +28,7 @@ buckets                ``bucket_norms``, ``bucket_peaks`` (one fp32 per bucket),
 quantize               ``quantize_packed`` (stochastic rounding to integer levels, packed),
                        ``dequantize_packed``, ``random_int16``, ``random_key``
 selection              ``exact_top_k``, ``sampled_threshold``, ``BlockPeaks`` (indices of
-                       the elements at or above a threshold), ``gather``, ``in_order``
+                       the elements at or above a threshold), ``gather``, ``top_positions``
 subsets                ``random_subset`` (rand-k's k indices: a keyed permutation's first k,
                        the same on every device for the same key)
 scatter                ``scatter`` (the sparse decode: values set, added or subtracted),
@@ -48,7 +48,7 @@ from .momentum import momentum_correction
 from .scratch import Scratch
 from .finite import nonfinite_flag, zero_if
 from .scatter import divide_at, scatter
-from .selection import BlockPeaks, exact_top_k, gather, in_order, sampled_threshold
+from .selection import BlockPeaks, exact_top_k, gather, sampled_threshold, top_positions
 from .signs import pack_signs, sign_bits, signs_and_side_means, unpack_signs
 from .subsets import random_subset
 
@@ -56,5 +56,5 @@ __all__ = ["Scratch", "bits_for", "packed_nbytes", "pack_bits", "unpack_bits", "
            "sign_bits", "pack_signs", "unpack_signs", "signs_and_side_means",
            "bucket_norms", "bucket_peaks", "padded_fp32_buckets", "check_bucket_size", "num_buckets",
            "quantize_packed", "dequantize_packed", "random_int16", "random_key",
-           "exact_top_k", "gather", "in_order", "sampled_threshold", "BlockPeaks", "random_subset", "momentum_correction",
+           "exact_top_k", "gather", "top_positions", "sampled_threshold", "BlockPeaks", "random_subset", "momentum_correction",
            "scatter", "divide_at", "nonfinite_flag", "zero_if"]
