@@ -298,9 +298,8 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
             layout = (ParamView("tensor", torch.Size([numel]), 0),)
         check_layout(layout, numel)
         raw, matrices = self.split(layout)
-        factor_size = factor_element_size(element_size)
-        if FACTOR_DTYPES[self.factor_dtype] is not None:
-            factor_size = FACTOR_DTYPES[self.factor_dtype].itemsize
+        wire = FACTOR_DTYPES[self.factor_dtype]
+        factor_size = wire.itemsize if wire is not None else factor_element_size(element_size)
         return raw_numel(raw) * element_size + sum(
             factor_size * self.matrix_rank(m.rows, m.cols) * (m.rows + m.cols) for m in matrices)
 
