@@ -18,6 +18,9 @@ LAYOUT = (ParamView("conv.weight", torch.Size([8, 3, 3, 3]), 0),
 NUMEL = 949
 MATRICES = {"conv.weight": (8, 27), "fc.weight": (10, 72)}
 RAW = ("conv.bias", "fc.bias[0:5]")
+#: The paper's setting (the defaults before rank 8 on bf16 factors): fp32 factors decode to
+#: fp32's precision, and at rank 4 both of these small matrices are factored.
+PAPER = dict(rank=4, factor_dtype="fp32")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -56,7 +59,7 @@ def drive(compressor, tensor, name="g", layout=LAYOUT, **options):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_powersgd_decodes_into_a_lent_buffer_even_its_own_input(dtype):
-    plain, lent = compressors.create("powersgd"), compressors.create("powersgd")
+    plain, lent = compressors.create("powersgd", **PAPER), compressors.create("powersgd", **PAPER)
     for step in range(2):  # the second step warm-starts and adds the first one's errors
         expected, _ = drive(plain, gradient(step, dtype=dtype))
         own = gradient(step, dtype=dtype)
@@ -69,7 +72,7 @@ def test_powersgd_decodes_into_a_lent_buffer_even_its_own_input(dtype):
 # ---------------------------------------------------------------------- what is sent
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
 def test_powersgd_sends_each_layers_factors_and_the_raw_views(dtype):
-    power = compressors.create("powersgd", rank=2)
+    power = compressors.create("powersgd", rank=2, factor_dtype="fp32")
     g = gradient(0, dtype=dtype)
     decoded, requests = drive(power, g)
     factor = 8 if dtype == torch.float64 else 4
@@ -101,12 +104,12 @@ def test_powersgd_factors_travel_in_bf16_at_half_the_bytes():
     assert decoded.dtype == torch.float32
     for name in RAW:
         assert torch.equal(view_of(decoded, name), view_of(g, name))
-    plain, _ = drive(compressors.create("powersgd", rank=2), g)
+    plain, _ = drive(compressors.create("powersgd", rank=2, factor_dtype="fp32"), g)
     torch.testing.assert_close(decoded, plain, rtol=0.05, atol=0.05)  # the same approximation, rounded
 
 
 def test_powersgd_of_full_rank_reproduces_every_matrix():
-    power = compressors.create("powersgd", rank=10, min_compression_rate=0)
+    power = compressors.create("powersgd", rank=10, min_compression_rate=0, factor_dtype="fp32")
     g = gradient(1)
     decoded, sent = run_locally(power, g, "g", layout=LAYOUT)
     torch.testing.assert_close(decoded, g, rtol=1e-5, atol=1e-5)
@@ -114,7 +117,7 @@ def test_powersgd_of_full_rank_reproduces_every_matrix():
 
 
 def test_powersgd_sends_small_matrices_raw_and_without_a_layout_a_tensor_is_one_parameter():
-    power = compressors.create("powersgd", rank=2)
+    power = compressors.create("powersgd", rank=2, factor_dtype="fp32")
     # PyTorch's rule: factor only when r·c > 2·k·(r + c); a 3 × 8 matrix would not halve.
     small = (ParamView("w", torch.Size([3, 8]), 0),)
     assert power.wire_nbytes(24, 4, layout=small) == 96
@@ -126,8 +129,17 @@ def test_powersgd_sends_small_matrices_raw_and_without_a_layout_a_tensor_is_one_
     assert sent == 4 * 2 * (20 + 30) == power.wire_nbytes(600, 4, layout=whole_layout(matrix))
     assert decoded.shape == matrix.shape
     low_rank = torch.randn(20, 1) @ torch.randn(1, 30)
-    torch.testing.assert_close(run_locally(compressors.create("powersgd"), low_rank, "m")[0], low_rank,
+    torch.testing.assert_close(run_locally(compressors.create("powersgd", **PAPER), low_rank, "m")[0], low_rank,
                                rtol=1e-4, atol=1e-4)
+
+
+def test_the_default_is_rank_8_on_bf16_factors_which_factors_what_rank_4_in_fp32_does():
+    default, paper = compressors.create("powersgd"), compressors.create("powersgd", **PAPER)
+    assert (default.rank, default.factor_dtype) == (8, "bf16")
+    shapes = [(64, 16), (16, 64), (24, 12), (12, 24), (8, 27), (3, 8), (100, 64), (40, 9)]
+    assert [default.factors(r, c) for r, c in shapes] == [paper.factors(r, c) for r, c in shapes]
+    assert default.factors(64, 16) and not compressors.create("powersgd", rank=8, factor_dtype="fp32").factors(64, 16)
+    assert default.wire_nbytes(NUMEL, 4, layout=LAYOUT) == paper.wire_nbytes(NUMEL, 4, layout=LAYOUT)
 
 
 def test_atomo_sends_each_layers_atoms_and_the_raw_views():
@@ -202,7 +214,7 @@ def test_powersgd_matches_the_algorithm_written_out(monkeypatch):
                             rows, cols, generator=torch.Generator().manual_seed(99)).to(like))
     world, steps = 3, 3
     grads = [[gradient(s, w) for w in range(world)] for s in range(steps)]
-    workers = [compressors.create("powersgd", rank=2) for _ in range(world)]
+    workers = [compressors.create("powersgd", rank=2, factor_dtype="fp32") for _ in range(world)]
     for s in range(steps):
         got = run_workers(workers, grads[s], "g", LAYOUT)
         for c in workers:
@@ -227,7 +239,7 @@ def test_powersgd_error_feedback_loses_nothing(factor_dtype):
 
 
 def test_without_warm_start_or_feedback_nothing_is_kept_but_the_step_count():
-    power = compressors.create("powersgd", warm_start=False, use_error_feedback=False)
+    power = compressors.create("powersgd", warm_start=False, use_error_feedback=False, **PAPER)
     first = run_locally(power, gradient(0), "g", layout=LAYOUT)[0]
     power.commit()
     assert power.state_dict() == {"queries": {}, "errors": {}, "steps": {"g": 1}}
@@ -274,7 +286,7 @@ def _same(a, b):
 
 
 def test_committed_state_is_never_changed_in_place():
-    power = compressors.create("powersgd")
+    power = compressors.create("powersgd", **PAPER)
     run_locally(power, gradient(0), "g", layout=LAYOUT)
     power.commit()
     committed = {k: {v: t for v, t in views.items()} for k, views in power.errors.items()}
@@ -298,7 +310,7 @@ def test_a_view_new_to_a_group_starts_afresh_beside_the_kept_ones():
 
 
 def test_a_changed_layout_is_refused_and_bad_state_is_explained():
-    power = compressors.create("powersgd")
+    power = compressors.create("powersgd", **PAPER)
     run_locally(power, gradient(0), "g", layout=LAYOUT)
     power.commit()
     reshaped = LAYOUT[:2] + (ParamView("fc.weight", torch.Size([20, 36]), 224),) + LAYOUT[3:]
@@ -343,7 +355,7 @@ def _exchange_worker(rank, world_size, steps):
     from mergecomp.distributed.backends.torch_dist import TorchDistributedBackend
     backend = TorchDistributedBackend()
     results = {}
-    for kind, name, kwargs in (("allreduce", "powersgd", dict(rank=2)),
+    for kind, name, kwargs in (("allreduce", "powersgd", dict(rank=2, factor_dtype="fp32")),
                                ("allreduce-bf16", "powersgd", dict(rank=2, factor_dtype="bf16")),
                                ("allgather", "atomo", dict(budget=2, seed=5)),
                                ("ps", "atomo", dict(budget=2, seed=5))):
@@ -360,7 +372,7 @@ def _exchange_worker(rank, world_size, steps):
 def test_multi_rank_exchange_equals_the_single_process_reference():
     world, steps = 3, 3
     ranks = run_ranks(_exchange_worker, world, steps, timeout=120)
-    for kind, name, kwargs in (("allreduce", "powersgd", dict(rank=2)),
+    for kind, name, kwargs in (("allreduce", "powersgd", dict(rank=2, factor_dtype="fp32")),
                                ("allreduce-bf16", "powersgd", dict(rank=2, factor_dtype="bf16")),
                                ("allgather", "atomo", dict(budget=2, seed=5))):
         # bf16 factors summed over gloo's ring and here in another order: rounded apart

@@ -448,7 +448,7 @@ def test_powersgd_under_adam_sends_its_first_exchanges_at_a_higher_rank(optimize
     """Under an Adam the first approximations, from a random query, move every coordinate by
     about the learning rate: the first ``warmup_steps`` exchanges go at 16 times the rank."""
     from mergecomp.compressors.single_process import run_locally
-    compressor = compressors.create("powersgd", warmup_steps=warmup_steps)
+    compressor = compressors.create("powersgd", rank=4, factor_dtype="fp32", warmup_steps=warmup_steps)
     inner = _named_optimizer(optimizer_name)
     compressor.check_optimizer(inner)
     generator = torch.Generator().manual_seed(0)

@@ -477,7 +477,7 @@ def powersgd_raw_to_compressed_worker(rank, world_size):
     beside the tensors whose state moved with them."""
     model = make_model()
     opt = mergecomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
-                                         compressor=mergecomp.compressors.create("powersgd", rank=2),
+                                         compressor=mergecomp.compressors.create("powersgd", rank=2, factor_dtype="fp32"),
                                          schedule=mergecomp.Plan([mergecomp.Group(("4.weight", "4.bias", "2.weight", "2.bias"), "compress"),
                                                                   mergecomp.Group(("0.weight", "0.bias"), "fp32")]))
     for step in range(3):

@@ -9,7 +9,7 @@ from mergecomp.compressors.testing import check_reference
 from .reference_compressors import REFERENCES, STOCHASTIC
 
 #: Options that make the low-rank compressors factor the kit's small matrices.
-OPTIONS = {"powersgd": dict(min_compression_rate=0.0), "atomo": dict(min_compression_rate=0.0)}
+OPTIONS = {"powersgd": dict(min_compression_rate=0.0, factor_dtype="fp32"), "atomo": dict(min_compression_rate=0.0)}
 #: Tolerances (relative, and of the largest input) for results computed in fp32 by one side
 #: and in fp64 by the other: factorisations and per-view sums.
 TOLERANCE = {"powersgd": (1e-4, 1e-5), "batched_powersgd": (1e-4, 1e-5)}

@@ -62,8 +62,11 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
     new to a group starts afresh, and state of a view the group does not factor (or of
     another shape) raises ValueError.
 
-    ``rank`` defaults to 4, the paper's rank for its language model (an LSTM on WikiText-2),
-    at about twice rank 2's bytes; why not 2: docs/results.md#lm-catch-up.
+    ``rank`` defaults to 8 on bfloat16 factors (``factor_dtype="bf16"``): the bytes of the
+    paper's rank 4 for its language model (an LSTM on WikiText-2) in fp32, at twice the rank,
+    which is what a transformer under SGD lacked at rank 4 (docs/results.md#powersgd-bf16);
+    ``rank=4, factor_dtype="fp32"`` is the paper's setting.  Why not rank 2:
+    docs/results.md#lm-catch-up.
 
     ``warmup_steps``: under an Adam or AdamW, each group's first ``warmup_steps`` exchanges
     go at :data:`~.warmup.ADAM_WARMUP_SCALE` times the rank (capped by the matrix), then at
@@ -79,17 +82,17 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
     same reason (``start_powerSGD_iter``: plain allreduce first).  The warm-up's bytes count
     as the configured setting's for the controller's budget, as a density warm-up's do.
 
-    Math is fp32 whatever the gradient dtype (fp64 stays fp64), and so are the factors on the
-    wire unless ``factor_dtype="bf16"``: then P and Q travel in bfloat16, half the bytes,
-    twice the rank for the bytes of fp32 factors (measured: docs/results.md#powersgd-bf16).
+    Math is fp32 whatever the gradient dtype (fp64 stays fp64); P and Q travel in bfloat16
+    by default, half the bytes, twice the rank for the bytes of fp32 factors (measured:
+    docs/results.md#powersgd-bf16), or as computed with ``factor_dtype="fp32"``.
     Each rank's error is taken against its Q as rounded for the wire, so error feedback
     keeps what the rounding lost with the rest; P's rounding only tilts the basis that
     orthonormalisation rebuilds, and the sum over ranks is rounded once more (bf16 keeps
     fp32's range: a finite factor stays finite).
     Raw values travel in the gradient's dtype (when it differs from the factors' the first
     round has two tensors, the raw values and the P factors).  Wire per rank, both rounds:
-    (raw elements)·(element size) + b·k·(r + c) per factored r × c matrix, b = 4 (8 for
-    fp64, 2 with bf16 factors); :meth:`wire_nbytes` computes it from a layout.  PowerSGD has no
+    (raw elements)·(element size) + b·k·(r + c) per factored r × c matrix, b = 2 (bf16
+    factors; 4 with fp32 ones, 8 for fp64); :meth:`wire_nbytes` computes it from a layout.  PowerSGD has no
     one-shot form: :meth:`compress` and :meth:`decompress` raise, and
     ``mergecomp.compressors.single_process.run_locally`` drives :meth:`rounds` on one process.
     """
@@ -102,9 +105,9 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
     recommended_memory = "none"
     recommended_communicator = "allreduce"
 
-    def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, warm_start: bool = True,
+    def __init__(self, rank: int = 8, min_compression_rate: float = 2.0, warm_start: bool = True,
                  use_error_feedback: bool = True, seed: int = 0, warmup_steps: int = ADAM_WARMUP_STEPS,
-                 factor_dtype: str = "fp32"):
+                 factor_dtype: str = "bf16"):
         self.rank = check_rank(rank, "powersgd")
         if factor_dtype not in FACTOR_DTYPES:
             raise ValueError(f"powersgd factor_dtype must be one of {sorted(FACTOR_DTYPES)}, got "
@@ -142,8 +145,12 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
         return FACTOR_DTYPES[self.factor_dtype] or dtype
 
     def factors(self, rows: int, cols: int) -> bool:
-        """Whether a rows × cols matrix gains enough to be factored (PyTorch's rule)."""
-        return rows * cols > self.min_compression_rate * self.matrix_rank(rows, cols) * (rows + cols)
+        """Whether a rows × cols matrix gains enough to be factored: PyTorch's rule,
+        r·c > rate·k·(r + c), with a bf16 factor element counted as half an fp32 one (its
+        bytes), so rank 8 on bf16 factors factors the matrices rank 4 on fp32 ones does."""
+        wire = FACTOR_DTYPES[self.factor_dtype]
+        width = wire.itemsize / 4 if wire is not None else 1
+        return rows * cols > self.min_compression_rate * self.matrix_rank(rows, cols) * (rows + cols) * width
 
     def split(self, layout: GroupLayout) -> Tuple[Tuple[ParamView, ...], Tuple[LayerMatrix, ...]]:
         """(views sent raw, views factored) of a group layout."""
