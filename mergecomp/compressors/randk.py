@@ -71,8 +71,8 @@ class RandKCompressor(RaisedFirstExchanges, Compressor):
     1/ratio times SGD's).  Below them, prefer a selecting compressor (top-k, DGC).  Not
     enough everywhere under SGD with momentum: error-feedback rand-k blew up on a character
     transformer (at the default density and at twice it, with or without the quality
-    controller, its momentum folded or run before the exchange), while top-k at a fifth of
-    its bytes kept up there (docs/results.md#randk-gpt-sgd); the drift warning names the
+    controller, its momentum folded, run before the exchange or left after it), while top-k
+    at a fifth of its bytes kept up there (docs/results.md#randk-gpt-sgd); the drift warning names the
     run's lag there.
 
     ``warmup_steps``: under an Adam or AdamW (whatever its β1), each group's first
