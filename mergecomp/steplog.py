@@ -62,7 +62,7 @@ import csv
 import math
 import os
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from .plan import is_compressed
 

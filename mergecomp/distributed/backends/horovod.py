@@ -22,7 +22,7 @@ headers do not compile with, and the script builds it as C++17 (see docs/horovod
 from __future__ import annotations
 
 import importlib
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
