@@ -148,8 +148,7 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
         """Whether a rows × cols matrix gains enough to be factored: PyTorch's rule,
         r·c > rate·k·(r + c), with a bf16 factor element counted as half an fp32 one (its
         bytes), so rank 8 on bf16 factors factors the matrices rank 4 on fp32 ones does."""
-        wire = FACTOR_DTYPES[self.factor_dtype]
-        width = wire.itemsize / 4 if wire is not None else 1
+        width = self.wire_dtype(torch.float32).itemsize / 4  # a factor element against an fp32 one
         return rows * cols > self.min_compression_rate * self.matrix_rank(rows, cols) * (rows + cols) * width
 
     def split(self, layout: GroupLayout) -> Tuple[Tuple[ParamView, ...], Tuple[LayerMatrix, ...]]:
