@@ -148,8 +148,13 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
         """Whether a rows × cols matrix gains enough to be factored: PyTorch's rule,
         r·c > rate·k·(r + c), with a bf16 factor element counted as half an fp32 one (its
         bytes), so rank 8 on bf16 factors factors the matrices rank 4 on fp32 ones does."""
-        width = self.wire_dtype(torch.float32).itemsize / 4  # a factor element against an fp32 one
+        width = self.factor_size() / 4  # a factor element against an fp32 one
         return rows * cols > self.min_compression_rate * self.matrix_rank(rows, cols) * (rows + cols) * width
+
+    def factor_size(self, element_size: int = 4) -> int:
+        """Bytes of one factor element on the wire, for a gradient of ``element_size`` bytes."""
+        wire = FACTOR_DTYPES[self.factor_dtype]
+        return wire.itemsize if wire is not None else factor_element_size(element_size)
 
     def split(self, layout: GroupLayout) -> Tuple[Tuple[ParamView, ...], Tuple[LayerMatrix, ...]]:
         """(views sent raw, views factored) of a group layout."""
@@ -304,8 +309,7 @@ class PowerSGDCompressor(FoldsAdamFirstMoment, RaisedFirstExchanges, Compressor)
             layout = (ParamView("tensor", torch.Size([numel]), 0),)
         check_layout(layout, numel)
         raw, matrices = self.split(layout)
-        wire = FACTOR_DTYPES[self.factor_dtype]
-        factor_size = wire.itemsize if wire is not None else factor_element_size(element_size)
+        factor_size = self.factor_size(element_size)
         return raw_numel(raw) * element_size + sum(
             factor_size * self.matrix_rank(m.rows, m.cols) * (m.rows + m.cols) for m in matrices)
 
